@@ -1,0 +1,45 @@
+# make demo   - export the built-in demo model, load it, run it, print a timing table
+# make test   - the test suite: 1 device, 4 virtual devices, and the pure-Python handlers
+# make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparison
+# make debug  - rebuild the extensions with bounds checks, line tracing and annotation
+# make lint   - ruff
+# Each target creates .venv and installs pxrt (editable, with test extras) when needed.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pxrt-installed
+FOUR := XLA_FLAGS=--xla_force_host_platform_device_count=4
+
+.PHONY: all demo test bench debug lint clean
+
+all: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/pxrt demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+	$(FOUR) $(PY) -m pytest -q tests
+	PXRT_NO_EXTENSIONS=1 $(FOUR) $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name
+	$(FOUR) $(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name
+	$(PY) benchmarks/compare.py
+	$(FOUR) $(PY) benchmarks/compare.py
+
+debug: $(STAMP)
+	PXRT_DEBUG=1 $(PY) setup.py build_ext --inplace --force
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
+
+clean:
+	rm -rf build pxrt/*.so pxrt/_keys.c pxrt/_handlers.c pxrt/*.html $(VENV)

@@ -1,0 +1,40 @@
+"""Chooses the Cython handlers or their pure-Python twins, once per process.
+
+``PXRT_NO_EXTENSIONS=1`` forces the pure-Python ones; a missing build falls back to
+them with one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+if os.environ.get("PXRT_NO_EXTENSIONS", "") not in ("", "0"):
+    from . import _handlers_py as handlers
+    from . import _keys_py as keys
+
+    EXTENSIONS = False
+else:
+    try:
+        from . import _handlers as handlers  # type: ignore[no-redef]
+        from . import _keys as keys  # type: ignore[no-redef]
+
+        EXTENSIONS = True
+    except ImportError as exc:
+        warnings.warn(f"pxrt: the Cython extensions are not built ({exc}); using the "
+                      "pure-Python handlers, which are slower. Build them with "
+                      "`pip install -e .` (or `make`).", RuntimeWarning, stacklevel=2)
+        from . import _handlers_py as handlers
+        from . import _keys_py as keys
+
+        EXTENSIONS = False
+
+InputHandler = handlers.InputHandler
+ResultHandler = handlers.ResultHandler
+RouteCache = keys.RouteCache
+signature = keys.signature
+
+
+def using_extensions() -> bool:
+    """True when the Cython handlers and keys are live, False for the pure-Python twins."""
+    return EXTENSIONS

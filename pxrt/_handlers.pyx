@@ -1,0 +1,280 @@
+# cython: language_level=3
+"""Input and result handlers: the per-request and per-batch work of the hot path.
+
+``InputHandler.prepare`` validates a request through the signature-key route cache (the
+full check in ``_validate`` runs once per new signature), ``InputHandler.assemble`` copies
+many requests into one staging slot with a GIL-free memcpy loop, and
+``ResultHandler.split`` hands each request its rows of the per-device outputs as views.
+``_handlers_py`` is the pure-Python twin; tests hold the two to identical results.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.ref cimport Py_INCREF
+from libc.string cimport memcpy, memset
+
+from pxrt._keys cimport RouteCache, signature_of
+
+import numpy as np
+
+from ._validate import inner_contiguous, validate
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    # Declared here because numpy's pxd leaves it out; it steals a reference to descr.
+    object PyArray_NewFromDescr(PyTypeObject* subtype, cnp.PyArray_Descr* descr, int nd,
+                                cnp.npy_intp* dims, cnp.npy_intp* strides, void* data,
+                                int flags, PyObject* obj)
+
+# Hot-path lookups cached as C-level globals.
+cdef object _ndarray = np.ndarray
+cdef object _empty = np.empty
+cdef object _ascontiguousarray = np.ascontiguousarray
+
+
+cdef inline bint _rows_contiguous(cnp.ndarray arr, Py_ssize_t row_nbytes):
+    # Each row one block; the row stride itself may be anything (even 0 or negative).
+    if cnp.PyArray_IS_C_CONTIGUOUS(arr):
+        return True
+    return inner_contiguous(arr)
+
+
+cdef class InputHandler:
+    """Validates requests against a model's inputs and assembles batches.
+
+    Args:
+      model: the model name, used in error messages.
+      names, dtypes, shapes: the model's inputs, in order, with per-example shapes.
+      max_routes: bound of the signature -> route cache.
+    """
+
+    def __cinit__(self):
+        self._row_nbytes = NULL
+
+    def __init__(self, str model, names, dtypes, shapes, Py_ssize_t max_routes=256):
+        cdef Py_ssize_t i
+        self.model = model
+        self.names = tuple(names)
+        self.dtypes = tuple(np.dtype(d) for d in dtypes)
+        self.shapes = tuple(tuple(s) for s in shapes)
+        self.n_inputs = len(self.names)
+        self.row_nbytes = tuple(int(np.prod(s, dtype=np.int64)) * d.itemsize
+                                for d, s in zip(self.dtypes, self.shapes))
+        self._row_nbytes = <Py_ssize_t*>PyMem_Malloc(max(self.n_inputs, 1) * sizeof(Py_ssize_t))
+        if self._row_nbytes == NULL:
+            raise MemoryError()
+        for i in range(self.n_inputs):
+            self._row_nbytes[i] = self.row_nbytes[i]
+        self.routes = RouteCache(max_routes)
+
+    def __dealloc__(self):
+        PyMem_Free(self._row_nbytes)
+
+    cpdef tuple prepare(self, object request):
+        """Validate one request; returns its arrays in model input order and its rows."""
+        cdef object key = signature_of(request)
+        cdef object perm = self.routes.get(key) if key is not None else None
+        cdef list values
+        cdef tuple arrays
+        cdef Py_ssize_t i, rows
+        cdef cnp.ndarray arr
+        cdef bint contiguous = True
+        if perm is None:
+            arrays, rows = validate(self.model, self.names, self.dtypes, self.shapes, request)
+            if key is not None:
+                order = list(request)
+                self.routes.put(key, tuple([order.index(n) for n in self.names]))
+            return arrays, rows
+        values = list((<dict>request).values())
+        arrays = tuple([values[p] for p in <tuple>perm])
+        rows = cnp.PyArray_DIMS(<cnp.ndarray>arrays[0])[0]
+        for i in range(self.n_inputs):
+            arr = <cnp.ndarray>arrays[i]
+            if cnp.PyArray_DIMS(arr)[0] != rows or rows < 1:
+                # Same signature, different row counts (or none): the full check words it.
+                return validate(self.model, self.names, self.dtypes, self.shapes, request)
+            if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+                contiguous = False
+        if not contiguous:
+            arrays = tuple([a if inner_contiguous(a) else _ascontiguousarray(a) for a in arrays])
+        return arrays, rows
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cpdef Py_ssize_t assemble(self, list arrays, list starts, list counts,
+                              list buffers) except -1:
+        """Copy rows ``starts[i]:starts[i]+counts[i]`` of each piece ``arrays[i]`` (a
+        tuple in input order, from ``prepare``) into consecutive rows of ``buffers``
+        (one ``(bucket, ...)`` staging buffer per input), zero the rows after them, and
+        return the number of rows written."""
+        cdef Py_ssize_t n_pieces = len(arrays)
+        cdef Py_ssize_t i, j, k = 0, r, start, count, total = 0, offset, rb, cap
+        cdef cnp.ndarray src, buf
+        cdef char* dst
+        cdef CopyOp* ops
+        cdef CopyOp* op
+        cdef Py_ssize_t n_ops = n_pieces * self.n_inputs
+        cdef char** pad_dst
+        cdef Py_ssize_t* pad_len
+        if len(starts) != n_pieces or len(counts) != n_pieces:
+            raise ValueError("arrays, starts and counts must have the same length")
+        if len(buffers) != self.n_inputs:
+            raise ValueError(f"expected {self.n_inputs} staging buffers, got {len(buffers)}")
+        for i in range(n_pieces):
+            total += <Py_ssize_t>counts[i]
+        ops = <CopyOp*>PyMem_Malloc((n_ops + 1) * sizeof(CopyOp))
+        pad_dst = <char**>PyMem_Malloc((self.n_inputs + 1) * sizeof(char*))
+        pad_len = <Py_ssize_t*>PyMem_Malloc((self.n_inputs + 1) * sizeof(Py_ssize_t))
+        if ops == NULL or pad_dst == NULL or pad_len == NULL:
+            PyMem_Free(ops); PyMem_Free(pad_dst); PyMem_Free(pad_len)
+            raise MemoryError()
+        try:
+            # With the GIL: check every bound, so the loop below cannot write out of place.
+            for j in range(self.n_inputs):
+                buf = <cnp.ndarray?>buffers[j]
+                rb = self._row_nbytes[j]
+                cap = cnp.PyArray_DIMS(buf)[0] if cnp.PyArray_NDIM(buf) > 0 else 0
+                if (not cnp.PyArray_IS_C_CONTIGUOUS(buf) or not cnp.PyArray_ISWRITEABLE(buf)
+                        or cnp.PyArray_NBYTES(buf) != cap * rb):
+                    raise ValueError(f"staging buffer {j} is not a writeable C-contiguous "
+                                     f"buffer of rows of {rb} bytes")
+                if total > cap:
+                    raise ValueError(f"{total} rows do not fit a staging buffer of {cap}")
+                dst = cnp.PyArray_BYTES(buf)
+                offset = 0
+                for i in range(n_pieces):
+                    src = <cnp.ndarray?>(<tuple>arrays[i])[j]
+                    start = starts[i]
+                    count = counts[i]
+                    if (cnp.PyArray_NDIM(src) < 1 or start < 0 or count < 0
+                            or start + count > cnp.PyArray_DIMS(src)[0]
+                            or cnp.PyArray_ITEMSIZE(src) * (cnp.PyArray_SIZE(src) //
+                                max(cnp.PyArray_DIMS(src)[0], 1)) != rb
+                            or not _rows_contiguous(src, rb)):
+                        raise ValueError(f"piece {i}, input {self.names[j]!r}: rows "
+                                         f"{start}:{start + count} do not fit the input")
+                    op = &ops[k]
+                    op.dst = dst + offset * rb
+                    op.src = cnp.PyArray_BYTES(src) + start * cnp.PyArray_STRIDES(src)[0]
+                    op.nbytes = rb
+                    op.src_stride = cnp.PyArray_STRIDES(src)[0]
+                    op.rows = count
+                    k += 1
+                    offset += count
+                pad_dst[j] = dst + total * rb
+                pad_len[j] = (cap - total) * rb
+            with nogil:
+                for i in range(k):
+                    op = &ops[i]
+                    if op.src_stride == op.nbytes:
+                        memcpy(op.dst, op.src, op.nbytes * op.rows)
+                    else:
+                        for r in range(op.rows):
+                            memcpy(op.dst + r * op.nbytes, op.src + r * op.src_stride, op.nbytes)
+                for j in range(self.n_inputs):
+                    memset(pad_dst[j], 0, pad_len[j])
+        finally:
+            PyMem_Free(ops)
+            PyMem_Free(pad_dst)
+            PyMem_Free(pad_len)
+        return total
+
+
+cdef class ResultHandler:
+    """Splits per-device output shards back into per-request outputs.
+
+    Args:
+      names, dtypes, shapes: the model's outputs, in order, with per-example shapes.
+    """
+
+    def __init__(self, names, dtypes, shapes):
+        self.names = tuple(names)
+        self.dtypes = tuple(np.dtype(d) for d in dtypes)
+        self.shapes = tuple(tuple(s) for s in shapes)
+        self.n_outputs = len(self.names)
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cpdef list split(self, list outputs, Py_ssize_t shard_rows, list starts, list counts,
+                     bint copy=False):
+        """``outputs[k]`` holds output k's shards in row order, ``shard_rows`` rows each.
+        Returns, per piece, a dict name -> rows ``starts[i]:starts[i]+counts[i]``: a view
+        of a shard when the piece lies inside one (unless ``copy``), else a new array."""
+        cdef Py_ssize_t n_pieces = len(starts)
+        cdef Py_ssize_t i, k, s, start, count, first, offset, rb, n_shards, take, row
+        cdef list results = []
+        cdef list shard_lists = []
+        cdef list shards
+        cdef cnp.ndarray shard, arr
+        cdef cnp.npy_intp dims[32]
+        cdef cnp.PyArray_Descr* descr
+        cdef dict out
+        cdef int nd, d, flags
+        if len(counts) != n_pieces:
+            raise ValueError("starts and counts must have the same length")
+        if len(outputs) != self.n_outputs:
+            raise ValueError(f"expected {self.n_outputs} outputs, got {len(outputs)}")
+        for k in range(self.n_outputs):
+            shards = list(outputs[k])
+            for s in range(len(shards)):
+                shard = <cnp.ndarray?>shards[s]
+                if (cnp.PyArray_NDIM(shard) < 1 or cnp.PyArray_NDIM(shard) > 32
+                        or cnp.PyArray_DIMS(shard)[0] != shard_rows):
+                    raise ValueError(f"output {self.names[k]!r} shard {s} has shape "
+                                     f"{(<object>shard).shape}, expected {shard_rows} rows")
+                if not cnp.PyArray_IS_C_CONTIGUOUS(shard):
+                    shards[s] = _ascontiguousarray(shard)
+            shard_lists.append(shards)
+        for i in range(n_pieces):
+            start = starts[i]
+            count = counts[i]
+            first = start // shard_rows
+            offset = start - first * shard_rows
+            out = {}
+            for k in range(self.n_outputs):
+                shards = <list>shard_lists[k]
+                n_shards = len(shards)
+                if start < 0 or count < 1 or start + count > n_shards * shard_rows:
+                    raise ValueError(f"rows {start}:{start + count} out of range for "
+                                     f"{n_shards * shard_rows} rows")
+                shard = <cnp.ndarray>shards[first]
+                nd = cnp.PyArray_NDIM(shard)
+                rb = cnp.PyArray_NBYTES(shard) // shard_rows
+                for d in range(1, nd):
+                    dims[d] = cnp.PyArray_DIMS(shard)[d]
+                dims[0] = count
+                descr = cnp.PyArray_DESCR(shard)
+                if offset + count <= shard_rows and not copy:
+                    # A view of the shard: it keeps the shard (and its device buffer) alive.
+                    flags = cnp.NPY_ARRAY_C_CONTIGUOUS | cnp.NPY_ARRAY_ALIGNED
+                    if cnp.PyArray_ISWRITEABLE(shard):
+                        flags |= cnp.NPY_ARRAY_WRITEABLE
+                    Py_INCREF(<object>descr)
+                    arr = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd, dims, NULL,
+                                               cnp.PyArray_BYTES(shard) + offset * rb,
+                                               flags, NULL)
+                    cnp.set_array_base(arr, shard)
+                else:
+                    Py_INCREF(<object>descr)
+                    arr = PyArray_NewFromDescr(<PyTypeObject*>_ndarray, descr, nd, dims, NULL, NULL, 0,
+                                               NULL)
+                    row = 0
+                    s = first
+                    take = min(count, shard_rows - offset)
+                    # Pieces that straddle shards are rare and small: copy with the GIL held.
+                    memcpy(cnp.PyArray_BYTES(arr), cnp.PyArray_BYTES(shard) + offset * rb,
+                           take * rb)
+                    row = take
+                    while row < count:
+                        s += 1
+                        shard = <cnp.ndarray>shards[s]
+                        take = min(count - row, shard_rows)
+                        memcpy(cnp.PyArray_BYTES(arr) + row * rb, cnp.PyArray_BYTES(shard),
+                               take * rb)
+                        row += take
+                out[self.names[k]] = arr
+            results.append(out)
+        return results

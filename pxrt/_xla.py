@@ -1,0 +1,298 @@
+"""The one module in pxrt that touches jax internals.
+
+Everything here is either a public jax API or an internal one that jax itself has
+called the same way since 0.4.30 (see ``shared/notes/jax-runtime-notes.md``):
+
+- ``xla_client.batched_device_put``: per-device host shards -> one sharded Array,
+  skipping ``jax.device_put``'s Python slicing;
+- ``LoadedExecutable.execute_sharded``: run with pre-flattened, resident params;
+- ``ExecuteResults.disassemble_into_single_device_arrays``: per-device output
+  shards, each readable as a zero-copy numpy view on CPU;
+- ``jax._src.compilation_cache.reset_cache``: point jax's process-wide persistent
+  cache at an artifact's ``xla_cache/`` for the duration of one load.
+
+The raw path is only used after ``make_program`` proved, bucket by bucket, that it
+gives bit-identical results to the public ``Compiled.__call__``; otherwise the bucket
+runs through the public path (``PublicProgram``) and a warning says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import compilation_cache as _cc
+from jax._src import config as _config
+from jax._src.lib import jaxlib_extension_version as _EXT_VERSION
+from jax._src.lib import xla_client as _xc
+
+# The raw path was verified on this extension version only (jax/jaxlib 0.10.2).
+# On another one every bucket takes the public path.
+RAW_PATH_EXTENSION_VERSIONS = frozenset({467})
+RAW_PATH_AVAILABLE = _EXT_VERSION in RAW_PATH_EXTENSION_VERSIONS
+
+# Staging buffers start on this boundary so that XLA:CPU can alias them (zero copy).
+STAGING_ALIGNMENT = 64
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+# --------------------------------------------------------------------------- compiles
+
+
+class _CompileCounter:
+    """Counts XLA backend compiles, and those that happen inside a pxrt request.
+
+    jax reports every backend compile as a duration event on the compiling thread, so
+    a thread-local marker tells a compile on pxrt's request path (a bug: nothing may
+    compile after load) from the host application's own compiles.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+        self.total = 0
+        self.on_request_path: dict[int, int] = {}
+        self._registered = False
+
+    def ensure_registered(self) -> None:
+        with self._lock:
+            if not self._registered:
+                jax.monitoring.register_event_duration_secs_listener(self._on_event)
+                self._registered = True
+
+    def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event != _BACKEND_COMPILE_EVENT:
+            return
+        with self._lock:
+            self.total += 1
+            owner = getattr(self._tls, "owner", None)
+            if owner is not None:
+                self.on_request_path[owner] = self.on_request_path.get(owner, 0) + 1
+
+    @contextlib.contextmanager
+    def request_path(self, owner: int) -> Iterator[None]:
+        """Marks this thread as serving a request of ``owner`` (an ``id``)."""
+        previous = getattr(self._tls, "owner", None)
+        self._tls.owner = owner
+        try:
+            yield
+        finally:
+            self._tls.owner = previous
+
+
+compile_counter = _CompileCounter()
+
+
+# --------------------------------------------------------------------------- scopes
+
+
+def x64_scope(enabled: bool) -> contextlib.AbstractContextManager:
+    """jax's x64 mode for this thread only; the caller's global config is untouched."""
+    return jax.enable_x64(enabled)
+
+
+_persistent_cache_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def persistent_cache(path: str | None) -> Iterator[None]:
+    """Use ``path`` as jax's persistent compilation cache for this thread's compiles.
+
+    jax keeps one process-wide cache object, bound to a directory the first time it
+    is used. We reset it on the way in and out so that the artifact's ``xla_cache/``
+    is used for this load only and the host's own cache setting comes back after.
+    Entries are written however fast the compile was (jax's default skips compiles
+    under one second, which on CPU is all of them).
+    """
+    if path is None:
+        yield
+        return
+    with _persistent_cache_lock:
+        _cc.reset_cache()
+        try:
+            with (
+                _config.enable_compilation_cache(True),
+                _config.compilation_cache_dir(path),
+                _config.persistent_cache_min_compile_time_secs(0.0),
+            ):
+                yield
+        finally:
+            _cc.reset_cache()
+
+
+# --------------------------------------------------------------------------- staging
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on STAGING_ALIGNMENT."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + STAGING_ALIGNMENT, np.uint8)
+    offset = (-raw.ctypes.data) % STAGING_ALIGNMENT
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+class StagingSlot:
+    """Host buffers for one batch: a full ``(bucket, ...)`` buffer per input, and
+    per-device row views of it in the order the program puts them on devices.
+
+    A zero-copy device buffer aliases these arrays, so a slot may only be refilled
+    after the outputs of the batch that used it have been fetched.
+    """
+
+    __slots__ = ("buffers", "shards")
+
+    def __init__(self, buffers: list[np.ndarray], row_slices: Sequence[slice]) -> None:
+        self.buffers = buffers
+        self.shards = [[buf[s] for s in row_slices] for buf in buffers]
+
+
+# --------------------------------------------------------------------------- programs
+
+
+class PublicProgram:
+    """A bucket run through jax's public API: ``Compiled.__call__`` + ``np.asarray``."""
+
+    raw = False
+
+    def __init__(self, compiled: jax.stages.Compiled, params_dev: Any, x64: bool, bucket: int):
+        self.compiled = compiled
+        self.params_dev = params_dev
+        self.x64 = x64
+        self.bucket = bucket
+        # One full-size "shard": staging buffers go in whole, outputs come back whole.
+        self.row_slices = [slice(0, bucket)]
+        self.out_shard_rows = bucket
+
+    def run(self, slot: StagingSlot) -> list[list[np.ndarray]]:
+        with x64_scope(self.x64):
+            outs = self.compiled(self.params_dev, *slot.buffers)
+        return [[np.asarray(o)] for o in outs]
+
+
+class RawProgram:
+    """A bucket run through the raw path: batched_device_put -> execute_sharded ->
+    per-device output views. It validates nothing: callers hand it staging slots
+    whose dtypes and shapes were fixed at load."""
+
+    raw = True
+
+    def __init__(self, compiled: jax.stages.Compiled, param_bufs: list, n_inputs: int,
+                 x64: bool, bucket: int, zero_copy: bool = True):
+        mesh_exe = compiled._executable
+        if compiled._params.const_args:
+            raise _Unsupported("the executable has hoisted constants (const_args)")
+        n_args = len(mesh_exe.in_avals)
+        if sorted(mesh_exe._kept_var_idx) != list(range(n_args)):
+            raise _Unsupported("some arguments were pruned from the executable")
+        if n_args != len(param_bufs) + n_inputs:
+            raise _Unsupported(f"expected {len(param_bufs) + n_inputs} arguments, got {n_args}")
+        self.bucket = bucket
+        self.exe = compiled.runtime_executable()
+        self.param_bufs = list(param_bufs)
+        self.x64 = x64
+        self.in_avals = list(mesh_exe.in_avals[-n_inputs:])
+        self.in_shardings = list(mesh_exe._in_shardings[-n_inputs:])
+        self.hbs = (_xc.HostBufferSemantics.ZERO_COPY if zero_copy
+                    else _xc.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL)
+
+        self.devices = list(self.exe.local_devices())
+        index_map = self.in_shardings[0].addressable_devices_indices_map(self.in_avals[0].shape)
+        self.row_slices = [_row_slice(index_map[d], bucket) for d in self.devices]
+        for aval, sharding in zip(self.in_avals, self.in_shardings):
+            m = sharding.addressable_devices_indices_map(aval.shape)
+            if [_row_slice(m[d], bucket) for d in self.devices] != self.row_slices:
+                raise _Unsupported("inputs are not all sharded the same way over the batch")
+
+        # Output shards come back in the executable's device order; the result
+        # handler wants them in row order, each holding out_shard_rows rows.
+        out_avals = mesh_exe.out_avals
+        out_shardings = mesh_exe._out_shardings
+        self.out_shard_rows = bucket // len(self.devices)
+        self.out_order: list[int] | None = None
+        for aval, sharding in zip(out_avals, out_shardings):
+            m = sharding.addressable_devices_indices_map(aval.shape)
+            slices = [_row_slice(m[d], bucket) for d in self.devices]
+            order = sorted(range(len(slices)), key=lambda i: slices[i].start)
+            want = [slice(i * self.out_shard_rows, (i + 1) * self.out_shard_rows)
+                    for i in range(len(slices))]
+            if [slices[i] for i in order] != want:
+                raise _Unsupported("outputs are not split evenly over the batch dimension")
+            if order != list(range(len(order))):
+                self.out_order = order
+
+    def put(self, slot: StagingSlot) -> list:
+        return [
+            _xc.batched_device_put(aval, sharding, shards, self.devices, True, False,
+                                   self.hbs, self.x64)
+            for aval, sharding, shards in zip(self.in_avals, self.in_shardings, slot.shards)
+        ]
+
+    def execute(self, arrays: list) -> Any:
+        return self.exe.execute_sharded(self.param_bufs + arrays)
+
+    def fetch(self, results: Any) -> list[list[np.ndarray]]:
+        # np.asarray of a single-device CPU array is a read-only view that pins the
+        # device buffer; it blocks until the execution has produced it.
+        per_output = results.disassemble_into_single_device_arrays()
+        if self.out_order is None:
+            return [[np.asarray(a) for a in shards] for shards in per_output]
+        order = self.out_order
+        return [[np.asarray(shards[i]) for i in order] for shards in per_output]
+
+    def run(self, slot: StagingSlot) -> list[list[np.ndarray]]:
+        return self.fetch(self.execute(self.put(slot)))
+
+
+class _Unsupported(Exception):
+    """The raw path cannot run this executable; use the public one."""
+
+
+def _row_slice(index: tuple, bucket: int) -> slice:
+    start, stop, _ = index[0].indices(bucket)
+    for other in index[1:]:
+        if other != slice(None):
+            raise _Unsupported("a non-batch dimension is sharded")
+    return slice(start, stop)
+
+
+def make_program(compiled: jax.stages.Compiled, params_dev: Any, n_inputs: int, x64: bool,
+                 bucket: int, example: list[np.ndarray], *, allow_raw: bool = True, zero_copy: bool = True,
+                 ) -> RawProgram | PublicProgram:
+    """The fastest program for one compiled bucket that is proven correct here.
+
+    Builds the raw program and runs it once against ``Compiled.__call__`` on the same
+    ``example`` inputs (full ``(bucket, ...)`` buffers, one per input) (which also warms both up). Any difference, or any failure, and the
+    bucket takes the public path with a warning naming the reason.
+    """
+    public = PublicProgram(compiled, params_dev, x64, bucket)
+    expected = _concat(public.run(StagingSlot(example, public.row_slices)))
+    if not (allow_raw and RAW_PATH_AVAILABLE):
+        return public
+    try:
+        raw = RawProgram(compiled, jax.tree.leaves(params_dev), n_inputs, x64, bucket, zero_copy)
+        got = _concat(raw.run(StagingSlot(example, raw.row_slices)))
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use the raw path
+        warnings.warn(f"pxrt: bucket {bucket} uses jax's public call path, the fast path "
+                      f"failed its check: {exc!r}", RuntimeWarning, stacklevel=3)
+        return public
+    for i, (g, e) in enumerate(zip(got, expected)):
+        if g.shape != e.shape or g.dtype != e.dtype or not _same_bits(g, e):
+            warnings.warn(f"pxrt: bucket {bucket} uses jax's public call path, the fast path "
+                          f"gave a different output {i}", RuntimeWarning, stacklevel=3)
+            return public
+    return raw
+
+
+def _concat(per_output: list[list[np.ndarray]]) -> list[np.ndarray]:
+    return [np.concatenate(shards) if len(shards) > 1 else shards[0] for shards in per_output]
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()

@@ -1,0 +1,294 @@
+"""Load an artifact as precompiled, bucketed executables on a device mesh: ``pxrt.load``.
+
+Every batch bucket is compiled here, once, on a 1-D ``data`` mesh over the chosen
+devices, with the batch sharded over it and the params placed once, replicated, and
+shared by every bucket. Each bucket's fast path is checked against jax's own
+``Compiled.__call__`` before it serves. After ``load`` returns nothing compiles again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from . import _ext, _xla, artifact
+from .dispatch import StagingRing, plan_chunks, run_chunk, smallest_bucket
+
+
+class Bucket:
+    """One compiled batch size: its program (raw or public path) and staging ring."""
+
+    __slots__ = ("size", "compiled", "program", "ring", "compile_s")
+
+    def __init__(self, size: int, compiled: jax.stages.Compiled, program: Any,
+                 ring: StagingRing, compile_s: float) -> None:
+        self.size = size
+        self.compiled = compiled
+        self.program = program
+        self.ring = ring
+        self.compile_s = compile_s
+
+    @property
+    def fast_path(self) -> bool:
+        return bool(self.program.raw)
+
+
+class Model:
+    """A loaded model: every bucket compiled, params resident. Thread-safe.
+
+    Create with ``pxrt.load``. ``run`` serves one request, ``run_batch`` many in as few
+    executions as the buckets allow. Outputs are read-only numpy arrays that may be
+    views of the device outputs; pass ``copy=True`` for owned, writeable arrays.
+    """
+
+    def __init__(self, art: artifact.Artifact, devices: list, mesh: Mesh,
+                 buckets: dict[int, Bucket], params_dev: Any, load_s: float,
+                 max_routes: int) -> None:
+        self.artifact = art
+        self.name: str = art.name
+        self.version: str = art.manifest["version"]
+        self.inputs: dict[str, artifact.TensorSpec] = dict(art.inputs)
+        self.outputs: dict[str, artifact.TensorSpec] = dict(art.outputs)
+        self.devices = devices
+        self.mesh = mesh
+        self.buckets: tuple[int, ...] = tuple(sorted(buckets))
+        self.max_batch: int = self.buckets[-1]
+        self._buckets = buckets
+        self.params_dev = params_dev
+        self.load_s = load_s
+        self.input_handler = _ext.InputHandler(
+            self.name, list(self.inputs), [s.dtype for s in self.inputs.values()],
+            [s.shape for s in self.inputs.values()], max_routes)
+        self.result_handler = _ext.ResultHandler(
+            list(self.outputs), [s.dtype for s in self.outputs.values()],
+            [s.shape for s in self.outputs.values()])
+
+    def __repr__(self) -> str:
+        return (f"Model({self.name!r}, version={self.version!r}, buckets={self.buckets}, "
+                f"devices={len(self.devices)})")
+
+    # ------------------------------------------------------------------ serving
+
+    def run(self, request: Mapping[str, Any], *, copy: bool = False) -> dict[str, np.ndarray]:
+        """Run one request (input name -> array with a leading batch dimension of n >= 1
+        rows, exact dtype) and return output name -> array of n rows.
+
+        Raises TypeError or ValueError, naming the input, for a malformed request.
+        """
+        return self.run_batch([request], copy=copy)[0]
+
+    def run_batch(self, requests: Sequence[Mapping[str, Any]], *, copy: bool = False,
+                  return_exceptions: bool = False) -> list:
+        """Run many requests in as few executions as the buckets allow.
+
+        Requests are packed in order into chunks of at most the largest bucket; a request
+        larger than that is split across chunks and its outputs joined back. Returns one
+        output dict per request, in order.
+
+        With ``return_exceptions=False`` a malformed request raises its error before
+        anything runs. With ``return_exceptions=True`` its entry in the result is the
+        error instead, and every other request still gets its answer; an execution that
+        fails gives its error to the requests of that chunk only.
+        """
+        if isinstance(requests, Mapping) or not isinstance(requests, Sequence):
+            raise TypeError("run_batch takes a sequence of requests (dicts of input name -> "
+                            f"array), got {type(requests).__name__}")
+        results: list[Any] = [None] * len(requests)
+        prepare = self.input_handler.prepare
+        owners: list[int] = []
+        arrays: list[tuple] = []
+        rows: list[int] = []
+        for i, request in enumerate(requests):
+            try:
+                a, n = prepare(request)
+            except (TypeError, ValueError) as exc:
+                if not return_exceptions:
+                    raise
+                results[i] = exc
+                continue
+            owners.append(i)
+            arrays.append(a)
+            rows.append(n)
+        if not owners:
+            return results
+
+        # Each prepared request's output pieces, in row order.
+        parts: list[list[dict]] = [[] for _ in owners]
+        failed: dict[int, BaseException] = {}
+        with _xla.compile_counter.request_path(id(self)):
+            for chunk in plan_chunks(rows, self.max_batch):
+                bucket = self._buckets[smallest_bucket(self.buckets, chunk.rows)]
+                pieces = [arrays[p] for p in chunk.requests]
+                try:
+                    outs = run_chunk(bucket.program, bucket.ring, self.input_handler,
+                                     self.result_handler, pieces, chunk, copy)
+                except Exception as exc:
+                    if not return_exceptions:
+                        raise
+                    for p in chunk.requests:
+                        failed.setdefault(p, exc)
+                    continue
+                for p, out in zip(chunk.requests, outs):
+                    parts[p].append(out)
+
+        for p, i in enumerate(owners):
+            if p in failed:
+                results[i] = failed[p]
+            elif len(parts[p]) == 1:
+                results[i] = parts[p][0]
+            else:
+                results[i] = {k: np.concatenate([part[k] for part in parts[p]])
+                              for k in self.outputs}
+        return results
+
+    # ------------------------------------------------------------------ introspection
+
+    def bucket(self, size: int) -> Bucket:
+        """The compiled bucket of exactly ``size`` rows."""
+        return self._buckets[size]
+
+    def bucket_for(self, rows: int) -> int:
+        """The bucket a batch of ``rows`` rows runs in (the smallest that holds it)."""
+        return smallest_bucket(self.buckets, rows)
+
+    @property
+    def compiles_after_load(self) -> int:
+        """XLA compiles that happened while serving this model's requests (must be 0)."""
+        return _xla.compile_counter.on_request_path.get(id(self), 0)
+
+    def describe(self) -> dict:
+        """The manifest plus, per bucket, compile time, path, and XLA's cost and memory
+        analysis of the compiled executable."""
+        per_bucket = []
+        for size in self.buckets:
+            b = self._buckets[size]
+            entry: dict[str, Any] = {"bucket": size, "compile_s": round(b.compile_s, 4),
+                                     "fast_path": b.fast_path,
+                                     "rows_per_device": size // len(self.devices)}
+            try:
+                cost = b.compiled.cost_analysis() or {}
+                if isinstance(cost, list):
+                    cost = cost[0] if cost else {}
+                entry["flops"] = float(cost.get("flops", 0.0))
+                entry["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
+            except Exception:  # noqa: BLE001 - cost analysis is optional per backend
+                pass
+            try:
+                mem = b.compiled.memory_analysis()
+                if mem is not None:
+                    entry["memory"] = {
+                        "argument_bytes": mem.argument_size_in_bytes,
+                        "output_bytes": mem.output_size_in_bytes,
+                        "temp_bytes": mem.temp_size_in_bytes,
+                        "generated_code_bytes": mem.generated_code_size_in_bytes,
+                    }
+            except Exception:  # noqa: BLE001 - memory analysis is optional per backend
+                pass
+            per_bucket.append(entry)
+        return {"manifest": self.artifact.manifest, "devices": [str(d) for d in self.devices],
+                "load_s": round(self.load_s, 4), "extensions": _ext.using_extensions(),
+                "buckets": per_bucket}
+
+
+def example_inputs(specs: Mapping[str, artifact.TensorSpec], rows: int,
+                   seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic, non-trivial inputs of ``rows`` rows for the given specs."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, spec in specs.items():
+        shape = (rows,) + spec.shape
+        dt = spec.dtype
+        if dt == np.bool_:
+            out[name] = rng.random(shape) < 0.5
+        elif np.issubdtype(dt, np.integer):
+            info = np.iinfo(dt)
+            out[name] = rng.integers(max(info.min, -1000), min(info.max, 1000), shape,
+                                     endpoint=True).astype(dt)
+        else:
+            out[name] = rng.standard_normal(shape).astype(dt)
+    return out
+
+
+def load(path: str | os.PathLike, *, devices: Sequence | None = None,
+         buckets: Sequence[int] | None = None, progress: bool | None = None,
+         compilation_cache: bool = True, fast_path: bool = True,
+         staging_depth: int = 3, max_routes: int = 256) -> Model:
+    """Load an artifact directory and compile every bucket; returns a ``Model``.
+
+    Args:
+      path: a directory written by ``pxrt.export``. Its hashes, format version and jax
+        version are checked first.
+      devices: the devices of the 1-D data mesh (default: all local devices). The batch
+        is sharded over them; params are replicated on each.
+      buckets: batch sizes to compile (default: the artifact's). Each is rounded up to a
+        multiple of the device count so it splits evenly.
+      progress: show a progress bar while compiling (default: when stderr is a terminal).
+      compilation_cache: keep jax's persistent compilation cache in ``path/xla_cache``,
+        so a second load of the same artifact on the same machine is faster.
+      fast_path: allow the raw execution path (each bucket is still checked against
+        ``Compiled.__call__`` and falls back to it if they differ).
+      staging_depth: staging slots per bucket (batches of one bucket in flight at once).
+      max_routes: bound of the request-signature route cache.
+    """
+    t0 = time.perf_counter()
+    art = artifact.read(path)
+    devices = list(devices) if devices is not None else jax.local_devices()
+    if not devices:
+        raise ValueError("no devices to load on")
+    n_dev = len(devices)
+    sizes = artifact._check_buckets(buckets if buckets is not None else art.batch_buckets, None)
+    sizes = tuple(sorted({-(-b // n_dev) * n_dev for b in sizes}))
+
+    _xla.compile_counter.ensure_registered()
+    mesh = Mesh(np.array(devices), (artifact.BATCH_AXIS,))
+    replicated = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P(artifact.BATCH_AXIS))
+    n_in = len(art.inputs)
+    n_out = len(art.outputs)
+    in_specs = list(art.inputs.values())
+    cache_dir = os.path.join(art.path, artifact.CACHE_DIR) if compilation_cache else None
+    if cache_dir is not None and not _writable_dir(cache_dir):
+        cache_dir = None
+
+    compiled_buckets: dict[int, Bucket] = {}
+    with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
+        params_sh = jax.tree.map(lambda _: replicated, art.params)
+        params_dev = jax.device_put(art.params, params_sh)
+        param_specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params)
+        jitted = jax.jit(art.exported.call, in_shardings=(params_sh,) + (rows,) * n_in,
+                         out_shardings=(rows,) * n_out, keep_unused=True)
+        for size in tqdm(sizes, desc=f"pxrt: compiling {art.name}", unit="bucket",
+                         disable=False if progress else (None if progress is None else True),
+                         leave=False):
+            tc = time.perf_counter()
+            x_specs = [jax.ShapeDtypeStruct((size,) + s.shape, s.dtype, sharding=rows)
+                       for s in in_specs]
+            compiled = jitted.lower(param_specs, *x_specs).compile()
+            example = [_xla.aligned_empty((size,) + s.shape, s.dtype) for s in in_specs]
+            for buf, value in zip(example, example_inputs(art.inputs, size, seed=size).values()):
+                buf[...] = value
+            program = _xla.make_program(compiled, params_dev, n_in, art.x64, size, example,
+                                        allow_raw=fast_path)
+            ring = StagingRing([s.dtype for s in in_specs], [s.shape for s in in_specs],
+                               size, program.row_slices, depth=staging_depth)
+            compiled_buckets[size] = Bucket(size, compiled, program, ring,
+                                            time.perf_counter() - tc)
+    return Model(art, devices, mesh, compiled_buckets, params_dev,
+                 time.perf_counter() - t0, max_routes)
+
+
+def _writable_dir(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK)
