@@ -75,15 +75,17 @@ class _CompileCounter:
             if owner is not None:
                 self.on_request_path[owner] = self.on_request_path.get(owner, 0) + 1
 
-    @contextlib.contextmanager
-    def request_path(self, owner: int) -> Iterator[None]:
-        """Marks this thread as serving a request of ``owner`` (an ``id``)."""
-        previous = getattr(self._tls, "owner", None)
-        self._tls.owner = owner
-        try:
-            yield
-        finally:
-            self._tls.owner = previous
+    def enter_request(self, owner: int) -> Any:
+        """Mark this thread as serving a request of ``owner`` (an ``id``); returns
+        the token to hand to ``exit_request``. (A plain pair, not a context manager:
+        it runs on every request.)"""
+        tls = self._tls
+        previous = getattr(tls, "owner", None)
+        tls.owner = owner
+        return previous
+
+    def exit_request(self, token: Any) -> None:
+        self._tls.owner = token
 
 
 compile_counter = _CompileCounter()
@@ -263,7 +265,7 @@ def _row_slice(index: tuple, bucket: int) -> slice:
 
 
 def make_program(compiled: jax.stages.Compiled, params_dev: Any, n_inputs: int, x64: bool,
-                 bucket: int, example: list[np.ndarray], *, allow_raw: bool = True, zero_copy: bool = True,
+                 bucket: int, example: list[np.ndarray], *, allow_raw: bool = True, zero_copy: bool = False,
                  ) -> RawProgram | PublicProgram:
     """The fastest program for one compiled bucket that is proven correct here.
 

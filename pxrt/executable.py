@@ -64,6 +64,10 @@ class Model:
         self._buckets = buckets
         self.params_dev = params_dev
         self.load_s = load_s
+        self._id = id(self)
+        # rows -> the bucket a batch of that many rows runs in, for 0 < rows <= max_batch.
+        self._by_rows: list[Bucket | None] = [None] + [
+            buckets[smallest_bucket(self.buckets, n)] for n in range(1, self.max_batch + 1)]
         self.input_handler = _ext.InputHandler(
             self.name, list(self.inputs), [s.dtype for s in self.inputs.values()],
             [s.shape for s in self.inputs.values()], max_routes)
@@ -83,7 +87,23 @@ class Model:
 
         Raises TypeError or ValueError, naming the input, for a malformed request.
         """
-        return self.run_batch([request], copy=copy)[0]
+        arrays, rows = self.input_handler.prepare(request)
+        if rows > self.max_batch:
+            return self._run_prepared([arrays], [rows], copy, False)[0]
+        # The common case, kept lean: one request, one chunk, one execution.
+        bucket = self._by_rows[rows]
+        token = _xla.compile_counter.enter_request(self._id)
+        try:
+            slot = bucket.ring.acquire()
+            try:
+                self.input_handler.assemble([arrays], [0], [rows], slot.buffers)
+                outputs = bucket.program.run(slot)
+            finally:
+                bucket.ring.release(slot)
+        finally:
+            _xla.compile_counter.exit_request(token)
+        return self.result_handler.split(outputs, bucket.program.out_shard_rows, [0], [rows],
+                                         copy)[0]
 
     def run_batch(self, requests: Sequence[Mapping[str, Any]], *, copy: bool = False,
                   return_exceptions: bool = False) -> list:
@@ -117,15 +137,20 @@ class Model:
             owners.append(i)
             arrays.append(a)
             rows.append(n)
-        if not owners:
-            return results
+        if owners:
+            for i, out in zip(owners, self._run_prepared(arrays, rows, copy, return_exceptions)):
+                results[i] = out
+        return results
 
+    def _run_prepared(self, arrays: list[tuple], rows: list[int], copy: bool,
+                      return_exceptions: bool) -> list:
         # Each prepared request's output pieces, in row order.
-        parts: list[list[dict]] = [[] for _ in owners]
+        parts: list[list[dict]] = [[] for _ in arrays]
         failed: dict[int, BaseException] = {}
-        with _xla.compile_counter.request_path(id(self)):
+        token = _xla.compile_counter.enter_request(self._id)
+        try:
             for chunk in plan_chunks(rows, self.max_batch):
-                bucket = self._buckets[smallest_bucket(self.buckets, chunk.rows)]
+                bucket = self._by_rows[chunk.rows]
                 pieces = [arrays[p] for p in chunk.requests]
                 try:
                     outs = run_chunk(bucket.program, bucket.ring, self.input_handler,
@@ -138,15 +163,18 @@ class Model:
                     continue
                 for p, out in zip(chunk.requests, outs):
                     parts[p].append(out)
+        finally:
+            _xla.compile_counter.exit_request(token)
 
-        for p, i in enumerate(owners):
+        results: list[Any] = []
+        for p, pieces_out in enumerate(parts):
             if p in failed:
-                results[i] = failed[p]
-            elif len(parts[p]) == 1:
-                results[i] = parts[p][0]
+                results.append(failed[p])
+            elif len(pieces_out) == 1:
+                results.append(pieces_out[0])
             else:
-                results[i] = {k: np.concatenate([part[k] for part in parts[p]])
-                              for k in self.outputs}
+                results.append({k: np.concatenate([part[k] for part in pieces_out])
+                                for k in self.outputs})
         return results
 
     # ------------------------------------------------------------------ introspection
@@ -162,7 +190,7 @@ class Model:
     @property
     def compiles_after_load(self) -> int:
         """XLA compiles that happened while serving this model's requests (must be 0)."""
-        return _xla.compile_counter.on_request_path.get(id(self), 0)
+        return _xla.compile_counter.on_request_path.get(self._id, 0)
 
     def describe(self) -> dict:
         """The manifest plus, per bucket, compile time, path, and XLA's cost and memory

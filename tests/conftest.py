@@ -1,0 +1,43 @@
+"""Shared fixtures. Run the suite with one device, or with several virtual CPU devices:
+``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set before jax is imported;
+the Makefile does both)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import warnings
+
+import jax
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pxrt  # noqa: E402
+from models import MODELS  # noqa: E402
+
+
+def pytest_report_header(config):
+    return (f"pxrt: {jax.device_count()} {jax.default_backend()} device(s), "
+            f"Cython extensions: {pxrt.using_extensions()}, jax {jax.__version__}")
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    """name -> artifact directory, exported once per session."""
+    root = tmp_path_factory.mktemp("artifacts")
+    out = {}
+    for name, spec in MODELS.items():
+        out[name] = pathlib.Path(pxrt.export(spec["fn"], spec["params"](), root / name,
+                                inputs=spec["inputs"], batch_buckets=spec["buckets"],
+                                             name=name))
+    return out
+
+
+@pytest.fixture(scope="session")
+def models(artifacts):
+    """name -> loaded Model, loaded once per session; loading must not warn."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return {name: pxrt.load(path) for name, path in artifacts.items()}

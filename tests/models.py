@@ -1,0 +1,121 @@
+"""Test models: each a function, its params and its input specs, plus plain-JAX references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import pxrt
+
+
+def mlp(params, x):
+    for w, b in params:
+        x = jax.nn.gelu(x @ w + b)
+    return {"y": x}
+
+
+def mlp_params(width=32, layers=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return [((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+             (0.1 * rng.standard_normal(width)).astype(np.float32)) for _ in range(layers)]
+
+
+def two_io(params, tokens, features):
+    """Two inputs of different dtypes (int32 ids, float16 features), two outputs."""
+    emb = params["emb"][tokens]                      # [n, seq, d]
+    pooled = emb.mean(axis=1)                        # [n, d]
+    h = pooled + features.astype(jnp.float32) @ params["proj"]
+    return {"scores": h @ params["head"], "argmax": jnp.argmax(h, axis=-1).astype(jnp.int32)}
+
+
+def two_io_params(seed=1):
+    rng = np.random.default_rng(seed)
+    return {"emb": rng.standard_normal((50, 16)).astype(np.float32),
+            "proj": rng.standard_normal((8, 16)).astype(np.float32),
+            "head": rng.standard_normal((16, 3)).astype(np.float32)}
+
+
+def bf16_model(params, x):
+    h = jnp.tanh(x @ params["w"])
+    return h.astype(jnp.bfloat16)                    # a single output: named "output"
+
+
+def bf16_params(seed=2):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)}
+
+
+def all_dtypes(params, f32, f16, bf16, i32, i64, u8, flag):
+    """One input and one output of every dtype pxrt promises, each transformed."""
+    return {
+        "f32": f32 * params["scale"] + 1.0,
+        "f16": f16 * jnp.float16(2),
+        "bf16": bf16 + jnp.asarray(1, jnp.bfloat16),
+        "i32": i32 * 3 - 7,
+        "i64": i64 + jnp.int64(2**31 + 5),           # wraps if anything narrows to int32
+        "u8": u8 ^ jnp.uint8(0x5A),
+        "flag": jnp.logical_not(flag),
+    }
+
+
+ALL_DTYPES_INPUTS = {
+    "f32": pxrt.TensorSpec((3,), "float32"),
+    "f16": pxrt.TensorSpec((2,), "float16"),
+    "bf16": pxrt.TensorSpec((2,), "bfloat16"),
+    "i32": pxrt.TensorSpec((), "int32"),
+    "i64": pxrt.TensorSpec((2,), "int64"),
+    "u8": pxrt.TensorSpec((4,), "uint8"),
+    "flag": pxrt.TensorSpec((1,), "bool"),
+}
+
+MODELS = {
+    "mlp": dict(fn=mlp, params=mlp_params, inputs={"x": pxrt.TensorSpec((32,), "float32")},
+                buckets=(1, 8, 16)),
+    "two_io": dict(fn=two_io, params=two_io_params,
+                   inputs={"tokens": pxrt.TensorSpec((5,), "int32"),
+                           "features": pxrt.TensorSpec((8,), "float16")},
+                   buckets=(4, 8)),
+    "bf16": dict(fn=bf16_model, params=bf16_params,
+                 inputs={"x": pxrt.TensorSpec((16,), "bfloat16")}, buckets=(2, 8)),
+    "all_dtypes": dict(fn=all_dtypes, params=lambda: {"scale": np.float32(1.5)},
+                       inputs=ALL_DTYPES_INPUTS, buckets=(4, 8)),
+}
+
+
+def random_request(inputs, rows, rng):
+    """A valid request of ``rows`` rows (including extreme int64 values)."""
+    out = pxrt.example_inputs(inputs, rows, seed=int(rng.integers(1 << 30)))
+    for name, spec in inputs.items():
+        if spec.dtype == np.int64:
+            out[name] = out[name] + np.int64(2**40)
+        if name == "tokens":
+            out[name] = rng.integers(0, 50, (rows,) + spec.shape).astype(np.int32)
+    return out
+
+
+def reference(name, request):
+    """Plain jax.jit on one device with x64 as the export used it."""
+    spec = MODELS[name]
+    x64 = any(s.dtype.itemsize == 8 for s in spec["inputs"].values())
+    with jax.enable_x64(x64):
+        out = jax.jit(spec["fn"])(spec["params"](), **request)
+        out = out if isinstance(out, dict) else {"output": out}
+        return {k: np.asarray(v) for k, v in out.items()}
+
+
+def assert_matches(got, want, name=""):
+    assert set(got) == set(want), (name, set(got), set(want))
+    for k in want:
+        g, w = np.asarray(got[k]), want[k]
+        assert g.dtype == w.dtype, (name, k, g.dtype, w.dtype)
+        assert g.shape == w.shape, (name, k, g.shape, w.shape)
+        if np.issubdtype(w.dtype, np.floating) or w.dtype == ml_dtypes.bfloat16:
+            # Sharding changes reduction order: allow float rounding, nothing more.
+            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32),
+                                       rtol=2e-2 if w.itemsize == 2 else 1e-5,
+                                       atol=2e-2 if w.itemsize == 2 else 1e-5,
+                                       err_msg=f"{name}:{k}")
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=f"{name}:{k}")

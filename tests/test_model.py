@@ -1,0 +1,158 @@
+"""pxrt.load + Model.run / run_batch against plain JAX, on however many devices jax has."""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from models import MODELS, assert_matches, random_request, reference
+
+import pxrt
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_request_size_matches_jax(models, name):
+    """Sizes 1 .. 2 x the largest bucket: padding, several chunks, split requests."""
+    model = models[name]
+    rng = np.random.default_rng(0)
+    before = pxrt.compile_count()
+    sizes = range(1, 2 * model.max_batch + 2)
+    requests = [random_request(model.inputs, n, rng) for n in sizes]
+    wants = [reference(name, r) for r in requests]
+    start = pxrt.compile_count()
+    for request, want in zip(requests, wants):
+        assert_matches(model.run(request), want, f"{name} n={len(next(iter(request.values())))}")
+    assert pxrt.compile_count() == start, "something compiled on the request path"
+    assert model.compiles_after_load == 0
+    assert before <= start
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_run_batch_matches_jax(models, name):
+    model = models[name]
+    rng = np.random.default_rng(1)
+    sizes = [1, 3, model.max_batch, 2, model.max_batch + 3, 1, 2 * model.max_batch + 1]
+    requests = [random_request(model.inputs, n, rng) for n in sizes]
+    wants = [reference(name, r) for r in requests]
+    outs = model.run_batch(requests)
+    assert len(outs) == len(requests)
+    for i, (got, want) in enumerate(zip(outs, wants)):
+        assert_matches(got, want, f"{name}[{i}]")
+    assert model.compiles_after_load == 0
+
+
+def test_buckets_fit_the_devices(models):
+    n = jax.device_count()
+    for model in models.values():
+        assert all(b % n == 0 for b in model.buckets)
+        assert len(model.devices) == n
+        # This jax is the one the fast path was verified on: every bucket uses it.
+        assert all(model.bucket(b).fast_path for b in model.buckets)
+
+
+def test_int64_survives_without_global_x64(models):
+    assert not jax.config.jax_enable_x64
+    model = models["all_dtypes"]
+    req = random_request(model.inputs, 3, np.random.default_rng(5))
+    req["i64"] = np.array([[2**31 + 5, -(2**40)]] * 3, np.int64)
+    out = model.run(req)
+    assert out["i64"].dtype == np.int64
+    np.testing.assert_array_equal(out["i64"], req["i64"] + (2**31 + 5))
+    assert not jax.config.jax_enable_x64
+
+
+def test_bfloat16_model(models):
+    model = models["bf16"]
+    x = np.random.default_rng(2).standard_normal((5, 16)).astype(ml_dtypes.bfloat16)
+    out = model.run({"x": x})
+    assert list(out) == ["output"]
+    assert out["output"].dtype == ml_dtypes.bfloat16
+    assert_matches(out, reference("bf16", {"x": x}))
+
+
+def test_outputs_are_read_only_views_unless_copied(models):
+    model = models["mlp"]
+    x = np.ones((1, 32), np.float32)
+    view = model.run({"x": x})["y"]
+    assert not view.flags.writeable
+    owned = model.run({"x": x}, copy=True)["y"]
+    assert owned.flags.writeable and owned.flags.owndata
+    owned[:] = 0  # the caller may do what it likes with an owned copy
+    np.testing.assert_array_equal(model.run({"x": x})["y"], view)
+
+
+def test_outputs_outlive_later_runs(models):
+    """A view handed out must not be overwritten by the next batches."""
+    model = models["mlp"]
+    rng = np.random.default_rng(3)
+    kept = []
+    for _ in range(3 * len(model.buckets) + 4):
+        x = rng.standard_normal((int(rng.integers(1, model.max_batch + 1)), 32)).astype(np.float32)
+        kept.append((model.run({"x": x})["y"], reference("mlp", {"x": x})))
+    for got, want in kept:
+        assert_matches({"y": got}, want)
+
+
+def test_non_contiguous_and_reordered_inputs(models):
+    model = models["two_io"]
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, 50, (12, 5)).astype(np.int32)
+    features = rng.standard_normal((8, 12)).astype(np.float16)
+    cases = {
+        "fortran": {"tokens": np.asfortranarray(tokens), "features": features.T},
+        "strided rows": {"tokens": tokens[::2], "features": np.ascontiguousarray(features.T)[::2]},
+        "reversed rows": {"tokens": tokens[::-1], "features": np.ascontiguousarray(features.T)[::-1]},
+        "reordered keys": {"features": np.ascontiguousarray(features.T), "tokens": tokens},
+        "broadcast rows": {"tokens": np.broadcast_to(tokens[:1], (6, 5)),
+                           "features": np.broadcast_to(features.T[:1], (6, 8))},
+    }
+    for label, request in cases.items():
+        want = reference("two_io", {k: np.ascontiguousarray(v) for k, v in request.items()})
+        assert_matches(model.run(request), want, label)
+
+
+def test_public_path_gives_the_same_results(artifacts, models):
+    slow = pxrt.load(artifacts["two_io"], fast_path=False)
+    assert not any(slow.bucket(b).fast_path for b in slow.buckets)
+    rng = np.random.default_rng(6)
+    for n in (1, 5, 9):
+        request = random_request(slow.inputs, n, rng)
+        assert_matches(slow.run(request), models["two_io"].run(request), f"n={n}")
+
+
+def test_second_load_uses_the_compilation_cache(artifacts, models):
+    cache = artifacts["mlp"] / "xla_cache"
+    assert cache.is_dir() and any(cache.iterdir()), "the first load wrote no cache entries"
+    hits = []
+    listener = lambda event, **kw: hits.append(event)  # noqa: E731
+    jax.monitoring.register_event_listener(listener)
+    try:
+        model = pxrt.load(artifacts["mlp"])
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    assert hits.count("/jax/compilation_cache/cache_hits") == len(model.buckets)
+    x = np.ones((3, 32), np.float32)
+    assert_matches(model.run({"x": x}), reference("mlp", {"x": x}))
+
+
+def test_load_leaves_the_global_compilation_cache_alone(artifacts):
+    before = jax.config.jax_compilation_cache_dir
+    pxrt.load(artifacts["bf16"])
+    assert jax.config.jax_compilation_cache_dir == before
+
+
+def test_explicit_devices_and_buckets(artifacts):
+    dev = jax.devices()[-1:]
+    model = pxrt.load(artifacts["mlp"], devices=dev, buckets=(2, 5))
+    assert model.buckets == (2, 5) and model.devices == dev
+    x = np.random.default_rng(7).standard_normal((11, 32)).astype(np.float32)
+    out = model.run({"x": x})
+    assert_matches(out, reference("mlp", {"x": x}))
+
+
+def test_describe_reports_buckets(models):
+    info = models["mlp"].describe()
+    assert [b["bucket"] for b in info["buckets"]] == list(models["mlp"].buckets)
+    assert all(b["flops"] > 0 for b in info["buckets"])
+    assert info["manifest"]["name"] == "mlp"
