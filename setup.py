@@ -19,8 +19,13 @@ if DEBUG:
     macros.append(("CYTHON_TRACE_NOGIL", "1"))
 
 extensions = [
-    Extension(f"pxrt.{name}", [f"pxrt/{name}.pyx"], include_dirs=[np.get_include()],
-              define_macros=macros, extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"])
+    Extension(
+        f"pxrt.{name}",
+        [f"pxrt/{name}.pyx"],
+        include_dirs=[np.get_include()],
+        define_macros=macros,
+        extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
+    )
     for name in ("_keys", "_handlers")
 ]
 

@@ -21,9 +21,13 @@ else:
 
         EXTENSIONS = True
     except ImportError as exc:
-        warnings.warn(f"pxrt: the Cython extensions are not built ({exc}); using the "
-                      "pure-Python handlers, which are slower. Build them with "
-                      "`pip install -e .` (or `make`).", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"pxrt: the Cython extensions are not built ({exc}); using the "
+            "pure-Python handlers, which are slower. Build them with "
+            "`pip install -e .` (or `make`).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         from . import _handlers_py as handlers
         from . import _keys_py as keys
 

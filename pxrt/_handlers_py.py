@@ -24,14 +24,21 @@ class InputHandler:
       max_routes: bound of the signature -> route cache.
     """
 
-    def __init__(self, model: str, names: Sequence[str], dtypes: Sequence[np.dtype],
-                 shapes: Sequence[tuple[int, ...]], max_routes: int = 256) -> None:
+    def __init__(
+        self,
+        model: str,
+        names: Sequence[str],
+        dtypes: Sequence[np.dtype],
+        shapes: Sequence[tuple[int, ...]],
+        max_routes: int = 256,
+    ) -> None:
         self.model = model
         self.names = tuple(names)
         self.dtypes = tuple(np.dtype(d) for d in dtypes)
         self.shapes = tuple(tuple(s) for s in shapes)
-        self.row_nbytes = tuple(int(np.prod(s, dtype=np.int64)) * d.itemsize
-                                for d, s in zip(self.dtypes, self.shapes))
+        self.row_nbytes = tuple(
+            int(np.prod(s, dtype=np.int64)) * d.itemsize for d, s in zip(self.dtypes, self.shapes)
+        )
         self.routes = _keys.RouteCache(max_routes)
 
     def prepare(self, request: Any) -> tuple[tuple[np.ndarray, ...], int]:
@@ -68,9 +75,10 @@ class InputHandler:
             for piece, start, count in zip(arrays, starts, counts):
                 src = piece[j]
                 if start < 0 or start + count > src.shape[0]:
-                    raise ValueError(f"rows {start}:{start + count} out of range for "
-                                     f"{src.shape[0]} rows")
-                buf[offset:offset + count] = src[start:start + count]
+                    raise ValueError(
+                        f"rows {start}:{start + count} out of range for {src.shape[0]} rows"
+                    )
+                buf[offset : offset + count] = src[start : start + count]
                 offset += count
             buf[total:] = 0
         return total
@@ -83,14 +91,16 @@ class ResultHandler:
       names, dtypes, shapes: the model's outputs, in order, with per-example shapes.
     """
 
-    def __init__(self, names: Sequence[str], dtypes: Sequence[np.dtype],
-                 shapes: Sequence[tuple[int, ...]]) -> None:
+    def __init__(
+        self, names: Sequence[str], dtypes: Sequence[np.dtype], shapes: Sequence[tuple[int, ...]]
+    ) -> None:
         self.names = tuple(names)
         self.dtypes = tuple(np.dtype(d) for d in dtypes)
         self.shapes = tuple(tuple(s) for s in shapes)
 
-    def split(self, outputs: list, shard_rows: int, starts: list, counts: list,
-              copy: bool = False) -> list[dict[str, np.ndarray]]:
+    def split(
+        self, outputs: list, shard_rows: int, starts: list, counts: list, copy: bool = False
+    ) -> list[dict[str, np.ndarray]]:
         """``outputs[k]`` holds output k's shards in row order, ``shard_rows`` rows each.
         Returns, per piece, a dict name -> rows ``starts[i]:starts[i]+counts[i]``: a view
         of a shard when the piece lies inside one (unless ``copy``), else a new array."""
@@ -101,14 +111,14 @@ class ResultHandler:
             out = {}
             for name, shards in zip(self.names, outputs):
                 if one_shard:
-                    arr = shards[first][offset:offset + count]
+                    arr = shards[first][offset : offset + count]
                     out[name] = arr.copy() if copy else arr
                 else:
                     stop = start + count
                     last = (stop - 1) // shard_rows
                     parts = [shards[first][offset:]]
                     parts += [shards[i] for i in range(first + 1, last)]
-                    parts.append(shards[last][:stop - last * shard_rows])
+                    parts.append(shards[last][: stop - last * shard_rows])
                     out[name] = np.concatenate(parts)
             results.append(out)
         return results

@@ -34,8 +34,9 @@ def inner_contiguous(arr: np.ndarray) -> bool:
     return True
 
 
-def validate(model: str, names: tuple, dtypes: tuple, shapes: tuple,
-             request: Any) -> tuple[tuple[np.ndarray, ...], int]:
+def validate(
+    model: str, names: tuple, dtypes: tuple, shapes: tuple, request: Any
+) -> tuple[tuple[np.ndarray, ...], int]:
     """Check ``request`` against the model's inputs exactly; no casts, ever.
 
     Returns the arrays in the model's input order (C-contiguous rows, copied only when
@@ -46,18 +47,24 @@ def validate(model: str, names: tuple, dtypes: tuple, shapes: tuple,
     where = f"model {model!r}: " if model else ""
     expected = signature_text(names, dtypes, shapes)
     if not isinstance(request, Mapping):
-        raise TypeError(f"{where}a request must be a mapping of input name -> array "
-                        f"({expected}), got {type(request).__name__}")
+        raise TypeError(
+            f"{where}a request must be a mapping of input name -> array "
+            f"({expected}), got {type(request).__name__}"
+        )
     missing = [n for n in names if n not in request]
     extra = [k for k in request if k not in names]
     if missing or extra:
         parts = []
         if missing:
-            parts.append("missing input" + ("s " if len(missing) > 1 else " ")
-                         + ", ".join(map(repr, missing)))
+            parts.append(
+                "missing input"
+                + ("s " if len(missing) > 1 else " ")
+                + ", ".join(map(repr, missing))
+            )
         if extra:
-            parts.append("unexpected input" + ("s " if len(extra) > 1 else " ")
-                         + ", ".join(map(repr, extra)))
+            parts.append(
+                "unexpected input" + ("s " if len(extra) > 1 else " ") + ", ".join(map(repr, extra))
+            )
         raise ValueError(f"{where}{'; '.join(parts)}; the model takes {expected}")
     arrays = []
     rows = None
@@ -67,28 +74,38 @@ def validate(model: str, names: tuple, dtypes: tuple, shapes: tuple,
         if isinstance(value, np.ma.MaskedArray):
             raise TypeError(f"{where}input {name!r}: expected a numpy array, got a masked array")
         if type(value) is not np.ndarray:
-            if not (isinstance(value, (np.ndarray, np.generic, list, tuple))
-                    or hasattr(value, "__array__")):
-                raise TypeError(f"{where}input {name!r}: expected an array of "
-                                f"{describe(dtype, shape)}, got {type(value).__name__}")
+            if not (
+                isinstance(value, (np.ndarray, np.generic, list, tuple))
+                or hasattr(value, "__array__")
+            ):
+                raise TypeError(
+                    f"{where}input {name!r}: expected an array of "
+                    f"{describe(dtype, shape)}, got {type(value).__name__}"
+                )
             value = np.asarray(value)
             if type(value) is not np.ndarray:
                 value = value.view(np.ndarray)
         if value.dtype != dtype:
-            raise TypeError(f"{where}input {name!r}: expected dtype {dtype.name}, got "
-                            f"{value.dtype} (pxrt never casts; convert it with "
-                            f".astype({dtype.name!r}) if that is what you mean)")
+            raise TypeError(
+                f"{where}input {name!r}: expected dtype {dtype.name}, got "
+                f"{value.dtype} (pxrt never casts; convert it with "
+                f".astype({dtype.name!r}) if that is what you mean)"
+            )
         if value.ndim != len(shape) + 1 or value.shape[1:] != shape:
-            raise ValueError(f"{where}input {name!r}: expected shape {describe(dtype, shape)} "
-                             f"(a leading batch dimension, then {shape}), got {value.shape}")
+            raise ValueError(
+                f"{where}input {name!r}: expected shape {describe(dtype, shape)} "
+                f"(a leading batch dimension, then {shape}), got {value.shape}"
+            )
         n = value.shape[0]
         if n < 1:
             raise ValueError(f"{where}input {name!r} has 0 rows; a request needs at least 1")
         if rows is None:
             rows, first = n, name
         elif n != rows:
-            raise ValueError(f"{where}inputs disagree on the number of rows: {first!r} has "
-                             f"{rows}, {name!r} has {n}")
+            raise ValueError(
+                f"{where}inputs disagree on the number of rows: {first!r} has "
+                f"{rows}, {name!r} has {n}"
+            )
         if not inner_contiguous(value):
             value = np.ascontiguousarray(value)
         arrays.append(value)

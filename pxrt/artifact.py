@@ -45,8 +45,20 @@ DEFAULT_OUTPUT = "output"
 # dtype name -> numpy dtype; names are what manifests and error messages use.
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name)
-    for name in ("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32",
-                 "int64", "float16", "float32", "float64")
+    for name in (
+        "bool",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    )
 }
 DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 
@@ -78,15 +90,19 @@ class TensorSpec:
         if isinstance(shape, int):
             shape = (shape,)
         dims = tuple(shape)
-        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0
-                   for d in dims):
+        if not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
+        ):
             raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
         object.__setattr__(self, "shape", tuple(int(d) for d in dims))
         object.__setattr__(self, "dtype", as_dtype(dtype))
 
     def describe(self) -> str:
-        return f"{self.dtype.name}[n, {', '.join(map(str, self.shape))}]" if self.shape \
+        return (
+            f"{self.dtype.name}[n, {', '.join(map(str, self.shape))}]"
+            if self.shape
             else f"{self.dtype.name}[n]"
+        )
 
     def to_json(self, name: str) -> dict:
         return {"name": name, "dtype": self.dtype.name, "shape": list(self.shape)}
@@ -99,7 +115,7 @@ class Artifact:
     path: str
     manifest: dict
     exported: jax_export.Exported
-    params: Any                       # the params pytree, numpy leaves
+    params: Any  # the params pytree, numpy leaves
     inputs: dict[str, TensorSpec]
     outputs: dict[str, TensorSpec]
 
@@ -119,10 +135,19 @@ class Artifact:
 # --------------------------------------------------------------------------- export
 
 
-def export(fn: Callable, params: Any, path: str | os.PathLike, *,
-           inputs: Mapping[str, TensorSpec], batch_buckets: Sequence[int] = (1, 8, 64),
-           name: str | None = None, version: str = "1", num_devices: int | None = None,
-           x64: bool | None = None, overwrite: bool = False) -> str:
+def export(
+    fn: Callable,
+    params: Any,
+    path: str | os.PathLike,
+    *,
+    inputs: Mapping[str, TensorSpec],
+    batch_buckets: Sequence[int] = (1, 8, 64),
+    name: str | None = None,
+    version: str = "1",
+    num_devices: int | None = None,
+    x64: bool | None = None,
+    overwrite: bool = False,
+) -> str:
     """Export ``fn(params, **inputs)`` and ``params`` to the artifact directory ``path``.
 
     Args:
@@ -161,14 +186,20 @@ def export(fn: Callable, params: Any, path: str | os.PathLike, *,
             raise TypeError(f"param {jax.tree_util.keystr(keypath)}: {exc}") from None
     params_np = jax.tree.unflatten(treedef, leaves)
     if x64 is None:
-        x64 = any(np.dtype(d).itemsize == 8 for d in
-                  [s.dtype for s in inputs.values()] + [leaf.dtype for leaf in leaves])
+        x64 = any(
+            np.dtype(d).itemsize == 8
+            for d in [s.dtype for s in inputs.values()] + [leaf.dtype for leaf in leaves]
+        )
 
     with _xla.x64_scope(x64):
         param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
         out_shapes = jax.eval_shape(
-            fn, param_specs,
-            **{k: jax.ShapeDtypeStruct((buckets[0],) + s.shape, s.dtype) for k, s in inputs.items()})
+            fn,
+            param_specs,
+            **{
+                k: jax.ShapeDtypeStruct((buckets[0],) + s.shape, s.dtype) for k, s in inputs.items()
+            },
+        )
         out_names = _output_names(out_shapes)
 
         def flat_fn(params, *xs):
@@ -182,13 +213,17 @@ def export(fn: Callable, params: Any, path: str | os.PathLike, *,
     outputs = {}
     for out_name, aval in zip(out_names, exported.out_avals):
         if not aval.shape or aval.shape[0] is not b and str(aval.shape[0]) != "b":
-            raise ValueError(f"output {out_name!r} has shape {aval.shape}: every output needs the "
-                             "batch dimension of the inputs as its leading dimension")
+            raise ValueError(
+                f"output {out_name!r} has shape {aval.shape}: every output needs the "
+                "batch dimension of the inputs as its leading dimension"
+            )
         try:
             outputs[out_name] = TensorSpec(tuple(int(d) for d in aval.shape[1:]), aval.dtype)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"output {out_name!r} has shape {aval.shape}: only the batch "
-                             f"dimension may be symbolic ({exc})") from None
+            raise ValueError(
+                f"output {out_name!r} has shape {aval.shape}: only the batch "
+                f"dimension may be symbolic ({exc})"
+            ) from None
 
     manifest = {
         "format": FORMAT,
@@ -199,17 +234,28 @@ def export(fn: Callable, params: Any, path: str | os.PathLike, *,
         "outputs": [spec.to_json(k) for k, spec in outputs.items()],
         "batch_buckets": list(buckets),
         "sequence_buckets": None,
-        "mesh": {"axes": [BATCH_AXIS], "inputs": [BATCH_AXIS], "outputs": [BATCH_AXIS],
-                 "params": "replicated"},
+        "mesh": {
+            "axes": [BATCH_AXIS],
+            "inputs": [BATCH_AXIS],
+            "outputs": [BATCH_AXIS],
+            "params": "replicated",
+        },
         "x64": bool(x64),
-        "params": [{"key": f"p{i:04d}", "path": jax.tree_util.keystr(kp),
-                    "dtype": leaf.dtype.name, "shape": list(leaf.shape)}
-                   for i, ((kp, _), leaf) in
-                   enumerate(zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves))],
+        "params": [
+            {
+                "key": f"p{i:04d}",
+                "path": jax.tree_util.keystr(kp),
+                "dtype": leaf.dtype.name,
+                "shape": list(leaf.shape),
+            }
+            for i, ((kp, _), leaf) in enumerate(
+                zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves)
+            )
+        ],
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "calling_convention_version": exported.calling_convention_version,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {},
     }
     _write_directory(path, manifest, bytes(exported.serialize()), leaves, overwrite)
@@ -226,8 +272,10 @@ def _check_buckets(batch_buckets: Sequence[int], num_devices: int | None) -> tup
     if num_devices is not None:
         uneven = [b for b in buckets if b % num_devices]
         if uneven:
-            raise ValueError(f"batch buckets {uneven} do not split evenly over {num_devices} "
-                             f"devices; use multiples of {num_devices}")
+            raise ValueError(
+                f"batch buckets {uneven} do not split evenly over {num_devices} "
+                f"devices; use multiples of {num_devices}"
+            )
     return buckets
 
 
@@ -242,7 +290,9 @@ def _output_names(out_shapes: Any) -> list[str]:
         return list(out_shapes)
     if hasattr(out_shapes, "shape"):
         return [DEFAULT_OUTPUT]
-    raise ValueError(f"fn must return an array or a dict of arrays, got {type(out_shapes).__name__}")
+    raise ValueError(
+        f"fn must return an array or a dict of arrays, got {type(out_shapes).__name__}"
+    )
 
 
 def _storable(leaf: np.ndarray) -> np.ndarray:
@@ -252,8 +302,9 @@ def _storable(leaf: np.ndarray) -> np.ndarray:
     return leaf
 
 
-def _write_directory(path: str, manifest: dict, program: bytes, leaves: list[np.ndarray],
-                     overwrite: bool) -> None:
+def _write_directory(
+    path: str, manifest: dict, program: bytes, leaves: list[np.ndarray], overwrite: bool
+) -> None:
     if os.path.exists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
         raise ArtifactError(f"{path} already exists; pass overwrite=True to replace it")
     parent = os.path.dirname(os.path.abspath(path))
@@ -265,8 +316,9 @@ def _write_directory(path: str, manifest: dict, program: bytes, leaves: list[np.
             f.write(program)
         with open(os.path.join(tmp, PARAMS_FILE), "wb") as f:
             np.savez(f, **{f"p{i:04d}": _storable(leaf) for i, leaf in enumerate(leaves)})
-        manifest["files"] = {fname: _sha256(os.path.join(tmp, fname))
-                             for fname in (PROGRAM_FILE, PARAMS_FILE)}
+        manifest["files"] = {
+            fname: _sha256(os.path.join(tmp, fname)) for fname in (PROGRAM_FILE, PARAMS_FILE)
+        }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
@@ -302,22 +354,27 @@ def read(path: str | os.PathLike) -> Artifact:
     path = os.fspath(path)
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
-        raise ArtifactError(f"{path} is not a pxrt artifact: {MANIFEST} is missing "
-                            "(create one with pxrt.export)")
+        raise ArtifactError(
+            f"{path} is not a pxrt artifact: {MANIFEST} is missing (create one with pxrt.export)"
+        )
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{manifest_path} is not valid JSON ({exc}); re-export the model")
+        raise ArtifactError(
+            f"{manifest_path} is not valid JSON ({exc}); re-export the model"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{manifest_path} is not a pxrt manifest (format is not {FORMAT!r})")
     fv = manifest.get("format_version")
     if not isinstance(fv, int) or fv < 1:
         raise ArtifactError(f"{manifest_path}: bad format_version {fv!r}; re-export the model")
     if fv > FORMAT_VERSION:
-        raise ArtifactError(f"{path} has artifact format version {fv}, but this pxrt reads "
-                            f"versions up to {FORMAT_VERSION}: upgrade pxrt, or re-export the "
-                            "model with this one")
+        raise ArtifactError(
+            f"{path} has artifact format version {fv}, but this pxrt reads "
+            f"versions up to {FORMAT_VERSION}: upgrade pxrt, or re-export the "
+            "model with this one"
+        )
 
     files = manifest.get("files") or {}
     for fname in (PROGRAM_FILE, PARAMS_FILE):
@@ -329,9 +386,11 @@ def read(path: str | os.PathLike) -> Artifact:
             raise ArtifactError(f"{path}: {fname} named in the manifest is missing; re-export")
         got = _sha256(fpath)
         if got != want:
-            raise ArtifactError(f"{fpath} does not match its sha256 in {MANIFEST} (expected "
-                                f"{want[:12]}…, got {got[:12]}…): the artifact was modified or "
-                                "corrupted; re-export it")
+            raise ArtifactError(
+                f"{fpath} does not match its sha256 in {MANIFEST} (expected "
+                f"{want[:12]}…, got {got[:12]}…): the artifact was modified or "
+                "corrupted; re-export it"
+            )
 
     _check_jax_version(path, manifest)
     with open(os.path.join(path, PROGRAM_FILE), "rb") as f:
@@ -339,8 +398,10 @@ def read(path: str | os.PathLike) -> Artifact:
     try:
         exported = jax_export.deserialize(bytearray(blob))
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing
-        raise ArtifactError(f"{path}: jax {jax.__version__} cannot read {PROGRAM_FILE} "
-                            f"({exc}); re-export the model with this jax") from exc
+        raise ArtifactError(
+            f"{path}: jax {jax.__version__} cannot read {PROGRAM_FILE} "
+            f"({exc}); re-export the model with this jax"
+        ) from exc
 
     try:
         inputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["inputs"]}
@@ -348,11 +409,19 @@ def read(path: str | os.PathLike) -> Artifact:
         _check_buckets(manifest["batch_buckets"], None)
         param_meta = manifest["params"]
     except (KeyError, TypeError, ValueError) as exc:
-        raise ArtifactError(f"{manifest_path} is malformed ({exc!r}); re-export the model")
+        raise ArtifactError(
+            f"{manifest_path} is malformed ({exc!r}); re-export the model"
+        ) from None
 
     params = _read_params(path, exported, param_meta)
-    return Artifact(path=path, manifest=manifest, exported=exported, params=params,
-                    inputs=inputs, outputs=outputs)
+    return Artifact(
+        path=path,
+        manifest=manifest,
+        exported=exported,
+        params=params,
+        inputs=inputs,
+        outputs=outputs,
+    )
 
 
 def _check_jax_version(path: str, manifest: dict) -> None:
@@ -364,20 +433,24 @@ def _check_jax_version(path: str, manifest: dict) -> None:
         raise ArtifactError(
             f"{path} was exported with jax {exported_with} (calling convention {ccv}); jax "
             f"{jax.__version__} runs calling conventions {lo}..{hi}. Re-export the model with "
-            f"jax {jax.__version__}, or load it with jax {exported_with}")
+            f"jax {jax.__version__}, or load it with jax {exported_with}"
+        )
     if _version_tuple(exported_with) > _version_tuple(jax.__version__):
         raise ArtifactError(
             f"{path} was exported with jax {exported_with}, newer than this process's jax "
             f"{jax.__version__} (jax.export reads artifacts at most a few weeks newer than "
-            f"itself). Install jax=={exported_with}, or re-export with jax {jax.__version__}")
+            f"itself). Install jax=={exported_with}, or re-export with jax {jax.__version__}"
+        )
 
 
 def _read_params(path: str, exported: jax_export.Exported, meta: list[dict]) -> Any:
     args_tree = exported.in_tree.children()[0]
     params_tree = args_tree.children()[0]
     if params_tree.num_leaves != len(meta):
-        raise ArtifactError(f"{path}: the program takes {params_tree.num_leaves} param arrays "
-                            f"but the manifest lists {len(meta)}; re-export the model")
+        raise ArtifactError(
+            f"{path}: the program takes {params_tree.num_leaves} param arrays "
+            f"but the manifest lists {len(meta)}; re-export the model"
+        )
     leaves = []
     with np.load(os.path.join(path, PARAMS_FILE), allow_pickle=False) as npz:
         for m, aval in zip(meta, exported.in_avals):
@@ -385,9 +458,14 @@ def _read_params(path: str, exported: jax_export.Exported, meta: list[dict]) -> 
             dtype = as_dtype(m["dtype"])
             if leaf.dtype != dtype:
                 leaf = leaf.view(dtype)
-            if list(leaf.shape) != m["shape"] or tuple(aval.shape) != leaf.shape \
-                    or np.dtype(aval.dtype) != dtype:
-                raise ArtifactError(f"{path}: param {m['path']} is {leaf.dtype}{list(leaf.shape)}, "
-                                    f"the program expects {aval.dtype}{list(aval.shape)}")
+            if (
+                list(leaf.shape) != m["shape"]
+                or tuple(aval.shape) != leaf.shape
+                or np.dtype(aval.dtype) != dtype
+            ):
+                raise ArtifactError(
+                    f"{path}: param {m['path']} is {leaf.dtype}{list(leaf.shape)}, "
+                    f"the program expects {aval.dtype}{list(aval.shape)}"
+                )
             leaves.append(leaf)
     return jax.tree.unflatten(params_tree, leaves)

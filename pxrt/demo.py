@@ -22,13 +22,25 @@ def mlp(params, x):
 
 def make_params(seed: int = 0, width: int = WIDTH, layers: int = LAYERS) -> list:
     rng = np.random.default_rng(seed)
-    return [((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
-             (0.1 * rng.standard_normal(width)).astype(np.float32)) for _ in range(layers)]
+    return [
+        (
+            (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+            (0.1 * rng.standard_normal(width)).astype(np.float32),
+        )
+        for _ in range(layers)
+    ]
 
 
 def export_demo(path: str, *, buckets=BUCKETS, overwrite: bool = True) -> str:
     """Export the demo MLP to ``path``."""
     from .artifact import export
 
-    return export(mlp, make_params(), path, inputs={"x": TensorSpec((WIDTH,), "float32")},
-                  batch_buckets=buckets, name="mlp", overwrite=overwrite)
+    return export(
+        mlp,
+        make_params(),
+        path,
+        inputs={"x": TensorSpec((WIDTH,), "float32")},
+        batch_buckets=buckets,
+        name="mlp",
+        overwrite=overwrite,
+    )

@@ -78,8 +78,14 @@ class StagingRing:
     ``depth``; past that, ``acquire`` waits for a release.
     """
 
-    def __init__(self, dtypes: Sequence[np.dtype], shapes: Sequence[tuple[int, ...]],
-                 bucket: int, row_slices: Sequence[slice], depth: int = 3) -> None:
+    def __init__(
+        self,
+        dtypes: Sequence[np.dtype],
+        shapes: Sequence[tuple[int, ...]],
+        bucket: int,
+        row_slices: Sequence[slice],
+        depth: int = 3,
+    ) -> None:
         if depth < 1:
             raise ValueError(f"staging depth must be >= 1, got {depth}")
         self.dtypes = list(dtypes)
@@ -103,8 +109,9 @@ class StagingRing:
                 self._made += 1
         if not make:
             return self._free.get()
-        buffers = [_xla.aligned_empty((self.bucket,) + s, d)
-                   for d, s in zip(self.dtypes, self.shapes)]
+        buffers = [
+            _xla.aligned_empty((self.bucket,) + s, d) for d, s in zip(self.dtypes, self.shapes)
+        ]
         return _xla.StagingSlot(buffers, self.row_slices)
 
     def release(self, slot: _xla.StagingSlot) -> None:
@@ -119,8 +126,15 @@ class StagingRing:
         return self._free.qsize()
 
 
-def run_chunk(program: Any, ring: StagingRing, input_handler: Any, result_handler: Any,
-              pieces: list, chunk: Chunk, copy: bool) -> list[dict[str, np.ndarray]]:
+def run_chunk(
+    program: Any,
+    ring: StagingRing,
+    input_handler: Any,
+    result_handler: Any,
+    pieces: list,
+    chunk: Chunk,
+    copy: bool,
+) -> list[dict[str, np.ndarray]]:
     """Run one chunk synchronously; returns one output dict per piece.
 
     ``pieces[i]`` is the prepared array tuple of the chunk's piece ``i``.
@@ -131,5 +145,6 @@ def run_chunk(program: Any, ring: StagingRing, input_handler: Any, result_handle
         outputs = program.run(slot)
     finally:
         ring.release(slot)
-    return result_handler.split(outputs, program.out_shard_rows, chunk.offsets(),
-                                chunk.counts, copy)
+    return result_handler.split(
+        outputs, program.out_shard_rows, chunk.offsets(), chunk.counts, copy
+    )

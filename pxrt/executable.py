@@ -28,8 +28,14 @@ class Bucket:
 
     __slots__ = ("size", "compiled", "program", "ring", "compile_s")
 
-    def __init__(self, size: int, compiled: jax.stages.Compiled, program: Any,
-                 ring: StagingRing, compile_s: float) -> None:
+    def __init__(
+        self,
+        size: int,
+        compiled: jax.stages.Compiled,
+        program: Any,
+        ring: StagingRing,
+        compile_s: float,
+    ) -> None:
         self.size = size
         self.compiled = compiled
         self.program = program
@@ -49,9 +55,16 @@ class Model:
     views of the device outputs; pass ``copy=True`` for owned, writeable arrays.
     """
 
-    def __init__(self, art: artifact.Artifact, devices: list, mesh: Mesh,
-                 buckets: dict[int, Bucket], params_dev: Any, load_s: float,
-                 max_routes: int) -> None:
+    def __init__(
+        self,
+        art: artifact.Artifact,
+        devices: list,
+        mesh: Mesh,
+        buckets: dict[int, Bucket],
+        params_dev: Any,
+        load_s: float,
+        max_routes: int,
+    ) -> None:
         self.artifact = art
         self.name: str = art.name
         self.version: str = art.manifest["version"]
@@ -67,17 +80,26 @@ class Model:
         self._id = id(self)
         # rows -> the bucket a batch of that many rows runs in, for 0 < rows <= max_batch.
         self._by_rows: list[Bucket | None] = [None] + [
-            buckets[smallest_bucket(self.buckets, n)] for n in range(1, self.max_batch + 1)]
+            buckets[smallest_bucket(self.buckets, n)] for n in range(1, self.max_batch + 1)
+        ]
         self.input_handler = _ext.InputHandler(
-            self.name, list(self.inputs), [s.dtype for s in self.inputs.values()],
-            [s.shape for s in self.inputs.values()], max_routes)
+            self.name,
+            list(self.inputs),
+            [s.dtype for s in self.inputs.values()],
+            [s.shape for s in self.inputs.values()],
+            max_routes,
+        )
         self.result_handler = _ext.ResultHandler(
-            list(self.outputs), [s.dtype for s in self.outputs.values()],
-            [s.shape for s in self.outputs.values()])
+            list(self.outputs),
+            [s.dtype for s in self.outputs.values()],
+            [s.shape for s in self.outputs.values()],
+        )
 
     def __repr__(self) -> str:
-        return (f"Model({self.name!r}, version={self.version!r}, buckets={self.buckets}, "
-                f"devices={len(self.devices)})")
+        return (
+            f"Model({self.name!r}, version={self.version!r}, buckets={self.buckets}, "
+            f"devices={len(self.devices)})"
+        )
 
     # ------------------------------------------------------------------ serving
 
@@ -102,11 +124,17 @@ class Model:
                 bucket.ring.release(slot)
         finally:
             _xla.compile_counter.exit_request(token)
-        return self.result_handler.split(outputs, bucket.program.out_shard_rows, [0], [rows],
-                                         copy)[0]
+        return self.result_handler.split(outputs, bucket.program.out_shard_rows, [0], [rows], copy)[
+            0
+        ]
 
-    def run_batch(self, requests: Sequence[Mapping[str, Any]], *, copy: bool = False,
-                  return_exceptions: bool = False) -> list:
+    def run_batch(
+        self,
+        requests: Sequence[Mapping[str, Any]],
+        *,
+        copy: bool = False,
+        return_exceptions: bool = False,
+    ) -> list:
         """Run many requests in as few executions as the buckets allow.
 
         Requests are packed in order into chunks of at most the largest bucket; a request
@@ -119,8 +147,10 @@ class Model:
         fails gives its error to the requests of that chunk only.
         """
         if isinstance(requests, Mapping) or not isinstance(requests, Sequence):
-            raise TypeError("run_batch takes a sequence of requests (dicts of input name -> "
-                            f"array), got {type(requests).__name__}")
+            raise TypeError(
+                "run_batch takes a sequence of requests (dicts of input name -> "
+                f"array), got {type(requests).__name__}"
+            )
         results: list[Any] = [None] * len(requests)
         prepare = self.input_handler.prepare
         owners: list[int] = []
@@ -142,8 +172,9 @@ class Model:
                 results[i] = out
         return results
 
-    def _run_prepared(self, arrays: list[tuple], rows: list[int], copy: bool,
-                      return_exceptions: bool) -> list:
+    def _run_prepared(
+        self, arrays: list[tuple], rows: list[int], copy: bool, return_exceptions: bool
+    ) -> list:
         # Each prepared request's output pieces, in row order.
         parts: list[list[dict]] = [[] for _ in arrays]
         failed: dict[int, BaseException] = {}
@@ -153,8 +184,15 @@ class Model:
                 bucket = self._by_rows[chunk.rows]
                 pieces = [arrays[p] for p in chunk.requests]
                 try:
-                    outs = run_chunk(bucket.program, bucket.ring, self.input_handler,
-                                     self.result_handler, pieces, chunk, copy)
+                    outs = run_chunk(
+                        bucket.program,
+                        bucket.ring,
+                        self.input_handler,
+                        self.result_handler,
+                        pieces,
+                        chunk,
+                        copy,
+                    )
                 except Exception as exc:
                     if not return_exceptions:
                         raise
@@ -173,8 +211,9 @@ class Model:
             elif len(pieces_out) == 1:
                 results.append(pieces_out[0])
             else:
-                results.append({k: np.concatenate([part[k] for part in pieces_out])
-                                for k in self.outputs})
+                results.append(
+                    {k: np.concatenate([part[k] for part in pieces_out]) for k in self.outputs}
+                )
         return results
 
     # ------------------------------------------------------------------ introspection
@@ -198,9 +237,12 @@ class Model:
         per_bucket = []
         for size in self.buckets:
             b = self._buckets[size]
-            entry: dict[str, Any] = {"bucket": size, "compile_s": round(b.compile_s, 4),
-                                     "fast_path": b.fast_path,
-                                     "rows_per_device": size // len(self.devices)}
+            entry: dict[str, Any] = {
+                "bucket": size,
+                "compile_s": round(b.compile_s, 4),
+                "fast_path": b.fast_path,
+                "rows_per_device": size // len(self.devices),
+            }
             try:
                 cost = b.compiled.cost_analysis() or {}
                 if isinstance(cost, list):
@@ -221,13 +263,18 @@ class Model:
             except Exception:  # noqa: BLE001 - memory analysis is optional per backend
                 pass
             per_bucket.append(entry)
-        return {"manifest": self.artifact.manifest, "devices": [str(d) for d in self.devices],
-                "load_s": round(self.load_s, 4), "extensions": _ext.using_extensions(),
-                "buckets": per_bucket}
+        return {
+            "manifest": self.artifact.manifest,
+            "devices": [str(d) for d in self.devices],
+            "load_s": round(self.load_s, 4),
+            "extensions": _ext.using_extensions(),
+            "buckets": per_bucket,
+        }
 
 
-def example_inputs(specs: Mapping[str, artifact.TensorSpec], rows: int,
-                   seed: int = 0) -> dict[str, np.ndarray]:
+def example_inputs(
+    specs: Mapping[str, artifact.TensorSpec], rows: int, seed: int = 0
+) -> dict[str, np.ndarray]:
     """Deterministic, non-trivial inputs of ``rows`` rows for the given specs."""
     rng = np.random.default_rng(seed)
     out = {}
@@ -238,17 +285,25 @@ def example_inputs(specs: Mapping[str, artifact.TensorSpec], rows: int,
             out[name] = rng.random(shape) < 0.5
         elif np.issubdtype(dt, np.integer):
             info = np.iinfo(dt)
-            out[name] = rng.integers(max(info.min, -1000), min(info.max, 1000), shape,
-                                     endpoint=True).astype(dt)
+            out[name] = rng.integers(
+                max(info.min, -1000), min(info.max, 1000), shape, endpoint=True
+            ).astype(dt)
         else:
             out[name] = rng.standard_normal(shape).astype(dt)
     return out
 
 
-def load(path: str | os.PathLike, *, devices: Sequence | None = None,
-         buckets: Sequence[int] | None = None, progress: bool | None = None,
-         compilation_cache: bool = True, fast_path: bool = True,
-         staging_depth: int = 3, max_routes: int = 256) -> Model:
+def load(
+    path: str | os.PathLike,
+    *,
+    devices: Sequence | None = None,
+    buckets: Sequence[int] | None = None,
+    progress: bool | None = None,
+    compilation_cache: bool = True,
+    fast_path: bool = True,
+    staging_depth: int = 3,
+    max_routes: int = 256,
+) -> Model:
     """Load an artifact directory and compile every bucket; returns a ``Model``.
 
     Args:
@@ -291,27 +346,43 @@ def load(path: str | os.PathLike, *, devices: Sequence | None = None,
         params_sh = jax.tree.map(lambda _: replicated, art.params)
         params_dev = jax.device_put(art.params, params_sh)
         param_specs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params)
-        jitted = jax.jit(art.exported.call, in_shardings=(params_sh,) + (rows,) * n_in,
-                         out_shardings=(rows,) * n_out, keep_unused=True)
-        for size in tqdm(sizes, desc=f"pxrt: compiling {art.name}", unit="bucket",
-                         disable=False if progress else (None if progress is None else True),
-                         leave=False):
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
+        )
+        jitted = jax.jit(
+            art.exported.call,
+            in_shardings=(params_sh,) + (rows,) * n_in,
+            out_shardings=(rows,) * n_out,
+            keep_unused=True,
+        )
+        for size in tqdm(
+            sizes,
+            desc=f"pxrt: compiling {art.name}",
+            unit="bucket",
+            disable=False if progress else (None if progress is None else True),
+            leave=False,
+        ):
             tc = time.perf_counter()
-            x_specs = [jax.ShapeDtypeStruct((size,) + s.shape, s.dtype, sharding=rows)
-                       for s in in_specs]
+            x_specs = [
+                jax.ShapeDtypeStruct((size,) + s.shape, s.dtype, sharding=rows) for s in in_specs
+            ]
             compiled = jitted.lower(param_specs, *x_specs).compile()
             example = [_xla.aligned_empty((size,) + s.shape, s.dtype) for s in in_specs]
             for buf, value in zip(example, example_inputs(art.inputs, size, seed=size).values()):
                 buf[...] = value
-            program = _xla.make_program(compiled, params_dev, n_in, art.x64, size, example,
-                                        allow_raw=fast_path)
-            ring = StagingRing([s.dtype for s in in_specs], [s.shape for s in in_specs],
-                               size, program.row_slices, depth=staging_depth)
-            compiled_buckets[size] = Bucket(size, compiled, program, ring,
-                                            time.perf_counter() - tc)
-    return Model(art, devices, mesh, compiled_buckets, params_dev,
-                 time.perf_counter() - t0, max_routes)
+            program = _xla.make_program(
+                compiled, params_dev, n_in, art.x64, size, example, allow_raw=fast_path
+            )
+            ring = StagingRing(
+                [s.dtype for s in in_specs],
+                [s.shape for s in in_specs],
+                size,
+                program.row_slices,
+                depth=staging_depth,
+            )
+            compiled_buckets[size] = Bucket(size, compiled, program, ring, time.perf_counter() - tc)
+    return Model(
+        art, devices, mesh, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes
+    )
 
 
 def _writable_dir(path: str) -> bool:

@@ -8,8 +8,13 @@ import time
 from collections.abc import Callable, Mapping
 
 
-def compare(alternatives: Mapping[str, Callable[[], object]], *, rounds: int = 5,
-            calls: int = 50, warmup: int = 5) -> dict[str, float]:
+def compare(
+    alternatives: Mapping[str, Callable[[], object]],
+    *,
+    rounds: int = 5,
+    calls: int = 50,
+    warmup: int = 5,
+) -> dict[str, float]:
     """Median seconds per call of each alternative, measured interleaved."""
     for fn in alternatives.values():
         for _ in range(warmup):

@@ -23,27 +23,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         demo.export_demo(path)
         print(f"exported the demo MLP ({demo.LAYERS} x {demo.WIDTH}, float32) to {path}")
         model = pxrt.load(path, progress=True)
-        print(f"loaded {model}: {len(model.buckets)} buckets compiled in {model.load_s:.2f} s, "
-              f"Cython handlers: {pxrt.using_extensions()}")
+        print(
+            f"loaded {model}: {len(model.buckets)} buckets compiled in {model.load_s:.2f} s, "
+            f"Cython handlers: {pxrt.using_extensions()}"
+        )
         x = np.random.default_rng(0).standard_normal((5, demo.WIDTH)).astype(np.float32)
         y = model.run({"x": x})["y"]
         ref = np.asarray(jax.jit(demo.mlp)(demo.make_params(), x)["y"])
-        print(f"run on 5 rows -> y{list(y.shape)}, max |pxrt - jax.jit| = "
-              f"{float(np.abs(y - ref).max()):.2e}")
+        print(
+            f"run on 5 rows -> y{list(y.shape)}, max |pxrt - jax.jit| = "
+            f"{float(np.abs(y - ref).max()):.2e}"
+        )
 
         print(f"\nper call, median of interleaved rounds on {len(model.devices)} device(s):")
         print(f"{'bucket':>7}  {'Model.run':>11}  {'Compiled.__call__':>18}  {'ratio':>6}")
         for size in model.buckets:
-            xb = np.random.default_rng(size).standard_normal((size, demo.WIDTH)) \
-                .astype(np.float32)
+            xb = np.random.default_rng(size).standard_normal((size, demo.WIDTH)).astype(np.float32)
             compiled = model.bucket(size).compiled
             request = {"x": xb}
-            times = compare({
-                "pxrt": lambda: model.run(request),
-                "jax": lambda: [np.asarray(o) for o in compiled(model.params_dev, xb)],
-            }, rounds=args.rounds, calls=args.calls)
-            print(f"{size:>7}  {fmt_time(times['pxrt']):>11}  {fmt_time(times['jax']):>18}  "
-                  f"{times['pxrt'] / times['jax']:>5.2f}x")
+            times = compare(
+                {
+                    "pxrt": lambda request=request: model.run(request),
+                    "jax": lambda c=compiled, xb=xb: [
+                        np.asarray(o) for o in c(model.params_dev, xb)
+                    ],
+                },
+                rounds=args.rounds,
+                calls=args.calls,
+            )
+            print(
+                f"{size:>7}  {fmt_time(times['pxrt']):>11}  {fmt_time(times['jax']):>18}  "
+                f"{times['pxrt'] / times['jax']:>5.2f}x"
+            )
         print(f"\ncompiles after load: {model.compiles_after_load}")
     return 0
 
@@ -58,25 +69,33 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print()
         return 0
     m = info["manifest"]
-    print(f"{m['name']} version {m['version']}  (format {m['format_version']}, exported with "
-          f"jax {m['jax_version']}, x64={m['x64']})")
+    print(
+        f"{m['name']} version {m['version']}  (format {m['format_version']}, exported with "
+        f"jax {m['jax_version']}, x64={m['x64']})"
+    )
     for kind in ("inputs", "outputs"):
         print(f"{kind}:")
         for t in m[kind]:
             print(f"  {t['name']:<16} {t['dtype']:<9} [n, {', '.join(map(str, t['shape']))}]")
     n_params = sum(int(np.prod(p["shape"], dtype=np.int64)) for p in m["params"])
     print(f"params: {len(m['params'])} arrays, {n_params:,} values")
-    print(f"devices: {len(info['devices'])} ({', '.join(info['devices'])}); loaded in "
-          f"{info['load_s']:.2f} s")
-    print(f"{'bucket':>7} {'per dev':>8} {'path':>6} {'compile':>9} {'GFLOP':>9} "
-          f"{'MB moved':>9} {'args MB':>8} {'out MB':>7} {'temp MB':>8}")
+    print(
+        f"devices: {len(info['devices'])} ({', '.join(info['devices'])}); loaded in "
+        f"{info['load_s']:.2f} s"
+    )
+    print(
+        f"{'bucket':>7} {'per dev':>8} {'path':>6} {'compile':>9} {'GFLOP':>9} "
+        f"{'MB moved':>9} {'args MB':>8} {'out MB':>7} {'temp MB':>8}"
+    )
     for b in info["buckets"]:
         mem = b.get("memory", {})
-        mb = lambda k: f"{mem[k] / 1e6:.2f}" if k in mem else "-"  # noqa: E731
-        print(f"{b['bucket']:>7} {b['rows_per_device']:>8} "
-              f"{'fast' if b['fast_path'] else 'public':>6} {b['compile_s'] * 1e3:>7.0f}ms "
-              f"{b.get('flops', 0) / 1e9:>9.4f} {b.get('bytes_accessed', 0) / 1e6:>9.2f} "
-              f"{mb('argument_bytes'):>8} {mb('output_bytes'):>7} {mb('temp_bytes'):>8}")
+        mb = lambda k, mem=mem: f"{mem[k] / 1e6:.2f}" if k in mem else "-"  # noqa: E731
+        print(
+            f"{b['bucket']:>7} {b['rows_per_device']:>8} "
+            f"{'fast' if b['fast_path'] else 'public':>6} {b['compile_s'] * 1e3:>7.0f}ms "
+            f"{b.get('flops', 0) / 1e9:>9.4f} {b.get('bytes_accessed', 0) / 1e6:>9.2f} "
+            f"{mb('argument_bytes'):>8} {mb('output_bytes'):>7} {mb('temp_bytes'):>8}"
+        )
     return 0
 
 

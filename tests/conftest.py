@@ -14,13 +14,16 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pxrt  # noqa: E402
 from models import MODELS  # noqa: E402
+
+import pxrt  # noqa: E402
 
 
 def pytest_report_header(config):
-    return (f"pxrt: {jax.device_count()} {jax.default_backend()} device(s), "
-            f"Cython extensions: {pxrt.using_extensions()}, jax {jax.__version__}")
+    return (
+        f"pxrt: {jax.device_count()} {jax.default_backend()} device(s), "
+        f"Cython extensions: {pxrt.using_extensions()}, jax {jax.__version__}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -29,9 +32,16 @@ def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("artifacts")
     out = {}
     for name, spec in MODELS.items():
-        out[name] = pathlib.Path(pxrt.export(spec["fn"], spec["params"](), root / name,
-                                inputs=spec["inputs"], batch_buckets=spec["buckets"],
-                                             name=name))
+        out[name] = pathlib.Path(
+            pxrt.export(
+                spec["fn"],
+                spec["params"](),
+                root / name,
+                inputs=spec["inputs"],
+                batch_buckets=spec["buckets"],
+                name=name,
+            )
+        )
     return out
 
 

@@ -18,28 +18,35 @@ def mlp(params, x):
 
 def mlp_params(width=32, layers=2, seed=0):
     rng = np.random.default_rng(seed)
-    return [((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
-             (0.1 * rng.standard_normal(width)).astype(np.float32)) for _ in range(layers)]
+    return [
+        (
+            (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+            (0.1 * rng.standard_normal(width)).astype(np.float32),
+        )
+        for _ in range(layers)
+    ]
 
 
 def two_io(params, tokens, features):
     """Two inputs of different dtypes (int32 ids, float16 features), two outputs."""
-    emb = params["emb"][tokens]                      # [n, seq, d]
-    pooled = emb.mean(axis=1)                        # [n, d]
+    emb = params["emb"][tokens]  # [n, seq, d]
+    pooled = emb.mean(axis=1)  # [n, d]
     h = pooled + features.astype(jnp.float32) @ params["proj"]
     return {"scores": h @ params["head"], "argmax": jnp.argmax(h, axis=-1).astype(jnp.int32)}
 
 
 def two_io_params(seed=1):
     rng = np.random.default_rng(seed)
-    return {"emb": rng.standard_normal((50, 16)).astype(np.float32),
-            "proj": rng.standard_normal((8, 16)).astype(np.float32),
-            "head": rng.standard_normal((16, 3)).astype(np.float32)}
+    return {
+        "emb": rng.standard_normal((50, 16)).astype(np.float32),
+        "proj": rng.standard_normal((8, 16)).astype(np.float32),
+        "head": rng.standard_normal((16, 3)).astype(np.float32),
+    }
 
 
 def bf16_model(params, x):
     h = jnp.tanh(x @ params["w"])
-    return h.astype(jnp.bfloat16)                    # a single output: named "output"
+    return h.astype(jnp.bfloat16)  # a single output: named "output"
 
 
 def bf16_params(seed=2):
@@ -54,7 +61,7 @@ def all_dtypes(params, f32, f16, bf16, i32, i64, u8, flag):
         "f16": f16 * jnp.float16(2),
         "bf16": bf16 + jnp.asarray(1, jnp.bfloat16),
         "i32": i32 * 3 - 7,
-        "i64": i64 + jnp.int64(2**31 + 5),           # wraps if anything narrows to int32
+        "i64": i64 + jnp.int64(2**31 + 5),  # wraps if anything narrows to int32
         "u8": u8 ^ jnp.uint8(0x5A),
         "flag": jnp.logical_not(flag),
     }
@@ -71,16 +78,33 @@ ALL_DTYPES_INPUTS = {
 }
 
 MODELS = {
-    "mlp": dict(fn=mlp, params=mlp_params, inputs={"x": pxrt.TensorSpec((32,), "float32")},
-                buckets=(1, 8, 16)),
-    "two_io": dict(fn=two_io, params=two_io_params,
-                   inputs={"tokens": pxrt.TensorSpec((5,), "int32"),
-                           "features": pxrt.TensorSpec((8,), "float16")},
-                   buckets=(4, 8)),
-    "bf16": dict(fn=bf16_model, params=bf16_params,
-                 inputs={"x": pxrt.TensorSpec((16,), "bfloat16")}, buckets=(2, 8)),
-    "all_dtypes": dict(fn=all_dtypes, params=lambda: {"scale": np.float32(1.5)},
-                       inputs=ALL_DTYPES_INPUTS, buckets=(4, 8)),
+    "mlp": dict(
+        fn=mlp,
+        params=mlp_params,
+        inputs={"x": pxrt.TensorSpec((32,), "float32")},
+        buckets=(1, 8, 16),
+    ),
+    "two_io": dict(
+        fn=two_io,
+        params=two_io_params,
+        inputs={
+            "tokens": pxrt.TensorSpec((5,), "int32"),
+            "features": pxrt.TensorSpec((8,), "float16"),
+        },
+        buckets=(4, 8),
+    ),
+    "bf16": dict(
+        fn=bf16_model,
+        params=bf16_params,
+        inputs={"x": pxrt.TensorSpec((16,), "bfloat16")},
+        buckets=(2, 8),
+    ),
+    "all_dtypes": dict(
+        fn=all_dtypes,
+        params=lambda: {"scale": np.float32(1.5)},
+        inputs=ALL_DTYPES_INPUTS,
+        buckets=(4, 8),
+    ),
 }
 
 
@@ -113,9 +137,12 @@ def assert_matches(got, want, name=""):
         assert g.shape == w.shape, (name, k, g.shape, w.shape)
         if np.issubdtype(w.dtype, np.floating) or w.dtype == ml_dtypes.bfloat16:
             # Sharding changes reduction order: allow float rounding, nothing more.
-            np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32),
-                                       rtol=2e-2 if w.itemsize == 2 else 1e-5,
-                                       atol=2e-2 if w.itemsize == 2 else 1e-5,
-                                       err_msg=f"{name}:{k}")
+            np.testing.assert_allclose(
+                g.astype(np.float32),
+                w.astype(np.float32),
+                rtol=2e-2 if w.itemsize == 2 else 1e-5,
+                atol=2e-2 if w.itemsize == 2 else 1e-5,
+                err_msg=f"{name}:{k}",
+            )
         else:
             np.testing.assert_array_equal(g, w, err_msg=f"{name}:{k}")

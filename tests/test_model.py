@@ -102,10 +102,15 @@ def test_non_contiguous_and_reordered_inputs(models):
     cases = {
         "fortran": {"tokens": np.asfortranarray(tokens), "features": features.T},
         "strided rows": {"tokens": tokens[::2], "features": np.ascontiguousarray(features.T)[::2]},
-        "reversed rows": {"tokens": tokens[::-1], "features": np.ascontiguousarray(features.T)[::-1]},
+        "reversed rows": {
+            "tokens": tokens[::-1],
+            "features": np.ascontiguousarray(features.T)[::-1],
+        },
         "reordered keys": {"features": np.ascontiguousarray(features.T), "tokens": tokens},
-        "broadcast rows": {"tokens": np.broadcast_to(tokens[:1], (6, 5)),
-                           "features": np.broadcast_to(features.T[:1], (6, 8))},
+        "broadcast rows": {
+            "tokens": np.broadcast_to(tokens[:1], (6, 5)),
+            "features": np.broadcast_to(features.T[:1], (6, 8)),
+        },
     }
     for label, request in cases.items():
         want = reference("two_io", {k: np.ascontiguousarray(v) for k, v in request.items()})

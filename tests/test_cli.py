@@ -1,0 +1,52 @@
+"""The pxrt command, run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _pxrt(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "serving.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+
+
+def test_inspect_prints_manifest_and_buckets(artifacts):
+    result = _pxrt("inspect", str(artifacts["two_io"]))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "two_io version 1" in out
+    assert "tokens" in out and "int32" in out and "features" in out and "float16" in out
+    assert "GFLOP" in out and "fast" in out
+
+
+def test_inspect_json(artifacts):
+    result = _pxrt("inspect", "--json", str(artifacts["mlp"]))
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["manifest"]["name"] == "mlp"
+    assert all(b["flops"] > 0 and "memory" in b for b in info["buckets"])
+
+
+def test_inspect_a_broken_artifact_is_a_clean_error(tmp_path):
+    result = _pxrt("inspect", str(tmp_path))
+    assert result.returncode == 2
+    assert "not a pxrt artifact" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs(tmp_path):
+    result = _pxrt("demo", "--keep", str(tmp_path / "demo"), "--rounds", "1", "--calls", "3")
+    assert result.returncode == 0, result.stderr
+    assert "max |pxrt - jax.jit|" in result.stdout and "compiles after load: 0" in result.stdout
+    assert (tmp_path / "demo" / "manifest.json").is_file()
