@@ -77,7 +77,6 @@ class Model:
         self._buckets = buckets
         self.params_dev = params_dev
         self.load_s = load_s
-        self._id = id(self)
         # rows -> the bucket a batch of that many rows runs in, for 0 < rows <= max_batch.
         self._by_rows: list[Bucket | None] = [None] + [
             buckets[smallest_bucket(self.buckets, n)] for n in range(1, self.max_batch + 1)
@@ -103,6 +102,7 @@ class Model:
 
     # ------------------------------------------------------------------ serving
 
+    @_xla.compile_counter.request_path
     def run(self, request: Mapping[str, Any], *, copy: bool = False) -> dict[str, np.ndarray]:
         """Run one request (input name -> array with a leading batch dimension of n >= 1
         rows, exact dtype) and return output name -> array of n rows.
@@ -114,16 +114,12 @@ class Model:
             return self._run_prepared([arrays], [rows], copy, False)[0]
         # The common case, kept lean: one request, one chunk, one execution.
         bucket = self._by_rows[rows]
-        token = _xla.compile_counter.enter_request(self._id)
+        slot = bucket.ring.acquire()
         try:
-            slot = bucket.ring.acquire()
-            try:
-                self.input_handler.assemble([arrays], [0], [rows], slot.buffers)
-                outputs = bucket.program.run(slot)
-            finally:
-                bucket.ring.release(slot)
+            self.input_handler.assemble([arrays], [0], [rows], slot.buffers)
+            outputs = bucket.program.run(slot)
         finally:
-            _xla.compile_counter.exit_request(token)
+            bucket.ring.release(slot)
         return self.result_handler.split(outputs, bucket.program.out_shard_rows, [0], [rows], copy)[
             0
         ]
@@ -172,37 +168,34 @@ class Model:
                 results[i] = out
         return results
 
+    @_xla.compile_counter.request_path
     def _run_prepared(
         self, arrays: list[tuple], rows: list[int], copy: bool, return_exceptions: bool
     ) -> list:
         # Each prepared request's output pieces, in row order.
         parts: list[list[dict]] = [[] for _ in arrays]
         failed: dict[int, BaseException] = {}
-        token = _xla.compile_counter.enter_request(self._id)
-        try:
-            for chunk in plan_chunks(rows, self.max_batch):
-                bucket = self._by_rows[chunk.rows]
-                pieces = [arrays[p] for p in chunk.requests]
-                try:
-                    outs = run_chunk(
-                        bucket.program,
-                        bucket.ring,
-                        self.input_handler,
-                        self.result_handler,
-                        pieces,
-                        chunk,
-                        copy,
-                    )
-                except Exception as exc:
-                    if not return_exceptions:
-                        raise
-                    for p in chunk.requests:
-                        failed.setdefault(p, exc)
-                    continue
-                for p, out in zip(chunk.requests, outs):
-                    parts[p].append(out)
-        finally:
-            _xla.compile_counter.exit_request(token)
+        for chunk in plan_chunks(rows, self.max_batch):
+            bucket = self._by_rows[chunk.rows]
+            pieces = [arrays[p] for p in chunk.requests]
+            try:
+                outs = run_chunk(
+                    bucket.program,
+                    bucket.ring,
+                    self.input_handler,
+                    self.result_handler,
+                    pieces,
+                    chunk,
+                    copy,
+                )
+            except Exception as exc:
+                if not return_exceptions:
+                    raise
+                for p in chunk.requests:
+                    failed.setdefault(p, exc)
+                continue
+            for p, out in zip(chunk.requests, outs):
+                parts[p].append(out)
 
         results: list[Any] = []
         for p, pieces_out in enumerate(parts):
@@ -229,7 +222,7 @@ class Model:
     @property
     def compiles_after_load(self) -> int:
         """XLA compiles that happened while serving this model's requests (must be 0)."""
-        return _xla.compile_counter.on_request_path.get(self._id, 0)
+        return _xla.compile_counter.on_request_path.get(id(self), 0)
 
     def describe(self) -> dict:
         """The manifest plus, per bucket, compile time, path, and XLA's cost and memory

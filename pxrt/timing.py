@@ -1,5 +1,6 @@
-"""Side-by-side timing: alternatives interleaved in rounds, so drift in a noisy
-machine's speed hits all of them alike. Used by ``pxrt demo`` and ``benchmarks/``."""
+"""Side-by-side timing: alternatives alternate call by call, so the state of a noisy
+machine (and of XLA's worker threads, which sleep after a while without work) is the
+same for each of them. Used by ``pxrt demo`` and ``benchmarks/compare.py``."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ def compare(
     calls: int = 50,
     warmup: int = 5,
 ) -> dict[str, float]:
-    """Median seconds per call of each alternative, measured interleaved."""
+    """Median seconds per call of each alternative, measured alternately."""
     for fn in alternatives.values():
         for _ in range(warmup):
             fn()
+    items = list(alternatives.items())
     samples: dict[str, list[float]] = {k: [] for k in alternatives}
     clock = time.perf_counter
-    for _ in range(rounds):
-        for name, fn in alternatives.items():
-            for _ in range(calls):
+    for r in range(rounds):
+        # Rotate who goes first each round, so no alternative always follows another.
+        turn = items[r % len(items) :] + items[: r % len(items)]
+        for _ in range(calls):
+            for name, fn in turn:
                 t0 = clock()
                 fn()
                 samples[name].append(clock() - t0)

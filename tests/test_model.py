@@ -161,3 +161,24 @@ def test_describe_reports_buckets(models):
     assert [b["bucket"] for b in info["buckets"]] == list(models["mlp"].buckets)
     assert all(b["flops"] > 0 for b in info["buckets"])
     assert info["manifest"]["name"] == "mlp"
+
+
+def test_compile_counter_catches_a_compile_on_the_request_path(artifacts):
+    """The guard behind `compiles_after_load == 0` can fail: force a compile inside run."""
+    model = pxrt.load(artifacts["mlp"])
+    bucket = model.bucket(model.buckets[-1])
+    real = bucket.program
+
+    class Compiling:
+        raw, out_shard_rows, row_slices = real.raw, real.out_shard_rows, real.row_slices
+
+        def run(self, slot):
+            jax.jit(lambda v: v * 3.0)(np.float32(len(slot.buffers)))  # a fresh jit compiles
+            return real.run(slot)
+
+    bucket.program = Compiling()
+    x = np.ones((model.max_batch, 32), np.float32)
+    model.run({"x": x})
+    assert model.compiles_after_load == 1
+    model.run_batch([{"x": x}])
+    assert model.compiles_after_load == 2  # a new lambda each call: run_batch compiled too
