@@ -41,7 +41,7 @@ def bench_run(rounds: int, calls: int) -> None:
         t = compare(
             {
                 "pxrt": lambda r=request: model.run(r),
-                "jax": lambda c=compiled, x=x: [np.asarray(o) for o in c(params, x)],
+                "jax": lambda c=compiled, x=x, p=params: [np.asarray(o) for o in c(p, x)],
             },
             rounds=rounds,
             calls=calls,

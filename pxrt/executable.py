@@ -294,6 +294,7 @@ def load(
     progress: bool | None = None,
     compilation_cache: bool = True,
     fast_path: bool = True,
+    zero_copy: bool = True,
     staging_depth: int = 3,
     max_routes: int = 256,
 ) -> Model:
@@ -311,6 +312,8 @@ def load(
         so a second load of the same artifact on the same machine is faster.
       fast_path: allow the raw execution path (each bucket is still checked against
         ``Compiled.__call__`` and falls back to it if they differ).
+      zero_copy: let device buffers alias the staging slots instead of copying them
+        (a slot is refilled only after its batch's outputs were fetched).
       staging_depth: staging slots per bucket (batches of one bucket in flight at once).
       max_routes: bound of the request-signature route cache.
     """
@@ -363,7 +366,14 @@ def load(
             for buf, value in zip(example, example_inputs(art.inputs, size, seed=size).values()):
                 buf[...] = value
             program = _xla.make_program(
-                compiled, params_dev, n_in, art.x64, size, example, allow_raw=fast_path
+                compiled,
+                params_dev,
+                n_in,
+                art.x64,
+                size,
+                example,
+                allow_raw=fast_path,
+                zero_copy=zero_copy,
             )
             ring = StagingRing(
                 [s.dtype for s in in_specs],

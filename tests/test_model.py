@@ -182,3 +182,38 @@ def test_compile_counter_catches_a_compile_on_the_request_path(artifacts):
     assert model.compiles_after_load == 1
     model.run_batch([{"x": x}])
     assert model.compiles_after_load == 2  # a new lambda each call: run_batch compiled too
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_concurrent_callers_get_their_own_answers(artifacts, zero_copy):
+    """Threads share one model (and its staging rings, deeper than the ring)."""
+    import threading
+
+    model = pxrt.load(artifacts["mlp"], zero_copy=zero_copy, staging_depth=2)
+    rng = np.random.default_rng(8)
+    requests = [
+        {"x": rng.standard_normal((int(rng.integers(1, 20)), 32)).astype(np.float32)}
+        for _ in range(120)
+    ]
+    wants = [reference("mlp", r) for r in requests]
+    got: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def worker(start):
+        try:
+            for i in range(start, len(requests), 6):
+                got[i] = model.run(requests[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, want in enumerate(wants):
+        assert_matches(got[i], want, f"request {i}")
+    for size in model.buckets:
+        ring = model.bucket(size).ring
+        assert ring.slots_made <= 2 and ring.slots_free == ring.slots_made
