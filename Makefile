@@ -1,5 +1,5 @@
 # make demo   - export the built-in demo model, load it, run it, print a timing table
-# make test   - the test suite: 1 device, 4 virtual devices, and the pure-Python handlers
+# make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparison
 # make debug  - rebuild the extensions with bounds checks, line tracing and annotation
 # make lint   - ruff
@@ -25,6 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pxrt demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
 	$(PY) -m pytest -q tests
 	$(FOUR) $(PY) -m pytest -q tests
 	PXRT_NO_EXTENSIONS=1 $(FOUR) $(PY) -m pytest -q tests
