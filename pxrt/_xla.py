@@ -81,7 +81,8 @@ class _CompileCounter:
         frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code in self._codes:
-                owner = id(frame.f_locals.get("self"))
+                this = frame.f_locals.get("self")
+                owner = id(getattr(this, "compile_owner", this))
                 break
             frame = frame.f_back
         with self._lock:
@@ -174,10 +175,17 @@ class PublicProgram:
         self.row_slices = [slice(0, bucket)]
         self.out_shard_rows = bucket
 
-    def run(self, slot: StagingSlot) -> list[list[np.ndarray]]:
+    def dispatch(self, slot: StagingSlot) -> Any:
+        """Start the execution; returns a handle for ``fetch``."""
         with x64_scope(self.x64):
-            outs = self.compiled(self.params_dev, *slot.buffers)
+            return self.compiled(self.params_dev, *slot.buffers)
+
+    def fetch(self, outs: Any) -> list[list[np.ndarray]]:
+        """Wait for the outputs; per output, its shards (here one) as numpy arrays."""
         return [[np.asarray(o)] for o in outs]
+
+    def run(self, slot: StagingSlot) -> list[list[np.ndarray]]:
+        return self.fetch(self.dispatch(slot))
 
 
 class RawProgram:
@@ -251,9 +259,6 @@ class RawProgram:
             for aval, sharding, shards in zip(self.in_avals, self.in_shardings, slot.shards)
         ]
 
-    def execute(self, arrays: list) -> Any:
-        return self.exe.execute_sharded(self.param_bufs + arrays)
-
     def fetch(self, results: Any) -> list[list[np.ndarray]]:
         # Each single-device CPU output read as a read-only numpy view that keeps the
         # device buffer alive; this blocks until the execution has produced it. The C++
@@ -264,8 +269,13 @@ class RawProgram:
             per_output = [[shards[i] for i in order] for shards in per_output]
         return [[_to_numpy(a) for a in shards] for shards in per_output]
 
+    def dispatch(self, slot: StagingSlot) -> Any:
+        """Put the slot's shards on their devices and start the execution (async on
+        CPU); returns a handle for ``fetch``."""
+        return self.exe.execute_sharded(self.param_bufs + self.put(slot))
+
     def run(self, slot: StagingSlot) -> list[list[np.ndarray]]:
-        return self.fetch(self.execute(self.put(slot)))
+        return self.fetch(self.exe.execute_sharded(self.param_bufs + self.put(slot)))
 
 
 def _to_numpy_cpp(array: Any) -> np.ndarray:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,11 +33,7 @@ class Chunk:
 
     def offsets(self) -> list[int]:
         """Where each piece starts in the batch."""
-        out, at = [], 0
-        for c in self.counts:
-            out.append(at)
-            at += c
-        return out
+        return _offsets(self.counts)
 
 
 def plan_chunks(rows: Sequence[int], max_rows: int) -> list[Chunk]:
@@ -148,3 +145,161 @@ def run_chunk(
     return result_handler.split(
         outputs, program.out_shard_rows, chunk.offsets(), chunk.counts, copy
     )
+
+
+class BatchJob:
+    """One batch on its way through the pipeline.
+
+    The submitter fills ``bucket``, the pieces (``pieces[i]`` is the prepared array
+    tuple whose rows ``starts[i]:starts[i]+counts[i]`` go in), ``rows`` and ``context``
+    (anything it needs back). The pipeline fills ``outputs`` (one dict per piece) or
+    ``error``, and the stage clocks (``time.perf_counter``): started, dispatched
+    (assembled + put + execution launched), fetched (outputs ready), done (split).
+    """
+
+    __slots__ = (
+        "bucket",
+        "pieces",
+        "starts",
+        "counts",
+        "rows",
+        "copy",
+        "context",
+        "outputs",
+        "error",
+        "t_start",
+        "t_assembled",
+        "t_dispatched",
+        "t_fetched",
+        "t_done",
+    )
+
+    def __init__(
+        self,
+        bucket: Any,
+        pieces: list,
+        starts: list,
+        counts: list,
+        rows: int,
+        context: Any = None,
+        copy: bool = False,
+    ) -> None:
+        self.bucket = bucket
+        self.pieces = pieces
+        self.starts = starts
+        self.counts = counts
+        self.rows = rows
+        self.copy = copy
+        self.context = context
+        self.outputs: list[dict] | None = None
+        self.error: BaseException | None = None
+        self.t_start = self.t_assembled = self.t_dispatched = self.t_fetched = self.t_done = 0.0
+
+
+_STOP = object()
+
+
+class Pipeline:
+    """Runs batches through assemble -> put -> execute on a dispatcher thread and
+    fetch -> split on a fetcher thread, so one batch executes while the next is being
+    assembled and dispatched (two or more in flight; the staging rings bound how many).
+
+    ``on_done(job)`` is called on the fetcher thread once per batch, with
+    ``job.outputs`` or ``job.error`` set. A failing batch fails alone.
+    """
+
+    def __init__(self, model: Any, on_done: Callable[[BatchJob], None], name: str = "") -> None:
+        self.model = model
+        self.compile_owner = model  # compiles under the stage functions count for the model
+        self._on_done = on_done
+        self._input_handler = model.input_handler
+        self._result_handler = model.result_handler
+        self._to_dispatch: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_fetch: queue.SimpleQueue = queue.SimpleQueue()
+        label = name or getattr(model, "name", "model")
+        self._threads = [
+            threading.Thread(
+                target=self._dispatch_loop, name=f"pxrt-dispatch-{label}", daemon=True
+            ),
+            threading.Thread(target=self._fetch_loop, name=f"pxrt-fetch-{label}", daemon=True),
+        ]
+        self._closed = False
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: BatchJob) -> None:
+        """Queue a batch; never blocks."""
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        self._to_dispatch.put(job)
+
+    def close(self) -> None:
+        """Finish every submitted batch, then stop the threads (blocks until they end)."""
+        if not self._closed:
+            self._closed = True
+            self._to_dispatch.put(_STOP)
+        for t in self._threads:
+            t.join()
+
+    @_xla.compile_counter.request_path
+    def _dispatch_loop(self) -> None:
+        clock = time.perf_counter
+        assemble = self._input_handler.assemble
+        while True:
+            job = self._to_dispatch.get()
+            if job is _STOP:
+                self._to_fetch.put(_STOP)
+                return
+            job.t_start = clock()
+            bucket = job.bucket
+            slot = bucket.ring.acquire()
+            try:
+                assemble(job.pieces, job.starts, job.counts, slot.buffers)
+                job.t_assembled = clock()
+                handle = bucket.program.dispatch(slot)
+            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
+                bucket.ring.release(slot)
+                job.error = exc
+                self._to_fetch.put((job, None, None))
+                continue
+            job.t_dispatched = clock()
+            self._to_fetch.put((job, slot, handle))
+
+    @_xla.compile_counter.request_path
+    def _fetch_loop(self) -> None:
+        clock = time.perf_counter
+        split = self._result_handler.split
+        while True:
+            item = self._to_fetch.get()
+            if item is _STOP:
+                return
+            job, slot, handle = item
+            if slot is not None:
+                program = job.bucket.program
+                try:
+                    outputs = program.fetch(handle)
+                    job.t_fetched = clock()
+                    job.outputs = split(
+                        outputs, program.out_shard_rows, _offsets(job.counts), job.counts, job.copy
+                    )
+                except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
+                    job.error = exc
+                finally:
+                    # The outputs are fetched (or failed): the slot's device buffers are done.
+                    del handle
+                    job.bucket.ring.release(slot)
+            job.t_done = clock()
+            try:
+                self._on_done(job)
+            except BaseException:  # noqa: BLE001 - a broken callback must not stop the pipeline
+                import traceback
+
+                traceback.print_exc()
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out, at = [], 0
+    for c in counts:
+        out.append(at)
+        at += c
+    return out

@@ -1,0 +1,35 @@
+"""Errors a caller of the serving layer can get back, besides a request's own
+TypeError/ValueError from validation."""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """Base of the serving layer's errors."""
+
+
+class Overloaded(ServingError):
+    """The model's queue is full; try again after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(ServingError, TimeoutError):
+    """The request's deadline passed while it was queued; it was never executed."""
+
+
+class ExecutionFailed(ServingError, RuntimeError):
+    """The batch this request ran in failed; the message names the model and bucket."""
+
+
+class ServerClosed(ServingError):
+    """The server is closing or closed and accepts no new requests."""
+
+
+class UnknownModel(ServingError, KeyError):
+    """No model of that name is being served."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,198 @@
+"""The embedded server: models, their batchers and pipelines, metrics.
+
+Async use, on any running asyncio or uvloop loop::
+
+    async with Server() as server:
+        server.add_model("mlp", pxrt.load("models/mlp"), max_batch_size=64, max_delay_us=2000)
+        out = await server.infer("mlp", {"x": x})
+
+Blocking use, with the loop on a background thread (uvloop when installed)::
+
+    with BlockingServer() as server:
+        server.add_model("mlp", pxrt.load("models/mlp"))
+        out = server.infer("mlp", {"x": x})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from .batcher import Batcher
+from .errors import ServerClosed, UnknownModel
+from .metrics import Metrics
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else asyncio's default loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class Server:
+    """Serves loaded ``pxrt.Model``s to many concurrent callers with dynamic batching.
+
+    Create it on (or enter it from) the event loop that will serve. Every method but
+    ``metrics_snapshot`` must be called on that loop's thread.
+    """
+
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self._batchers: dict[str, Batcher] = {}
+        self._timeouts: dict[str, float | None] = {}
+        self._closed = False
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def add_model(
+        self,
+        name: str,
+        model: Any,
+        *,
+        max_batch_size: int | None = None,
+        max_delay_us: float = 2000.0,
+        max_queue: int = 4096,
+        default_timeout_s: float | None = None,
+        max_inflight: int = 2,
+        copy: bool = False,
+    ) -> None:
+        """Serve ``model`` (from ``pxrt.load``) as ``name``.
+
+        Args:
+          max_batch_size: rows that close a batch at once (default and cap: the largest
+            compiled bucket).
+          max_delay_us: how long the oldest queued request may wait for a batch to fill.
+          max_queue: queued rows beyond which requests are rejected with ``Overloaded``.
+          default_timeout_s: deadline of a request that brings none (None: no deadline).
+          max_inflight: batches executing at once (the pipeline overlaps them).
+          copy: hand out owned, writeable outputs instead of read-only views.
+        """
+        if self._closed:
+            raise ServerClosed("the server is closed")
+        if name in self._batchers:
+            raise ValueError(f"a model named {name!r} is already being served")
+        self._batchers[name] = Batcher(
+            name,
+            model,
+            self.metrics,
+            max_batch_size=max_batch_size,
+            max_delay_us=max_delay_us,
+            max_queue=max_queue,
+            max_inflight=max_inflight,
+            copy=copy,
+        )
+        self._timeouts[name] = default_timeout_s
+
+    @property
+    def models(self) -> dict[str, Any]:
+        return {name: b.model for name, b in self._batchers.items()}
+
+    def batcher(self, name: str) -> Batcher:
+        try:
+            return self._batchers[name]
+        except KeyError:
+            raise UnknownModel(
+                f"no model named {name!r}; serving: {', '.join(self._batchers) or 'none'}"
+            ) from None
+
+    async def infer(
+        self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
+    ) -> dict:
+        """Run one request (input name -> array of n >= 1 rows) batched with others.
+
+        Raises TypeError/ValueError for a malformed request (at once, before queueing),
+        ``Overloaded`` when the queue is full, ``DeadlineExceeded`` when the deadline
+        (``timeout_s``, else the model's default) passes while queued, ``ExecutionFailed``
+        when its batch failed, ``ServerClosed`` while shutting down.
+        """
+        batcher = self.batcher(name)
+        try:
+            arrays, rows = batcher.model.input_handler.prepare(request)
+        except (TypeError, ValueError):
+            self.metrics.requests.labels(name, "invalid").inc()
+            raise
+        pending = batcher.submit(
+            arrays, rows, timeout_s if timeout_s is not None else self._timeouts[name]
+        )
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            batcher.cancel(pending)
+            raise
+
+    def metrics_snapshot(self) -> dict[str, dict]:
+        """Per model: request outcomes, batches, stage-time and batch-shape summaries."""
+        return self.metrics.snapshot()
+
+    async def close(self) -> None:
+        """Stop accepting requests, answer every accepted one, stop the pipelines."""
+        self._closed = True
+        await asyncio.gather(*(b.close() for b in self._batchers.values()))
+
+
+class BlockingServer:
+    """``Server`` for code that is not async: its loop runs on a background thread."""
+
+    def __init__(self) -> None:
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="pxrt-server-loop", daemon=True
+        )
+        self._thread.start()
+        self._server: Server = self._call(self._make)
+
+    @staticmethod
+    async def _make() -> Server:
+        return Server()
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def __enter__(self) -> BlockingServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def server(self) -> Server:
+        return self._server
+
+    def add_model(self, name: str, model: Any, **options: Any) -> None:
+        """As ``Server.add_model``."""
+
+        async def add() -> None:
+            self._server.add_model(name, model, **options)
+
+        self._call(add())
+
+    def infer(self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None):
+        """As ``Server.infer``, blocking the calling thread until the result is in."""
+        return self._call(self._server.infer(name, request, timeout_s=timeout_s))
+
+    def metrics_snapshot(self) -> dict[str, dict]:
+        return self._server.metrics_snapshot()
+
+    def close(self) -> None:
+        """Answer every accepted request, then stop the loop and its thread."""
+        if not self._loop.is_closed():
+            if self._loop.is_running():
+                self._call(self._server.close())
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+            self._loop.close()
