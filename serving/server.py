@@ -149,11 +149,7 @@ class BlockingServer:
             target=self._loop.run_forever, name="pxrt-server-loop", daemon=True
         )
         self._thread.start()
-        self._server: Server = self._call(self._make)
-
-    @staticmethod
-    async def _make() -> Server:
-        return Server()
+        self._server = Server()
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)

@@ -1,0 +1,330 @@
+"""The serving loop under asyncio and uvloop: batching, queue policy, faults, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+import uvloop
+from models import MODELS, assert_matches, random_request
+
+import pxrt
+from serving import (
+    BlockingServer,
+    DeadlineExceeded,
+    ExecutionFailed,
+    Overloaded,
+    Server,
+    ServerClosed,
+    UnknownModel,
+)
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(params=list(LOOPS))
+def run(request):
+    """Run a coroutine on a fresh loop of each kind; fail if the loop's exception
+    handler fires (an exception nobody awaited, a callback that raised)."""
+
+    def runner(coro_fn, *args):
+        errors = []
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as r:
+            r.get_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+            result = r.run(coro_fn(*args))
+        assert not errors, errors
+        return result
+
+    return runner
+
+
+def batch_reference(name, requests):
+    """Plain jax.jit of all requests at once, split back per request."""
+    spec = MODELS[name]
+    x64 = any(s.dtype.itemsize == 8 for s in spec["inputs"].values())
+    joined = {k: np.concatenate([r[k] for r in requests]) for k in requests[0]}
+    with jax.enable_x64(x64):
+        out = jax.jit(spec["fn"])(spec["params"](), **joined)
+    out = out if isinstance(out, dict) else {"output": out}
+    out = {k: np.asarray(v) for k, v in out.items()}
+    bounds = np.cumsum([len(next(iter(r.values()))) for r in requests])[:-1]
+    return [dict(zip(out, parts)) for parts in zip(*(np.split(v, bounds) for v in out.values()))]
+
+
+class Wrapped:
+    """A bucket program wrapper that can slow down or fail a batch, and counts rows."""
+
+    def __init__(self, real, delay_s=0.0, fail_if=None):
+        self.real, self.delay_s, self.fail_if = real, delay_s, fail_if
+        self.raw, self.out_shard_rows, self.row_slices = (
+            real.raw,
+            real.out_shard_rows,
+            real.row_slices,
+        )
+        self.batches = 0
+
+    def dispatch(self, slot):
+        self.batches += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail_if is not None and self.fail_if(slot):
+            raise RuntimeError("injected device failure")
+        return self.real.dispatch(slot)
+
+    def fetch(self, handle):
+        return self.real.fetch(handle)
+
+    def run(self, slot):
+        return self.fetch(self.dispatch(slot))
+
+
+def wrap_all(model, **kw):
+    wrappers = {}
+    for size in model.buckets:
+        bucket = model.bucket(size)
+        bucket.program = wrappers[size] = Wrapped(bucket.program, **kw)
+    return wrappers
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+def test_many_concurrent_callers_get_their_own_answers(run, models):
+    """1200 concurrent requests, random row counts, a tenth of them invalid."""
+    model = models["two_io"]
+    rng = np.random.default_rng(0)
+    good, bad = [], []
+    requests = []
+    for i in range(1200):
+        rows = 2 * model.max_batch + 1 if i % 50 == 7 else int(rng.integers(1, 4))
+        r = random_request(model.inputs, rows, rng)
+        if i % 10 == 3:
+            r = dict(r, features=r["features"].astype(np.float32))  # wrong dtype
+            bad.append(i)
+        else:
+            good.append(i)
+        requests.append(r)
+    wants = dict(zip(good, batch_reference("two_io", [requests[i] for i in good])))
+    compiles = pxrt.compile_count()
+
+    async def main():
+        async with Server() as server:
+            server.add_model("two_io", model, max_delay_us=500, max_queue=1 << 20)
+
+            async def call(r):
+                await asyncio.sleep(0)
+                return await server.infer("two_io", r)
+
+            outs = await asyncio.gather(*(call(r) for r in requests), return_exceptions=True)
+            return outs, server.metrics_snapshot()["two_io"]
+
+    outs, snap = run(main)
+    for i in bad:
+        assert isinstance(outs[i], TypeError) and "'features'" in str(outs[i])
+    for i in good:
+        assert_matches(outs[i], wants[i], f"request {i}")
+    assert snap["requests"]["success"] == len(good)
+    assert snap["requests"]["invalid"] == len(bad)
+    assert snap["batch_rows"]["mean"] > 4, "requests were not batched together"
+    assert pxrt.compile_count() == compiles and model.compiles_after_load == 0
+
+
+def test_requests_larger_than_a_batch_are_split(run, models):
+    model = models["mlp"]
+    rng = np.random.default_rng(1)
+    requests = [random_request(model.inputs, n, rng) for n in (3 * model.max_batch + 5, 1, 40)]
+    wants = batch_reference("mlp", requests)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_batch_size=8, max_delay_us=100)
+            return await asyncio.gather(*(server.infer("mlp", r) for r in requests))
+
+    for got, want in zip(run(main), wants):
+        assert_matches(got, want)
+
+
+def test_a_batch_closes_when_full_without_waiting(run, models):
+    model = models["mlp"]
+    x = np.ones((model.max_batch, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_delay_us=30e6)  # 30 s: only "full" can close it
+            t0 = time.perf_counter()
+            await asyncio.wait_for(server.infer("mlp", {"x": x}), 10)
+            return time.perf_counter() - t0
+
+    assert run(main) < 10
+
+
+def test_validation_errors_are_raised_at_submit(run, models):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            with pytest.raises(ValueError, match="missing input 'x'"):
+                await server.infer("mlp", {})
+            with pytest.raises(UnknownModel, match="no model named 'nope'"):
+                await server.infer("nope", {"x": np.ones((1, 32), np.float32)})
+            snap = server.metrics_snapshot()["mlp"]
+            assert snap["requests"]["invalid"] == 1 and snap.get("batches", 0) == 0
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- queue policy
+
+
+def test_overload_rejects_at_once_with_retry_after(run, artifacts):
+    model = pxrt.load(artifacts["mlp"])
+    x = np.ones((4, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_batch_size=8, max_queue=16, max_inflight=1)
+            wrap_all(model, delay_s=0.05)
+            outs = await asyncio.gather(
+                *(server.infer("mlp", {"x": x}) for _ in range(20)), return_exceptions=True
+            )
+            return outs, server.metrics_snapshot()["mlp"]
+
+    outs, snap = run(main)
+    rejected = [o for o in outs if isinstance(o, Overloaded)]
+    served = [o for o in outs if isinstance(o, dict)]
+    assert rejected and served and len(rejected) + len(served) == 20
+    assert all(o.retry_after_s > 0 and "overloaded" in str(o) for o in rejected)
+    assert snap["requests"]["rejected"] == len(rejected)
+    assert snap["requests"]["success"] == len(served)
+
+
+def test_deadline_passing_in_the_queue_drops_the_request_unexecuted(run, artifacts):
+    model = pxrt.load(artifacts["mlp"])
+    wrappers = {}
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_batch_size=1, max_delay_us=0, max_inflight=1)
+            wrappers.update(wrap_all(model, delay_s=0.2))
+            first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
+            await asyncio.sleep(0.02)  # the first batch is now executing
+            late = server.infer("mlp", {"x": x * 2}, timeout_s=0.05)
+            with pytest.raises(DeadlineExceeded, match="was not executed"):
+                await late
+            await first
+            return server.metrics_snapshot()["mlp"]
+
+    snap = run(main)
+    assert sum(w.batches for w in wrappers.values()) == 1  # the late one never ran
+    assert snap["requests"]["expired"] == 1 and snap["requests"]["success"] == 1
+
+
+def test_cancelled_request_is_removed_before_dispatch(run, artifacts):
+    model = pxrt.load(artifacts["mlp"])
+    wrappers = {}
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_batch_size=1, max_delay_us=0, max_inflight=1)
+            wrappers.update(wrap_all(model, delay_s=0.1))
+            first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
+            await asyncio.sleep(0.02)
+            doomed = asyncio.ensure_future(server.infer("mlp", {"x": x}))
+            after = asyncio.ensure_future(server.infer("mlp", {"x": x * 3}))
+            await asyncio.sleep(0.01)
+            doomed.cancel()
+            out_first, out_after = await first, await after
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+            return out_first, out_after, server.metrics_snapshot()["mlp"]
+
+    out_first, out_after, snap = run(main)
+    assert sum(w.batches for w in wrappers.values()) == 2
+    assert snap["requests"]["cancelled"] == 1 and snap["requests"]["success"] == 2
+    assert not np.array_equal(out_first["y"], out_after["y"])
+
+
+# --------------------------------------------------------------------------- faults, shutdown
+
+
+def test_a_failing_batch_fails_alone(run, artifacts):
+    model = pxrt.load(artifacts["mlp"])
+    rng = np.random.default_rng(2)
+    good = [random_request(model.inputs, 2, rng) for _ in range(6)]
+    poison = {"x": np.full((1, 32), -1, np.float32)}
+    wants = batch_reference("mlp", good)
+
+    async def main():
+        async with Server() as server:
+            # 2 + 1 rows fill a batch of 3: the first good request and the poison one
+            # are dispatched together, for certain.
+            server.add_model("mlp", model, max_batch_size=3, max_delay_us=50_000)
+            # Any batch holding a row of all -1 fails on "the device".
+            wrap_all(model, fail_if=lambda slot: bool((slot.buffers[0] == -1).all(axis=1).any()))
+            first = await asyncio.gather(
+                server.infer("mlp", good[0]), server.infer("mlp", poison), return_exceptions=True
+            )
+            rest = await asyncio.gather(*(server.infer("mlp", g) for g in good[1:]))
+            return first, rest, server.metrics_snapshot()["mlp"]
+
+    (first_good, failed), rest, snap = run(main)
+    assert isinstance(failed, ExecutionFailed)
+    assert "model 'mlp'" in str(failed) and "bucket" in str(failed) and "injected" in str(failed)
+    # The good request in the same execution shares its fate, with the same error ...
+    assert isinstance(first_good, ExecutionFailed) and str(first_good) == str(failed)
+    # ... and the server keeps serving everyone after it.
+    for got, want in zip(rest, wants[1:]):
+        assert_matches(got, want)
+    assert snap["requests"]["failed"] == 2 and snap["requests"]["success"] == len(rest)
+
+
+def test_close_while_busy_answers_every_accepted_request(run, artifacts):
+    model = pxrt.load(artifacts["mlp"])
+    rng = np.random.default_rng(3)
+    requests = [random_request(model.inputs, int(rng.integers(1, 6)), rng) for _ in range(200)]
+    wants = batch_reference("mlp", requests)
+
+    async def main():
+        server = Server()
+        server.add_model("mlp", model, max_batch_size=16, max_delay_us=1000, max_queue=1 << 20)
+        wrap_all(model, delay_s=0.01)
+        tasks = [asyncio.ensure_future(server.infer("mlp", r)) for r in requests]
+        await asyncio.sleep(0.005)
+        await server.close()
+        assert all(t.done() for t in tasks), "close returned before answering everyone"
+        with pytest.raises(ServerClosed):
+            await server.infer("mlp", requests[0])
+        return [t.result() for t in tasks]
+
+    for got, want in zip(run(main), wants):
+        assert_matches(got, want)
+
+
+def test_blocking_server_from_many_threads(artifacts, models):
+    model = models["mlp"]
+    rng = np.random.default_rng(4)
+    requests = [random_request(model.inputs, int(rng.integers(1, 9)), rng) for _ in range(64)]
+    wants = batch_reference("mlp", requests)
+    got = [None] * len(requests)
+
+    with BlockingServer() as server:
+        server.add_model("mlp", model, max_delay_us=1000)
+
+        def worker(k):
+            for i in range(k, len(requests), 8):
+                got[i] = server.infer("mlp", requests[i])
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        snap = server.metrics_snapshot()["mlp"]
+    for g, w in zip(got, wants):
+        assert_matches(g, w)
+    assert snap["requests"]["success"] == len(requests)
