@@ -1,4 +1,4 @@
-# make demo   - export the built-in demo model, load it, run it, print a timing table
+# make demo   - the demo model: export, load, run, timing table; then a short pxrt bench
 # make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparison
 # make debug  - rebuild the extensions with bounds checks, line tracing and annotation
@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd)
 
 demo: $(STAMP)
 	$(VENV)/bin/pxrt demo
+	$(VENV)/bin/pxrt bench --quick
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py

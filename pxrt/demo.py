@@ -31,15 +31,22 @@ def make_params(seed: int = 0, width: int = WIDTH, layers: int = LAYERS) -> list
     ]
 
 
-def export_demo(path: str, *, buckets=BUCKETS, overwrite: bool = True) -> str:
-    """Export the demo MLP to ``path``."""
+def export_demo(
+    path: str,
+    *,
+    buckets=BUCKETS,
+    width: int = WIDTH,
+    layers: int = LAYERS,
+    overwrite: bool = True,
+) -> str:
+    """Export the demo MLP (``layers`` x ``width``) to ``path``."""
     from .artifact import export
 
     return export(
         mlp,
-        make_params(),
+        make_params(width=width, layers=layers),
         path,
-        inputs={"x": TensorSpec((WIDTH,), "float32")},
+        inputs={"x": TensorSpec((width,), "float32")},
         batch_buckets=buckets,
         name="mlp",
         overwrite=overwrite,

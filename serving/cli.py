@@ -1,4 +1,4 @@
-"""The ``pxrt`` command: ``pxrt demo`` and ``pxrt inspect DIR``."""
+"""The ``pxrt`` command: ``pxrt demo``, ``pxrt bench [DIR]`` and ``pxrt inspect DIR``."""
 
 from __future__ import annotations
 
@@ -108,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("bench", help="load-test a model in-process: pxrt vs naive vs ceiling")
+    from . import bench
+
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.main)
 
     p = sub.add_parser("inspect", help="load an artifact; print its manifest and buckets")
     p.add_argument("path", help="an artifact directory written by pxrt.export")
