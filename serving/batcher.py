@@ -27,6 +27,9 @@ from pxrt import dispatch
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from .metrics import Metrics
 
+# Futures resolved per loop callback when a batch's results come back.
+DELIVER_SLICE = 32
+
 
 class Pending:
     """One accepted request, from submit until its future is resolved."""
@@ -87,17 +90,10 @@ class Batcher:
         self._waiter: asyncio.Future | None = None
         self._buckets = model.buckets
 
-        m = metrics
-        self._m_ok = m.requests.labels(name, "success")
-        self._m_expired = m.requests.labels(name, "expired")
-        self._m_failed = m.requests.labels(name, "failed")
-        self._m_cancelled = m.requests.labels(name, "cancelled")
-        self._m_rejected = m.requests.labels(name, "rejected")
-        self._m_batches = m.batches.labels(name)
-        self._m_stage = {k: h.labels(name) for k, h in m.durations.items()}
-        self._m_rows = m.batch_rows.labels(name)
-        self._m_padding = m.padding.labels(name)
-        metrics.add_model(name, lambda: self.queued_rows, lambda: model.compiles_after_load)
+        self._metrics = metrics.add_model(
+            name, lambda: self.queued_rows, lambda: model.compiles_after_load
+        )
+        self._counts = self._metrics.requests
 
         self.row_seconds = _measure_row_seconds(model)
         self.pipeline = dispatch.Pipeline(model, self._on_done_threadsafe, name)
@@ -110,7 +106,7 @@ class Batcher:
         if self._closing:
             raise ServerClosed(f"model {self.name!r} is shutting down; not accepting requests")
         if self.queued_rows + rows > self.max_queue:
-            self._m_rejected.inc()
+            self._counts["rejected"] += 1
             wait = max(self.queued_rows * self.row_seconds, 1e-3)
             raise Overloaded(
                 f"model {self.name!r} is overloaded: {self.queued_rows} rows queued, "
@@ -136,14 +132,14 @@ class Batcher:
             pending.timer = None
         if not pending.future.done():
             pending.future.cancel()
-        self._m_cancelled.inc()
+        self._counts["cancelled"] += 1
         self._forget(pending)  # rows already dispatched still run; their results are dropped
 
     def _expire(self, pending: Pending, timeout_s: float) -> None:
         pending.timer = None
         if pending.next_row or pending.future.done():
             return  # already (partly) dispatched: it runs to the end
-        self._m_expired.inc()
+        self._counts["expired"] += 1
         pending.future.set_exception(
             DeadlineExceeded(
                 f"model {self.name!r}: the request's deadline ({timeout_s * 1e3:.1f} ms) "
@@ -205,9 +201,11 @@ class Batcher:
         counts: list[int] = []
         owners: list[Pending] = []
         now = self._loop.time()
-        queue_hist = self._m_stage["queue"]
+        waited: list[float] = []
         while queue and room:
             p = queue[0]
+            if p.future.done() and p.next_row < p.rows:
+                self.cancel(p)  # its future was cancelled by the caller (Server.submit)
             left = p.rows - p.next_row
             if not left:
                 queue.popleft()
@@ -217,7 +215,7 @@ class Batcher:
                 if p.timer is not None:
                     p.timer.cancel()
                     p.timer = None
-                queue_hist.observe((now - p.t_enqueue) * 1e6)
+                waited.append(now - p.t_enqueue)
             pieces.append(p.arrays)
             starts.append(p.next_row)
             counts.append(take)
@@ -228,16 +226,14 @@ class Batcher:
                 queue.popleft()
         rows = self.max_batch_size - room
         self.queued_rows -= rows
+        self._metrics.stages["queue"].observe_many(np.asarray(waited) * 1e6)
         try:
             bucket = self.model.bucket(dispatch.smallest_bucket(self._buckets, rows))
             job = dispatch.BatchJob(bucket, pieces, starts, counts, rows, owners, self.copy)
             self.pipeline.submit(job)
         except Exception as exc:  # noqa: BLE001 - answer the batch's callers, keep serving
             err = ExecutionFailed(f"model {self.name!r}: could not dispatch a batch: {exc!r}")
-            for p in owners:
-                if not p.future.done():
-                    self._m_failed.inc()
-                    p.future.set_exception(err)
+            self._fail(owners, err)
             return
         self.inflight += 1
 
@@ -250,27 +246,33 @@ class Batcher:
     def _on_done(self, job: dispatch.BatchJob) -> None:
         self.inflight -= 1
         self._wake()
-        stage = self._m_stage
-        self._m_batches.inc()
-        self._m_rows.observe(job.rows)
-        self._m_padding.observe(1.0 - job.rows / job.bucket.size)
+        m = self._metrics
+        m.batches += 1
+        m.batch_rows.observe(job.rows)
+        m.padding.observe(1.0 - job.rows / job.bucket.size)
         if job.error is not None:
             err = ExecutionFailed(
                 f"model {self.name!r}, bucket {job.bucket.size}: the batch failed: "
                 f"{type(job.error).__name__}: {job.error}"
             )
             err.__cause__ = job.error
-            for p in job.context:
-                if not p.future.done():
-                    self._m_failed.inc()
-                    p.future.set_exception(err)
+            self._fail(job.context, err)
             return
-        stage["compute_input"].observe((job.t_dispatched - job.t_start) * 1e6)
-        stage["compute_infer"].observe((job.t_fetched - job.t_dispatched) * 1e6)
-        stage["compute_output"].observe((job.t_done - job.t_fetched) * 1e6)
-        now = self._loop.time()
-        request_hist = stage["request"]
-        for p, out, start, count in zip(job.context, job.outputs, job.starts, job.counts):
+        stages = m.stages
+        stages["compute_input"].observe((job.t_dispatched - job.t_start) * 1e6)
+        stages["compute_infer"].observe((job.t_fetched - job.t_dispatched) * 1e6)
+        stages["compute_output"].observe((job.t_done - job.t_fetched) * 1e6)
+        self._deliver(job, 0)
+
+    def _deliver(self, job: dispatch.BatchJob, first: int) -> None:
+        # Each resolved future wakes its caller in the next loop iteration; resolving a
+        # big batch in slices lets other events (new requests, I/O) in between them.
+        last = min(first + DELIVER_SLICE, len(job.context))
+        if last < len(job.context):
+            self._loop.call_soon(self._deliver, job, last)
+        enqueued: list[float] = []
+        for i in range(first, last):
+            p, out, start, count = job.context[i], job.outputs[i], job.starts[i], job.counts[i]
             fut = p.future
             if fut.done():
                 continue  # cancelled after dispatch, or another part of it failed
@@ -285,8 +287,18 @@ class Batcher:
                     continue
                 parts = [o for _, o in sorted(p.parts, key=lambda t: t[0])]
                 fut.set_result({k: np.concatenate([o[k] for o in parts]) for k in parts[0]})
-            self._m_ok.inc()
-            request_hist.observe((now - p.t_enqueue) * 1e6)
+            enqueued.append(p.t_enqueue)
+        if enqueued:
+            self._counts["success"] += len(enqueued)
+            self._metrics.stages["request"].observe_many(
+                (self._loop.time() - np.asarray(enqueued)) * 1e6
+            )
+
+    def _fail(self, owners: list[Pending], err: BaseException) -> None:
+        for p in owners:
+            if not p.future.done():
+                self._counts["failed"] += 1
+                p.future.set_exception(err)
 
     # ------------------------------------------------------------------ shutdown
 

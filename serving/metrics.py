@@ -1,141 +1,179 @@
-"""In-process metrics of a Server, kept in a private prometheus-client registry.
+"""In-process metrics of a Server, exposed through prometheus-client.
 
-Names follow Triton's spirit (``pxrt_queue_duration_us`` ...), labelled by model.
-``snapshot()`` reads them back as plain numbers, with percentiles estimated from the
-histogram buckets; ``registry`` can be exposed as a Prometheus page as it is.
+The hot path only touches plain numbers: counters are ints, and histograms are bucket
+counts that a whole batch's observations update at once (one ``np.searchsorted`` per
+batch, not one locked ``Histogram.observe`` per request, which cost ~9 us a request).
+prometheus-client does the exposition: ``registry`` holds a collector that yields
+standard counter, gauge and histogram families, named in Triton's spirit
+(``pxrt_queue_duration_us`` ...) and labelled by model. ``snapshot()`` reads the same
+numbers back as a dict, with percentiles interpolated within buckets.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import bisect
+from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import numpy as np
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
-# 10 us .. ~80 s, x2 steps: fine enough for percentiles of a serving path.
-_US_BUCKETS = tuple(10.0 * 2**i for i in range(24))
-_ROW_BUCKETS = tuple(float(2**i) for i in range(14))
-_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# 10 us .. ~80 s in x2 steps: fine enough for the percentiles of a serving path.
+US_BUCKETS = tuple(10.0 * 2**i for i in range(24))
+ROW_BUCKETS = tuple(float(2**i) for i in range(14))
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 OUTCOMES = ("success", "invalid", "rejected", "expired", "failed", "cancelled")
 
 STAGES = {
-    "queue": "time from submit to the batch being handed to the pipeline",
-    "compute_input": "assembling the batch into staging and putting it on the devices",
-    "compute_infer": "executing, until the outputs are ready on the host",
-    "compute_output": "splitting the outputs into per-request results",
+    "queue": "time from submit until the request's batch went to the pipeline",
+    "compute_input": "assembling a batch into staging and putting it on the devices",
+    "compute_infer": "executing a batch, until its outputs are ready on the host",
+    "compute_output": "splitting a batch's outputs into per-request results",
     "request": "end to end, submit to result",
 }
 
 
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(
-            "pxrt_requests", "Requests by outcome", ["model", "outcome"], registry=r
-        )
-        self.batches = Counter("pxrt_batches", "Batches executed", ["model"], registry=r)
-        self.durations = {
-            stage: Histogram(
-                f"pxrt_{stage}_duration_us",
-                f"Microseconds: {doc}",
-                ["model"],
-                buckets=_US_BUCKETS,
-                registry=r,
-            )
-            for stage, doc in STAGES.items()
-        }
-        self.batch_rows = Histogram(
-            "pxrt_batch_rows",
-            "Rows per executed batch",
-            ["model"],
-            buckets=_ROW_BUCKETS,
-            registry=r,
-        )
-        self.padding = Histogram(
-            "pxrt_batch_padding_ratio",
-            "Padded share of a batch's bucket",
-            ["model"],
-            buckets=_RATIO_BUCKETS,
-            registry=r,
-        )
-        self.queued_rows = Gauge(
-            "pxrt_queued_rows", "Rows waiting in the queue", ["model"], registry=r
-        )
-        self.compiles = Gauge(
-            "pxrt_compiles_after_load",
-            "XLA compiles on the request path after load (must stay 0)",
-            ["model"],
-            registry=r,
-        )
+class Histogram:
+    """Bucket counts with Prometheus's ``le`` semantics (a value lands in the first
+    bucket whose bound is >= it), plus sum and count."""
 
-    def add_model(
-        self, name: str, queued_rows: Callable[[], float], compiles: Callable[[], float]
-    ) -> None:
-        for outcome in OUTCOMES:
-            self.requests.labels(name, outcome)
-        self.batches.labels(name)
-        self.queued_rows.labels(name).set_function(queued_rows)
-        self.compiles.labels(name).set_function(compiles)
+    __slots__ = ("bounds", "_bounds_np", "counts", "sum", "count")
 
-    def snapshot(self) -> dict[str, dict]:
-        """model -> {"requests": {outcome: n}, "batches": n, "<stage>_us": {...}, ...}."""
-        out: dict[str, dict] = {}
-        for family in self.registry.collect():
-            for sample in family.samples:
-                model = sample.labels.get("model")
-                if model is None:
-                    continue
-                entry = out.setdefault(model, {"requests": {}})
-                name = sample.name
-                if name == "pxrt_requests_total":
-                    entry["requests"][sample.labels["outcome"]] = int(sample.value)
-                elif name == "pxrt_batches_total":
-                    entry["batches"] = int(sample.value)
-                elif family.type == "gauge":
-                    entry[name.removeprefix("pxrt_")] = sample.value
-        for key, hist in [
-            *((f"{s}_us", h) for s, h in self.durations.items()),
-            ("batch_rows", self.batch_rows),
-            ("padding_ratio", self.padding),
-        ]:
-            for model in out:
-                out[model][key] = _summary(hist, model)
+    def __init__(self, bounds: Iterable[float]) -> None:
+        self.bounds = list(bounds)
+        self._bounds_np = np.asarray(self.bounds)
+        self.counts = np.zeros(len(self.bounds) + 1, np.int64)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def observe_many(self, values: np.ndarray) -> None:
+        if len(values):
+            idx = np.searchsorted(self._bounds_np, values, side="left")
+            self.counts += np.bincount(idx, minlength=len(self.counts))
+            self.sum += float(values.sum())
+            self.count += len(values)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        cum = np.cumsum(self.counts)
+        labels = [_le(b) for b in self.bounds] + ["+Inf"]
+        return list(zip(labels, cum.tolist()))
+
+    def quantile(self, q: float) -> float:
+        """Linear interpolation inside the bucket that holds quantile q."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        lower, seen = 0.0, 0
+        for bound, n in zip(self.bounds, self.counts.tolist()):
+            if seen + n >= rank and n:
+                return lower + (bound - lower) * (rank - seen) / n
+            lower, seen = bound, seen + n
+        return lower  # in the +Inf bucket: the last finite bound is all we know
+
+    def summary(self) -> dict:
+        out = {"count": self.count, "mean": self.sum / self.count if self.count else 0.0}
+        for q in (0.5, 0.9, 0.99):
+            out[f"p{round(q * 100)}"] = self.quantile(q)
         return out
 
 
-def _summary(hist: Histogram, model: str) -> dict:
-    buckets: list[tuple[float, float]] = []
-    count = total = 0.0
-    for family in hist.collect():
-        for s in family.samples:
-            if s.labels.get("model") != model:
-                continue
-            if s.name.endswith("_bucket"):
-                buckets.append((float(s.labels["le"]), s.value))
-            elif s.name.endswith("_count"):
-                count = s.value
-            elif s.name.endswith("_sum"):
-                total = s.value
-    summary = {"count": int(count), "mean": total / count if count else 0.0}
-    for q in (0.5, 0.9, 0.99):
-        summary[f"p{round(q * 100)}"] = _quantile(buckets, count, q)
-    return summary
+def _le(bound: float) -> str:
+    return repr(float(bound))
 
 
-def _quantile(buckets: list[tuple[float, float]], count: float, q: float) -> float:
-    """Linear interpolation inside the cumulative bucket that holds quantile q."""
-    if not count:
-        return 0.0
-    rank = q * count
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, cumulative in sorted(buckets):
-        if cumulative >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            width = cumulative - lower_count
-            frac = (rank - lower_count) / width if width else 1.0
-            return lower_bound + (bound - lower_bound) * frac
-        lower_bound, lower_count = bound, cumulative
-    return lower_bound
+class ModelMetrics:
+    """One model's numbers. Updated on the event loop's thread only."""
+
+    def __init__(self, queued_rows: Callable[[], float], compiles: Callable[[], float]) -> None:
+        self.requests = dict.fromkeys(OUTCOMES, 0)
+        self.batches = 0
+        self.stages = {stage: Histogram(US_BUCKETS) for stage in STAGES}
+        self.batch_rows = Histogram(ROW_BUCKETS)
+        self.padding = Histogram(RATIO_BUCKETS)
+        self.queued_rows = queued_rows
+        self.compiles = compiles
+
+    def snapshot(self) -> dict:
+        out: dict = {"requests": dict(self.requests), "batches": self.batches}
+        for stage, hist in self.stages.items():
+            out[f"{stage}_us"] = hist.summary()
+        out["batch_rows"] = self.batch_rows.summary()
+        out["padding_ratio"] = self.padding.summary()
+        out["queued_rows"] = self.queued_rows()
+        out["compiles_after_load"] = self.compiles()
+        return out
+
+
+class Metrics:
+    """All models' metrics, and a prometheus-client registry that exposes them."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, ModelMetrics] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    def add_model(
+        self, name: str, queued_rows: Callable[[], float], compiles: Callable[[], float]
+    ) -> ModelMetrics:
+        self.models[name] = ModelMetrics(queued_rows, compiles)
+        return self.models[name]
+
+    def count(self, name: str, outcome: str, n: int = 1) -> None:
+        model = self.models.get(name)
+        if model is not None:
+            model.requests[outcome] += n
+
+    def snapshot(self) -> dict[str, dict]:
+        """model -> {"requests": {outcome: n}, "batches": n, "<stage>_us": {...}, ...}."""
+        return {name: m.snapshot() for name, m in self.models.items()}
+
+
+class _Collector:
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        models = list(self._metrics.models.items())
+        requests = CounterMetricFamily(
+            "pxrt_requests", "Requests by outcome", labels=["model", "outcome"]
+        )
+        batches = CounterMetricFamily("pxrt_batches", "Batches executed", labels=["model"])
+        queued = GaugeMetricFamily(
+            "pxrt_queued_rows", "Rows waiting in the queue", labels=["model"]
+        )
+        compiles = GaugeMetricFamily(
+            "pxrt_compiles_after_load",
+            "XLA compiles on the request path after load (stays 0)",
+            labels=["model"],
+        )
+        for name, m in models:
+            for outcome, n in m.requests.items():
+                requests.add_metric([name, outcome], n)
+            batches.add_metric([name], m.batches)
+            queued.add_metric([name], m.queued_rows())
+            compiles.add_metric([name], m.compiles())
+        yield from (requests, batches, queued, compiles)
+        families = [
+            (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", lambda m, s=stage: m.stages[s])
+            for stage, doc in STAGES.items()
+        ]
+        families += [
+            ("pxrt_batch_rows", "Rows per executed batch", lambda m: m.batch_rows),
+            ("pxrt_batch_padding_ratio", "Padded share of a batch's bucket", lambda m: m.padding),
+        ]
+        for metric, doc, pick in families:
+            family = HistogramMetricFamily(metric, doc, labels=["model"])
+            for name, m in models:
+                hist = pick(m)
+                family.add_metric([name], hist.cumulative(), hist.sum)
+            yield family

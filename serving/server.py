@@ -115,20 +115,32 @@ class Server:
         (``timeout_s``, else the model's default) passes while queued, ``ExecutionFailed``
         when its batch failed, ``ServerClosed`` while shutting down.
         """
-        batcher = self.batcher(name)
-        try:
-            arrays, rows = batcher.model.input_handler.prepare(request)
-        except (TypeError, ValueError):
-            self.metrics.requests.labels(name, "invalid").inc()
-            raise
-        pending = batcher.submit(
-            arrays, rows, timeout_s if timeout_s is not None else self._timeouts[name]
-        )
+        batcher, pending = self._submit(name, request, timeout_s)
         try:
             return await pending.future
         except asyncio.CancelledError:
             batcher.cancel(pending)
             raise
+
+    def submit(
+        self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
+    ) -> asyncio.Future:
+        """``infer`` without the coroutine: queue the request and return its future at
+        once (for callers that handle many requests from one task). Errors that
+        ``infer`` raises before queueing are raised here; cancelling the future drops
+        the request if it was not dispatched yet."""
+        return self._submit(name, request, timeout_s)[1].future
+
+    def _submit(self, name: str, request: Mapping[str, Any], timeout_s: float | None):
+        batcher = self.batcher(name)
+        try:
+            arrays, rows = batcher.model.input_handler.prepare(request)
+        except (TypeError, ValueError):
+            self.metrics.count(name, "invalid")
+            raise
+        if timeout_s is None:
+            timeout_s = self._timeouts[name]
+        return batcher, batcher.submit(arrays, rows, timeout_s)
 
     def metrics_snapshot(self) -> dict[str, dict]:
         """Per model: request outcomes, batches, stage-time and batch-shape summaries."""
