@@ -27,6 +27,9 @@ from pxrt import dispatch
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from .metrics import Metrics
 
+# Measurements use perf_counter: uvloop's loop.time() moves in whole milliseconds.
+_clock = time.perf_counter
+
 # Futures resolved per loop callback when a batch's results come back.
 DELIVER_SLICE = 32
 
@@ -114,10 +117,9 @@ class Batcher:
                 retry_after_s=wait,
             )
         loop = self._loop
-        now = loop.time()
-        pending = Pending(arrays, rows, loop.create_future(), now)
+        pending = Pending(arrays, rows, loop.create_future(), _clock())
         if timeout_s is not None:
-            pending.timer = loop.call_at(now + timeout_s, self._expire, pending, timeout_s)
+            pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
         was_empty = not self._queue
         self._queue.append(pending)
         self.queued_rows += rows
@@ -187,9 +189,9 @@ class Batcher:
                 await self._sleep(None)  # a finished batch wakes us; the queue keeps growing
                 continue
             if self.queued_rows < self.max_batch_size and not self._closing:
-                due = queue[0].t_enqueue + self.max_delay
-                if due > loop.time():
-                    await self._sleep(due)
+                wait = queue[0].t_enqueue + self.max_delay - _clock()
+                if wait > 0:
+                    await self._sleep(loop.time() + wait)
                     continue
             self._dispatch_batch()
 
@@ -200,7 +202,7 @@ class Batcher:
         starts: list[int] = []
         counts: list[int] = []
         owners: list[Pending] = []
-        now = self._loop.time()
+        now = _clock()
         waited: list[float] = []
         while queue and room:
             p = queue[0]
@@ -290,9 +292,7 @@ class Batcher:
             enqueued.append(p.t_enqueue)
         if enqueued:
             self._counts["success"] += len(enqueued)
-            self._metrics.stages["request"].observe_many(
-                (self._loop.time() - np.asarray(enqueued)) * 1e6
-            )
+            self._metrics.stages["request"].observe_many((_clock() - np.asarray(enqueued)) * 1e6)
 
     def _fail(self, owners: list[Pending], err: BaseException) -> None:
         for p in owners:

@@ -50,3 +50,37 @@ def test_demo_runs(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "max |pxrt - jax.jit|" in result.stdout and "compiles after load: 0" in result.stdout
     assert (tmp_path / "demo" / "manifest.json").is_file()
+
+
+def test_bench_writes_its_report(tmp_path, artifacts):
+    out = tmp_path / "bench"
+    result = _pxrt(
+        "bench",
+        str(artifacts["mlp"]),
+        "--duration",
+        "0.3",
+        "--concurrency",
+        "1,8",
+        "--naive-concurrency",
+        "2",
+        "--max-batch-size",
+        "8",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for words in (
+        "ceiling: bucket 8",
+        "naive",
+        "pxrt: 8 concurrent callers",
+        "Poisson",
+        "saturated throughput / ceiling",
+        "event-loop lag p99",
+    ):
+        assert words in result.stdout, words
+    report = json.loads((out / "bench.json").read_text())
+    modes = [r["mode"] for r in report["results"]]
+    assert modes == ["ceiling", "naive", "pxrt-closed", "pxrt-closed", "pxrt-open"]
+    assert all(r["rows_per_s"] > 0 for r in report["results"])
+    assert report["summary"]["saturated_vs_ceiling"] > 0
+    assert (out / "bench.png").stat().st_size > 10_000

@@ -328,3 +328,32 @@ def test_blocking_server_from_many_threads(artifacts, models):
     for g, w in zip(got, wants):
         assert_matches(g, w)
     assert snap["requests"]["success"] == len(requests)
+
+
+def test_metrics_page_counts_what_happened(run, models):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model = models["mlp"]
+    x = np.ones((3, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_delay_us=200)
+            await asyncio.gather(*(server.infer("mlp", {"x": x}) for _ in range(7)))
+            with pytest.raises(TypeError):
+                await server.infer("mlp", {"x": x.astype(np.float64)})
+            return generate_latest(server.metrics.registry).decode(), server.metrics_snapshot()
+
+    page, snap = run(main)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+    }
+    assert samples[("pxrt_requests_total", (("model", "mlp"), ("outcome", "success")))] == 7
+    assert samples[("pxrt_requests_total", (("model", "mlp"), ("outcome", "invalid")))] == 1
+    assert samples[("pxrt_request_duration_us_count", (("model", "mlp"),))] == 7
+    assert samples[("pxrt_batch_rows_sum", (("model", "mlp"),))] == 21
+    assert samples[("pxrt_compiles_after_load", (("model", "mlp"),))] == 0
+    assert snap["mlp"]["requests"]["success"] == 7 and snap["mlp"]["batch_rows"]["count"] >= 1
