@@ -315,7 +315,7 @@ def summarize(results: list[dict], options: dict) -> dict:
     }
     for naive in (r for r in results if r["mode"] == "naive"):
         same = [r for r in closed if r["concurrency"] == naive["concurrency"]]
-        if same:
+        if same and naive["requests_per_s"] > 0:
             summary[f"pxrt_vs_naive_at_{naive['concurrency']}"] = (
                 same[0]["requests_per_s"] / naive["requests_per_s"]
             )
@@ -397,10 +397,6 @@ def bench(
         bar.set_postfix_str("ceiling")
         results.append(run_ceiling(model, duration, options.get("max_batch_size")))
         bar.update()
-        for c in naive_concurrency:
-            bar.set_postfix_str(f"naive x{c}")
-            results.append(run_naive(model, c, rows, duration))
-            bar.update()
         loop = new_event_loop()
         try:
             for c in concurrency:
@@ -417,6 +413,11 @@ def bench(
             bar.update()
         finally:
             loop.close()
+        # Last: if jax deadlocks under the naive way's threads, nothing else is lost.
+        for c in naive_concurrency:
+            bar.set_postfix_str(f"naive x{c}")
+            results.append(run_naive(model, c, rows, duration))
+            bar.update()
 
     summary = summarize(results, options)
     report = {
