@@ -1,4 +1,4 @@
-"""The ``pxrt`` command: ``pxrt demo``, ``pxrt bench [DIR]`` and ``pxrt inspect DIR``."""
+"""The ``pxrt`` command: ``pxrt demo | serve [DIR...] | bench [DIR] | inspect DIR``."""
 
 from __future__ import annotations
 
@@ -108,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="serve models over HTTP (KServe v2 / Open Inference Protocol)")
+    from . import serve
+
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.main)
 
     p = sub.add_parser("bench", help="load-test a model in-process: pxrt vs naive vs ceiling")
     from . import bench

@@ -1,0 +1,299 @@
+"""KServe v2 / Open Inference Protocol over HTTP: a mountable Starlette app.
+
+``create_app(server)`` serves the models of a ``serving.Server``: health, metadata,
+Triton-style model config and statistics, inference with JSON or binary tensors, and
+``/metrics`` in Prometheus text format. Errors come back as ``{"error": "..."}``: 400 for
+a malformed request or a validation error, 404 for an unknown model or version, 413 for
+a body over the limit (refused before it is read), 429 with ``Retry-After`` when the
+queue is full, 503 while loading or draining, 504 when the request's deadline passed
+in the queue, 500 when its batch failed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import pxrt
+
+from . import kserve
+from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed, UnknownModel
+from .server import Server
+
+HEADER_LENGTH = "inference-header-content-length"
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers
+
+
+def _json(doc: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(
+        orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY),
+        status,
+        headers,
+        media_type="application/json",
+    )
+
+
+def _error(status: int, message: str, headers: dict | None = None) -> Response:
+    return _json({"error": message}, status, headers)
+
+
+class State:
+    """What the app knows beyond the Server: readiness and draining."""
+
+    def __init__(self) -> None:
+        self.ready = False  # every model loaded, compiled and warmed
+        self.draining = False  # shutting down: refuse new inference
+
+
+def create_app(
+    server: Server,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    state: State | None = None,
+    lifespan: Any = None,
+) -> Starlette:
+    """A Starlette app speaking KServe v2 for ``server``'s models.
+
+    Mount it in your own ASGI app, or run it with uvicorn (``pxrt serve`` does). The
+    app is ready once ``state.ready`` is set; with no ``state`` given, it is ready as
+    soon as it is created (its models are loaded by then).
+    """
+    if state is None:
+        state = State()
+        state.ready = True
+
+    def model_of(request: Request) -> tuple[str, Any, Any]:
+        name = request.path_params["model"]
+        try:
+            batcher = server.batcher(name)
+        except UnknownModel as exc:
+            raise _HTTPError(404, str(exc)) from None
+        version = request.path_params.get("version")
+        model = batcher.model
+        if version is not None and version != model.version:
+            raise _HTTPError(
+                404,
+                f"model {name!r} has no version {version!r} (serving version {model.version!r})",
+            )
+        return name, model, batcher
+
+    def handled(fn):
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except _HTTPError as exc:
+                return _error(exc.status, str(exc), exc.headers)
+
+        return endpoint
+
+    async def server_metadata(request: Request) -> Response:
+        return _json(
+            {
+                "name": "pxrt",
+                "version": pxrt.__version__,
+                "extensions": ["binary_tensor_data", "model_configuration", "statistics"],
+            }
+        )
+
+    async def live(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(request: Request) -> Response:
+        return Response(status_code=200 if state.ready and not state.draining else 503)
+
+    async def model_ready(request: Request) -> Response:
+        model_of(request)
+        return Response(status_code=200 if state.ready and not state.draining else 503)
+
+    async def model_metadata(request: Request) -> Response:
+        name, model, _ = model_of(request)
+
+        def tensors(specs: dict) -> list[dict]:
+            return [
+                {"name": k, "datatype": kserve.datatype_of(s.dtype), "shape": [-1, *s.shape]}
+                for k, s in specs.items()
+            ]
+
+        return _json(
+            {
+                "name": name,
+                "versions": [model.version],
+                "platform": "pxrt_jax",
+                "inputs": tensors(model.inputs),
+                "outputs": tensors(model.outputs),
+            }
+        )
+
+    async def model_config(request: Request) -> Response:
+        name, model, batcher = model_of(request)
+
+        def tensors(specs: dict) -> list[dict]:
+            return [
+                {
+                    "name": k,
+                    "data_type": "TYPE_" + kserve.datatype_of(s.dtype),
+                    "dims": list(s.shape),
+                }
+                for k, s in specs.items()
+            ]
+
+        return _json(
+            {
+                "name": name,
+                "platform": "pxrt_jax",
+                "backend": "pxrt",
+                "version_policy": {"specific": {"versions": [model.version]}},
+                "max_batch_size": batcher.max_batch_size,
+                "input": tensors(model.inputs),
+                "output": tensors(model.outputs),
+                "dynamic_batching": {
+                    "preferred_batch_size": [
+                        b for b in model.buckets if b <= batcher.max_batch_size
+                    ],
+                    "max_queue_delay_microseconds": int(batcher.max_delay * 1e6),
+                    "default_queue_policy": {"max_queue_size": batcher.max_queue},
+                },
+                "instance_group": [
+                    {
+                        "count": 1,
+                        "kind": "KIND_CPU" if model.devices[0].platform == "cpu" else "KIND_GPU",
+                    }
+                ],
+            }
+        )
+
+    async def model_stats(request: Request) -> Response:
+        name, model, _ = model_of(request)
+        snap = server.metrics_snapshot()[name]
+
+        def duration(key: str) -> dict:
+            h = snap[key]
+            return {"count": h["count"], "ns": int(h["mean"] * h["count"] * 1e3)}
+
+        req = snap["requests"]
+        success = duration("request_us")
+        fail_count = sum(req[k] for k in ("invalid", "rejected", "expired", "failed"))
+        return _json(
+            {
+                "model_stats": [
+                    {
+                        "name": name,
+                        "version": model.version,
+                        "inference_count": int(
+                            snap["batch_rows"]["mean"] * snap["batch_rows"]["count"]
+                        ),
+                        "execution_count": snap["batches"],
+                        "inference_stats": {
+                            "success": success,
+                            "fail": {"count": fail_count, "ns": 0},
+                            "queue": duration("queue_us"),
+                            "compute_input": duration("compute_input_us"),
+                            "compute_infer": duration("compute_infer_us"),
+                            "compute_output": duration("compute_output_us"),
+                        },
+                        "batch_stats": [],
+                    }
+                ]
+            }
+        )
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            raise _HTTPError(
+                413, f"the request body has {length} bytes; the limit is {max_body_bytes}"
+            )
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise _HTTPError(
+                    413, f"the request body is over the limit of {max_body_bytes} bytes"
+                )
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def infer(request: Request) -> Response:
+        if state.draining or not state.ready:
+            why = "draining" if state.draining else "loading"
+            raise _HTTPError(503, f"the server is {why}; not accepting inference requests")
+        name, model, batcher = model_of(request)
+        body = await read_body(request)
+        try:
+            header, binary = kserve.split_body(body, request.headers.get(HEADER_LENGTH))
+            doc = kserve.parse_json(header)
+            inputs = kserve.decode_inputs(doc, binary)
+            selected = kserve.requested_outputs(doc, list(model.outputs))
+            timeout_s = _timeout(doc)
+        except kserve.ProtocolError as exc:
+            raise _HTTPError(400, str(exc)) from None
+        try:
+            outputs = await server.infer(name, inputs, timeout_s=timeout_s)
+        except (TypeError, ValueError) as exc:
+            raise _HTTPError(400, str(exc)) from None
+        except Overloaded as exc:
+            raise _HTTPError(
+                429, str(exc), {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+            ) from None
+        except DeadlineExceeded as exc:
+            raise _HTTPError(504, str(exc)) from None
+        except ServerClosed as exc:
+            raise _HTTPError(503, str(exc)) from None
+        except ExecutionFailed as exc:
+            raise _HTTPError(500, str(exc)) from None
+        body, header_length = kserve.encode_response(
+            name, model.version, doc.get("id"), outputs, selected
+        )
+        if header_length is None:
+            return Response(body, media_type="application/json")
+        return Response(
+            body,
+            media_type="application/octet-stream",
+            headers={"Inference-Header-Content-Length": str(header_length)},
+        )
+
+    routes = [
+        Route("/v2", handled(server_metadata)),
+        Route("/v2/health/live", handled(live)),
+        Route("/v2/health/ready", handled(ready)),
+        Route("/metrics", handled(metrics)),
+    ]
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        routes += [
+            Route(prefix, handled(model_metadata)),
+            Route(prefix + "/ready", handled(model_ready)),
+            Route(prefix + "/config", handled(model_config)),
+            Route(prefix + "/stats", handled(model_stats)),
+            Route(prefix + "/infer", handled(infer), methods=["POST"]),
+        ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.pxrt = state
+    return app
+
+
+def _timeout(doc: dict) -> float | None:
+    params = doc.get("parameters")
+    if not isinstance(params, dict) or params.get("timeout") is None:
+        return None
+    timeout = params["timeout"]
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise kserve.ProtocolError("parameters.timeout must be a positive number of microseconds")
+    return timeout * 1e-6

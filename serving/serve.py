@@ -1,0 +1,146 @@
+"""``pxrt serve``: the standalone KServe v2 server (uvicorn on uvloop + httptools).
+
+The HTTP server starts at once and answers ``/v2/health/live``; models load and compile
+in a worker thread, and ``/v2/health/ready`` turns 200 when all are warm. SIGTERM or
+Ctrl-C: stop accepting, answer every accepted request, exit 0.
+
+Per-model batching options come from flags (defaults for every model) or a TOML file::
+
+    [defaults]
+    max_delay_us = 2000
+
+    [models.mlp]
+    path = "models/mlp"
+    max_batch_size = 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import sys
+import tempfile
+import tomllib
+from typing import Any
+
+OPTION_KEYS = ("max_batch_size", "max_delay_us", "max_queue", "default_timeout_s", "max_inflight")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dirs", nargs="*", help="artifact directories (default: the demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--config", metavar="TOML", help="per-model options (see pxrt serve --help)")
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--max-delay-us", type=float, default=None)
+    p.add_argument("--max-queue", type=int, default=None)
+    p.add_argument("--default-timeout-s", type=float, default=None)
+    p.add_argument("--max-inflight", type=int, default=None)
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="larger bodies get 413")
+    p.add_argument("--log-level", default="warning")
+
+
+def model_specs(args: argparse.Namespace, demo_dir: str) -> list[tuple[str | None, str, dict]]:
+    """(name or None for the manifest's, path, options) per model to serve."""
+    defaults = {k: getattr(args, k) for k in OPTION_KEYS if getattr(args, k) is not None}
+    specs: list[tuple[str | None, str, dict]] = []
+    if args.config:
+        with open(args.config, "rb") as f:
+            conf = tomllib.load(f)
+        defaults |= _options(conf.get("defaults", {}), "[defaults]")
+        for name, section in conf.get("models", {}).items():
+            if "path" not in section:
+                raise SystemExit(f"pxrt serve: [models.{name}] in {args.config} needs a path")
+            extra = {k: v for k, v in section.items() if k != "path"}
+            specs.append((name, section["path"], defaults | _options(extra, f"[models.{name}]")))
+    specs += [(None, path, dict(defaults)) for path in args.model_dirs]
+    if not specs:
+        from pxrt import demo
+
+        specs.append((None, demo.export_demo(os.path.join(demo_dir, "mlp")), dict(defaults)))
+    return specs
+
+
+def _options(section: dict, where: str) -> dict:
+    unknown = set(section) - set(OPTION_KEYS)
+    if unknown:
+        raise SystemExit(
+            f"pxrt serve: unknown option(s) {sorted(unknown)} in {where}; "
+            f"known: {', '.join(OPTION_KEYS)}"
+        )
+    return dict(section)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    import pxrt
+
+    from .http import State, create_app
+    from .server import Server, new_event_loop
+
+    with tempfile.TemporaryDirectory(prefix="pxrt-serve-") as demo_dir:
+        specs = model_specs(args, demo_dir)
+        server = Server()
+        state = State()
+        loading_error: list[BaseException] = []
+
+        async def load_all() -> None:
+            try:
+                for name, path, options in specs:
+                    model = await asyncio.to_thread(pxrt.load, path)
+                    server.add_model(name or model.name, model, **options)
+                    print(
+                        f"pxrt serve: {name or model.name} ready (buckets {model.buckets}, "
+                        f"{len(model.devices)} device(s))",
+                        file=sys.stderr,
+                    )
+                # jax's many objects leave the collector's view (its full passes stall the loop).
+                gc.collect()
+                gc.freeze()
+                state.ready = True
+                print(f"pxrt serve: ready on http://{args.host}:{args.port}", file=sys.stderr)
+            except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
+                loading_error.append(exc)
+                uv.should_exit = True
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Any):
+            loader = asyncio.ensure_future(load_all())
+            yield
+            state.draining = True
+            loader.cancel()
+            await server.close()
+
+        app = create_app(
+            server, state=state, lifespan=lifespan, max_body_bytes=int(args.max_body_mb * (1 << 20))
+        )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            http="httptools",
+            lifespan="on",
+            log_level=args.log_level,
+            timeout_graceful_shutdown=30,
+        )
+
+        class Uvicorn(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                state.draining = True  # requests still arriving get 503 from now on
+                super().handle_exit(sig, frame)
+
+        uv = Uvicorn(config)
+        loop = new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(uv.serve())
+        finally:
+            loop.close()
+        if loading_error:
+            print(f"pxrt serve: error: {loading_error[0]}", file=sys.stderr)
+            return 2
+    return 0
