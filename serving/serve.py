@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import signal
 import sys
 import tempfile
 import tomllib
@@ -132,6 +133,18 @@ def main(args: argparse.Namespace) -> int:
             def handle_exit(self, sig: int, frame: Any) -> None:
                 state.draining = True  # requests still arriving get 503 from now on
                 super().handle_exit(sig, frame)
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # uvicorn's own re-raises the signal after a graceful shutdown, so the
+                # process would die of it; a drained server exits 0 instead.
+                handled = (signal.SIGINT, signal.SIGTERM)
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
 
         uv = Uvicorn(config)
         loop = new_event_loop()

@@ -4,6 +4,7 @@ the Makefile does both)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import sys
@@ -11,6 +12,7 @@ import warnings
 
 import jax
 import pytest
+import uvloop
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -51,3 +53,22 @@ def models(artifacts):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         return {name: pxrt.load(path) for name, path in artifacts.items()}
+
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(params=list(LOOPS))
+def run(request):
+    """Run a coroutine on a fresh loop of each kind; fail if the loop's exception
+    handler fires (an exception nobody awaited, a callback that raised)."""
+
+    def runner(coro_fn, *args):
+        errors = []
+        with asyncio.Runner(loop_factory=LOOPS[request.param]) as r:
+            r.get_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+            result = r.run(coro_fn(*args))
+        assert not errors, errors
+        return result
+
+    return runner

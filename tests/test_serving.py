@@ -9,7 +9,6 @@ import time
 import jax
 import numpy as np
 import pytest
-import uvloop
 from models import MODELS, assert_matches, random_request
 
 import pxrt
@@ -22,24 +21,6 @@ from serving import (
     ServerClosed,
     UnknownModel,
 )
-
-LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-
-
-@pytest.fixture(params=list(LOOPS))
-def run(request):
-    """Run a coroutine on a fresh loop of each kind; fail if the loop's exception
-    handler fires (an exception nobody awaited, a callback that raised)."""
-
-    def runner(coro_fn, *args):
-        errors = []
-        with asyncio.Runner(loop_factory=LOOPS[request.param]) as r:
-            r.get_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
-            result = r.run(coro_fn(*args))
-        assert not errors, errors
-        return result
-
-    return runner
 
 
 def batch_reference(name, requests):

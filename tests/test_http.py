@@ -1,0 +1,390 @@
+"""`pxrt serve` as a real process, driven by the unmodified Triton HTTP client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from models import MODELS, assert_matches, random_request, reference
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from serving import kserve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    def __init__(self, args: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # A file, not a pipe: nobody reads a pipe while tests run, and a full one blocks.
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "serving.cli", "serve", "--port", str(self.port), *args],
+            cwd=ROOT,
+            env=dict(os.environ),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pxrt serve exited: {self.output()}")
+            try:
+                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"pxrt serve did not become ready: {self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        finally:
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def served(artifacts, tmp_path_factory):
+    conf = tmp_path_factory.mktemp("serve") / "serve.toml"
+    conf.write_text(
+        "[defaults]\nmax_delay_us = 2000\n\n"
+        f'[models.tiny_queue]\npath = "{artifacts["mlp"]}"\nmax_queue = 1\n'
+    )
+    paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
+    proc = ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1"])
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture
+def client(served):
+    c = triton.InferenceServerClient(served.url.removeprefix("http://"))
+    yield c
+    c.close()
+
+
+def triton_infer(client, name, request, binary):
+    # tritonclient sends and reads BF16 only as binary data.
+    inputs = []
+    for k, v in request.items():
+        datatype = kserve.datatype_of(v.dtype)
+        inp = triton.InferInput(k, list(v.shape), datatype)
+        inp.set_data_from_numpy(v, binary_data=binary or datatype == "BF16")
+        inputs.append(inp)
+    bf16_out = {"bf16", "output"} if name in ("bf16", "all_dtypes") else set()
+    outputs = [
+        triton.InferRequestedOutput(k, binary_data=binary or k in bf16_out)
+        for k in MODELS_OUTPUTS[name]
+    ]
+    result = client.infer(name, inputs, outputs=outputs)
+    return {k: result.as_numpy(k) for k in MODELS_OUTPUTS[name]}
+
+
+MODELS_OUTPUTS = {
+    "mlp": ["y"],
+    "two_io": ["argmax", "scores"],
+    "bf16": ["output"],
+    "all_dtypes": ["bf16", "f16", "f32", "flag", "i32", "i64", "u8"],
+}
+
+
+# --------------------------------------------------------------------------- the client
+
+
+def test_health_and_metadata(client):
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("mlp")
+    meta = client.get_server_metadata()
+    assert "binary_tensor_data" in meta["extensions"]
+    model = client.get_model_metadata("two_io")
+    assert model["inputs"] == [
+        {"name": "tokens", "datatype": "INT32", "shape": [-1, 5]},
+        {"name": "features", "datatype": "FP16", "shape": [-1, 8]},
+    ]
+    assert client.get_model_metadata("mlp", model_version="1")["versions"] == ["1"]
+
+
+def test_model_config_as_triton_tools_read_it(client):
+    config = client.get_model_config("two_io")
+    assert config["max_batch_size"] == 8
+    assert config["input"][1] == {"name": "features", "data_type": "TYPE_FP16", "dims": [8]}
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("name", ["mlp", "two_io", "bf16", "all_dtypes"])
+def test_inference_matches_jax(client, name, binary):
+    rng = np.random.default_rng(hash(name) % 1000)
+    for rows in (1, 3, 2 * MODELS[name]["buckets"][-1] + 1):
+        request = random_request({k: s for k, s in MODELS[name]["inputs"].items()}, rows, rng)
+        got = triton_infer(client, name, request, binary)
+        want = reference(name, request)
+        assert_matches(got, want, f"{name} rows={rows} binary={binary}")
+
+
+def test_statistics(client):
+    stats = client.get_inference_statistics("mlp")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] >= 1
+    assert stats["execution_count"] >= 1
+
+
+# --------------------------------------------------------------------------- raw HTTP errors
+
+
+def post(served, path, body, headers=None):
+    return httpx.post(served.url + path, content=body, headers=headers or {}, timeout=30)
+
+
+def infer_json(inputs, **extra):
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+X = {"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}
+
+ERRORS = [
+    ("malformed json", "/v2/models/mlp/infer", b"{not json", None, 400, "malformed JSON"),
+    (
+        "bad datatype",
+        "/v2/models/mlp/infer",
+        infer_json([dict(X, datatype="FP8")]),
+        None,
+        400,
+        "unsupported datatype",
+    ),
+    (
+        "shape/data mismatch",
+        "/v2/models/mlp/infer",
+        infer_json([dict(X, shape=[2, 32])]),
+        None,
+        400,
+        "needs 64 values",
+    ),
+    (
+        "float for int",
+        "/v2/models/two_io/infer",
+        infer_json(
+            [
+                {"name": "tokens", "datatype": "INT32", "shape": [1, 5], "data": [1.5] * 5},
+                {"name": "features", "datatype": "FP16", "shape": [1, 8], "data": [0] * 8},
+            ]
+        ),
+        None,
+        400,
+        "must be integers",
+    ),
+    (
+        "validation: wrong dtype",
+        "/v2/models/mlp/infer",
+        infer_json([dict(X, datatype="FP64")]),
+        None,
+        400,
+        "expected dtype float32, got float64",
+    ),
+    (
+        "validation: missing input",
+        "/v2/models/two_io/infer",
+        infer_json([{"name": "tokens", "datatype": "INT32", "shape": [1, 5], "data": [1] * 5}]),
+        None,
+        400,
+        "missing input 'features'",
+    ),
+    (
+        "unknown output",
+        "/v2/models/mlp/infer",
+        infer_json([X], outputs=[{"name": "z"}]),
+        None,
+        400,
+        "unknown output 'z'",
+    ),
+    ("unknown model", "/v2/models/nope/infer", infer_json([X]), None, 404, "no model named"),
+    (
+        "unknown version",
+        "/v2/models/mlp/versions/7/infer",
+        infer_json([X]),
+        None,
+        404,
+        "no version '7'",
+    ),
+    (
+        "queue full",
+        "/v2/models/tiny_queue/infer",
+        infer_json([dict(X, shape=[2, 32], data=[0.5] * 64)]),
+        None,
+        429,
+        "overloaded",
+    ),
+    (
+        "deadline",
+        "/v2/models/mlp/infer",
+        infer_json([X], parameters={"timeout": 1}),
+        None,
+        504,
+        "deadline",
+    ),
+]
+
+
+@pytest.mark.parametrize("label,path,body,headers,status,words", ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors(served, label, path, body, headers, status, words):
+    r = post(served, path, body, headers)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]
+    if status == 429:
+        assert int(r.headers["retry-after"]) >= 1
+
+
+def _binary_request(x: np.ndarray, claim: int) -> tuple[bytes, dict]:
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": list(x.shape),
+                    "parameters": {"binary_data_size": claim},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    return header + x.tobytes(), {"Inference-Header-Content-Length": str(len(header))}
+
+
+def test_truncated_binary_data(served):
+    x = np.ones((2, 32), np.float32)
+    body, headers = _binary_request(x, x.nbytes)
+    r = post(served, "/v2/models/mlp/infer", body[:-10], headers)
+    assert r.status_code == 400 and "truncated binary data" in r.json()["error"]
+    r = post(served, "/v2/models/mlp/infer", body, headers)
+    assert r.status_code == 200
+
+
+def test_body_over_the_limit_is_refused(served):
+    r = post(served, "/v2/models/mlp/infer", b"0" * (2 << 20))
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+
+
+def test_metrics_page_counts_requests(served):
+    before = _metric(served, "pxrt_requests_total", model="mlp", outcome="success")
+    for _ in range(3):
+        assert post(served, "/v2/models/mlp/infer", infer_json([X])).status_code == 200
+    after = _metric(served, "pxrt_requests_total", model="mlp", outcome="success")
+    assert after == before + 3
+    assert _metric(served, "pxrt_compiles_after_load", model="mlp") == 0
+    assert _metric(served, "pxrt_queue_duration_us_count", model="mlp") >= 3
+
+
+def _metric(served, name, **labels):
+    page = httpx.get(served.url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise AssertionError(f"{name} {labels} not on the metrics page")
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_sigterm_under_load_answers_everyone(artifacts):
+    proc = ServeProcess([str(artifacts["mlp"])])
+    rng = np.random.default_rng(0)
+    requests = [
+        random_request(MODELS["mlp"]["inputs"], int(rng.integers(1, 6)), rng) for _ in range(400)
+    ]
+    wants = [reference("mlp", r) for r in requests]
+    results: list = [None] * len(requests)
+
+    def worker(k):
+        with httpx.Client(timeout=30) as http:
+            for i in range(k, len(requests), 8):
+                x = requests[i]["x"]
+                body, headers = _binary_request(x, x.nbytes)
+                try:
+                    r = http.post(proc.url + "/v2/models/mlp/infer", content=body, headers=headers)
+                    results[i] = r
+                except httpx.HTTPError as exc:
+                    results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    proc.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(90)
+        assert not t.is_alive(), "a client hung"
+    assert proc.stop() == 0
+    ok = 0
+    for r, want in zip(results, wants):
+        assert r is not None
+        if isinstance(r, httpx.Response) and r.status_code == 200:
+            header_len = int(r.headers["inference-header-content-length"])
+            doc = json.loads(r.content[:header_len])
+            y = np.frombuffer(r.content[header_len:], np.float32).reshape(
+                doc["outputs"][0]["shape"]
+            )
+            assert_matches({"y": y}, want)
+            ok += 1
+        elif isinstance(r, httpx.Response):
+            assert r.status_code == 503, r.text
+    assert ok > 0
+
+
+def test_not_ready_while_loading_and_503_while_draining(run):
+    from serving import Server
+    from serving.http import State, create_app
+
+    state = State()
+    app = create_app(Server(), state=state)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
+            assert (await http.get("/v2/health/live")).status_code == 200
+            assert (await http.get("/v2/health/ready")).status_code == 503
+            r = await http.post("/v2/models/mlp/infer", content=infer_json([X]))
+            assert r.status_code == 503 and "loading" in r.json()["error"]
+            state.ready, state.draining = True, True
+            assert (await http.get("/v2/health/ready")).status_code == 503
+            r = await http.post("/v2/models/mlp/infer", content=infer_json([X]))
+            assert r.status_code == 503 and "draining" in r.json()["error"]
+
+    run(main)
+
+
+def test_client_sees_errors_as_exceptions(client):
+    inp = triton.InferInput("x", [1, 31], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 31), np.float32))
+    with pytest.raises(InferenceServerException, match="float32\\[n, 32\\]"):
+        client.infer("mlp", [inp])
