@@ -36,6 +36,8 @@ bench: $(STAMP)
 	$(FOUR) $(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name
 	$(PY) benchmarks/compare.py
 	$(FOUR) $(PY) benchmarks/compare.py
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/http_compare.py
 
 debug: $(STAMP)
 	PXRT_DEBUG=1 $(PY) setup.py build_ext --inplace --force

@@ -335,7 +335,7 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode, marker in (("pxrt-closed", "o"), ("naive", "s")):
+    for mode, marker in (("pxrt-closed", "o"), ("http-closed", "^"), ("naive", "s")):
         # In order of offered load (callers), so the curve reads left to right as it rises.
         runs = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["concurrency"])
         if not runs:
@@ -352,7 +352,7 @@ def plot(results: list[dict], path: str) -> None:
                 xytext=(3, 4),
             )
     for r in results:
-        if r["mode"] == "pxrt-open":
+        if r["mode"] in ("pxrt-open", "http-open"):
             ax1.plot([r["rows_per_s"]], [r["p99_ms"]], "r*", markersize=12, label="open-loop p99")
         if r["mode"] == "ceiling":
             ax1.axvline(r["rows_per_s"], color="grey", linestyle=":", label="ceiling")
@@ -447,14 +447,19 @@ def bench(
             f"ms, {summary['open_p99_vs_bound']:.2f}x of it)"
         )
     print(f"event-loop lag p99 while saturated:   {summary['loop_lag_p99_ms_saturated']:.2f} ms")
+    write_report(report, results, out_dir)
+    report["hung"] = any(r.get("hung_threads") for r in results)
+    return report
+
+
+def write_report(report: dict, results: list[dict], out_dir: str | None) -> None:
+    """bench.json and bench.png into ``out_dir``."""
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench.json"), "w") as f:
             json.dump(report, f, indent=1)
         plot(results, os.path.join(out_dir, "bench.png"))
         print(f"wrote {out_dir}/bench.json and {out_dir}/bench.png")
-    report["hung"] = any(r.get("hung_threads") for r in results)
-    return report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -479,6 +484,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=2)
     p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
     p.add_argument("--quick", action="store_true", help="a short run (as `make demo` does)")
+    p.add_argument("--url", help="drive a running KServe v2 server over HTTP instead")
+    p.add_argument("--model", default="mlp", help="the model to drive, with --url")
+    p.add_argument("--json", action="store_true", help="JSON tensors over HTTP, not binary")
     p.add_argument("--width", type=int, default=None, help="demo model width (no model_dir)")
     p.add_argument("--layers", type=int, default=None, help="demo model depth (no model_dir)")
 
@@ -486,6 +494,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import pxrt
     from pxrt import demo
+
+    if args.quick:
+        args.duration = min(args.duration, 1.0)
+        args.concurrency = "1,64,256"
+    if args.url:
+        from .bench_http import bench_url
+
+        bench_url(
+            args.url,
+            args.model,
+            rows=args.rows,
+            duration=args.duration,
+            concurrency=[int(c) for c in args.concurrency.split(",") if c],
+            binary=not args.json,
+            out_dir=args.out,
+        )
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="pxrt-bench-") as tmp:
         path = args.model_dir
@@ -499,9 +524,6 @@ def main(args: argparse.Namespace) -> int:
         # view: its full passes otherwise stall the loop for tens of ms (p99 x10 here).
         gc.collect()
         gc.freeze()
-        if args.quick:
-            args.duration = min(args.duration, 1.0)
-            args.concurrency = "1,64,256"
         options = {
             "max_batch_size": args.max_batch_size or None,
             "max_delay_us": args.max_delay_us,
