@@ -388,3 +388,35 @@ def test_client_sees_errors_as_exceptions(client):
     inp.set_data_from_numpy(np.ones((1, 31), np.float32))
     with pytest.raises(InferenceServerException, match="float32\\[n, 32\\]"):
         client.infer("mlp", [inp])
+
+
+def test_bench_over_http(served, tmp_path):
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "serving.cli",
+            "bench",
+            "--url",
+            served.url,
+            "--model",
+            "mlp",
+            "--duration",
+            "0.3",
+            "--concurrency",
+            "1,4",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "HTTP binary: 4 clients" in result.stdout
+    report = json.loads((out / "bench.json").read_text())
+    assert [r["mode"] for r in report["results"]] == ["http-closed", "http-closed", "http-open"]
+    assert all(r["requests_per_s"] > 0 and r["errors"] == 0 for r in report["results"])
+    assert report["results"][1]["stages_us"]["compute_infer"] > 0
