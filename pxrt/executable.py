@@ -234,6 +234,7 @@ class Model:
                 "bucket": size,
                 "compile_s": round(b.compile_s, 4),
                 "fast_path": b.fast_path,
+                "path": b.program.path,
                 "rows_per_device": size // len(self.devices),
             }
             try:

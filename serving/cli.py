@@ -92,7 +92,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         mb = lambda k, mem=mem: f"{mem[k] / 1e6:.2f}" if k in mem else "-"  # noqa: E731
         print(
             f"{b['bucket']:>7} {b['rows_per_device']:>8} "
-            f"{'fast' if b['fast_path'] else 'public':>6} {b['compile_s'] * 1e3:>7.0f}ms "
+            f"{b['path']:>6} {b['compile_s'] * 1e3:>7.0f}ms "
             f"{b.get('flops', 0) / 1e9:>9.4f} {b.get('bytes_accessed', 0) / 1e6:>9.2f} "
             f"{mb('argument_bytes'):>8} {mb('output_bytes'):>7} {mb('temp_bytes'):>8}"
         )
