@@ -74,60 +74,37 @@ def main() -> None:
     env = dict(os.environ)
     results = {}
 
-    port = free_port()
-    proc = start(
-        [
-            sys.executable,
-            "-m",
-            "serving.cli",
-            "serve",
-            path,
-            "--port",
-            str(port),
-            "--max-batch-size",
-            "64",
-        ],
-        port,
-        env,
-    )
-    try:
-        for binary in (True, False):
-            results["pxrt " + ("binary" if binary else "JSON")] = measure(
-                f"http://127.0.0.1:{port}", binary, args.clients, args.duration
-            )
-    finally:
-        proc.terminate()
-        proc.wait()
-
-    port = free_port()
-    proc = start(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--app-dir",
-            HERE,
-            "baseline_fastapi:app",
-            "--port",
-            str(port),
-            "--loop",
-            "uvloop",
-            "--http",
-            "httptools",
-            "--log-level",
-            "warning",
-        ],
-        port,
-        env | {"PXRT_BASELINE_MODEL": path},
-    )
-    try:
-        for binary in (True, False):
-            results["baseline " + ("binary" if binary else "JSON")] = measure(
-                f"http://127.0.0.1:{port}", binary, args.clients, args.duration
-            )
-    finally:
-        proc.terminate()
-        proc.wait()
+    servers = {
+        "pxrt": (["-m", "serving.cli", "serve", path, "--max-batch-size", "64", "--port"], env),
+        "baseline": (
+            [
+                "-m",
+                "uvicorn",
+                "--app-dir",
+                HERE,
+                "baseline_fastapi:app",
+                "--loop",
+                "uvloop",
+                "--http",
+                "httptools",
+                "--log-level",
+                "warning",
+                "--port",
+            ],
+            env | {"PXRT_BASELINE_MODEL": path},
+        ),
+    }
+    for name, (argv, server_env) in servers.items():  # one at a time: they share the cores
+        port = free_port()
+        proc = start([sys.executable, *argv, str(port)], port, server_env)
+        try:
+            for binary in (True, False):
+                results[f"{name} {'binary' if binary else 'JSON'}"] = measure(
+                    f"http://127.0.0.1:{port}", binary, args.clients, args.duration
+                )
+        finally:
+            proc.terminate()
+            proc.wait()
 
     model = pxrt.load(path)
     options = {

@@ -42,6 +42,25 @@ def _latency_stats(lat_s: list[float]) -> dict:
     }
 
 
+def run_result(
+    mode: str, label: str, latencies: list[float], rows: int, seconds: float, **extra: Any
+) -> dict:
+    """One run's row of the report: rates, latency percentiles, and whatever else."""
+    return {
+        "mode": mode,
+        "label": label,
+        "requests_per_s": len(latencies) / seconds,
+        "rows_per_s": len(latencies) * rows / seconds,
+        **_latency_stats(latencies),
+        **extra,
+        "latencies_ms": _sample(latencies),
+    }
+
+
+def _p99_ms(samples: list[float]) -> float:
+    return float(np.percentile(samples, 99) * 1e3) if samples else float("nan")
+
+
 def _request(model: Any, rows: int, seed: int) -> dict:
     import pxrt
 
@@ -119,16 +138,9 @@ def run_naive(model: Any, concurrency: int, rows: int, duration: float) -> dict:
     label = f"naive: Compiled.__call__ per request, {concurrency} threads"
     if hung:
         label = f"naive: {hung} of {concurrency} threads HUNG in jax"
-    return {
-        "mode": "naive",
-        "hung_threads": hung,
-        "label": label,
-        "concurrency": concurrency,
-        "requests_per_s": len(latencies) / elapsed,
-        "rows_per_s": len(latencies) * rows / elapsed,
-        **_latency_stats(latencies),
-        "latencies_ms": _sample(latencies),
-    }
+    return run_result(
+        "naive", label, latencies, rows, elapsed, concurrency=concurrency, hung_threads=hung
+    )
 
 
 # --------------------------------------------------------------------------- pxrt
@@ -183,17 +195,16 @@ async def run_closed(
         return latencies, lags, elapsed
 
     (latencies, lags, elapsed), snap = await _with_server(model, options, body)
-    return {
-        "mode": "pxrt-closed",
-        "label": f"pxrt: {concurrency} concurrent callers",
-        "concurrency": concurrency,
-        "requests_per_s": len(latencies) / elapsed,
-        "rows_per_s": len(latencies) * rows / elapsed,
-        **_latency_stats(latencies),
-        "loop_lag_p99_ms": float(np.percentile(lags, 99) * 1e3) if lags else float("nan"),
+    return run_result(
+        "pxrt-closed",
+        f"pxrt: {concurrency} concurrent callers",
+        latencies,
+        rows,
+        elapsed,
+        concurrency=concurrency,
+        loop_lag_p99_ms=_p99_ms(lags),
         **_server_stats(snap),
-        "latencies_ms": _sample(latencies),
-    }
+    )
 
 
 async def run_open(model: Any, options: dict, rate: float, rows: int, duration: float) -> dict:
@@ -241,18 +252,17 @@ async def run_open(model: Any, options: dict, rate: float, rows: int, duration: 
         return latencies, errors, lags
 
     (latencies, errors, lags), snap = await _with_server(model, options, body)
-    return {
-        "mode": "pxrt-open",
-        "label": f"pxrt: Poisson arrivals at {rate:,.0f} req/s",
-        "offered_per_s": rate,
-        "requests_per_s": len(latencies) / duration,
-        "rows_per_s": len(latencies) * rows / duration,
-        "errors": errors,
-        **_latency_stats(latencies),
-        "loop_lag_p99_ms": float(np.percentile(lags, 99) * 1e3) if lags else float("nan"),
+    return run_result(
+        "pxrt-open",
+        f"pxrt: Poisson arrivals at {rate:,.0f} req/s",
+        latencies,
+        rows,
+        duration,
+        offered_per_s=rate,
+        errors=errors,
+        loop_lag_p99_ms=_p99_ms(lags),
         **_server_stats(snap),
-        "latencies_ms": _sample(latencies),
-    }
+    )
 
 
 def _server_stats(snap: dict) -> dict:

@@ -114,7 +114,7 @@ def _session(concurrency: int) -> aiohttp.ClientSession:
 
 
 async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
-    from .bench import _latency_stats, _sample
+    from .bench import run_result
 
     async with _session(concurrency) as session:
         await target.call(session)  # warm the connection path
@@ -139,21 +139,21 @@ async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         elapsed = clock() - t0
         after = await target.stats(session)
-    return {
-        "mode": "http-closed",
-        "label": f"HTTP {'binary' if target.binary else 'JSON'}: {concurrency} clients",
-        "concurrency": concurrency,
-        "requests_per_s": len(latencies) / elapsed,
-        "rows_per_s": len(latencies) * target.rows / elapsed,
-        "errors": errors,
-        **_latency_stats(latencies),
+    kind = "binary" if target.binary else "JSON"
+    return run_result(
+        "http-closed",
+        f"HTTP {kind}: {concurrency} clients",
+        latencies,
+        target.rows,
+        elapsed,
+        concurrency=concurrency,
+        errors=errors,
         **_stage_delta(before, after),
-        "latencies_ms": _sample(latencies),
-    }
+    )
 
 
 async def run_open(target: Target, rate: float, duration: float, concurrency: int) -> dict:
-    from .bench import _latency_stats, _sample
+    from .bench import run_result
 
     rng = np.random.default_rng(1)
     async with _session(concurrency) as session:
@@ -184,17 +184,17 @@ async def run_open(target: Target, rate: float, duration: float, concurrency: in
         while tasks:
             await asyncio.gather(*list(tasks))
         after = await target.stats(session)
-    return {
-        "mode": "http-open",
-        "label": f"HTTP {'binary' if target.binary else 'JSON'}: Poisson at {rate:,.0f} req/s",
-        "offered_per_s": rate,
-        "requests_per_s": len(latencies) / duration,
-        "rows_per_s": len(latencies) * target.rows / duration,
-        "errors": errors,
-        **_latency_stats(latencies),
+    kind = "binary" if target.binary else "JSON"
+    return run_result(
+        "http-open",
+        f"HTTP {kind}: Poisson at {rate:,.0f} req/s",
+        latencies,
+        target.rows,
+        duration,
+        offered_per_s=rate,
+        errors=errors,
         **_stage_delta(before, after),
-        "latencies_ms": _sample(latencies),
-    }
+    )
 
 
 def bench_url(
