@@ -154,13 +154,21 @@ def _from_json(name: str, data: Any, dtype: np.dtype, shape: tuple, datatype: st
         if raw.size and raw.dtype.kind != "b":
             raise ProtocolError(f"input {name!r}: BOOL data must be true/false")
     elif kind in "iu":
-        if raw.size and raw.dtype.kind not in "iu":
+        try:
+            # Python ints convert exactly or raise OverflowError; floats would truncate.
+            exact = np.asarray(data, dtype=dtype)
+        except OverflowError:
             raise ProtocolError(
-                f"input {name!r}: {datatype} data must be integers, got {raw.dtype}"
-            )
-        info = np.iinfo(dtype)
-        if raw.size and (raw.min() < info.min or raw.max() > info.max):
-            raise ProtocolError(f"input {name!r}: a value is out of the range of {datatype}")
+                f"input {name!r}: a value is out of the range of {datatype}"
+            ) from None
+        # numpy infers float64 for floats, and for ints too big for int64 (uint64):
+        # those convert back to the same float, a real fraction does not.
+        if raw.size and (
+            raw.dtype.kind not in "iuf"
+            or (raw.dtype.kind == "f" and not np.array_equal(exact.astype(np.float64), raw))
+        ):
+            raise ProtocolError(f"input {name!r}: {datatype} data must be integers")
+        return exact.reshape(shape)
     elif raw.size and raw.dtype.kind not in "iuf":
         raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
     return raw.astype(dtype).reshape(shape)
