@@ -164,7 +164,7 @@ class StagingSlot:
 class PublicProgram:
     """A bucket run through jax's public API: ``Compiled.__call__`` + ``np.asarray``."""
 
-    raw = False
+    fast = False
     path = "public"
 
     def __init__(self, compiled: jax.stages.Compiled, params_dev: Any, x64: bool, bucket: int):
@@ -194,7 +194,7 @@ class RawProgram:
     per-device output views. It validates nothing: callers hand it staging slots
     whose dtypes and shapes were fixed at load."""
 
-    raw = True
+    fast = True
     path = "raw"
 
     def __init__(
@@ -309,7 +309,7 @@ class CallProgram(PublicProgram):
     the raw path on one device), with outputs read through the C++ host view instead of
     ``np.asarray``'s Python (~10 us less per batch, measured side by side)."""
 
-    raw = True
+    fast = True
     path = "call"
 
     def dispatch(self, slot: StagingSlot) -> Any:

@@ -31,10 +31,6 @@ class Chunk:
         self.counts: list[int] = []
         self.rows = 0
 
-    def offsets(self) -> list[int]:
-        """Where each piece starts in the batch."""
-        return _offsets(self.counts)
-
 
 def plan_chunks(rows: Sequence[int], max_rows: int) -> list[Chunk]:
     """Pack requests of ``rows[i]`` rows, in order, into chunks of at most ``max_rows``
@@ -124,27 +120,25 @@ class StagingRing:
 
 
 def run_chunk(
-    program: Any,
-    ring: StagingRing,
+    bucket: Any,
     input_handler: Any,
     result_handler: Any,
     pieces: list,
-    chunk: Chunk,
+    starts: list[int],
+    counts: list[int],
     copy: bool,
 ) -> list[dict[str, np.ndarray]]:
-    """Run one chunk synchronously; returns one output dict per piece.
-
-    ``pieces[i]`` is the prepared array tuple of the chunk's piece ``i``.
-    """
+    """Run one batch synchronously in ``bucket`` (its ``program`` and ``ring``); piece
+    ``i`` is rows ``starts[i]:starts[i]+counts[i]`` of the prepared array tuple
+    ``pieces[i]``. Returns one output dict per piece."""
+    ring, program = bucket.ring, bucket.program
     slot = ring.acquire()
     try:
-        input_handler.assemble(pieces, chunk.starts, chunk.counts, slot.buffers)
+        input_handler.assemble(pieces, starts, counts, slot.buffers)
         outputs = program.run(slot)
     finally:
-        ring.release(slot)
-    return result_handler.split(
-        outputs, program.out_shard_rows, chunk.offsets(), chunk.counts, copy
-    )
+        ring.release(slot)  # the outputs are fetched: the slot's device buffers are done
+    return result_handler.split(outputs, program.out_shard_rows, _offsets(counts), counts, copy)
 
 
 class BatchJob:

@@ -44,7 +44,7 @@ class Bucket:
 
     @property
     def fast_path(self) -> bool:
-        return bool(self.program.raw)
+        return bool(self.program.fast)
 
 
 class Model:
@@ -112,17 +112,11 @@ class Model:
         arrays, rows = self.input_handler.prepare(request)
         if rows > self.max_batch:
             return self._run_prepared([arrays], [rows], copy, False)[0]
-        # The common case, kept lean: one request, one chunk, one execution.
+        # The common case: one request, one chunk, one execution.
         bucket = self._by_rows[rows]
-        slot = bucket.ring.acquire()
-        try:
-            self.input_handler.assemble([arrays], [0], [rows], slot.buffers)
-            outputs = bucket.program.run(slot)
-        finally:
-            bucket.ring.release(slot)
-        return self.result_handler.split(outputs, bucket.program.out_shard_rows, [0], [rows], copy)[
-            0
-        ]
+        return run_chunk(
+            bucket, self.input_handler, self.result_handler, [arrays], [0], [rows], copy
+        )[0]
 
     def run_batch(
         self,
@@ -180,12 +174,12 @@ class Model:
             pieces = [arrays[p] for p in chunk.requests]
             try:
                 outs = run_chunk(
-                    bucket.program,
-                    bucket.ring,
+                    bucket,
                     self.input_handler,
                     self.result_handler,
                     pieces,
-                    chunk,
+                    chunk.starts,
+                    chunk.counts,
                     copy,
                 )
             except Exception as exc:

@@ -170,7 +170,7 @@ def test_compile_counter_catches_a_compile_on_the_request_path(artifacts):
     real = bucket.program
 
     class Compiling:
-        raw, out_shard_rows, row_slices = real.raw, real.out_shard_rows, real.row_slices
+        fast, out_shard_rows, row_slices = real.fast, real.out_shard_rows, real.row_slices
 
         def run(self, slot):
             jax.jit(lambda v: v * 3.0)(np.float32(len(slot.buffers)))  # a fresh jit compiles

@@ -41,8 +41,8 @@ class Wrapped:
 
     def __init__(self, real, delay_s=0.0, fail_if=None):
         self.real, self.delay_s, self.fail_if = real, delay_s, fail_if
-        self.raw, self.out_shard_rows, self.row_slices = (
-            real.raw,
+        self.fast, self.out_shard_rows, self.row_slices = (
+            real.fast,
             real.out_shard_rows,
             real.row_slices,
         )
