@@ -190,7 +190,7 @@ def test_deadline_passing_in_the_queue_drops_the_request_unexecuted(run, artifac
     async def main():
         async with Server() as server:
             server.add_model("mlp", model, max_batch_size=1, max_delay_us=0, max_inflight=1)
-            wrappers.update(wrap_all(model, delay_s=0.2))
+            wrappers.update(wrap_all(model, delay_s=0.5))
             first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
             await asyncio.sleep(0.02)  # the first batch is now executing
             late = server.infer("mlp", {"x": x * 2}, timeout_s=0.05)
@@ -212,7 +212,7 @@ def test_cancelled_request_is_removed_before_dispatch(run, artifacts):
     async def main():
         async with Server() as server:
             server.add_model("mlp", model, max_batch_size=1, max_delay_us=0, max_inflight=1)
-            wrappers.update(wrap_all(model, delay_s=0.1))
+            wrappers.update(wrap_all(model, delay_s=0.5))
             first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
             await asyncio.sleep(0.02)
             doomed = asyncio.ensure_future(server.infer("mlp", {"x": x}))
