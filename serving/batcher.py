@@ -203,7 +203,7 @@ class Batcher:
         counts: list[int] = []
         owners: list[Pending] = []
         now = _clock()
-        waited: list[float] = []
+        enqueued: list[float] = []
         while queue and room:
             p = queue[0]
             if p.future.done() and p.next_row < p.rows:
@@ -217,7 +217,7 @@ class Batcher:
                 if p.timer is not None:
                     p.timer.cancel()
                     p.timer = None
-                waited.append(now - p.t_enqueue)
+                enqueued.append(p.t_enqueue)
             pieces.append(p.arrays)
             starts.append(p.next_row)
             counts.append(take)
@@ -228,7 +228,7 @@ class Batcher:
                 queue.popleft()
         rows = self.max_batch_size - room
         self.queued_rows -= rows
-        self._metrics.stages["queue"].observe_many(np.asarray(waited) * 1e6)
+        self._metrics.stages["queue"].observe_since(now, enqueued)
         try:
             bucket = self.model.bucket(dispatch.smallest_bucket(self._buckets, rows))
             job = dispatch.BatchJob(bucket, pieces, starts, counts, rows, owners, self.copy)
@@ -292,7 +292,7 @@ class Batcher:
             enqueued.append(p.t_enqueue)
         if enqueued:
             self._counts["success"] += len(enqueued)
-            self._metrics.stages["request"].observe_many((_clock() - np.asarray(enqueued)) * 1e6)
+            self._metrics.stages["request"].observe_since(_clock(), enqueued)
 
     def _fail(self, owners: list[Pending], err: BaseException) -> None:
         for p in owners:

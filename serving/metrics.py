@@ -40,48 +40,87 @@ STAGES = {
 
 class Histogram:
     """Bucket counts with Prometheus's ``le`` semantics (a value lands in the first
-    bucket whose bound is >= it), plus sum and count."""
+    bucket whose bound is >= it), plus sum and count.
 
-    __slots__ = ("bounds", "_bounds_np", "counts", "sum", "count")
+    ``observe_since(now, starts)`` records ``now - t`` for a whole batch's start times in
+    O(1): the batches are binned lazily, thousands at a time or when read.
+    """
 
-    def __init__(self, bounds: Iterable[float]) -> None:
+    __slots__ = (
+        "bounds",
+        "_bounds_np",
+        "_counts",
+        "_sum",
+        "_count",
+        "_pending",
+        "_pending_n",
+        "scale",
+    )
+
+    def __init__(self, bounds: Iterable[float], scale: float = 1.0) -> None:
         self.bounds = list(bounds)
         self._bounds_np = np.asarray(self.bounds)
-        self.counts = np.zeros(len(self.bounds) + 1, np.int64)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
+        self._counts = np.zeros(len(self.bounds) + 1, np.int64)  # the last one is +Inf
+        self._sum = 0.0
+        self._count = 0
+        self._pending: list[tuple[float, list[float]]] = []
+        self._pending_n = 0
+        self.scale = scale  # observe_since's seconds -> this histogram's unit
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
+        self._counts[bisect.bisect_left(self.bounds, value)] += 1
+        self._sum += value
+        self._count += 1
 
-    def observe_many(self, values: np.ndarray) -> None:
-        if len(values):
-            idx = np.searchsorted(self._bounds_np, values, side="left")
-            self.counts += np.bincount(idx, minlength=len(self.counts))
-            self.sum += float(values.sum())
-            self.count += len(values)
+    def observe_since(self, now: float, starts: list[float]) -> None:
+        self._pending.append((now, starts))
+        self._pending_n += len(starts)
+        if self._pending_n >= 16384:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending, self._pending, self._pending_n = self._pending, [], 0
+        if not pending:
+            return
+        values = np.concatenate([now - np.asarray(starts) for now, starts in pending])
+        values *= self.scale
+        idx = np.searchsorted(self._bounds_np, values, side="left")
+        self._counts += np.bincount(idx, minlength=len(self._counts))
+        self._sum += float(values.sum())
+        self._count += len(values)
+
+    @property
+    def count(self) -> int:
+        self._flush()
+        return self._count
+
+    @property
+    def sum(self) -> float:
+        self._flush()
+        return self._sum
 
     def cumulative(self) -> list[tuple[str, float]]:
-        cum = np.cumsum(self.counts)
+        self._flush()
+        cum = np.cumsum(self._counts)
         labels = [_le(b) for b in self.bounds] + ["+Inf"]
         return list(zip(labels, cum.tolist()))
 
     def quantile(self, q: float) -> float:
         """Linear interpolation inside the bucket that holds quantile q."""
-        if not self.count:
+        self._flush()
+        if not self._count:
             return 0.0
-        rank = q * self.count
+        rank = q * self._count
         lower, seen = 0.0, 0
-        for bound, n in zip(self.bounds, self.counts.tolist()):
+        for bound, n in zip(self.bounds, self._counts.tolist()):
             if seen + n >= rank and n:
                 return lower + (bound - lower) * (rank - seen) / n
             lower, seen = bound, seen + n
         return lower  # in the +Inf bucket: the last finite bound is all we know
 
     def summary(self) -> dict:
-        out = {"count": self.count, "mean": self.sum / self.count if self.count else 0.0}
+        count, total = self.count, self.sum
+        out = {"count": count, "mean": total / count if count else 0.0}
         for q in (0.5, 0.9, 0.99):
             out[f"p{round(q * 100)}"] = self.quantile(q)
         return out
@@ -97,7 +136,7 @@ class ModelMetrics:
     def __init__(self, queued_rows: Callable[[], float], compiles: Callable[[], float]) -> None:
         self.requests = dict.fromkeys(OUTCOMES, 0)
         self.batches = 0
-        self.stages = {stage: Histogram(US_BUCKETS) for stage in STAGES}
+        self.stages = {stage: Histogram(US_BUCKETS, scale=1e6) for stage in STAGES}
         self.batch_rows = Histogram(ROW_BUCKETS)
         self.padding = Histogram(RATIO_BUCKETS)
         self.queued_rows = queued_rows

@@ -338,3 +338,22 @@ def test_metrics_page_counts_what_happened(run, models):
     assert samples[("pxrt_batch_rows_sum", (("model", "mlp"),))] == 21
     assert samples[("pxrt_compiles_after_load", (("model", "mlp"),))] == 0
     assert snap["mlp"]["requests"]["success"] == 7 and snap["mlp"]["batch_rows"]["count"] >= 1
+
+
+def test_histogram_bins_batches_exactly():
+    from serving.metrics import US_BUCKETS, Histogram
+
+    rng = np.random.default_rng(9)
+    hist = Histogram(US_BUCKETS, scale=1e6)
+    values = []
+    for _ in range(700):  # ~35k values: several lazy flushes, and a read-time one
+        starts = list(rng.uniform(0, 0.05, int(rng.integers(1, 100))))
+        hist.observe_since(0.05, starts)
+        values += [(0.05 - s) * 1e6 for s in starts]
+    values = np.asarray(values)
+    want = np.bincount(
+        np.searchsorted(US_BUCKETS, values, side="left"), minlength=len(US_BUCKETS) + 1
+    ).cumsum()
+    assert [c for _, c in hist.cumulative()] == want.tolist()
+    assert hist.count == len(values) and hist.sum == pytest.approx(values.sum())
+    assert hist.quantile(0.5) == pytest.approx(np.median(values), rel=0.5)
