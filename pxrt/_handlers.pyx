@@ -275,6 +275,8 @@ cdef class ResultHandler:
                         memcpy(cnp.PyArray_BYTES(arr) + row * rb, cnp.PyArray_BYTES(shard),
                                take * rb)
                         row += take
+                    if not copy:  # outputs are read-only unless the caller asked for copies
+                        cnp.PyArray_CLEARFLAGS(arr, cnp.NPY_ARRAY_WRITEABLE)
                 out[self.names[k]] = arr
             results.append(out)
         return results

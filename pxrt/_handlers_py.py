@@ -119,6 +119,9 @@ class ResultHandler:
                     parts = [shards[first][offset:]]
                     parts += [shards[i] for i in range(first + 1, last)]
                     parts.append(shards[last][: stop - last * shard_rows])
-                    out[name] = np.concatenate(parts)
+                    arr = np.concatenate(parts)
+                    if not copy:  # outputs are read-only unless the caller asked for copies
+                        arr.flags.writeable = False
+                    out[name] = arr
             results.append(out)
         return results

@@ -141,6 +141,16 @@ def run_chunk(
     return result_handler.split(outputs, program.out_shard_rows, _offsets(counts), counts, copy)
 
 
+def join_pieces(parts: list[dict], copy: bool) -> dict[str, np.ndarray]:
+    """One request's outputs from the outputs of its pieces (in row order), read-only
+    unless ``copy``, like every output pxrt hands out."""
+    out = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
+    if not copy:
+        for arr in out.values():
+            arr.flags.writeable = False
+    return out
+
+
 class BatchJob:
     """One batch on its way through the pipeline.
 

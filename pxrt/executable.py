@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from . import _ext, _xla, artifact
-from .dispatch import StagingRing, plan_chunks, run_chunk, smallest_bucket
+from .dispatch import StagingRing, join_pieces, plan_chunks, run_chunk, smallest_bucket
 
 
 class Bucket:
@@ -198,9 +198,7 @@ class Model:
             elif len(pieces_out) == 1:
                 results.append(pieces_out[0])
             else:
-                results.append(
-                    {k: np.concatenate([part[k] for part in pieces_out]) for k in self.outputs}
-                )
+                results.append(join_pieces(pieces_out, copy))
         return results
 
     # ------------------------------------------------------------------ introspection

@@ -151,7 +151,7 @@ class Batcher:
         self._forget(pending)
 
     def _forget(self, pending: Pending) -> None:
-        # Still in the deque: _take_batch skips it; only its rows leave the count now.
+        # Still in the deque: _dispatch_batch skips it; only its rows leave the count now.
         self.queued_rows -= pending.rows - pending.next_row
         pending.next_row = pending.rows
 
@@ -288,7 +288,7 @@ class Batcher:
                 if p.rows_done < p.rows:
                     continue
                 parts = [o for _, o in sorted(p.parts, key=lambda t: t[0])]
-                fut.set_result({k: np.concatenate([o[k] for o in parts]) for k in parts[0]})
+                fut.set_result(dispatch.join_pieces(parts, self.copy))
             enqueued.append(p.t_enqueue)
         if enqueued:
             self._counts["success"] += len(enqueued)

@@ -217,3 +217,12 @@ def test_concurrent_callers_get_their_own_answers(artifacts, zero_copy):
     for size in model.buckets:
         ring = model.bucket(size).ring
         assert ring.slots_made <= 2 and ring.slots_free == ring.slots_made
+
+
+def test_every_output_is_read_only_unless_copied(models):
+    """Views, copies across device shards, and requests split across chunks alike."""
+    model = models["mlp"]
+    x = np.ones((3 * model.max_batch + 1, 32), np.float32)
+    for rows in (1, model.max_batch, 3 * model.max_batch + 1):
+        assert not model.run({"x": x[:rows]})["y"].flags.writeable
+        assert model.run({"x": x[:rows]}, copy=True)["y"].flags.writeable
