@@ -306,7 +306,9 @@ def _write_directory(
     path: str, manifest: dict, program: bytes, leaves: list[np.ndarray], overwrite: bool
 ) -> None:
     if os.path.exists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
-        raise ArtifactError(f"{path} already exists; pass overwrite=True to replace it")
+        raise ArtifactError(
+            f"{path} already exists; pass overwrite=True (pxrt export --overwrite) to replace it"
+        )
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     # Write beside the target and rename, so a crash never leaves half an artifact.

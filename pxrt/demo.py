@@ -31,6 +31,17 @@ def make_params(seed: int = 0, width: int = WIDTH, layers: int = LAYERS) -> list
     ]
 
 
+def spec(width: int = WIDTH, layers: int = LAYERS) -> dict:
+    """The demo model as ``pxrt export`` takes a model: ``pxrt export pxrt.demo:spec DIR``."""
+    return {
+        "fn": mlp,
+        "params": make_params(width=width, layers=layers),
+        "inputs": {"x": TensorSpec((width,), "float32")},
+        "batch_buckets": BUCKETS,
+        "name": "mlp",
+    }
+
+
 def export_demo(
     path: str,
     *,

@@ -1,4 +1,5 @@
-"""The ``pxrt`` command: ``pxrt demo | serve [DIR...] | bench [DIR] | inspect DIR``."""
+"""The ``pxrt`` command: ``pxrt demo | export SPEC DIR | inspect DIR | serve [DIR...] |
+bench [DIR]``."""
 
 from __future__ import annotations
 
@@ -59,6 +60,31 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    import importlib
+
+    import pxrt
+
+    module_name, _, attr = args.spec.partition(":")
+    if not attr:
+        raise SystemExit("pxrt export: SPEC is MODULE:FUNCTION, e.g. pxrt.demo:spec")
+    factory = getattr(importlib.import_module(module_name), attr)
+    spec = dict(factory())
+    if args.buckets:
+        spec["batch_buckets"] = [int(b) for b in args.buckets.split(",")]
+    if args.name:
+        spec["name"] = args.name
+    fn, params = spec.pop("fn"), spec.pop("params")
+    path = pxrt.export(fn, params, args.out, overwrite=args.overwrite, **spec)
+    art = pxrt.read_artifact(path)
+    print(
+        f"exported {art.name} to {path}: inputs "
+        f"{', '.join(f'{k} {s.describe()}' for k, s in art.inputs.items())}; "
+        f"buckets {list(art.batch_buckets)}"
+    )
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import pxrt
 
@@ -108,6 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("export", help="export a model to an artifact directory")
+    p.add_argument(
+        "spec",
+        help="MODULE:FUNCTION returning a dict with fn, params, inputs and "
+        "optionally batch_buckets, name, version (see pxrt.demo:spec)",
+    )
+    p.add_argument("out", help="the artifact directory to write")
+    p.add_argument("--buckets", help="batch buckets, comma-separated (overrides the spec's)")
+    p.add_argument("--name", help="model name (overrides the spec's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("serve", help="serve models over HTTP (KServe v2 / Open Inference Protocol)")
     from . import serve

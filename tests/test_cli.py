@@ -84,3 +84,14 @@ def test_bench_writes_its_report(tmp_path, artifacts):
     assert all(r["rows_per_s"] > 0 for r in report["results"])
     assert report["summary"]["saturated_vs_ceiling"] > 0
     assert (out / "bench.png").stat().st_size > 10_000
+
+
+def test_export_then_inspect(tmp_path):
+    out = tmp_path / "mlp"
+    result = _pxrt("export", "pxrt.demo:spec", str(out), "--buckets", "4,8")
+    assert result.returncode == 0, result.stderr
+    assert "exported mlp" in result.stdout and "buckets [4, 8]" in result.stdout
+    again = _pxrt("export", "pxrt.demo:spec", str(out))
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+    info = _pxrt("inspect", "--json", str(out))
+    assert [b["bucket"] for b in json.loads(info.stdout)["buckets"]] == [4, 8]
