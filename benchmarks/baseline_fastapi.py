@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 import pxrt
 from serving import kserve
+from serving.http import infer_response
 
 artifact = pxrt.read_artifact(os.environ["PXRT_BASELINE_MODEL"])
 names = list(artifact.inputs)
@@ -49,13 +50,8 @@ async def infer(model: str, request: Request) -> Response:
         return {k: np.asarray(o) for k, o in zip(out_names, outs)}
 
     outputs = await run_in_threadpool(run)
-    data, header_length = kserve.encode_response(
-        model, "1", doc.get("id"), outputs, kserve.requested_outputs(doc, out_names)
-    )
-    if header_length is None:
-        return Response(data, media_type="application/json")
-    return Response(
-        data,
-        media_type="application/octet-stream",
-        headers={"Inference-Header-Content-Length": str(header_length)},
+    return infer_response(
+        *kserve.encode_response(
+            model, "1", doc.get("id"), outputs, kserve.requested_outputs(doc, out_names)
+        )
     )

@@ -158,14 +158,38 @@ async def _lag_monitor(stop: asyncio.Event, lags: list[float], period: float = 1
         lags.append(clock() - t0)
 
 
-async def _with_server(model: Any, options: dict, body: Any) -> tuple[Any, dict]:
+async def poisson_arrivals(rate: float, duration: float, seed: int):
+    """Yield scheduled arrival times (perf_counter) of a Poisson process for ``duration``
+    seconds, sleeping until each. A late loop yields the missed arrivals at once: latency
+    measured from the scheduled time then includes the lateness, as it should."""
+    rng = np.random.default_rng(seed)
+    clock = time.perf_counter  # not loop.time(): on uvloop it moves in whole ms
+    start = at = clock()
+    while at - start < duration:
+        at += rng.exponential(1.0 / rate)
+        delay = at - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield at
+
+
+async def _with_server(model: Any, options: dict, body: Any) -> tuple[Any, dict, list[float]]:
+    """Run ``body(server)`` on a fresh Server serving ``model`` as "bench"; returns its
+    result, the server's metrics snapshot and the event-loop lags seen meanwhile."""
     from .server import Server
 
+    lags: list[float] = []
+    stop = asyncio.Event()
     async with Server() as server:
         server.add_model("bench", model, **options)
-        result = await body(server)
+        monitor = asyncio.ensure_future(_lag_monitor(stop, lags))
+        try:
+            result = await body(server)
+        finally:
+            stop.set()
+            await monitor
         snapshot = server.metrics_snapshot()["bench"]
-    return result, snapshot
+    return result, snapshot, lags
 
 
 async def run_closed(
@@ -173,11 +197,8 @@ async def run_closed(
 ) -> dict:
     request = _request(model, rows, 2)
 
-    async def body(server: Any) -> tuple[list[float], list[float], float]:
+    async def body(server: Any) -> tuple[list[float], float]:
         latencies: list[float] = []
-        lags: list[float] = []
-        stop_lag = asyncio.Event()
-        monitor = asyncio.ensure_future(_lag_monitor(stop_lag, lags))
         clock = time.perf_counter
         deadline = clock() + duration
 
@@ -190,11 +211,9 @@ async def run_closed(
         t0 = clock()
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         elapsed = clock() - t0
-        stop_lag.set()
-        await monitor
-        return latencies, lags, elapsed
+        return latencies, elapsed
 
-    (latencies, lags, elapsed), snap = await _with_server(model, options, body)
+    (latencies, elapsed), snap, lags = await _with_server(model, options, body)
     return run_result(
         "pxrt-closed",
         f"pxrt: {concurrency} concurrent callers",
@@ -209,16 +228,11 @@ async def run_closed(
 
 async def run_open(model: Any, options: dict, rate: float, rows: int, duration: float) -> dict:
     request = _request(model, rows, 3)
-    rng = np.random.default_rng(4)
 
-    async def body(server: Any) -> tuple[list[float], int, list[float]]:
-        clock = time.perf_counter  # not loop.time(): on uvloop it moves in whole ms
+    async def body(server: Any) -> tuple[list[float], int]:
+        clock = time.perf_counter
         latencies: list[float] = []
         errors = 0
-        lags: list[float] = []
-        stop_lag = asyncio.Event()
-        monitor = asyncio.ensure_future(_lag_monitor(stop_lag, lags))
-
         outstanding = 0
         all_done = asyncio.Event()
         generating = True
@@ -235,23 +249,15 @@ async def run_open(model: Any, options: dict, rate: float, rows: int, duration: 
 
         # One future per request, no task: the generator itself must cost the loop
         # little, or it, not the server, sets the rate it can offer.
-        start = clock()
-        at = start
-        while at - start < duration:
-            at += rng.exponential(1.0 / rate)
-            delay = at - clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async for at in poisson_arrivals(rate, duration, seed=4):
             outstanding += 1
             server.submit("bench", request).add_done_callback(functools.partial(done, scheduled=at))
         generating = False
         if outstanding:
             await all_done.wait()
-        stop_lag.set()
-        await monitor
-        return latencies, errors, lags
+        return latencies, errors
 
-    (latencies, errors, lags), snap = await _with_server(model, options, body)
+    (latencies, errors), snap, lags = await _with_server(model, options, body)
     return run_result(
         "pxrt-open",
         f"pxrt: Poisson arrivals at {rate:,.0f} req/s",

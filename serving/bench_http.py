@@ -153,9 +153,8 @@ async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
 
 
 async def run_open(target: Target, rate: float, duration: float, concurrency: int) -> dict:
-    from .bench import run_result
+    from .bench import poisson_arrivals, run_result
 
-    rng = np.random.default_rng(1)
     async with _session(concurrency) as session:
         await target.call(session)
         before = await target.stats(session)
@@ -172,12 +171,7 @@ async def run_open(target: Target, rate: float, duration: float, concurrency: in
                 errors += 1
 
         tasks = set()
-        start = at = clock()
-        while at - start < duration:
-            at += rng.exponential(1.0 / rate)
-            delay = at - clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
+        async for at in poisson_arrivals(rate, duration, seed=1):
             task = asyncio.ensure_future(one(at))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

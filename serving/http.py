@@ -259,15 +259,8 @@ def create_app(
             raise _HTTPError(503, str(exc)) from None
         except ExecutionFailed as exc:
             raise _HTTPError(500, str(exc)) from None
-        body, header_length = kserve.encode_response(
-            name, model.version, doc.get("id"), outputs, selected
-        )
-        if header_length is None:
-            return Response(body, media_type="application/json")
-        return Response(
-            body,
-            media_type="application/octet-stream",
-            headers={"Inference-Header-Content-Length": str(header_length)},
+        return infer_response(
+            *kserve.encode_response(name, model.version, doc.get("id"), outputs, selected)
         )
 
     routes = [
@@ -287,6 +280,17 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.pxrt = state
     return app
+
+
+def infer_response(body: bytes, header_length: int | None) -> Response:
+    """The HTTP response for an encoded inference result (``kserve.encode_response``)."""
+    if header_length is None:
+        return Response(body, media_type="application/json")
+    return Response(
+        body,
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(header_length)},
+    )
 
 
 def _timeout(doc: dict) -> float | None:
