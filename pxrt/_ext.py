@@ -1,4 +1,5 @@
-"""Chooses the Cython handlers or their pure-Python twins, once per process.
+"""Chooses the Cython modules (handlers, keys, batch plans) or their pure-Python twins,
+once per process.
 
 ``PXRT_NO_EXTENSIONS=1`` forces the pure-Python ones; a missing build falls back to
 them with one warning.
@@ -10,12 +11,14 @@ import os
 import warnings
 
 if os.environ.get("PXRT_NO_EXTENSIONS", "") not in ("", "0"):
+    from . import _batch_py as batch
     from . import _handlers_py as handlers
     from . import _keys_py as keys
 
     EXTENSIONS = False
 else:
     try:
+        from . import _batch as batch  # type: ignore[no-redef]
         from . import _handlers as handlers  # type: ignore[no-redef]
         from . import _keys as keys  # type: ignore[no-redef]
 
@@ -28,11 +31,15 @@ else:
             RuntimeWarning,
             stacklevel=2,
         )
-        from . import _handlers_py as handlers
-        from . import _keys_py as keys
+        from . import _batch_py as batch  # type: ignore[no-redef]
+        from . import _handlers_py as handlers  # type: ignore[no-redef]
+        from . import _keys_py as keys  # type: ignore[no-redef]
 
         EXTENSIONS = False
 
+Batch = batch.Batch
+BatchQueue = batch.BatchQueue
+Request = batch.Request
 InputHandler = handlers.InputHandler
 ResultHandler = handlers.ResultHandler
 RouteCache = keys.RouteCache

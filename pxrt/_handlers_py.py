@@ -41,6 +41,10 @@ class InputHandler:
         )
         self.routes = _keys.RouteCache(max_routes)
 
+    def clear_routes(self) -> None:
+        """Forget every signature seen (the route cache)."""
+        self.routes.clear()
+
     def prepare(self, request: Any) -> tuple[tuple[np.ndarray, ...], int]:
         """Validate one request; returns its arrays in model input order and its rows."""
         key = _keys.signature(request)
@@ -67,6 +71,16 @@ class InputHandler:
         tuple in input order, from ``prepare``) into consecutive rows of ``buffers``
         (one ``(bucket, ...)`` staging buffer per input), zero the rows after them, and
         return the number of rows written."""
+        if not len(arrays) == len(starts) == len(counts):
+            raise ValueError("arrays, starts and counts must have the same length")
+        if len(buffers) != len(self.names):
+            raise ValueError(f"expected {len(self.names)} staging buffers, got {len(buffers)}")
+        for i, piece in enumerate(arrays):
+            if type(piece) is not tuple or len(piece) != len(self.names):
+                raise ValueError(
+                    f"piece {i} must be a tuple of {len(self.names)} arrays "
+                    f"(InputHandler.prepare's), got {type(piece).__name__}"
+                )
         total = sum(counts)
         for j, buf in enumerate(buffers):
             if total > buf.shape[0]:
@@ -104,8 +118,26 @@ class ResultHandler:
         """``outputs[k]`` holds output k's shards in row order, ``shard_rows`` rows each.
         Returns, per piece, a dict name -> rows ``starts[i]:starts[i]+counts[i]``: a view
         of a shard when the piece lies inside one (unless ``copy``), else a new array."""
+        if len(starts) != len(counts):
+            raise ValueError("starts and counts must have the same length")
+        if shard_rows < 1:
+            raise ValueError(f"shard_rows must be >= 1, got {shard_rows}")
+        if len(outputs) != len(self.names):
+            raise ValueError(f"expected {len(self.names)} outputs, got {len(outputs)}")
+        for name, shards in zip(self.names, outputs):
+            for s, shard in enumerate(shards):
+                if shard.ndim < 1 or shard.shape[0] != shard_rows:
+                    raise ValueError(
+                        f"output {name!r} shard {s} has shape {shard.shape}, "
+                        f"expected {shard_rows} rows"
+                    )
         results = []
         for start, count in zip(starts, counts):
+            if start < 0 or count < 1 or start + count > len(outputs[0]) * shard_rows:
+                raise ValueError(
+                    f"rows {start}:{start + count} out of range for "
+                    f"{len(outputs[0]) * shard_rows} rows"
+                )
             first, offset = divmod(start, shard_rows)
             one_shard = offset + count <= shard_rows
             out = {}

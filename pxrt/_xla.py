@@ -19,8 +19,8 @@ runs through the public path (``PublicProgram``) and a warning says why.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,16 +49,15 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 class _CompileCounter:
     """Counts XLA backend compiles, and those that happen on pxrt's request path.
 
-    jax reports every backend compile as a duration event on the compiling thread. A
-    compile is on the request path when a function registered with ``request_path``
-    is on that thread's stack; the stack is only walked when a compile happens, so
-    serving pays nothing for the check. The count per owner (the ``self`` of the
-    registered frame) must stay 0 after load.
+    jax reports every backend compile as a duration event on the compiling thread.
+    Request-path code runs inside ``request_path(owner)``, which names the owner (a
+    Model) for the current thread; a compile reported while an owner is set counts
+    against it. That count must stay 0 after load.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._codes: set = set()
+        self._local = threading.local()
         self.total = 0
         self.on_request_path: dict[int, int] = {}
         self._registered = False
@@ -69,26 +68,42 @@ class _CompileCounter:
                 jax.monitoring.register_event_duration_secs_listener(self._on_event)
                 self._registered = True
 
-    def request_path(self, fn: Any) -> Any:
-        """Decorator: compiles under ``fn`` are request-path compiles of its ``self``."""
-        self._codes.add(fn.__code__)
-        return fn
+    def request_path(self, owner: object) -> _RequestPath:
+        """``with compile_counter.request_path(model): ...``: compiles on this thread
+        meanwhile count against ``model``."""
+        return _RequestPath(self._local, owner)
+
+    def count(self, owner: object) -> int:
+        """Compiles on ``owner``'s request path so far."""
+        return self.on_request_path.get(id(owner), 0)
 
     def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
         if event != _BACKEND_COMPILE_EVENT:
             return
-        owner = None
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code in self._codes:
-                this = frame.f_locals.get("self")
-                owner = id(getattr(this, "compile_owner", this))
-                break
-            frame = frame.f_back
+        owner = getattr(self._local, "owner", None)
         with self._lock:
             self.total += 1
             if owner is not None:
-                self.on_request_path[owner] = self.on_request_path.get(owner, 0) + 1
+                key = id(owner)
+                self.on_request_path[key] = self.on_request_path.get(key, 0) + 1
+
+
+class _RequestPath:
+    """The context manager of ``_CompileCounter.request_path`` (cheap: a few attribute
+    writes, no generator)."""
+
+    __slots__ = ("_local", "_owner", "_outer")
+
+    def __init__(self, local: threading.local, owner: object) -> None:
+        self._local = local
+        self._owner = owner
+
+    def __enter__(self) -> None:
+        self._outer = getattr(self._local, "owner", None)
+        self._local.owner = self._owner
+
+    def __exit__(self, *exc: Any) -> None:
+        self._local.owner = self._outer
 
 
 compile_counter = _CompileCounter()
@@ -185,9 +200,6 @@ class PublicProgram:
         """Wait for the outputs; per output, its shards (here one) as numpy arrays."""
         return [[np.asarray(o)] for o in outs]
 
-    def run(self, slot: StagingSlot) -> list[list[np.ndarray]]:
-        return self.fetch(self.dispatch(slot))
-
 
 class RawProgram:
     """A bucket run through the raw path: batched_device_put -> execute_sharded ->
@@ -276,9 +288,6 @@ class RawProgram:
         CPU); returns a handle for ``fetch``."""
         return self.exe.execute_sharded(self.param_bufs + self.put(slot))
 
-    def run(self, slot: StagingSlot) -> list[list[np.ndarray]]:
-        return self.fetch(self.exe.execute_sharded(self.param_bufs + self.put(slot)))
-
 
 def _to_numpy_cpp(array: Any) -> np.ndarray:
     value, copied = array._single_device_array_to_np_array_did_copy()
@@ -345,7 +354,7 @@ def make_program(
     enforces that. Without it, the put copies each shard during the call.
     """
     public = PublicProgram(compiled, params_dev, x64, bucket)
-    expected = _concat(public.run(StagingSlot(example, public.row_slices)))
+    expected = _concat(run_program(public, StagingSlot(example, public.row_slices)))
     if not (allow_raw and RAW_PATH_AVAILABLE):
         return public
     candidates: list[tuple[str, Any]] = []
@@ -363,7 +372,7 @@ def make_program(
     for name, make in candidates:
         try:
             program = make()
-            got = _concat(program.run(StagingSlot(example, program.row_slices)))
+            got = _concat(run_program(program, StagingSlot(example, program.row_slices)))
         except Exception as exc:  # noqa: BLE001 - any failure means: not this path
             reasons.append(f"{name} path: {exc!r}")
             continue
@@ -382,6 +391,22 @@ def make_program(
         stacklevel=3,
     )
     return public
+
+
+def run_program(program: Any, slot: StagingSlot) -> list[list[np.ndarray]]:
+    """Run a program once on ``slot``, synchronously."""
+    return program.fetch(program.dispatch(slot))
+
+
+def time_program(program: Any, slot: StagingSlot, runs: int = 5) -> float:
+    """Median seconds of one execution of ``program`` on ``slot``, back to back (after
+    the conformance check has warmed it up)."""
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        run_program(program, slot)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def _concat(per_output: list[list[np.ndarray]]) -> list[np.ndarray]:

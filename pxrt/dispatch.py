@@ -1,69 +1,60 @@
-"""From prepared requests to per-request outputs: chunk planning, the staging ring,
-and running one chunk through assemble -> put -> execute -> fetch -> split.
+"""The execution engine: from prepared requests to per-request outputs.
 
-No asyncio here: ``serving`` drives these pieces from its event loop and worker
-threads; ``Model.run_batch`` drives them inline.
+One ``Engine`` per loaded model owns its compiled buckets and the handlers, and runs a
+``Batch`` (planned by a ``BatchQueue``: requests packed in order, oversize ones split)
+through assemble -> put -> execute -> fetch -> split. ``Engine.run`` does that on the
+calling thread; ``Engine.pipeline`` starts worker threads that do the same for batches
+handed to ``Pipeline.submit``, several in flight. ``Model.run``/``run_batch`` and the
+serving layer both drive this one engine; nothing else touches programs or rings.
+
+No asyncio here: the serving layer brings its event loop.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from . import _xla
+from . import _ext, _xla
+
+log = logging.getLogger("pxrt")
+
+Batch = _ext.Batch
+BatchQueue = _ext.BatchQueue
+Request = _ext.Request
+
+_clock = time.perf_counter
 
 
-class Chunk:
-    """Rows for one execution: piece ``i`` is rows ``starts[i]:starts[i]+counts[i]`` of
-    request ``requests[i]``, laid one after another from row 0 of the batch."""
+class Program(Protocol):
+    """One compiled bucket, runnable on a staging slot (see ``pxrt._xla``).
 
-    __slots__ = ("requests", "starts", "counts", "rows")
+    ``dispatch`` starts the execution on the slot's buffers and returns a handle;
+    ``fetch`` waits for it and returns, per output, its per-device shards in row order,
+    ``out_shard_rows`` rows each. ``row_slices`` are the batch rows each device takes,
+    in the order ``dispatch`` puts them.
+    """
 
-    def __init__(self) -> None:
-        self.requests: list[int] = []
-        self.starts: list[int] = []
-        self.counts: list[int] = []
-        self.rows = 0
+    path: str
+    fast: bool
+    row_slices: Sequence[slice]
+    out_shard_rows: int
 
+    def dispatch(self, slot: _xla.StagingSlot) -> Any: ...
 
-def plan_chunks(rows: Sequence[int], max_rows: int) -> list[Chunk]:
-    """Pack requests of ``rows[i]`` rows, in order, into chunks of at most ``max_rows``
-    rows. A request larger than the room left is split across chunks; nothing is
-    ever reordered, so each request's pieces come in row order."""
-    chunks = [Chunk()]
-    for req, n in enumerate(rows):
-        start = 0
-        while n > 0:
-            chunk = chunks[-1]
-            if chunk.rows == max_rows:
-                chunk = Chunk()
-                chunks.append(chunk)
-            take = min(n, max_rows - chunk.rows)
-            chunk.requests.append(req)
-            chunk.starts.append(start)
-            chunk.counts.append(take)
-            chunk.rows += take
-            start += take
-            n -= take
-    return [c for c in chunks if c.rows]
-
-
-def smallest_bucket(buckets: Sequence[int], rows: int) -> int:
-    """The smallest of the sorted ``buckets`` that holds ``rows`` rows."""
-    i = bisect.bisect_left(buckets, rows)
-    if i == len(buckets):
-        raise ValueError(f"{rows} rows exceed the largest compiled bucket {buckets[-1]}")
-    return buckets[i]
+    def fetch(self, handle: Any) -> list[list[np.ndarray]]: ...
 
 
 class StagingRing:
-    """Reusable staging slots for one program (bucket).
+    """Reusable staging slots for one bucket.
 
     A slot is handed out by ``acquire`` and comes back by ``release`` once the batch
     that used it no longer needs it (with zero-copy puts: once its outputs were
@@ -119,191 +110,203 @@ class StagingRing:
         return self._free.qsize()
 
 
-def run_chunk(
-    bucket: Any,
-    input_handler: Any,
-    result_handler: Any,
-    pieces: list,
-    starts: list[int],
-    counts: list[int],
-    copy: bool,
-) -> list[dict[str, np.ndarray]]:
-    """Run one batch synchronously in ``bucket`` (its ``program`` and ``ring``); piece
-    ``i`` is rows ``starts[i]:starts[i]+counts[i]`` of the prepared array tuple
-    ``pieces[i]``. Returns one output dict per piece."""
-    ring, program = bucket.ring, bucket.program
-    slot = ring.acquire()
-    try:
-        input_handler.assemble(pieces, starts, counts, slot.buffers)
-        outputs = program.run(slot)
-    finally:
-        ring.release(slot)  # the outputs are fetched: the slot's device buffers are done
-    return result_handler.split(outputs, program.out_shard_rows, _offsets(counts), counts, copy)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bucket:
+    """One compiled batch size: its program, its staging ring, and what load measured
+    (compile seconds; seconds per execution, from back-to-back runs)."""
+
+    size: int
+    program: Program
+    ring: StagingRing
+    compiled: Any  # the jax.stages.Compiled behind the program
+    compile_s: float
+    exec_s: float
+
+    @property
+    def fast_path(self) -> bool:
+        return bool(self.program.fast)
 
 
-def join_pieces(parts: list[dict], copy: bool) -> dict[str, np.ndarray]:
-    """One request's outputs from the outputs of its pieces (in row order), read-only
-    unless ``copy``, like every output pxrt hands out."""
-    out = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
-    if not copy:
-        for arr in out.values():
-            arr.flags.writeable = False
-    return out
+class Engine:
+    """Runs batches of one model's requests in its compiled buckets. Thread-safe.
 
-
-class BatchJob:
-    """One batch on its way through the pipeline.
-
-    The submitter fills ``bucket``, the pieces (``pieces[i]`` is the prepared array
-    tuple whose rows ``starts[i]:starts[i]+counts[i]`` go in), ``rows`` and ``context``
-    (anything it needs back). The pipeline fills ``outputs`` (one dict per piece) or
-    ``error``, and the stage clocks (``time.perf_counter``): started, dispatched
-    (assembled + put + execution launched), fetched (outputs ready), done (split).
+    Args:
+      name: the model name (thread names, error messages).
+      input_handler, result_handler: the model's ``InputHandler``/``ResultHandler``.
+      buckets: the compiled buckets, any order.
+      owner: what compiles on this engine's request path are counted against
+        (``pxrt._xla.compile_counter``); the Model.
     """
-
-    __slots__ = (
-        "bucket",
-        "pieces",
-        "starts",
-        "counts",
-        "rows",
-        "copy",
-        "context",
-        "outputs",
-        "error",
-        "t_start",
-        "t_assembled",
-        "t_dispatched",
-        "t_fetched",
-        "t_done",
-    )
 
     def __init__(
         self,
-        bucket: Any,
-        pieces: list,
-        starts: list,
-        counts: list,
-        rows: int,
-        context: Any = None,
-        copy: bool = False,
+        name: str,
+        input_handler: Any,
+        result_handler: Any,
+        buckets: Sequence[Bucket],
+        owner: object,
     ) -> None:
-        self.bucket = bucket
-        self.pieces = pieces
-        self.starts = starts
-        self.counts = counts
-        self.rows = rows
-        self.copy = copy
-        self.context = context
-        self.outputs: list[dict] | None = None
-        self.error: BaseException | None = None
-        self.t_start = self.t_assembled = self.t_dispatched = self.t_fetched = self.t_done = 0.0
+        if not buckets:
+            raise ValueError("an engine needs at least one bucket")
+        self.name = name
+        self.input_handler = input_handler
+        self.result_handler = result_handler
+        self.buckets: tuple[Bucket, ...] = tuple(sorted(buckets, key=lambda b: b.size))
+        self.sizes: tuple[int, ...] = tuple(b.size for b in self.buckets)
+        self.max_rows: int = self.sizes[-1]
+        self.owner = owner
+        # rows -> the bucket a batch of that many rows runs in, for 0 < rows <= max_rows.
+        self._by_rows: list[Bucket] = [self.buckets[0]] + [
+            self.buckets[bisect.bisect_left(self.sizes, n)] for n in range(1, self.max_rows + 1)
+        ]
+        self.prepare = input_handler.prepare
+
+    def bucket_for(self, rows: int) -> Bucket:
+        """The bucket a batch of ``rows`` rows runs in: the smallest that holds it."""
+        if not 0 < rows <= self.max_rows:
+            raise ValueError(
+                f"a batch of {rows} rows fits no bucket of model {self.name!r} "
+                f"(buckets {list(self.sizes)})"
+            )
+        return self._by_rows[rows]
+
+    def replace_programs(self, wrap: Callable[[Program], Program]) -> Engine:
+        """A new engine whose buckets run ``wrap(program)`` instead (same rings and
+        handlers): for tracing, fault injection and tests."""
+        buckets = [dataclasses.replace(b, program=wrap(b.program)) for b in self.buckets]
+        return Engine(self.name, self.input_handler, self.result_handler, buckets, self.owner)
+
+    def queue(
+        self, max_queued_rows: int = 0, policy: Any = None, create_future: Any = None
+    ) -> BatchQueue:
+        """A new, empty queue to plan this engine's batches with; its ``submit``
+        validates requests with this engine's input handler (see ``BatchQueue``)."""
+        return BatchQueue(max_queued_rows, self.input_handler, policy, create_future)
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, batch: Batch, copy: bool = False) -> None:
+        """Run ``batch`` on the calling thread: fills ``batch.bucket``, the stage clocks
+        and ``batch.outputs`` (per piece, output name -> rows), or raises."""
+        bucket = self.bucket_for(batch.rows)
+        batch.bucket = bucket
+        program, ring = bucket.program, bucket.ring
+        slot = ring.acquire()
+        try:
+            batch.t_start = _clock()
+            self.input_handler.assemble(batch.pieces, batch.starts, batch.counts, slot.buffers)
+            batch.t_assembled = _clock()
+            handle = program.dispatch(slot)
+            batch.t_dispatched = _clock()
+            shards = program.fetch(handle)
+            batch.t_fetched = _clock()
+        finally:
+            # The outputs are on the host: the slot's device buffers are done with it.
+            handle = None
+            ring.release(slot)
+        batch.outputs = self.result_handler.split(
+            shards, program.out_shard_rows, batch.offsets, batch.counts, copy
+        )
+        batch.t_done = _clock()
+
+    def run_one(self, arrays: tuple, rows: int, copy: bool = False) -> dict[str, np.ndarray]:
+        """One prepared request (``prepare``'s arrays and rows), split across executions
+        if it is larger than the largest bucket."""
+        if rows <= self.max_rows:
+            batch = Batch.single(arrays, rows)
+            self.run(batch, copy)
+            return batch.outputs[0]
+        return self.run_all([(arrays, rows)], copy, False)[0]
+
+    def run_all(self, prepared: Sequence[tuple], copy: bool, return_exceptions: bool) -> list:
+        """Prepared requests ``(arrays, rows)`` in as few executions as the buckets allow.
+        Returns one output dict per request, in order; a failed execution raises, or with
+        ``return_exceptions`` becomes the entry of each request it held."""
+        plan = BatchQueue()
+        requests = [plan.push(arrays, rows) for arrays, rows in prepared]
+        while (batch := plan.take(self.max_rows, 0.0)) is not None:
+            try:
+                self.run(batch, copy)
+            except Exception as exc:
+                if not return_exceptions:
+                    raise
+                plan.fail(batch, exc)
+                continue
+            plan.deliver(batch, copy)
+        return [r.result if r.error is None else r.error for r in requests]
+
+    def pipeline(
+        self,
+        on_done: Callable[[Batch], None],
+        *,
+        workers: int = 2,
+        copy: bool = False,
+        name: str = "",
+    ) -> Pipeline:
+        """Start ``workers`` threads that run submitted batches (see ``Pipeline``)."""
+        return Pipeline(self, on_done, workers=workers, copy=copy, name=name or self.name)
 
 
 _STOP = object()
 
 
 class Pipeline:
-    """Runs batches through assemble -> put -> execute on a dispatcher thread and
-    fetch -> split on a fetcher thread, so one batch executes while the next is being
-    assembled and dispatched (two or more in flight; the staging rings bound how many).
+    """Worker threads that run batches through ``Engine.run``, several in flight: while
+    one worker waits for its batch's execution, another assembles and dispatches the
+    next. Each batch goes end to end on one thread: one hand-off in, one out.
 
-    ``on_done(job)`` is called on the fetcher thread once per batch, with
-    ``job.outputs`` or ``job.error`` set. A failing batch fails alone.
+    ``on_done(batch)`` is called on the worker thread once per batch, with
+    ``batch.outputs`` or ``batch.error`` set. A failing batch fails alone. Work on these
+    threads counts as the engine owner's request path for the compile counter.
     """
 
-    def __init__(self, model: Any, on_done: Callable[[BatchJob], None], name: str = "") -> None:
-        self.model = model
-        self.compile_owner = model  # compiles under the stage functions count for the model
+    def __init__(
+        self,
+        engine: Engine,
+        on_done: Callable[[Batch], None],
+        *,
+        workers: int = 2,
+        copy: bool = False,
+        name: str = "",
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"a pipeline needs at least 1 worker, got {workers}")
+        self.engine = engine
         self._on_done = on_done
-        self._input_handler = model.input_handler
-        self._result_handler = model.result_handler
-        self._to_dispatch: queue.SimpleQueue = queue.SimpleQueue()
-        self._to_fetch: queue.SimpleQueue = queue.SimpleQueue()
-        label = name or getattr(model, "name", "model")
-        self._threads = [
-            threading.Thread(
-                target=self._dispatch_loop, name=f"pxrt-dispatch-{label}", daemon=True
-            ),
-            threading.Thread(target=self._fetch_loop, name=f"pxrt-fetch-{label}", daemon=True),
-        ]
+        self._copy = copy
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"pxrt-{name}-{i}", daemon=True)
+            for i in range(workers)
+        ]
         for t in self._threads:
             t.start()
 
-    def submit(self, job: BatchJob) -> None:
-        """Queue a batch; never blocks."""
+    def submit(self, batch: Batch) -> None:
+        """Queue a batch for the workers; never blocks."""
         if self._closed:
             raise RuntimeError("the pipeline is closed")
-        self._to_dispatch.put(job)
+        self._todo.put(batch)
 
     def close(self) -> None:
-        """Finish every submitted batch, then stop the threads (blocks until they end)."""
+        """Finish every submitted batch, then stop the workers (blocks until they end)."""
         if not self._closed:
             self._closed = True
-            self._to_dispatch.put(_STOP)
+            for _ in self._threads:
+                self._todo.put(_STOP)
         for t in self._threads:
             t.join()
 
-    @_xla.compile_counter.request_path
-    def _dispatch_loop(self) -> None:
-        clock = time.perf_counter
-        assemble = self._input_handler.assemble
-        while True:
-            job = self._to_dispatch.get()
-            if job is _STOP:
-                self._to_fetch.put(_STOP)
-                return
-            job.t_start = clock()
-            bucket = job.bucket
-            slot = bucket.ring.acquire()
-            try:
-                assemble(job.pieces, job.starts, job.counts, slot.buffers)
-                job.t_assembled = clock()
-                handle = bucket.program.dispatch(slot)
-            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
-                bucket.ring.release(slot)
-                job.error = exc
-                self._to_fetch.put((job, None, None))
-                continue
-            job.t_dispatched = clock()
-            self._to_fetch.put((job, slot, handle))
-
-    @_xla.compile_counter.request_path
-    def _fetch_loop(self) -> None:
-        clock = time.perf_counter
-        split = self._result_handler.split
-        while True:
-            item = self._to_fetch.get()
-            if item is _STOP:
-                return
-            job, slot, handle = item
-            if slot is not None:
-                program = job.bucket.program
+    def _work(self) -> None:
+        run, copy, on_done, todo = self.engine.run, self._copy, self._on_done, self._todo
+        with _xla.compile_counter.request_path(self.engine.owner):
+            while (batch := todo.get()) is not _STOP:
                 try:
-                    outputs = program.fetch(handle)
-                    job.t_fetched = clock()
-                    job.outputs = split(
-                        outputs, program.out_shard_rows, _offsets(job.counts), job.counts, job.copy
-                    )
+                    run(batch, copy)
                 except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
-                    job.error = exc
-                finally:
-                    # The outputs are fetched (or failed): the slot's device buffers are done.
-                    del handle
-                    job.bucket.ring.release(slot)
-            job.t_done = clock()
-            try:
-                self._on_done(job)
-            except BaseException:  # noqa: BLE001 - a broken callback must not stop the pipeline
-                import traceback
-
-                traceback.print_exc()
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    out, at = [], 0
-    for c in counts:
-        out.append(at)
-        at += c
-    return out
+                    batch.error = exc
+                try:
+                    on_done(batch)
+                except BaseException:  # noqa: BLE001 - a broken callback must not stop us
+                    log.exception("pxrt: the on_done callback of a batch raised")

@@ -20,31 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from . import _ext, _xla, artifact
-from .dispatch import StagingRing, join_pieces, plan_chunks, run_chunk, smallest_bucket
-
-
-class Bucket:
-    """One compiled batch size: its program (raw or public path) and staging ring."""
-
-    __slots__ = ("size", "compiled", "program", "ring", "compile_s")
-
-    def __init__(
-        self,
-        size: int,
-        compiled: jax.stages.Compiled,
-        program: Any,
-        ring: StagingRing,
-        compile_s: float,
-    ) -> None:
-        self.size = size
-        self.compiled = compiled
-        self.program = program
-        self.ring = ring
-        self.compile_s = compile_s
-
-    @property
-    def fast_path(self) -> bool:
-        return bool(self.program.fast)
+from .dispatch import Bucket, Engine, StagingRing
 
 
 class Model:
@@ -60,7 +36,7 @@ class Model:
         art: artifact.Artifact,
         devices: list,
         mesh: Mesh,
-        buckets: dict[int, Bucket],
+        buckets: list[Bucket],
         params_dev: Any,
         load_s: float,
         max_routes: int,
@@ -72,27 +48,24 @@ class Model:
         self.outputs: dict[str, artifact.TensorSpec] = dict(art.outputs)
         self.devices = devices
         self.mesh = mesh
-        self.buckets: tuple[int, ...] = tuple(sorted(buckets))
-        self.max_batch: int = self.buckets[-1]
-        self._buckets = buckets
         self.params_dev = params_dev
         self.load_s = load_s
-        # rows -> the bucket a batch of that many rows runs in, for 0 < rows <= max_batch.
-        self._by_rows: list[Bucket | None] = [None] + [
-            buckets[smallest_bucket(self.buckets, n)] for n in range(1, self.max_batch + 1)
-        ]
-        self.input_handler = _ext.InputHandler(
+        input_handler = _ext.InputHandler(
             self.name,
             list(self.inputs),
             [s.dtype for s in self.inputs.values()],
             [s.shape for s in self.inputs.values()],
             max_routes,
         )
-        self.result_handler = _ext.ResultHandler(
+        result_handler = _ext.ResultHandler(
             list(self.outputs),
             [s.dtype for s in self.outputs.values()],
             [s.shape for s in self.outputs.values()],
         )
+        #: The execution engine: what ``run``/``run_batch`` and the serving layer drive.
+        self.engine = Engine(self.name, input_handler, result_handler, buckets, owner=self)
+        self.buckets: tuple[int, ...] = self.engine.sizes
+        self.max_batch: int = self.engine.max_rows
 
     def __repr__(self) -> str:
         return (
@@ -102,21 +75,16 @@ class Model:
 
     # ------------------------------------------------------------------ serving
 
-    @_xla.compile_counter.request_path
     def run(self, request: Mapping[str, Any], *, copy: bool = False) -> dict[str, np.ndarray]:
         """Run one request (input name -> array with a leading batch dimension of n >= 1
         rows, exact dtype) and return output name -> array of n rows.
 
         Raises TypeError or ValueError, naming the input, for a malformed request.
         """
-        arrays, rows = self.input_handler.prepare(request)
-        if rows > self.max_batch:
-            return self._run_prepared([arrays], [rows], copy, False)[0]
-        # The common case: one request, one chunk, one execution.
-        bucket = self._by_rows[rows]
-        return run_chunk(
-            bucket, self.input_handler, self.result_handler, [arrays], [0], [rows], copy
-        )[0]
+        engine = self.engine
+        arrays, rows = engine.prepare(request)
+        with _xla.compile_counter.request_path(self):
+            return engine.run_one(arrays, rows, copy)
 
     def run_batch(
         self,
@@ -127,14 +95,14 @@ class Model:
     ) -> list:
         """Run many requests in as few executions as the buckets allow.
 
-        Requests are packed in order into chunks of at most the largest bucket; a request
-        larger than that is split across chunks and its outputs joined back. Returns one
-        output dict per request, in order.
+        Requests are packed in order into batches of at most the largest bucket; a
+        request larger than the room left is split across batches and its outputs joined
+        back. Returns one output dict per request, in order.
 
         With ``return_exceptions=False`` a malformed request raises its error before
         anything runs. With ``return_exceptions=True`` its entry in the result is the
         error instead, and every other request still gets its answer; an execution that
-        fails gives its error to the requests of that chunk only.
+        fails gives its error to the requests of that batch only.
         """
         if isinstance(requests, Mapping) or not isinstance(requests, Sequence):
             raise TypeError(
@@ -142,89 +110,53 @@ class Model:
                 f"array), got {type(requests).__name__}"
             )
         results: list[Any] = [None] * len(requests)
-        prepare = self.input_handler.prepare
+        prepare = self.engine.prepare
         owners: list[int] = []
-        arrays: list[tuple] = []
-        rows: list[int] = []
+        prepared: list[tuple] = []
         for i, request in enumerate(requests):
             try:
-                a, n = prepare(request)
+                prepared.append(prepare(request))
             except (TypeError, ValueError) as exc:
                 if not return_exceptions:
                     raise
                 results[i] = exc
                 continue
             owners.append(i)
-            arrays.append(a)
-            rows.append(n)
-        if owners:
-            for i, out in zip(owners, self._run_prepared(arrays, rows, copy, return_exceptions)):
+        if prepared:
+            with _xla.compile_counter.request_path(self):
+                outs = self.engine.run_all(prepared, copy, return_exceptions)
+            for i, out in zip(owners, outs):
                 results[i] = out
-        return results
-
-    @_xla.compile_counter.request_path
-    def _run_prepared(
-        self, arrays: list[tuple], rows: list[int], copy: bool, return_exceptions: bool
-    ) -> list:
-        # Each prepared request's output pieces, in row order.
-        parts: list[list[dict]] = [[] for _ in arrays]
-        failed: dict[int, BaseException] = {}
-        for chunk in plan_chunks(rows, self.max_batch):
-            bucket = self._by_rows[chunk.rows]
-            pieces = [arrays[p] for p in chunk.requests]
-            try:
-                outs = run_chunk(
-                    bucket,
-                    self.input_handler,
-                    self.result_handler,
-                    pieces,
-                    chunk.starts,
-                    chunk.counts,
-                    copy,
-                )
-            except Exception as exc:
-                if not return_exceptions:
-                    raise
-                for p in chunk.requests:
-                    failed.setdefault(p, exc)
-                continue
-            for p, out in zip(chunk.requests, outs):
-                parts[p].append(out)
-
-        results: list[Any] = []
-        for p, pieces_out in enumerate(parts):
-            if p in failed:
-                results.append(failed[p])
-            elif len(pieces_out) == 1:
-                results.append(pieces_out[0])
-            else:
-                results.append(join_pieces(pieces_out, copy))
         return results
 
     # ------------------------------------------------------------------ introspection
 
     def bucket(self, size: int) -> Bucket:
         """The compiled bucket of exactly ``size`` rows."""
-        return self._buckets[size]
+        for b in self.engine.buckets:
+            if b.size == size:
+                return b
+        raise KeyError(f"model {self.name!r} has no bucket of {size} rows: {self.buckets}")
 
     def bucket_for(self, rows: int) -> int:
-        """The bucket a batch of ``rows`` rows runs in (the smallest that holds it)."""
-        return smallest_bucket(self.buckets, rows)
+        """The bucket size a batch of ``rows`` rows runs in (the smallest that holds it)."""
+        return self.engine.bucket_for(rows).size
 
     @property
     def compiles_after_load(self) -> int:
         """XLA compiles that happened while serving this model's requests (must be 0)."""
-        return _xla.compile_counter.on_request_path.get(id(self), 0)
+        return _xla.compile_counter.count(self)
 
     def describe(self) -> dict:
         """The manifest plus, per bucket, compile time, path, and XLA's cost and memory
         analysis of the compiled executable."""
         per_bucket = []
-        for size in self.buckets:
-            b = self._buckets[size]
+        for b in self.engine.buckets:
+            size = b.size
             entry: dict[str, Any] = {
                 "bucket": size,
                 "compile_s": round(b.compile_s, 4),
+                "exec_ms": round(b.exec_s * 1e3, 4),
                 "fast_path": b.fast_path,
                 "path": b.program.path,
                 "rows_per_device": size // len(self.devices),
@@ -330,7 +262,7 @@ def load(
     if cache_dir is not None and not _writable_dir(cache_dir):
         cache_dir = None
 
-    compiled_buckets: dict[int, Bucket] = {}
+    compiled_buckets: list[Bucket] = []
     with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
         params_sh = jax.tree.map(lambda _: replicated, art.params)
         params_dev = jax.device_put(art.params, params_sh)
@@ -368,6 +300,7 @@ def load(
                 allow_raw=fast_path,
                 zero_copy=zero_copy,
             )
+            compile_s = time.perf_counter() - tc
             ring = StagingRing(
                 [s.dtype for s in in_specs],
                 [s.shape for s in in_specs],
@@ -375,7 +308,8 @@ def load(
                 program.row_slices,
                 depth=staging_depth,
             )
-            compiled_buckets[size] = Bucket(size, compiled, program, ring, time.perf_counter() - tc)
+            exec_s = _xla.time_program(program, _xla.StagingSlot(example, program.row_slices))
+            compiled_buckets.append(Bucket(size, program, ring, compiled, compile_s, exec_s))
     return Model(
         art, devices, mesh, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes
     )

@@ -1,325 +1,264 @@
-"""Dynamic batching of one model's requests on the event loop.
+"""Dynamic batching of one model's requests on the event loop: queue policy only.
 
-A ``Batcher`` queues validated requests and closes a batch when ``max_batch_size`` rows
-are waiting or the oldest request has waited ``max_delay_us`` (loop clock, monotonic).
-The batch runs in the smallest compiled bucket that holds it, on the model's
-``pxrt.dispatch.Pipeline``; while it executes, the next batch keeps forming. Results
-come back with one thread-safe call per batch.
+The per-request work (validating, queueing, packing batches, answering futures) is the
+model engine's ``BatchQueue`` (Cython); executing batches is its ``Pipeline`` (worker
+threads). A ``Batcher`` decides when a batch goes:
+
+- eagerly: as soon as a pipeline slot is free and something waits. Requests that arrive
+  in the same loop iteration go together, and under load batches grow by themselves
+  while the device is busy;
+- with ``max_delay_us`` > 0, it also waits until ``max_batch_size`` rows are queued or
+  the oldest request has waited that long, but never past the point where a queued
+  request's deadline would be missed;
+- at once when ``max_batch_size`` rows are queued.
 
 Queue policy: a full queue rejects at once (``Overloaded``, with a retry-after
 estimate); a request whose deadline passes while queued is answered
-``DeadlineExceeded`` and never executed; a caller that cancels before its request is
-dispatched removes it. A request larger than the room in a batch is split across
-batches and its outputs joined back.
+``DeadlineExceeded`` and never executed (checked when batches are taken, and by one
+timer per model while requests wait); a caller that cancels before its request is
+dispatched removes it. Metrics are updated once per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import math
 import time
-from typing import Any
 
-import numpy as np
-
-from pxrt import dispatch
+from pxrt import Model
+from pxrt.dispatch import Batch, Request
 
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from .metrics import Metrics
 
 # Measurements use perf_counter: uvloop's loop.time() moves in whole milliseconds.
 _clock = time.perf_counter
+INF = math.inf
+NEVER = 1 << 62  # a kick_rows no queue reaches
 
-# Futures resolved per loop callback when a batch's results come back.
-DELIVER_SLICE = 32
 
-
-class Pending:
-    """One accepted request, from submit until its future is resolved."""
-
-    __slots__ = (
-        "arrays",
-        "rows",
-        "future",
-        "t_enqueue",
-        "timer",
-        "next_row",
-        "parts",
-        "rows_done",
-    )
-
-    def __init__(self, arrays: tuple, rows: int, future: asyncio.Future, t_enqueue: float):
-        self.arrays = arrays
-        self.rows = rows
-        self.future = future
-        self.t_enqueue = t_enqueue
-        self.timer: asyncio.TimerHandle | None = None
-        self.next_row = 0  # rows before this one are dispatched
-        self.parts: list[tuple[int, dict]] | None = None  # only for requests split across batches
-        self.rows_done = 0
+class RequestTooLarge(ValueError):
+    """A request with more rows than the queue may ever hold: retrying cannot help."""
 
 
 class Batcher:
-    """Batches one model's requests. Create and use it on the event loop's thread."""
+    """Batches one model's requests. Create and use it on the event loop's thread.
+
+    Requests come in through ``queue.submit`` (``Server.infer`` calls it directly); the
+    queue calls back into this object, its policy, for the decisions that are not
+    per-request: ``kick`` (a batch could go), ``arm_sweep``, and the errors.
+    """
 
     def __init__(
         self,
         name: str,
-        model: Any,
+        model: Model,
         metrics: Metrics,
         *,
         max_batch_size: int | None = None,
-        max_delay_us: float = 2000.0,
+        max_delay_us: float = 0.0,
         max_queue: int = 4096,
         max_inflight: int = 2,
+        default_timeout_s: float | None = None,
         copy: bool = False,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_us < 0 or max_queue < 1 or max_inflight < 1:
             raise ValueError("max_delay_us must be >= 0, max_queue and max_inflight >= 1")
+        if default_timeout_s is not None and not default_timeout_s > 0:
+            raise ValueError(f"default_timeout_s must be > 0 or None, got {default_timeout_s}")
         self.name = name
         self.model = model
-        self.max_batch_size = min(max_batch_size or model.max_batch, model.max_batch)
+        engine = model.engine
+        self.max_batch_size = min(max_batch_size or engine.max_rows, engine.max_rows)
         self.max_delay = max_delay_us * 1e-6
         self.max_queue = max_queue
         self.max_inflight = max_inflight
+        self.default_timeout_s = default_timeout_s
         self.copy = copy
         self._loop = asyncio.get_running_loop()
-        self._queue: collections.deque[Pending] = collections.deque()
-        self.queued_rows = 0
+        self.queue = engine.queue(max_queue, self, self._loop.create_future)
+        self.queue.default_timeout = INF if default_timeout_s is None else default_timeout_s
         self.inflight = 0
-        self._closing = False
-        self._waiter: asyncio.Future | None = None
-        self._buckets = model.buckets
+        self._delay_timer: asyncio.TimerHandle | None = None
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._drained = asyncio.Event()
+        self._success = 0
+        self._failed = 0
+        # Seconds per row of the batches that run, for retry-after estimates, and the
+        # execution time of a full batch, to close a waiting batch before a deadline.
+        full = engine.bucket_for(self.max_batch_size)
+        self._row_seconds = full.exec_s / full.size
+        self._full_exec_s = full.exec_s
 
-        self._metrics = metrics.add_model(
-            name, lambda: self.queued_rows, lambda: model.compiles_after_load
+        self._metrics = metrics.add_model(name, self)
+        self.pipeline = engine.pipeline(
+            self._on_done_threadsafe, workers=max_inflight, copy=copy, name=name
         )
-        self._counts = self._metrics.requests
 
-        self.row_seconds = _measure_row_seconds(model)
-        self.pipeline = dispatch.Pipeline(model, self._on_done_threadsafe, name)
-        self._task = self._loop.create_task(self._form_batches(), name=f"pxrt-batcher-{name}")
+    # ------------------------------------------------------------------ policy
 
-    # ------------------------------------------------------------------ submit
+    def kick(self) -> None:
+        """Called by ``queue.submit`` once ``queue.kick_rows`` rows wait."""
+        self._loop.call_soon(self._flush)
 
-    def submit(self, arrays: tuple, rows: int, timeout_s: float | None) -> Pending:
-        """Queue a prepared request (``model.input_handler.prepare``'s result)."""
-        if self._closing:
-            raise ServerClosed(f"model {self.name!r} is shutting down; not accepting requests")
-        if self.queued_rows + rows > self.max_queue:
-            self._counts["rejected"] += 1
-            wait = max(self.queued_rows * self.row_seconds, 1e-3)
-            raise Overloaded(
-                f"model {self.name!r} is overloaded: {self.queued_rows} rows queued, "
-                f"max_queue is {self.max_queue}; retry after {wait:.3f} s",
-                retry_after_s=wait,
+    def arm_sweep(self, deadline: float) -> None:
+        """Called by ``queue.submit`` when a deadline earlier than ``queue.sweep_at``
+        arrives: one timer per model answers requests whose deadline passes while they
+        wait (the device busy with earlier batches); no timer per request."""
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+        self.queue.sweep_at = deadline
+        self._sweep_timer = self._loop.call_later(max(deadline - _clock(), 0.0), self._sweep)
+
+    def expired_error(self, r: Request) -> Exception:
+        waited = (r.deadline - r.t_enqueue) * 1e3
+        return DeadlineExceeded(
+            f"model {self.name!r}: the request's deadline ({waited:.1f} ms) passed while "
+            "it was queued; it was not executed"
+        )
+
+    def refused_error(self, rows: int) -> Exception:
+        if rows > self.max_queue:
+            return RequestTooLarge(
+                f"model {self.name!r}: the request has {rows} rows but the queue holds at "
+                f"most {self.max_queue} (max_queue); send it in parts of at most "
+                f"{self.max_queue} rows"
             )
-        loop = self._loop
-        pending = Pending(arrays, rows, loop.create_future(), _clock())
-        if timeout_s is not None:
-            pending.timer = loop.call_later(timeout_s, self._expire, pending, timeout_s)
-        was_empty = not self._queue
-        self._queue.append(pending)
-        self.queued_rows += rows
-        if was_empty or self.queued_rows >= self.max_batch_size:
-            self._wake()
-        return pending
+        queued = self.queue.queued_rows
+        wait = max(queued * self._row_seconds, 1e-3)
+        return Overloaded(
+            f"model {self.name!r} is overloaded: {queued} rows queued, max_queue is "
+            f"{self.max_queue}; retry after {wait:.3f} s",
+            retry_after_s=wait,
+        )
 
-    def cancel(self, pending: Pending) -> None:
+    def closed_error(self) -> Exception:
+        return ServerClosed(f"model {self.name!r} is shutting down; not accepting requests")
+
+    def cancel(self, r: Request) -> None:
         """The caller gave up: drop what of the request was not dispatched yet."""
-        if pending.timer is not None:
-            pending.timer.cancel()
-            pending.timer = None
-        if not pending.future.done():
-            pending.future.cancel()
-        self._counts["cancelled"] += 1
-        self._forget(pending)  # rows already dispatched still run; their results are dropped
+        self.queue.cancel(r)
 
-    def _expire(self, pending: Pending, timeout_s: float) -> None:
-        pending.timer = None
-        if pending.next_row or pending.future.done():
-            return  # already (partly) dispatched: it runs to the end
-        self._counts["expired"] += 1
-        pending.future.set_exception(
-            DeadlineExceeded(
-                f"model {self.name!r}: the request's deadline ({timeout_s * 1e3:.1f} ms) "
-                "passed while it was queued; it was not executed"
-            )
-        )
-        self._forget(pending)
+    # ------------------------------------------------------------------ metrics source
 
-    def _forget(self, pending: Pending) -> None:
-        # Still in the deque: _dispatch_batch skips it; only its rows leave the count now.
-        self.queued_rows -= pending.rows - pending.next_row
-        pending.next_row = pending.rows
+    def outcomes(self) -> dict[str, int]:
+        q = self.queue
+        return {
+            "success": self._success,
+            "invalid": q.invalid,
+            "rejected": q.rejected,
+            "expired": q.expired,
+            "failed": self._failed,
+            "cancelled": q.cancelled,
+        }
+
+    def queued_rows(self) -> int:
+        return self.queue.queued_rows
+
+    def compiles(self) -> int:
+        return self.model.compiles_after_load
+
+    def drain_timings(self) -> None:
+        stages = self._metrics.stages
+        stages["queue"].observe_many(self.queue.drain_waits())
+        stages["request"].observe_many(self.queue.drain_latencies())
 
     # ------------------------------------------------------------------ forming
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _sleep(self, until: float | None) -> None:
-        waiter = self._waiter = self._loop.create_future()
-        handle = None
-        if until is not None:
-            handle = self._loop.call_at(until, _set_result, waiter)
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-            if handle is not None:
-                handle.cancel()
-
-    async def _form_batches(self) -> None:
-        queue = self._queue
-        loop = self._loop
-        while True:
-            while queue and queue[0].next_row == queue[0].rows:
-                queue.popleft()  # expired or cancelled while waiting
-            if not queue:
-                if self._closing and not self.inflight:
+    def _flush(self) -> None:
+        """Send batches while a pipeline slot is free and requests wait; then tell the
+        queue when to kick us again."""
+        queue = self.queue
+        queue.kick_rows = NEVER
+        while self.inflight < self.max_inflight and queue.queued_rows:
+            now = _clock()
+            if self.max_delay and queue.queued_rows < self.max_batch_size and not queue.closed:
+                due = min(
+                    queue.oldest + self.max_delay, queue.earliest_deadline - self._full_exec_s
+                )
+                if due > now:
+                    self._arm_delay(due - now)
+                    queue.kick_rows = self.max_batch_size  # a full batch goes at once
                     return
-                await self._sleep(None)
+            batch = queue.take(self.max_batch_size, now)
+            if batch is None:
+                break
+            try:
+                self.pipeline.submit(batch)
+            except Exception as exc:  # noqa: BLE001 - answer the batch's callers, keep serving
+                self._fail(batch, f"could not dispatch a batch: {exc!r}", exc)
                 continue
-            if self.inflight >= self.max_inflight:
-                await self._sleep(None)  # a finished batch wakes us; the queue keeps growing
-                continue
-            if self.queued_rows < self.max_batch_size and not self._closing:
-                wait = queue[0].t_enqueue + self.max_delay - _clock()
-                if wait > 0:
-                    await self._sleep(loop.time() + wait)
-                    continue
-            self._dispatch_batch()
+            self.inflight += 1
+        if self.inflight < self.max_inflight:
+            queue.kick_rows = 1  # idle slot: the next request goes at once
+        if queue.closed and not self.inflight and not queue.queued_rows:
+            self._drained.set()
 
-    def _dispatch_batch(self) -> None:
-        queue = self._queue
-        room = self.max_batch_size
-        pieces: list[tuple] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        owners: list[Pending] = []
-        now = _clock()
-        enqueued: list[float] = []
-        while queue and room:
-            p = queue[0]
-            if p.future.done() and p.next_row < p.rows:
-                self.cancel(p)  # its future was cancelled by the caller (Server.submit)
-            left = p.rows - p.next_row
-            if not left:
-                queue.popleft()
-                continue
-            take = left if left <= room else room
-            if p.next_row == 0:
-                if p.timer is not None:
-                    p.timer.cancel()
-                    p.timer = None
-                enqueued.append(p.t_enqueue)
-            pieces.append(p.arrays)
-            starts.append(p.next_row)
-            counts.append(take)
-            owners.append(p)
-            p.next_row += take
-            room -= take
-            if take == left:
-                queue.popleft()
-        rows = self.max_batch_size - room
-        self.queued_rows -= rows
-        self._metrics.stages["queue"].observe_since(now, enqueued)
-        try:
-            bucket = self.model.bucket(dispatch.smallest_bucket(self._buckets, rows))
-            job = dispatch.BatchJob(bucket, pieces, starts, counts, rows, owners, self.copy)
-            self.pipeline.submit(job)
-        except Exception as exc:  # noqa: BLE001 - answer the batch's callers, keep serving
-            err = ExecutionFailed(f"model {self.name!r}: could not dispatch a batch: {exc!r}")
-            self._fail(owners, err)
-            return
-        self.inflight += 1
+    def _arm_delay(self, delay: float) -> None:
+        if self._delay_timer is not None:
+            self._delay_timer.cancel()
+        self._delay_timer = self._loop.call_later(delay, self._on_delay)
+
+    def _on_delay(self) -> None:
+        self._delay_timer = None
+        self._flush()
+
+    def _sweep(self) -> None:
+        self._sweep_timer = None
+        self.queue.sweep_at = INF
+        earliest = self.queue.sweep(_clock())
+        if earliest < INF:
+            self.arm_sweep(earliest)
+        if self.queue.closed:
+            self._flush()
 
     # ------------------------------------------------------------------ results
 
-    def _on_done_threadsafe(self, job: dispatch.BatchJob) -> None:
-        # On the pipeline's fetcher thread: one hop to the loop per batch.
-        self._loop.call_soon_threadsafe(self._on_done, job)
+    def _on_done_threadsafe(self, batch: Batch) -> None:
+        # On a pipeline worker: one hop to the loop per batch.
+        self._loop.call_soon_threadsafe(self._on_done, batch)
 
-    def _on_done(self, job: dispatch.BatchJob) -> None:
+    def _on_done(self, batch: Batch) -> None:
         self.inflight -= 1
-        self._wake()
+        self._flush()  # the next batch goes out before this one's callers are answered
         m = self._metrics
         m.batches += 1
-        m.batch_rows.observe(job.rows)
-        m.padding.observe(1.0 - job.rows / job.bucket.size)
-        if job.error is not None:
-            err = ExecutionFailed(
-                f"model {self.name!r}, bucket {job.bucket.size}: the batch failed: "
-                f"{type(job.error).__name__}: {job.error}"
+        if batch.bucket is not None:
+            m.batch_rows.observe(batch.rows)
+            m.padding.observe(1.0 - batch.rows / batch.bucket.size)
+        if batch.error is not None:
+            where = f"bucket {batch.bucket.size}" if batch.bucket is not None else "no bucket"
+            self._fail(
+                batch,
+                f"{where}: the batch failed: {type(batch.error).__name__}: {batch.error}",
+                batch.error,
             )
-            err.__cause__ = job.error
-            self._fail(job.context, err)
-            return
-        stages = m.stages
-        stages["compute_input"].observe((job.t_dispatched - job.t_start) * 1e6)
-        stages["compute_infer"].observe((job.t_fetched - job.t_dispatched) * 1e6)
-        stages["compute_output"].observe((job.t_done - job.t_fetched) * 1e6)
-        self._deliver(job, 0)
+        else:
+            stages = m.stages
+            stages["compute_input"].observe((batch.t_dispatched - batch.t_start) * 1e6)
+            stages["compute_infer"].observe((batch.t_fetched - batch.t_dispatched) * 1e6)
+            stages["compute_output"].observe((batch.t_done - batch.t_fetched) * 1e6)
+            self._success += self.queue.deliver(batch, self.copy)
+            if self.queue.timings_pending >= 8192:
+                self.drain_timings()
+        if self.queue.closed and not self.inflight and not self.queue.queued_rows:
+            self._drained.set()
 
-    def _deliver(self, job: dispatch.BatchJob, first: int) -> None:
-        # Each resolved future wakes its caller in the next loop iteration; resolving a
-        # big batch in slices lets other events (new requests, I/O) in between them.
-        last = min(first + DELIVER_SLICE, len(job.context))
-        if last < len(job.context):
-            self._loop.call_soon(self._deliver, job, last)
-        enqueued: list[float] = []
-        for i in range(first, last):
-            p, out, start, count = job.context[i], job.outputs[i], job.starts[i], job.counts[i]
-            fut = p.future
-            if fut.done():
-                continue  # cancelled after dispatch, or another part of it failed
-            if count == p.rows:
-                fut.set_result(out)
-            else:
-                if p.parts is None:
-                    p.parts = []
-                p.parts.append((start, out))
-                p.rows_done += count
-                if p.rows_done < p.rows:
-                    continue
-                parts = [o for _, o in sorted(p.parts, key=lambda t: t[0])]
-                fut.set_result(dispatch.join_pieces(parts, self.copy))
-            enqueued.append(p.t_enqueue)
-        if enqueued:
-            self._counts["success"] += len(enqueued)
-            self._metrics.stages["request"].observe_since(_clock(), enqueued)
-
-    def _fail(self, owners: list[Pending], err: BaseException) -> None:
-        for p in owners:
-            if not p.future.done():
-                self._counts["failed"] += 1
-                p.future.set_exception(err)
+    def _fail(self, batch: Batch, message: str, cause: BaseException) -> None:
+        err = ExecutionFailed(f"model {self.name!r}, {message}")
+        err.__cause__ = cause
+        self._failed += self.queue.fail(batch, err)
 
     # ------------------------------------------------------------------ shutdown
 
     async def close(self) -> None:
         """Stop accepting, answer every accepted request, then stop the pipeline."""
-        self._closing = True
-        self._wake()
-        await self._task
+        self.queue.closed = True
+        self._flush()
+        await self._drained.wait()
+        for timer in (self._delay_timer, self._sweep_timer):
+            if timer is not None:
+                timer.cancel()
         await asyncio.to_thread(self.pipeline.close)
-
-
-def _set_result(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _measure_row_seconds(model: Any) -> float:
-    """Seconds per row of the largest bucket, for retry-after estimates."""
-    rows = model.max_batch
-    request = {k: np.zeros((rows,) + s.shape, s.dtype) for k, s in model.inputs.items()}
-    model.run(request)
-    t0 = time.perf_counter()
-    model.run(request)
-    return (time.perf_counter() - t0) / rows

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=serve.main)
 
     p = sub.add_parser("bench", help="load-test a model in-process: pxrt vs naive vs ceiling")
-    from . import bench
+    from .bench import command as bench
 
     bench.add_arguments(p)
     p.set_defaults(func=bench.main)

@@ -1,8 +1,9 @@
 """In-process metrics of a Server, exposed through prometheus-client.
 
-The hot path only touches plain numbers: counters are ints, and histograms are bucket
-counts that a whole batch's observations update at once (one ``np.searchsorted`` per
-batch, not one locked ``Histogram.observe`` per request, which cost ~9 us a request).
+The hot path only touches plain numbers: the per-request outcomes are counted by the
+model's ``BatchQueue`` (C integers) and the batcher, and per-request durations are
+logged into C buffers that are binned thousands at a time (one ``np.searchsorted``
+per drain, not one locked ``Histogram.observe`` per request, which cost ~9 us).
 prometheus-client does the exposition: ``registry`` holds a collector that yields
 standard counter, gauge and histogram families, named in Triton's spirit
 (``pxrt_queue_duration_us`` ...) and labelled by model. ``snapshot()`` reads the same
@@ -12,7 +13,8 @@ numbers back as a dict, with percentiles interpolated within buckets.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -40,22 +42,10 @@ STAGES = {
 
 class Histogram:
     """Bucket counts with Prometheus's ``le`` semantics (a value lands in the first
-    bucket whose bound is >= it), plus sum and count.
+    bucket whose bound is >= it), plus sum and count. ``observe_many`` bins a whole
+    array of values at once; values are multiplied by ``scale`` (seconds -> unit)."""
 
-    ``observe_since(now, starts)`` records ``now - t`` for a whole batch's start times in
-    O(1): the batches are binned lazily, thousands at a time or when read.
-    """
-
-    __slots__ = (
-        "bounds",
-        "_bounds_np",
-        "_counts",
-        "_sum",
-        "_count",
-        "_pending",
-        "_pending_n",
-        "scale",
-    )
+    __slots__ = ("bounds", "_bounds_np", "_counts", "_sum", "_count", "scale")
 
     def __init__(self, bounds: Iterable[float], scale: float = 1.0) -> None:
         self.bounds = list(bounds)
@@ -63,27 +53,17 @@ class Histogram:
         self._counts = np.zeros(len(self.bounds) + 1, np.int64)  # the last one is +Inf
         self._sum = 0.0
         self._count = 0
-        self._pending: list[tuple[float, list[float]]] = []
-        self._pending_n = 0
-        self.scale = scale  # observe_since's seconds -> this histogram's unit
+        self.scale = scale
 
     def observe(self, value: float) -> None:
         self._counts[bisect.bisect_left(self.bounds, value)] += 1
         self._sum += value
         self._count += 1
 
-    def observe_since(self, now: float, starts: list[float]) -> None:
-        self._pending.append((now, starts))
-        self._pending_n += len(starts)
-        if self._pending_n >= 16384:
-            self._flush()
-
-    def _flush(self) -> None:
-        pending, self._pending, self._pending_n = self._pending, [], 0
-        if not pending:
+    def observe_many(self, values: np.ndarray) -> None:
+        if not len(values):
             return
-        values = np.concatenate([now - np.asarray(starts) for now, starts in pending])
-        values *= self.scale
+        values = values * self.scale
         idx = np.searchsorted(self._bounds_np, values, side="left")
         self._counts += np.bincount(idx, minlength=len(self._counts))
         self._sum += float(values.sum())
@@ -91,23 +71,19 @@ class Histogram:
 
     @property
     def count(self) -> int:
-        self._flush()
         return self._count
 
     @property
     def sum(self) -> float:
-        self._flush()
         return self._sum
 
     def cumulative(self) -> list[tuple[str, float]]:
-        self._flush()
         cum = np.cumsum(self._counts)
         labels = [_le(b) for b in self.bounds] + ["+Inf"]
         return list(zip(labels, cum.tolist()))
 
     def quantile(self, q: float) -> float:
         """Linear interpolation inside the bucket that holds quantile q."""
-        self._flush()
         if not self._count:
             return 0.0
         rank = q * self._count
@@ -130,26 +106,41 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
+class ModelSource(Protocol):
+    """What a model's metrics read from the batcher that serves it."""
+
+    def outcomes(self) -> dict[str, int]: ...  # outcome -> requests so far
+
+    def queued_rows(self) -> int: ...
+
+    def compiles(self) -> int: ...
+
+    def drain_timings(self) -> None: ...  # move logged durations into the histograms
+
+
 class ModelMetrics:
     """One model's numbers. Updated on the event loop's thread only."""
 
-    def __init__(self, queued_rows: Callable[[], float], compiles: Callable[[], float]) -> None:
-        self.requests = dict.fromkeys(OUTCOMES, 0)
+    def __init__(self, source: ModelSource) -> None:
+        self.source = source
         self.batches = 0
         self.stages = {stage: Histogram(US_BUCKETS, scale=1e6) for stage in STAGES}
         self.batch_rows = Histogram(ROW_BUCKETS)
         self.padding = Histogram(RATIO_BUCKETS)
-        self.queued_rows = queued_rows
-        self.compiles = compiles
+
+    @property
+    def requests(self) -> dict[str, int]:
+        return self.source.outcomes()
 
     def snapshot(self) -> dict:
-        out: dict = {"requests": dict(self.requests), "batches": self.batches}
+        self.source.drain_timings()
+        out: dict = {"requests": self.requests, "batches": self.batches}
         for stage, hist in self.stages.items():
             out[f"{stage}_us"] = hist.summary()
         out["batch_rows"] = self.batch_rows.summary()
         out["padding_ratio"] = self.padding.summary()
-        out["queued_rows"] = self.queued_rows()
-        out["compiles_after_load"] = self.compiles()
+        out["queued_rows"] = self.source.queued_rows()
+        out["compiles_after_load"] = self.source.compiles()
         return out
 
 
@@ -161,16 +152,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
-    def add_model(
-        self, name: str, queued_rows: Callable[[], float], compiles: Callable[[], float]
-    ) -> ModelMetrics:
-        self.models[name] = ModelMetrics(queued_rows, compiles)
+    def add_model(self, name: str, source: ModelSource) -> ModelMetrics:
+        self.models[name] = ModelMetrics(source)
         return self.models[name]
-
-    def count(self, name: str, outcome: str, n: int = 1) -> None:
-        model = self.models.get(name)
-        if model is not None:
-            model.requests[outcome] += n
 
     def snapshot(self) -> dict[str, dict]:
         """model -> {"requests": {outcome: n}, "batches": n, "<stage>_us": {...}, ...}."""
@@ -196,11 +180,12 @@ class _Collector:
             labels=["model"],
         )
         for name, m in models:
+            m.source.drain_timings()
             for outcome, n in m.requests.items():
                 requests.add_metric([name, outcome], n)
             batches.add_metric([name], m.batches)
-            queued.add_metric([name], m.queued_rows())
-            compiles.add_metric([name], m.compiles())
+            queued.add_metric([name], m.source.queued_rows())
+            compiles.add_metric([name], m.source.compiles())
         yield from (requests, batches, queued, compiles)
         families = [
             (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", lambda m, s=stage: m.stages[s])

@@ -3,7 +3,7 @@
 Async use, on any running asyncio or uvloop loop::
 
     async with Server() as server:
-        server.add_model("mlp", pxrt.load("models/mlp"), max_batch_size=64, max_delay_us=2000)
+        server.add_model("mlp", pxrt.load("models/mlp"), max_batch_size=64)
         out = await server.infer("mlp", {"x": x})
 
 Blocking use, with the loop on a background thread (uvloop when installed)::
@@ -45,7 +45,7 @@ class Server:
     def __init__(self) -> None:
         self.metrics = Metrics()
         self._batchers: dict[str, Batcher] = {}
-        self._timeouts: dict[str, float | None] = {}
+        self._queues: dict[str, Any] = {}  # name -> its batcher's queue, for infer
         self._closed = False
 
     async def __aenter__(self) -> Server:
@@ -60,7 +60,7 @@ class Server:
         model: Any,
         *,
         max_batch_size: int | None = None,
-        max_delay_us: float = 2000.0,
+        max_delay_us: float = 0.0,
         max_queue: int = 4096,
         default_timeout_s: float | None = None,
         max_inflight: int = 2,
@@ -69,9 +69,12 @@ class Server:
         """Serve ``model`` (from ``pxrt.load``) as ``name``.
 
         Args:
-          max_batch_size: rows that close a batch at once (default and cap: the largest
-            compiled bucket).
-          max_delay_us: how long the oldest queued request may wait for a batch to fill.
+          max_batch_size: the most rows in one batch (default and cap: the largest
+            compiled bucket); that many rows waiting close a batch at once.
+          max_delay_us: an extra wait for fuller batches: how long the oldest queued
+            request may wait for ``max_batch_size`` rows when a pipeline slot is free.
+            0 (the default): a batch goes as soon as a slot is free; under load,
+            batches grow by themselves while the device is busy.
           max_queue: queued rows beyond which requests are rejected with ``Overloaded``.
           default_timeout_s: deadline of a request that brings none (None: no deadline).
           max_inflight: batches executing at once (the pipeline overlaps them).
@@ -81,7 +84,7 @@ class Server:
             raise ServerClosed("the server is closed")
         if name in self._batchers:
             raise ValueError(f"a model named {name!r} is already being served")
-        self._batchers[name] = Batcher(
+        batcher = self._batchers[name] = Batcher(
             name,
             model,
             self.metrics,
@@ -89,21 +92,22 @@ class Server:
             max_delay_us=max_delay_us,
             max_queue=max_queue,
             max_inflight=max_inflight,
+            default_timeout_s=default_timeout_s,
             copy=copy,
         )
-        self._timeouts[name] = default_timeout_s
+        self._queues[name] = batcher.queue
 
     @property
     def models(self) -> dict[str, Any]:
         return {name: b.model for name, b in self._batchers.items()}
 
     def batcher(self, name: str) -> Batcher:
-        try:
-            return self._batchers[name]
-        except KeyError:
+        batcher = self._batchers.get(name)
+        if batcher is None:
             raise UnknownModel(
                 f"no model named {name!r}; serving: {', '.join(self._batchers) or 'none'}"
-            ) from None
+            )
+        return batcher
 
     async def infer(
         self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
@@ -115,11 +119,12 @@ class Server:
         (``timeout_s``, else the model's default) passes while queued, ``ExecutionFailed``
         when its batch failed, ``ServerClosed`` while shutting down.
         """
-        batcher, pending = self._submit(name, request, timeout_s)
+        queue = self._queues.get(name) or self.batcher(name).queue
+        r = queue.submit(request, timeout_s)
         try:
-            return await pending.future
+            return await r.future
         except asyncio.CancelledError:
-            batcher.cancel(pending)
+            queue.cancel(r)
             raise
 
     def submit(
@@ -129,18 +134,7 @@ class Server:
         once (for callers that handle many requests from one task). Errors that
         ``infer`` raises before queueing are raised here; cancelling the future drops
         the request if it was not dispatched yet."""
-        return self._submit(name, request, timeout_s)[1].future
-
-    def _submit(self, name: str, request: Mapping[str, Any], timeout_s: float | None):
-        batcher = self.batcher(name)
-        try:
-            arrays, rows = batcher.model.input_handler.prepare(request)
-        except (TypeError, ValueError):
-            self.metrics.count(name, "invalid")
-            raise
-        if timeout_s is None:
-            timeout_s = self._timeouts[name]
-        return batcher, batcher.submit(arrays, rows, timeout_s)
+        return self.batcher(name).queue.submit(request, timeout_s).future
 
     def metrics_snapshot(self) -> dict[str, dict]:
         """Per model: request outcomes, batches, stage-time and batch-shape summaries."""

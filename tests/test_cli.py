@@ -73,6 +73,8 @@ def test_bench_writes_its_report(tmp_path, artifacts):
         "ceiling: bucket 8",
         "naive",
         "pxrt: 8 concurrent callers",
+        "plain asyncio batcher: 8 callers",
+        "pxrt / plain at 8 callers",
         "Poisson",
         "saturated throughput / ceiling",
         "event-loop lag p99",
@@ -80,9 +82,19 @@ def test_bench_writes_its_report(tmp_path, artifacts):
         assert words in result.stdout, words
     report = json.loads((out / "bench.json").read_text())
     modes = [r["mode"] for r in report["results"]]
-    assert modes == ["ceiling", "pxrt-closed", "pxrt-closed", "pxrt-open", "naive"]
+    assert modes == [
+        "ceiling",
+        "pxrt-closed",
+        "plain",
+        "pxrt-closed",
+        "plain",
+        "pxrt-open",
+        "naive",
+    ]
     assert all(r["rows_per_s"] > 0 for r in report["results"])
-    assert report["summary"]["saturated_vs_ceiling"] > 0
+    summary = report["summary"]
+    assert summary["saturated_vs_ceiling"] > 0
+    assert summary["pxrt_vs_plain_at_1"] > 0 and summary["pxrt_vs_plain_at_8"] > 0
     assert (out / "bench.png").stat().st_size > 10_000
 
 

@@ -236,12 +236,12 @@ ERRORS = [
         "no version '7'",
     ),
     (
-        "queue full",
+        "more rows than the queue holds",
         "/v2/models/tiny_queue/infer",
         infer_json([dict(X, shape=[2, 32], data=[0.5] * 64)]),
         None,
-        429,
-        "overloaded",
+        400,
+        "holds at most 1 (max_queue)",
     ),
     (
         "deadline",
@@ -381,6 +381,35 @@ def test_not_ready_while_loading_and_503_while_draining(run):
             assert r.status_code == 503 and "draining" in r.json()["error"]
 
     run(main)
+
+
+def test_queue_full_is_429_with_retry_after(run, artifacts):
+    """A full queue answers 429 at once, with Retry-After; the requests it holds succeed."""
+    import asyncio
+
+    import pxrt
+    from serving import Server
+    from serving.http import create_app
+    from test_serving import wrap_all
+
+    model = pxrt.load(artifacts["mlp"])
+    wrap_all(model, delay_s=0.2)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_queue=2, max_inflight=1, max_batch_size=1)
+            transport = httpx.ASGITransport(app=create_app(server))
+            async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
+                return await asyncio.gather(
+                    *(http.post("/v2/models/mlp/infer", content=infer_json([X])) for _ in range(6))
+                )
+
+    replies = run(main)
+    codes = sorted(r.status_code for r in replies)
+    assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}, codes
+    for r in replies:
+        if r.status_code == 429:
+            assert "overloaded" in r.json()["error"] and int(r.headers["retry-after"]) >= 1
 
 
 def test_client_sees_errors_as_exceptions(client):

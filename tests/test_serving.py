@@ -37,15 +37,12 @@ def batch_reference(name, requests):
 
 
 class Wrapped:
-    """A bucket program wrapper that can slow down or fail a batch, and counts rows."""
+    """A bucket program wrapper that can slow down or fail a batch, and counts batches."""
 
     def __init__(self, real, delay_s=0.0, fail_if=None):
         self.real, self.delay_s, self.fail_if = real, delay_s, fail_if
-        self.fast, self.out_shard_rows, self.row_slices = (
-            real.fast,
-            real.out_shard_rows,
-            real.row_slices,
-        )
+        self.path, self.fast = real.path, real.fast
+        self.out_shard_rows, self.row_slices = real.out_shard_rows, real.row_slices
         self.batches = 0
 
     def dispatch(self, slot):
@@ -59,16 +56,18 @@ class Wrapped:
     def fetch(self, handle):
         return self.real.fetch(handle)
 
-    def run(self, slot):
-        return self.fetch(self.dispatch(slot))
-
 
 def wrap_all(model, **kw):
+    """Wrap every bucket's program of ``model`` (before it is served); returns the
+    wrappers by bucket size."""
     wrappers = {}
-    for size in model.buckets:
-        bucket = model.bucket(size)
-        bucket.program = wrappers[size] = Wrapped(bucket.program, **kw)
-    return wrappers
+
+    def wrap(program):
+        wrappers[len(wrappers)] = w = Wrapped(program, **kw)
+        return w
+
+    model.engine = model.engine.replace_programs(wrap)
+    return {b.size: wrappers[i] for i, b in enumerate(model.engine.buckets)}
 
 
 # --------------------------------------------------------------------------- correctness
@@ -166,8 +165,8 @@ def test_overload_rejects_at_once_with_retry_after(run, artifacts):
 
     async def main():
         async with Server() as server:
-            server.add_model("mlp", model, max_batch_size=8, max_queue=16, max_inflight=1)
             wrap_all(model, delay_s=0.05)
+            server.add_model("mlp", model, max_batch_size=8, max_queue=16, max_inflight=1)
             outs = await asyncio.gather(
                 *(server.infer("mlp", {"x": x}) for _ in range(20)), return_exceptions=True
             )
@@ -189,8 +188,8 @@ def test_deadline_passing_in_the_queue_drops_the_request_unexecuted(run, artifac
 
     async def main():
         async with Server() as server:
-            server.add_model("mlp", model, max_batch_size=1, max_delay_us=0, max_inflight=1)
             wrappers.update(wrap_all(model, delay_s=0.5))
+            server.add_model("mlp", model, max_batch_size=1, max_inflight=1)
             first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
             await asyncio.sleep(0.02)  # the first batch is now executing
             late = server.infer("mlp", {"x": x * 2}, timeout_s=0.05)
@@ -211,8 +210,8 @@ def test_cancelled_request_is_removed_before_dispatch(run, artifacts):
 
     async def main():
         async with Server() as server:
-            server.add_model("mlp", model, max_batch_size=1, max_delay_us=0, max_inflight=1)
             wrappers.update(wrap_all(model, delay_s=0.5))
+            server.add_model("mlp", model, max_batch_size=1, max_inflight=1)
             first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
             await asyncio.sleep(0.02)
             doomed = asyncio.ensure_future(server.infer("mlp", {"x": x}))
@@ -244,9 +243,9 @@ def test_a_failing_batch_fails_alone(run, artifacts):
         async with Server() as server:
             # 2 + 1 rows fill a batch of 3: the first good request and the poison one
             # are dispatched together, for certain.
-            server.add_model("mlp", model, max_batch_size=3, max_delay_us=50_000)
             # Any batch holding a row of all -1 fails on "the device".
             wrap_all(model, fail_if=lambda slot: bool((slot.buffers[0] == -1).all(axis=1).any()))
+            server.add_model("mlp", model, max_batch_size=3, max_delay_us=50_000)
             first = await asyncio.gather(
                 server.infer("mlp", good[0]), server.infer("mlp", poison), return_exceptions=True
             )
@@ -272,8 +271,8 @@ def test_close_while_busy_answers_every_accepted_request(run, artifacts):
 
     async def main():
         server = Server()
-        server.add_model("mlp", model, max_batch_size=16, max_delay_us=1000, max_queue=1 << 20)
         wrap_all(model, delay_s=0.01)
+        server.add_model("mlp", model, max_batch_size=16, max_delay_us=1000, max_queue=1 << 20)
         tasks = [asyncio.ensure_future(server.infer("mlp", r)) for r in requests]
         await asyncio.sleep(0.005)
         await server.close()
@@ -340,16 +339,18 @@ def test_metrics_page_counts_what_happened(run, models):
     assert snap["mlp"]["requests"]["success"] == 7 and snap["mlp"]["batch_rows"]["count"] >= 1
 
 
-def test_histogram_bins_batches_exactly():
+def test_histogram_bins_arrays_exactly():
     from serving.metrics import US_BUCKETS, Histogram
 
     rng = np.random.default_rng(9)
     hist = Histogram(US_BUCKETS, scale=1e6)
     values = []
-    for _ in range(700):  # ~35k values: several lazy flushes, and a read-time one
-        starts = list(rng.uniform(0, 0.05, int(rng.integers(1, 100))))
-        hist.observe_since(0.05, starts)
-        values += [(0.05 - s) * 1e6 for s in starts]
+    for _ in range(700):  # ~35k values in drains of every size, some on a bucket bound
+        seconds = rng.uniform(0, 0.05, int(rng.integers(0, 100)))
+        if len(seconds):
+            seconds[0] = US_BUCKETS[int(rng.integers(len(US_BUCKETS)))] / 1e6
+        hist.observe_many(seconds)
+        values += list(seconds * 1e6)
     values = np.asarray(values)
     want = np.bincount(
         np.searchsorted(US_BUCKETS, values, side="left"), minlength=len(US_BUCKETS) + 1

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import aiohttp
 import numpy as np
 
-from . import kserve
+from .. import kserve
+from ..server import new_event_loop
+from .loadgen import clock, closed_loop, poisson_arrivals, run_result
+from .report import print_table, write_report
 
 
 class Target:
@@ -114,30 +116,12 @@ def _session(concurrency: int) -> aiohttp.ClientSession:
 
 
 async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
-    from .bench import run_result
-
     async with _session(concurrency) as session:
         await target.call(session)  # warm the connection path
         before = await target.stats(session)
-        latencies: list[float] = []
-        errors = 0
-        clock = time.perf_counter
-        deadline = clock() + duration
-
-        async def caller() -> None:
-            nonlocal errors
-            while clock() < deadline:
-                t0 = clock()
-                try:
-                    await target.call(session)
-                except Exception:  # noqa: BLE001 - counted
-                    errors += 1
-                    continue
-                latencies.append(clock() - t0)
-
-        t0 = clock()
-        await asyncio.gather(*(caller() for _ in range(concurrency)))
-        elapsed = clock() - t0
+        latencies, elapsed, errors = await closed_loop(
+            lambda _: target.call(session), None, concurrency, duration, count_errors=True
+        )
         after = await target.stats(session)
     kind = "binary" if target.binary else "JSON"
     return run_result(
@@ -153,14 +137,11 @@ async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
 
 
 async def run_open(target: Target, rate: float, duration: float, concurrency: int) -> dict:
-    from .bench import poisson_arrivals, run_result
-
     async with _session(concurrency) as session:
         await target.call(session)
         before = await target.stats(session)
         latencies: list[float] = []
         errors = 0
-        clock = time.perf_counter
 
         async def one(scheduled: float) -> None:
             nonlocal errors
@@ -203,9 +184,6 @@ def bench_url(
 ) -> dict:
     """The closed-loop sweep, then open loop at half the best closed-loop rate."""
     from tqdm.auto import tqdm
-
-    from .bench import print_table, write_report
-    from .server import new_event_loop
 
     loop = new_event_loop()
     results: list[dict] = []

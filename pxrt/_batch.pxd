@@ -1,0 +1,74 @@
+# Batch plans: the C-level API of pxrt/_batch.pyx.
+
+from pxrt._handlers cimport InputHandler
+
+
+cdef class Request:
+    cdef readonly tuple arrays          # the prepared inputs, in model input order
+    cdef readonly Py_ssize_t rows
+    cdef readonly object future         # the caller's future, or None (synchronous plans)
+    cdef readonly double t_enqueue      # perf_counter when it was queued
+    cdef readonly double deadline       # perf_counter deadline; +inf: none
+    cdef readonly Py_ssize_t next_row   # rows [0, next_row) went into batches
+    cdef Py_ssize_t rows_done           # rows whose outputs came back (split requests)
+    cdef list parts                     # (start, outputs) of a split request's pieces
+    cdef readonly bint finished         # answered (result, error, expired or cancelled)
+    cdef readonly object result         # without a future: the outputs
+    cdef readonly object error          # without a future: the error
+
+
+cdef class Batch:
+    cdef readonly list pieces           # per piece: its request's arrays
+    cdef readonly list starts           # per piece: first row taken from its request
+    cdef readonly list counts           # per piece: rows taken
+    cdef readonly list offsets          # per piece: first row in the batch
+    cdef readonly list requests         # per piece: its Request
+    cdef readonly Py_ssize_t rows
+    cdef public object bucket
+    cdef public object outputs          # per piece: output name -> array
+    cdef public object error
+    cdef public double t_start, t_assembled, t_dispatched, t_fetched, t_done
+
+    cdef void _add(self, Request r, Py_ssize_t start, Py_ssize_t count)
+
+
+# A growable log of durations (seconds), drained by the metrics.
+ctypedef struct TimeLog:
+    double* values
+    Py_ssize_t n
+    Py_ssize_t cap
+
+
+cdef class BatchQueue:
+    cdef list _items                    # the queue is _items[_head:]
+    cdef Py_ssize_t _head
+    cdef readonly Py_ssize_t queued_rows
+    cdef readonly Py_ssize_t max_queued_rows
+    cdef readonly double earliest_deadline
+    cdef readonly Py_ssize_t refused_rows  # the rows of the last request refused
+    # Outcomes decided here, counted since the queue was made.
+    cdef readonly Py_ssize_t invalid, rejected, expired, cancelled
+    # Serving: submit makes futures, and tells the policy when a batch could go.
+    cdef InputHandler _handler
+    cdef object _policy
+    cdef object _create_future
+    cdef object _kick
+    cdef public double default_timeout
+    cdef public Py_ssize_t kick_rows    # submit calls policy.kick() once this many rows wait
+    cdef public double sweep_at         # submit calls policy.arm_sweep(d) for a deadline d < this
+    cdef public bint closed             # submit refuses with policy.closed_error()
+    cdef TimeLog _waits                 # per request: queued -> taken into a batch
+    cdef TimeLog _latencies             # per request: queued -> answered
+
+    cdef Request _push(self, tuple arrays, Py_ssize_t rows, object future, double now,
+                       double deadline)
+    cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=*,
+                       double deadline=*)
+    cpdef Request submit(self, object request, object timeout=*)
+    cpdef Batch take(self, Py_ssize_t max_rows, double now)
+    cpdef Py_ssize_t deliver(self, Batch batch, bint copy=*, double now=*) except -1
+    cpdef Py_ssize_t fail(self, Batch batch, object error) except -1
+    cpdef bint cancel(self, Request r)
+    cpdef double sweep(self, double now) except? -1
+    cdef bint _drop_if_gone(self, Request r, double now) except -1
+    cdef int _finish(self, Request r, object result, object error) except -1

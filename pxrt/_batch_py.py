@@ -1,0 +1,398 @@
+"""Pure-Python twin of ``pxrt._batch`` (used with PXRT_NO_EXTENSIONS=1).
+
+Same interface and same behaviour; tests drive both with the same sequences of
+operations and compare every answer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+INF = math.inf
+_NEVER = 1 << 62
+_clock = time.perf_counter
+
+
+def join_pieces(parts: list, copy: bool) -> dict[str, np.ndarray]:
+    """One request's outputs from its pieces' ``(start, outputs)``, in row order;
+    read-only unless ``copy``, like every output pxrt hands out."""
+    parts.sort(key=lambda part: part[0])
+    out = {k: np.concatenate([p[1][k] for p in parts]) for k in parts[0][1]}
+    if not copy:
+        for arr in out.values():
+            arr.flags.writeable = False
+    return out
+
+
+class Request:
+    """One accepted request, from ``BatchQueue.push`` until it is answered."""
+
+    __slots__ = (
+        "arrays",
+        "rows",
+        "future",
+        "t_enqueue",
+        "deadline",
+        "next_row",
+        "rows_done",
+        "parts",
+        "finished",
+        "result",
+        "error",
+    )
+
+    def __init__(
+        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float
+    ) -> None:
+        self.arrays = arrays
+        self.rows = rows
+        self.future = future
+        self.t_enqueue = now
+        self.deadline = deadline
+        self.next_row = 0
+        self.rows_done = 0
+        self.parts: list | None = None
+        self.finished = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether it was answered (or its caller gave up)."""
+        return self.finished
+
+
+class Batch:
+    """Rows for one execution: piece ``i`` is rows ``starts[i]:starts[i]+counts[i]`` of
+    ``requests[i]`` (whose inputs are ``pieces[i]``), at rows ``offsets[i]:...`` of the
+    batch. The engine fills ``bucket``, ``outputs`` (one dict per piece) or ``error``,
+    and the stage clocks (perf_counter)."""
+
+    __slots__ = (
+        "pieces",
+        "starts",
+        "counts",
+        "offsets",
+        "requests",
+        "rows",
+        "bucket",
+        "outputs",
+        "error",
+        "t_start",
+        "t_assembled",
+        "t_dispatched",
+        "t_fetched",
+        "t_done",
+    )
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple] = []
+        self.starts: list[int] = []
+        self.counts: list[int] = []
+        self.offsets: list[int] = []
+        self.requests: list[Request | None] = []
+        self.rows = 0
+        self.bucket: Any = None
+        self.outputs: list[dict] | None = None
+        self.error: BaseException | None = None
+        self.t_start = self.t_assembled = self.t_dispatched = self.t_fetched = self.t_done = 0.0
+
+    @staticmethod
+    def single(arrays: tuple, rows: int) -> Batch:
+        """A batch of one whole request that no queue tracks (``Model.run``)."""
+        batch = Batch()
+        batch.pieces.append(arrays)
+        batch.starts.append(0)
+        batch.counts.append(rows)
+        batch.offsets.append(0)
+        batch.requests.append(None)
+        batch.rows = rows
+        return batch
+
+    def _add(self, r: Request, start: int, count: int) -> None:
+        self.pieces.append(r.arrays)
+        self.starts.append(start)
+        self.counts.append(count)
+        self.offsets.append(self.rows)
+        self.requests.append(r)
+        self.rows += count
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class BatchQueue:
+    """Accepted requests in arrival order, and the batches made of them.
+
+    Args:
+      max_queued_rows: a request that would make the rows waiting exceed this is
+        refused (0: no limit).
+      handler: the model's ``InputHandler``; ``submit`` validates with it.
+      policy: for ``submit``: the serving side's decisions, an object with
+        ``kick()`` (enough rows wait for a batch: see ``kick_rows``),
+        ``arm_sweep(deadline)`` (a deadline earlier than ``sweep_at`` arrived),
+        ``expired_error(request)``, ``refused_error(rows)`` and ``closed_error()``
+        (the exceptions for those outcomes).
+      create_future: for ``submit``: makes each request's future.
+
+    Not thread-safe: use it from one thread (the event loop's, when serving), except
+    ``drain_waits``/``drain_latencies``, which any thread may call.
+    """
+
+    def __init__(
+        self,
+        max_queued_rows: int = 0,
+        handler: Any = None,
+        policy: Any = None,
+        create_future: Any = None,
+    ) -> None:
+        self._items: list[Request | None] = []
+        self._head = 0
+        self.queued_rows = 0
+        self.max_queued_rows = max_queued_rows if max_queued_rows > 0 else _NEVER
+        self.earliest_deadline = INF
+        self.refused_rows = 0
+        self.invalid = self.rejected = self.expired = self.cancelled = 0
+        self._handler = handler
+        self._policy = policy
+        self._create_future = create_future
+        self._kick = policy.kick if policy is not None else None
+        self.default_timeout = INF
+        self.kick_rows = 1 if policy is not None else _NEVER
+        self.sweep_at = INF
+        self.closed = False
+        self._waits: list[float] = []
+        self._latencies: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._items) - self._head
+
+    @property
+    def oldest(self) -> float:
+        """When the oldest request still waiting was queued (+inf: none waits)."""
+        for r in self._items[self._head :]:
+            if not r.finished:
+                return r.t_enqueue
+        return INF
+
+    @property
+    def timings_pending(self) -> int:
+        """Waits and latencies logged and not drained yet."""
+        return len(self._waits) + len(self._latencies)
+
+    def drain_waits(self) -> np.ndarray:
+        """The queue waits (s) logged since the last drain, as a float64 array."""
+        values, self._waits = self._waits, []
+        return np.array(values, np.float64)
+
+    def drain_latencies(self) -> np.ndarray:
+        """The request latencies (s) logged since the last drain, as a float64 array."""
+        values, self._latencies = self._latencies, []
+        return np.array(values, np.float64)
+
+    # ------------------------------------------------------------------ accepting
+
+    def _push(
+        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float
+    ) -> Request | None:
+        if rows < 1:
+            raise ValueError(f"a request needs at least 1 row, got {rows}")
+        if self.queued_rows + rows > self.max_queued_rows:
+            self.sweep(now)
+            if self.queued_rows + rows > self.max_queued_rows:
+                self.refused_rows = rows
+                return None
+        r = Request(arrays, rows, future, now, deadline)
+        self._items.append(r)
+        self.queued_rows += rows
+        if deadline < self.earliest_deadline:
+            self.earliest_deadline = deadline
+        return r
+
+    def push(
+        self, arrays: tuple, rows: int, future: Any = None, deadline: float = INF
+    ) -> Request | None:
+        """Queue a prepared request (``InputHandler.prepare``'s arrays and rows); None
+        when its rows do not fit under ``max_queued_rows`` (requests whose callers gave
+        up are dropped first, so they never hold room)."""
+        return self._push(arrays, rows, future, _clock(), deadline)
+
+    def submit(self, request: Any, timeout: float | None = None) -> Request:
+        """Admit one request for serving: validate it, give it a future and a deadline
+        ``timeout`` seconds from now (None: ``default_timeout``), queue it, and kick the
+        policy when ``kick_rows`` rows wait. Raises the handler's TypeError/ValueError
+        for a malformed request, and the policy's errors when closed or refused."""
+        if self._handler is None or self._policy is None or self._create_future is None:
+            raise RuntimeError(
+                "submit needs a queue made with a handler, a policy and create_future"
+            )
+        if self.closed:
+            raise self._policy.closed_error()
+        try:
+            arrays, rows = self._handler.prepare(request)
+        except (TypeError, ValueError):
+            self.invalid += 1
+            raise
+        now = _clock()
+        deadline = now + (self.default_timeout if timeout is None else float(timeout))
+        r = self._push(arrays, rows, self._create_future(), now, deadline)
+        if r is None:
+            error = self._policy.refused_error(rows)
+            if isinstance(error, ValueError):
+                self.invalid += 1
+            else:
+                self.rejected += 1
+            raise error
+        if self.queued_rows >= self.kick_rows:
+            self.kick_rows = _NEVER  # once; the policy re-arms it
+            self._kick()
+        if deadline < self.sweep_at:
+            self.sweep_at = deadline
+            self._policy.arm_sweep(deadline)
+        return r
+
+    # ------------------------------------------------------------------ batching
+
+    def _drop_if_gone(self, r: Request, now: float) -> bool:
+        # A request at the head that must not go into a batch: answered already, given
+        # up by its caller, or past its deadline before any of it ran.
+        if r.finished:
+            return True
+        if r.future is not None and r.future.done():
+            self.cancel(r)
+            return True
+        if r.next_row == 0 and r.deadline <= now:
+            if self._policy is not None:
+                error = self._policy.expired_error(r)
+            else:
+                error = TimeoutError("the request's deadline passed while it was queued")
+            self._finish(r, None, error)
+            self.expired += 1
+            return True
+        return False
+
+    def take(self, max_rows: int, now: float) -> Batch | None:
+        """The next batch: waiting requests in order, up to ``max_rows`` rows; None
+        when nothing waits."""
+        batch = None
+        room = max_rows
+        items = self._items
+        n = len(items)
+        while self._head < n and room > 0:
+            r = items[self._head]
+            if self._drop_if_gone(r, now):
+                items[self._head] = None
+                self._head += 1
+                continue
+            left = min(r.rows - r.next_row, room)
+            if batch is None:
+                batch = Batch()
+            if r.next_row == 0:
+                self._waits.append(now - r.t_enqueue)
+            batch._add(r, r.next_row, left)
+            r.next_row += left
+            room -= left
+            self.queued_rows -= left
+            if r.next_row == r.rows:
+                items[self._head] = None  # the batch holds it now
+                self._head += 1
+        if self._head == n:
+            del items[:]
+            self._head = 0
+            self.earliest_deadline = INF
+        elif self._head > 1024 and 2 * self._head > n:
+            del items[: self._head]
+            self._head = 0
+        return batch
+
+    # ------------------------------------------------------------------ answering
+
+    def _finish(self, r: Request, result: Any, error: BaseException | None) -> int:
+        # Answer r; 1 if this answered it, 0 if it was answered (or given up) before.
+        if r.finished:
+            return 0
+        r.finished = True
+        r.parts = None
+        if r.next_row < r.rows:  # rows still waiting leave the queue with it
+            self.queued_rows -= r.rows - r.next_row
+            r.next_row = r.rows
+        if r.future is None:
+            r.result = result
+            r.error = error
+            return 1
+        try:
+            if error is not None:
+                r.future.set_exception(error)
+            else:
+                r.future.set_result(result)
+        except Exception:
+            if not r.future.done():
+                raise
+            self.cancelled += 1  # its caller gave up after it was taken into a batch
+            return 0
+        return 1
+
+    def deliver(self, batch: Batch, copy: bool = False, now: float = -1.0) -> int:
+        """Answer the requests of a batch whose ``outputs`` came back: each whole request
+        gets its outputs, a split one once all its pieces are in. Logs each answered
+        request's latency up to ``now`` (default: the clock); returns how many."""
+        outputs = batch.outputs
+        if len(outputs) != len(batch.requests):
+            raise ValueError(
+                f"{len(outputs)} outputs for a batch of {len(batch.requests)} pieces"
+            )
+        if now < 0:
+            now = _clock()
+        answered = 0
+        for r, start, count, out in zip(batch.requests, batch.starts, batch.counts, outputs):
+            if r.finished:
+                continue
+            if count != r.rows:
+                if r.parts is None:
+                    r.parts = []
+                r.parts.append((start, out))
+                r.rows_done += count
+                if r.rows_done < r.rows:
+                    continue
+                out = join_pieces(r.parts, copy)
+            if self._finish(r, out, None):
+                answered += 1
+                self._latencies.append(now - r.t_enqueue)
+        return answered
+
+    def fail(self, batch: Batch, error: BaseException) -> int:
+        """Answer every request of a failed batch with ``error`` (a split request
+        fails whole); returns how many were answered."""
+        return sum(self._finish(r, None, error) for r in batch.requests)
+
+    def cancel(self, r: Request) -> bool:
+        """Its caller gave up: rows not yet in a batch leave the queue, rows in one
+        still run and their outputs are dropped. False if it was answered already."""
+        if r.finished:
+            return False
+        r.finished = True
+        r.parts = None
+        self.queued_rows -= r.rows - r.next_row
+        r.next_row = r.rows
+        self.cancelled += 1
+        return True
+
+    def sweep(self, now: float) -> float:
+        """Answer the waiting requests whose deadline passed, drop the ones whose callers
+        gave up; returns the earliest deadline among those still waiting (+inf)."""
+        keep = []
+        earliest = INF
+        for r in self._items[self._head :]:
+            if self._drop_if_gone(r, now):
+                continue
+            keep.append(r)
+            if r.next_row == 0 and r.deadline < earliest:
+                earliest = r.deadline
+        self._items = keep
+        self._head = 0
+        self.earliest_deadline = earliest
+        return earliest

@@ -1,0 +1,170 @@
+"""Load generation on the event loop: closed-loop callers, open-loop Poisson arrivals, the
+event-loop lag monitor, and the row of the report that one run makes.
+
+Everything here drives an ``infer(request)`` coroutine function, whatever serves it: a
+``serving.Server``, a baseline batcher, or an HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99, 99.9)
+
+# perf_counter, not loop.time(): on uvloop the loop clock moves in whole milliseconds.
+clock = time.perf_counter
+
+
+def latency_stats(latencies_s: list[float]) -> dict:
+    """p50..p99.9 and the mean, in milliseconds."""
+    if not latencies_s:
+        return {f"p{p}_ms": float("nan") for p in PERCENTILES} | {"mean_ms": float("nan")}
+    arr = np.asarray(latencies_s) * 1e3
+    return {f"p{p}_ms": float(np.percentile(arr, p)) for p in PERCENTILES} | {
+        "mean_ms": float(arr.mean())
+    }
+
+
+def run_result(
+    mode: str, label: str, latencies: list[float], rows: int, seconds: float, **extra: Any
+) -> dict:
+    """One run's row of the report: rates, latency percentiles, and whatever else."""
+    return {
+        "mode": mode,
+        "label": label,
+        "requests_per_s": len(latencies) / seconds,
+        "rows_per_s": len(latencies) * rows / seconds,
+        **latency_stats(latencies),
+        **extra,
+        "latencies_ms": _sample(latencies),
+    }
+
+
+def p99_ms(samples: list[float]) -> float:
+    return float(np.percentile(samples, 99) * 1e3) if samples else float("nan")
+
+
+def _sample(latencies_s: list[float], n: int = 4000) -> list[float]:
+    """Up to n latencies in ms (evenly strided), enough for a CDF plot."""
+    arr = np.sort(np.asarray(latencies_s)) * 1e3
+    if len(arr) > n:
+        arr = arr[np.linspace(0, len(arr) - 1, n).astype(int)]
+    return [round(float(v), 4) for v in arr]
+
+
+async def closed_loop(
+    infer: Callable[[Any], Awaitable[Any]],
+    request: Any,
+    concurrency: int,
+    duration: float,
+    *,
+    count_errors: bool = False,
+) -> tuple[list[float], float, int]:
+    """``concurrency`` callers, each awaiting ``infer(request)`` back to back for
+    ``duration`` seconds. Returns the latencies (s), the elapsed time and the errors
+    (only counted with ``count_errors``; otherwise an error propagates)."""
+    latencies: list[float] = []
+    errors = 0
+    deadline = clock() + duration
+
+    async def caller() -> None:
+        nonlocal errors
+        append = latencies.append
+        while clock() < deadline:
+            t0 = clock()
+            if count_errors:
+                try:
+                    await infer(request)
+                except Exception:  # noqa: BLE001 - counted
+                    errors += 1
+                    continue
+            else:
+                await infer(request)
+            append(clock() - t0)
+
+    t0 = clock()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    return latencies, clock() - t0, errors
+
+
+async def poisson_arrivals(rate: float, duration: float, seed: int) -> AsyncIterator[float]:
+    """Yield scheduled arrival times (perf_counter) of a Poisson process for ``duration``
+    seconds, sleeping until each. A late loop yields the missed arrivals at once: latency
+    measured from the scheduled time then includes the lateness, as it should."""
+    rng = np.random.default_rng(seed)
+    start = at = clock()
+    while at - start < duration:
+        at += rng.exponential(1.0 / rate)
+        delay = at - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        yield at
+
+
+async def open_loop(
+    submit: Callable[[Any], asyncio.Future], request: Any, rate: float, duration: float
+) -> tuple[list[float], int]:
+    """Poisson arrivals at ``rate``; each arrival is ``submit(request)``, a future. One
+    callback per request and no task: the generator itself must cost the loop little,
+    or it, not the server, sets the rate it can offer. Returns latencies from each
+    request's scheduled arrival, and the number of errors."""
+    latencies: list[float] = []
+    errors = 0
+    outstanding = 0
+    all_done = asyncio.Event()
+    generating = True
+
+    def done(fut: asyncio.Future, scheduled: float) -> None:
+        nonlocal errors, outstanding
+        if fut.cancelled() or fut.exception() is not None:
+            errors += 1
+        else:
+            latencies.append(clock() - scheduled)
+        outstanding -= 1
+        if not outstanding and not generating:
+            all_done.set()
+
+    async for at in poisson_arrivals(rate, duration, seed=4):
+        outstanding += 1
+        submit(request).add_done_callback(lambda fut, at=at: done(fut, at))
+    generating = False
+    if outstanding:
+        await all_done.wait()
+    return latencies, errors
+
+
+class LagMonitor:
+    """Every ``period``, times one trip around the loop (``sleep(0)``): how long anything
+    that becomes ready waits for the loop. Timer granularity (1 ms in uvloop) does not
+    enter it. Use as ``async with LagMonitor() as lag: ...``; then ``lag.p99_ms``."""
+
+    def __init__(self, period: float = 1e-3) -> None:
+        self.period = period
+        self.lags: list[float] = []
+        self._stop = False
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while not self._stop:
+            await asyncio.sleep(self.period)
+            t0 = clock()
+            await asyncio.sleep(0)
+            self.lags.append(clock() - t0)
+
+    async def __aenter__(self) -> LagMonitor:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._stop = True
+        if self._task is not None:
+            await self._task
+
+    @property
+    def p99_ms(self) -> float:
+        return p99_ms(self.lags)
