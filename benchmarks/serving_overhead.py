@@ -7,7 +7,8 @@ Closed-loop callers of 1-row requests (1 / 64 / 256 / 1024 of them), on a trivia
 - plain: a plain asyncio batcher (``serving.bench.baselines.PlainBatcher``: queue,
   concatenate, pad, one ``Compiled.__call__`` on a thread; eager, same buckets);
 - null: futures resolved on the next loop iteration with no compute: the floor;
-- ceiling: the largest bucket back to back (rows/s of the device work alone);
+- ceiling: the device work alone: rows/s of the bucket that the callers' rows fill
+  (min(callers, largest bucket) rows), executed back to back; and of the largest;
 - with 1 caller also ``Model.run`` called inline, the latency floor of the runtime.
 
 The alternatives take turns (the order rotates each repeat); the table shows medians of
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import os
 import statistics
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -64,13 +67,13 @@ async def measure_model(
 ) -> dict:
     request = pxrt.example_inputs(model.inputs, 1, seed=0)
     results: dict[int, dict[str, list[dict]]] = {}
-    ceilings = []
+    ceilings: dict[int, list[float]] = {}
     async with Server() as server:
-        server.add_model("m", model, max_inflight=int(os.environ.get("INFL", "2")))
+        server.add_model("m", model)
         plain = PlainBatcher(model)
         null = NullBatcher()
         alternatives = {
-            "pxrt": lambda r: server.infer("m", r),
+            "pxrt": functools.partial(server.infer, "m"),
             "plain": plain.infer,
             "null": null.infer,
         }
@@ -91,14 +94,23 @@ async def measure_model(
                 turn = names[rep % len(names) :] + names[: rep % len(names)]
                 for name in turn:
                     gc.collect()
+                    cpu0 = time.process_time()
                     lat, elapsed, _ = await closed_loop(alts[name], request, c, duration)
+                    cpu = time.process_time() - cpu0
                     runs[name].append(
-                        {"req_s": len(lat) / elapsed, "p50_us": float(np.median(lat)) * 1e6}
+                        {
+                            "req_s": len(lat) / elapsed,
+                            "p50_us": float(np.median(lat)) * 1e6,
+                            "cpu_us": cpu / max(len(lat), 1) * 1e6,
+                        }
                     )
-                ceilings.append(run_ceiling(model, duration / 2)["rows_per_s"])
+                for size in {model.bucket_for(min(c, model.max_batch)), model.max_batch}:
+                    ceilings.setdefault(size, []).append(
+                        run_ceiling(model, duration / 2, size)["rows_per_s"]
+                    )
             results[c] = runs
         plain.close()
-    return {"runs": results, "ceiling_rows_s": statistics.median(ceilings)}
+    return {"runs": results, "ceilings": {k: statistics.median(v) for k, v in ceilings.items()}}
 
 
 def med(runs: list[dict], key: str) -> float:
@@ -106,22 +118,28 @@ def med(runs: list[dict], key: str) -> float:
 
 
 def report(name: str, model: pxrt.Model, out: dict) -> None:
-    ceiling = out["ceiling_rows_s"]
+    ceilings = out["ceilings"]
     print(
-        f"\n## {name}: buckets {model.buckets}, {len(model.devices)} device(s); "
-        f"ceiling {ceiling:,.0f} rows/s"
+        f"\n## {name}: buckets {model.buckets}, {len(model.devices)} device(s); ceiling "
+        + ", ".join(f"bucket {b}: {v:,.0f} rows/s" for b, v in sorted(ceilings.items()))
     )
     print(
         f"{'callers':>7} {'pxrt req/s':>11} {'plain':>9} {'null':>10} "
-        f"{'pxrt/plain':>10} {'pxrt/null':>9} {'pxrt/ceil':>9} "
-        f"{'p50 pxrt us':>11} {'plain':>7} {'null':>6}"
+        f"{'pxrt/plain':>10} {'pxrt/null':>9} {'pxrt/ceil':>9} {'/largest':>8} "
+        f"{'p50 pxrt us':>11} {'plain':>7} {'null':>6}  {'CPU us/req: pxrt':>16} {'plain':>6} "
+        f"{'null':>5}"
     )
     for c, runs in out["runs"].items():
         px, pl, nu = (med(runs[k], "req_s") for k in ("pxrt", "plain", "null"))
+        ceiling = ceilings[model.bucket_for(min(c, model.max_batch))]
+        largest = ceilings[model.max_batch]
         print(
             f"{c:>7} {px:>11,.0f} {pl:>9,.0f} {nu:>10,.0f} {px / pl:>9.2f}x {px / nu:>8.2f}x "
-            f"{px / ceiling:>8.2f}x {med(runs['pxrt'], 'p50_us'):>11.1f} "
-            f"{med(runs['plain'], 'p50_us'):>7.1f} {med(runs['null'], 'p50_us'):>6.1f}"
+            f"{px / ceiling:>8.2f}x {px / largest:>7.2f}x "
+            f"{med(runs['pxrt'], 'p50_us'):>11.1f} "
+            f"{med(runs['plain'], 'p50_us'):>7.1f} {med(runs['null'], 'p50_us'):>6.1f}  "
+            f"{med(runs['pxrt'], 'cpu_us'):>16.2f} {med(runs['plain'], 'cpu_us'):>6.2f} "
+            f"{med(runs['null'], 'cpu_us'):>5.2f}"
         )
         if "Model.run" in runs:
             gap = med(runs["pxrt"], "p50_us") - med(runs["Model.run"], "p50_us")

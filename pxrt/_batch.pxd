@@ -15,6 +15,7 @@ cdef class Request:
     cdef readonly bint finished         # answered (result, error, expired or cancelled)
     cdef readonly object result         # without a future: the outputs
     cdef readonly object error          # without a future: the error
+    cdef object _steps                  # the future's iterator, when driven as a coroutine
 
 
 cdef class Batch:

@@ -88,12 +88,40 @@ cdef object _drain(TimeLog* log):
 
 
 cdef class Request:
-    """One accepted request, from ``BatchQueue.push`` until it is answered."""
+    """One accepted request, from ``BatchQueue.push`` until it is answered.
+
+    A request with a future is awaitable: ``await request`` is ``await request.future``
+    (the future's own C iterator, nothing in between). It also speaks the coroutine
+    protocol (``send``/``throw``/``close``), so ``asyncio.create_task``,
+    ``run_coroutine_threadsafe`` and friends take it as they take a coroutine.
+    """
 
     @property
     def done(self):
         """Whether it was answered (or its caller gave up)."""
         return self.finished
+
+    def __await__(self):
+        return self.future.__await__()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.send(None)
+
+    def send(self, value):
+        if self._steps is None:
+            self._steps = self.future.__await__()
+        return self._steps.send(value)
+
+    def throw(self, *args):
+        if self._steps is None:
+            self._steps = self.future.__await__()
+        return self._steps.throw(*args)
+
+    def close(self):
+        self._steps = None
 
 
 cdef class Batch:

@@ -29,7 +29,13 @@ def join_pieces(parts: list, copy: bool) -> dict[str, np.ndarray]:
 
 
 class Request:
-    """One accepted request, from ``BatchQueue.push`` until it is answered."""
+    """One accepted request, from ``BatchQueue.push`` until it is answered.
+
+    A request with a future is awaitable: ``await request`` is ``await request.future``
+    (the future's own C iterator, nothing in between). It also speaks the coroutine
+    protocol (``send``/``throw``/``close``), so ``asyncio.create_task``,
+    ``run_coroutine_threadsafe`` and friends take it as they take a coroutine.
+    """
 
     __slots__ = (
         "arrays",
@@ -43,11 +49,10 @@ class Request:
         "finished",
         "result",
         "error",
+        "_steps",
     )
 
-    def __init__(
-        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float
-    ) -> None:
+    def __init__(self, arrays: tuple, rows: int, future: Any, now: float, deadline: float) -> None:
         self.arrays = arrays
         self.rows = rows
         self.future = future
@@ -59,11 +64,34 @@ class Request:
         self.finished = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self._steps: Any = None
 
     @property
     def done(self) -> bool:
         """Whether it was answered (or its caller gave up)."""
         return self.finished
+
+    def __await__(self) -> Any:
+        return self.future.__await__()
+
+    def __iter__(self) -> Request:
+        return self
+
+    def __next__(self) -> Any:
+        return self.send(None)
+
+    def send(self, value: Any) -> Any:
+        if self._steps is None:
+            self._steps = self.future.__await__()
+        return self._steps.send(value)
+
+    def throw(self, *args: Any) -> Any:
+        if self._steps is None:
+            self._steps = self.future.__await__()
+        return self._steps.throw(*args)
+
+    def close(self) -> None:
+        self._steps = None
 
 
 class Batch:
@@ -342,9 +370,7 @@ class BatchQueue:
         request's latency up to ``now`` (default: the clock); returns how many."""
         outputs = batch.outputs
         if len(outputs) != len(batch.requests):
-            raise ValueError(
-                f"{len(outputs)} outputs for a batch of {len(batch.requests)} pieces"
-            )
+            raise ValueError(f"{len(outputs)} outputs for a batch of {len(batch.requests)} pieces")
         if now < 0:
             now = _clock()
         answered = 0

@@ -7,6 +7,7 @@ them with one warning.
 
 from __future__ import annotations
 
+import collections.abc
 import os
 import warnings
 
@@ -36,6 +37,9 @@ else:
         from . import _keys_py as keys  # type: ignore[no-redef]
 
         EXTENSIONS = False
+
+# Requests with futures are awaitables that asyncio takes where it takes coroutines.
+collections.abc.Coroutine.register(batch.Request)
 
 Batch = batch.Batch
 BatchQueue = batch.BatchQueue

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from .batcher import Batcher
@@ -33,6 +33,10 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+async def _raise(exc: BaseException) -> Any:
+    raise exc
 
 
 class Server:
@@ -104,28 +108,34 @@ class Server:
     def batcher(self, name: str) -> Batcher:
         batcher = self._batchers.get(name)
         if batcher is None:
-            raise UnknownModel(
-                f"no model named {name!r}; serving: {', '.join(self._batchers) or 'none'}"
-            )
+            raise UnknownModel(self._unknown(name))
         return batcher
 
-    async def infer(
-        self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
-    ) -> dict:
-        """Run one request (input name -> array of n >= 1 rows) batched with others.
+    def _unknown(self, name: str) -> str:
+        return f"no model named {name!r}; serving: {', '.join(self._batchers) or 'none'}"
 
-        Raises TypeError/ValueError for a malformed request (at once, before queueing),
-        ``Overloaded`` when the queue is full, ``DeadlineExceeded`` when the deadline
-        (``timeout_s``, else the model's default) passes while queued, ``ExecutionFailed``
-        when its batch failed, ``ServerClosed`` while shutting down.
+    def infer(
+        self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
+    ) -> Awaitable[dict]:
+        """Queue one request (input name -> array of n >= 1 rows) to be batched with
+        others; ``await server.infer("mlp", {"x": x})`` -> output name -> array.
+
+        The request is queued when ``infer`` is called, and the awaitable it returns can
+        be awaited, gathered, or made a task (``asyncio.create_task`` takes it like a
+        coroutine). Awaiting it raises TypeError or ValueError for a malformed request,
+        ``Overloaded`` when the queue was full, ``DeadlineExceeded`` when the deadline
+        (``timeout_s``, else the model's default) passed while queued,
+        ``ExecutionFailed`` when its batch failed, ``ServerClosed`` while shutting down,
+        ``UnknownModel`` for a name not served. A caller that stops waiting (its task
+        cancelled) takes its request out of the queue if it was not dispatched yet.
         """
-        queue = self._queues.get(name) or self.batcher(name).queue
-        r = queue.submit(request, timeout_s)
+        queue = self._queues.get(name)
         try:
-            return await r.future
-        except asyncio.CancelledError:
-            queue.cancel(r)
-            raise
+            if queue is None:
+                raise UnknownModel(self._unknown(name))
+            return queue.submit(request, timeout_s)
+        except Exception as exc:  # raised where the caller awaits, as from a coroutine
+            return _raise(exc)
 
     def submit(
         self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
@@ -185,7 +195,11 @@ class BlockingServer:
 
     def infer(self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None):
         """As ``Server.infer``, blocking the calling thread until the result is in."""
-        return self._call(self._server.infer(name, request, timeout_s=timeout_s))
+
+        async def infer() -> dict:  # queued on the loop's thread, not this one
+            return await self._server.infer(name, request, timeout_s=timeout_s)
+
+        return self._call(infer())
 
     def metrics_snapshot(self) -> dict[str, dict]:
         return self._server.metrics_snapshot()

@@ -9,6 +9,7 @@ threads, nothing else is lost).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -40,7 +41,7 @@ async def run_closed(
         server.add_model("bench", model, **options)
         async with loadgen.LagMonitor() as lag:
             latencies, elapsed, _ = await loadgen.closed_loop(
-                lambda r: server.infer("bench", r), request, concurrency, duration
+                functools.partial(server.infer, "bench"), request, concurrency, duration
             )
         snap = server.metrics_snapshot()["bench"]
     return loadgen.run_result(
@@ -88,7 +89,7 @@ async def run_open(
         server.add_model("bench", model, **options)
         async with loadgen.LagMonitor() as lag:
             latencies, errors = await loadgen.open_loop(
-                lambda r: server.submit("bench", r), request, rate, duration
+                functools.partial(server.submit, "bench"), request, rate, duration
             )
         snap = server.metrics_snapshot()["bench"]
     return loadgen.run_result(
