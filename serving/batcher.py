@@ -35,6 +35,7 @@ from .metrics import Metrics
 _clock = time.perf_counter
 INF = math.inf
 NEVER = 1 << 62  # a kick_rows no queue reaches
+TIMER_SLACK_S = 2e-3  # loop timers fire up to a millisecond early (asyncio) or late (uvloop)
 
 
 class RequestTooLarge(ValueError):
@@ -175,8 +176,11 @@ class Batcher:
         while self.inflight < self.max_inflight and queue.queued_rows:
             now = _clock()
             if self.max_delay and queue.queued_rows < self.max_batch_size and not queue.closed:
+                # Go early enough that the request with the earliest deadline is taken
+                # (and could run) before it: loop timers fire up to ~1 ms off.
                 due = min(
-                    queue.oldest + self.max_delay, queue.earliest_deadline - self._full_exec_s
+                    queue.oldest + self.max_delay,
+                    queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S,
                 )
                 if due > now:
                     self._arm_delay(due - now)

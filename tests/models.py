@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -146,3 +148,37 @@ def assert_matches(got, want, name=""):
             )
         else:
             np.testing.assert_array_equal(g, w, err_msg=f"{name}:{k}")
+
+
+class Wrapped:
+    """A bucket program wrapper that can slow down or fail a batch, and counts batches."""
+
+    def __init__(self, real, delay_s=0.0, fail_if=None):
+        self.real, self.delay_s, self.fail_if = real, delay_s, fail_if
+        self.path, self.fast = real.path, real.fast
+        self.out_shard_rows, self.row_slices = real.out_shard_rows, real.row_slices
+        self.batches = 0
+
+    def dispatch(self, slot):
+        self.batches += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail_if is not None and self.fail_if(slot):
+            raise RuntimeError("injected device failure")
+        return self.real.dispatch(slot)
+
+    def fetch(self, handle):
+        return self.real.fetch(handle)
+
+
+def wrap_all(model, **kw):
+    """Wrap every bucket's program of ``model`` (before it is served); returns the
+    wrappers by bucket size."""
+    wrappers = {}
+
+    def wrap(program):
+        wrappers[len(wrappers)] = w = Wrapped(program, **kw)
+        return w
+
+    model.engine = model.engine.replace_programs(wrap)
+    return {b.size: wrappers[i] for i, b in enumerate(model.engine.buckets)}

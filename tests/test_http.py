@@ -387,10 +387,11 @@ def test_queue_full_is_429_with_retry_after(run, artifacts):
     """A full queue answers 429 at once, with Retry-After; the requests it holds succeed."""
     import asyncio
 
+    from models import wrap_all
+
     import pxrt
     from serving import Server
     from serving.http import create_app
-    from test_serving import wrap_all
 
     model = pxrt.load(artifacts["mlp"])
     wrap_all(model, delay_s=0.2)

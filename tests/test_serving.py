@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from models import MODELS, assert_matches, random_request
+from models import MODELS, assert_matches, random_request, reference, wrap_all
 
 import pxrt
 from serving import (
@@ -34,40 +34,6 @@ def batch_reference(name, requests):
     out = {k: np.asarray(v) for k, v in out.items()}
     bounds = np.cumsum([len(next(iter(r.values()))) for r in requests])[:-1]
     return [dict(zip(out, parts)) for parts in zip(*(np.split(v, bounds) for v in out.values()))]
-
-
-class Wrapped:
-    """A bucket program wrapper that can slow down or fail a batch, and counts batches."""
-
-    def __init__(self, real, delay_s=0.0, fail_if=None):
-        self.real, self.delay_s, self.fail_if = real, delay_s, fail_if
-        self.path, self.fast = real.path, real.fast
-        self.out_shard_rows, self.row_slices = real.out_shard_rows, real.row_slices
-        self.batches = 0
-
-    def dispatch(self, slot):
-        self.batches += 1
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        if self.fail_if is not None and self.fail_if(slot):
-            raise RuntimeError("injected device failure")
-        return self.real.dispatch(slot)
-
-    def fetch(self, handle):
-        return self.real.fetch(handle)
-
-
-def wrap_all(model, **kw):
-    """Wrap every bucket's program of ``model`` (before it is served); returns the
-    wrappers by bucket size."""
-    wrappers = {}
-
-    def wrap(program):
-        wrappers[len(wrappers)] = w = Wrapped(program, **kw)
-        return w
-
-    model.engine = model.engine.replace_programs(wrap)
-    return {b.size: wrappers[i] for i, b in enumerate(model.engine.buckets)}
 
 
 # --------------------------------------------------------------------------- correctness
@@ -154,6 +120,129 @@ def test_validation_errors_are_raised_at_submit(run, models):
             assert snap["requests"]["invalid"] == 1 and snap.get("batches", 0) == 0
 
     run(main)
+
+
+def test_a_lone_request_goes_at_once_by_default(run, models):
+    """Eager when idle: with the default options nothing waits for a batch to fill (a
+    30 s max_delay shows what waiting would look like: the wait_for would time out)."""
+    model = models["mlp"]
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model)
+            assert server.batcher("mlp").max_delay == 0
+            out = await asyncio.wait_for(server.infer("mlp", {"x": x}), 10)
+            server.add_model("slow", model, max_delay_us=30e6)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(server.infer("slow", {"x": x}), 0.5)
+            return out
+
+    assert_matches(run(main), reference("mlp", {"x": x}))
+
+
+def test_batches_grow_while_the_device_is_busy(run, artifacts):
+    """The first request goes alone; the ones that arrive while it runs go together."""
+    model = pxrt.load(artifacts["mlp"])
+    wrap_all(model, delay_s=0.2)
+    rng = np.random.default_rng(5)
+    requests = [random_request(model.inputs, 1, rng) for _ in range(model.max_batch)]
+    wants = batch_reference("mlp", requests)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_inflight=1)
+            first = server.infer("mlp", requests[0])
+            await asyncio.sleep(0.05)  # the first batch is executing
+            rest = [server.infer("mlp", r) for r in requests[1:]]
+            outs = await asyncio.gather(first, *rest)
+            return outs, server.metrics_snapshot()["mlp"]
+
+    outs, snap = run(main)
+    for got, want in zip(outs, wants):
+        assert_matches(got, want)
+    assert snap["batches"] == 2 and snap["batch_rows"]["count"] == 2
+    assert snap["batch_rows"]["mean"] == model.max_batch / 2  # 1 row, then all the others
+
+
+def test_a_deadline_closes_a_waiting_batch_early(run, models):
+    """A request whose deadline is shorter than max_delay is served, not expired."""
+    model = models["mlp"]
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_delay_us=5e6)
+            out = await asyncio.wait_for(server.infer("mlp", {"x": x}, timeout_s=0.3), 4)
+            return out, server.metrics_snapshot()["mlp"]["requests"]
+
+    out, counts = run(main)
+    assert_matches(out, reference("mlp", {"x": x}))
+    assert counts["success"] == 1 and counts["expired"] == 0
+
+
+def test_infer_is_awaitable_like_a_coroutine(run, models):
+    """create_task, gather (errors in place) and wait_for take what infer returns;
+    nothing raises before it is awaited."""
+    model = models["mlp"]
+    x = np.ones((2, 32), np.float32)
+    want = reference("mlp", {"x": x})
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model)
+            task = asyncio.create_task(server.infer("mlp", {"x": x}))
+            bad = server.infer("mlp", {"x": x.astype(np.float64)})  # does not raise here
+            unknown = server.infer("nope", {"x": x})
+            outs = await asyncio.gather(task, bad, unknown, return_exceptions=True)
+            outs.append(await asyncio.wait_for(server.infer("mlp", {"x": x}), 10))
+            return outs
+
+    got, bad, unknown, again = run(main)
+    assert_matches(got, want) and assert_matches(again, want)
+    assert isinstance(bad, TypeError) and "float64" in str(bad)
+    assert isinstance(unknown, UnknownModel)
+
+
+def test_requests_whose_callers_gave_up_hold_no_room(run, artifacts):
+    """Futures from Server.submit that their callers cancel free their queue rows for
+    the requests that come next (no Overloaded caused by requests nobody awaits)."""
+    model = pxrt.load(artifacts["mlp"])
+    wrap_all(model, delay_s=0.2)
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_queue=4, max_inflight=1, max_batch_size=1)
+            running = server.infer("mlp", {"x": x})
+            await asyncio.sleep(0.05)  # the device is busy; the queue fills
+            doomed = [server.submit("mlp", {"x": x}) for _ in range(4)]
+            with pytest.raises(Overloaded):
+                server.submit("mlp", {"x": x})
+            for fut in doomed:
+                fut.cancel()
+            later = [server.infer("mlp", {"x": x}) for _ in range(4)]
+            outs = await asyncio.gather(running, *later)
+            return outs, server.metrics_snapshot()["mlp"]["requests"]
+
+    outs, counts = run(main)
+    assert len(outs) == 5
+    assert counts["cancelled"] == 4 and counts["rejected"] == 1 and counts["success"] == 5
+
+
+def test_a_request_larger_than_the_queue_is_refused_for_good(run, models):
+    from serving.batcher import RequestTooLarge
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"], max_queue=4)
+            with pytest.raises(RequestTooLarge, match="holds at most 4") as info:
+                await server.infer("mlp", {"x": np.ones((5, 32), np.float32)})
+            assert isinstance(info.value, ValueError)  # a client error, not Overloaded
+            return server.metrics_snapshot()["mlp"]["requests"]
+
+    counts = run(main)
+    assert counts["invalid"] == 1 and counts["rejected"] == 0
 
 
 # --------------------------------------------------------------------------- queue policy

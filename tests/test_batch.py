@@ -1,0 +1,311 @@
+"""Batch plans (``BatchQueue``): the Cython module against its pure-Python twin, driven by
+the same random sequences of operations, and the invariants both must keep."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pxrt import _batch_py, _handlers_py
+
+try:
+    from pxrt import _batch as _batch_c
+    from pxrt import _handlers as _handlers_c
+except ImportError:  # pragma: no cover - only when the extension is not built
+    _batch_c = _handlers_c = None
+
+needs_ext = pytest.mark.skipif(_batch_c is None, reason="Cython extensions not built")
+IMPLS = [
+    pytest.param((_batch_py, _handlers_py), id="py"),
+    pytest.param((_batch_c, _handlers_c), id="cython", marks=needs_ext),
+]
+
+
+class Policy:
+    """Records what the queue tells the serving side; its errors say which request."""
+
+    def __init__(self):
+        self.kicks = 0
+        self.sweeps: list[float] = []
+
+    def kick(self):
+        self.kicks += 1
+
+    def arm_sweep(self, deadline):
+        self.sweeps.append(deadline)
+
+    def expired_error(self, r):
+        return TimeoutError(f"expired {r.rows}")
+
+    def refused_error(self, rows):
+        return OverflowError(f"refused {rows}") if rows < 100 else ValueError("too large")
+
+    def closed_error(self):
+        return RuntimeError("closed")
+
+
+def outputs_for(batch):
+    """What the engine would hand back: per piece, its rows' values (row r of request k
+    has value 1000 * k + r) as a read-only array."""
+    out = []
+    for arrays, start, count in zip(batch.pieces, batch.starts, batch.counts):
+        arr = arrays[0][start : start + count].copy()
+        arr.flags.writeable = False
+        out.append({"y": arr})
+    return out
+
+
+def request(k, rows):
+    return (np.arange(rows, dtype=np.int64) + 1000 * k,)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.integers(1, 9), st.booleans()),
+        st.tuples(st.just("take"), st.integers(1, 12), st.floats(0, 2)),
+        st.tuples(st.just("deliver")),
+        st.tuples(st.just("fail")),
+        st.tuples(st.just("cancel"), st.integers(0, 50)),
+        st.tuples(st.just("give_up"), st.integers(0, 50)),
+        st.tuples(st.just("sweep"), st.floats(0, 2)),
+    ),
+    max_size=60,
+)
+
+
+def play(batch_mod, script, max_queued_rows):
+    """Run ``script`` on one implementation; returns everything observable."""
+    queue = batch_mod.BatchQueue(max_queued_rows, None, Policy(), None)
+    requests, taken, log = [], [], []
+    for op in script:
+        if op[0] == "push":
+            _, rows, with_deadline = op
+            k = len(requests)
+            fut = concurrent.futures.Future()
+            deadline = 1.0 if with_deadline else math.inf
+            r = queue.push(request(k, rows), rows, fut, deadline)
+            requests.append((r, fut))
+            log.append(("push", r is not None))
+        elif op[0] == "take":
+            batch = queue.take(op[1], op[2])
+            if batch is not None:
+                taken.append(batch)
+                log.append(
+                    (
+                        "take",
+                        batch.rows,
+                        list(batch.starts),
+                        list(batch.counts),
+                        list(batch.offsets),
+                        [int(p[0][0]) // 1000 for p in batch.pieces],
+                    )
+                )
+            else:
+                log.append(("take", None))
+        elif op[0] in ("deliver", "fail") and taken:
+            batch = taken.pop(0)
+            if op[0] == "deliver":
+                batch.outputs = outputs_for(batch)
+                log.append(("deliver", queue.deliver(batch, False)))
+            else:
+                log.append(("fail", queue.fail(batch, KeyError("batch failed"))))
+        elif op[0] == "cancel" and requests:
+            r, _ = requests[op[1] % len(requests)]
+            log.append(("cancel", r is not None and queue.cancel(r)))
+        elif op[0] == "give_up" and requests:
+            _, fut = requests[op[1] % len(requests)]
+            log.append(("give_up", fut.cancel()))
+        elif op[0] == "sweep":
+            log.append(("sweep", queue.sweep(op[1])))
+        log.append(("rows", queue.queued_rows, len(queue)))
+    answers = []
+    for r, fut in requests:
+        if r is None:
+            answers.append("refused")
+        elif fut.cancelled():
+            answers.append("cancelled")
+        elif fut.done() and fut.exception() is not None:
+            answers.append(repr(fut.exception()))
+        elif fut.done():
+            answers.append(fut.result()["y"].tolist())
+        else:
+            answers.append("pending")
+    counts = (queue.expired, queue.cancelled, queue.invalid, queue.rejected)
+    return log, answers, counts, queue.drain_waits(), queue.drain_latencies()
+
+
+@needs_ext
+@settings(max_examples=200, deadline=None)
+@given(script=ops, max_queued_rows=st.sampled_from([0, 5, 20]))
+def test_both_implementations_behave_the_same(script, max_queued_rows):
+    py = play(_batch_py, script, max_queued_rows)
+    c = play(_batch_c, script, max_queued_rows)
+    assert py[:3] == c[:3]
+    assert len(py[3]) == len(c[3]) and len(py[4]) == len(c[4])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=100, deadline=None)
+@given(script=ops, max_queued_rows=st.sampled_from([0, 5, 20]))
+def test_every_answer_is_whole_and_given_once(impl, script, max_queued_rows):
+    batch_mod, _ = impl
+    log, answers, _, _, _ = play(batch_mod, script, max_queued_rows)
+    for k, answer in enumerate(answers):
+        if isinstance(answer, list):  # a request's rows, in order, joined from its pieces
+            assert answer == list(range(1000 * k, 1000 * k + len(answer)))
+    # Rows waiting never go negative, and an empty queue has none.
+    for entry in log:
+        if entry[0] == "rows":
+            assert entry[1] >= 0 and (entry[2] or entry[1] == 0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_split_request_is_joined_in_row_order_read_only(impl):
+    batch_mod, _ = impl
+    queue = batch_mod.BatchQueue()
+    fut = concurrent.futures.Future()
+    queue.push(request(3, 10), 10, fut)
+    batches = []
+    while (b := queue.take(4, 0.0)) is not None:
+        batches.append(b)
+    assert [b.counts for b in batches] == [[4], [4], [2]]
+    for b in reversed(batches):  # pieces may come back in any order
+        b.outputs = outputs_for(b)
+        queue.deliver(b)
+    y = fut.result()["y"]
+    assert y.tolist() == list(range(3000, 3010)) and not y.flags.writeable
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deadline_passing_in_the_queue_answers_without_running(impl):
+    batch_mod, _ = impl
+    policy = Policy()
+    queue = batch_mod.BatchQueue(0, None, policy, None)
+    late, soon = concurrent.futures.Future(), concurrent.futures.Future()
+    queue.push(request(0, 2), 2, late, 5.0)
+    queue.push(request(1, 1), 1, soon, 1.0)
+    assert queue.earliest_deadline == 1.0
+    assert queue.sweep(2.0) == 5.0
+    assert isinstance(soon.exception(), TimeoutError) and queue.expired == 1
+    batch = queue.take(10, 2.0)
+    assert batch.rows == 2 and queue.queued_rows == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_requests_given_up_never_hold_room(impl):
+    batch_mod, _ = impl
+    queue = batch_mod.BatchQueue(4, None, Policy(), None)
+    futures = [concurrent.futures.Future() for _ in range(4)]
+    for k, fut in enumerate(futures):
+        assert queue.push(request(k, 1), 1, fut) is not None
+    assert queue.push(request(9, 1), 1, concurrent.futures.Future()) is None  # full
+    assert queue.refused_rows == 1
+    futures[1].cancel()  # a caller gives up: the next push finds room
+    assert queue.push(request(9, 1), 1, concurrent.futures.Future()) is not None
+    assert queue.cancelled == 1 and queue.queued_rows == 4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_submit_admits_counts_and_kicks(impl):
+    batch_mod, handlers = impl
+    handler = handlers.InputHandler("m", ["x"], [np.float32], [(2,)])
+    policy = Policy()
+    queue = batch_mod.BatchQueue(8, handler, policy, concurrent.futures.Future)
+    queue.default_timeout = 10.0
+    x = np.zeros((3, 2), np.float32)
+    r = queue.submit({"x": x})
+    assert r.rows == 3 and r.deadline - r.t_enqueue == pytest.approx(10.0)
+    assert policy.kicks == 1 and policy.sweeps == [r.deadline]
+    queue.submit({"x": x}, 20.0)  # no kick until the policy re-arms; later deadline
+    assert policy.kicks == 1 and len(policy.sweeps) == 1
+    queue.kick_rows = 7
+    queue.submit({"x": x[:1]})
+    assert policy.kicks == 2  # 7 rows wait
+    with pytest.raises(TypeError, match="float32"):
+        queue.submit({"x": x.astype(np.float64)})
+    with pytest.raises(OverflowError, match="refused 3"):
+        queue.submit({"x": x})
+    big = np.zeros((100, 2), np.float32)
+    with pytest.raises(ValueError, match="too large"):
+        queue.submit({"x": big})
+    queue.closed = True
+    with pytest.raises(RuntimeError, match="closed"):
+        queue.submit({"x": x})
+    assert (queue.invalid, queue.rejected) == (2, 1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_timings_are_logged_and_drained(impl):
+    batch_mod, _ = impl
+    queue = batch_mod.BatchQueue()
+    for k in range(3):
+        queue.push(request(k, 1), 1, concurrent.futures.Future())
+    t0 = queue.oldest
+    batch = queue.take(10, t0 + 0.5)
+    batch.outputs = outputs_for(batch)
+    assert queue.deliver(batch, False, t0 + 2.0) == 3
+    waits, latencies = queue.drain_waits(), queue.drain_latencies()
+    assert waits.dtype == latencies.dtype == np.float64
+    assert len(waits) == len(latencies) == 3
+    assert (waits <= 0.5).all() and (waits > 0.49).all() and (latencies > 1.99).all()
+    assert queue.timings_pending == 0 and len(queue.drain_waits()) == 0
+
+
+@needs_ext
+def test_queue_does_not_leak_references():
+    arrays = request(0, 2)
+    before = sys.getrefcount(arrays)
+    queue = _batch_c.BatchQueue()
+    for _ in range(200):
+        fut = concurrent.futures.Future()
+        queue.push(arrays, 2, fut)
+        batch = queue.take(3, 0.0)
+        batch.outputs = outputs_for(batch)
+        queue.deliver(batch)
+        del batch, fut
+    assert sys.getrefcount(arrays) == before
+
+
+# --------------------------------------------------------------------------- the inline cache
+
+
+@needs_ext
+def test_inline_signature_cache_never_admits_what_the_full_check_refuses():
+    """After a good request primes the one-entry cache, every variant gets exactly the
+    answer of the pure-Python handler (which has no such cache)."""
+    args = ("m", ["a", "b"], [np.float32, np.int32], [(2,), ()])
+    good = {"a": np.zeros((3, 2), np.float32), "b": np.arange(3, dtype=np.int32)}
+    variants = {
+        "same": good,
+        "other key objects": {"".join(["a"]): good["a"], "".join(["b"]): good["b"]},
+        "reordered": {"b": good["b"], "a": good["a"]},
+        "wrong dtype": dict(good, a=good["a"].astype(np.float64)),
+        "big-endian": dict(good, a=good["a"].astype(">f4")),
+        "wrong shape": dict(good, a=np.zeros((3, 3), np.float32)),
+        "extra rank": dict(good, b=np.zeros((3, 1), np.int32)),
+        "rows disagree": dict(good, b=np.arange(4, dtype=np.int32)),
+        "zero rows": {"a": good["a"][:0], "b": good["b"][:0]},
+        "strided": dict(good, a=np.zeros((6, 2), np.float32)[::2]),
+        "subclass": dict(good, a=np.ma.zeros((3, 2), np.float32)),
+        "missing": {"a": good["a"]},
+        "extra": dict(good, c=good["b"]),
+        "renamed": {"a": good["a"], "c": good["b"]},
+    }
+    cython = _handlers_c.InputHandler(*args)
+    python = _handlers_py.InputHandler(*args)
+    for label, req in variants.items():
+        cython.prepare(good)  # primes the cache with the good signature
+        answers = []
+        for handler in (cython, python):
+            try:
+                arrays, rows = handler.prepare(req)
+                answers.append(("ok", rows, [a.tobytes() for a in arrays]))
+            except (TypeError, ValueError) as exc:
+                answers.append((type(exc), str(exc)))
+        assert answers[0] == answers[1], label
