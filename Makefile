@@ -1,9 +1,10 @@
 # make demo   - the demo model: export, load, run, timing table; then a short pxrt bench
 # make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers
-# make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparison
+# make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparisons
 # make debug  - rebuild the extensions with bounds checks, line tracing and annotation
 # make lint   - ruff
-# Each target creates .venv and installs pxrt (editable, with test extras) when needed.
+# Each target creates .venv and installs pxrt (editable, with its test and bench extras)
+# when needed.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ all: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 demo: $(STAMP)
@@ -36,14 +37,15 @@ bench: $(STAMP)
 	$(FOUR) $(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name
 	$(PY) benchmarks/compare.py
 	$(FOUR) $(PY) benchmarks/compare.py
-	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/http_compare.py
 
 debug: $(STAMP)
+	$(PY) -m pip install -q 'cython>=3.0.11' 'setuptools>=77'
 	PXRT_DEBUG=1 $(PY) setup.py build_ext --inplace --force
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
 
 clean:
-	rm -rf build pxrt/*.so pxrt/_keys.c pxrt/_handlers.c pxrt/*.html $(VENV)
+	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html $(VENV)

@@ -1,7 +1,7 @@
 """The one module in pxrt that touches jax internals.
 
 Everything here is either a public jax API or an internal one that jax itself has
-called the same way since 0.4.30 (see ``shared/notes/jax-runtime-notes.md``):
+called the same way since 0.4.30 (see ``docs/jax-runtime-notes.md``):
 
 - ``xla_client.batched_device_put``: per-device host shards -> one sharded Array,
   skipping ``jax.device_put``'s Python slicing;

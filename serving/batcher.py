@@ -4,13 +4,15 @@ The per-request work (validating, queueing, packing batches, answering futures) 
 model engine's ``BatchQueue`` (Cython); executing batches is its ``Pipeline`` (worker
 threads). A ``Batcher`` decides when a batch goes:
 
-- eagerly: as soon as a pipeline slot is free and something waits. Requests that arrive
-  in the same loop iteration go together, and under load batches grow by themselves
-  while the device is busy;
-- with ``max_delay_us`` > 0, it also waits until ``max_batch_size`` rows are queued or
-  the oldest request has waited that long, but never past the point where a queued
-  request's deadline would be missed;
-- at once when ``max_batch_size`` rows are queued.
+- eagerly when idle: with no batch in flight, whatever waits goes at once (requests that
+  arrive in the same loop iteration go together);
+- while a batch runs, the next one goes into a free pipeline slot only when it is full
+  (``max_batch_size`` rows); otherwise the batch in flight sends it when it finishes, so
+  under load batches grow by themselves while the device is busy. The extra slots
+  overlap one batch's host work with another's execution; they are not extra devices;
+- with ``max_delay_us`` > 0, an idle pipeline also waits until ``max_batch_size`` rows
+  are queued or the oldest request has waited that long;
+- never so late that a queued request's deadline would pass (it goes early instead).
 
 Queue policy: a full queue rejects at once (``Overloaded``, with a retry-after
 estimate); a request whose deadline passes while queued is answered
@@ -138,10 +140,6 @@ class Batcher:
     def closed_error(self) -> Exception:
         return ServerClosed(f"model {self.name!r} is shutting down; not accepting requests")
 
-    def cancel(self, r: Request) -> None:
-        """The caller gave up: drop what of the request was not dispatched yet."""
-        self.queue.cancel(r)
-
     # ------------------------------------------------------------------ metrics source
 
     def outcomes(self) -> dict[str, int]:
@@ -169,21 +167,25 @@ class Batcher:
     # ------------------------------------------------------------------ forming
 
     def _flush(self) -> None:
-        """Send batches while a pipeline slot is free and requests wait; then tell the
-        queue when to kick us again."""
+        """Send batches while pipeline slots are free and requests wait: at once when
+        the pipeline is idle; while a batch runs, only a full one (the one running sends
+        the rest when it finishes); never so late that a queued deadline passes. Then
+        tell the queue when to kick us again."""
         queue = self.queue
         queue.kick_rows = NEVER
         while self.inflight < self.max_inflight and queue.queued_rows:
             now = _clock()
-            if self.max_delay and queue.queued_rows < self.max_batch_size and not queue.closed:
+            if queue.queued_rows < self.max_batch_size and not queue.closed:
                 # Go early enough that the request with the earliest deadline is taken
                 # (and could run) before it: loop timers fire up to ~1 ms off.
-                due = min(
-                    queue.oldest + self.max_delay,
-                    queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S,
-                )
+                due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+                if not self.inflight and self.max_delay:
+                    due = min(due, queue.oldest + self.max_delay)
+                elif not self.inflight:
+                    due = now
                 if due > now:
-                    self._arm_delay(due - now)
+                    if due < INF:
+                        self._arm_delay(due - now)
                     queue.kick_rows = self.max_batch_size  # a full batch goes at once
                     return
             batch = queue.take(self.max_batch_size, now)
@@ -196,7 +198,8 @@ class Batcher:
                 continue
             self.inflight += 1
         if self.inflight < self.max_inflight:
-            queue.kick_rows = 1  # idle slot: the next request goes at once
+            # Idle: the next request goes at once; busy: the next full batch does.
+            queue.kick_rows = self.max_batch_size if self.inflight else 1
         if queue.closed and not self.inflight and not queue.queued_rows:
             self._drained.set()
 
