@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import kserve
 from ..server import new_event_loop
-from .loadgen import clock, closed_loop, poisson_arrivals, run_result
+from .loadgen import closed_loop, open_loop, run_result
 from .report import print_table, write_report
 
 
@@ -115,14 +115,25 @@ def _session(concurrency: int) -> aiohttp.ClientSession:
     )
 
 
-async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
-    async with _session(concurrency) as session:
+async def _measured(target: Target, connections: int, drive: Any) -> tuple[Any, dict]:
+    """``await drive(session)`` over a warm connection pool; returns its result and the
+    server's stage breakdown over the run (from its statistics endpoint)."""
+    async with _session(connections) as session:
         await target.call(session)  # warm the connection path
         before = await target.stats(session)
-        latencies, elapsed, errors = await closed_loop(
-            lambda _: target.call(session), None, concurrency, duration, count_errors=True
-        )
+        out = await drive(session)
         after = await target.stats(session)
+    return out, _stage_delta(before, after)
+
+
+async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
+    (latencies, elapsed, errors), stages = await _measured(
+        target,
+        concurrency,
+        lambda session: closed_loop(
+            lambda _: target.call(session), None, concurrency, duration, count_errors=True
+        ),
+    )
     kind = "binary" if target.binary else "JSON"
     return run_result(
         "http-closed",
@@ -132,33 +143,18 @@ async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
         elapsed,
         concurrency=concurrency,
         errors=errors,
-        **_stage_delta(before, after),
+        **stages,
     )
 
 
 async def run_open(target: Target, rate: float, duration: float, concurrency: int) -> dict:
-    async with _session(concurrency) as session:
-        await target.call(session)
-        before = await target.stats(session)
-        latencies: list[float] = []
-        errors = 0
-
-        async def one(scheduled: float) -> None:
-            nonlocal errors
-            try:
-                await target.call(session)
-                latencies.append(clock() - scheduled)
-            except Exception:  # noqa: BLE001 - counted
-                errors += 1
-
-        tasks = set()
-        async for at in poisson_arrivals(rate, duration, seed=1):
-            task = asyncio.ensure_future(one(at))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        while tasks:
-            await asyncio.gather(*list(tasks))
-        after = await target.stats(session)
+    (latencies, errors), stages = await _measured(
+        target,
+        concurrency,
+        lambda session: open_loop(
+            lambda _: asyncio.ensure_future(target.call(session)), None, rate, duration
+        ),
+    )
     kind = "binary" if target.binary else "JSON"
     return run_result(
         "http-open",
@@ -168,7 +164,7 @@ async def run_open(target: Target, rate: float, duration: float, concurrency: in
         duration,
         offered_per_s=rate,
         errors=errors,
-        **_stage_delta(before, after),
+        **stages,
     )
 
 

@@ -32,18 +32,29 @@ def _server_stats(snap: dict) -> dict:
     }
 
 
+async def _on_server(model: pxrt.Model, options: dict, drive: Any) -> tuple[Any, dict]:
+    """``await drive(server)`` on a fresh Server serving ``model`` as "bench"; returns its
+    result and the server-side figures of the run (batches, stages, loop lag)."""
+    async with Server() as server:
+        server.add_model("bench", model, **options)
+        async with loadgen.LagMonitor() as lag:
+            out = await drive(server)
+        snap = server.metrics_snapshot()["bench"]
+    return out, _server_stats(snap) | {"loop_lag_p99_ms": lag.p99_ms}
+
+
 async def run_closed(
     model: pxrt.Model, options: dict, concurrency: int, rows: int, duration: float
 ) -> dict:
     """pxrt: ``concurrency`` callers awaiting ``Server.infer`` on a fresh server."""
     request = pxrt.example_inputs(model.inputs, rows, seed=2)
-    async with Server() as server:
-        server.add_model("bench", model, **options)
-        async with loadgen.LagMonitor() as lag:
-            latencies, elapsed, _ = await loadgen.closed_loop(
-                functools.partial(server.infer, "bench"), request, concurrency, duration
-            )
-        snap = server.metrics_snapshot()["bench"]
+    (latencies, elapsed, _), stats = await _on_server(
+        model,
+        options,
+        lambda server: loadgen.closed_loop(
+            functools.partial(server.infer, "bench"), request, concurrency, duration
+        ),
+    )
     return loadgen.run_result(
         "pxrt-closed",
         f"pxrt: {concurrency} concurrent callers",
@@ -51,8 +62,7 @@ async def run_closed(
         rows,
         elapsed,
         concurrency=concurrency,
-        loop_lag_p99_ms=lag.p99_ms,
-        **_server_stats(snap),
+        **stats,
     )
 
 
@@ -85,13 +95,13 @@ async def run_open(
 ) -> dict:
     """pxrt under Poisson arrivals at ``rate``, latency from each scheduled arrival."""
     request = pxrt.example_inputs(model.inputs, rows, seed=3)
-    async with Server() as server:
-        server.add_model("bench", model, **options)
-        async with loadgen.LagMonitor() as lag:
-            latencies, errors = await loadgen.open_loop(
-                functools.partial(server.submit, "bench"), request, rate, duration
-            )
-        snap = server.metrics_snapshot()["bench"]
+    (latencies, errors), stats = await _on_server(
+        model,
+        options,
+        lambda server: loadgen.open_loop(
+            functools.partial(server.submit, "bench"), request, rate, duration
+        ),
+    )
     return loadgen.run_result(
         "pxrt-open",
         f"pxrt: Poisson arrivals at {rate:,.0f} req/s",
@@ -100,8 +110,7 @@ async def run_open(
         duration,
         offered_per_s=rate,
         errors=errors,
-        loop_lag_p99_ms=lag.p99_ms,
-        **_server_stats(snap),
+        **stats,
     )
 
 
