@@ -310,3 +310,5 @@ class Pipeline:
                     on_done(batch)
                 except BaseException:  # noqa: BLE001 - a broken callback must not stop us
                     log.exception("pxrt: the on_done callback of a batch raised")
+                # Not kept while idle: its outputs pin device buffers.
+                batch = None  # noqa: F841

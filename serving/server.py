@@ -76,12 +76,13 @@ class Server:
           max_batch_size: the most rows in one batch (default and cap: the largest
             compiled bucket); that many rows waiting close a batch at once.
           max_delay_us: an extra wait for fuller batches: how long the oldest queued
-            request may wait for ``max_batch_size`` rows when a pipeline slot is free.
-            0 (the default): a batch goes as soon as a slot is free; under load,
-            batches grow by themselves while the device is busy.
+            request may wait for ``max_batch_size`` rows when nothing is in flight.
+            0 (the default): a request goes at once when the pipeline is idle; under
+            load, batches grow by themselves while the device is busy.
           max_queue: queued rows beyond which requests are rejected with ``Overloaded``.
           default_timeout_s: deadline of a request that brings none (None: no deadline).
-          max_inflight: batches executing at once (the pipeline overlaps them).
+          max_inflight: batches in flight at once: one executes while the next (a full
+            one) is assembled and dispatched.
           copy: hand out owned, writeable outputs instead of read-only views.
         """
         if self._closed:

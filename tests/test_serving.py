@@ -447,3 +447,24 @@ def test_histogram_bins_arrays_exactly():
     assert [c for _, c in hist.cumulative()] == want.tolist()
     assert hist.count == len(values) and hist.sum == pytest.approx(values.sum())
     assert hist.quantile(0.5) == pytest.approx(np.median(values), rel=0.5)
+
+
+def test_finished_batches_are_not_kept(run, models):
+    """Once callers have their answers, no batch (with outputs that pin device buffers)
+    stays alive in the pipeline or the loop."""
+    import gc
+
+    from pxrt.dispatch import Batch
+
+    x = np.ones((3, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            for _ in range(6):
+                await server.infer("mlp", {"x": x})
+            await asyncio.sleep(0.1)  # the workers finish their on_done calls
+            gc.collect()
+            return [o for o in gc.get_objects() if type(o) is Batch]
+
+    assert run(main) == []
