@@ -11,12 +11,14 @@ in the queue, 500 when its batch failed.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -26,6 +28,8 @@ import pxrt
 from . import kserve
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed, UnknownModel
 from .server import Server
+
+log = logging.getLogger("pxrt.http")
 
 HEADER_LENGTH = "inference-header-content-length"
 DEFAULT_MAX_BODY_BYTES = 64 << 20
@@ -97,8 +101,25 @@ def create_app(
                 return await fn(request)
             except _HTTPError as exc:
                 return _error(exc.status, str(exc), exc.headers)
+            except Exception as exc:  # noqa: BLE001 - a JSON 500, one log line, connection kept
+                log.error(
+                    "pxrt: %s %s failed: %s: %.200s",
+                    request.method,
+                    request.url.path,
+                    type(exc).__name__,
+                    exc,
+                )
+                return _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
 
         return endpoint
+
+    def not_serving() -> str | None:
+        """Why inference is refused now, or None."""
+        if state.draining:
+            return "the server is draining; not accepting inference requests"
+        if not state.ready:
+            return "the server is loading; not accepting inference requests"
+        return None
 
     async def server_metadata(request: Request) -> Response:
         return _json(
@@ -110,14 +131,20 @@ def create_app(
         )
 
     async def live(request: Request) -> Response:
-        return Response(status_code=200)
+        return _json({"live": True})
 
     async def ready(request: Request) -> Response:
-        return Response(status_code=200 if state.ready and not state.draining else 503)
+        why = not_serving()
+        if why:
+            return _json({"ready": False, "error": why}, 503)
+        return _json({"ready": True})
 
     async def model_ready(request: Request) -> Response:
-        model_of(request)
-        return Response(status_code=200 if state.ready and not state.draining else 503)
+        name, _, _ = model_of(request)
+        why = not_serving()
+        if why:
+            return _json({"name": name, "ready": False, "error": why}, 503)
+        return _json({"name": name, "ready": True})
 
     async def model_metadata(request: Request) -> Response:
         name, model, _ = model_of(request)
@@ -176,8 +203,8 @@ def create_app(
             }
         )
 
-    async def model_stats(request: Request) -> Response:
-        name, model, _ = model_of(request)
+    def stats_of(name: str, model: Any) -> dict:
+        """One model's statistics, in Triton's shape."""
         snap = server.metrics_snapshot()[name]
 
         def duration(key: str) -> dict:
@@ -185,30 +212,30 @@ def create_app(
             return {"count": h["count"], "ns": int(h["mean"] * h["count"] * 1e3)}
 
         req = snap["requests"]
-        success = duration("request_us")
         fail_count = sum(req[k] for k in ("invalid", "rejected", "expired", "failed"))
+        return {
+            "name": name,
+            "version": model.version,
+            "inference_count": int(snap["batch_rows"]["mean"] * snap["batch_rows"]["count"]),
+            "execution_count": snap["batches"],
+            "inference_stats": {
+                "success": duration("request_us"),
+                "fail": {"count": fail_count, "ns": 0},
+                "queue": duration("queue_us"),
+                "compute_input": duration("compute_input_us"),
+                "compute_infer": duration("compute_infer_us"),
+                "compute_output": duration("compute_output_us"),
+            },
+            "batch_stats": [],
+        }
+
+    async def model_stats(request: Request) -> Response:
+        name, model, _ = model_of(request)
+        return _json({"model_stats": [stats_of(name, model)]})
+
+    async def all_stats(request: Request) -> Response:
         return _json(
-            {
-                "model_stats": [
-                    {
-                        "name": name,
-                        "version": model.version,
-                        "inference_count": int(
-                            snap["batch_rows"]["mean"] * snap["batch_rows"]["count"]
-                        ),
-                        "execution_count": snap["batches"],
-                        "inference_stats": {
-                            "success": success,
-                            "fail": {"count": fail_count, "ns": 0},
-                            "queue": duration("queue_us"),
-                            "compute_input": duration("compute_input_us"),
-                            "compute_infer": duration("compute_infer_us"),
-                            "compute_output": duration("compute_output_us"),
-                        },
-                        "batch_stats": [],
-                    }
-                ]
-            }
+            {"model_stats": [stats_of(name, model) for name, model in server.models.items()]}
         )
 
     async def metrics(request: Request) -> Response:
@@ -232,14 +259,15 @@ def create_app(
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def infer(request: Request) -> Response:
-        if state.draining or not state.ready:
-            why = "draining" if state.draining else "loading"
-            raise _HTTPError(503, f"the server is {why}; not accepting inference requests")
+        why = not_serving()
+        if why:
+            raise _HTTPError(503, why)
         name, model, batcher = model_of(request)
         body = await read_body(request)
         try:
             header, binary = kserve.split_body(body, request.headers.get(HEADER_LENGTH))
             doc = kserve.parse_json(header)
+            rid = kserve.request_id(doc)
             inputs = kserve.decode_inputs(doc, binary)
             selected = kserve.requested_outputs(doc, list(model.outputs))
             timeout_s = _timeout(doc)
@@ -259,15 +287,14 @@ def create_app(
             raise _HTTPError(503, str(exc)) from None
         except ExecutionFailed as exc:
             raise _HTTPError(500, str(exc)) from None
-        return infer_response(
-            *kserve.encode_response(name, model.version, doc.get("id"), outputs, selected)
-        )
+        return infer_response(*kserve.encode_response(name, model.version, rid, outputs, selected))
 
     routes = [
         Route("/v2", handled(server_metadata)),
         Route("/v2/health/live", handled(live)),
         Route("/v2/health/ready", handled(ready)),
         Route("/metrics", handled(metrics)),
+        Route("/v2/models/stats", handled(all_stats)),  # before {model}: not a model's name
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         routes += [
@@ -277,7 +304,21 @@ def create_app(
             Route(prefix + "/stats", handled(model_stats)),
             Route(prefix + "/infer", handled(infer), methods=["POST"]),
         ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+
+    async def routing_error(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own 404/405 (no route, wrong method), as every other error: JSON.
+        if exc.status_code == 404:
+            message = f"no endpoint {request.url.path!r}; the API is KServe v2 under /v2"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+        else:
+            message = str(exc.detail)
+        return _error(exc.status_code, message, exc.headers)
+
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: routing_error}
+    )
     app.state.pxrt = state
     return app
 

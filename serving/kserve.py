@@ -71,6 +71,14 @@ def parse_json(header: memoryview) -> dict:
     return doc
 
 
+def request_id(doc: dict) -> str | None:
+    """The request's ``id``, echoed in the response: a string, as the protocol says."""
+    rid = doc.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise ProtocolError(f"'id' must be a string, got {type(rid).__name__}")
+    return rid
+
+
 def decode_inputs(doc: dict, binary: memoryview) -> dict[str, np.ndarray]:
     """The request's ``inputs`` as arrays; binary ones are views of ``binary``."""
     inputs = doc.get("inputs")

@@ -17,6 +17,7 @@ import uvloop
 sys.path.insert(0, os.path.dirname(__file__))
 
 from models import MODELS  # noqa: E402
+from servers import ServeProcess  # noqa: E402
 
 import pxrt  # noqa: E402
 
@@ -72,3 +73,21 @@ def run(request):
         return result
 
     return runner
+
+
+# --------------------------------------------------------------------------- pxrt serve
+
+
+@pytest.fixture(scope="session")
+def served(artifacts, tmp_path_factory):
+    """One `pxrt serve` process for the session: four models, a queue of one row, a
+    1 MB body limit."""
+    conf = tmp_path_factory.mktemp("serve") / "serve.toml"
+    conf.write_text(
+        "[defaults]\nmax_delay_us = 2000\n\n"
+        f'[models.tiny_queue]\npath = "{artifacts["mlp"]}"\nmax_queue = 1\n'
+    )
+    paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
+    proc = ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1"])
+    yield proc
+    assert proc.stop() == 0

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -18,72 +15,10 @@ import pytest
 import tritonclient.http as triton
 from models import MODELS, assert_matches, random_request, reference
 from prometheus_client.parser import text_string_to_metric_families
+from servers import ROOT, ServeProcess
 from tritonclient.utils import InferenceServerException
 
 from serving import kserve
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    def __init__(self, args: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # A file, not a pipe: nobody reads a pipe while tests run, and a full one blocks.
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serving.cli", "serve", "--port", str(self.port), *args],
-            cwd=ROOT,
-            env=dict(os.environ),
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pxrt serve exited: {self.output()}")
-            try:
-                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"pxrt serve did not become ready: {self.output()}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        finally:
-            self.log.close()
-
-
-@pytest.fixture(scope="module")
-def served(artifacts, tmp_path_factory):
-    conf = tmp_path_factory.mktemp("serve") / "serve.toml"
-    conf.write_text(
-        "[defaults]\nmax_delay_us = 2000\n\n"
-        f'[models.tiny_queue]\npath = "{artifacts["mlp"]}"\nmax_queue = 1\n'
-    )
-    paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
-    proc = ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1"])
-    yield proc
-    assert proc.stop() == 0
 
 
 @pytest.fixture
