@@ -16,7 +16,7 @@ FOUR := XLA_FLAGS=--xla_force_host_platform_device_count=4
 
 all: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd)
+$(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*.pyx serving/*.pxd)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,bench]'
@@ -48,4 +48,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
 
 clean:
-	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html $(VENV)
+	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html serving/*.so serving/*.c serving/*.html $(VENV)

@@ -27,13 +27,13 @@ if DEBUG:
 
 extensions = [
     Extension(
-        f"pxrt.{name}",
-        [f"pxrt/{name}.pyx"],
+        name,
+        [name.replace(".", "/") + ".pyx"],
         include_dirs=[np.get_include()],
         define_macros=macros,
         extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
     )
-    for name in ("_keys", "_handlers", "_batch")
+    for name in ("pxrt._keys", "pxrt._handlers", "pxrt._batch", "serving._tensors")
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, annotate=DEBUG))

@@ -43,7 +43,7 @@ async def infer(model: str, request: Request) -> Response:
     body = await request.body()
     header, binary = kserve.split_body(body, request.headers.get("inference-header-content-length"))
     doc = kserve.parse_json(header)
-    inputs = kserve.decode_inputs(doc, binary)
+    inputs = kserve.decode_inputs(doc, binary, artifact.inputs)
 
     def run() -> dict:
         outs = jitted(params, *[inputs[n] for n in names])

@@ -50,6 +50,14 @@ RouteCache = keys.RouteCache
 signature = keys.signature
 
 
+def twin(extension: str, pure: str):
+    """The Cython module ``extension`` (a dotted name), or its pure-Python twin ``pure``
+    with PXRT_NO_EXTENSIONS=1 or when the extensions are not built, as above."""
+    import importlib
+
+    return importlib.import_module(extension if EXTENSIONS else pure)
+
+
 def using_extensions() -> bool:
     """True when the Cython handlers and keys are live, False for the pure-Python twins."""
     return EXTENSIONS

@@ -268,7 +268,7 @@ def create_app(
             header, binary = kserve.split_body(body, request.headers.get(HEADER_LENGTH))
             doc = kserve.parse_json(header)
             rid = kserve.request_id(doc)
-            inputs = kserve.decode_inputs(doc, binary)
+            inputs = kserve.decode_inputs(doc, binary, model.inputs)
             selected = kserve.requested_outputs(doc, list(model.outputs))
             timeout_s = _timeout(doc)
         except kserve.ProtocolError as exc:

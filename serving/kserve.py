@@ -16,6 +16,10 @@ import ml_dtypes
 import numpy as np
 import orjson
 
+from pxrt._ext import twin
+
+tensors = twin("serving._tensors", "serving._tensors_py")
+
 # v2 datatype <-> numpy dtype, and the Triton config type names.
 DATATYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -48,13 +52,13 @@ def split_body(body: bytes, header_length: str | None) -> tuple[memoryview, memo
     view = memoryview(body)
     if header_length is None:
         return view, view[len(view) :]
-    try:
-        n = int(header_length)
-    except ValueError:
+    if not (header_length.isascii() and header_length.isdigit() and len(header_length) <= 19):
         raise ProtocolError(
-            f"Inference-Header-Content-Length must be an integer, got {header_length!r}"
-        ) from None
-    if not 0 <= n <= len(view):
+            "Inference-Header-Content-Length must be a decimal byte count, got "
+            f"{_short(header_length)}"
+        )
+    n = int(header_length)
+    if not n <= len(view):
         raise ProtocolError(
             f"Inference-Header-Content-Length is {n} but the body has {len(view)} bytes"
         )
@@ -79,11 +83,23 @@ def request_id(doc: dict) -> str | None:
     return rid
 
 
-def decode_inputs(doc: dict, binary: memoryview) -> dict[str, np.ndarray]:
-    """The request's ``inputs`` as arrays; binary ones are views of ``binary``."""
+def decode_inputs(
+    doc: dict, binary: memoryview, specs: Mapping[str, Any] | None = None
+) -> dict[str, np.ndarray]:
+    """The request's ``inputs`` as arrays; binary ones are views of ``binary``.
+
+    Nothing is cast: JSON elements must be exactly of their datatype's JSON type and in
+    its range. The work is bounded before it starts: with the model's input ``specs``,
+    an input the model does not have is refused before any data is read, and every
+    tensor's element count is bounded by the bytes that carry it.
+    """
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ProtocolError("the request needs a non-empty 'inputs' list")
+    if specs is not None and len(inputs) > len(specs):
+        raise ProtocolError(
+            f"the request has {len(inputs)} inputs; the model takes {len(specs)}: {_names(specs)}"
+        )
     out: dict[str, np.ndarray] = {}
     offset = 0
     for i, spec in enumerate(inputs):
@@ -92,19 +108,26 @@ def decode_inputs(doc: dict, binary: memoryview) -> dict[str, np.ndarray]:
         name = spec.get("name")
         if not isinstance(name, str):
             raise ProtocolError(f"inputs[{i}] needs a string 'name'")
+        if specs is not None and name not in specs:
+            raise ProtocolError(f"unexpected input {_short(name)}; the model takes {_names(specs)}")
         if name in out:
             raise ProtocolError(f"input {name!r} is given twice")
-        dtype = _dtype(name, spec.get("datatype"))
+        datatype = spec.get("datatype")
+        dtype = _dtype(name, datatype)
         shape = _shape(name, spec.get("shape"))
         count = math.prod(shape)
-        params = spec.get("parameters") or {}
-        size = params.get("binary_data_size") if isinstance(params, dict) else None
+        params = _parameters(spec, f"input {name!r}")
+        size = params.get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0:
+            if "data" in spec:
+                raise ProtocolError(
+                    f"input {name!r} has both 'data' and binary_data_size; give one of them"
+                )
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise ProtocolError(f"input {name!r}: binary_data_size must be a non-negative int")
             if size != count * dtype.itemsize:
                 raise ProtocolError(
-                    f"input {name!r}: shape {shape} of {spec['datatype']} needs "
+                    f"input {name!r}: shape {list(shape)} of {datatype} needs "
                     f"{count * dtype.itemsize} bytes, binary_data_size says {size}"
                 )
             if offset + size > len(binary):
@@ -118,7 +141,7 @@ def decode_inputs(doc: dict, binary: memoryview) -> dict[str, np.ndarray]:
         else:
             if "data" not in spec:
                 raise ProtocolError(f"input {name!r} has neither 'data' nor binary_data_size")
-            out[name] = _from_json(name, spec["data"], dtype, shape, spec["datatype"])
+            out[name] = _from_json(name, spec["data"], dtype, shape, datatype)
     if offset != len(binary):
         raise ProtocolError(
             f"the body has {len(binary) - offset} bytes of binary data that no input claims"
@@ -126,83 +149,121 @@ def decode_inputs(doc: dict, binary: memoryview) -> dict[str, np.ndarray]:
     return out
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _names(specs: Mapping[str, Any], limit: int = 8) -> str:
+    names = [repr(n) for n in specs]
+    return ", ".join(names[:limit] + (["..."] if len(names) > limit else []))
+
+
+def _parameters(obj: dict, where: str) -> dict:
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ProtocolError(f"{where}: 'parameters' must be an object, got {_short(params)}")
+    return params
+
+
 def _dtype(name: str, datatype: Any) -> np.dtype:
     try:
         return DATATYPES[datatype]
     except (KeyError, TypeError):
         raise ProtocolError(
-            f"input {name!r}: unsupported datatype {datatype!r}; supported: {', '.join(DATATYPES)}"
+            f"input {name!r}: unsupported datatype {_short(datatype)}; supported: "
+            f"{', '.join(DATATYPES)}"
         ) from None
+
+
+MAX_RANK = 32
 
 
 def _shape(name: str, shape: Any) -> tuple[int, ...]:
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_RANK
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise ProtocolError(f"input {name!r}: 'shape' must be a list of non-negative ints")
+        raise ProtocolError(
+            f"input {name!r}: 'shape' must be a list of at most {MAX_RANK} non-negative ints, "
+            f"got {_short(shape)}"
+        )
+    count = 1
+    for d in shape:
+        count *= d
+        if count > MAX_ELEMENTS or d > MAX_ELEMENTS:  # before anything is allocated for it
+            raise ProtocolError(
+                f"input {name!r}: shape {_short(shape)} has more than {MAX_ELEMENTS} elements"
+            )
     return tuple(shape)
 
 
+# The most elements one tensor may have: every one is at least a byte of the body, and
+# bodies are bounded far below this by the server's body limit.
+MAX_ELEMENTS = 1 << 40
+
+# JSON elements by datatype: how they are checked, and the range of the narrower types.
+_KINDS = {"b": tensors.BOOL, "i": tensors.INT, "u": tensors.UINT}
+
+
 def _from_json(name: str, data: Any, dtype: np.dtype, shape: tuple, datatype: str) -> np.ndarray:
+    kind = _KINDS.get(dtype.kind, tensors.FLOAT)
     try:
-        raw = np.asarray(data)
-    except ValueError:
-        raise ProtocolError(
-            f"input {name!r}: 'data' is ragged; give a flat or a full nested list"
-        ) from None
-    if raw.dtype == object or raw.dtype.kind in "USV":
-        raise ProtocolError(f"input {name!r}: 'data' must hold {datatype} numbers only")
-    if raw.size != math.prod(shape):
-        raise ProtocolError(
-            f"input {name!r}: shape {list(shape)} needs {math.prod(shape)} values, "
-            f"'data' has {raw.size}"
-        )
-    kind = dtype.kind
-    if kind == "b":
-        if raw.size and raw.dtype.kind != "b":
-            raise ProtocolError(f"input {name!r}: BOOL data must be true/false")
-    elif kind in "iu":
-        try:
-            # Python ints convert exactly or raise OverflowError; floats would truncate.
-            exact = np.asarray(data, dtype=dtype)
-        except OverflowError:
+        raw = tensors.decode(data, shape, kind)
+    except tensors.TensorDataError as exc:
+        raise ProtocolError(f"input {name!r}: {datatype} data: {exc}") from None
+    if kind == tensors.BOOL:
+        return raw.view(np.bool_).reshape(shape)
+    if kind == tensors.FLOAT:
+        with np.errstate(over="ignore"):  # what overflows becomes inf, refused below
+            arr = raw.astype(dtype)
+        bad = np.flatnonzero(np.isinf(arr))
+        if len(bad):
             raise ProtocolError(
-                f"input {name!r}: a value is out of the range of {datatype}"
-            ) from None
-        # numpy infers float64 for floats, and for ints too big for int64 (uint64):
-        # those convert back to the same float, a real fraction does not.
-        if raw.size and (
-            raw.dtype.kind not in "iuf"
-            or (raw.dtype.kind == "f" and not np.array_equal(exact.astype(np.float64), raw))
-        ):
-            raise ProtocolError(f"input {name!r}: {datatype} data must be integers")
-        return exact.reshape(shape)
-    elif raw.size and raw.dtype.kind not in "iuf":
-        raise ProtocolError(f"input {name!r}: {datatype} data must be numbers")
+                f"input {name!r}: {datatype} data: element {bad[0]} is {float(raw[bad[0]])!r}: "
+                f"out of the range of {datatype}"
+            )
+        return arr.reshape(shape)
+    info = np.iinfo(dtype)
+    bad = np.flatnonzero((raw < info.min) | (raw > info.max)) if raw.size else []
+    if len(bad):
+        raise ProtocolError(
+            f"input {name!r}: {datatype} data: element {bad[0]} is {int(raw[bad[0]])}: out of "
+            f"the range of {datatype} ({info.min}..{info.max})"
+        )
     return raw.astype(dtype).reshape(shape)
 
 
 def requested_outputs(doc: dict, names: list[str]) -> list[tuple[str, bool]]:
     """(output name, as binary) for each output to return, in the request's order."""
-    params = doc.get("parameters") or {}
-    default_binary = (
-        bool(params.get("binary_data_output", False)) if isinstance(params, dict) else False
-    )
+    default_binary = _flag(_parameters(doc, "the request"), "binary_data_output", "the request")
     wanted = doc.get("outputs")
     if wanted is None:
         return [(n, default_binary) for n in names]
     if not isinstance(wanted, list):
-        raise ProtocolError("'outputs' must be a list")
+        raise ProtocolError(f"'outputs' must be a list, got {_short(wanted)}")
+    if len(wanted) > len(names):
+        raise ProtocolError(f"'outputs' asks for {len(wanted)} outputs; the model has {len(names)}")
     out = []
     for i, spec in enumerate(wanted):
         name = spec.get("name") if isinstance(spec, dict) else None
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise ProtocolError(
-                f"outputs[{i}]: unknown output {name!r}; the model has {', '.join(names)}"
+                f"outputs[{i}]: unknown output {_short(name)}; the model has {', '.join(names)}"
             )
-        p = spec.get("parameters") or {}
-        out.append((name, bool(p.get("binary_data", default_binary))))
+        params = _parameters(spec, f"outputs[{i}]")
+        out.append((name, _flag(params, "binary_data", f"outputs[{i}]", default_binary)))
     return out
+
+
+def _flag(params: dict, key: str, where: str, default: bool = False) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{where}: parameters.{key} must be true or false, got {_short(value)}")
+    return value
 
 
 def encode_response(

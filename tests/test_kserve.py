@@ -6,8 +6,16 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from serving import kserve
+
+try:
+    from serving import _tensors  # noqa: F401
+except ImportError:  # pragma: no cover - only when the extensions are not built
+    _tensors = None
+needs_tensors_ext = pytest.mark.skipif(_tensors is None, reason="Cython extensions not built")
 
 
 def _values(dtype: np.dtype, shape) -> np.ndarray:
@@ -66,20 +74,133 @@ def test_json_round_trip_flat_and_nested(datatype):
 
 
 @pytest.mark.parametrize(
-    "data,datatype,words",
+    "data,datatype,shape,words",
     [
-        ([300], "UINT8", "out of the range"),
-        ([-1], "UINT32", "out of the range"),
-        ([1.5], "INT64", "must be integers"),
-        ([1], "BOOL", "true/false"),
-        (["a"], "FP32", "numbers only"),
-        ([[1, 2], [3]], "FP32", "ragged"),
+        ([300], "UINT8", [1], "element 0 is 300: out of the range of UINT8"),
+        ([-1], "UINT32", [1], "element 0 is -1: out of range"),
+        ([2**63], "INT64", [1], "out of range"),
+        ([1.5], "INT64", [1], "element 0 is 1.5: expected an integer"),
+        ([1.0], "INT32", [1], "element 0 is 1.0: expected an integer"),
+        ([1, True], "INT32", [2], "element 1 is true: expected an integer"),
+        ([True], "FP32", [1], "element 0 is true: expected a number"),
+        ([1], "BOOL", [1], "element 0 is 1: expected true or false"),
+        (["a"], "FP32", [1], "element 0 is 'a': expected a number"),
+        ([None], "FP16", [1], "element 0 is null"),
+        ([1e39], "FP32", [1], r"element 0 is 1e\+39: out of the range of FP32"),
+        ([70000.0], "FP16", [1], "out of the range of FP16"),
+        ([1e300], "BF16", [1], "out of the range of BF16"),
+        ([[1, 2], [3]], "FP32", [2, 2], "a list of 1 at nesting level 2"),
+        ([[1, 2], 3], "FP32", [2, 2], "expected a list of 2 at nesting level 2"),
+        ([[[1]], [[2]]], "FP32", [2, 1], r"element 0 is \[1\]"),
+        ([1, 2, 3], "FP32", [2, 2], "a list of 3 at nesting level 1"),
+        ({"a": 1}, "FP32", [1], "'data' must be a list"),
     ],
 )
-def test_json_never_casts_silently(data, datatype, words):
-    doc = {"inputs": [{"name": "x", "datatype": datatype, "shape": [1], "data": data}]}
+def test_json_never_casts_silently(data, datatype, shape, words):
+    doc = {"inputs": [{"name": "x", "datatype": datatype, "shape": shape, "data": data}]}
     with pytest.raises(kserve.ProtocolError, match=words):
         kserve.decode_inputs(doc, memoryview(b""))
+
+
+@pytest.mark.parametrize(
+    "doc,words",
+    [
+        (
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2**62, 0], "data": []}]},
+            "more than",
+        ),
+        (
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [0, 2**62], "data": []}]},
+            "more than",
+        ),
+        (
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1] * 40, "data": [1]}]},
+            "at most 32",
+        ),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "datatype": "FP32",
+                        "shape": [1],
+                        "data": [1.0],
+                        "parameters": {"binary_data_size": 4},
+                    }
+                ]
+            },
+            "both 'data' and binary_data_size",
+        ),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "datatype": "FP32",
+                        "shape": [1],
+                        "data": [1.0],
+                        "parameters": [1],
+                    }
+                ]
+            },
+            "'parameters' must be an object",
+        ),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "x",
+                        "datatype": "FP32",
+                        "shape": [1],
+                        "parameters": {"binary_data_size": True},
+                    }
+                ]
+            },
+            "non-negative int",
+        ),
+        (
+            {"inputs": [{"name": "q", "datatype": "FP32", "shape": [1], "data": [1.0]}]},
+            "unexpected input 'q'; the model takes 'x'",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": f"i{k}", "datatype": "FP32", "shape": [1], "data": [1.0]}
+                    for k in range(3)
+                ]
+            },
+            "the request has 3 inputs; the model takes 1",
+        ),
+    ],
+)
+def test_malformed_requests_are_protocol_errors(doc, words):
+    with pytest.raises(kserve.ProtocolError, match=words):
+        kserve.decode_inputs(doc, memoryview(b""), {"x": object()})
+
+
+@pytest.mark.parametrize(
+    "doc,words",
+    [
+        ({"outputs": [{"name": "y", "parameters": [1]}]}, "'parameters' must be an object"),
+        ({"outputs": [{"name": "y", "parameters": "binary"}]}, "'parameters' must be an object"),
+        ({"outputs": [{"name": "y", "parameters": {"binary_data": "yes"}}]}, "true or false"),
+        ({"parameters": {"binary_data_output": 1}}, "true or false"),
+        ({"parameters": "x"}, "'parameters' must be an object"),
+        ({"outputs": {"name": "y"}}, "'outputs' must be a list"),
+        ({"outputs": [{"name": ["y"]}]}, "unknown output"),
+        ({"outputs": [{"name": "y"}] * 3}, "asks for 3 outputs"),
+    ],
+)
+def test_malformed_output_requests_are_protocol_errors(doc, words):
+    with pytest.raises(kserve.ProtocolError, match=words):
+        kserve.requested_outputs(doc, ["y"])
+
+
+@pytest.mark.parametrize("value", ["1_0", "١٠", " 10", "-1", "1e3", "0x10", "9" * 30])
+def test_header_length_is_a_plain_decimal(value):
+    with pytest.raises(kserve.ProtocolError, match="decimal byte count"):
+        kserve.split_body(b"x" * 20, value)
+    assert bytes(kserve.split_body(b"x" * 20, "10")[0]) == b"x" * 10
 
 
 def test_unclaimed_binary_bytes_are_an_error():
@@ -91,3 +212,35 @@ def test_unclaimed_binary_bytes_are_an_error():
     }
     with pytest.raises(kserve.ProtocolError, match="no input claims"):
         kserve.decode_inputs(doc, memoryview(x.tobytes() + b"junk"))
+
+
+# --------------------------------------------------------------------------- the decoder twins
+
+_scalars = st.one_of(
+    st.booleans(),
+    st.integers(-(2**65), 2**65),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.none(),
+    st.text(max_size=3),
+)
+_data = st.recursive(st.lists(_scalars, max_size=6), lambda inner: st.lists(inner, max_size=4))
+
+
+@needs_tensors_ext
+@settings(max_examples=400, deadline=None)
+@given(
+    data=st.one_of(_data, _scalars),
+    shape=st.lists(st.integers(0, 4), max_size=3).map(tuple),
+    kind=st.sampled_from([0, 1, 2, 3]),
+)
+def test_json_decoder_twins_agree(data, shape, kind):
+    from serving import _tensors, _tensors_py
+
+    answers = []
+    for impl in (_tensors, _tensors_py):
+        try:
+            out = impl.decode(data, shape, kind)
+            answers.append(("ok", out.dtype, out.tolist()))
+        except impl.TensorDataError as exc:
+            answers.append(("error", str(exc)))
+    assert answers[0] == answers[1]
