@@ -119,9 +119,12 @@ def decode(object data, tuple shape, int kind):
         n *= <Py_ssize_t>d
     if type(data) is not list:
         raise TensorDataError(f"'data' must be a list, got {_describe(data)}")
+    nested = (ndim > 1 and PyList_GET_SIZE(data) > 0
+              and type(<object>PyList_GET_ITEM(data, 0)) is list)
+    if not nested and PyList_GET_SIZE(data) != n:
+        raise TensorDataError(
+            f"{PyList_GET_SIZE(data)} values where shape {list(shape)} needs {n}")
     out = np.empty(n, _STORAGE[kind])
-    nested = ndim > 1 and (PyList_GET_SIZE(data) != n
-                           or (n > 0 and type(<object>PyList_GET_ITEM(data, 0)) is list))
     dims = <Py_ssize_t*>PyMem_Malloc(max(ndim, 1) * sizeof(Py_ssize_t))
     if dims == NULL:
         raise MemoryError()

@@ -87,7 +87,9 @@ def decode(data: Any, shape: tuple, kind: int) -> np.ndarray:
         n *= d
     if type(data) is not list:
         raise TensorDataError(f"'data' must be a list, got {_describe(data)}")
-    nested = len(shape) > 1 and (len(data) != n or (n > 0 and type(data[0]) is list))
+    nested = len(shape) > 1 and len(data) > 0 and type(data[0]) is list
+    if not nested and len(data) != n:
+        raise TensorDataError(f"{len(data)} values where shape {list(shape)} needs {n}")
     values: list = []
     _fill(data, list(shape) if nested else [n], 0, kind, values)
     return np.array(values, _STORAGE[kind]) if values else np.empty(0, _STORAGE[kind])

@@ -122,7 +122,7 @@ ERRORS = [
         infer_json([dict(X, shape=[2, 32])]),
         None,
         400,
-        "needs 64 values",
+        "32 values where shape [2, 32] needs 64",
     ),
     (
         "float for int",
@@ -135,7 +135,7 @@ ERRORS = [
         ),
         None,
         400,
-        "must be integers",
+        "element 0 is 1.5: expected an integer",
     ),
     (
         "validation: wrong dtype",

@@ -92,7 +92,8 @@ def test_json_round_trip_flat_and_nested(datatype):
         ([[1, 2], [3]], "FP32", [2, 2], "a list of 1 at nesting level 2"),
         ([[1, 2], 3], "FP32", [2, 2], "expected a list of 2 at nesting level 2"),
         ([[[1]], [[2]]], "FP32", [2, 1], r"element 0 is \[1\]"),
-        ([1, 2, 3], "FP32", [2, 2], "a list of 3 at nesting level 1"),
+        ([1, 2, 3], "FP32", [2, 2], "3 values where shape \\[2, 2\\] needs 4"),
+        ([[1, 2]], "FP32", [2, 2], "a list of 1 at nesting level 1"),
         ({"a": 1}, "FP32", [1], "'data' must be a list"),
     ],
 )
