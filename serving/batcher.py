@@ -89,6 +89,7 @@ class Batcher:
         self._drained = asyncio.Event()
         self._success = 0
         self._failed = 0
+        self._outside = dict.fromkeys(("invalid", "failed"), 0)  # counted by front ends
         # Seconds per row of the batches that run, for retry-after estimates, and the
         # execution time of a full batch, to close a waiting batch before a deadline.
         full = engine.bucket_for(self.max_batch_size)
@@ -142,14 +143,20 @@ class Batcher:
 
     # ------------------------------------------------------------------ metrics source
 
+    def count(self, outcome: str) -> None:
+        """A request that a front end answered before it reached the queue (``invalid``:
+        it did not follow the protocol) or after it left it (``failed``: encoding the
+        reply failed)."""
+        self._outside[outcome] += 1
+
     def outcomes(self) -> dict[str, int]:
         q = self.queue
         return {
             "success": self._success,
-            "invalid": q.invalid,
+            "invalid": q.invalid + self._outside["invalid"],
             "rejected": q.rejected,
             "expired": q.expired,
-            "failed": self._failed,
+            "failed": self._failed + self._outside["failed"],
             "cancelled": q.cancelled,
         }
 

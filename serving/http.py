@@ -272,6 +272,7 @@ def create_app(
             selected = kserve.requested_outputs(doc, list(model.outputs))
             timeout_s = _timeout(doc)
         except kserve.ProtocolError as exc:
+            batcher.count("invalid")
             raise _HTTPError(400, str(exc)) from None
         try:
             outputs = await server.infer(name, inputs, timeout_s=timeout_s)
@@ -287,7 +288,12 @@ def create_app(
             raise _HTTPError(503, str(exc)) from None
         except ExecutionFailed as exc:
             raise _HTTPError(500, str(exc)) from None
-        return infer_response(*kserve.encode_response(name, model.version, rid, outputs, selected))
+        try:
+            reply = kserve.encode_response(name, model.version, rid, outputs, selected)
+        except Exception:
+            batcher.count("failed")  # it ran, but its caller gets no answer
+            raise
+        return infer_response(*reply)
 
     routes = [
         Route("/v2", handled(server_metadata)),

@@ -27,20 +27,55 @@ import tempfile
 import tomllib
 from typing import Any
 
-OPTION_KEYS = ("max_batch_size", "max_delay_us", "max_queue", "default_timeout_s", "max_inflight")
+
+class _Number:
+    """An option's value check: its type, and its lower bound (inclusive or not). Used
+    by argparse for flags and for the TOML file, so bad values stop the server at
+    start-up with a message instead of failing every request."""
+
+    def __init__(self, kind: type, low: float, inclusive: bool = True) -> None:
+        self.kind, self.low, self.inclusive = kind, low, inclusive
+        self.__name__ = kind.__name__  # argparse names the type in its errors
+
+    def describe(self) -> str:
+        what = "an integer" if self.kind is int else "a number"
+        return f"{what} {'>=' if self.inclusive else '>'} {self.low:g}"
+
+    def __call__(self, value: Any) -> Any:
+        try:
+            if isinstance(value, bool) or (self.kind is int and isinstance(value, float)):
+                raise ValueError
+            number = self.kind(value)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{value!r} is not {self.describe()}") from None
+        if not (number >= self.low if self.inclusive else number > self.low) or number != number:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {self.describe()}")
+        return number
+
+
+OPTIONS = {
+    "max_batch_size": _Number(int, 1),
+    "max_delay_us": _Number(float, 0),
+    "max_queue": _Number(int, 1),
+    "default_timeout_s": _Number(float, 0, inclusive=False),
+    "max_inflight": _Number(int, 1),
+}
+OPTION_KEYS = tuple(OPTIONS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dirs", nargs="*", help="artifact directories (default: the demo model)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_Number(int, 0), default=8000)
     p.add_argument("--config", metavar="TOML", help="per-model options (see pxrt serve --help)")
-    p.add_argument("--max-batch-size", type=int, default=None)
-    p.add_argument("--max-delay-us", type=float, default=None)
-    p.add_argument("--max-queue", type=int, default=None)
-    p.add_argument("--default-timeout-s", type=float, default=None)
-    p.add_argument("--max-inflight", type=int, default=None)
-    p.add_argument("--max-body-mb", type=float, default=64.0, help="larger bodies get 413")
+    for key, check in OPTIONS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=check, default=None)
+    p.add_argument(
+        "--max-body-mb",
+        type=_Number(float, 0, inclusive=False),
+        default=64.0,
+        help="larger bodies get 413",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -72,7 +107,13 @@ def _options(section: dict, where: str) -> dict:
             f"pxrt serve: unknown option(s) {sorted(unknown)} in {where}; "
             f"known: {', '.join(OPTION_KEYS)}"
         )
-    return dict(section)
+    checked = {}
+    for key, value in section.items():
+        try:
+            checked[key] = OPTIONS[key](value)
+        except argparse.ArgumentTypeError as exc:
+            raise SystemExit(f"pxrt serve: {key} in {where}: {exc}") from None
+    return checked
 
 
 def main(args: argparse.Namespace) -> int:

@@ -107,3 +107,33 @@ def test_export_then_inspect(tmp_path):
     assert again.returncode == 2 and "--overwrite" in again.stderr
     info = _pxrt("inspect", "--json", str(out))
     assert [b["bucket"] for b in json.loads(info.stdout)["buckets"]] == [4, 8]
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--max-body-mb", "-1"], "--max-body-mb: '-1' is not a number > 0"),
+        (["--default-timeout-s", "0"], "--default-timeout-s: '0' is not a number > 0"),
+        (["--max-queue", "1.5"], "--max-queue: '1.5' is not an integer >= 1"),
+        (["--max-inflight", "0"], "--max-inflight: '0' is not an integer >= 1"),
+        (["--max-delay-us", "nan"], "--max-delay-us: 'nan' is not a number >= 0"),
+    ],
+)
+def test_serve_refuses_bad_flags_at_start_up(args, words):
+    result = _pxrt("serve", *args, timeout=60)
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "toml,words",
+    [
+        ("[defaults]\nmax_queue = -3\n", "max_queue in [defaults]: -3 is not an integer >= 1"),
+        ("[models.m]\npath = 'x'\nmax_delay_us = true\n", "max_delay_us in [models.m]: True"),
+        ("[defaults]\nmax_batch = 8\n", "unknown option(s) ['max_batch']"),
+    ],
+)
+def test_serve_refuses_bad_config_at_start_up(tmp_path, toml, words):
+    conf = tmp_path / "serve.toml"
+    conf.write_text(toml)
+    result = _pxrt("serve", "--config", str(conf), timeout=60)
+    assert result.returncode != 0 and words in result.stderr, result.stderr

@@ -229,6 +229,14 @@ def test_body_over_the_limit_is_refused(served):
     assert r.status_code == 413 and "limit" in r.json()["error"]
 
 
+def test_protocol_errors_count_as_invalid(served):
+    before = _metric(served, "pxrt_requests_total", model="mlp", outcome="invalid")
+    for body in (b"{not json", infer_json([dict(X, data=[True] * 32)]), infer_json([X], id=[1])):
+        assert post(served, "/v2/models/mlp/infer", body).status_code == 400
+    after = _metric(served, "pxrt_requests_total", model="mlp", outcome="invalid")
+    assert after == before + 3
+
+
 def test_metrics_page_counts_requests(served):
     before = _metric(served, "pxrt_requests_total", model="mlp", outcome="success")
     for _ in range(3):

@@ -468,3 +468,28 @@ def test_finished_batches_are_not_kept(run, models):
             return [o for o in gc.get_objects() if type(o) is Batch]
 
     assert run(main) == []
+
+
+def test_every_cancellation_is_counted_once(run, artifacts):
+    """Callers that give up before dispatch, while their batch runs, or through the
+    future of Server.submit: each counted exactly once, none answered."""
+    model = pxrt.load(artifacts["mlp"])
+    wrap_all(model, delay_s=0.05)
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_batch_size=4, max_inflight=1)
+            tasks = [asyncio.ensure_future(server.infer("mlp", {"x": x})) for _ in range(40)]
+            futures = [server.submit("mlp", {"x": x}) for _ in range(20)]
+            await asyncio.sleep(0.03)  # the first batch runs; the rest wait
+            for t in tasks[::2]:
+                t.cancel()
+            for f in futures[::2]:
+                f.cancel()
+            await asyncio.gather(*tasks, *futures, return_exceptions=True)
+            await asyncio.sleep(0.1)
+            return server.metrics_snapshot()["mlp"]["requests"]
+
+    counts = run(main)
+    assert counts["cancelled"] == 30 and counts["success"] == 30, counts
