@@ -9,7 +9,7 @@ called the same way since 0.4.30 (see ``docs/jax-runtime-notes.md``):
 - ``ExecuteResults.disassemble_into_single_device_arrays``: per-device output
   shards, each readable as a zero-copy numpy view on CPU;
 - ``jax._src.compilation_cache.reset_cache``: point jax's process-wide persistent
-  cache at an artifact's ``xla_cache/`` for the duration of one load.
+  cache at pxrt's cache directory for the duration of one load.
 
 The raw path is only used after ``make_program`` proved, bucket by bucket, that it
 gives bit-identical results to the public ``Compiled.__call__``; otherwise the bucket
@@ -125,8 +125,8 @@ def persistent_cache(path: str | None) -> Iterator[None]:
     """Use ``path`` as jax's persistent compilation cache for this thread's compiles.
 
     jax keeps one process-wide cache object, bound to a directory the first time it
-    is used. We reset it on the way in and out so that the artifact's ``xla_cache/``
-    is used for this load only and the host's own cache setting comes back after.
+    is used. We reset it on the way in and out so that pxrt's directory is used for
+    this load only and the host's own cache setting comes back after.
     Entries are written however fast the compile was (jax's default skips compiles
     under one second, which on CPU is all of them).
     """

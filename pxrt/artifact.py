@@ -9,8 +9,14 @@ An artifact directory holds:
   loading a directory never runs code from it);
 - ``manifest.json``: format version, name/version, inputs and outputs (name, dtype,
   per-example shape), batch buckets, mesh layout, x64 flag, jax versions and the
-  sha256 of every file above;
-- ``xla_cache/`` (created by ``pxrt.load``): jax's persistent compilation cache.
+  sha256 of every file above.
+
+The manifest is bound to its program: the exported function is named after a hash of
+the manifest's signature (inputs and outputs in order, params, x64, mesh), and
+``read`` refuses a manifest whose signature is not the one its program was exported
+with, or that does not match the program's own argument and result types. Nothing in
+the directory is native code: compiled executables are cached outside it (see
+``pxrt.load``).
 """
 
 from __future__ import annotations
@@ -34,11 +40,15 @@ from jax import export as jax_export
 from . import _xla
 
 FORMAT = "pxrt-artifact"
-FORMAT_VERSION = 1
+# 2: the program's name binds the manifest's signature (1 still loads, unbound).
+FORMAT_VERSION = 2
+SIGNATURE_KEYS = ("inputs", "outputs", "params", "x64", "mesh")
+# A bucket's rows, at most: far beyond any batch one device runs, small enough that a
+# typo (1e9) is refused before anything is allocated for it.
+MAX_BUCKET = 1 << 20
 MANIFEST = "manifest.json"
 PROGRAM_FILE = "model.jaxexport"
 PARAMS_FILE = "params.npz"
-CACHE_DIR = "xla_cache"
 BATCH_AXIS = "data"
 DEFAULT_OUTPUT = "output"
 
@@ -96,6 +106,11 @@ class TensorSpec:
             raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
         object.__setattr__(self, "shape", tuple(int(d) for d in dims))
         object.__setattr__(self, "dtype", as_dtype(dtype))
+
+    @property
+    def nbytes_per_row(self) -> int:
+        """Bytes of one example (one row of a batch)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def describe(self) -> str:
         return (
@@ -201,57 +216,67 @@ def export(
             },
         )
         out_names = _output_names(out_shapes)
+        outputs = {}
+        for out_name in out_names:
+            shaped = out_shapes[out_name] if isinstance(out_shapes, Mapping) else out_shapes
+            if not shaped.shape or shaped.shape[0] != buckets[0]:
+                raise ValueError(
+                    f"output {out_name!r} has shape {shaped.shape} for {buckets[0]} rows: every "
+                    "output needs the batch dimension of the inputs as its leading dimension"
+                )
+            outputs[out_name] = TensorSpec(shaped.shape[1:], shaped.dtype)
+
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "name": name or os.path.basename(os.path.normpath(path)),
+            "version": str(version),
+            "inputs": [spec.to_json(k) for k, spec in inputs.items()],
+            "outputs": [spec.to_json(k) for k, spec in outputs.items()],
+            "batch_buckets": list(buckets),
+            "sequence_buckets": None,
+            "mesh": {
+                "axes": [BATCH_AXIS],
+                "inputs": [BATCH_AXIS],
+                "outputs": [BATCH_AXIS],
+                "params": "replicated",
+            },
+            "x64": bool(x64),
+            "params": [
+                {
+                    "key": f"p{i:04d}",
+                    "path": jax.tree_util.keystr(kp),
+                    "dtype": leaf.dtype.name,
+                    "shape": list(leaf.shape),
+                }
+                for i, ((kp, _), leaf) in enumerate(
+                    zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves)
+                )
+            ],
+        }
 
         def flat_fn(params, *xs):
             out = fn(params, **dict(zip(names, xs)))
             return tuple(out[k] for k in out_names) if isinstance(out, Mapping) else (out,)
 
+        flat_fn.__name__ = program_name(manifest)  # binds this manifest to the program
         (b,) = jax_export.symbolic_shape("b")
         x_specs = [jax.ShapeDtypeStruct((b,) + s.shape, s.dtype) for s in inputs.values()]
         exported = jax_export.export(jax.jit(flat_fn))(param_specs, *x_specs)
 
-    outputs = {}
     for out_name, aval in zip(out_names, exported.out_avals):
         if not aval.shape or aval.shape[0] is not b and str(aval.shape[0]) != "b":
             raise ValueError(
                 f"output {out_name!r} has shape {aval.shape}: every output needs the "
                 "batch dimension of the inputs as its leading dimension"
             )
-        try:
-            outputs[out_name] = TensorSpec(tuple(int(d) for d in aval.shape[1:]), aval.dtype)
-        except (TypeError, ValueError) as exc:
+        if tuple(aval.shape[1:]) != outputs[out_name].shape:
             raise ValueError(
-                f"output {out_name!r} has shape {aval.shape}: only the batch "
-                f"dimension may be symbolic ({exc})"
-            ) from None
-
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "name": name or os.path.basename(os.path.normpath(path)),
-        "version": str(version),
-        "inputs": [spec.to_json(k) for k, spec in inputs.items()],
-        "outputs": [spec.to_json(k) for k, spec in outputs.items()],
-        "batch_buckets": list(buckets),
-        "sequence_buckets": None,
-        "mesh": {
-            "axes": [BATCH_AXIS],
-            "inputs": [BATCH_AXIS],
-            "outputs": [BATCH_AXIS],
-            "params": "replicated",
-        },
-        "x64": bool(x64),
-        "params": [
-            {
-                "key": f"p{i:04d}",
-                "path": jax.tree_util.keystr(kp),
-                "dtype": leaf.dtype.name,
-                "shape": list(leaf.shape),
-            }
-            for i, ((kp, _), leaf) in enumerate(
-                zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves)
+                f"output {out_name!r} has shape {aval.shape}: only the batch dimension may "
+                "be symbolic"
             )
-        ],
+
+    manifest |= {
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "calling_convention_version": exported.calling_convention_version,
@@ -262,6 +287,14 @@ def export(
     return path
 
 
+def program_name(manifest: Mapping[str, Any]) -> str:
+    """The name an artifact's program is exported under: a hash of the manifest's
+    signature (what feeds the program, what its outputs are called)."""
+    signature = {k: manifest[k] for k in SIGNATURE_KEYS}
+    text = json.dumps(signature, sort_keys=True, separators=(",", ":"))
+    return "pxrt_" + hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
 def _check_buckets(batch_buckets: Sequence[int], num_devices: int | None) -> tuple[int, ...]:
     try:
         buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
@@ -269,6 +302,8 @@ def _check_buckets(batch_buckets: Sequence[int], num_devices: int | None) -> tup
         raise ValueError(f"batch_buckets must be positive ints, got {batch_buckets!r}") from None
     if not buckets or buckets[0] < 1:
         raise ValueError(f"batch_buckets must be positive ints, got {batch_buckets!r}")
+    if buckets[-1] > MAX_BUCKET:
+        raise ValueError(f"batch bucket {buckets[-1]} is over the limit of {MAX_BUCKET} rows")
     if num_devices is not None:
         uneven = [b for b in buckets if b % num_devices]
         if uneven:
@@ -369,7 +404,7 @@ def read(path: str | os.PathLike) -> Artifact:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{manifest_path} is not a pxrt manifest (format is not {FORMAT!r})")
     fv = manifest.get("format_version")
-    if not isinstance(fv, int) or fv < 1:
+    if not isinstance(fv, int) or isinstance(fv, bool) or fv < 1:
         raise ArtifactError(f"{manifest_path}: bad format_version {fv!r}; re-export the model")
     if fv > FORMAT_VERSION:
         raise ArtifactError(
@@ -377,6 +412,7 @@ def read(path: str | os.PathLike) -> Artifact:
             f"versions up to {FORMAT_VERSION}: upgrade pxrt, or re-export the "
             "model with this one"
         )
+    _check_manifest(manifest, manifest_path)
 
     files = manifest.get("files") or {}
     for fname in (PROGRAM_FILE, PARAMS_FILE):
@@ -405,15 +441,10 @@ def read(path: str | os.PathLike) -> Artifact:
             f"({exc}); re-export the model with this jax"
         ) from exc
 
-    try:
-        inputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["inputs"]}
-        outputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["outputs"]}
-        _check_buckets(manifest["batch_buckets"], None)
-        param_meta = manifest["params"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ArtifactError(
-            f"{manifest_path} is malformed ({exc!r}); re-export the model"
-        ) from None
+    inputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["inputs"]}
+    outputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["outputs"]}
+    param_meta = manifest["params"]
+    _check_program(exported, manifest, inputs, outputs, path)
 
     params = _read_params(path, exported, param_meta)
     return Artifact(
@@ -424,6 +455,108 @@ def read(path: str | os.PathLike) -> Artifact:
         inputs=inputs,
         outputs=outputs,
     )
+
+
+def _check_manifest(m: dict, where: str) -> None:
+    """The manifest's structure, field by field: a malformed one is an ArtifactError that
+    names the field, never a KeyError or an allocation sized by a typo."""
+
+    def need(ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise ArtifactError(f"{where}: {field} {what}; re-export the model")
+
+    def is_int(v: Any, low: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    need(isinstance(m.get("name"), str) and bool(m["name"]), "'name'", "must be a non-empty string")
+    need(isinstance(m.get("version"), str), "'version'", "must be a string")
+    need(isinstance(m.get("x64"), bool), "'x64'", "must be true or false")
+    need(isinstance(m.get("mesh"), dict), "'mesh'", "must be an object")
+    files = m.get("files")
+    need(
+        isinstance(files, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()),
+        "'files'",
+        "must map file names to sha256 strings",
+    )
+    for kind in ("inputs", "outputs"):
+        tensors = m.get(kind)
+        need(isinstance(tensors, list) and bool(tensors), f"'{kind}'", "must be a non-empty list")
+        for i, t in enumerate(tensors):
+            field = f"{kind}[{i}]"
+            need(isinstance(t, dict), field, "must be an object")
+            need(
+                isinstance(t.get("name"), str) and bool(t["name"]),
+                f"{field}.name",
+                "must be a non-empty string",
+            )
+            need(t.get("dtype") in DTYPES, f"{field}.dtype", f"must be one of {', '.join(DTYPES)}")
+            shape = t.get("shape")
+            need(
+                isinstance(shape, list) and all(is_int(d) for d in shape),
+                f"{field}.shape",
+                "must be a list of non-negative ints",
+            )
+        names = [t["name"] for t in tensors]
+        need(len(set(names)) == len(names), f"'{kind}'", "names a tensor twice")
+    buckets = m.get("batch_buckets")
+    need(
+        isinstance(buckets, list) and bool(buckets) and all(is_int(b, 1) for b in buckets),
+        "'batch_buckets'",
+        "must be a non-empty list of positive ints",
+    )
+    need(max(buckets) <= MAX_BUCKET, "'batch_buckets'", f"has a bucket over {MAX_BUCKET} rows")
+    params = m.get("params")
+    need(isinstance(params, list), "'params'", "must be a list")
+    for i, p in enumerate(params):
+        field = f"params[{i}]"
+        need(isinstance(p, dict), field, "must be an object")
+        need(
+            isinstance(p.get("key"), str) and isinstance(p.get("path"), str),
+            field,
+            "needs string 'key' and 'path'",
+        )
+        need(p.get("dtype") in DTYPES, f"{field}.dtype", f"must be one of {', '.join(DTYPES)}")
+        need(
+            isinstance(p.get("shape"), list) and all(is_int(d) for d in p["shape"]),
+            f"{field}.shape",
+            "must be a list of non-negative ints",
+        )
+
+
+def _check_program(exported: Any, manifest: dict, inputs: dict, outputs: dict, path: str) -> None:
+    """The manifest against the program it came with: every input and output's dtype and
+    per-example shape in order, and (format 2) the signature the program was named after."""
+    n_params = len(manifest["params"])
+    in_avals, out_avals = exported.in_avals, exported.out_avals
+
+    def mismatch(kind: str, specs: dict, avals: Any) -> str | None:
+        if len(avals) != len(specs):
+            return f"the program has {len(avals)} {kind}, the manifest lists {len(specs)}"
+        for (name, spec), aval in zip(specs.items(), avals):
+            if (
+                not aval.shape
+                or isinstance(aval.shape[0], int)
+                or np.dtype(aval.dtype) != spec.dtype
+                or tuple(aval.shape[1:]) != spec.shape
+            ):
+                return (
+                    f"{kind[:-1]} {name!r} is {spec.describe()} in the manifest but "
+                    f"{np.dtype(aval.dtype).name}{list(aval.shape)} in the program"
+                )
+        return None
+
+    why = mismatch("inputs", inputs, in_avals[n_params:]) or mismatch("outputs", outputs, out_avals)
+    if why is None and manifest["format_version"] >= 2:
+        if exported.fun_name != program_name(manifest):
+            why = (
+                "its inputs, outputs, params, x64 flag or mesh are not the ones the program "
+                "was exported with (they were edited)"
+            )
+    if why is not None:
+        raise ArtifactError(
+            f"{path}: the manifest does not match the program: {why}; re-export the model"
+        )
 
 
 def _check_jax_version(path: str, manifest: dict) -> None:

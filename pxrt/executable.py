@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -217,7 +218,7 @@ def load(
     devices: Sequence | None = None,
     buckets: Sequence[int] | None = None,
     progress: bool | None = None,
-    compilation_cache: bool = True,
+    compilation_cache: bool | str | os.PathLike = True,
     fast_path: bool = True,
     zero_copy: bool = True,
     staging_depth: int = 3,
@@ -233,8 +234,12 @@ def load(
       buckets: batch sizes to compile (default: the artifact's). Each is rounded up to a
         multiple of the device count so it splits evenly.
       progress: show a progress bar while compiling (default: when stderr is a terminal).
-      compilation_cache: keep jax's persistent compilation cache in ``path/xla_cache``,
-        so a second load of the same artifact on the same machine is faster.
+      compilation_cache: keep jax's persistent compilation cache (compiled native code)
+        so a second load of the same program on this machine is faster: True uses a
+        per-user directory (``$PXRT_CACHE_DIR``, else ``$XDG_CACHE_HOME/pxrt/xla`` or
+        ``~/.cache/pxrt/xla``), a path uses that directory, False none. Never inside
+        the artifact: only this host writes the native code it runs, and a directory
+        that others can write to is not used.
       fast_path: allow the raw execution path (each bucket is still checked against
         ``Compiled.__call__`` and falls back to it if they differ).
       zero_copy: let device buffers alias the staging slots instead of copying them
@@ -258,9 +263,14 @@ def load(
     n_in = len(art.inputs)
     n_out = len(art.outputs)
     in_specs = list(art.inputs.values())
-    cache_dir = os.path.join(art.path, artifact.CACHE_DIR) if compilation_cache else None
-    if cache_dir is not None and not _writable_dir(cache_dir):
-        cache_dir = None
+    cache_dir = _cache_dir(compilation_cache)
+    staging = max(sizes) * sum(s.nbytes_per_row for s in in_specs)
+    if staging > MAX_STAGING_BYTES:
+        raise ValueError(
+            f"bucket {max(sizes)} of {art.name!r} needs {staging / 2**30:.1f} GiB of staging "
+            f"per slot (over {MAX_STAGING_BYTES / 2**30:.0f} GiB); load it with smaller "
+            "buckets=..."
+        )
 
     compiled_buckets: list[Bucket] = []
     with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
@@ -315,9 +325,36 @@ def load(
     )
 
 
-def _writable_dir(path: str) -> bool:
+# Staging for the largest bucket, per slot: beyond this a bucket is a mistake.
+MAX_STAGING_BYTES = 16 << 30
+
+
+def default_cache_dir() -> str:
+    """Where ``pxrt.load`` keeps jax's compilation cache by default."""
+    if os.environ.get("PXRT_CACHE_DIR"):
+        return os.environ["PXRT_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pxrt", "xla")
+
+
+def _cache_dir(choice: bool | str | os.PathLike) -> str | None:
+    """The compilation cache directory to use, or None: it must be a directory of this
+    user's that nobody else can write to (its files are native code that will run)."""
+    if choice is False or choice is None:
+        return None
+    path = default_cache_dir() if choice is True else os.fspath(choice)
     try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(path, os.W_OK)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError as exc:
+        warnings.warn(f"pxrt: not caching compilations: {path}: {exc}", RuntimeWarning, 2)
+        return None
+    if (hasattr(os, "getuid") and st.st_uid != os.getuid()) or st.st_mode & 0o022:
+        warnings.warn(
+            f"pxrt: not caching compilations in {path}: it belongs to another user or others "
+            "can write to it",
+            RuntimeWarning,
+            2,
+        )
+        return None
+    return path

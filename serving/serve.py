@@ -178,14 +178,12 @@ def main(args: argparse.Namespace) -> int:
             @contextlib.contextmanager
             def capture_signals(self):
                 # uvicorn's own re-raises the signal after a graceful shutdown, so the
-                # process would die of it; a drained server exits 0 instead.
-                handled = (signal.SIGINT, signal.SIGTERM)
-                previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-                try:
-                    yield
-                finally:
-                    for sig, handler in previous.items():
-                        signal.signal(sig, handler)
+                # process would die of it; a drained server exits 0 instead. The handler
+                # stays until the process exits: a second SIGTERM while it finishes
+                # shutting down must not kill it either.
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, self.handle_exit)
+                yield
 
         uv = Uvicorn(config)
         loop = new_event_loop()
@@ -194,6 +192,11 @@ def main(args: argparse.Namespace) -> int:
             loop.run_until_complete(uv.serve())
         finally:
             loop.close()
+            # Drained: what is left is the interpreter's teardown, which resets Python's
+            # signal handlers to the default (a late SIGTERM would kill the process) but
+            # leaves ignored signals ignored.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
         if loading_error:
             print(f"pxrt serve: error: {loading_error[0]}", file=sys.stderr)
             return 2

@@ -8,7 +8,12 @@ import asyncio
 import os
 import pathlib
 import sys
+import tempfile
 import warnings
+
+# The compilation cache of this test session: its own, not the user's (set before any
+# load; the `pxrt serve` processes the tests start inherit it).
+os.environ.setdefault("PXRT_CACHE_DIR", tempfile.mkdtemp(prefix="pxrt-test-cache-"))
 
 import jax
 import pytest

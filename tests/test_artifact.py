@@ -180,3 +180,139 @@ def test_import_and_use_leave_the_callers_jax_alone(artifacts):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+# --------------------------------------------------------------------------- trust
+
+
+def _sub(x, y):
+    return {"d": x - y}
+
+
+def _export_sub(path):
+    return pxrt.export(
+        lambda p, x, y: _sub(x, y),
+        {},
+        path,
+        inputs={"x": pxrt.TensorSpec((2,), "float32"), "y": pxrt.TensorSpec((2,), "float32")},
+        batch_buckets=(2,),
+    )
+
+
+def _manifest(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def test_a_manifest_edited_after_export_is_refused(tmp_path):
+    """Swapping two inputs of the same type, renaming an output, or flipping x64 would
+    silently change what the model computes or says: the program's name binds them."""
+    path = _export_sub(tmp_path / "sub")
+    x, y = np.ones((1, 2), np.float32), np.full((1, 2), 3.0, np.float32)
+    np.testing.assert_array_equal(pxrt.load(path).run({"x": x, "y": y})["d"], x - y)
+    original = _manifest(path)
+    edits = {
+        "inputs reversed": dict(inputs=original["inputs"][::-1]),
+        "output renamed": dict(outputs=[dict(original["outputs"][0], name="e")]),
+        "x64 flipped": dict(x64=True),
+    }
+    for label, change in edits.items():
+        _edit_manifest(path, **original)
+        _edit_manifest(path, **change)
+        with pytest.raises(pxrt.ArtifactError, match="does not match the program"):
+            pxrt.load(path)
+            pytest.fail(f"{label}: loaded")
+    _edit_manifest(path, **original)
+    pxrt.load(path)  # and the original still loads
+
+
+def test_a_manifest_that_contradicts_its_program_is_refused(tmp_path):
+    """Also without the name binding (format 1 artifacts): dtypes and shapes in order."""
+    path = _export_mlp(tmp_path / "m")
+    original = _manifest(path)
+    _edit_manifest(path, format_version=1)
+    pxrt.load(path)  # a format 1 artifact still loads
+    for change in (
+        dict(inputs=[{"name": "x", "dtype": "float16", "shape": [32]}]),
+        dict(inputs=[{"name": "x", "dtype": "float32", "shape": [31]}]),
+        dict(outputs=[{"name": "y", "dtype": "int32", "shape": [32]}]),
+        dict(
+            outputs=[
+                {"name": "y", "dtype": "float32", "shape": [32]},
+                {"name": "z", "dtype": "float32", "shape": [32]},
+            ]
+        ),
+    ):
+        _edit_manifest(path, **(original | {"format_version": 1}))
+        _edit_manifest(path, **change)
+        with pytest.raises(pxrt.ArtifactError, match="does not match the program"):
+            pxrt.load(path)
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(inputs=None), "'inputs' must be a non-empty list"),
+        (dict(inputs=[{"name": "x", "dtype": "float32"}]), r"inputs\[0\].shape"),
+        (dict(inputs=[{"name": "x", "dtype": "quad", "shape": [32]}]), r"inputs\[0\].dtype"),
+        (dict(outputs=[{"dtype": "float32", "shape": [32]}]), r"outputs\[0\].name"),
+        (
+            dict(inputs=[{"name": "x", "dtype": "float32", "shape": [32]}] * 2),
+            "names a tensor twice",
+        ),
+        (dict(batch_buckets=[1e9]), "'batch_buckets' must be"),
+        (dict(batch_buckets=[10**9]), "over 1048576 rows"),
+        (dict(params="none"), "'params' must be a list"),
+        (dict(params=[{"key": "p0"}]), r"params\[0\] needs"),
+        (dict(files=[]), "'files' must map"),
+        (dict(x64="no"), "'x64' must be true or false"),
+        (dict(name=""), "'name' must be a non-empty string"),
+        (dict(format_version="2"), "bad format_version"),
+    ],
+)
+def test_a_malformed_manifest_is_an_artifact_error(tmp_path, change, words):
+    path = _export_mlp(tmp_path / "m")
+    _edit_manifest(path, **change)
+    with pytest.raises(pxrt.ArtifactError, match=words):
+        pxrt.read_artifact(path)
+
+
+def test_no_native_code_is_read_from_the_artifact(tmp_path, monkeypatch):
+    """A compilation cache planted in (or symlinked from) the artifact is never used:
+    pxrt's cache lives in a directory only this user writes."""
+    path = _export_mlp(tmp_path / "m")
+    planted = tmp_path / "m" / "xla_cache"
+    planted.mkdir()
+    (planted / "jit_flat_fn-bogus").write_bytes(b"\x7fELF not really")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("PXRT_CACHE_DIR", str(cache))
+    model = pxrt.load(path)
+    x = np.ones((1, 32), np.float32)
+    np.testing.assert_allclose(
+        model.run({"x": x})["y"], pxrt.load(path, compilation_cache=False).run({"x": x})["y"]
+    )
+    assert sorted(os.listdir(planted)) == ["jit_flat_fn-bogus"]  # untouched, unused
+    assert any(cache.iterdir()) and (cache.stat().st_mode & 0o077) == 0
+
+
+def test_a_cache_directory_others_can_write_is_not_used(tmp_path):
+    path = _export_mlp(tmp_path / "m")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.warns(RuntimeWarning, match="others can write to it"):
+        pxrt.load(path, compilation_cache=shared)
+    assert not any(shared.iterdir())
+
+
+def test_buckets_too_large_to_stage_are_refused_before_allocating(tmp_path):
+    path = pxrt.export(
+        lambda p, x: x * 2,
+        {},
+        tmp_path / "wide",
+        inputs={"x": pxrt.TensorSpec((1 << 20,), "float32")},  # 4 MiB a row
+        batch_buckets=(1, 8192),
+    )
+    with pytest.raises(ValueError, match="GiB of staging"):
+        pxrt.load(path)
+    assert pxrt.load(path, buckets=(1,)).buckets == (1,)

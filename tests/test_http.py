@@ -304,6 +304,18 @@ def test_sigterm_under_load_answers_everyone(artifacts):
     assert ok > 0
 
 
+def test_repeated_sigterm_still_exits_cleanly(artifacts):
+    """A second SIGTERM (a supervisor's retry) while the server shuts down does not kill
+    it: it still exits 0."""
+    proc = ServeProcess([str(artifacts["mlp"])])
+    deadline = time.time() + 60
+    while proc.proc.poll() is None and time.time() < deadline:
+        proc.proc.send_signal(signal.SIGTERM)  # to the very end of the shutdown
+        time.sleep(0.002)
+    assert proc.proc.wait(5) == 0, proc.output()
+    proc.log.close()
+
+
 def test_not_ready_while_loading_and_503_while_draining(run):
     from serving import Server
     from serving.http import State, create_app

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -127,7 +129,7 @@ def test_public_path_gives_the_same_results(artifacts, models):
 
 
 def test_second_load_uses_the_compilation_cache(artifacts, models):
-    cache = artifacts["mlp"] / "xla_cache"
+    cache = pathlib.Path(pxrt.executable.default_cache_dir())
     assert cache.is_dir() and any(cache.iterdir()), "the first load wrote no cache entries"
     hits = []
     listener = lambda event, **kw: hits.append(event)  # noqa: E731
