@@ -319,7 +319,8 @@ cdef class BatchQueue:
 
     cpdef Batch take(self, Py_ssize_t max_rows, double now):
         """The next batch: waiting requests in order, up to ``max_rows`` rows; None
-        when nothing waits."""
+        when nothing waits. A request that does not fit whole gives the rows that fit
+        and then waits behind the requests queued after it for its next piece."""
         cdef Batch batch = None
         cdef Request r
         cdef Py_ssize_t room = max_rows, left, n
@@ -345,6 +346,13 @@ cdef class BatchQueue:
             if r.next_row == r.rows:
                 items[self._head] = None  # the batch holds it now
                 self._head += 1
+        if room == 0 and self._head < n - 1 and (<Request>items[self._head]).next_row:
+            # A request split across batches waits behind the others for its next piece,
+            # so a large request does not hold the requests behind it for all its batches.
+            items.append(items[self._head])
+            items[self._head] = None
+            self._head += 1
+            n += 1
         if self._head == n:
             del items[:]
             self._head = 0

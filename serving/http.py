@@ -11,6 +11,7 @@ in the queue, 500 when its batch failed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from typing import Any
@@ -33,6 +34,9 @@ log = logging.getLogger("pxrt.http")
 
 HEADER_LENGTH = "inference-header-content-length"
 DEFAULT_MAX_BODY_BYTES = 64 << 20
+# The JSON part of a request: parsing it holds the GIL (so the loop) for ~10 ms a MB.
+# Large tensors go as binary data, which decodes in constant time.
+DEFAULT_MAX_JSON_BYTES = 16 << 20
 
 
 class _HTTPError(Exception):
@@ -67,6 +71,7 @@ def create_app(
     server: Server,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
     state: State | None = None,
     lifespan: Any = None,
 ) -> Starlette:
@@ -266,6 +271,12 @@ def create_app(
         body = await read_body(request)
         try:
             header, binary = kserve.split_body(body, request.headers.get(HEADER_LENGTH))
+            if len(header) > max_json_bytes:
+                raise _HTTPError(
+                    413,
+                    f"the request's JSON is {len(header)} bytes; the limit is {max_json_bytes} "
+                    "(send large tensors as binary data)",
+                )
             doc = kserve.parse_json(header)
             rid = kserve.request_id(doc)
             inputs = kserve.decode_inputs(doc, binary, model.inputs)
@@ -274,8 +285,19 @@ def create_app(
         except kserve.ProtocolError as exc:
             batcher.count("invalid")
             raise _HTTPError(400, str(exc)) from None
+        queued = server.infer(name, inputs, timeout_s=timeout_s)
+        future = getattr(queued, "future", None)
+        # A client that hangs up takes its request out of the queue if it is not
+        # dispatched yet: one pending receive() per request reports the disconnect.
+        hangup = asyncio.ensure_future(request.receive()) if future is not None else None
+        if hangup is not None:
+            hangup.add_done_callback(lambda t: _on_hangup(t, future))
         try:
-            outputs = await server.infer(name, inputs, timeout_s=timeout_s)
+            outputs = await queued
+        except asyncio.CancelledError:
+            if hangup is not None and hangup.done() and future.cancelled():
+                return Response(status_code=499)  # nobody is there to read it
+            raise
         except (TypeError, ValueError) as exc:
             raise _HTTPError(400, str(exc)) from None
         except Overloaded as exc:
@@ -288,6 +310,9 @@ def create_app(
             raise _HTTPError(503, str(exc)) from None
         except ExecutionFailed as exc:
             raise _HTTPError(500, str(exc)) from None
+        finally:
+            if hangup is not None:
+                hangup.cancel()
         try:
             reply = kserve.encode_response(name, model.version, rid, outputs, selected)
         except Exception:
@@ -327,6 +352,13 @@ def create_app(
     )
     app.state.pxrt = state
     return app
+
+
+def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
+    if receive.cancelled() or receive.exception() is not None:
+        return
+    if receive.result().get("type") == "http.disconnect" and not future.done():
+        future.cancel()
 
 
 def infer_response(body: bytes, header_length: int | None) -> Response:

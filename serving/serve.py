@@ -76,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=64.0,
         help="larger bodies get 413",
     )
+    p.add_argument(
+        "--max-json-mb",
+        type=_Number(float, 0, inclusive=False),
+        default=16.0,
+        help="larger JSON parts get 413 (send large tensors as binary data)",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -158,7 +164,11 @@ def main(args: argparse.Namespace) -> int:
             await server.close()
 
         app = create_app(
-            server, state=state, lifespan=lifespan, max_body_bytes=int(args.max_body_mb * (1 << 20))
+            server,
+            state=state,
+            lifespan=lifespan,
+            max_body_bytes=int(args.max_body_mb * (1 << 20)),
+            max_json_bytes=int(args.max_json_mb * (1 << 20)),
         )
         config = uvicorn.Config(
             app,

@@ -309,3 +309,25 @@ def test_inline_signature_cache_never_admits_what_the_full_check_refuses():
             except (TypeError, ValueError) as exc:
                 answers.append((type(exc), str(exc)))
         assert answers[0] == answers[1], label
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_split_request_takes_turns_with_the_requests_behind_it(impl):
+    batch_mod, _ = impl
+    queue = batch_mod.BatchQueue()
+    big, a, b = (concurrent.futures.Future() for _ in range(3))
+    queue.push(request(0, 10), 10, big)
+    queue.push(request(1, 1), 1, a)
+    queue.push(request(2, 1), 1, b)
+    plan = []
+    while (batch := queue.take(4, 0.0)) is not None:
+        plan.append(
+            [
+                (int(p[0][0]) // 1000, s, c)
+                for p, s, c in zip(batch.pieces, batch.starts, batch.counts)
+            ]
+        )
+        batch.outputs = outputs_for(batch)
+        queue.deliver(batch)
+    assert plan == [[(0, 0, 4)], [(1, 0, 1), (2, 0, 1), (0, 4, 2)], [(0, 6, 4)]]
+    assert big.result()["y"].tolist() == list(range(10))

@@ -405,3 +405,55 @@ def test_bench_over_http(served, tmp_path):
     assert [r["mode"] for r in report["results"]] == ["http-closed", "http-closed", "http-open"]
     assert all(r["requests_per_s"] > 0 and r["errors"] == 0 for r in report["results"])
     assert report["results"][1]["stages_us"]["compute_infer"] > 0
+
+
+def test_a_client_that_hangs_up_takes_its_request_out_of_the_queue(run, artifacts):
+    """Requests of clients that disconnect before their batch is dispatched never run."""
+    import asyncio
+
+    import uvicorn
+    from models import wrap_all
+    from servers import free_port
+
+    import pxrt
+    from serving import Server
+    from serving.http import create_app
+
+    model = pxrt.load(artifacts["mlp"])
+    wrappers = wrap_all(model, delay_s=0.3)
+    port = free_port()
+    body = infer_json([X])
+    raw = (
+        f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_inflight=1, max_batch_size=1)
+            config = uvicorn.Config(
+                create_app(server), port=port, log_level="error", lifespan="off"
+            )
+            uv = uvicorn.Server(config)
+            serving = asyncio.ensure_future(uv.serve())
+            while not uv.started:
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                first = asyncio.ensure_future(http.post("/v2/models/mlp/infer", content=body))
+                await asyncio.sleep(0.1)  # the first batch is running
+                for _ in range(5):  # five clients send a request and hang up
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    writer.write(raw)
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
+                    writer.close()
+                await asyncio.sleep(0.1)
+                assert (await first).status_code == 200
+                await asyncio.sleep(0.4)
+            uv.should_exit = True
+            await serving
+            return server.metrics_snapshot()["mlp"]["requests"]
+
+    counts = run(main)
+    assert counts["cancelled"] == 5 and counts["success"] == 1, counts
+    assert sum(w.batches for w in wrappers.values()) == 1  # the hung-up requests never ran

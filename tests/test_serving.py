@@ -493,3 +493,25 @@ def test_every_cancellation_is_counted_once(run, artifacts):
 
     counts = run(main)
     assert counts["cancelled"] == 30 and counts["success"] == 30, counts
+
+
+def test_small_requests_are_not_held_behind_a_large_one(run, artifacts):
+    """A request split over many batches takes turns with the requests queued after it."""
+    model = pxrt.load(artifacts["mlp"])
+    wrap_all(model, delay_s=0.02)
+    big = {"x": np.ones((10 * model.max_batch, 32), np.float32)}
+    small = {"x": np.ones((1, 32), np.float32)}
+    order = []
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_inflight=1)
+
+            async def call(label, r):
+                await server.infer("mlp", r)
+                order.append(label)
+
+            await asyncio.gather(call("big", big), *(call(f"small{i}", small) for i in range(3)))
+
+    run(main)
+    assert order[-1] == "big", order  # every small one finished before the big one
