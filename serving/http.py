@@ -37,6 +37,7 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 # The JSON part of a request: parsing it holds the GIL (so the loop) for ~10 ms a MB.
 # Large tensors go as binary data, which decodes in constant time.
 DEFAULT_MAX_JSON_BYTES = 16 << 20
+DEFAULT_MAX_PENDING_BODY_BYTES = 512 << 20
 
 
 class _HTTPError(Exception):
@@ -59,6 +60,24 @@ def _error(status: int, message: str, headers: dict | None = None) -> Response:
     return _json({"error": message}, status, headers)
 
 
+class BodyBudget:
+    """Bytes of request bodies the app holds at once, over all requests: uploads that
+    would go over it are answered 503 (retry later) instead of growing memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
 class State:
     """What the app knows beyond the Server: readiness and draining."""
 
@@ -72,6 +91,7 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
+    max_pending_body_bytes: int = DEFAULT_MAX_PENDING_BODY_BYTES,
     state: State | None = None,
     lifespan: Any = None,
 ) -> Starlette:
@@ -84,6 +104,7 @@ def create_app(
     if state is None:
         state = State()
         state.ready = True
+    budget = BodyBudget(max_pending_body_bytes)
 
     def model_of(request: Request) -> tuple[str, Any, Any]:
         name = request.path_params["model"]
@@ -246,7 +267,10 @@ def create_app(
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def read_body(request: Request) -> bytes:
+    async def read_body(request: Request, held: list[int]) -> bytes:
+        """The whole body, within the per-request limit and the app's budget of bytes
+        held over all requests; ``held[0]`` is what this request holds of the budget
+        (the caller gives it back)."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
             raise _HTTPError(
@@ -260,6 +284,14 @@ def create_app(
                 raise _HTTPError(
                     413, f"the request body is over the limit of {max_body_bytes} bytes"
                 )
+            if not budget.take(len(chunk)):
+                raise _HTTPError(
+                    503,
+                    f"the server holds the most request bodies it may ({budget.limit} bytes); "
+                    "retry later",
+                    {"Retry-After": "1"},
+                )
+            held[0] += len(chunk)
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
@@ -268,7 +300,16 @@ def create_app(
         if why:
             raise _HTTPError(503, why)
         name, model, batcher = model_of(request)
-        body = await read_body(request)
+        held = [0]
+        try:
+            return await infer_body(request, name, model, batcher, held)
+        finally:
+            budget.give(held[0])  # inputs may view the body until the reply is made
+
+    async def infer_body(
+        request: Request, name: str, model: Any, batcher: Any, held: list[int]
+    ) -> Response:
+        body = await read_body(request, held)
         try:
             header, binary = kserve.split_body(body, request.headers.get(HEADER_LENGTH))
             if len(header) > max_json_bytes:

@@ -27,6 +27,8 @@ import tempfile
 import tomllib
 from typing import Any
 
+from .protocol import Limits, guarded_protocol
+
 
 class _Number:
     """An option's value check: its type, and its lower bound (inclusive or not). Used
@@ -82,7 +84,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16.0,
         help="larger JSON parts get 413 (send large tensors as binary data)",
     )
+    p.add_argument(
+        "--max-pending-body-mb",
+        type=_Number(float, 0, inclusive=False),
+        default=512.0,
+        help="request bodies held at once, over all requests; more get 503",
+    )
+    limits = Limits()
+    p.add_argument(
+        "--max-connections",
+        type=_Number(int, 1),
+        default=min(limits.max_connections, _fd_budget()),
+        help="open connections; new ones beyond are closed at once",
+    )
+    p.add_argument(
+        "--max-header-kb",
+        type=_Number(float, 0, inclusive=False),
+        default=limits.max_header_bytes / 1024,
+        help="a request's URL and headers; more get 431",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=_Number(float, 0, inclusive=False),
+        default=limits.header_timeout_s,
+        help="time to send the headers, from connecting or the request's start (408)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=_Number(float, 0, inclusive=False),
+        default=limits.body_timeout_s,
+        help="a body's longest pause (408)",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=_Number(float, 0, inclusive=False),
+        default=limits.request_timeout_s,
+        help="time to send a whole request (408)",
+    )
     p.add_argument("--log-level", default="warning")
+
+
+def _fd_budget() -> int:
+    """Connections this process can hold with file descriptors to spare."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on this platform
+        return 1000
+    return max(16, soft - 64) if soft != resource.RLIM_INFINITY else 1000
 
 
 def model_specs(args: argparse.Namespace, demo_dir: str) -> list[tuple[str | None, str, dict]]:
@@ -169,12 +219,21 @@ def main(args: argparse.Namespace) -> int:
             lifespan=lifespan,
             max_body_bytes=int(args.max_body_mb * (1 << 20)),
             max_json_bytes=int(args.max_json_mb * (1 << 20)),
+            max_pending_body_bytes=int(args.max_pending_body_mb * (1 << 20)),
         )
         config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
-            http="httptools",
+            http=guarded_protocol(
+                Limits(
+                    max_connections=args.max_connections,
+                    max_header_bytes=int(args.max_header_kb * 1024),
+                    header_timeout_s=args.header_timeout_s,
+                    body_timeout_s=args.body_timeout_s,
+                    request_timeout_s=args.request_timeout_s,
+                )
+            ),
             lifespan="on",
             log_level=args.log_level,
             timeout_graceful_shutdown=30,

@@ -1,0 +1,177 @@
+"""`pxrt serve` against clients that hold resources without finishing their requests:
+oversized headers, slow headers and bodies, idle sockets, too many connections, many
+large uploads at once. Raw sockets, since a client library would not misbehave."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from servers import ServeProcess
+
+X = {"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}
+BODY = json.dumps({"inputs": [X]}).encode()
+
+
+@pytest.fixture(scope="module")
+def guarded(artifacts):
+    proc = ServeProcess(
+        [
+            str(artifacts["mlp"]),
+            "--max-connections", "12",
+            "--max-header-kb", "4",
+            "--header-timeout-s", "1",
+            "--body-timeout-s", "1",
+            "--request-timeout-s", "3",
+            "--max-pending-body-mb", "1",
+        ]
+    )  # fmt: skip
+    yield proc
+    assert proc.stop() == 0
+
+
+def connect(proc: ServeProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", proc.port), timeout=10)
+
+
+def head(path: str, extra: str = "", length: int | None = None) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n" + extra).encode()
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes the connection."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def infer_ok(proc: ServeProcess) -> bool:
+    r = httpx.post(proc.url + "/v2/models/mlp/infer", content=BODY, timeout=10)
+    return r.status_code == 200
+
+
+def test_oversized_headers_get_431_and_the_connection_closes(guarded):
+    with connect(guarded) as s:
+        s.sendall(head("/v2/models/mlp/infer", "X-Junk: " + "a" * 8000 + "\r\n\r\n", len(BODY)))
+        reply = read_all(s)
+    assert reply.startswith(b"HTTP/1.1 431 ") and b'"error"' in reply and b"4096 bytes" in reply
+    assert infer_ok(guarded)
+
+
+def test_headers_that_never_finish_get_408(guarded):
+    with connect(guarded) as s:
+        s.sendall(head("/v2/models/mlp/infer"))  # and never the blank line
+        t0 = time.monotonic()
+        reply = read_all(s)
+    assert reply.startswith(b"HTTP/1.1 408 ") and b"headers" in reply
+    assert 0.5 < time.monotonic() - t0 < 5
+
+
+def test_an_idle_socket_is_closed(guarded):
+    with connect(guarded) as s:
+        t0 = time.monotonic()
+        reply = read_all(s)  # we send nothing at all
+    assert 0.5 < time.monotonic() - t0 < 5
+    assert reply == b"" or reply.startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_body_that_stalls_gets_408(guarded):
+    with connect(guarded) as s:
+        s.sendall(head("/v2/models/mlp/infer", "\r\n", len(BODY)) + BODY[:10])
+        t0 = time.monotonic()
+        reply = read_all(s)
+    assert reply.startswith(b"HTTP/1.1 408 ") and b"body" in reply
+    assert 0.5 < time.monotonic() - t0 < 5
+
+
+def test_a_trickled_body_hits_the_request_deadline(guarded):
+    """One byte at a time, each pause under the body timeout: the request's deadline."""
+    with connect(guarded) as s:
+        s.sendall(head("/v2/models/mlp/infer", "\r\n", len(BODY)))
+        t0 = time.monotonic()
+        reply = b""
+        try:
+            for byte in BODY:
+                s.sendall(bytes([byte]))
+                time.sleep(0.5)
+                if time.monotonic() - t0 > 6:
+                    break
+        except OSError:
+            pass
+        reply = read_all(s)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:80]
+    assert time.monotonic() - t0 < 8
+
+
+def test_connections_beyond_the_limit_are_closed_at_once(guarded):
+    socks = [connect(guarded) for _ in range(20)]
+    try:
+        closed = 0
+        for s in socks:
+            s.settimeout(0.3)
+            try:
+                if s.recv(1) == b"":
+                    closed += 1
+            except TimeoutError:
+                pass
+        assert closed >= 20 - 12
+    finally:
+        for s in socks:
+            s.close()
+    time.sleep(0.2)
+    assert infer_ok(guarded)
+
+
+def test_many_large_uploads_at_once_get_503_not_memory(guarded):
+    """Bodies held at once are bounded over all requests (here 1 MB): a third 400 KB
+    upload in flight is refused with Retry-After while two are still being sent."""
+    big = 400_000
+    socks = []
+    try:
+        for _ in range(3):
+            s = connect(guarded)
+            s.sendall(head("/v2/models/mlp/infer", "\r\n", big) + b" " * 380_000)
+            socks.append(s)
+            time.sleep(0.2)
+        s = socks[-1]
+        s.settimeout(5)
+        reply = s.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"retry later" in reply
+        assert b"retry-after: 1" in reply.lower()
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_good_clients_are_served_throughout(guarded):
+    """While slow clients hold connections, a well-behaved client keeps getting answers."""
+    stop = threading.Event()
+
+    def slowloris():
+        while not stop.is_set():
+            try:
+                with connect(guarded) as s:
+                    s.sendall(head("/v2/models/mlp/infer"))
+                    read_all(s)
+            except OSError:
+                pass
+
+    attackers = [threading.Thread(target=slowloris, daemon=True) for _ in range(6)]
+    for t in attackers:
+        t.start()
+    try:
+        time.sleep(0.3)
+        ok = sum(infer_ok(guarded) for _ in range(20))
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(10)
+    assert ok == 20
