@@ -303,6 +303,11 @@ def create_app(
         held = [0]
         try:
             return await infer_body(request, name, model, batcher, held)
+        except _HTTPError:
+            raise
+        except Exception:
+            batcher.count("failed")  # unexpected: handled() answers a JSON 500
+            raise
         finally:
             budget.give(held[0])  # inputs may view the body until the reply is made
 
@@ -354,12 +359,7 @@ def create_app(
         finally:
             if hangup is not None:
                 hangup.cancel()
-        try:
-            reply = kserve.encode_response(name, model.version, rid, outputs, selected)
-        except Exception:
-            batcher.count("failed")  # it ran, but its caller gets no answer
-            raise
-        return infer_response(*reply)
+        return infer_response(*kserve.encode_response(name, model.version, rid, outputs, selected))
 
     routes = [
         Route("/v2", handled(server_metadata)),

@@ -457,3 +457,72 @@ def test_a_client_that_hangs_up_takes_its_request_out_of_the_queue(run, artifact
     counts = run(main)
     assert counts["cancelled"] == 5 and counts["success"] == 1, counts
     assert sum(w.batches for w in wrappers.values()) == 1  # the hung-up requests never ran
+
+
+def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(
+    run, artifacts, monkeypatch, caplog
+):
+    """An error nobody planned for: one short log line, a JSON 500 counted as failed, and
+    the connection keeps serving."""
+    import asyncio
+    import logging
+
+    import uvicorn
+    from servers import free_port
+
+    import pxrt
+    from serving import Server
+    from serving.http import create_app
+
+    calls = {"n": 0}
+    real = kserve.encode_response
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("encoder exploded " + "x" * 5000)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kserve, "encode_response", flaky)
+    model = pxrt.load(artifacts["mlp"])
+    port = free_port()
+    body = infer_json([X])
+    one = (
+        f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model)
+            uv = uvicorn.Server(
+                uvicorn.Config(create_app(server), port=port, log_level="error", lifespan="off")
+            )
+            serving = asyncio.ensure_future(uv.serve())
+            while not uv.started:
+                await asyncio.sleep(0.01)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            replies = []
+            for _ in range(2):  # two requests on the same connection
+                writer.write(one)
+                await writer.drain()
+                status = await reader.readline()
+                headers = {}
+                while (line := await reader.readline()) != b"\r\n":
+                    k, v = line.decode().split(":", 1)
+                    headers[k.strip().lower()] = v.strip()
+                content = await reader.readexactly(int(headers["content-length"]))
+                replies.append((status, headers, content))
+            writer.close()
+            uv.should_exit = True
+            await serving
+            return replies, server.metrics_snapshot()["mlp"]["requests"]
+
+    with caplog.at_level(logging.ERROR, logger="pxrt.http"):
+        (first, second), counts = run(main)
+    assert first[0].startswith(b"HTTP/1.1 500") and first[1]["content-type"] == "application/json"
+    error = json.loads(first[2])["error"]
+    assert "RuntimeError: encoder exploded" in error and len(error) < 300
+    assert second[0].startswith(b"HTTP/1.1 200")  # the same connection, still serving
+    assert counts["failed"] == 1 and counts["success"] == 2  # it ran; its caller got a 500
+    logged = [r for r in caplog.records if r.name == "pxrt.http"]
+    assert len(logged) == 1 and len(logged[0].getMessage()) < 400
