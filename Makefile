@@ -1,6 +1,7 @@
 # make demo   - the demo model: export, load, run, timing table; then a short pxrt bench
 # make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparisons
+# make soak   - pxrt serve for 5 minutes under mixed good and bad traffic: leaks, 5xx
 # make debug  - rebuild the extensions with bounds checks, line tracing and annotation
 # make lint   - ruff
 # Each target creates .venv and installs pxrt (editable, with its test and bench extras)
@@ -12,7 +13,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pxrt-installed
 FOUR := XLA_FLAGS=--xla_force_host_platform_device_count=4
 
-.PHONY: all demo test bench debug lint clean
+.PHONY: all demo test bench soak debug lint clean
 
 all: $(STAMP)
 
@@ -39,6 +40,9 @@ bench: $(STAMP)
 	$(FOUR) $(PY) benchmarks/compare.py
 	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/http_compare.py
+
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py
 
 debug: $(STAMP)
 	$(PY) -m pip install -q 'cython>=3.0.11' 'setuptools>=77'

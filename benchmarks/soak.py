@@ -1,0 +1,188 @@
+"""A soak of `pxrt serve` under mixed good and bad traffic: is anything leaking?
+
+For ``--minutes`` (default 5), at once: good clients (JSON and binary tensors, checked
+against the model), clients sending malformed or invalid requests, slowloris sockets that
+never finish their headers, clients that hang up mid-request, oversized headers, and
+idle sockets. Every few seconds it samples the server's resident memory and open file
+descriptors. The report: requests by outcome, any 5xx (there must be none), and memory
+and descriptors at the start of the second minute (after warm-up) and at the end.
+
+    python benchmarks/soak.py [--minutes 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+import httpx
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from servers import ServeProcess  # noqa: E402
+
+from pxrt import demo  # noqa: E402
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--minutes", type=float, default=5.0)
+    args = parser.parse_args()
+    path = demo.export_demo(os.path.join(tempfile.mkdtemp(prefix="pxrt-soak-"), "mlp"))
+    proc = ServeProcess([path, "--header-timeout-s", "2", "--body-timeout-s", "2"])
+    url, port, pid = proc.url, proc.port, proc.proc.pid
+    stop = time.monotonic() + args.minutes * 60
+    outcomes: Counter = Counter()
+    lock = threading.Lock()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    good_json = json.dumps(
+        {
+            "inputs": [
+                {"name": "x", "datatype": "FP32", "shape": [3, 256], "data": x.ravel().tolist()}
+            ]
+        }
+    )
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": [3, 256],
+                    "parameters": {"binary_data_size": x.nbytes},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    bad_bodies = [
+        b"{not json",
+        json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 256], "data": [True] * 768}]}
+        ).encode(),
+        json.dumps(
+            {"inputs": [{"name": "q", "datatype": "FP32", "shape": [1], "data": [1]}]}
+        ).encode(),
+        json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP64", "shape": [1, 256], "data": [0.5] * 256}]}
+        ).encode(),
+        json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2**62, 0], "data": []}]}
+        ).encode(),
+    ]
+
+    def count(key: str) -> None:
+        with lock:
+            outcomes[key] += 1
+
+    def good() -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while time.monotonic() < stop:
+                if random.random() < 0.5:
+                    r = http.post("/v2/models/mlp/infer", content=good_json)
+                else:
+                    r = http.post(
+                        "/v2/models/mlp/infer",
+                        content=header + x.tobytes(),
+                        headers={"Inference-Header-Content-Length": str(len(header))},
+                    )
+                count(f"good {r.status_code}")
+
+    def bad() -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while time.monotonic() < stop:
+                r = http.post("/v2/models/mlp/infer", content=random.choice(bad_bodies))
+                count(f"bad {r.status_code}")
+
+    def raw(kind: str) -> None:
+        while time.monotonic() < stop:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                    if kind == "slowloris":
+                        s.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n")
+                    elif kind == "hangup":
+                        s.sendall(
+                            b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                            + str(len(good_json)).encode()
+                            + b"\r\n\r\n"
+                            + good_json.encode()
+                        )
+                        time.sleep(0.001)
+                        count("hangup")
+                        continue
+                    elif kind == "big-header":
+                        s.sendall(b"GET /v2 HTTP/1.1\r\nX-A: " + b"a" * 100_000 + b"\r\n\r\n")
+                    # idle: nothing at all
+                    reply = s.recv(64)
+                    count(f"{kind} {reply[9:12].decode() or 'closed'}")
+            except OSError:
+                count(f"{kind} reset")
+
+    threads = [threading.Thread(target=good) for _ in range(4)]
+    threads += [threading.Thread(target=bad) for _ in range(2)]
+    threads += [
+        threading.Thread(target=raw, args=(k,))
+        for k in ("slowloris", "slowloris", "hangup", "big-header", "idle")
+    ]
+    for t in threads:
+        t.start()
+    samples = []
+    t0 = time.monotonic()
+    while time.monotonic() < stop:
+        samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
+        time.sleep(5)
+    for t in threads:
+        t.join(60)
+    samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
+    healthy = httpx.get(url + "/v2/health/ready", timeout=10).status_code
+    rc = proc.stop()
+
+    after_warmup = next((s for s in samples if s[0] >= 60), samples[0])
+    end = samples[-1]
+    print(f"\nsoak: {args.minutes:g} min, server exit code {rc}, ready afterwards: {healthy}")
+    for key, n in sorted(outcomes.items()):
+        print(f"  {key:<22} {n:>9,}")
+    fives = sum(
+        n
+        for k, n in outcomes.items()
+        if k.split()[-1].startswith("5") and not k.startswith("hangup")
+    )
+    print(f"  5xx answers: {fives}")
+    print(
+        f"RSS MB: start {samples[0][1]:.0f}, at {after_warmup[0]:.0f} s {after_warmup[1]:.0f}, "
+        f"end {end[1]:.0f}, max {max(s[1] for s in samples):.0f} "
+        f"(end / after warm-up {end[1] / after_warmup[1]:.3f}x)"
+    )
+    print(
+        f"open fds: start {samples[0][2]}, at {after_warmup[0]:.0f} s {after_warmup[2]}, "
+        f"end {end[2]}, max {max(s[2] for s in samples)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
