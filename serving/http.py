@@ -3,10 +3,14 @@
 ``create_app(server)`` serves the models of a ``serving.Server``: health, metadata,
 Triton-style model config and statistics, inference with JSON or binary tensors, and
 ``/metrics`` in Prometheus text format. Errors come back as ``{"error": "..."}``: 400 for
-a malformed request or a validation error, 404 for an unknown model or version, 413 for
-a body over the limit (refused before it is read), 429 with ``Retry-After`` when the
-queue is full, 503 while loading or draining, 504 when the request's deadline passed
-in the queue, 500 when its batch failed.
+a malformed request or a validation error, 404 for an unknown model, version or path,
+405 for a wrong method, 413 for a body (or its JSON part) over the limit (refused before
+it is read), 429 with ``Retry-After`` when the queue is full, 503 while loading or
+draining or when the app already holds its budget of request bodies, 504 when the
+request's deadline passed in the queue, 500 when its batch failed or anything
+unexpected happened (logged in one line). A client that hangs up takes its request out
+of the queue if it was not dispatched yet. Limits on connections, header sizes and slow
+clients are the HTTP protocol's (``serving.protocol``), which ``pxrt serve`` uses.
 """
 
 from __future__ import annotations
