@@ -7,5 +7,12 @@ cdef enum Kind:
     KIND_UINT = 2      # JSON integers, unsigned range  -> uint64
     KIND_FLOAT = 3     # JSON numbers (not booleans)    -> float64
 
+# The range a tensor's values must be in: integers low..high, floats below fmax in
+# magnitude (the threshold above which they would round to infinity).
+ctypedef struct Range:
+    long long low
+    unsigned long long high
+    double fmax
+
 cdef Py_ssize_t _fill(object data, const Py_ssize_t* dims, int ndim, int depth, int kind,
-                      char* out, Py_ssize_t at, Py_ssize_t itemsize) except -1
+                      char* out, Py_ssize_t at, const Range* bounds) except -1

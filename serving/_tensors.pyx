@@ -13,6 +13,7 @@ from cpython.float cimport PyFloat_AS_DOUBLE, PyFloat_CheckExact
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsDouble, PyLong_CheckExact
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.math cimport INFINITY
 from libc.stdint cimport int64_t, uint64_t
 
 cimport numpy as cnp
@@ -51,11 +52,13 @@ cdef int _bad(object item, Py_ssize_t at, int kind, str why) except -1:
 
 
 cdef Py_ssize_t _fill(object data, const Py_ssize_t* dims, int ndim, int depth, int kind,
-                      char* out, Py_ssize_t at, Py_ssize_t itemsize) except -1:
+                      char* out, Py_ssize_t at, const Range* bounds) except -1:
     cdef Py_ssize_t i, n
     cdef object item
     cdef int overflow = 0
     cdef long long v
+    cdef unsigned long long u = 0
+    cdef double f = 0
     if type(data) is not list:
         raise TensorDataError(
             f"expected a list of {dims[depth]} at nesting level {depth + 1} (before element "
@@ -68,20 +71,23 @@ cdef Py_ssize_t _fill(object data, const Py_ssize_t* dims, int ndim, int depth, 
     if depth < ndim - 1:
         for i in range(n):
             at = _fill(<object>PyList_GET_ITEM(data, i), dims, ndim, depth + 1, kind, out, at,
-                       itemsize)
+                       bounds)
         return at
     for i in range(n):
         item = <object>PyList_GET_ITEM(data, i)
         if kind == KIND_FLOAT:
             if PyFloat_CheckExact(item):
-                (<double*>out)[at] = PyFloat_AS_DOUBLE(item)
+                f = PyFloat_AS_DOUBLE(item)
             elif PyLong_CheckExact(item):
                 try:
-                    (<double*>out)[at] = PyLong_AsDouble(item)
+                    f = PyLong_AsDouble(item)
                 except OverflowError:
-                    _bad(item, at, kind, "out of range")
+                    f = INFINITY
             else:
                 _bad(item, at, kind, "")
+            if f >= bounds.fmax or f <= -bounds.fmax:
+                _bad(item, at, kind, "out of range")
+            (<double*>out)[at] = f
         elif kind == KIND_BOOL:
             if item is True:
                 (<unsigned char*>out)[at] = 1
@@ -93,7 +99,7 @@ cdef Py_ssize_t _fill(object data, const Py_ssize_t* dims, int ndim, int depth, 
             _bad(item, at, kind, "")
         elif kind == KIND_INT:
             v = PyLong_AsLongLongAndOverflow(item, &overflow)
-            if overflow:
+            if overflow or v < bounds.low or (v >= 0 and <unsigned long long>v > bounds.high):
                 _bad(item, at, kind, "out of range")
             (<int64_t*>out)[at] = v
         else:
@@ -101,20 +107,28 @@ cdef Py_ssize_t _fill(object data, const Py_ssize_t* dims, int ndim, int depth, 
             if overflow < 0 or (not overflow and v < 0):
                 _bad(item, at, kind, "out of range")
             try:
-                (<uint64_t*>out)[at] = PyLong_AsUnsignedLongLong(item)
+                u = PyLong_AsUnsignedLongLong(item)
             except OverflowError:
                 _bad(item, at, kind, "out of range")
+            if u > bounds.high:
+                _bad(item, at, kind, "out of range")
+            (<uint64_t*>out)[at] = u
         at += 1
     return at
 
 
-def decode(object data, tuple shape, int kind):
+def decode(object data, tuple shape, int kind, low=0, high=0, double fmax=INFINITY):
     """``data`` (flat, or nested exactly as ``shape``) as a flat array of ``kind``'s
-    storage dtype; raises TensorDataError naming the first offending element."""
+    storage dtype, every value in range (integers ``low..high``, floats below ``fmax``
+    in magnitude); raises TensorDataError naming the first offending element."""
     cdef Py_ssize_t n = 1, ndim = len(shape), i
     cdef Py_ssize_t* dims
     cdef cnp.ndarray out
     cdef bint nested
+    cdef Range bounds
+    bounds.low = low
+    bounds.high = high
+    bounds.fmax = fmax
     for d in shape:
         n *= <Py_ssize_t>d
     if type(data) is not list:
@@ -132,11 +146,10 @@ def decode(object data, tuple shape, int kind):
         if nested:
             for i in range(ndim):
                 dims[i] = shape[i]
-            _fill(data, dims, <int>ndim, 0, kind, <char*>cnp.PyArray_DATA(out), 0,
-                  out.itemsize)
+            _fill(data, dims, <int>ndim, 0, kind, <char*>cnp.PyArray_DATA(out), 0, &bounds)
         else:
             dims[0] = n
-            _fill(data, dims, 1, 0, kind, <char*>cnp.PyArray_DATA(out), 0, out.itemsize)
+            _fill(data, dims, 1, 0, kind, <char*>cnp.PyArray_DATA(out), 0, &bounds)
     finally:
         PyMem_Free(dims)
     return out

@@ -3,6 +3,7 @@ strict decoding of JSON tensor data, element by element in Python."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -37,29 +38,33 @@ def _bad(item: Any, at: int, kind: int, why: str) -> None:
     raise TensorDataError(f"element {at} is {_describe(item)}: {why or 'expected ' + _WHAT[kind]}")
 
 
-def _value(item: Any, at: int, kind: int) -> Any:
+def _value(item: Any, at: int, kind: int, low: int, high: int, fmax: float) -> Any:
     if kind == KIND_FLOAT:
         if type(item) is float:
-            return item
-        if type(item) is int:
+            value = item
+        elif type(item) is int:
             try:
-                return float(item)
+                value = float(item)
             except OverflowError:
-                _bad(item, at, kind, "out of range")
-        _bad(item, at, kind, "")
+                value = math.inf
+        else:
+            _bad(item, at, kind, "")
+        if not -fmax < value < fmax:
+            _bad(item, at, kind, "out of range")
+        return value
     if kind == KIND_BOOL:
         if item is True or item is False:
             return int(item)
         _bad(item, at, kind, "")
     if type(item) is not int:  # a bool or a float is not an integer
         _bad(item, at, kind, "")
-    low, high = _RANGE[kind]
-    if not low <= item <= high:
+    lowest, highest = _RANGE[kind]
+    if not (lowest <= item <= highest and low <= item <= high):
         _bad(item, at, kind, "out of range")
     return item
 
 
-def _fill(data: Any, dims: list[int], depth: int, kind: int, out: list) -> None:
+def _fill(data: Any, dims: list[int], depth: int, kind: int, out: list, bounds: tuple) -> None:
     at = len(out)
     if type(data) is not list:
         raise TensorDataError(
@@ -73,15 +78,18 @@ def _fill(data: Any, dims: list[int], depth: int, kind: int, out: list) -> None:
         )
     if depth < len(dims) - 1:
         for item in data:
-            _fill(item, dims, depth + 1, kind, out)
+            _fill(item, dims, depth + 1, kind, out, bounds)
         return
     for item in data:
-        out.append(_value(item, len(out), kind))
+        out.append(_value(item, len(out), kind, *bounds))
 
 
-def decode(data: Any, shape: tuple, kind: int) -> np.ndarray:
+def decode(
+    data: Any, shape: tuple, kind: int, low: int = 0, high: int = 0, fmax: float = math.inf
+) -> np.ndarray:
     """``data`` (flat, or nested exactly as ``shape``) as a flat array of ``kind``'s
-    storage dtype; raises TensorDataError naming the first offending element."""
+    storage dtype, every value in range (integers ``low..high``, floats below ``fmax``
+    in magnitude); raises TensorDataError naming the first offending element."""
     n = 1
     for d in shape:
         n *= d
@@ -91,5 +99,5 @@ def decode(data: Any, shape: tuple, kind: int) -> np.ndarray:
     if not nested and len(data) != n:
         raise TensorDataError(f"{len(data)} values where shape {list(shape)} needs {n}")
     values: list = []
-    _fill(data, list(shape) if nested else [n], 0, kind, values)
+    _fill(data, list(shape) if nested else [n], 0, kind, values, (low, high, fmax))
     return np.array(values, _STORAGE[kind]) if values else np.empty(0, _STORAGE[kind])

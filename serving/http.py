@@ -32,6 +32,7 @@ import pxrt
 
 from . import kserve
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed, UnknownModel
+from .protocol import DISCONNECT_EXTENSION
 from .server import Server
 
 log = logging.getLogger("pxrt.http")
@@ -338,15 +339,21 @@ def create_app(
         queued = server.infer(name, inputs, timeout_s=timeout_s)
         future = getattr(queued, "future", None)
         # A client that hangs up takes its request out of the queue if it is not
-        # dispatched yet: one pending receive() per request reports the disconnect.
-        hangup = asyncio.ensure_future(request.receive()) if future is not None else None
-        if hangup is not None:
-            hangup.add_done_callback(lambda t: _on_hangup(t, future))
+        # dispatched yet. pxrt serve's protocol reports that through a scope extension;
+        # under another server, a pending receive() per request does.
+        hangup = None
+        if future is not None:
+            on_disconnect = request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+            if on_disconnect is not None:
+                on_disconnect(future.cancel)
+            else:
+                hangup = asyncio.ensure_future(request.receive())
+                hangup.add_done_callback(lambda t: _on_hangup(t, future))
         try:
             outputs = await queued
         except asyncio.CancelledError:
-            if hangup is not None and hangup.done() and future.cancelled():
-                return Response(status_code=499)  # nobody is there to read it
+            if future is not None and future.cancelled():
+                return Response(status_code=499)  # the client is gone; nobody reads it
             raise
         except (TypeError, ValueError) as exc:
             raise _HTTPError(400, str(exc)) from None

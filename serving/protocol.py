@@ -12,7 +12,10 @@ descriptors). ``guarded_protocol(limits)`` returns a protocol class for
 - answers 408 and closes when headers are not complete ``header_timeout_s`` after the
   connection opened or the request began (so a socket that never sends anything is
   closed too), or when a body makes no progress for ``body_timeout_s`` or is not
-  complete ``request_timeout_s`` after the request began.
+  complete ``request_timeout_s`` after the request began (checked by one sweep per
+  server, every quarter second: no timer per request);
+- tells the app when a client hangs up before its response is complete, through the
+  ASGI scope extension ``pxrt.on_disconnect`` (no task per request).
 """
 
 from __future__ import annotations
@@ -41,8 +44,17 @@ class Limits:
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
+# The ASGI scope extension through which the app learns that a client hung up: a
+# function taking a callback, called (on the loop) if the connection is lost before the
+# response is complete. No task per request waiting on receive().
+DISCONNECT_EXTENSION = "pxrt.on_disconnect"
+
+SWEEP_S = 0.25  # how often deadlines are checked: one timer per server, none per request
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = Limits()
+    _sweeping: dict = {}  # loop -> its sweep's timer (one per server's loop)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         too_many = len(self.connections) >= self.limits.max_connections
@@ -50,34 +62,48 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._refused = False
         self._in_body = False  # headers complete, body not yet
-        self._timer: asyncio.TimerHandle | None = None  # headers' deadline, or body's idle
-        self._deadline: asyncio.TimerHandle | None = None  # the whole request's
+        self._due = 0.0  # when what is being received is due (0: nothing is)
+        self._request_due = 0.0  # when the whole request is due
+        self._on_lost: list = []
         if too_many:
             log.warning("pxrt: %d connections open; closing a new one", len(self.connections))
             transport.close()
             return
         # Headers are due this long after the connection opens: a socket that never
         # sends anything is closed too.
-        self._timer = self.loop.call_later(self.limits.header_timeout_s, self._timed_out)
+        self._due = self.loop.time() + self.limits.header_timeout_s
+        if self.loop not in self._sweeping:
+            self._sweep()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._due = self._request_due = 0.0
+        if self._on_lost and self.cycle is not None and not self.cycle.response_complete:
+            for callback in self._on_lost:
+                callback()
+        self._on_lost = []
         super().connection_lost(exc)
 
     # --------------------------------------------------------------- limits
 
-    def _disarm(self) -> None:
-        for timer in (self._timer, self._deadline):
-            if timer is not None:
-                timer.cancel()
-        self._timer = self._deadline = None
-
-    def _timed_out(self) -> None:
-        what = "its body" if self._in_body else "its headers"
-        self._refuse(408, f"the client took too long to send {what}")
+    def _sweep(self) -> None:
+        # Every SWEEP_S: time out the connections whose headers, body or request are
+        # overdue. Stops when no connection is left.
+        now = self.loop.time()
+        for conn in list(self.connections):
+            if not isinstance(conn, GuardedHttpToolsProtocol) or conn._refused:
+                continue
+            if conn._due and now > conn._due:
+                what = "its body" if conn._in_body else "its headers"
+                conn._refuse(408, f"the client took too long to send {what}")
+            elif conn._request_due and now > conn._request_due:
+                conn._refuse(408, "the client took too long to send its request")
+        if self.connections:
+            self._sweeping[self.loop] = self.loop.call_later(SWEEP_S, self._sweep)
+        else:
+            self._sweeping.pop(self.loop, None)
 
     def _refuse(self, status: int, message: str) -> None:
-        self._disarm()
+        self._due = self._request_due = 0.0
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
@@ -94,22 +120,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # --------------------------------------------------------------- parser callbacks
 
     def data_received(self, data: bytes) -> None:
-        if self._in_body and self._timer is not None:
-            self._timer.cancel()  # progress: the body's idle clock restarts
-            self._timer = self.loop.call_later(self.limits.body_timeout_s, self._timed_out)
+        if self._in_body:
+            self._due = self.loop.time() + self.limits.body_timeout_s  # progress
         super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
-        if self._timer is None:  # a later request on a kept-alive connection
-            self._timer = self.loop.call_later(self.limits.header_timeout_s, self._timed_out)
-        self._deadline = self.loop.call_later(
-            self.limits.request_timeout_s,
-            self._refuse,
-            408,
-            "the client took too long to send its request",
-        )
+        self._on_lost = []
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: self._on_lost.append}
+        now = self.loop.time()
+        if not self._due:  # a later request on a kept-alive connection
+            self._due = now + self.limits.header_timeout_s
+        self._request_due = now + self.limits.request_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
@@ -132,9 +155,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._in_body = True
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self.loop.call_later(self.limits.body_timeout_s, self._timed_out)
+        self._due = self.loop.time() + self.limits.body_timeout_s
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -143,7 +164,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
-        self._disarm()  # received in full: the app's time is not the client's
+        self._due = self._request_due = 0.0  # received: the app's time is not the client's
         if not self._refused:
             super().on_message_complete()
 
@@ -153,4 +174,4 @@ def guarded_protocol(limits: Limits) -> type[HttpToolsProtocol]:
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
 
 
-__all__ = ["Limits", "guarded_protocol"]
+__all__ = ["DISCONNECT_EXTENSION", "Limits", "guarded_protocol"]
