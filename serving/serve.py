@@ -72,55 +72,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", help="per-model options (see pxrt serve --help)")
     for key, check in OPTIONS.items():
         p.add_argument("--" + key.replace("_", "-"), type=check, default=None)
-    p.add_argument(
-        "--max-body-mb",
-        type=_Number(float, 0, inclusive=False),
-        default=64.0,
-        help="larger bodies get 413",
-    )
-    p.add_argument(
-        "--max-json-mb",
-        type=_Number(float, 0, inclusive=False),
-        default=16.0,
-        help="larger JSON parts get 413 (send large tensors as binary data)",
-    )
-    p.add_argument(
-        "--max-pending-body-mb",
-        type=_Number(float, 0, inclusive=False),
-        default=512.0,
-        help="request bodies held at once, over all requests; more get 503",
-    )
+    positive = _Number(float, 0, inclusive=False)
     limits = Limits()
-    p.add_argument(
-        "--max-connections",
-        type=_Number(int, 1),
-        default=min(limits.max_connections, _fd_budget()),
-        help="open connections; new ones beyond are closed at once",
-    )
-    p.add_argument(
-        "--max-header-kb",
-        type=_Number(float, 0, inclusive=False),
-        default=limits.max_header_bytes / 1024,
-        help="a request's URL and headers; more get 431",
-    )
-    p.add_argument(
-        "--header-timeout-s",
-        type=_Number(float, 0, inclusive=False),
-        default=limits.header_timeout_s,
-        help="time to send the headers, from connecting or the request's start (408)",
-    )
-    p.add_argument(
-        "--body-timeout-s",
-        type=_Number(float, 0, inclusive=False),
-        default=limits.body_timeout_s,
-        help="a body's longest pause (408)",
-    )
-    p.add_argument(
-        "--request-timeout-s",
-        type=_Number(float, 0, inclusive=False),
-        default=limits.request_timeout_s,
-        help="time to send a whole request (408)",
-    )
+    server_flags = [  # flag, check, default, help
+        ("--max-body-mb", positive, 64.0, "larger bodies get 413"),
+        ("--max-json-mb", positive, 16.0,
+         "larger JSON parts get 413 (send large tensors as binary data)"),
+        ("--max-pending-body-mb", positive, 512.0,
+         "request bodies held at once, over all requests; more get 503"),
+        ("--max-connections", _Number(int, 1), min(limits.max_connections, _fd_budget()),
+         "open connections; new ones beyond are closed at once"),
+        ("--max-header-kb", positive, limits.max_header_bytes / 1024,
+         "a request's URL and headers; more get 431"),
+        ("--header-timeout-s", positive, limits.header_timeout_s,
+         "time to send the headers, from connecting or the request's start (408)"),
+        ("--body-timeout-s", positive, limits.body_timeout_s, "a body's longest pause (408)"),
+        ("--request-timeout-s", positive, limits.request_timeout_s,
+         "time to send a whole request (408)"),
+    ]  # fmt: skip
+    for flag, check, default, text in server_flags:
+        p.add_argument(flag, type=check, default=default, help=f"{text} (default {default:g})")
     p.add_argument("--log-level", default="warning")
 
 
