@@ -96,10 +96,6 @@ cdef class Request:
     ``run_coroutine_threadsafe`` and friends take it as they take a coroutine.
     """
 
-    @property
-    def done(self):
-        """Whether it was answered (or its caller gave up)."""
-        return self.finished
 
     def __await__(self):
         return self.future.__await__()

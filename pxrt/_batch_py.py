@@ -66,11 +66,6 @@ class Request:
         self.error: BaseException | None = None
         self._steps: Any = None
 
-    @property
-    def done(self) -> bool:
-        """Whether it was answered (or its caller gave up)."""
-        return self.finished
-
     def __await__(self) -> Any:
         return self.future.__await__()
 

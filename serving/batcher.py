@@ -87,9 +87,8 @@ class Batcher:
         self._delay_timer: asyncio.TimerHandle | None = None
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._drained = asyncio.Event()
-        self._success = 0
-        self._failed = 0
-        self._outside = dict.fromkeys(("invalid", "failed"), 0)  # counted by front ends
+        # Outcomes counted here and by front ends; the queue counts the rest itself.
+        self._counts = dict.fromkeys(("success", "failed", "invalid"), 0)
         # Seconds per row of the batches that run, for retry-after estimates, and the
         # execution time of a full batch, to close a waiting batch before a deadline.
         full = engine.bucket_for(self.max_batch_size)
@@ -147,16 +146,16 @@ class Batcher:
         """A request that a front end answered before it reached the queue (``invalid``:
         it did not follow the protocol) or after it left it (``failed``: encoding the
         reply failed)."""
-        self._outside[outcome] += 1
+        self._counts[outcome] += 1
 
     def outcomes(self) -> dict[str, int]:
         q = self.queue
         return {
-            "success": self._success,
-            "invalid": q.invalid + self._outside["invalid"],
+            "success": self._counts["success"],
+            "invalid": q.invalid + self._counts["invalid"],
             "rejected": q.rejected,
             "expired": q.expired,
-            "failed": self._failed + self._outside["failed"],
+            "failed": self._counts["failed"],
             "cancelled": q.cancelled,
         }
 
@@ -254,7 +253,7 @@ class Batcher:
             stages["compute_input"].observe((batch.t_dispatched - batch.t_start) * 1e6)
             stages["compute_infer"].observe((batch.t_fetched - batch.t_dispatched) * 1e6)
             stages["compute_output"].observe((batch.t_done - batch.t_fetched) * 1e6)
-            self._success += self.queue.deliver(batch, self.copy)
+            self._counts["success"] += self.queue.deliver(batch, self.copy)
             if self.queue.timings_pending >= 8192:
                 self.drain_timings()
         if self.queue.closed and not self.inflight and not self.queue.queued_rows:
@@ -263,7 +262,7 @@ class Batcher:
     def _fail(self, batch: Batch, message: str, cause: BaseException) -> None:
         err = ExecutionFailed(f"model {self.name!r}, {message}")
         err.__cause__ = cause
-        self._failed += self.queue.fail(batch, err)
+        self._counts["failed"] += self.queue.fail(batch, err)
 
     # ------------------------------------------------------------------ shutdown
 
