@@ -9,6 +9,7 @@ cdef class Request:
     cdef readonly object future         # the caller's future, or None (synchronous plans)
     cdef readonly double t_enqueue      # perf_counter when it was queued
     cdef readonly double deadline       # perf_counter deadline; +inf: none
+    cdef readonly Py_ssize_t lane       # the lane (compiled lengths) it waits in
     cdef readonly Py_ssize_t next_row   # rows [0, next_row) went into batches
     cdef Py_ssize_t rows_done           # rows whose outputs came back (split requests)
     cdef list parts                     # (start, outputs) of a split request's pieces
@@ -25,6 +26,7 @@ cdef class Batch:
     cdef readonly list offsets          # per piece: first row in the batch
     cdef readonly list requests         # per piece: its Request
     cdef readonly Py_ssize_t rows
+    cdef public Py_ssize_t lane         # the lane it runs in (its pieces' lengths fit it)
     cdef public object bucket
     cdef public object outputs          # per piece: output name -> array
     cdef public object error
@@ -41,8 +43,11 @@ ctypedef struct TimeLog:
 
 
 cdef class BatchQueue:
-    cdef list _items                    # the queue is _items[_head:]
-    cdef Py_ssize_t _head
+    # One FIFO per lane: lane k's queue is _items[k][_heads[k]:], _lane_rows[k] rows.
+    cdef readonly Py_ssize_t lanes
+    cdef list _items
+    cdef Py_ssize_t* _heads
+    cdef Py_ssize_t* _lane_rows
     cdef readonly Py_ssize_t queued_rows
     cdef readonly Py_ssize_t max_queued_rows
     cdef readonly double earliest_deadline
@@ -62,14 +67,17 @@ cdef class BatchQueue:
     cdef TimeLog _latencies             # per request: queued -> answered
 
     cdef Request _push(self, tuple arrays, Py_ssize_t rows, object future, double now,
-                       double deadline)
+                       double deadline, Py_ssize_t lane)
     cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=*,
-                       double deadline=*)
+                       double deadline=*, Py_ssize_t lane=*)
     cpdef Request submit(self, object request, object timeout=*)
-    cpdef Batch take(self, Py_ssize_t max_rows, double now)
+    cpdef Batch take(self, Py_ssize_t max_rows, double now, Py_ssize_t lane=*, tuple fold=*)
+    cdef Batch _take_lane(self, Batch batch, Py_ssize_t lane, Py_ssize_t* room, double now,
+                          bint split)
     cpdef Py_ssize_t deliver(self, Batch batch, bint copy=*, double now=*) except -1
     cpdef Py_ssize_t fail(self, Batch batch, object error) except -1
     cpdef bint cancel(self, Request r)
     cpdef double sweep(self, double now) except? -1
+    cdef double _lane_oldest(self, Py_ssize_t lane)
     cdef bint _drop_if_gone(self, Request r, double now) except -1
     cdef int _finish(self, Request r, object result, object error) except -1

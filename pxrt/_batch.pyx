@@ -20,7 +20,7 @@ twin; tests hold the two to identical behaviour.
 """
 
 from cpython.list cimport PyList_GET_SIZE
-from cpython.mem cimport PyMem_Free, PyMem_Realloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.math cimport INFINITY
 from libc.string cimport memcpy
 
@@ -135,9 +135,10 @@ cdef class Batch:
         self.rows = 0
 
     @staticmethod
-    def single(tuple arrays, Py_ssize_t rows):
+    def single(tuple arrays, Py_ssize_t rows, Py_ssize_t lane=0):
         """A batch of one whole request that no queue tracks (``Model.run``)."""
         cdef Batch batch = Batch.__new__(Batch)
+        batch.lane = lane
         batch.pieces.append(arrays)
         batch.starts.append(0)
         batch.counts.append(rows)
@@ -176,10 +177,26 @@ cdef class BatchQueue:
     ``drain_waits``/``drain_latencies``, which any thread may call.
     """
 
+    def __cinit__(self):
+        self._heads = NULL
+        self._lane_rows = NULL
+
     def __init__(self, Py_ssize_t max_queued_rows=0, InputHandler handler=None,
-                 policy=None, create_future=None):
-        self._items = []
-        self._head = 0
+                 policy=None, create_future=None, Py_ssize_t lanes=1):
+        cdef Py_ssize_t k
+        if lanes < 1:
+            raise ValueError(f"a queue needs at least 1 lane, got {lanes}")
+        self.lanes = lanes
+        self._items = [[] for _ in range(lanes)]
+        PyMem_Free(self._heads)
+        PyMem_Free(self._lane_rows)
+        self._heads = <Py_ssize_t*>PyMem_Malloc(lanes * sizeof(Py_ssize_t))
+        self._lane_rows = <Py_ssize_t*>PyMem_Malloc(lanes * sizeof(Py_ssize_t))
+        if self._heads == NULL or self._lane_rows == NULL:
+            raise MemoryError()
+        for k in range(lanes):
+            self._heads[k] = 0
+            self._lane_rows[k] = 0
         self.queued_rows = 0
         self.max_queued_rows = max_queued_rows if max_queued_rows > 0 else _NEVER
         self.earliest_deadline = INFINITY
@@ -196,20 +213,67 @@ cdef class BatchQueue:
     def __dealloc__(self):
         PyMem_Free(self._waits.values)
         PyMem_Free(self._latencies.values)
+        PyMem_Free(self._heads)
+        PyMem_Free(self._lane_rows)
 
     def __len__(self):
-        return PyList_GET_SIZE(self._items) - self._head
+        cdef Py_ssize_t k, n = 0
+        for k in range(self.lanes):
+            n += PyList_GET_SIZE(<list>self._items[k]) - self._heads[k]
+        return n
 
     @property
     def oldest(self):
         """When the oldest request still waiting was queued (+inf: none waits)."""
+        cdef Py_ssize_t k
+        cdef double t, oldest = INFINITY
+        for k in range(self.lanes):
+            t = self._lane_oldest(k)
+            if t < oldest:
+                oldest = t
+        return oldest
+
+    cdef double _lane_oldest(self, Py_ssize_t lane):
         cdef Py_ssize_t i
         cdef Request r
-        for i in range(self._head, PyList_GET_SIZE(self._items)):
-            r = <Request>self._items[i]
+        cdef list items = <list>self._items[lane]
+        for i in range(self._heads[lane], PyList_GET_SIZE(items)):
+            r = <Request>items[i]
             if not r.finished:
                 return r.t_enqueue
         return INFINITY
+
+    def lane_rows(self, Py_ssize_t lane):
+        """Rows waiting in ``lane``."""
+        if not 0 <= lane < self.lanes:
+            raise IndexError(f"lane {lane} of {self.lanes}")
+        return self._lane_rows[lane]
+
+    def lane_stats(self, Py_ssize_t lane, Py_ssize_t max_rows, double now):
+        """``(rows, requests, age_sum, oldest)`` of the first ``max_rows`` rows waiting
+        in ``lane``: what a batch taken from it now would hold (a request counted whole
+        if any of its rows would go), the sum of their waits so far (s), and when the
+        oldest of them was queued (+inf: none)."""
+        cdef Py_ssize_t i, rows = 0, n = 0, left
+        cdef double ages = 0.0, oldest = INFINITY
+        cdef Request r
+        cdef list items
+        if not 0 <= lane < self.lanes:
+            raise IndexError(f"lane {lane} of {self.lanes}")
+        items = <list>self._items[lane]
+        for i in range(self._heads[lane], PyList_GET_SIZE(items)):
+            if rows >= max_rows:
+                break
+            r = <Request>items[i]
+            if r.finished:
+                continue
+            left = r.rows - r.next_row
+            rows += left if left < max_rows - rows else max_rows - rows
+            n += 1
+            ages += now - r.t_enqueue
+            if r.t_enqueue < oldest:
+                oldest = r.t_enqueue
+        return rows, n, ages, oldest
 
     @property
     def timings_pending(self):
@@ -227,8 +291,10 @@ cdef class BatchQueue:
     # ------------------------------------------------------------------ accepting
 
     cdef Request _push(self, tuple arrays, Py_ssize_t rows, object future, double now,
-                       double deadline):
+                       double deadline, Py_ssize_t lane):
         cdef Request r
+        if not 0 <= lane < self.lanes:
+            raise IndexError(f"lane {lane} of {self.lanes}")
         if rows < 1:
             raise ValueError(f"a request needs at least 1 row, got {rows}")
         if self.queued_rows + rows > self.max_queued_rows:
@@ -242,25 +308,27 @@ cdef class BatchQueue:
         r.future = future
         r.t_enqueue = now
         r.deadline = deadline
-        self._items.append(r)
+        r.lane = lane
+        (<list>self._items[lane]).append(r)
         self.queued_rows += rows
+        self._lane_rows[lane] += rows
         if deadline < self.earliest_deadline:
             self.earliest_deadline = deadline
         return r
 
     cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=None,
-                       double deadline=INFINITY):
-        """Queue a prepared request (``InputHandler.prepare``'s arrays and rows); None
-        when its rows do not fit under ``max_queued_rows`` (requests whose callers gave
-        up are dropped first, so they never hold room)."""
-        return self._push(arrays, rows, future, _clock(), deadline)
+                       double deadline=INFINITY, Py_ssize_t lane=0):
+        """Queue a prepared request (``InputHandler.prepare``'s arrays and rows) in
+        ``lane``; None when its rows do not fit under ``max_queued_rows`` (requests whose
+        callers gave up are dropped first, so they never hold room)."""
+        return self._push(arrays, rows, future, _clock(), deadline, lane)
 
     cpdef Request submit(self, object request, object timeout=None):
         """Admit one request for serving: validate it, give it a future and a deadline
         ``timeout`` seconds from now (None: ``default_timeout``), queue it, and kick the
         policy when ``kick_rows`` rows wait. Raises the handler's TypeError/ValueError
         for a malformed request, and the policy's errors when closed or refused."""
-        cdef Py_ssize_t rows = 0
+        cdef Py_ssize_t rows = 0, lane = 0
         cdef tuple arrays
         cdef double now, deadline
         cdef Request r
@@ -272,12 +340,14 @@ cdef class BatchQueue:
             raise self._policy.closed_error()
         try:
             arrays = self._handler.prepare_c(request, &rows)
+            if self.lanes > 1:
+                lane = self._handler.lane_c(arrays)
         except (TypeError, ValueError):
             self.invalid += 1
             raise
         now = _clock()
         deadline = now + (self.default_timeout if timeout is None else <double>timeout)
-        r = self._push(arrays, rows, self._create_future(), now, deadline)
+        r = self._push(arrays, rows, self._create_future(), now, deadline, lane)
         if r is None:
             error = self._policy.refused_error(rows)
             if isinstance(error, ValueError):
@@ -313,49 +383,74 @@ cdef class BatchQueue:
             return True
         return False
 
-    cpdef Batch take(self, Py_ssize_t max_rows, double now):
-        """The next batch: waiting requests in order, up to ``max_rows`` rows; None
-        when nothing waits. A request that does not fit whole gives the rows that fit
+    cpdef Batch take(self, Py_ssize_t max_rows, double now, Py_ssize_t lane=0,
+                     tuple fold=None):
+        """The next batch from ``lane``: its waiting requests in order, up to
+        ``max_rows`` rows, then, while room is left, whole requests from the lanes in
+        ``fold`` (in that order: lanes whose lengths fit this one's); None when nothing
+        was taken. A request of ``lane`` that does not fit whole gives the rows that fit
         and then waits behind the requests queued after it for its next piece."""
         cdef Batch batch = None
+        cdef Py_ssize_t room = max_rows, k
+        if not 0 <= lane < self.lanes:
+            raise IndexError(f"lane {lane} of {self.lanes}")
+        batch = self._take_lane(batch, lane, &room, now, True)
+        if fold is not None:
+            for k in fold:
+                if room <= 0:
+                    break
+                if not 0 <= k < self.lanes:
+                    raise IndexError(f"lane {k} of {self.lanes}")
+                batch = self._take_lane(batch, k, &room, now, False)
+        if batch is not None:
+            batch.lane = lane
+        if self.queued_rows == 0:
+            self.earliest_deadline = INFINITY
+        return batch
+
+    cdef Batch _take_lane(self, Batch batch, Py_ssize_t lane, Py_ssize_t* room, double now,
+                          bint split):
         cdef Request r
-        cdef Py_ssize_t room = max_rows, left, n
-        cdef list items = self._items
+        cdef Py_ssize_t left, n, head = self._heads[lane]
+        cdef list items = <list>self._items[lane]
         n = PyList_GET_SIZE(items)
-        while self._head < n and room > 0:
-            r = <Request>items[self._head]
+        while head < n and room[0] > 0:
+            r = <Request>items[head]
             if self._drop_if_gone(r, now):
-                items[self._head] = None
-                self._head += 1
+                items[head] = None
+                head += 1
                 continue
             left = r.rows - r.next_row
-            if left > room:
-                left = room
+            if left > room[0]:
+                if not split:
+                    break
+                left = room[0]
             if batch is None:
                 batch = Batch.__new__(Batch)
             if r.next_row == 0:
                 _log(&self._waits, now - r.t_enqueue)
             batch._add(r, r.next_row, left)
             r.next_row += left
-            room -= left
+            room[0] -= left
             self.queued_rows -= left
+            self._lane_rows[lane] -= left
             if r.next_row == r.rows:
-                items[self._head] = None  # the batch holds it now
-                self._head += 1
-        if room == 0 and self._head < n - 1 and (<Request>items[self._head]).next_row:
+                items[head] = None  # the batch holds it now
+                head += 1
+        if split and room[0] == 0 and head < n - 1 and (<Request>items[head]).next_row:
             # A request split across batches waits behind the others for its next piece,
             # so a large request does not hold the requests behind it for all its batches.
-            items.append(items[self._head])
-            items[self._head] = None
-            self._head += 1
+            items.append(items[head])
+            items[head] = None
+            head += 1
             n += 1
-        if self._head == n:
+        if head == n:
             del items[:]
-            self._head = 0
-            self.earliest_deadline = INFINITY
-        elif self._head > 1024 and 2 * self._head > n:
-            del items[: self._head]
-            self._head = 0
+            head = 0
+        elif head > 1024 and 2 * head > n:
+            del items[:head]
+            head = 0
+        self._heads[lane] = head
         return batch
 
     # ------------------------------------------------------------------ answering
@@ -368,6 +463,7 @@ cdef class BatchQueue:
         r.parts = None
         if r.next_row < r.rows:  # rows still waiting leave the queue with it
             self.queued_rows -= r.rows - r.next_row
+            self._lane_rows[r.lane] -= r.rows - r.next_row
             r.next_row = r.rows
         if r.future is None:
             r.result = result
@@ -435,6 +531,7 @@ cdef class BatchQueue:
         r.finished = True
         r.parts = None
         self.queued_rows -= r.rows - r.next_row
+        self._lane_rows[r.lane] -= r.rows - r.next_row
         r.next_row = r.rows
         self.cancelled += 1
         return True
@@ -443,17 +540,20 @@ cdef class BatchQueue:
         """Answer the waiting requests whose deadline passed, drop the ones whose callers
         gave up; returns the earliest deadline among those still waiting (+inf)."""
         cdef Request r
-        cdef list keep = []
+        cdef list keep, items
         cdef double earliest = INFINITY
-        cdef Py_ssize_t i
-        for i in range(self._head, PyList_GET_SIZE(self._items)):
-            r = <Request>self._items[i]
-            if self._drop_if_gone(r, now):
-                continue
-            keep.append(r)
-            if r.next_row == 0 and r.deadline < earliest:
-                earliest = r.deadline
-        self._items = keep
-        self._head = 0
+        cdef Py_ssize_t i, k
+        for k in range(self.lanes):
+            items = <list>self._items[k]
+            keep = []
+            for i in range(self._heads[k], PyList_GET_SIZE(items)):
+                r = <Request>items[i]
+                if self._drop_if_gone(r, now):
+                    continue
+                keep.append(r)
+                if r.next_row == 0 and r.deadline < earliest:
+                    earliest = r.deadline
+            self._items[k] = keep
+            self._heads[k] = 0
         self.earliest_deadline = earliest
         return earliest

@@ -43,6 +43,7 @@ class Request:
         "future",
         "t_enqueue",
         "deadline",
+        "lane",
         "next_row",
         "rows_done",
         "parts",
@@ -52,8 +53,11 @@ class Request:
         "_steps",
     )
 
-    def __init__(self, arrays: tuple, rows: int, future: Any, now: float, deadline: float) -> None:
+    def __init__(
+        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float, lane: int = 0
+    ) -> None:
         self.arrays = arrays
+        self.lane = lane
         self.rows = rows
         self.future = future
         self.t_enqueue = now
@@ -102,6 +106,7 @@ class Batch:
         "offsets",
         "requests",
         "rows",
+        "lane",
         "bucket",
         "outputs",
         "error",
@@ -119,15 +124,17 @@ class Batch:
         self.offsets: list[int] = []
         self.requests: list[Request | None] = []
         self.rows = 0
+        self.lane = 0
         self.bucket: Any = None
         self.outputs: list[dict] | None = None
         self.error: BaseException | None = None
         self.t_start = self.t_assembled = self.t_dispatched = self.t_fetched = self.t_done = 0.0
 
     @staticmethod
-    def single(arrays: tuple, rows: int) -> Batch:
+    def single(arrays: tuple, rows: int, lane: int = 0) -> Batch:
         """A batch of one whole request that no queue tracks (``Model.run``)."""
         batch = Batch()
+        batch.lane = lane
         batch.pieces.append(arrays)
         batch.starts.append(0)
         batch.counts.append(rows)
@@ -172,9 +179,15 @@ class BatchQueue:
         handler: Any = None,
         policy: Any = None,
         create_future: Any = None,
+        lanes: int = 1,
     ) -> None:
-        self._items: list[Request | None] = []
-        self._head = 0
+        if lanes < 1:
+            raise ValueError(f"a queue needs at least 1 lane, got {lanes}")
+        self.lanes = lanes
+        # One FIFO per lane: lane k's queue is _items[k][_heads[k]:], _lane_rows[k] rows.
+        self._items: list[list[Request | None]] = [[] for _ in range(lanes)]
+        self._heads = [0] * lanes
+        self._lane_rows = [0] * lanes
         self.queued_rows = 0
         self.max_queued_rows = max_queued_rows if max_queued_rows > 0 else _NEVER
         self.earliest_deadline = INF
@@ -192,15 +205,47 @@ class BatchQueue:
         self._latencies: list[float] = []
 
     def __len__(self) -> int:
-        return len(self._items) - self._head
+        return sum(len(items) - head for items, head in zip(self._items, self._heads))
 
     @property
     def oldest(self) -> float:
         """When the oldest request still waiting was queued (+inf: none waits)."""
-        for r in self._items[self._head :]:
+        return min((self._lane_oldest(k) for k in range(self.lanes)), default=INF)
+
+    def _lane_oldest(self, lane: int) -> float:
+        for r in self._items[lane][self._heads[lane] :]:
             if not r.finished:
                 return r.t_enqueue
         return INF
+
+    def _check_lane(self, lane: int) -> None:
+        if not 0 <= lane < self.lanes:
+            raise IndexError(f"lane {lane} of {self.lanes}")
+
+    def lane_rows(self, lane: int) -> int:
+        """Rows waiting in ``lane``."""
+        self._check_lane(lane)
+        return self._lane_rows[lane]
+
+    def lane_stats(self, lane: int, max_rows: int, now: float) -> tuple[int, int, float, float]:
+        """``(rows, requests, age_sum, oldest)`` of the first ``max_rows`` rows waiting
+        in ``lane``: what a batch taken from it now would hold (a request counted whole
+        if any of its rows would go), the sum of their waits so far (s), and when the
+        oldest of them was queued (+inf: none)."""
+        self._check_lane(lane)
+        rows = n = 0
+        ages = 0.0
+        oldest = INF
+        for r in self._items[lane][self._heads[lane] :]:
+            if rows >= max_rows:
+                break
+            if r.finished:
+                continue
+            rows += min(r.rows - r.next_row, max_rows - rows)
+            n += 1
+            ages += now - r.t_enqueue
+            oldest = min(oldest, r.t_enqueue)
+        return rows, n, ages, oldest
 
     @property
     def timings_pending(self) -> int:
@@ -220,8 +265,9 @@ class BatchQueue:
     # ------------------------------------------------------------------ accepting
 
     def _push(
-        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float
+        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float, lane: int
     ) -> Request | None:
+        self._check_lane(lane)
         if rows < 1:
             raise ValueError(f"a request needs at least 1 row, got {rows}")
         if self.queued_rows + rows > self.max_queued_rows:
@@ -229,20 +275,21 @@ class BatchQueue:
             if self.queued_rows + rows > self.max_queued_rows:
                 self.refused_rows = rows
                 return None
-        r = Request(arrays, rows, future, now, deadline)
-        self._items.append(r)
+        r = Request(arrays, rows, future, now, deadline, lane)
+        self._items[lane].append(r)
         self.queued_rows += rows
+        self._lane_rows[lane] += rows
         if deadline < self.earliest_deadline:
             self.earliest_deadline = deadline
         return r
 
     def push(
-        self, arrays: tuple, rows: int, future: Any = None, deadline: float = INF
+        self, arrays: tuple, rows: int, future: Any = None, deadline: float = INF, lane: int = 0
     ) -> Request | None:
-        """Queue a prepared request (``InputHandler.prepare``'s arrays and rows); None
-        when its rows do not fit under ``max_queued_rows`` (requests whose callers gave
-        up are dropped first, so they never hold room)."""
-        return self._push(arrays, rows, future, _clock(), deadline)
+        """Queue a prepared request (``InputHandler.prepare``'s arrays and rows) in
+        ``lane``; None when its rows do not fit under ``max_queued_rows`` (requests whose
+        callers gave up are dropped first, so they never hold room)."""
+        return self._push(arrays, rows, future, _clock(), deadline, lane)
 
     def submit(self, request: Any, timeout: float | None = None) -> Request:
         """Admit one request for serving: validate it, give it a future and a deadline
@@ -257,12 +304,13 @@ class BatchQueue:
             raise self._policy.closed_error()
         try:
             arrays, rows = self._handler.prepare(request)
+            lane = self._handler.lane_of(arrays) if self.lanes > 1 else 0
         except (TypeError, ValueError):
             self.invalid += 1
             raise
         now = _clock()
         deadline = now + (self.default_timeout if timeout is None else float(timeout))
-        r = self._push(arrays, rows, self._create_future(), now, deadline)
+        r = self._push(arrays, rows, self._create_future(), now, deadline, lane)
         if r is None:
             error = self._policy.refused_error(rows)
             if isinstance(error, ValueError):
@@ -298,21 +346,44 @@ class BatchQueue:
             return True
         return False
 
-    def take(self, max_rows: int, now: float) -> Batch | None:
-        """The next batch: waiting requests in order, up to ``max_rows`` rows; None
-        when nothing waits. A request that does not fit whole gives the rows that fit
+    def take(
+        self, max_rows: int, now: float, lane: int = 0, fold: tuple | None = None
+    ) -> Batch | None:
+        """The next batch from ``lane``: its waiting requests in order, up to
+        ``max_rows`` rows, then, while room is left, whole requests from the lanes in
+        ``fold`` (in that order: lanes whose lengths fit this one's); None when nothing
+        was taken. A request of ``lane`` that does not fit whole gives the rows that fit
         and then waits behind the requests queued after it for its next piece."""
-        batch = None
-        room = max_rows
-        items = self._items
+        self._check_lane(lane)
+        batch, room = self._take_lane(None, lane, max_rows, now, True)
+        for k in fold or ():
+            if room <= 0:
+                break
+            self._check_lane(k)
+            batch, room = self._take_lane(batch, k, room, now, False)
+        if batch is not None:
+            batch.lane = lane
+        if self.queued_rows == 0:
+            self.earliest_deadline = INF
+        return batch
+
+    def _take_lane(
+        self, batch: Batch | None, lane: int, room: int, now: float, split: bool
+    ) -> tuple[Batch | None, int]:
+        items = self._items[lane]
+        head = self._heads[lane]
         n = len(items)
-        while self._head < n and room > 0:
-            r = items[self._head]
+        while head < n and room > 0:
+            r = items[head]
             if self._drop_if_gone(r, now):
-                items[self._head] = None
-                self._head += 1
+                items[head] = None
+                head += 1
                 continue
-            left = min(r.rows - r.next_row, room)
+            left = r.rows - r.next_row
+            if left > room:
+                if not split:
+                    break
+                left = room
             if batch is None:
                 batch = Batch()
             if r.next_row == 0:
@@ -321,24 +392,25 @@ class BatchQueue:
             r.next_row += left
             room -= left
             self.queued_rows -= left
+            self._lane_rows[lane] -= left
             if r.next_row == r.rows:
-                items[self._head] = None  # the batch holds it now
-                self._head += 1
-        if room == 0 and self._head < n - 1 and items[self._head].next_row:
+                items[head] = None  # the batch holds it now
+                head += 1
+        if split and room == 0 and head < n - 1 and items[head].next_row:
             # A request split across batches waits behind the others for its next piece,
             # so a large request does not hold the requests behind it for all its batches.
-            items.append(items[self._head])
-            items[self._head] = None
-            self._head += 1
+            items.append(items[head])
+            items[head] = None
+            head += 1
             n += 1
-        if self._head == n:
+        if head == n:
             del items[:]
-            self._head = 0
-            self.earliest_deadline = INF
-        elif self._head > 1024 and 2 * self._head > n:
-            del items[: self._head]
-            self._head = 0
-        return batch
+            head = 0
+        elif head > 1024 and 2 * head > n:
+            del items[:head]
+            head = 0
+        self._heads[lane] = head
+        return batch, room
 
     # ------------------------------------------------------------------ answering
 
@@ -350,6 +422,7 @@ class BatchQueue:
         r.parts = None
         if r.next_row < r.rows:  # rows still waiting leave the queue with it
             self.queued_rows -= r.rows - r.next_row
+            self._lane_rows[r.lane] -= r.rows - r.next_row
             r.next_row = r.rows
         if r.future is None:
             r.result = result
@@ -406,6 +479,7 @@ class BatchQueue:
         r.finished = True
         r.parts = None
         self.queued_rows -= r.rows - r.next_row
+        self._lane_rows[r.lane] -= r.rows - r.next_row
         r.next_row = r.rows
         self.cancelled += 1
         return True
@@ -413,15 +487,16 @@ class BatchQueue:
     def sweep(self, now: float) -> float:
         """Answer the waiting requests whose deadline passed, drop the ones whose callers
         gave up; returns the earliest deadline among those still waiting (+inf)."""
-        keep = []
         earliest = INF
-        for r in self._items[self._head :]:
-            if self._drop_if_gone(r, now):
-                continue
-            keep.append(r)
-            if r.next_row == 0 and r.deadline < earliest:
-                earliest = r.deadline
-        self._items = keep
-        self._head = 0
+        for k in range(self.lanes):
+            keep = []
+            for r in self._items[k][self._heads[k] :]:
+                if self._drop_if_gone(r, now):
+                    continue
+                keep.append(r)
+                if r.next_row == 0 and r.deadline < earliest:
+                    earliest = r.deadline
+            self._items[k] = keep
+            self._heads[k] = 0
         self.earliest_deadline = earliest
         return earliest

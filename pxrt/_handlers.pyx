@@ -20,7 +20,7 @@ from pxrt._keys cimport RouteCache, signature_of
 
 import numpy as np
 
-from ._validate import inner_contiguous, validate
+from ._validate import check_lanes, inner_contiguous, validate
 
 cnp.import_array()
 
@@ -34,6 +34,7 @@ cdef extern from "numpy/arrayobject.h":
 cdef object _ndarray = np.ndarray
 cdef object _empty = np.empty
 cdef object _ascontiguousarray = np.ascontiguousarray
+cdef object _concatenate = np.concatenate
 
 
 cdef inline bint _rows_contiguous(cnp.ndarray arr, Py_ssize_t row_nbytes):
@@ -61,18 +62,35 @@ cdef class InputHandler:
         self._memo_descrs = NULL
         self._memo_input = NULL
         self._scratch = NULL
+        self._len_input = NULL
+        self._len_axis = NULL
+        self._len_max = NULL
+        self._lengths_at = NULL
+        self._lengths = NULL
+        self._lane_of = NULL
+        self._lens = NULL
         self._memo_valid = False
 
-    def __init__(self, str model, names, dtypes, shapes, Py_ssize_t max_routes=256):
-        cdef Py_ssize_t i, d, at = 0, n
+    def __init__(self, str model, names, dtypes, shapes, Py_ssize_t max_routes=256,
+                 dim_lengths=None, lane_of=None, pads=None):
+        cdef Py_ssize_t i, d, at = 0, n, k
         self.model = model
         self.names = tuple(names)
         self.dtypes = tuple(np.dtype(d) for d in dtypes)
         self.shapes = tuple(tuple(s) for s in shapes)
         self.n_inputs = n = len(self.names)
-        self.row_nbytes = tuple(int(np.prod(s, dtype=np.int64)) * d.itemsize
-                                for d, s in zip(self.dtypes, self.shapes))
+        self.dim_names = tuple(dict.fromkeys(d for s in self.shapes for d in s
+                                             if isinstance(d, str)))
+        self.n_named = len(self.dim_names)
+        self.dim_lengths, lanes = check_lanes(self.dim_names, dim_lengths, lane_of)
+        self.pads = tuple(np.array(0 if pads is None else pads[k], dt).tobytes()
+                          for k, dt in enumerate(self.dtypes))
+        self.row_nbytes = tuple(
+            0 if any(isinstance(d, str) for d in s) else
+            int(np.prod(s, dtype=np.int64)) * dt.itemsize
+            for dt, s in zip(self.dtypes, self.shapes))
         m = max(n, 1)
+        q = max(self.n_named, 1)
         self._row_nbytes = <Py_ssize_t*>PyMem_Malloc(m * sizeof(Py_ssize_t))
         self._ndim = <int*>PyMem_Malloc(m * sizeof(int))
         self._dims_at = <Py_ssize_t*>PyMem_Malloc(m * sizeof(Py_ssize_t))
@@ -82,17 +100,46 @@ cdef class InputHandler:
         self._memo_descrs = <PyObject**>PyMem_Malloc(m * sizeof(PyObject*))
         self._memo_input = <Py_ssize_t*>PyMem_Malloc(m * sizeof(Py_ssize_t))
         self._scratch = <PyObject**>PyMem_Malloc(m * sizeof(PyObject*))
+        self._len_input = <Py_ssize_t*>PyMem_Malloc(q * sizeof(Py_ssize_t))
+        self._len_axis = <Py_ssize_t*>PyMem_Malloc(q * sizeof(Py_ssize_t))
+        self._len_max = <Py_ssize_t*>PyMem_Malloc(q * sizeof(Py_ssize_t))
+        self._lengths_at = <Py_ssize_t*>PyMem_Malloc(q * sizeof(Py_ssize_t))
+        self._lens = <Py_ssize_t*>PyMem_Malloc(q * sizeof(Py_ssize_t))
+        self._lengths = <Py_ssize_t*>PyMem_Malloc(
+            max(sum(len(v) for v in self.dim_lengths), 1) * sizeof(Py_ssize_t))
+        self._lane_of = <Py_ssize_t*>PyMem_Malloc(max(len(lanes), 1) * sizeof(Py_ssize_t))
         if (self._row_nbytes == NULL or self._ndim == NULL or self._dims_at == NULL
                 or self._dims == NULL or self._memo_names == NULL or self._memo_descrs == NULL
-                or self._memo_input == NULL or self._scratch == NULL):
+                or self._memo_input == NULL or self._scratch == NULL
+                or self._len_input == NULL or self._len_axis == NULL or self._len_max == NULL
+                or self._lengths_at == NULL or self._lens == NULL or self._lengths == NULL
+                or self._lane_of == NULL):
             raise MemoryError()
+        for d in range(self.n_named):
+            self._len_input[d] = -1
         for i in range(n):
             self._row_nbytes[i] = self.row_nbytes[i]
             self._ndim[i] = len(self.shapes[i]) + 1
             self._dims_at[i] = at
-            for d in self.shapes[i]:
-                self._dims[at] = d
+            for axis, dim in enumerate(self.shapes[i], 1):
+                if isinstance(dim, str):
+                    j = self.dim_names.index(dim)
+                    self._dims[at] = -1 - j
+                    if self._len_input[j] < 0:
+                        self._len_input[j] = i
+                        self._len_axis[j] = axis
+                else:
+                    self._dims[at] = dim
                 at += 1
+        at = 0
+        for d in range(self.n_named):
+            self._lengths_at[d] = at
+            self._len_max[d] = max(self.dim_lengths[d])
+            for length in self.dim_lengths[d]:
+                self._lengths[at] = length
+                at += 1
+        for i, lane in enumerate(lanes):
+            self._lane_of[i] = lane
         self.routes = RouteCache(max_routes)
 
     def __dealloc__(self):
@@ -104,12 +151,28 @@ cdef class InputHandler:
         PyMem_Free(self._memo_descrs)
         PyMem_Free(self._memo_input)
         PyMem_Free(self._scratch)
+        PyMem_Free(self._len_input)
+        PyMem_Free(self._len_axis)
+        PyMem_Free(self._len_max)
+        PyMem_Free(self._lengths_at)
+        PyMem_Free(self._lengths)
+        PyMem_Free(self._lane_of)
+        PyMem_Free(self._lens)
+
+    @property
+    def dim_max(self):
+        """Named dimension -> the largest length a request may have."""
+        return {d: max(lengths) for d, lengths in zip(self.dim_names, self.dim_lengths)}
+
+    def _validate(self, request):
+        return validate(self.model, self.names, self.dtypes, self.shapes, request,
+                        self.dim_max)
 
     cdef tuple _prepare_memo(self, dict request, Py_ssize_t* rows_out):
         # The request's arrays in input order if it has the last signature seen and
         # C-contiguous arrays of agreeing rows (>= 1); else None (the route cache, or
         # the full check, decides). No key tuple, no hashing: pointer compares.
-        cdef Py_ssize_t pos = 0, i = 0, k, d, at, rows = 0, n = self.n_inputs
+        cdef Py_ssize_t pos = 0, i = 0, k, d, at, rows = 0, n = self.n_inputs, want, named
         cdef PyObject* pkey
         cdef PyObject* pvalue
         cdef cnp.ndarray arr
@@ -117,6 +180,8 @@ cdef class InputHandler:
         cdef tuple arrays
         if not self._memo_valid or PyDict_Size(request) != n:
             return None
+        for d in range(self.n_named):
+            self._lens[d] = -1
         while PyDict_Next(request, &pos, &pkey, &pvalue):
             if pkey != self._memo_names[i]:
                 if PyObject_RichCompareBool(<object>pkey, <object>self._memo_names[i], Py_EQ) != 1:
@@ -132,7 +197,17 @@ cdef class InputHandler:
             dims = cnp.PyArray_DIMS(arr)
             at = self._dims_at[k]
             for d in range(1, self._ndim[k]):
-                if dims[d] != self._dims[at + d - 1]:
+                want = self._dims[at + d - 1]
+                if want >= 0:
+                    if dims[d] != want:
+                        return None
+                    continue
+                named = -1 - want
+                if self._lens[named] < 0:
+                    if dims[d] < 1 or dims[d] > self._len_max[named]:
+                        return None
+                    self._lens[named] = dims[d]
+                elif self._lens[named] != dims[d]:
                     return None
             if i == 0:
                 rows = dims[0]
@@ -179,7 +254,7 @@ cdef class InputHandler:
         key = signature_of(request)
         perm = self.routes.get(key) if key is not None else None
         if perm is None:
-            arrays, rows = validate(self.model, self.names, self.dtypes, self.shapes, request)
+            arrays, rows = self._validate(request)
             if key is not None:
                 order = list(request)
                 perm = tuple([order.index(n) for n in self.names])
@@ -194,8 +269,7 @@ cdef class InputHandler:
             arr = <cnp.ndarray>arrays[i]
             if cnp.PyArray_DIMS(arr)[0] != rows or rows < 1:
                 # Same signature, different row counts (or none): the full check words it.
-                arrays, rows = validate(self.model, self.names, self.dtypes, self.shapes,
-                                        request)
+                arrays, rows = self._validate(request)
                 rows_out[0] = rows
                 return arrays
             if not cnp.PyArray_IS_C_CONTIGUOUS(arr):
@@ -218,6 +292,43 @@ cdef class InputHandler:
         cdef Py_ssize_t rows = 0
         cdef tuple arrays = self.prepare_c(request, &rows)
         return arrays, rows
+
+    cdef Py_ssize_t lane_c(self, tuple arrays) except -1:
+        # The lane of prepared arrays: the smallest compiled lengths that hold them.
+        cdef Py_ssize_t d, flat = 0, length, lo, hi, mid, at, count
+        for d in range(self.n_named):
+            length = cnp.PyArray_DIMS(<cnp.ndarray>arrays[self._len_input[d]])[
+                self._len_axis[d]]
+            at = self._lengths_at[d]
+            count = len(<tuple>self.dim_lengths[d])
+            lo = 0
+            hi = count
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if self._lengths[at + mid] < length:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo == count:
+                raise ValueError(f"dimension {self.dim_names[d]!r} is {length}, over the "
+                                 f"largest compiled length {self._len_max[d]}")
+            flat = flat * count + lo
+        if not self.n_named:
+            return 0
+        if self._lane_of[flat] < 0:
+            raise ValueError(f"model {self.model!r}: no compiled cell holds lengths "
+                             f"{dict(zip(self.dim_names, self.lengths_of(arrays)))}")
+        return self._lane_of[flat]
+
+    def lane_of(self, tuple arrays):
+        """The lane (compiled lengths) that prepared ``arrays`` run in; 0 without
+        named dimensions."""
+        return self.lane_c(arrays)
+
+    def lengths_of(self, tuple arrays):
+        """Prepared ``arrays``' length along each named dimension, in order."""
+        return tuple([(<object>arrays[self._len_input[d]]).shape[self._len_axis[d]]
+                      for d in range(self.n_named)])
 
     cpdef Py_ssize_t assemble(self, list arrays, list starts, list counts,
                               list buffers) except -1:
@@ -245,6 +356,8 @@ cdef class InputHandler:
                 raise ValueError(f"piece {i} must be a tuple of {self.n_inputs} arrays "
                                  f"(InputHandler.prepare's), got {type(piece).__name__}")
             total += <Py_ssize_t>counts[i]
+        if self.n_named:
+            return self._assemble_padded(arrays, starts, counts, buffers, total)
         ops = <CopyOp*>PyMem_Malloc((n_ops + 1) * sizeof(CopyOp))
         pad_dst = <char**>PyMem_Malloc((self.n_inputs + 1) * sizeof(char*))
         pad_len = <Py_ssize_t*>PyMem_Malloc((self.n_inputs + 1) * sizeof(Py_ssize_t))
@@ -281,26 +394,166 @@ cdef class InputHandler:
                     op.src = cnp.PyArray_BYTES(src) + start * cnp.PyArray_STRIDES(src)[0]
                     op.nbytes = rb
                     op.src_stride = cnp.PyArray_STRIDES(src)[0]
+                    op.dst_stride = rb
                     op.rows = count
                     k += 1
                     offset += count
                 pad_dst[j] = dst + total * rb
                 pad_len[j] = (cap - total) * rb
             with nogil:
-                for i in range(k):
-                    op = &ops[i]
-                    if op.src_stride == op.nbytes:
-                        memcpy(op.dst, op.src, op.nbytes * op.rows)
-                    else:
-                        for r in range(op.rows):
-                            memcpy(op.dst + r * op.nbytes, op.src + r * op.src_stride, op.nbytes)
-                for j in range(self.n_inputs):
-                    memset(pad_dst[j], 0, pad_len[j])
+                _run_ops(ops, k)
+            for j in range(self.n_inputs):
+                _fill(pad_dst[j], pad_len[j], self.pads[j])
         finally:
             PyMem_Free(ops)
             PyMem_Free(pad_dst)
             PyMem_Free(pad_len)
         return total
+
+
+    cdef Py_ssize_t _assemble_padded(self, list arrays, list starts, list counts,
+                                     list buffers, Py_ssize_t total) except -1:
+        # With named dimensions: each buffer is (bucket, *lengths of the cell); every
+        # piece's rows go into the corner of their rows, the rest is the input's pad.
+        cdef Py_ssize_t n_pieces = len(arrays)
+        cdef Py_ssize_t i, j, d, nd, cap, offset, start, count, n_ops = 0, k = 0, inner
+        cdef Py_ssize_t chunk, chunks, c, src_off, dst_off, item
+        cdef cnp.ndarray src, buf
+        cdef cnp.npy_intp* sdims
+        cdef cnp.npy_intp* tdims
+        cdef Py_ssize_t sstride[32]
+        cdef Py_ssize_t tstride[32]
+        cdef Py_ssize_t idx[32]
+        cdef CopyOp* ops = NULL
+        cdef CopyOp* op
+        if len(buffers) != self.n_inputs:
+            raise ValueError(f"expected {self.n_inputs} staging buffers, got {len(buffers)}")
+        # With the GIL: check every bound and count the copies.
+        for j in range(self.n_inputs):
+            buf = <cnp.ndarray?>buffers[j]
+            nd = cnp.PyArray_NDIM(buf)
+            if (nd != self._ndim[j] or nd > 32 or not cnp.PyArray_IS_C_CONTIGUOUS(buf)
+                    or not cnp.PyArray_ISWRITEABLE(buf)
+                    or (<object>buf).dtype != self.dtypes[j]):
+                raise ValueError(f"staging buffer {j} is not a writeable C-contiguous "
+                                 f"{self.dtypes[j]} buffer of rank {self._ndim[j]}")
+            tdims = cnp.PyArray_DIMS(buf)
+            if total > tdims[0]:
+                raise ValueError(f"{total} rows do not fit a staging buffer of {tdims[0]}")
+            for i in range(n_pieces):
+                src = <cnp.ndarray?>(<tuple>arrays[i])[j]
+                start = starts[i]
+                count = counts[i]
+                sdims = cnp.PyArray_DIMS(src)
+                if (cnp.PyArray_NDIM(src) != nd or start < 0 or count < 0
+                        or start + count > sdims[0]
+                        or cnp.PyArray_ITEMSIZE(src) != cnp.PyArray_ITEMSIZE(buf)
+                        or not _rows_contiguous(src, 0)):
+                    raise ValueError(f"piece {i}, input {self.names[j]!r}: rows "
+                                     f"{start}:{start + count} do not fit the input")
+                inner = nd - 1
+                while inner > 0 and sdims[inner] == tdims[inner]:
+                    inner -= 1
+                chunks = 1
+                for d in range(1, inner):
+                    chunks *= sdims[d]
+                for d in range(1, nd):
+                    if sdims[d] > tdims[d]:
+                        raise ValueError(f"piece {i}, input {self.names[j]!r}: shape "
+                                         f"{(<object>src).shape[1:]} does not fit "
+                                         f"{(<object>buf).shape[1:]}")
+                n_ops += chunks
+        ops = <CopyOp*>PyMem_Malloc((n_ops + 1) * sizeof(CopyOp))
+        if ops == NULL:
+            raise MemoryError()
+        try:
+            for j in range(self.n_inputs):
+                buf = <cnp.ndarray>buffers[j]
+                nd = cnp.PyArray_NDIM(buf)
+                tdims = cnp.PyArray_DIMS(buf)
+                item = self.dtypes[j].itemsize
+                _fill(cnp.PyArray_BYTES(buf), cnp.PyArray_NBYTES(buf), self.pads[j])
+                offset = 0
+                for i in range(n_pieces):
+                    src = <cnp.ndarray>(<tuple>arrays[i])[j]
+                    start = starts[i]
+                    count = counts[i]
+                    sdims = cnp.PyArray_DIMS(src)
+                    # Element strides of one example, source (its own dims) and target.
+                    sstride[nd - 1] = item
+                    tstride[nd - 1] = item
+                    for d in range(nd - 2, -1, -1):
+                        sstride[d] = sstride[d + 1] * sdims[d + 1]
+                        tstride[d] = tstride[d + 1] * tdims[d + 1]
+                    inner = nd - 1
+                    while inner > 0 and sdims[inner] == tdims[inner]:
+                        inner -= 1
+                    # One chunk: the source's extent of axes inner.. (the target's past it).
+                    chunk = sstride[inner] * sdims[inner] if inner > 0 else sstride[0]
+                    chunks = 1
+                    for d in range(1, inner):
+                        chunks *= sdims[d]
+                        idx[d] = 0
+                    for c in range(chunks):
+                        src_off = 0
+                        dst_off = 0
+                        for d in range(1, inner):
+                            src_off += idx[d] * sstride[d]
+                            dst_off += idx[d] * tstride[d]
+                        op = &ops[k]
+                        op.dst = cnp.PyArray_BYTES(buf) + offset * tstride[0] + dst_off
+                        op.src = (cnp.PyArray_BYTES(src) + start * cnp.PyArray_STRIDES(src)[0]
+                                  + src_off)
+                        op.nbytes = chunk
+                        op.src_stride = cnp.PyArray_STRIDES(src)[0]
+                        op.dst_stride = tstride[0]
+                        op.rows = count
+                        k += 1
+                        d = inner - 1
+                        while d >= 1:
+                            idx[d] += 1
+                            if idx[d] < sdims[d]:
+                                break
+                            idx[d] = 0
+                            d -= 1
+                    offset += count
+            with nogil:
+                _run_ops(ops, k)
+        finally:
+            PyMem_Free(ops)
+        return total
+
+
+cdef inline void _run_ops(CopyOp* ops, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i, r
+    cdef CopyOp* op
+    for i in range(n):
+        op = &ops[i]
+        if op.src_stride == op.nbytes and op.dst_stride == op.nbytes:
+            memcpy(op.dst, op.src, op.nbytes * op.rows)
+        else:
+            for r in range(op.rows):
+                memcpy(op.dst + r * op.dst_stride, op.src + r * op.src_stride, op.nbytes)
+
+
+cdef void _fill(char* dst, Py_ssize_t nbytes, bytes pattern):
+    # Fill nbytes with copies of one element's bytes: memset for zeros, else doubling.
+    cdef Py_ssize_t item = len(pattern), done
+    cdef const char* p = pattern
+    cdef bint zero = True
+    for done in range(item):
+        if p[done] != 0:
+            zero = False
+    if nbytes <= 0:
+        return
+    if zero:
+        memset(dst, 0, nbytes)
+        return
+    memcpy(dst, p, item)
+    done = item
+    while done < nbytes:
+        memcpy(dst + done, dst, min(done, nbytes - done))
+        done += min(done, nbytes - done)
 
 
 cdef class ResultHandler:
@@ -310,17 +563,21 @@ cdef class ResultHandler:
       names, dtypes, shapes: the model's outputs, in order, with per-example shapes.
     """
 
-    def __init__(self, names, dtypes, shapes):
+    def __init__(self, names, dtypes, shapes, dim_names=()):
         self.names = tuple(names)
         self.dtypes = tuple(np.dtype(d) for d in dtypes)
         self.shapes = tuple(tuple(s) for s in shapes)
         self.n_outputs = len(self.names)
+        self._cuts = _cuts(self.shapes, tuple(dim_names))
+        self._any_cut = any(self._cuts)
 
     cpdef list split(self, list outputs, Py_ssize_t shard_rows, list starts, list counts,
-                     bint copy=False):
+                     bint copy=False, list lengths=None):
         """``outputs[k]`` holds output k's shards in row order, ``shard_rows`` rows each.
         Returns, per piece, a dict name -> rows ``starts[i]:starts[i]+counts[i]``: a view
-        of a shard when the piece lies inside one (unless ``copy``), else a new array."""
+        of a shard when the piece lies inside one (unless ``copy``), else a new array.
+        Outputs with named dimensions are cut to ``lengths[i]`` (the piece's length per
+        named dimension) along them."""
         cdef Py_ssize_t n_pieces = len(starts)
         cdef Py_ssize_t i, k, s, start, count, first, offset, rb, n_shards, take, row
         cdef list results = []
@@ -348,6 +605,11 @@ cdef class ResultHandler:
                 if not cnp.PyArray_IS_C_CONTIGUOUS(shard):
                     shards[s] = _ascontiguousarray(shard)
             shard_lists.append(shards)
+        if self._any_cut:
+            if lengths is None or len(lengths) != n_pieces:
+                raise ValueError("outputs with named dimensions need each piece's lengths")
+            return _split_cut(self.names, self._cuts, shard_lists, shard_rows, starts, counts,
+                              copy, lengths)
         for i in range(n_pieces):
             start = starts[i]
             count = counts[i]
@@ -400,3 +662,63 @@ cdef class ResultHandler:
                 out[self.names[k]] = arr
             results.append(out)
         return results
+
+
+def _cuts(tuple shapes, tuple dim_names):
+    # Per output: ((axis of the full array, index of its named dimension), ...).
+    cuts = []
+    for shape in shapes:
+        cut = []
+        for axis, d in enumerate(shape, 1):
+            if isinstance(d, str):
+                if d not in dim_names:
+                    raise ValueError(f"output dimension {d!r} is not one of the inputs' "
+                                     f"named dimensions {list(dim_names)}")
+                cut.append((axis, dim_names.index(d)))
+        cuts.append(tuple(cut))
+    return tuple(cuts)
+
+
+def _split_cut(tuple names, tuple cuts, list shard_lists, Py_ssize_t shard_rows, list starts,
+               list counts, bint copy, list lengths):
+    # Outputs of a batch with named dimensions: each piece's rows, cut to its lengths
+    # (a strided view of the shard when the piece lies inside one, unless copy).
+    cdef Py_ssize_t i, k, start, count, first, offset, stop, last
+    cdef list results = []
+    cdef dict out
+    cdef list index
+    for i in range(len(starts)):
+        start = starts[i]
+        count = counts[i]
+        piece_lengths = lengths[i]
+        first = start // shard_rows
+        offset = start - first * shard_rows
+        out = {}
+        for k in range(len(names)):
+            shards = <list>shard_lists[k]
+            if start < 0 or count < 1 or start + count > len(shards) * shard_rows:
+                raise ValueError(f"rows {start}:{start + count} out of range for "
+                                 f"{len(shards) * shard_rows} rows")
+            index = [slice(None)] * (<cnp.ndarray>shards[0]).ndim
+            for axis, d in <tuple>cuts[k]:
+                index[axis] = slice(0, piece_lengths[d])
+            if offset + count <= shard_rows:
+                index[0] = slice(offset, offset + count)
+                arr = shards[first][tuple(index)]
+                if copy:
+                    arr = arr.copy()
+            else:
+                stop = start + count
+                last = (stop - 1) // shard_rows
+                index[0] = slice(offset, None)
+                parts = [shards[first][tuple(index)]]
+                index[0] = slice(None)
+                parts += [shards[s][tuple(index)] for s in range(first + 1, last)]
+                index[0] = slice(0, stop - last * shard_rows)
+                parts.append(shards[last][tuple(index)])
+                arr = _concatenate(parts)
+                if not copy:
+                    arr.flags.writeable = False
+            out[names[k]] = arr
+        results.append(out)
+    return results

@@ -35,15 +35,25 @@ def inner_contiguous(arr: np.ndarray) -> bool:
 
 
 def validate(
-    model: str, names: tuple, dtypes: tuple, shapes: tuple, request: Any
+    model: str,
+    names: tuple,
+    dtypes: tuple,
+    shapes: tuple,
+    request: Any,
+    dim_max: dict[str, int] | None = None,
 ) -> tuple[tuple[np.ndarray, ...], int]:
     """Check ``request`` against the model's inputs exactly; no casts, ever.
 
+    A shape may name dimensions (strings): their length is free from 1 to
+    ``dim_max[name]``, and the same in every input that names them.
+
     Returns the arrays in the model's input order (C-contiguous rows, copied only when
     a row was not one block) and the number of rows. Raises TypeError for a wrong type
-    or dtype and ValueError for wrong names, shapes or row counts, each naming the
-    input, what was expected and what came.
+    or dtype and ValueError for wrong names, shapes, lengths or row counts, each naming
+    the input (and dimension), what was expected and what came.
     """
+    dim_max = dim_max or {}
+    lengths: dict[str, tuple[str, int]] = {}  # dimension -> (first input naming it, length)
     where = f"model {model!r}: " if model else ""
     expected = signature_text(names, dtypes, shapes)
     if not isinstance(request, Mapping):
@@ -91,11 +101,30 @@ def validate(
                 f"{value.dtype} (pxrt never casts; convert it with "
                 f".astype({dtype.name!r}) if that is what you mean)"
             )
-        if value.ndim != len(shape) + 1 or value.shape[1:] != shape:
+        if value.ndim != len(shape) + 1 or any(
+            got != want for got, want in zip(value.shape[1:], shape) if not isinstance(want, str)
+        ):
             raise ValueError(
                 f"{where}input {name!r}: expected shape {describe(dtype, shape)} "
                 f"(a leading batch dimension, then {shape}), got {value.shape}"
             )
+        for axis, (got, want) in enumerate(zip(value.shape[1:], shape), 1):
+            if not isinstance(want, str):
+                continue
+            top = dim_max.get(want)
+            if got < 1 or (top is not None and got > top):
+                raise ValueError(
+                    f"{where}input {name!r}: dimension {want!r} (axis {axis}) is {got}; the "
+                    f"model takes lengths 1 to {top}"
+                    + (" (longer inputs are never truncated)" if got > 1 else "")
+                )
+            if want in lengths and lengths[want][1] != got:
+                first_name, first_len = lengths[want]
+                raise ValueError(
+                    f"{where}inputs disagree on dimension {want!r}: {first_name!r} has "
+                    f"{first_len}, {name!r} has {got}"
+                )
+            lengths.setdefault(want, (name, got))
         n = value.shape[0]
         if n < 1:
             raise ValueError(f"{where}input {name!r} has 0 rows; a request needs at least 1")
@@ -110,3 +139,28 @@ def validate(
             value = np.ascontiguousarray(value)
         arrays.append(value)
     return tuple(arrays), rows
+
+
+def check_lanes(
+    dim_names: tuple, dim_lengths: Any, lane_of: Any
+) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+    """(per named dimension: its sorted compiled lengths, the flat lane table), checked.
+
+    ``lane_of`` maps the product of per-dimension length indices (row-major) to the
+    lane that runs such requests (-1: none holds them)."""
+    if not dim_names:
+        return (), [0]
+    if dim_lengths is None or lane_of is None or len(dim_lengths) != len(dim_names):
+        raise ValueError(
+            f"inputs with named dimensions {list(dim_names)} need their compiled lengths "
+            "(dim_lengths) and lane table (lane_of)"
+        )
+    lengths = tuple(tuple(sorted(int(v) for v in ls)) for ls in dim_lengths)
+    size = 1
+    for ls in lengths:
+        if not ls or ls[0] < 1:
+            raise ValueError(f"every named dimension needs positive lengths, got {lengths}")
+        size *= len(ls)
+    if len(lane_of) != size:
+        raise ValueError(f"lane_of has {len(lane_of)} entries, expected {size}")
+    return lengths, [int(v) for v in lane_of]

@@ -8,8 +8,13 @@ An artifact directory holds:
 - ``params.npz``: the param leaves as plain arrays (read with ``allow_pickle=False``;
   loading a directory never runs code from it);
 - ``manifest.json``: format version, name/version, inputs and outputs (name, dtype,
-  per-example shape), batch buckets, mesh layout, x64 flag, jax versions and the
-  sha256 of every file above.
+  per-example shape, pad value), batch buckets, buckets per named dimension, mesh
+  layout, x64 flag, jax versions and the sha256 of every file above.
+
+A per-example shape may name a dimension (``("seq",)``, ``("seq", 64)``): it is
+symbolic in the program, like the batch, and every input that names it has the same
+length in one request. Outputs may carry it too (they come back cut to each request's
+length). ``dim_buckets`` gives the lengths each named dimension is compiled at.
 
 The manifest is bound to its program: the exported function is named after a hash of
 the manifest's signature (inputs and outputs in order, params, x64, mesh), and
@@ -41,7 +46,9 @@ from . import _xla
 
 FORMAT = "pxrt-artifact"
 # 2: the program's name binds the manifest's signature (1 still loads, unbound).
-FORMAT_VERSION = 2
+# 3: named dimensions in shapes, their buckets (``dim_buckets``) and per-input pad
+#    values (2 and 1 still load: they have neither).
+FORMAT_VERSION = 3
 SIGNATURE_KEYS = ("inputs", "outputs", "params", "x64", "mesh")
 # A bucket's rows, at most: far beyond any batch one device runs, small enough that a
 # typo (1e9) is refused before anything is allocated for it.
@@ -50,6 +57,7 @@ MANIFEST = "manifest.json"
 PROGRAM_FILE = "model.jaxexport"
 PARAMS_FILE = "params.npz"
 BATCH_AXIS = "data"
+BATCH_DIM = "b"  # the batch dimension's symbol in the program; not a name for others
 DEFAULT_OUTPUT = "output"
 
 # dtype name -> numpy dtype; names are what manifests and error messages use.
@@ -88,39 +96,95 @@ def as_dtype(dtype: Any) -> np.dtype:
     return DTYPES[dt.name]
 
 
+Dim = int | str
+
+
+def _is_dim_name(d: Any) -> bool:
+    return isinstance(d, str) and d.isidentifier() and d != BATCH_DIM
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One named input or output: its per-example ``shape`` (the leading batch
-    dimension is implicit) and its exact ``dtype``."""
+    dimension is implicit) and its exact ``dtype``.
 
-    shape: tuple[int, ...]
+    A dimension of ``shape`` is a size (an int) or a name (``"seq"``): a length that
+    varies from request to request, compiled at the lengths ``dim_buckets`` gives it.
+    ``pad`` is what an input's rows are padded with up to the compiled length (and
+    what fills a batch's unused rows); it must be exactly representable in ``dtype``.
+    """
+
+    shape: tuple[Dim, ...]
     dtype: np.dtype
+    pad: bool | int | float = 0
 
-    def __init__(self, shape: Sequence[int], dtype: Any):
-        if isinstance(shape, int):
+    def __init__(self, shape: Sequence[Dim] | Dim, dtype: Any, pad: bool | int | float = 0):
+        if isinstance(shape, (int, str)):
             shape = (shape,)
         dims = tuple(shape)
-        if not all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
-        ):
-            raise ValueError(f"shape must be a tuple of non-negative ints, got {shape!r}")
-        object.__setattr__(self, "shape", tuple(int(d) for d in dims))
-        object.__setattr__(self, "dtype", as_dtype(dtype))
+        for d in dims:
+            if isinstance(d, str):
+                if not _is_dim_name(d):
+                    raise ValueError(
+                        f"dimension name {d!r} is not usable: names are Python identifiers "
+                        f"other than {BATCH_DIM!r} (the batch)"
+                    )
+            elif not (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0):
+                raise ValueError(
+                    f"shape must be a tuple of non-negative ints and dimension names, got {shape!r}"
+                )
+        dt = as_dtype(dtype)
+        object.__setattr__(self, "shape", tuple(d if isinstance(d, str) else int(d) for d in dims))
+        object.__setattr__(self, "dtype", dt)
+        object.__setattr__(self, "pad", _check_pad(pad, dt))
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The named dimensions of the shape, in order."""
+        return tuple(d for d in self.shape if isinstance(d, str))
+
+    def at(self, lengths: Mapping[str, int]) -> tuple[int, ...]:
+        """The per-example shape with each named dimension at ``lengths[name]``."""
+        return tuple(lengths[d] if isinstance(d, str) else d for d in self.shape)
 
     @property
     def nbytes_per_row(self) -> int:
-        """Bytes of one example (one row of a batch)."""
+        """Bytes of one example (one row of a batch); only for fixed shapes."""
+        if self.dims:
+            raise ValueError(f"{self.describe()} has named dimensions: use nbytes_at(lengths)")
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
-    def describe(self) -> str:
-        return (
-            f"{self.dtype.name}[n, {', '.join(map(str, self.shape))}]"
-            if self.shape
-            else f"{self.dtype.name}[n]"
-        )
+    def nbytes_at(self, lengths: Mapping[str, int]) -> int:
+        """Bytes of one example with the named dimensions at ``lengths``."""
+        return int(np.prod(self.at(lengths), dtype=np.int64)) * self.dtype.itemsize
 
-    def to_json(self, name: str) -> dict:
-        return {"name": name, "dtype": self.dtype.name, "shape": list(self.shape)}
+    def describe(self) -> str:
+        return f"{self.dtype.name}[{', '.join(['n', *map(str, self.shape)])}]"
+
+    def to_json(self, name: str, *, pad: bool = False) -> dict:
+        out = {"name": name, "dtype": self.dtype.name, "shape": list(self.shape)}
+        if pad:
+            out["pad"] = self.pad
+        return out
+
+
+def _check_pad(pad: Any, dtype: np.dtype) -> bool | int | float:
+    """``pad`` as a plain JSON-able scalar that ``dtype`` holds exactly."""
+    if isinstance(pad, np.generic):
+        pad = pad.item()
+    if dtype == np.bool_:
+        if pad in (0, 1) and isinstance(pad, (bool, int)):
+            return bool(pad)
+    elif np.issubdtype(dtype, np.integer):
+        if isinstance(pad, int) and not isinstance(pad, bool):
+            info = np.iinfo(dtype)
+            if info.min <= pad <= info.max:
+                return pad
+    elif isinstance(pad, (int, float)) and not isinstance(pad, bool):
+        value = float(pad)
+        if np.isfinite(value) and float(np.array(value, dtype)) == value:
+            return value
+    raise ValueError(f"pad value {pad!r} is not exactly representable as {dtype.name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +210,11 @@ class Artifact:
     def x64(self) -> bool:
         return bool(self.manifest["x64"])
 
+    @property
+    def dim_buckets(self) -> dict[str, tuple[int, ...]]:
+        """Named dimension -> the lengths it is compiled at (empty: fixed shapes)."""
+        return {k: tuple(v) for k, v in (self.manifest.get("dim_buckets") or {}).items()}
+
 
 # --------------------------------------------------------------------------- export
 
@@ -157,6 +226,7 @@ def export(
     *,
     inputs: Mapping[str, TensorSpec],
     batch_buckets: Sequence[int] = (1, 8, 64),
+    dim_buckets: Mapping[str, Sequence[int]] | None = None,
     name: str | None = None,
     version: str = "1",
     num_devices: int | None = None,
@@ -170,8 +240,14 @@ def export(
         named arrays. Every input and output has a leading batch dimension, and
         example ``i`` of the outputs may depend only on example ``i`` of the inputs.
       params: a pytree of arrays, stored as plain arrays and passed as arguments.
-      inputs: name -> ``TensorSpec`` with the per-example shape and exact dtype.
+      inputs: name -> ``TensorSpec`` with the per-example shape and exact dtype. A
+        dimension given by name (``TensorSpec(("seq",), "int32")``) varies per request;
+        inputs that name the same dimension have the same length in a request.
       batch_buckets: the batch sizes to compile at load time.
+      dim_buckets: named dimension -> the lengths to compile it at (every named
+        dimension needs some). A request of length ``L`` runs at the smallest length
+        ``>= L``, its inputs padded with their ``pad`` value; ``fn`` must give the
+        same outputs at the valid positions whatever the padding (mask it).
       name, version: identify the model (name defaults to the directory name).
       num_devices: if given, check that every bucket splits evenly over that many
         devices (``pxrt.load`` rounds buckets up to a multiple of its device count).
@@ -190,6 +266,7 @@ def export(
         if not isinstance(spec, TensorSpec):
             raise TypeError(f"input {key!r}: expected a pxrt.TensorSpec, got {type(spec).__name__}")
     buckets = _check_buckets(batch_buckets, num_devices)
+    dims = _check_dim_buckets(dim_buckets, inputs)
     names = list(inputs)
 
     leaves, treedef = jax.tree.flatten(params)
@@ -206,75 +283,63 @@ def export(
             for d in [s.dtype for s in inputs.values()] + [leaf.dtype for leaf in leaves]
         )
 
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "name": name or os.path.basename(os.path.normpath(path)),
+        "version": str(version),
+        "inputs": [spec.to_json(k, pad=True) for k, spec in inputs.items()],
+        "outputs": [],
+        "batch_buckets": list(buckets),
+        "dim_buckets": {k: list(v) for k, v in dims.items()},
+        "mesh": {
+            "axes": [BATCH_AXIS],
+            "inputs": [BATCH_AXIS],
+            "outputs": [BATCH_AXIS],
+            "params": "replicated",
+        },
+        "x64": bool(x64),
+        "params": [
+            {
+                "key": f"p{i:04d}",
+                "path": jax.tree_util.keystr(kp),
+                "dtype": leaf.dtype.name,
+                "shape": list(leaf.shape),
+            }
+            for i, ((kp, _), leaf) in enumerate(
+                zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves)
+            )
+        ],
+    }
+
     with _xla.x64_scope(x64):
         param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
-        out_shapes = jax.eval_shape(
-            fn,
-            param_specs,
-            **{
-                k: jax.ShapeDtypeStruct((buckets[0],) + s.shape, s.dtype) for k, s in inputs.items()
-            },
+        # One symbol per dimension name, and the batch's: all in one scope.
+        symbols = dict(
+            zip([BATCH_DIM, *dims], jax_export.symbolic_shape(", ".join([BATCH_DIM, *dims])))
         )
+        x_specs = [
+            jax.ShapeDtypeStruct((symbols[BATCH_DIM],) + s.at(symbols), s.dtype)
+            for s in inputs.values()
+        ]
+        out_shapes = jax.eval_shape(fn, param_specs, **dict(zip(names, x_specs)))
         out_names = _output_names(out_shapes)
         outputs = {}
         for out_name in out_names:
             shaped = out_shapes[out_name] if isinstance(out_shapes, Mapping) else out_shapes
-            if not shaped.shape or shaped.shape[0] != buckets[0]:
-                raise ValueError(
-                    f"output {out_name!r} has shape {shaped.shape} for {buckets[0]} rows: every "
-                    "output needs the batch dimension of the inputs as its leading dimension"
-                )
-            outputs[out_name] = TensorSpec(shaped.shape[1:], shaped.dtype)
-
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "name": name or os.path.basename(os.path.normpath(path)),
-            "version": str(version),
-            "inputs": [spec.to_json(k) for k, spec in inputs.items()],
-            "outputs": [spec.to_json(k) for k, spec in outputs.items()],
-            "batch_buckets": list(buckets),
-            "sequence_buckets": None,
-            "mesh": {
-                "axes": [BATCH_AXIS],
-                "inputs": [BATCH_AXIS],
-                "outputs": [BATCH_AXIS],
-                "params": "replicated",
-            },
-            "x64": bool(x64),
-            "params": [
-                {
-                    "key": f"p{i:04d}",
-                    "path": jax.tree_util.keystr(kp),
-                    "dtype": leaf.dtype.name,
-                    "shape": list(leaf.shape),
-                }
-                for i, ((kp, _), leaf) in enumerate(
-                    zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves)
-                )
-            ],
-        }
+            outputs[out_name] = TensorSpec(_output_dims(out_name, shaped.shape, dims), shaped.dtype)
+        manifest["outputs"] = [spec.to_json(k) for k, spec in outputs.items()]
 
         def flat_fn(params, *xs):
             out = fn(params, **dict(zip(names, xs)))
             return tuple(out[k] for k in out_names) if isinstance(out, Mapping) else (out,)
 
         flat_fn.__name__ = program_name(manifest)  # binds this manifest to the program
-        (b,) = jax_export.symbolic_shape("b")
-        x_specs = [jax.ShapeDtypeStruct((b,) + s.shape, s.dtype) for s in inputs.values()]
         exported = jax_export.export(jax.jit(flat_fn))(param_specs, *x_specs)
 
     for out_name, aval in zip(out_names, exported.out_avals):
-        if not aval.shape or aval.shape[0] is not b and str(aval.shape[0]) != "b":
-            raise ValueError(
-                f"output {out_name!r} has shape {aval.shape}: every output needs the "
-                "batch dimension of the inputs as its leading dimension"
-            )
-        if tuple(aval.shape[1:]) != outputs[out_name].shape:
-            raise ValueError(
-                f"output {out_name!r} has shape {aval.shape}: only the batch dimension may "
-                "be symbolic"
-            )
+        if _output_dims(out_name, aval.shape, dims) != outputs[out_name].shape:
+            raise ValueError(f"output {out_name!r} has shape {aval.shape} in the exported program")
 
     manifest |= {
         "jax_version": jax.__version__,
@@ -285,6 +350,66 @@ def export(
     }
     _write_directory(path, manifest, bytes(exported.serialize()), leaves, overwrite)
     return path
+
+
+def _check_dim_buckets(
+    dim_buckets: Mapping[str, Sequence[int]] | None, inputs: Mapping[str, TensorSpec]
+) -> dict[str, tuple[int, ...]]:
+    """Named dimension -> its sorted lengths, in the order the inputs first name them."""
+    named = list(dict.fromkeys(d for spec in inputs.values() for d in spec.dims))
+    given = dict(dim_buckets or {})
+    unknown = [k for k in given if k not in named]
+    if unknown:
+        raise ValueError(
+            f"dim_buckets names {unknown}, which no input has; the inputs name "
+            f"{named or 'no dimensions'}"
+        )
+    missing = [d for d in named if d not in given]
+    if missing:
+        raise ValueError(
+            f"dimension{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
+            "varies per request but has no buckets: give the lengths to compile, e.g. "
+            f"dim_buckets={{{missing[0]!r}: (32, 64, 128)}}"
+        )
+    return {d: check_lengths(d, given[d]) for d in named}
+
+
+def check_lengths(name: str, lengths: Any) -> tuple[int, ...]:
+    """The lengths to compile named dimension ``name`` at, sorted, checked."""
+    try:
+        out = tuple(sorted({int(v) for v in lengths}))
+        if any(isinstance(v, bool) or int(v) != v for v in lengths):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"dim_buckets[{name!r}] must be positive ints, got {lengths!r}") from None
+    if not out or out[0] < 1 or out[-1] > MAX_BUCKET:
+        raise ValueError(
+            f"dim_buckets[{name!r}] must be non-empty, positive and at most {MAX_BUCKET}, "
+            f"got {lengths!r}"
+        )
+    return out
+
+
+def _output_dims(name: str, shape: Sequence[Any], dims: Mapping[str, Any]) -> tuple[Dim, ...]:
+    """An output's per-example shape: sizes and named dimensions; the batch first."""
+    if not shape or str(shape[0]) != BATCH_DIM:
+        raise ValueError(
+            f"output {name!r} has shape {tuple(shape)}: every output needs the batch "
+            "dimension of the inputs as its leading dimension"
+        )
+    out: list[Dim] = []
+    for d in shape[1:]:
+        if isinstance(d, (int, np.integer)):
+            out.append(int(d))
+        elif str(d) in dims:
+            out.append(str(d))
+        else:
+            raise ValueError(
+                f"output {name!r} has shape {tuple(shape)}: after the batch, an output's "
+                f"dimensions are sizes or the inputs' named dimensions ({', '.join(dims)}) "
+                f"as they are, not {d}"
+            )
+    return tuple(out)
 
 
 def program_name(manifest: Mapping[str, Any]) -> str:
@@ -441,7 +566,9 @@ def read(path: str | os.PathLike) -> Artifact:
             f"({exc}); re-export the model with this jax"
         ) from exc
 
-    inputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["inputs"]}
+    inputs = {
+        d["name"]: TensorSpec(d["shape"], d["dtype"], d.get("pad", 0)) for d in manifest["inputs"]
+    }
     outputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["outputs"]}
     param_meta = manifest["params"]
     _check_program(exported, manifest, inputs, outputs, path)
@@ -479,6 +606,20 @@ def _check_manifest(m: dict, where: str) -> None:
         "'files'",
         "must map file names to sha256 strings",
     )
+    v3 = m["format_version"] >= 3
+    dim_buckets = m.get("dim_buckets") if v3 else {}
+    need(
+        isinstance(dim_buckets, dict)
+        and all(
+            _is_dim_name(k)
+            and isinstance(v, list)
+            and bool(v)
+            and all(is_int(x, 1) and x <= MAX_BUCKET for x in v)
+            for k, v in dim_buckets.items()
+        ),
+        "'dim_buckets'",
+        f"must map dimension names to non-empty lists of lengths from 1 to {MAX_BUCKET}",
+    )
     for kind in ("inputs", "outputs"):
         tensors = m.get(kind)
         need(isinstance(tensors, list) and bool(tensors), f"'{kind}'", "must be a non-empty list")
@@ -493,12 +634,25 @@ def _check_manifest(m: dict, where: str) -> None:
             need(t.get("dtype") in DTYPES, f"{field}.dtype", f"must be one of {', '.join(DTYPES)}")
             shape = t.get("shape")
             need(
-                isinstance(shape, list) and all(is_int(d) for d in shape),
+                isinstance(shape, list)
+                and all(is_int(d) or (v3 and d in dim_buckets) for d in shape),
                 f"{field}.shape",
-                "must be a list of non-negative ints",
+                "must be a list of non-negative ints"
+                + (" and names from 'dim_buckets'" if v3 else ""),
             )
+            if kind == "inputs" and "pad" in t:
+                try:
+                    _check_pad(t["pad"], DTYPES[t["dtype"]])
+                except ValueError as exc:
+                    need(False, f"{field}.pad", str(exc))
         names = [t["name"] for t in tensors]
         need(len(set(names)) == len(names), f"'{kind}'", "names a tensor twice")
+    named = {d for t in m["inputs"] for d in t["shape"] if isinstance(d, str)}
+    need(
+        set(dim_buckets) == named,
+        "'dim_buckets'",
+        f"must give lengths for exactly the inputs' named dimensions {sorted(named)}",
+    )
     buckets = m.get("batch_buckets")
     need(
         isinstance(buckets, list) and bool(buckets) and all(is_int(b, 1) for b in buckets),
@@ -534,11 +688,12 @@ def _check_program(exported: Any, manifest: dict, inputs: dict, outputs: dict, p
         if len(avals) != len(specs):
             return f"the program has {len(avals)} {kind}, the manifest lists {len(specs)}"
         for (name, spec), aval in zip(specs.items(), avals):
+            dims = tuple(d if isinstance(d, int) else str(d) for d in aval.shape[1:])
             if (
                 not aval.shape
                 or isinstance(aval.shape[0], int)
                 or np.dtype(aval.dtype) != spec.dtype
-                or tuple(aval.shape[1:]) != spec.shape
+                or dims != spec.shape
             ):
                 return (
                     f"{kind[:-1]} {name!r} is {spec.describe()} in the manifest but "

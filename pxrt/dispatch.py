@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -112,8 +113,9 @@ class StagingRing:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Bucket:
-    """One compiled batch size: its program, its staging ring, and what load measured
-    (compile seconds; seconds per execution, from back-to-back runs)."""
+    """One compiled cell: a batch size (and, for named dimensions, their lengths), its
+    program, its staging ring, and what load measured (compile seconds; seconds per
+    execution, from back-to-back runs)."""
 
     size: int
     program: Program
@@ -121,10 +123,55 @@ class Bucket:
     compiled: Any  # the jax.stages.Compiled behind the program
     compile_s: float
     exec_s: float
+    lengths: tuple[int, ...] = ()  # per named dimension, in the model's order
 
     @property
     def fast_path(self) -> bool:
         return bool(self.program.fast)
+
+
+def lane_key(lengths: tuple[int, ...]) -> tuple:
+    """How lanes are ordered: by the elements of one example (cheapest first)."""
+    return (int(np.prod(lengths, dtype=np.int64)), lengths)
+
+
+def lane_table(
+    lanes: Sequence[tuple[int, ...]],
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """For lanes (each a tuple of lengths, one per named dimension, in ``lane_key``
+    order): per dimension its sorted lengths, and the table an ``InputHandler`` maps
+    a request's lengths with: the product of per-dimension length indices (row-major)
+    -> the cheapest lane that holds them (-1: none)."""
+    if not lanes or not lanes[0]:
+        return [], [0]
+    per_dim = [sorted({lane[d] for lane in lanes}) for d in range(len(lanes[0]))]
+    table = []
+    for cell in itertools.product(*per_dim):
+        fits = [i for i, lane in enumerate(lanes) if all(c <= v for c, v in zip(cell, lane))]
+        table.append(fits[0] if fits else -1)
+    return [tuple(v) for v in per_dim], table
+
+
+class Lane:
+    """The buckets of one set of lengths (all of them, for a model without named
+    dimensions): batch sizes -> compiled buckets."""
+
+    def __init__(self, index: int, lengths: tuple[int, ...], buckets: Sequence[Bucket]) -> None:
+        self.index = index
+        self.lengths = lengths
+        self.buckets: tuple[Bucket, ...] = tuple(sorted(buckets, key=lambda b: b.size))
+        self.sizes: tuple[int, ...] = tuple(b.size for b in self.buckets)
+        self.max_rows: int = self.sizes[-1]
+        # rows -> the bucket a batch of that many rows runs in, for 0 < rows <= max_rows.
+        self._by_rows: list[Bucket] = [self.buckets[0]] + [
+            self.buckets[bisect.bisect_left(self.sizes, n)] for n in range(1, self.max_rows + 1)
+        ]
+
+    def bucket_for(self, rows: int) -> Bucket:
+        return self._by_rows[rows]
+
+    def __repr__(self) -> str:
+        return f"Lane({self.index}, lengths={self.lengths}, sizes={self.sizes})"
 
 
 class Engine:
@@ -151,24 +198,41 @@ class Engine:
         self.name = name
         self.input_handler = input_handler
         self.result_handler = result_handler
-        self.buckets: tuple[Bucket, ...] = tuple(sorted(buckets, key=lambda b: b.size))
-        self.sizes: tuple[int, ...] = tuple(b.size for b in self.buckets)
-        self.max_rows: int = self.sizes[-1]
         self.owner = owner
-        # rows -> the bucket a batch of that many rows runs in, for 0 < rows <= max_rows.
-        self._by_rows: list[Bucket] = [self.buckets[0]] + [
-            self.buckets[bisect.bisect_left(self.sizes, n)] for n in range(1, self.max_rows + 1)
-        ]
+        self.dim_names: tuple[str, ...] = tuple(input_handler.dim_names)
+        by_lengths: dict[tuple[int, ...], list[Bucket]] = {}
+        for b in buckets:
+            by_lengths.setdefault(tuple(b.lengths), []).append(b)
+        #: One lane per set of lengths, cheapest first (one lane without named dims).
+        self.lanes: tuple[Lane, ...] = tuple(
+            Lane(i, lengths, by_lengths[lengths])
+            for i, lengths in enumerate(sorted(by_lengths, key=lane_key))
+        )
+        self.buckets: tuple[Bucket, ...] = tuple(b for lane in self.lanes for b in lane.buckets)
+        self.sizes: tuple[int, ...] = tuple(sorted({b.size for b in self.buckets}))
+        self.max_rows: int = max(lane.max_rows for lane in self.lanes)
+        #: Per lane: the other lanes whose requests fit its lengths, nearest first.
+        self.fold_lanes: tuple[tuple[int, ...], ...] = tuple(
+            tuple(
+                other.index
+                for other in reversed(self.lanes[: lane.index])
+                if all(a <= b for a, b in zip(other.lengths, lane.lengths))
+            )
+            for lane in self.lanes
+        )
         self.prepare = input_handler.prepare
+        self.lane_of = input_handler.lane_of
 
-    def bucket_for(self, rows: int) -> Bucket:
-        """The bucket a batch of ``rows`` rows runs in: the smallest that holds it."""
-        if not 0 < rows <= self.max_rows:
+    def bucket_for(self, rows: int, lane: int = 0) -> Bucket:
+        """The bucket a batch of ``rows`` rows runs in in ``lane``: the smallest that
+        holds it."""
+        the_lane = self.lanes[lane]
+        if not 0 < rows <= the_lane.max_rows:
             raise ValueError(
                 f"a batch of {rows} rows fits no bucket of model {self.name!r} "
-                f"(buckets {list(self.sizes)})"
+                f"(buckets {list(the_lane.sizes)})"
             )
-        return self._by_rows[rows]
+        return the_lane.bucket_for(rows)
 
     def replace_programs(self, wrap: Callable[[Program], Program]) -> Engine:
         """A new engine whose buckets run ``wrap(program)`` instead (same rings and
@@ -181,14 +245,16 @@ class Engine:
     ) -> BatchQueue:
         """A new, empty queue to plan this engine's batches with; its ``submit``
         validates requests with this engine's input handler (see ``BatchQueue``)."""
-        return BatchQueue(max_queued_rows, self.input_handler, policy, create_future)
+        return BatchQueue(
+            max_queued_rows, self.input_handler, policy, create_future, len(self.lanes)
+        )
 
     # ------------------------------------------------------------------ running
 
     def run(self, batch: Batch, copy: bool = False) -> None:
         """Run ``batch`` on the calling thread: fills ``batch.bucket``, the stage clocks
         and ``batch.outputs`` (per piece, output name -> rows), or raises."""
-        bucket = self.bucket_for(batch.rows)
+        bucket = self.bucket_for(batch.rows, batch.lane)
         batch.bucket = bucket
         program, ring = bucket.program, bucket.ring
         slot = ring.acquire()
@@ -204,16 +270,21 @@ class Engine:
             # The outputs are on the host: the slot's device buffers are done with it.
             handle = None
             ring.release(slot)
+        lengths = None
+        if self.dim_names:
+            lengths_of = self.input_handler.lengths_of
+            lengths = [lengths_of(piece) for piece in batch.pieces]
         batch.outputs = self.result_handler.split(
-            shards, program.out_shard_rows, batch.offsets, batch.counts, copy
+            shards, program.out_shard_rows, batch.offsets, batch.counts, copy, lengths
         )
         batch.t_done = _clock()
 
     def run_one(self, arrays: tuple, rows: int, copy: bool = False) -> dict[str, np.ndarray]:
         """One prepared request (``prepare``'s arrays and rows), split across executions
         if it is larger than the largest bucket."""
-        if rows <= self.max_rows:
-            batch = Batch.single(arrays, rows)
+        lane = self.lane_of(arrays)
+        if rows <= self.lanes[lane].max_rows:
+            batch = Batch.single(arrays, rows, lane)
             self.run(batch, copy)
             return batch.outputs[0]
         return self.run_all([(arrays, rows)], copy, False)[0]
@@ -222,17 +293,22 @@ class Engine:
         """Prepared requests ``(arrays, rows)`` in as few executions as the buckets allow.
         Returns one output dict per request, in order; a failed execution raises, or with
         ``return_exceptions`` becomes the entry of each request it held."""
-        plan = BatchQueue()
-        requests = [plan.push(arrays, rows) for arrays, rows in prepared]
-        while (batch := plan.take(self.max_rows, 0.0)) is not None:
-            try:
-                self.run(batch, copy)
-            except Exception as exc:
-                if not return_exceptions:
-                    raise
-                plan.fail(batch, exc)
-                continue
-            plan.deliver(batch, copy)
+        plan = BatchQueue(lanes=len(self.lanes))
+        lane_of = self.lane_of
+        requests = [
+            plan.push(arrays, rows, lane=lane_of(arrays) if self.dim_names else 0)
+            for arrays, rows in prepared
+        ]
+        for lane in self.lanes:
+            while (batch := plan.take(lane.max_rows, 0.0, lane.index)) is not None:
+                try:
+                    self.run(batch, copy)
+                except Exception as exc:
+                    if not return_exceptions:
+                        raise
+                    plan.fail(batch, exc)
+                    continue
+                plan.deliver(batch, copy)
         return [r.result if r.error is None else r.error for r in requests]
 
     def pipeline(

@@ -8,6 +8,7 @@ shared by every bucket. Each bucket's fast path is checked against jax's own
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import warnings
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from . import _ext, _xla, artifact
-from .dispatch import Bucket, Engine, StagingRing
+from .dispatch import Bucket, Engine, StagingRing, lane_key, lane_table
 
 
 class Model:
@@ -51,34 +52,54 @@ class Model:
         self.mesh = mesh
         self.params_dev = params_dev
         self.load_s = load_s
+        #: Named dimensions, in order (empty for fixed shapes).
+        self.dim_names: tuple[str, ...] = tuple(art.dim_buckets)
+        dim_lengths, lane_of = lane_table(sorted({b.lengths for b in buckets}, key=lane_key))
         input_handler = _ext.InputHandler(
             self.name,
             list(self.inputs),
             [s.dtype for s in self.inputs.values()],
             [s.shape for s in self.inputs.values()],
             max_routes,
+            dim_lengths,
+            lane_of,
+            [s.pad for s in self.inputs.values()],
         )
         result_handler = _ext.ResultHandler(
             list(self.outputs),
             [s.dtype for s in self.outputs.values()],
             [s.shape for s in self.outputs.values()],
+            self.dim_names,
         )
         #: The execution engine: what ``run``/``run_batch`` and the serving layer drive.
         self.engine = Engine(self.name, input_handler, result_handler, buckets, owner=self)
+        #: Batch sizes compiled (in every lane, for a full grid).
         self.buckets: tuple[int, ...] = self.engine.sizes
         self.max_batch: int = self.engine.max_rows
+        #: Named dimension -> the lengths compiled.
+        self.dim_buckets: dict[str, tuple[int, ...]] = dict(zip(self.dim_names, dim_lengths))
 
     def __repr__(self) -> str:
+        dims = "".join(f", {k}={v}" for k, v in self.dim_buckets.items())
         return (
-            f"Model({self.name!r}, version={self.version!r}, buckets={self.buckets}, "
+            f"Model({self.name!r}, version={self.version!r}, buckets={self.buckets}{dims}, "
             f"devices={len(self.devices)})"
         )
+
+    @property
+    def cells(self) -> list[tuple[int, dict[str, int]]]:
+        """Every compiled cell: (batch size, named dimension -> length)."""
+        return [(b.size, dict(zip(self.dim_names, b.lengths))) for b in self.engine.buckets]
 
     # ------------------------------------------------------------------ serving
 
     def run(self, request: Mapping[str, Any], *, copy: bool = False) -> dict[str, np.ndarray]:
         """Run one request (input name -> array with a leading batch dimension of n >= 1
         rows, exact dtype) and return output name -> array of n rows.
+
+        Inputs with named dimensions take any length from 1 to the largest compiled
+        one (the same in every input that names it); outputs that carry a named
+        dimension come back cut to the request's length.
 
         Raises TypeError or ValueError, naming the input, for a malformed request.
         """
@@ -132,15 +153,23 @@ class Model:
 
     # ------------------------------------------------------------------ introspection
 
-    def bucket(self, size: int) -> Bucket:
-        """The compiled bucket of exactly ``size`` rows."""
+    def bucket(self, size: int, **lengths: int) -> Bucket:
+        """The compiled bucket of exactly ``size`` rows (at exactly ``lengths``, e.g.
+        ``seq=64``, for named dimensions)."""
+        want = tuple(lengths.get(d) for d in self.dim_names)
+        if set(lengths) != set(self.dim_names):
+            raise KeyError(f"model {self.name!r}: give a length for each of {self.dim_names}")
         for b in self.engine.buckets:
-            if b.size == size:
+            if b.size == size and b.lengths == want:
                 return b
-        raise KeyError(f"model {self.name!r} has no bucket of {size} rows: {self.buckets}")
+        raise KeyError(
+            f"model {self.name!r} has no bucket of {size} rows at {lengths or 'its shapes'}: "
+            f"{self.cells}"
+        )
 
     def bucket_for(self, rows: int) -> int:
-        """The bucket size a batch of ``rows`` rows runs in (the smallest that holds it)."""
+        """The bucket size a batch of ``rows`` rows runs in (the smallest that holds it;
+        in the cheapest lane for models with named dimensions)."""
         return self.engine.bucket_for(rows).size
 
     @property
@@ -156,6 +185,7 @@ class Model:
             size = b.size
             entry: dict[str, Any] = {
                 "bucket": size,
+                "lengths": dict(zip(self.dim_names, b.lengths)),
                 "compile_s": round(b.compile_s, 4),
                 "exec_ms": round(b.exec_s * 1e3, 4),
                 "fast_path": b.fast_path,
@@ -192,13 +222,21 @@ class Model:
 
 
 def example_inputs(
-    specs: Mapping[str, artifact.TensorSpec], rows: int, seed: int = 0
+    specs: Mapping[str, artifact.TensorSpec],
+    rows: int,
+    seed: int = 0,
+    lengths: Mapping[str, int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Deterministic, non-trivial inputs of ``rows`` rows for the given specs."""
+    """Deterministic, non-trivial inputs of ``rows`` rows for the given specs, with
+    named dimensions at ``lengths``."""
     rng = np.random.default_rng(seed)
     out = {}
+    lengths = lengths or {}
     for name, spec in specs.items():
-        shape = (rows,) + spec.shape
+        missing = [d for d in spec.dims if d not in lengths]
+        if missing:
+            raise ValueError(f"input {name!r}: give lengths for its named dimensions {missing}")
+        shape = (rows,) + spec.at(lengths)
         dt = spec.dtype
         if dt == np.bool_:
             out[name] = rng.random(shape) < 0.5
@@ -216,7 +254,8 @@ def load(
     path: str | os.PathLike,
     *,
     devices: Sequence | None = None,
-    buckets: Sequence[int] | None = None,
+    buckets: Sequence[int] | Sequence[tuple[int, ...]] | None = None,
+    dim_buckets: Mapping[str, Sequence[int]] | None = None,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
     fast_path: bool = True,
@@ -226,13 +265,20 @@ def load(
 ) -> Model:
     """Load an artifact directory and compile every bucket; returns a ``Model``.
 
+    A model with named dimensions is compiled on a grid: every batch bucket at every
+    combination of the named dimensions' lengths (a cell each).
+
     Args:
       path: a directory written by ``pxrt.export``. Its hashes, format version and jax
         version are checked first.
       devices: the devices of the 1-D data mesh (default: all local devices). The batch
         is sharded over them; params are replicated on each.
       buckets: batch sizes to compile (default: the artifact's). Each is rounded up to a
-        multiple of the device count so it splits evenly.
+        multiple of the device count so it splits evenly. For named dimensions, cells
+        may be listed instead: ``(batch, length, ...)`` tuples, a length per named
+        dimension in order, to compile part of the grid.
+      dim_buckets: named dimension -> lengths to compile (default: the artifact's); the
+        largest is the longest input served.
       progress: show a progress bar while compiling (default: when stderr is a terminal).
       compilation_cache: keep jax's persistent compilation cache (compiled native code)
         so a second load of the same program on this machine is faster: True uses a
@@ -253,8 +299,8 @@ def load(
     if not devices:
         raise ValueError("no devices to load on")
     n_dev = len(devices)
-    sizes = artifact._check_buckets(buckets if buckets is not None else art.batch_buckets, None)
-    sizes = tuple(sorted({-(-b // n_dev) * n_dev for b in sizes}))
+    cells = _grid(art, buckets, dim_buckets, n_dev)
+    dim_names = tuple(art.dim_buckets)
 
     _xla.compile_counter.ensure_registered()
     mesh = Mesh(np.array(devices), (artifact.BATCH_AXIS,))
@@ -264,13 +310,16 @@ def load(
     n_out = len(art.outputs)
     in_specs = list(art.inputs.values())
     cache_dir = _cache_dir(compilation_cache)
-    staging = max(sizes) * sum(s.nbytes_per_row for s in in_specs)
-    if staging > MAX_STAGING_BYTES:
-        raise ValueError(
-            f"bucket {max(sizes)} of {art.name!r} needs {staging / 2**30:.1f} GiB of staging "
-            f"per slot (over {MAX_STAGING_BYTES / 2**30:.0f} GiB); load it with smaller "
-            "buckets=..."
-        )
+    for size, lengths in cells:
+        at = dict(zip(dim_names, lengths))
+        staging = size * sum(s.nbytes_at(at) for s in in_specs)
+        if staging > MAX_STAGING_BYTES:
+            where = f" at {at}" if at else ""
+            raise ValueError(
+                f"bucket {size}{where} of {art.name!r} needs {staging / 2**30:.1f} GiB of "
+                f"staging per slot (over {MAX_STAGING_BYTES / 2**30:.0f} GiB); load it with "
+                "smaller buckets=..."
+            )
 
     compiled_buckets: list[Bucket] = []
     with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
@@ -285,20 +334,30 @@ def load(
             out_shardings=(rows,) * n_out,
             keep_unused=True,
         )
-        for size in tqdm(
-            sizes,
+        for size, lengths in tqdm(
+            cells,
             desc=f"pxrt: compiling {art.name}",
             unit="bucket",
             disable=False if progress else (None if progress is None else True),
             leave=False,
         ):
             tc = time.perf_counter()
+            at = dict(zip(dim_names, lengths))
+            shapes = [s.at(at) for s in in_specs]
             x_specs = [
-                jax.ShapeDtypeStruct((size,) + s.shape, s.dtype, sharding=rows) for s in in_specs
+                jax.ShapeDtypeStruct((size,) + shape, s.dtype, sharding=rows)
+                for shape, s in zip(shapes, in_specs)
             ]
-            compiled = jitted.lower(param_specs, *x_specs).compile()
-            example = [_xla.aligned_empty((size,) + s.shape, s.dtype) for s in in_specs]
-            for buf, value in zip(example, example_inputs(art.inputs, size, seed=size).values()):
+            try:
+                compiled = jitted.lower(param_specs, *x_specs).compile()
+            except Exception as exc:
+                where = f" at {at}" if at else ""
+                raise ValueError(
+                    f"{art.name!r}: bucket {size}{where} does not compile: {exc}"
+                ) from exc
+            example = [_xla.aligned_empty((size,) + sh, s.dtype) for sh, s in zip(shapes, in_specs)]
+            values = example_inputs(art.inputs, size, seed=size, lengths=at).values()
+            for buf, value in zip(example, values):
                 buf[...] = value
             program = _xla.make_program(
                 compiled,
@@ -313,16 +372,58 @@ def load(
             compile_s = time.perf_counter() - tc
             ring = StagingRing(
                 [s.dtype for s in in_specs],
-                [s.shape for s in in_specs],
+                shapes,
                 size,
                 program.row_slices,
                 depth=staging_depth,
             )
             exec_s = _xla.time_program(program, _xla.StagingSlot(example, program.row_slices))
-            compiled_buckets.append(Bucket(size, program, ring, compiled, compile_s, exec_s))
+            compiled_buckets.append(
+                Bucket(size, program, ring, compiled, compile_s, exec_s, tuple(lengths))
+            )
     return Model(
         art, devices, mesh, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes
     )
+
+
+def _grid(
+    art: artifact.Artifact,
+    buckets: Sequence[Any] | None,
+    dim_buckets: Mapping[str, Sequence[int]] | None,
+    n_dev: int,
+) -> list[tuple[int, tuple[int, ...]]]:
+    """The cells to compile: (batch size rounded up to the devices, lengths)."""
+    names = tuple(art.dim_buckets)
+    dims = dict(art.dim_buckets)
+    if dim_buckets is not None:
+        unknown = set(dim_buckets) - set(names)
+        if unknown:
+            raise ValueError(
+                f"dim_buckets names {sorted(unknown)}; {art.name!r} has named dimensions "
+                f"{list(names) or 'none'}"
+            )
+        for d, lengths in dim_buckets.items():
+            dims[d] = artifact.check_lengths(d, lengths)
+    cells: set[tuple[int, tuple[int, ...]]] = set()
+    if buckets is not None and any(isinstance(b, (tuple, list)) for b in buckets):
+        for cell in buckets:
+            if (
+                not isinstance(cell, (tuple, list))
+                or len(cell) != 1 + len(names)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in cell)
+            ):
+                raise ValueError(
+                    f"buckets: a cell is (batch, {', '.join(names) or '...'}) of positive ints, "
+                    f"got {cell!r}"
+                )
+            size = artifact._check_buckets([cell[0]], None)[0]
+            cells.add((-(-size // n_dev) * n_dev, tuple(cell[1:])))
+    else:
+        sizes = artifact._check_buckets(buckets if buckets is not None else art.batch_buckets, None)
+        for size in sizes:
+            for lengths in itertools.product(*(dims[d] for d in names)):
+                cells.add((-(-size // n_dev) * n_dev, tuple(lengths)))
+    return sorted(cells, key=lambda c: (lane_key(c[1]), c[0]))
 
 
 # Staging for the largest bucket, per slot: beyond this a bucket is a mistake.

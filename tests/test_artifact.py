@@ -43,15 +43,15 @@ def test_manifest_describes_the_model(artifacts):
         m = json.load(f)
     assert m["format"] == "pxrt-artifact" and m["format_version"] == artifact.FORMAT_VERSION
     assert m["inputs"] == [
-        {"name": "tokens", "dtype": "int32", "shape": [5]},
-        {"name": "features", "dtype": "float16", "shape": [8]},
+        {"name": "tokens", "dtype": "int32", "shape": [5], "pad": 0},
+        {"name": "features", "dtype": "float16", "shape": [8], "pad": 0.0},
     ]
     # Outputs come in name order (jax flattens dicts by sorted key).
     assert m["outputs"] == [
         {"name": "argmax", "dtype": "int32", "shape": []},
         {"name": "scores", "dtype": "float32", "shape": [3]},
     ]
-    assert m["batch_buckets"] == [4, 8]
+    assert m["batch_buckets"] == [4, 8] and m["dim_buckets"] == {}
     assert m["jax_version"] == jax.__version__ and m["x64"] is False
     assert set(m["files"]) == {"model.jaxexport", "params.npz"}
     assert [p["path"] for p in m["params"]] == ["['emb']", "['head']", "['proj']"]
