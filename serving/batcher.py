@@ -14,6 +14,12 @@ threads). A ``Batcher`` decides when a batch goes:
   are queued or the oldest request has waited that long;
 - never so late that a queued request's deadline would pass (it goes early instead).
 
+A model with named dimensions has a lane per set of compiled lengths, and each request
+waits in the cheapest lane that holds it. Which lane goes next, and which shorter
+requests ride along in it (paying padding instead of waiting for a batch of their own),
+is decided from each cell's execution time measured at load (``cell_policy="cost"``,
+see ``Batcher._choose``); ``"oldest"`` runs the lane of the oldest request, alone.
+
 Queue policy: a full queue rejects at once (``Overloaded``, with a retry-after
 estimate); a request whose deadline passes while queued is answered
 ``DeadlineExceeded`` and never executed (checked when batches are taken, and by one
@@ -40,6 +46,9 @@ NEVER = 1 << 62  # a kick_rows no queue reaches
 TIMER_SLACK_S = 2e-3  # loop timers fire up to a millisecond early (asyncio) or late (uvloop)
 
 
+CELL_POLICIES = ("cost", "oldest")
+
+
 class RequestTooLarge(ValueError):
     """A request with more rows than the queue may ever hold: retrying cannot help."""
 
@@ -64,7 +73,10 @@ class Batcher:
         max_inflight: int = 2,
         default_timeout_s: float | None = None,
         copy: bool = False,
+        cell_policy: str = "cost",
     ) -> None:
+        if cell_policy not in CELL_POLICIES:
+            raise ValueError(f"cell_policy must be one of {CELL_POLICIES}, got {cell_policy!r}")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_delay_us < 0 or max_queue < 1 or max_inflight < 1:
@@ -89,11 +101,17 @@ class Batcher:
         self._drained = asyncio.Event()
         # Outcomes counted here and by front ends; the queue counts the rest itself.
         self._counts = dict.fromkeys(("success", "failed", "invalid"), 0)
+        self.cell_policy = cell_policy
+        self.lanes = engine.lanes
+        self._fold_lanes = engine.fold_lanes
+        #: Per lane: the most rows of one batch.
+        self.lane_caps = [min(self.max_batch_size, lane.max_rows) for lane in self.lanes]
         # Seconds per row of the batches that run, for retry-after estimates, and the
-        # execution time of a full batch, to close a waiting batch before a deadline.
-        full = engine.bucket_for(self.max_batch_size)
-        self._row_seconds = full.exec_s / full.size
-        self._full_exec_s = full.exec_s
+        # execution time of a full batch, to close a waiting batch before a deadline
+        # (the costliest lane's, for named dimensions).
+        full = [lane.bucket_for(cap) for lane, cap in zip(self.lanes, self.lane_caps)]
+        self._row_seconds = max(b.exec_s / b.size for b in full)
+        self._full_exec_s = max(b.exec_s for b in full)
 
         self._metrics = metrics.add_model(name, self)
         self.pipeline = engine.pipeline(
@@ -177,6 +195,8 @@ class Batcher:
         the pipeline is idle; while a batch runs, only a full one (the one running sends
         the rest when it finishes); never so late that a queued deadline passes. Then
         tell the queue when to kick us again."""
+        if len(self.lanes) > 1:
+            return self._flush_lanes()
         queue = self.queue
         queue.kick_rows = NEVER
         while self.inflight < self.max_inflight and queue.queued_rows:
@@ -208,6 +228,105 @@ class Batcher:
             queue.kick_rows = self.max_batch_size if self.inflight else 1
         if queue.closed and not self.inflight and not queue.queued_rows:
             self._drained.set()
+
+    def _flush_lanes(self) -> None:
+        """``_flush`` for a model with several lanes: the same rules, with ``_choose``
+        deciding which lane goes and what rides along."""
+        queue = self.queue
+        queue.kick_rows = NEVER
+        while self.inflight < self.max_inflight and queue.queued_rows:
+            now = _clock()
+            if not self.inflight and queue.queued_rows < self.max_batch_size and not queue.closed:
+                due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+                due = min(due, queue.oldest + self.max_delay) if self.max_delay else now
+                if due > now:
+                    if due < INF:
+                        self._arm_delay(due - now)
+                    queue.kick_rows = self.max_batch_size
+                    return
+            choice = self._choose(now, full_only=self.inflight > 0 and not queue.closed)
+            if choice is None:
+                break
+            lane, fold = choice
+            batch = queue.take(self.lane_caps[lane], now, lane, fold)
+            if batch is None:
+                continue  # what waited was given up or expired: look again
+            try:
+                self.pipeline.submit(batch)
+            except Exception as exc:  # noqa: BLE001 - answer the batch's callers, keep serving
+                self._fail(batch, f"could not dispatch a batch: {exc!r}", exc)
+                continue
+            self.inflight += 1
+        if self.inflight < self.max_inflight:
+            # Idle: the next request goes at once; busy: look again as rows arrive, for
+            # a lane that fills a batch.
+            queue.kick_rows = (
+                max(min(self.lane_caps), queue.queued_rows + 1) if self.inflight else 1
+            )
+        if queue.closed and not self.inflight and not queue.queued_rows:
+            self._drained.set()
+
+    def _choose(self, now: float, full_only: bool) -> tuple[int, tuple[int, ...]] | None:
+        """The lane to run next and the lanes whose requests ride along in it, or None
+        (nothing waits; with ``full_only``, no lane fills a batch).
+
+        ``"cost"``: every lane with waiting requests is a candidate batch. Requests of a
+        shorter lane ride along when that lowers the total wait: with ``T(lane, rows)``
+        the execution time measured at load, taking ``n_i`` requests of lane i into
+        lane j's batch of ``n`` costs every waiting request ``d = T(j, rows + r_i) -
+        T(j, rows)`` more, and saves lane i's requests and everyone behind them the run
+        of their own batch, ``T(i, r_i)``: they ride along when
+        ``d * (n + n_i + m) < T(i, r_i) * (n_i + m)`` (``m``: requests waiting elsewhere).
+        Then the candidate that answers the most waiting per second of device time goes:
+        the largest ``sum(age + t) / t`` over its requests (``t``: its execution time,
+        padding included; the ages keep long lanes from starving).
+
+        ``"oldest"``: the lane of the oldest waiting request, alone.
+        """
+        queue = self.queue
+        caps = self.lane_caps
+        lanes = self.lanes
+        stats = [queue.lane_stats(k, caps[k], now) for k in range(len(lanes))]
+        if self.cell_policy == "oldest":
+            k = min(range(len(lanes)), key=lambda k: stats[k][3])
+            if not stats[k][0] or (full_only and stats[k][0] < caps[k]):
+                return None
+            return k, ()
+        waiting = sum(st[1] for st in stats)
+        best = None
+        best_score = -1.0
+        for j, (rows, n, ages, _) in enumerate(stats):
+            if not rows:
+                continue
+            lane = lanes[j]
+            t = lane.bucket_for(rows).exec_s
+            fold = []
+            for i in self._fold_lanes[j]:
+                r_i, n_i, ages_i, _ = stats[i]
+                room = caps[j] - rows
+                if room <= 0:
+                    break
+                if not r_i:
+                    continue
+                take = min(r_i, room)
+                part = take / r_i
+                n_i *= part
+                t_new = lane.bucket_for(rows + take).exec_s
+                others = waiting - n - n_i
+                if (t_new - t) * (n + n_i + others) < lanes[i].bucket_for(take).exec_s * (
+                    n_i + others
+                ):
+                    fold.append(i)
+                    rows += take
+                    n += n_i
+                    ages += ages_i * part
+                    t = t_new
+            if full_only and rows < caps[j]:
+                continue
+            score = (ages + n * t) / t
+            if score > best_score:
+                best, best_score = (j, tuple(fold)), score
+        return best
 
     def _arm_delay(self, delay: float) -> None:
         if self._delay_timer is not None:
@@ -242,7 +361,10 @@ class Batcher:
             m.batch_rows.observe(batch.rows)
             m.padding.observe(1.0 - batch.rows / batch.bucket.size)
         if batch.error is not None:
-            where = f"bucket {batch.bucket.size}" if batch.bucket is not None else "no bucket"
+            where = "no bucket"
+            if batch.bucket is not None:
+                at = dict(zip(self.model.dim_names, batch.bucket.lengths))
+                where = f"bucket {batch.bucket.size}" + (f" at {at}" if at else "")
             self._fail(
                 batch,
                 f"{where}: the batch failed: {type(batch.error).__name__}: {batch.error}",

@@ -182,7 +182,11 @@ def create_app(
 
         def tensors(specs: dict) -> list[dict]:
             return [
-                {"name": k, "datatype": kserve.datatype_of(s.dtype), "shape": [-1, *s.shape]}
+                {
+                    "name": k,
+                    "datatype": kserve.datatype_of(s.dtype),
+                    "shape": [-1, *kserve.protocol_dims(s.shape)],
+                }
                 for k, s in specs.items()
             ]
 
@@ -204,7 +208,7 @@ def create_app(
                 {
                     "name": k,
                     "data_type": "TYPE_" + kserve.datatype_of(s.dtype),
-                    "dims": list(s.shape),
+                    "dims": kserve.protocol_dims(s.shape),
                 }
                 for k, s in specs.items()
             ]
@@ -218,6 +222,11 @@ def create_app(
                 "max_batch_size": batcher.max_batch_size,
                 "input": tensors(model.inputs),
                 "output": tensors(model.outputs),
+                # pxrt's own: the lengths each named (-1) dimension is compiled at.
+                "parameters": {
+                    f"dim_buckets.{d}": {"string_value": ",".join(map(str, v))}
+                    for d, v in model.dim_buckets.items()
+                },
                 "dynamic_batching": {
                     "preferred_batch_size": [
                         b for b in model.buckets if b <= batcher.max_batch_size

@@ -75,6 +75,12 @@ def parse_json(header: memoryview) -> dict:
     return doc
 
 
+def protocol_dims(shape: tuple) -> list[int]:
+    """A per-example shape as the protocol writes it: -1 for a named (variable)
+    dimension."""
+    return [-1 if isinstance(d, str) else d for d in shape]
+
+
 def request_id(doc: dict) -> str | None:
     """The request's ``id``, echoed in the response: a string, as the protocol says."""
     rid = doc.get("id")

@@ -12,6 +12,10 @@ Per-model batching options come from flags (defaults for every model) or a TOML 
     [models.mlp]
     path = "models/mlp"
     max_batch_size = 64
+
+    [models.encoder]
+    path = "models/encoder"
+    cell_policy = "cost"     # models with named dimensions: "cost" or "oldest"
 """
 
 from __future__ import annotations
@@ -55,12 +59,26 @@ class _Number:
         return number
 
 
+class _Choice:
+    """An option's value check for one of a few names (see ``_Number``)."""
+
+    def __init__(self, *choices: str) -> None:
+        self.choices = choices
+        self.__name__ = "choice"
+
+    def __call__(self, value: Any) -> str:
+        if value not in self.choices:
+            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(self.choices)}")
+        return value
+
+
 OPTIONS = {
     "max_batch_size": _Number(int, 1),
     "max_delay_us": _Number(float, 0),
     "max_queue": _Number(int, 1),
     "default_timeout_s": _Number(float, 0, inclusive=False),
     "max_inflight": _Number(int, 1),
+    "cell_policy": _Choice("cost", "oldest"),
 }
 OPTION_KEYS = tuple(OPTIONS)
 
@@ -162,9 +180,10 @@ def main(args: argparse.Namespace) -> int:
                 for name, path, options in specs:
                     model = await asyncio.to_thread(pxrt.load, path)
                     server.add_model(name or model.name, model, **options)
+                    dims = "".join(f", {d} {v}" for d, v in model.dim_buckets.items())
                     print(
-                        f"pxrt serve: {name or model.name} ready (buckets {model.buckets}, "
-                        f"{len(model.devices)} device(s))",
+                        f"pxrt serve: {name or model.name} ready (buckets {model.buckets}"
+                        f"{dims}, {len(model.devices)} device(s))",
                         file=sys.stderr,
                     )
                 # jax's many objects leave the collector's view (its full passes stall the loop).

@@ -69,6 +69,7 @@ class Server:
         default_timeout_s: float | None = None,
         max_inflight: int = 2,
         copy: bool = False,
+        cell_policy: str = "cost",
     ) -> None:
         """Serve ``model`` (from ``pxrt.load``) as ``name``.
 
@@ -84,6 +85,10 @@ class Server:
           max_inflight: batches in flight at once: one executes while the next (a full
             one) is assembled and dispatched.
           copy: hand out owned, writeable outputs instead of read-only views.
+          cell_policy: for models with named dimensions, how the next cell is chosen:
+            ``"cost"`` (from the execution times measured at load: which lane goes and
+            which shorter requests ride along in it) or ``"oldest"`` (the oldest
+            request's lane, alone).
         """
         if self._closed:
             raise ServerClosed("the server is closed")
@@ -99,6 +104,7 @@ class Server:
             max_inflight=max_inflight,
             default_timeout_s=default_timeout_s,
             copy=copy,
+            cell_policy=cell_policy,
         )
         self._queues[name] = batcher.queue
 
