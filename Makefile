@@ -1,4 +1,5 @@
-# make demo   - the demo model: export, load, run, timing table; then a short pxrt bench
+# make demo   - the demo models (an MLP; a transformer encoder on variable-length inputs):
+#               export, load, run, timing; then a short pxrt bench
 # make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparisons
 # make soak   - pxrt serve for 5 minutes under mixed good and bad traffic: leaks, 5xx
@@ -25,6 +26,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*.pyx
 
 demo: $(STAMP)
 	$(VENV)/bin/pxrt demo
+	$(VENV)/bin/pxrt demo encoder
 	$(VENV)/bin/pxrt bench --quick
 
 test: $(STAMP)
@@ -40,6 +42,7 @@ bench: $(STAMP)
 	$(FOUR) $(PY) benchmarks/compare.py
 	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/http_compare.py
+	$(PY) benchmarks/variable_length.py
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py

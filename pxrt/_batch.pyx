@@ -124,7 +124,8 @@ cdef class Batch:
     """Rows for one execution: piece ``i`` is rows ``starts[i]:starts[i]+counts[i]`` of
     ``requests[i]`` (whose inputs are ``pieces[i]``), at rows ``offsets[i]:...`` of the
     batch. The engine fills ``bucket``, ``outputs`` (one dict per piece) or ``error``,
-    and the stage clocks (perf_counter)."""
+    ``fill`` (the share of the cell's elements that are the requests', not padding) and
+    the stage clocks (perf_counter)."""
 
     def __cinit__(self):
         self.pieces = []

@@ -97,7 +97,8 @@ class Batch:
     """Rows for one execution: piece ``i`` is rows ``starts[i]:starts[i]+counts[i]`` of
     ``requests[i]`` (whose inputs are ``pieces[i]``), at rows ``offsets[i]:...`` of the
     batch. The engine fills ``bucket``, ``outputs`` (one dict per piece) or ``error``,
-    and the stage clocks (perf_counter)."""
+    ``fill`` (the share of the cell's elements that are the requests', not padding) and
+    the stage clocks (perf_counter)."""
 
     __slots__ = (
         "pieces",
@@ -110,6 +111,7 @@ class Batch:
         "bucket",
         "outputs",
         "error",
+        "fill",
         "t_start",
         "t_assembled",
         "t_dispatched",
@@ -128,6 +130,7 @@ class Batch:
         self.bucket: Any = None
         self.outputs: list[dict] | None = None
         self.error: BaseException | None = None
+        self.fill = 0.0
         self.t_start = self.t_assembled = self.t_dispatched = self.t_fetched = self.t_done = 0.0
 
     @staticmethod

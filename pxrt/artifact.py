@@ -182,8 +182,9 @@ def _check_pad(pad: Any, dtype: np.dtype) -> bool | int | float:
                 return pad
     elif isinstance(pad, (int, float)) and not isinstance(pad, bool):
         value = float(pad)
-        if np.isfinite(value) and float(np.array(value, dtype)) == value:
-            return value
+        with np.errstate(over="ignore"):
+            if np.isfinite(value) and float(np.array(value, dtype)) == value:
+                return value
     raise ValueError(f"pad value {pad!r} is not exactly representable as {dtype.name}")
 
 

@@ -16,6 +16,7 @@ import bisect
 import dataclasses
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -274,6 +275,10 @@ class Engine:
         if self.dim_names:
             lengths_of = self.input_handler.lengths_of
             lengths = [lengths_of(piece) for piece in batch.pieces]
+            valid = sum(c * math.prod(ls) for c, ls in zip(batch.counts, lengths))
+            batch.fill = valid / (bucket.size * math.prod(bucket.lengths))
+        else:
+            batch.fill = batch.rows / bucket.size
         batch.outputs = self.result_handler.split(
             shards, program.out_shard_rows, batch.offsets, batch.counts, copy, lengths
         )

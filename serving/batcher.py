@@ -357,9 +357,9 @@ class Batcher:
         self._flush()  # the next batch goes out before this one's callers are answered
         m = self._metrics
         m.batches += 1
-        if batch.bucket is not None:
+        if batch.bucket is not None and batch.error is None:
             m.batch_rows.observe(batch.rows)
-            m.padding.observe(1.0 - batch.rows / batch.bucket.size)
+            m.padding.observe(1.0 - batch.fill)  # rows and, for named dims, lengths
         if batch.error is not None:
             where = "no bucket"
             if batch.bucket is not None:

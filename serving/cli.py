@@ -13,6 +13,8 @@ import numpy as np
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.model == "encoder":
+        return _demo_encoder(args)
     import jax
 
     import pxrt
@@ -60,6 +62,65 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_encoder(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import jax
+
+    import pxrt
+    from pxrt import demo
+
+    from .server import Server, new_event_loop
+
+    with tempfile.TemporaryDirectory(prefix="pxrt-demo-") as tmp:
+        path = args.keep or os.path.join(tmp, "encoder")
+        demo.export_encoder(path)
+        print(
+            f"exported the demo encoder ({demo.ENC_LAYERS} layers, {demo.ENC_DIM} wide, "
+            f"{demo.ENC_HEADS} heads; tokens int32[n, seq], mask bool[n, seq]) to {path}"
+        )
+        model = pxrt.load(path, progress=True)
+        print(
+            f"loaded {model}: {len(model.cells)} cells (batch x seq) compiled in "
+            f"{model.load_s:.2f} s"
+        )
+        params = demo.make_encoder_params()
+        reference = jax.jit(demo.encoder)
+        worst = 0.0
+        for length in (1, 31, 32, 33, 200, max(demo.ENC_SEQ_BUCKETS)):
+            request = demo.encoder_request(2, length, seed=length)
+            got, want = model.run(request), reference(params, **request)
+            worst = max(worst, *(float(np.abs(got[k] - want[k]).max()) for k in got))
+        print(
+            f"lengths 1..{max(demo.ENC_SEQ_BUCKETS)}: outputs cut to each length; max |pxrt - "
+            f"jax.jit on the unpadded input| = {worst:.2e}"
+        )
+
+        lengths = demo.token_lengths(2000, seed=1)
+        requests = [demo.encoder_request(1, int(n), seed=i) for i, n in enumerate(lengths)]
+
+        async def serve_all() -> tuple[float, dict]:
+            async with Server() as server:
+                server.add_model("encoder", model)
+                t0 = asyncio.get_running_loop().time()
+                await asyncio.gather(*(server.infer("encoder", r) for r in requests))
+                elapsed = asyncio.get_running_loop().time() - t0
+                return elapsed, server.metrics_snapshot()["encoder"]
+
+        loop = new_event_loop()
+        try:
+            elapsed, snap = loop.run_until_complete(serve_all())
+        finally:
+            loop.close()
+        print(
+            f"served {len(requests)} requests of long-tailed lengths (median "
+            f"{int(np.median(lengths))}, max {lengths.max()}) in {elapsed:.2f} s: "
+            f"{len(requests) / elapsed:,.0f} req/s in {snap['batches']} batches"
+        )
+        print(f"compiles after load: {model.compiles_after_load}")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     import importlib
 
@@ -77,10 +138,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     fn, params = spec.pop("fn"), spec.pop("params")
     path = pxrt.export(fn, params, args.out, overwrite=args.overwrite, **spec)
     art = pxrt.read_artifact(path)
+    dims = "".join(f", {d} {list(v)}" for d, v in art.dim_buckets.items())
     print(
         f"exported {art.name} to {path}: inputs "
         f"{', '.join(f'{k} {s.describe()}' for k, s in art.inputs.items())}; "
-        f"buckets {list(art.batch_buckets)}"
+        f"buckets {list(art.batch_buckets)}{dims}"
     )
     return 0
 
@@ -102,23 +164,40 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for kind in ("inputs", "outputs"):
         print(f"{kind}:")
         for t in m[kind]:
-            print(f"  {t['name']:<16} {t['dtype']:<9} [n, {', '.join(map(str, t['shape']))}]")
+            pad = (
+                f"  pad {t['pad']}"
+                if "pad" in t and any(isinstance(d, str) for d in t["shape"])
+                else ""
+            )
+            print(f"  {t['name']:<16} {t['dtype']:<9} [n, {', '.join(map(str, t['shape']))}]{pad}")
     n_params = sum(int(np.prod(p["shape"], dtype=np.int64)) for p in m["params"])
     print(f"params: {len(m['params'])} arrays, {n_params:,} values")
     print(
         f"devices: {len(info['devices'])} ({', '.join(info['devices'])}); loaded in "
         f"{info['load_s']:.2f} s"
     )
+    dims = list(m.get("dim_buckets") or {})
+    if dims:
+        print(
+            "grid: "
+            + " x ".join(
+                [f"batch {m['batch_buckets']}"] + [f"{d} {m['dim_buckets'][d]}" for d in dims]
+            )
+            + f" = {len(info['buckets'])} cells"
+        )
     print(
-        f"{'bucket':>7} {'per dev':>8} {'path':>6} {'compile':>9} {'GFLOP':>9} "
-        f"{'MB moved':>9} {'args MB':>8} {'out MB':>7} {'temp MB':>8}"
+        f"{'bucket':>7} " + "".join(f"{d:>7} " for d in dims) + f"{'per dev':>8} {'path':>6} "
+        f"{'compile':>9} {'exec':>9} {'GFLOP':>9} {'MB moved':>9} {'args MB':>8} {'out MB':>7} "
+        f"{'temp MB':>8}"
     )
     for b in info["buckets"]:
         mem = b.get("memory", {})
         mb = lambda k, mem=mem: f"{mem[k] / 1e6:.2f}" if k in mem else "-"  # noqa: E731
         print(
-            f"{b['bucket']:>7} {b['rows_per_device']:>8} "
-            f"{b['path']:>6} {b['compile_s'] * 1e3:>7.0f}ms "
+            f"{b['bucket']:>7} "
+            + "".join(f"{b['lengths'][d]:>7} " for d in dims)
+            + f"{b['rows_per_device']:>8} "
+            f"{b['path']:>6} {b['compile_s'] * 1e3:>7.0f}ms {b['exec_ms']:>7.2f}ms "
             f"{b.get('flops', 0) / 1e9:>9.4f} {b.get('bytes_accessed', 0) / 1e6:>9.2f} "
             f"{mb('argument_bytes'):>8} {mb('output_bytes'):>7} {mb('temp_bytes'):>8}"
         )
@@ -130,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="export the built-in demo model, load it, run it, time it")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="mlp",
+        choices=("mlp", "encoder"),
+        help="mlp (fixed shapes) or encoder (a transformer on variable-length inputs)",
+    )
     p.add_argument("--keep", metavar="DIR", help="export to DIR and keep it")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
@@ -139,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "spec",
         help="MODULE:FUNCTION returning a dict with fn, params, inputs and "
-        "optionally batch_buckets, name, version (see pxrt.demo:spec)",
+        "optionally batch_buckets, dim_buckets, name, version (see pxrt.demo:spec, "
+        "pxrt.demo:encoder_spec)",
     )
     p.add_argument("out", help="the artifact directory to write")
     p.add_argument("--buckets", help="batch buckets, comma-separated (overrides the spec's)")

@@ -193,7 +193,11 @@ class _Collector:
         ]
         families += [
             ("pxrt_batch_rows", "Rows per executed batch", lambda m: m.batch_rows),
-            ("pxrt_batch_padding_ratio", "Padded share of a batch's bucket", lambda m: m.padding),
+            (
+                "pxrt_batch_padding_ratio",
+                "Padded share of a batch's cell (rows; lengths too for named dimensions)",
+                lambda m: m.padding,
+            ),
         ]
         for metric, doc, pick in families:
             family = HistogramMetricFamily(metric, doc, labels=["model"])

@@ -54,6 +54,45 @@ def artifacts(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def var_artifacts(tmp_path_factory):
+    """Artifacts with named dimensions: "encoder" (the demo encoder, small) and "ragged"."""
+    from models import ENCODER, ENCODER_SIZES, RAGGED
+
+    from pxrt import demo
+
+    root = tmp_path_factory.mktemp("var_artifacts")
+    return {
+        "encoder": pathlib.Path(
+            demo.export_encoder(
+                str(root / "encoder"),
+                batch_buckets=ENCODER["buckets"],
+                seq_buckets=ENCODER["dim_buckets"]["seq"],
+                **ENCODER_SIZES,
+            )
+        ),
+        "ragged": pathlib.Path(
+            pxrt.export(
+                RAGGED["fn"],
+                RAGGED["params"](),
+                root / "ragged",
+                inputs=RAGGED["inputs"],
+                batch_buckets=RAGGED["buckets"],
+                dim_buckets=RAGGED["dim_buckets"],
+                name="ragged",
+            )
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def var_models(var_artifacts):
+    """name -> loaded Model with named dimensions; loading must not warn."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return {name: pxrt.load(path) for name, path in var_artifacts.items()}
+
+
+@pytest.fixture(scope="session")
 def models(artifacts):
     """name -> loaded Model, loaded once per session; loading must not warn."""
     with warnings.catch_warnings():
@@ -84,15 +123,16 @@ def run(request):
 
 
 @pytest.fixture(scope="session")
-def served(artifacts, tmp_path_factory):
-    """One `pxrt serve` process for the session: four models, a queue of one row, a
-    1 MB body limit."""
+def served(artifacts, var_artifacts, tmp_path_factory):
+    """One `pxrt serve` process for the session: five models (one with a named
+    dimension), a queue of one row, a 1 MB body limit."""
     conf = tmp_path_factory.mktemp("serve") / "serve.toml"
     conf.write_text(
         "[defaults]\nmax_delay_us = 2000\n\n"
         f'[models.tiny_queue]\npath = "{artifacts["mlp"]}"\nmax_queue = 1\n'
     )
     paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
+    paths.append(str(var_artifacts["encoder"]))
     proc = ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1"])
     yield proc
     assert proc.stop() == 0

@@ -182,3 +182,48 @@ def wrap_all(model, **kw):
 
     model.engine = model.engine.replace_programs(wrap)
     return {b.size: wrappers[i] for i, b in enumerate(model.engine.buckets)}
+
+
+# --------------------------------------------------------------------------- named dims
+
+
+def ragged(params, x, w):
+    """A named dimension that is not the first (x: [n, 3, seq]), a non-zero pad value
+    (x pads with -1024: the max ignores it), outputs cut along axis 2 and axis 1, and
+    one without the dimension."""
+    return {"y": x * params["k"], "m": x.max(axis=2), "c": jnp.cumsum(w, axis=1)}
+
+
+RAGGED = dict(
+    fn=ragged,
+    params=lambda: {"k": np.float32(2.0)},
+    inputs={
+        "x": pxrt.TensorSpec((3, "seq"), "float32", pad=-1024.0),
+        "w": pxrt.TensorSpec(("seq",), "int32"),
+    },
+    buckets=(1, 4),
+    dim_buckets={"seq": (4, 8)},
+)
+
+# The demo encoder, small: a few cells compile in seconds.
+ENCODER_SIZES = dict(vocab=64, dim=16, heads=2, layers=1)
+ENCODER = dict(buckets=(1, 4), dim_buckets={"seq": (8, 16, 32)})
+
+
+def ragged_request(rows, length, rng):
+    return {
+        "x": rng.uniform(-10, 10, (rows, 3, length)).astype(np.float32),
+        "w": rng.integers(-50, 50, (rows, length)).astype(np.int32),
+    }
+
+
+def ragged_reference(request):
+    out = jax.jit(ragged)(RAGGED["params"](), **request)
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def encoder_reference(request):
+    from pxrt import demo
+
+    out = jax.jit(demo.encoder)(demo.make_encoder_params(**ENCODER_SIZES), **request)
+    return {k: np.asarray(v) for k, v in out.items()}

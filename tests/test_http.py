@@ -526,3 +526,80 @@ def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(
     assert counts["failed"] == 1 and counts["success"] == 2  # it ran; its caller got a 500
     logged = [r for r in caplog.records if r.name == "pxrt.http"]
     assert len(logged) == 1 and len(logged[0].getMessage()) < 400
+
+
+# --------------------------------------------------------------------------- named dims
+
+
+def test_variable_length_metadata_and_config(client):
+    meta = client.get_model_metadata("encoder")
+    assert meta["inputs"] == [
+        {"name": "tokens", "datatype": "INT32", "shape": [-1, -1]},
+        {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]},
+    ]
+    assert {"name": "hidden", "datatype": "FP32", "shape": [-1, -1, 16]} in meta["outputs"]
+    config = client.get_model_config("encoder")
+    assert config["input"][0]["dims"] == [-1]
+    assert config["parameters"]["dim_buckets.seq"] == {"string_value": "8,16,32"}
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_variable_lengths_over_http_match_jax(client, binary):
+    from models import encoder_reference
+
+    rng = np.random.default_rng(5)
+    for rows, length in [(1, 1), (2, 8), (1, 9), (3, 31), (2, 32)]:
+        request = {
+            "tokens": rng.integers(0, 64, (rows, length)).astype(np.int32),
+            "mask": rng.random((rows, length)) < 0.8,
+        }
+        request["mask"][:, 0] = True  # every sequence has a token
+        inputs = []
+        for k, v in request.items():
+            inp = triton.InferInput(k, list(v.shape), kserve.datatype_of(v.dtype))
+            inp.set_data_from_numpy(v, binary_data=binary)
+            inputs.append(inp)
+        outputs = [triton.InferRequestedOutput(k, binary_data=binary) for k in ("hidden", "pooled")]
+        result = client.infer("encoder", inputs, outputs=outputs)
+        got = {k: result.as_numpy(k) for k in ("hidden", "pooled")}
+        assert_matches(got, encoder_reference(request), f"rows={rows} L={length}")
+
+
+def test_a_bad_length_is_a_400_and_the_requests_beside_it_succeed(served):
+    good = infer_json(
+        [
+            {"name": "tokens", "datatype": "INT32", "shape": [1, 3], "data": [1, 2, 3]},
+            {"name": "mask", "datatype": "BOOL", "shape": [1, 3], "data": [True, True, False]},
+        ]
+    )
+    bad = infer_json(
+        [
+            {"name": "tokens", "datatype": "INT32", "shape": [1, 3], "data": [1, 2, 3]},
+            {"name": "mask", "datatype": "BOOL", "shape": [1, 2], "data": [True, True]},
+        ]
+    )
+    long = infer_json(
+        [
+            {"name": "tokens", "datatype": "INT32", "shape": [1, 33], "data": [1] * 33},
+            {"name": "mask", "datatype": "BOOL", "shape": [1, 33], "data": [True] * 33},
+        ]
+    )
+    path = "/v2/models/encoder/infer"
+    results = {}
+
+    def send(key, body):
+        results[key] = post(served, path, body)
+
+    threads = [
+        threading.Thread(target=send, args=(k, b))
+        for k, b in [("good0", good), ("bad", bad), ("good1", good), ("long", long)]
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["good0"].status_code == results["good1"].status_code == 200
+    assert results["bad"].status_code == 400
+    assert "disagree on dimension 'seq'" in results["bad"].json()["error"]
+    assert results["long"].status_code == 400
+    assert "dimension 'seq' (axis 1) is 33" in results["long"].json()["error"]

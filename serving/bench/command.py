@@ -36,6 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="drive a running KServe v2 server over HTTP instead")
     p.add_argument("--model", default="mlp", help="the model to drive, with --url")
     p.add_argument("--json", action="store_true", help="JSON tensors over HTTP, not binary")
+    p.add_argument(
+        "--lengths",
+        default="pareto:8:256",
+        help="models with named dimensions: request lengths, pareto:LOW:HIGH (long-tailed), "
+        "uniform:LOW:HIGH or fixed:N; these run grid vs oldest-first vs padded vs jit per "
+        "shape at 64 callers, then Poisson arrivals at half the saturated rate",
+    )
     p.add_argument("--width", type=int, default=None, help="demo model width (no model_dir)")
     p.add_argument("--layers", type=int, default=None, help="demo model depth (no model_dir)")
 
@@ -74,6 +81,8 @@ def main(args: argparse.Namespace) -> int:
                 path, width=args.width or demo.WIDTH, layers=args.layers or demo.LAYERS
             )
         model = pxrt.load(path, progress=True)
+        if model.dim_names:
+            return _bench_lengths(args, path, model)
         # Everything alive now (jax's many objects included) leaves the collector's
         # view: its full passes otherwise stall the loop for tens of ms (p99 x10 here).
         gc.collect()
@@ -100,4 +109,33 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    return 0
+
+
+def _bench_lengths(args: argparse.Namespace, path: str, model) -> int:
+    import pxrt
+
+    from . import lengths
+
+    lengths.parse_lengths(args.lengths, 1)  # a bad spec fails before the second load
+    longest = {d: (max(v),) for d, v in model.dim_buckets.items()}
+    padded = pxrt.load(path, dim_buckets=longest, progress=True)
+    gc.collect()
+    gc.freeze()
+    lengths.bench(
+        model,
+        padded,
+        lengths=args.lengths,
+        concurrency=64,
+        duration=args.duration,
+        options={
+            "max_batch_size": args.max_batch_size or None,
+            "max_delay_us": args.max_delay_us,
+            "max_queue": 1 << 20,
+            "max_inflight": args.max_inflight,
+        },
+        repeats=1 if args.quick else 2,
+        fn=lengths.exported_fn(model),
+        out_dir=args.out,
+    )
     return 0

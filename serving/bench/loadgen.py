@@ -8,6 +8,7 @@ Everything here drives an ``infer(request)`` coroutine function, whatever serves
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -66,11 +67,13 @@ async def closed_loop(
     count_errors: bool = False,
 ) -> tuple[list[float], float, int]:
     """``concurrency`` callers, each awaiting ``infer(request)`` back to back for
-    ``duration`` seconds. Returns the latencies (s), the elapsed time and the errors
-    (only counted with ``count_errors``; otherwise an error propagates)."""
+    ``duration`` seconds (a list of requests: each call takes the next, round robin).
+    Returns the latencies (s), the elapsed time and the errors (only counted with
+    ``count_errors``; otherwise an error propagates)."""
     latencies: list[float] = []
     errors = 0
     deadline = clock() + duration
+    pick = _picker(request)
 
     async def caller() -> None:
         nonlocal errors
@@ -79,17 +82,24 @@ async def closed_loop(
             t0 = clock()
             if count_errors:
                 try:
-                    await infer(request)
+                    await infer(pick())
                 except Exception:  # noqa: BLE001 - counted
                     errors += 1
                     continue
             else:
-                await infer(request)
+                await infer(pick())
             append(clock() - t0)
 
     t0 = clock()
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     return latencies, clock() - t0, errors
+
+
+def _picker(request: Any) -> Callable[[], Any]:
+    """The request for each call: the same one, or the next of a list."""
+    if isinstance(request, list):
+        return itertools.cycle(request).__next__
+    return lambda: request
 
 
 async def poisson_arrivals(rate: float, duration: float, seed: int) -> AsyncIterator[float]:
@@ -109,7 +119,8 @@ async def poisson_arrivals(rate: float, duration: float, seed: int) -> AsyncIter
 async def open_loop(
     submit: Callable[[Any], asyncio.Future], request: Any, rate: float, duration: float
 ) -> tuple[list[float], int]:
-    """Poisson arrivals at ``rate``; each arrival is ``submit(request)``, a future. One
+    """Poisson arrivals at ``rate``; each arrival is ``submit(request)`` (the next of
+    a list of requests, round robin), a future. One
     callback per request and no task: the generator itself must cost the loop little,
     or it, not the server, sets the rate it can offer. Returns latencies from each
     request's scheduled arrival, and the number of errors."""
@@ -129,9 +140,10 @@ async def open_loop(
         if not outstanding and not generating:
             all_done.set()
 
+    pick = _picker(request)
     async for at in poisson_arrivals(rate, duration, seed=4):
         outstanding += 1
-        submit(request).add_done_callback(lambda fut, at=at: done(fut, at))
+        submit(pick()).add_done_callback(lambda fut, at=at: done(fut, at))
     generating = False
     if outstanding:
         await all_done.wait()
