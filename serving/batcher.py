@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 
 from pxrt import Model
@@ -109,6 +110,16 @@ class Batcher:
         # Seconds per row of the batches that run, for retry-after estimates, and the
         # execution time of a full batch, to close a waiting batch before a deadline
         # (the costliest lane's, for named dimensions).
+        #: Per lane: the rows of its most efficient bucket (least time per row) within
+        #: its cap: the cost policy's batches go no bigger.
+        self._efficient_caps = [
+            min(
+                (b for b in lane.buckets if b.size <= cap),
+                key=lambda b: (b.exec_s / b.size, -b.size),
+            ).size
+            for lane, cap in zip(self.lanes, self.lane_caps)
+        ]
+        self._lane_order = os.environ.get("PXRT_LANE_ORDER", "oldest")
         full = [lane.bucket_for(cap) for lane, cap in zip(self.lanes, self.lane_caps)]
         self._row_seconds = max(b.exec_s / b.size for b in full)
         self._full_exec_s = max(b.exec_s for b in full)
@@ -247,8 +258,8 @@ class Batcher:
             choice = self._choose(now, full_only=self.inflight > 0 and not queue.closed)
             if choice is None:
                 break
-            lane, fold = choice
-            batch = queue.take(self.lane_caps[lane], now, lane, fold)
+            lane, fold, rows = choice
+            batch = queue.take(rows, now, lane, fold)
             if batch is None:
                 continue  # what waited was given up or expired: look again
             try:
@@ -266,36 +277,39 @@ class Batcher:
         if queue.closed and not self.inflight and not queue.queued_rows:
             self._drained.set()
 
-    def _choose(self, now: float, full_only: bool) -> tuple[int, tuple[int, ...]] | None:
-        """The lane to run next and the lanes whose requests ride along in it, or None
-        (nothing waits; with ``full_only``, no lane fills a batch).
+    def _choose(self, now: float, full_only: bool) -> tuple[int, tuple[int, ...], int] | None:
+        """The lane to run next, the lanes whose requests ride along in it, and the most
+        rows to take; or None (nothing waits; with ``full_only``, no lane fills a batch).
 
-        ``"cost"``: every lane with waiting requests is a candidate batch. Requests of a
-        shorter lane ride along when that lowers the total wait: with ``T(lane, rows)``
-        the execution time measured at load, taking ``n_i`` requests of lane i into
-        lane j's batch of ``n`` costs every waiting request ``d = T(j, rows + r_i) -
-        T(j, rows)`` more, and saves lane i's requests and everyone behind them the run
-        of their own batch, ``T(i, r_i)``: they ride along when
-        ``d * (n + n_i + m) < T(i, r_i) * (n_i + m)`` (``m``: requests waiting elsewhere).
-        Then the candidate that answers the most waiting per second of device time goes:
-        the largest ``sum(age + t) / t`` over its requests (``t``: its execution time,
-        padding included; the ages keep long lanes from starving).
+        ``"cost"``: each lane's batch is capped at its most efficient bucket (the least
+        measured execution time per row; a bigger cell that costs more per row, as
+        attention's does, is never filled for its own sake). Requests of a shorter lane
+        ride along when that lowers the total wait: with ``T(lane, rows)`` the execution
+        time measured at load, taking ``n_i`` requests of lane i into lane j's batch of
+        ``n`` costs every waiting request ``d = T(j, rows + r_i) - T(j, rows)`` more (0
+        while they fit the bucket's padding rows), and saves lane i's requests and
+        everyone behind them the run of their own batch, ``T(i, r_i)``: they ride along
+        when ``d * (n + n_i + m) < T(i, r_i) * (n_i + m)`` (``m``: requests waiting
+        elsewhere). The lane of the oldest waiting request goes first.
 
-        ``"oldest"``: the lane of the oldest waiting request, alone.
+        ``"oldest"``: the lane of the oldest waiting request, alone, up to
+        ``max_batch_size`` rows.
         """
         queue = self.queue
         caps = self.lane_caps
         lanes = self.lanes
-        stats = [queue.lane_stats(k, caps[k], now) for k in range(len(lanes))]
         if self.cell_policy == "oldest":
+            stats = [queue.lane_stats(k, caps[k], now) for k in range(len(lanes))]
             k = min(range(len(lanes)), key=lambda k: stats[k][3])
             if not stats[k][0] or (full_only and stats[k][0] < caps[k]):
                 return None
-            return k, ()
+            return k, (), caps[k]
+        caps = self._efficient_caps
+        stats = [queue.lane_stats(k, caps[k], now) for k in range(len(lanes))]
         waiting = sum(st[1] for st in stats)
         best = None
-        best_score = -1.0
-        for j, (rows, n, ages, _) in enumerate(stats):
+        best_score = -INF
+        for j, (rows, n, ages, oldest) in enumerate(stats):
             if not rows:
                 continue
             lane = lanes[j]
@@ -323,9 +337,15 @@ class Batcher:
                     t = t_new
             if full_only and rows < caps[j]:
                 continue
-            score = (ages + n * t) / t
+            order = self._lane_order
+            if order == "oldest":
+                score = -oldest
+            elif order == "wspt":
+                score = ages / t
+            else:
+                score = (ages + n * t) / t
             if score > best_score:
-                best, best_score = (j, tuple(fold)), score
+                best, best_score = (j, tuple(fold), caps[j]), score
         return best
 
     def _arm_delay(self, delay: float) -> None:

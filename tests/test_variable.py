@@ -399,8 +399,9 @@ def test_cost_policy_folds_short_requests_when_it_pays(var_models, run, top_ms, 
             shorts = [server.infer("enc", encoder_request(1, 4, seed=i)) for i in range(2)]
             now = time.perf_counter()
             b.lanes = [_FakeLane(lambda rows: 1.0)] * top + [_FakeLane(top_ms)]
-            # Fold: d * (n + n_i + m) < T_i * (n_i + m), here d * 3 < 1 ms * 2; then the
-            # candidate with the largest sum(age + t) / t goes: the long one (+ shorts).
+            b._efficient_caps = list(b.lane_caps)  # room for the short ones in every lane
+            # The oldest request's lane goes, and the short ones ride along when
+            # d * (n + n_i + m) < T_i * (n_i + m): here d * 3 < 1 ms * 2.
             got = b._choose(now, False)
             b.cell_policy = "oldest"
             oldest = b._choose(now, False)
@@ -412,8 +413,25 @@ def test_cost_policy_folds_short_requests_when_it_pays(var_models, run, top_ms, 
 
     got, oldest = run(main)
     top = len(model.engine.lanes) - 1
-    assert got == ((top, (0,)) if want == "top+fold" else (top, ()))
-    assert oldest == (top, ())
+    assert got[:2] == ((top, (0,)) if want == "top+fold" else (top, ()))
+    assert oldest[:2] == (top, ())
+
+
+def test_cost_policy_caps_a_lane_at_its_most_efficient_bucket(var_models, run):
+    model = var_models["encoder"]
+
+    async def main():
+        async with Server() as server:
+            server.add_model("enc", model)
+            b = server.batcher("enc")
+            return b._efficient_caps, b.lane_caps
+
+    caps, limits = run(main)
+    for lane, cap, limit in zip(model.engine.lanes, caps, limits):
+        fits = [x for x in lane.buckets if x.size <= limit]
+        best = min(x.exec_s / x.size for x in fits)
+        chosen = lane.bucket_for(cap)
+        assert chosen.size == cap and chosen.exec_s / cap == best
 
 
 @pytest.mark.parametrize("policy", ["cost", "oldest"])
