@@ -72,7 +72,7 @@ cdef class BatchQueue:
     cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=*,
                        double deadline=*, Py_ssize_t lane=*)
     cpdef Request submit(self, object request, object timeout=*)
-    cpdef Batch take(self, Py_ssize_t max_rows, double now, Py_ssize_t lane=*, tuple fold=*)
+    cpdef Batch take(self, Py_ssize_t max_rows, double now, Py_ssize_t lane=*, object fold=*)
     cdef Batch _take_lane(self, Batch batch, Py_ssize_t lane, Py_ssize_t* room, double now,
                           bint split)
     cpdef Py_ssize_t deliver(self, Batch batch, bint copy=*, double now=*) except -1

@@ -385,7 +385,7 @@ cdef class BatchQueue:
         return False
 
     cpdef Batch take(self, Py_ssize_t max_rows, double now, Py_ssize_t lane=0,
-                     tuple fold=None):
+                     object fold=None):
         """The next batch from ``lane``: its waiting requests in order, up to
         ``max_rows`` rows, then, while room is left, whole requests from the lanes in
         ``fold`` (in that order: lanes whose lengths fit this one's); None when nothing
@@ -463,6 +463,8 @@ cdef class BatchQueue:
         r.finished = True
         r.parts = None
         if r.next_row < r.rows:  # rows still waiting leave the queue with it
+            if not 0 <= r.lane < self.lanes:
+                raise ValueError("the request is not from this queue")
             self.queued_rows -= r.rows - r.next_row
             self._lane_rows[r.lane] -= r.rows - r.next_row
             r.next_row = r.rows
@@ -529,6 +531,8 @@ cdef class BatchQueue:
         still run and their outputs are dropped. False if it was answered already."""
         if r.finished:
             return False
+        if not 0 <= r.lane < self.lanes:
+            raise ValueError("the request is not from this queue")
         r.finished = True
         r.parts = None
         self.queued_rows -= r.rows - r.next_row

@@ -85,6 +85,8 @@ cdef class InputHandler:
         self.dim_lengths, lanes = check_lanes(self.dim_names, dim_lengths, lane_of)
         self.pads = tuple(np.array(0 if pads is None else pads[k], dt).tobytes()
                           for k, dt in enumerate(self.dtypes))
+        if any(len(p) != dt.itemsize for p, dt in zip(self.pads, self.dtypes)):
+            raise ValueError(f"pads must be one scalar per input, got {pads!r}")
         self.row_nbytes = tuple(
             0 if any(isinstance(d, str) for d in s) else
             int(np.prod(s, dtype=np.int64)) * dt.itemsize
@@ -323,6 +325,13 @@ cdef class InputHandler:
     def lane_of(self, tuple arrays):
         """The lane (compiled lengths) that prepared ``arrays`` run in; 0 without
         named dimensions."""
+        cdef Py_ssize_t d
+        if len(arrays) != self.n_inputs:
+            raise ValueError(f"expected {self.n_inputs} arrays (InputHandler.prepare's)")
+        for d in range(self.n_named):
+            arr = arrays[self._len_input[d]]
+            if type(arr) is not np.ndarray or (<cnp.ndarray>arr).ndim <= self._len_axis[d]:
+                raise ValueError("lane_of takes the arrays InputHandler.prepare returned")
         return self.lane_c(arrays)
 
     def lengths_of(self, tuple arrays):
@@ -383,7 +392,7 @@ cdef class InputHandler:
                     start = starts[i]
                     count = counts[i]
                     if (cnp.PyArray_NDIM(src) < 1 or start < 0 or count < 0
-                            or start + count > cnp.PyArray_DIMS(src)[0]
+                            or count > cnp.PyArray_DIMS(src)[0] - start
                             or cnp.PyArray_ITEMSIZE(src) * (cnp.PyArray_SIZE(src) //
                                 max(cnp.PyArray_DIMS(src)[0], 1)) != rb
                             or not _rows_contiguous(src, rb)):
@@ -446,7 +455,7 @@ cdef class InputHandler:
                 count = counts[i]
                 sdims = cnp.PyArray_DIMS(src)
                 if (cnp.PyArray_NDIM(src) != nd or start < 0 or count < 0
-                        or start + count > sdims[0]
+                        or count > sdims[0] - start
                         or cnp.PyArray_ITEMSIZE(src) != cnp.PyArray_ITEMSIZE(buf)
                         or not _rows_contiguous(src, 0)):
                     raise ValueError(f"piece {i}, input {self.names[j]!r}: rows "

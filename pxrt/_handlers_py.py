@@ -48,6 +48,8 @@ class InputHandler:
             np.array(0 if pads is None else pads[k], dt).tobytes()
             for k, dt in enumerate(self.dtypes)
         )
+        if any(len(p) != dt.itemsize for p, dt in zip(self.pads, self.dtypes)):
+            raise ValueError(f"pads must be one scalar per input, got {pads!r}")
         self._pad_values = [np.frombuffer(p, dt)[0] for p, dt in zip(self.pads, self.dtypes)]
         self.row_nbytes = tuple(
             0

@@ -30,6 +30,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -181,7 +182,10 @@ def _check_pad(pad: Any, dtype: np.dtype) -> bool | int | float:
             if info.min <= pad <= info.max:
                 return pad
     elif isinstance(pad, (int, float)) and not isinstance(pad, bool):
-        value = float(pad)
+        try:
+            value = float(pad)
+        except OverflowError:
+            value = math.inf
         with np.errstate(over="ignore"):
             if np.isfinite(value) and float(np.array(value, dtype)) == value:
                 return value
@@ -213,8 +217,13 @@ class Artifact:
 
     @property
     def dim_buckets(self) -> dict[str, tuple[int, ...]]:
-        """Named dimension -> the lengths it is compiled at (empty: fixed shapes)."""
-        return {k: tuple(v) for k, v in (self.manifest.get("dim_buckets") or {}).items()}
+        """Named dimension -> the lengths it is compiled at (empty: fixed shapes), in
+        the order the inputs first name them."""
+        if self.manifest["format_version"] < 3:
+            return {}
+        given = self.manifest["dim_buckets"]
+        named = dict.fromkeys(d for spec in self.inputs.values() for d in spec.dims)
+        return {d: tuple(given[d]) for d in named}
 
 
 # --------------------------------------------------------------------------- export
@@ -632,11 +641,17 @@ def _check_manifest(m: dict, where: str) -> None:
                 f"{field}.name",
                 "must be a non-empty string",
             )
-            need(t.get("dtype") in DTYPES, f"{field}.dtype", f"must be one of {', '.join(DTYPES)}")
+            need(
+                isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES,
+                f"{field}.dtype",
+                f"must be one of {', '.join(DTYPES)}",
+            )
             shape = t.get("shape")
             need(
                 isinstance(shape, list)
-                and all(is_int(d) or (v3 and d in dim_buckets) for d in shape),
+                and all(
+                    is_int(d) or (v3 and isinstance(d, str) and d in dim_buckets) for d in shape
+                ),
                 f"{field}.shape",
                 "must be a list of non-negative ints"
                 + (" and names from 'dim_buckets'" if v3 else ""),
@@ -671,7 +686,11 @@ def _check_manifest(m: dict, where: str) -> None:
             field,
             "needs string 'key' and 'path'",
         )
-        need(p.get("dtype") in DTYPES, f"{field}.dtype", f"must be one of {', '.join(DTYPES)}")
+        need(
+            isinstance(p.get("dtype"), str) and p["dtype"] in DTYPES,
+            f"{field}.dtype",
+            f"must be one of {', '.join(DTYPES)}",
+        )
         need(
             isinstance(p.get("shape"), list) and all(is_int(d) for d in p["shape"]),
             f"{field}.shape",

@@ -299,11 +299,16 @@ class Engine:
         Returns one output dict per request, in order; a failed execution raises, or with
         ``return_exceptions`` becomes the entry of each request it held."""
         plan = BatchQueue(lanes=len(self.lanes))
-        lane_of = self.lane_of
-        requests = [
-            plan.push(arrays, rows, lane=lane_of(arrays) if self.dim_names else 0)
-            for arrays, rows in prepared
-        ]
+        requests: list[Any] = []
+        for arrays, rows in prepared:
+            try:  # a partial grid may have no cell for these lengths
+                lane = self.lane_of(arrays) if self.dim_names else 0
+            except ValueError as exc:
+                if not return_exceptions:
+                    raise
+                requests.append(exc)
+                continue
+            requests.append(plan.push(arrays, rows, lane=lane))
         for lane in self.lanes:
             while (batch := plan.take(lane.max_rows, 0.0, lane.index)) is not None:
                 try:
@@ -314,7 +319,10 @@ class Engine:
                     plan.fail(batch, exc)
                     continue
                 plan.deliver(batch, copy)
-        return [r.result if r.error is None else r.error for r in requests]
+        return [
+            r if isinstance(r, Exception) else r.result if r.error is None else r.error
+            for r in requests
+        ]
 
     def pipeline(
         self,

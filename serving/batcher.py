@@ -15,10 +15,11 @@ threads). A ``Batcher`` decides when a batch goes:
 - never so late that a queued request's deadline would pass (it goes early instead).
 
 A model with named dimensions has a lane per set of compiled lengths, and each request
-waits in the cheapest lane that holds it. Which lane goes next, and which shorter
-requests ride along in it (paying padding instead of waiting for a batch of their own),
-is decided from each cell's execution time measured at load (``cell_policy="cost"``,
-see ``Batcher._choose``); ``"oldest"`` runs the lane of the oldest request, alone.
+waits in the cheapest lane that holds it. The lane of the oldest request goes first; how
+big its batch is (which cell) and which shorter requests ride along in it (paying padding
+instead of waiting for a batch of their own) is decided from each cell's execution time
+measured at load (``cell_policy="cost"``, see ``Batcher._choose``); ``"oldest"`` runs the
+lane of the oldest request alone, up to ``max_batch_size`` rows.
 
 Queue policy: a full queue rejects at once (``Overloaded``, with a retry-after
 estimate); a request whose deadline passes while queued is answered
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 
 from pxrt import Model
@@ -116,10 +116,10 @@ class Batcher:
             min(
                 (b for b in lane.buckets if b.size <= cap),
                 key=lambda b: (b.exec_s / b.size, -b.size),
+                default=lane.bucket_for(cap),
             ).size
             for lane, cap in zip(self.lanes, self.lane_caps)
         ]
-        self._lane_order = os.environ.get("PXRT_LANE_ORDER", "oldest")
         full = [lane.bucket_for(cap) for lane, cap in zip(self.lanes, self.lane_caps)]
         self._row_seconds = max(b.exec_s / b.size for b in full)
         self._full_exec_s = max(b.exec_s for b in full)
@@ -255,7 +255,10 @@ class Batcher:
                         self._arm_delay(due - now)
                     queue.kick_rows = self.max_batch_size
                     return
-            choice = self._choose(now, full_only=self.inflight > 0 and not queue.closed)
+            # Busy: only a full batch goes, unless a queued deadline is due.
+            due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+            full_only = self.inflight > 0 and not queue.closed and due > now
+            choice = self._choose(now, full_only)
             if choice is None:
                 break
             lane, fold, rows = choice
@@ -270,10 +273,14 @@ class Batcher:
             self.inflight += 1
         if self.inflight < self.max_inflight:
             # Idle: the next request goes at once; busy: look again as rows arrive, for
-            # a lane that fills a batch.
+            # a lane that fills a batch, and when the earliest deadline comes due.
             queue.kick_rows = (
                 max(min(self.lane_caps), queue.queued_rows + 1) if self.inflight else 1
             )
+            if self.inflight and queue.queued_rows:
+                due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+                if due < INF:
+                    self._arm_delay(max(due - _clock(), 0.0))
         if queue.closed and not self.inflight and not queue.queued_rows:
             self._drained.set()
 
@@ -309,22 +316,21 @@ class Batcher:
         waiting = sum(st[1] for st in stats)
         best = None
         best_score = -INF
-        for j, (rows, n, ages, oldest) in enumerate(stats):
+        for j, (rows, n, _, oldest) in enumerate(stats):
             if not rows:
                 continue
             lane = lanes[j]
             t = lane.bucket_for(rows).exec_s
             fold = []
             for i in self._fold_lanes[j]:
-                r_i, n_i, ages_i, _ = stats[i]
+                r_i, n_i, _, _ = stats[i]
                 room = caps[j] - rows
                 if room <= 0:
                     break
                 if not r_i:
                     continue
                 take = min(r_i, room)
-                part = take / r_i
-                n_i *= part
+                n_i *= take / r_i
                 t_new = lane.bucket_for(rows + take).exec_s
                 others = waiting - n - n_i
                 if (t_new - t) * (n + n_i + others) < lanes[i].bucket_for(take).exec_s * (
@@ -333,19 +339,11 @@ class Batcher:
                     fold.append(i)
                     rows += take
                     n += n_i
-                    ages += ages_i * part
                     t = t_new
             if full_only and rows < caps[j]:
                 continue
-            order = self._lane_order
-            if order == "oldest":
-                score = -oldest
-            elif order == "wspt":
-                score = ages / t
-            else:
-                score = (ages + n * t) / t
-            if score > best_score:
-                best, best_score = (j, tuple(fold), caps[j]), score
+            if -oldest > best_score:  # the lane of the oldest request goes
+                best, best_score = (j, tuple(fold), caps[j]), -oldest
         return best
 
     def _arm_delay(self, delay: float) -> None:

@@ -137,3 +137,33 @@ def test_serve_refuses_bad_config_at_start_up(tmp_path, toml, words):
     conf.write_text(toml)
     result = _pxrt("serve", "--config", str(conf), timeout=60)
     assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
+def test_inspect_shows_the_grid(var_artifacts):
+    result = _pxrt("inspect", str(var_artifacts["encoder"]))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "tokens           int32     [n, seq]  pad 0" in out
+    assert "grid: batch [1, 4] x seq [8, 16, 32] =" in out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("bucket"))
+    assert header.split()[:2] == ["bucket", "seq"] and "exec" in header
+
+
+def test_serve_refuses_an_unknown_cell_policy():
+    result = _pxrt("serve", "--cell-policy", "fifo", timeout=60)
+    assert result.returncode == 2 and "'fifo' is not one of cost, oldest" in result.stderr
+
+
+def test_bench_on_variable_lengths(tmp_path, var_artifacts):
+    out = tmp_path / "bench"
+    args = ["bench", str(var_artifacts["encoder"]), "--duration", "0.3", "--quick"]
+    result = _pxrt(*args, "--lengths", "uniform:1:32", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "bench.json").read_text())
+    modes = {r["mode"] for r in report["results"]}
+    assert {"grid", "oldest", "padded", "grid-open", "oldest-open", "jit"} <= modes
+    assert all(r["requests_per_s"] > 0 for r in report["results"] if r["mode"] != "jit")
+    assert report["summary"]["grid_vs_padded_throughput"] > 0
+    assert "grid vs padded throughput" in result.stdout
+    bad = _pxrt("bench", str(var_artifacts["encoder"]), "--lengths", "zipf:1", timeout=120)
+    assert bad.returncode == 2 and "expected pareto:LOW:HIGH" in bad.stderr

@@ -472,3 +472,78 @@ def test_serving_rejects_an_unknown_cell_policy(var_models, run):
                 server.add_model("enc", var_models["encoder"], cell_policy="fifo")
 
     run(main)
+
+
+def test_two_named_dims_in_any_manifest_order(tmp_path):
+    # Two named dimensions; the manifest lists their buckets in the other order (as a
+    # JSON tool that sorts keys would): lengths must still be read per dimension.
+    def fn(p, a, b):
+        return {"ab": a.sum(axis=2)[:, :, None] + b[:, None, :], "n": a.sum(axis=(1, 2))}
+
+    path = pxrt.export(
+        fn,
+        {},
+        tmp_path / "two",
+        inputs={"a": pxrt.TensorSpec(("t", "s"), "int32"), "b": pxrt.TensorSpec(("s",), "int32")},
+        batch_buckets=(1,),
+        dim_buckets={"t": (2, 8), "s": (4, 100)},
+    )
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest) as f:
+        m = json.load(f)
+    m["dim_buckets"] = {"s": m["dim_buckets"]["s"], "t": m["dim_buckets"]["t"]}
+    with open(manifest, "w") as f:
+        json.dump(m, f)
+    model = pxrt.load(path)
+    assert model.dim_names == ("t", "s")
+    rng = np.random.default_rng(0)
+    for t, s in [(1, 3), (7, 4), (2, 90), (8, 100)]:
+        request = {
+            "a": rng.integers(-9, 9, (2, t, s)).astype(np.int32),
+            "b": rng.integers(-9, 9, (2, s)).astype(np.int32),
+        }
+        got = model.run(request)
+        want = fn({}, **request)
+        assert got["ab"].shape == (2, t, s)
+        np.testing.assert_array_equal(got["ab"], np.asarray(want["ab"]))
+        np.testing.assert_array_equal(got["n"], np.asarray(want["n"]))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m["inputs"][0].update(shape=[[8]]), r"inputs\[0\].shape"),
+        (lambda m: m["inputs"][0].update(dtype=["int32"]), r"inputs\[0\].dtype"),
+        (lambda m: m["inputs"][0].update(pad=10**400), r"inputs\[0\].pad"),
+    ],
+)
+def test_malformed_format_3_fields_are_artifact_errors(tmp_path, edit, match):
+    path = _export(tmp_path)
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest) as f:
+        m = json.load(f)
+    edit(m)
+    with open(manifest, "w") as f:
+        json.dump(m, f)
+    with pytest.raises(pxrt.ArtifactError, match=match):
+        pxrt.read_artifact(path)
+
+
+def test_a_deadline_is_kept_in_a_lane_while_another_batch_runs(var_artifacts, run):
+    from models import wrap_all
+
+    model = pxrt.load(var_artifacts["ragged"])
+    wrap_all(model, delay_s=0.4)  # every batch takes 0.4 s
+    rng = np.random.default_rng(2)
+
+    async def main():
+        async with Server() as server:
+            server.add_model("r", model, max_inflight=2)
+            long = server.infer("r", ragged_request(1, 8, rng))
+            await asyncio.sleep(0.05)  # the long one runs; one pipeline slot is free
+            # Not a full batch, and due before the running one ends: it goes at once.
+            short = await server.infer("r", ragged_request(1, 2, rng), timeout_s=0.6)
+            await long
+            return short
+
+    assert run(main)["c"].shape == (1, 2)

@@ -117,7 +117,11 @@ def _bench_lengths(args: argparse.Namespace, path: str, model) -> int:
 
     from . import lengths
 
-    lengths.parse_lengths(args.lengths, 1)  # a bad spec fails before the second load
+    try:
+        lengths.parse_lengths(args.lengths, 1)  # a bad spec fails before the second load
+    except ValueError as exc:
+        print(f"pxrt bench: error: {exc}", file=sys.stderr)
+        return 2
     longest = {d: (max(v),) for d, v in model.dim_buckets.items()}
     padded = pxrt.load(path, dim_buckets=longest, progress=True)
     gc.collect()
