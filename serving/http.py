@@ -28,8 +28,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-import pxrt
-
 from . import kserve
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed, UnknownModel
 from .protocol import DISCONNECT_EXTENSION
@@ -153,13 +151,7 @@ def create_app(
         return None
 
     async def server_metadata(request: Request) -> Response:
-        return _json(
-            {
-                "name": "pxrt",
-                "version": pxrt.__version__,
-                "extensions": ["binary_tensor_data", "model_configuration", "statistics"],
-            }
-        )
+        return _json(kserve.server_metadata())
 
     async def live(request: Request) -> Response:
         return _json({"live": True})
@@ -179,95 +171,14 @@ def create_app(
 
     async def model_metadata(request: Request) -> Response:
         name, model, _ = model_of(request)
-
-        def tensors(specs: dict) -> list[dict]:
-            return [
-                {
-                    "name": k,
-                    "datatype": kserve.datatype_of(s.dtype),
-                    "shape": [-1, *kserve.protocol_dims(s.shape)],
-                }
-                for k, s in specs.items()
-            ]
-
-        return _json(
-            {
-                "name": name,
-                "versions": [model.version],
-                "platform": "pxrt_jax",
-                "inputs": tensors(model.inputs),
-                "outputs": tensors(model.outputs),
-            }
-        )
+        return _json(kserve.model_metadata(name, model))
 
     async def model_config(request: Request) -> Response:
         name, model, batcher = model_of(request)
-
-        def tensors(specs: dict) -> list[dict]:
-            return [
-                {
-                    "name": k,
-                    "data_type": "TYPE_" + kserve.datatype_of(s.dtype),
-                    "dims": kserve.protocol_dims(s.shape),
-                }
-                for k, s in specs.items()
-            ]
-
-        return _json(
-            {
-                "name": name,
-                "platform": "pxrt_jax",
-                "backend": "pxrt",
-                "version_policy": {"specific": {"versions": [model.version]}},
-                "max_batch_size": batcher.max_batch_size,
-                "input": tensors(model.inputs),
-                "output": tensors(model.outputs),
-                # pxrt's own: the lengths each named (-1) dimension is compiled at.
-                "parameters": {
-                    f"dim_buckets.{d}": {"string_value": ",".join(map(str, v))}
-                    for d, v in model.dim_buckets.items()
-                },
-                "dynamic_batching": {
-                    "preferred_batch_size": [
-                        b for b in model.buckets if b <= batcher.max_batch_size
-                    ],
-                    "max_queue_delay_microseconds": int(batcher.max_delay * 1e6),
-                    "default_queue_policy": {"max_queue_size": batcher.max_queue},
-                },
-                "instance_group": [
-                    {
-                        "count": 1,
-                        "kind": "KIND_CPU" if model.devices[0].platform == "cpu" else "KIND_GPU",
-                    }
-                ],
-            }
-        )
+        return _json(kserve.model_config(name, model, batcher))
 
     def stats_of(name: str, model: Any) -> dict:
-        """One model's statistics, in Triton's shape."""
-        snap = server.metrics_snapshot()[name]
-
-        def duration(key: str) -> dict:
-            h = snap[key]
-            return {"count": h["count"], "ns": int(h["mean"] * h["count"] * 1e3)}
-
-        req = snap["requests"]
-        fail_count = sum(req[k] for k in ("invalid", "rejected", "expired", "failed"))
-        return {
-            "name": name,
-            "version": model.version,
-            "inference_count": int(snap["batch_rows"]["mean"] * snap["batch_rows"]["count"]),
-            "execution_count": snap["batches"],
-            "inference_stats": {
-                "success": duration("request_us"),
-                "fail": {"count": fail_count, "ns": 0},
-                "queue": duration("queue_us"),
-                "compute_input": duration("compute_input_us"),
-                "compute_infer": duration("compute_infer_us"),
-                "compute_output": duration("compute_output_us"),
-            },
-            "batch_stats": [],
-        }
+        return kserve.model_stats(name, model, server.metrics_snapshot()[name])
 
     async def model_stats(request: Request) -> Response:
         name, model, _ = model_of(request)

@@ -305,3 +305,100 @@ def encode_response(
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
+
+
+# --------------------------------------------------------------------------- documents
+# What the metadata, config and statistics endpoints answer, as plain dicts: the HTTP
+# app sends them as JSON, the gRPC service as the protocol's messages.
+
+
+def server_metadata() -> dict:
+    import pxrt
+
+    return {
+        "name": "pxrt",
+        "version": pxrt.__version__,
+        "extensions": ["binary_tensor_data", "model_configuration", "statistics"],
+    }
+
+
+def model_metadata(name: str, model: Any) -> dict:
+    def tensors(specs: dict) -> list[dict]:
+        return [
+            {"name": k, "datatype": datatype_of(s.dtype), "shape": [-1, *protocol_dims(s.shape)]}
+            for k, s in specs.items()
+        ]
+
+    return {
+        "name": name,
+        "versions": [model.version],
+        "platform": "pxrt_jax",
+        "inputs": tensors(model.inputs),
+        "outputs": tensors(model.outputs),
+    }
+
+
+def model_config(name: str, model: Any, batcher: Any) -> dict:
+    """The model's configuration in Triton's shape (what Triton's tools read)."""
+
+    def tensors(specs: dict) -> list[dict]:
+        return [
+            {
+                "name": k,
+                "data_type": "TYPE_" + datatype_of(s.dtype),
+                "dims": protocol_dims(s.shape),
+            }
+            for k, s in specs.items()
+        ]
+
+    return {
+        "name": name,
+        "platform": "pxrt_jax",
+        "backend": "pxrt",
+        "version_policy": {"specific": {"versions": [model.version]}},
+        "max_batch_size": batcher.max_batch_size,
+        "input": tensors(model.inputs),
+        "output": tensors(model.outputs),
+        # pxrt's own: the lengths each named (-1) dimension is compiled at.
+        "parameters": {
+            f"dim_buckets.{d}": {"string_value": ",".join(map(str, v))}
+            for d, v in model.dim_buckets.items()
+        },
+        "dynamic_batching": {
+            "preferred_batch_size": [b for b in model.buckets if b <= batcher.max_batch_size],
+            "max_queue_delay_microseconds": int(batcher.max_delay * 1e6),
+            "default_queue_policy": {"max_queue_size": batcher.max_queue},
+        },
+        "instance_group": [
+            {
+                "count": 1,
+                "kind": "KIND_CPU" if model.devices[0].platform == "cpu" else "KIND_GPU",
+            }
+        ],
+    }
+
+
+def model_stats(name: str, model: Any, snap: dict) -> dict:
+    """One model's statistics, in Triton's shape, from its metrics snapshot."""
+
+    def duration(key: str) -> dict:
+        h = snap[key]
+        return {"count": h["count"], "ns": int(h["mean"] * h["count"] * 1e3)}
+
+    req = snap["requests"]
+    fail_count = sum(req[k] for k in ("invalid", "rejected", "expired", "failed"))
+    return {
+        "name": name,
+        "version": model.version,
+        "inference_count": int(snap["batch_rows"]["mean"] * snap["batch_rows"]["count"]),
+        "execution_count": snap["batches"],
+        "inference_stats": {
+            "success": duration("request_us"),
+            "fail": {"count": fail_count, "ns": 0},
+            "queue": duration("queue_us"),
+            "compute_input": duration("compute_input_us"),
+            "compute_infer": duration("compute_infer_us"),
+            "compute_output": duration("compute_output_us"),
+        },
+        "batch_stats": [],
+    }
