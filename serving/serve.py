@@ -1,4 +1,5 @@
-"""``pxrt serve``: the standalone KServe v2 server (uvicorn on uvloop + httptools).
+"""``pxrt serve``: the standalone KServe v2 server (uvicorn on uvloop + httptools; with
+``--grpc-port``, grpcio's asyncio server too, on the same loop).
 
 The HTTP server starts at once and answers ``/v2/health/live``; models load and compile
 in a worker thread, and ``/v2/health/ready`` turns 200 when all are warm. SIGTERM or
@@ -87,6 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dirs", nargs="*", help="artifact directories (default: the demo model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_Number(int, 0), default=8000)
+    p.add_argument(
+        "--grpc-port",
+        type=_Number(int, 0),
+        default=None,
+        help="also serve KServe v2 over gRPC on this port (default: HTTP only)",
+    )
     p.add_argument("--config", metavar="TOML", help="per-model options (see pxrt serve --help)")
     for key, check in OPTIONS.items():
         p.add_argument("--" + key.replace("_", "-"), type=check, default=None)
@@ -169,6 +176,16 @@ def main(args: argparse.Namespace) -> int:
     from .http import State, create_app
     from .server import Server, new_event_loop
 
+    if args.grpc_port is not None:
+        try:
+            from . import grpc_server  # noqa: F401 - fail now, not once serving
+        except ImportError as exc:
+            print(
+                f"pxrt serve: error: --grpc-port needs the grpc extra ({exc}): "
+                "pip install 'pxrt[grpc]'",
+                file=sys.stderr,
+            )
+            return 2
     with tempfile.TemporaryDirectory(prefix="pxrt-serve-") as demo_dir:
         specs = model_specs(args, demo_dir)
         server = Server()
@@ -197,10 +214,24 @@ def main(args: argparse.Namespace) -> int:
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Any):
+            grpc_server = None
+            if args.grpc_port is not None:
+                from .grpc_server import start_grpc
+
+                grpc_server = await start_grpc(
+                    server,
+                    args.grpc_port,
+                    state,
+                    host=args.host,
+                    max_message_bytes=int(args.max_body_mb * (1 << 20)),
+                )
+                print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
             loader = asyncio.ensure_future(load_all())
             yield
             state.draining = True
             loader.cancel()
+            if grpc_server is not None:
+                await grpc_server.stop(grace=5.0)  # in-flight calls finish, then it closes
             await server.close()
 
         app = create_app(

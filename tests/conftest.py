@@ -133,6 +133,6 @@ def served(artifacts, var_artifacts, tmp_path_factory):
     )
     paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
     paths.append(str(var_artifacts["encoder"]))
-    proc = ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1"])
+    proc = ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1"], grpc=True)
     yield proc
     assert proc.stop() == 0

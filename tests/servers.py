@@ -22,9 +22,13 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], grpc: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.grpc_port = free_port() if grpc else None
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
+        if grpc:
+            args = [*args, "--grpc-port", str(self.grpc_port)]
         # A file, not a pipe: nobody reads a pipe while tests run, and a full one blocks.
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(

@@ -1,0 +1,198 @@
+"""`pxrt serve --grpc-port` driven by the unmodified Triton gRPC clients (sync and asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from models import (
+    ENCODER_SIZES,
+    MODELS,
+    assert_matches,
+    encoder_reference,
+    random_request,
+    reference,
+)
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from serving import kserve
+
+OUTPUTS = {
+    "mlp": ["y"],
+    "two_io": ["argmax", "scores"],
+    "bf16": ["output"],
+    "all_dtypes": ["bf16", "f16", "f32", "flag", "i32", "i64", "u8"],
+}
+
+
+@pytest.fixture
+def client(served):
+    c = grpcclient.InferenceServerClient(served.grpc_url)
+    yield c
+    c.close()
+
+
+def _inputs(request):
+    inputs = []
+    for k, v in request.items():
+        inp = grpcclient.InferInput(k, list(v.shape), kserve.datatype_of(v.dtype))
+        inp.set_data_from_numpy(np.ascontiguousarray(v))
+        inputs.append(inp)
+    return inputs
+
+
+def _status(call):
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return info.value.status(), info.value.message()
+
+
+def test_health_metadata_config_statistics(client):
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("mlp") and not client.is_model_ready("nope")
+    assert not client.is_model_ready("mlp", model_version="7")
+    assert "binary_tensor_data" in client.get_server_metadata(as_json=True)["extensions"]
+    meta = client.get_model_metadata("two_io", as_json=True)
+    assert meta["inputs"][1] == {"name": "features", "datatype": "FP16", "shape": ["-1", "8"]}
+    enc = client.get_model_metadata("encoder", as_json=True)
+    assert enc["inputs"][0]["shape"] == ["-1", "-1"]
+    config = client.get_model_config("two_io", as_json=True)["config"]
+    assert config["max_batch_size"] == 8 and config["input"][1]["data_type"] == "TYPE_FP16"
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == "2000"
+    client.infer("mlp", _inputs({"x": np.ones((1, 32), np.float32)}))
+    stats = client.get_inference_statistics("mlp", as_json=True)["model_stats"][0]
+    assert int(stats["inference_stats"]["success"]["count"]) >= 1
+    everyone = client.get_inference_statistics(as_json=True)["model_stats"]
+    assert {s["name"] for s in everyone} >= {"mlp", "two_io", "encoder"}
+
+
+@pytest.mark.parametrize("name", list(OUTPUTS))
+def test_raw_inference_matches_jax(client, name):
+    rng = np.random.default_rng(len(name))
+    for rows in (1, 3, 2 * MODELS[name]["buckets"][-1] + 1):
+        request = random_request(MODELS[name]["inputs"], rows, rng)
+        result = client.infer(name, _inputs(request), request_id=f"r{rows}")
+        assert result.get_response().id == f"r{rows}"
+        got = {k: result.as_numpy(k) for k in OUTPUTS[name]}
+        assert_matches(got, reference(name, request), f"{name} rows={rows}")
+
+
+def test_variable_lengths_match_jax(client):
+    rng = np.random.default_rng(9)
+    for rows, length in [(1, 1), (2, 17), (3, 32)]:
+        request = {
+            "tokens": rng.integers(0, ENCODER_SIZES["vocab"], (rows, length)).astype(np.int32),
+            "mask": np.ones((rows, length), bool),
+        }
+        result = client.infer("encoder", _inputs(request))
+        got = {k: result.as_numpy(k) for k in ("hidden", "pooled")}
+        assert_matches(got, encoder_reference(request), f"L={length}")
+
+
+def test_typed_contents_and_requested_outputs(served):
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    channel = grpc.insecure_channel(served.grpc_url)
+    infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
+    x = np.random.default_rng(0).standard_normal((2, 32)).astype(np.float32)
+    request = pb.ModelInferRequest(model_name="mlp", id="typed")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[2, 32])
+    tensor.contents.fp32_contents.extend(x.ravel().tolist())
+    request.outputs.add(name="y")
+    response = infer(request)
+    y = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, 32)
+    assert response.id == "typed" and list(response.outputs[0].shape) == [2, 32]
+    assert_matches({"y": y}, reference("mlp", {"x": x}))
+
+    def code_of(req):
+        with pytest.raises(grpc.RpcError) as info:
+            infer(req)
+        return info.value.code(), info.value.details()
+
+    wrong = pb.ModelInferRequest(model_name="two_io")
+    t = wrong.inputs.add(name="features", datatype="FP16", shape=[1, 8])
+    code, details = code_of(wrong)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "raw_input_contents" in details
+    short = pb.ModelInferRequest(model_name="mlp")
+    t = short.inputs.add(name="x", datatype="FP32", shape=[1, 32])
+    t.contents.fp32_contents.extend([1.0] * 31)
+    code, details = code_of(short)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "needs 32 elements" in details
+    wide = pb.ModelInferRequest(model_name="all_dtypes")
+    t = wide.inputs.add(name="u8", datatype="UINT8", shape=[1, 4])
+    t.contents.uint_contents.extend([1, 2, 3, 256])
+    code, details = code_of(wide)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "out of range for UINT8" in details
+    channel.close()
+
+
+def test_errors_map_to_status_codes(client):
+    x = _inputs({"x": np.ones((1, 32), np.float32)})
+    assert _status(lambda: client.infer("nope", x))[0] == "StatusCode.NOT_FOUND"
+    code, message = _status(lambda: client.infer("mlp", x, model_version="7"))
+    assert code == "StatusCode.NOT_FOUND" and "no version '7'" in message
+    bad = _inputs({"x": np.ones((1, 31), np.float32)})
+    code, message = _status(lambda: client.infer("mlp", bad))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "input 'x'" in message
+    two_rows = _inputs({"x": np.ones((2, 32), np.float32)})
+    code, message = _status(lambda: client.infer("tiny_queue", two_rows))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "max_queue" in message
+    code, _ = _status(
+        lambda: client.infer("mlp", x, outputs=[grpcclient.InferRequestedOutput("z")])
+    )
+    assert code == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_a_stream_of_1000_with_bad_ones_mixed_in(client):
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    rng = np.random.default_rng(3)
+    sent = {}
+    for k in range(1000):
+        if k % 50 == 7:  # a wrong width: fails alone
+            request = {"x": np.ones((1, 31), np.float32)}
+        else:
+            request = {"x": rng.standard_normal((1 + k % 3, 32)).astype(np.float32)}
+        sent[str(k)] = request
+        client.async_stream_infer("mlp", _inputs(request), request_id=str(k))
+    got = [answers.get(timeout=60) for _ in range(1000)]
+    client.stop_stream()
+    errors = [e for _, e in got if e is not None]
+    results = [r for r, e in got if e is None]
+    assert len(errors) == 20 and all("input 'x'" in e.message() for e in errors)
+    assert len(results) == 980
+    for result in results[::37]:
+        rid = result.get_response().id
+        assert_matches({"y": result.as_numpy("y")}, reference("mlp", sent[rid]), rid)
+
+
+def test_asyncio_client(served):
+    async def main():
+        async with grpcaio.InferenceServerClient(served.grpc_url) as c:
+            assert await c.is_server_ready()
+            rng = np.random.default_rng(4)
+            requests = [{"x": rng.standard_normal((2, 32)).astype(np.float32)} for _ in range(20)]
+            results = await asyncio.gather(*(c.infer("mlp", _inputs(r)) for r in requests))
+            for request, result in zip(requests, results):
+                assert_matches({"y": result.as_numpy("y")}, reference("mlp", request))
+
+            async def stream():
+                for i, r in enumerate(requests):
+                    yield {"model_name": "mlp", "inputs": _inputs(r), "request_id": str(i)}
+
+            seen = {}
+            async for result, error in c.stream_infer(stream()):
+                assert error is None
+                seen[result.get_response().id] = result.as_numpy("y")
+                if len(seen) == len(requests):
+                    break
+            for i, r in enumerate(requests):
+                assert_matches({"y": seen[str(i)]}, reference("mlp", r))
+
+    asyncio.run(main())
