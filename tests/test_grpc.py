@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
+
+import pytest
+
+if "kserve" in sys.modules:  # its protobufs claim the same names as tritonclient.grpc's
+    pytest.skip(
+        "kserve is imported in this process; run the gRPC tests in their own pytest "
+        "(make test does: pytest tests/test_grpc.py)",
+        allow_module_level=True,
+    )
 
 import numpy as np
 import pytest
