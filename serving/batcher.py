@@ -124,7 +124,7 @@ class Batcher:
         self._row_seconds = max(b.exec_s / b.size for b in full)
         self._full_exec_s = max(b.exec_s for b in full)
 
-        self._metrics = metrics.add_model(name, self)
+        self._metrics = metrics.add_model(name, self, model.version)
         self.pipeline = engine.pipeline(
             self._on_done_threadsafe, workers=max_inflight, copy=copy, name=name
         )

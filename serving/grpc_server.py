@@ -169,14 +169,8 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         return None
 
     def _model(self, name: str, version: str) -> tuple[Any, Any]:
-        batcher = self.server.batcher(name)  # UnknownModel -> NOT_FOUND
-        model = batcher.model
-        if version and version != model.version:
-            raise _Abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {name!r} has no version {version!r} (serving version {model.version!r})",
-            )
-        return model, batcher
+        batcher = self.server.batcher(name, version or None)  # UnknownModel -> NOT_FOUND
+        return batcher.model, batcher
 
     @staticmethod
     async def _abort(context: Any, exc: BaseException) -> None:
@@ -206,7 +200,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         try:
             model, _ = self._model(request.name, request.version)
-            doc = kserve.model_metadata(request.name, model)
+            doc = kserve.model_metadata(request.name, model, self.server.versions(request.name))
             return json_format.ParseDict(doc, pb.ModelMetadataResponse())
         except Exception as exc:  # noqa: BLE001 - answered with its status code
             await self._abort(context, exc)
@@ -259,7 +253,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         except kserve.ProtocolError:
             batcher.count("invalid")
             raise
-        outputs = await self.server.infer(name, inputs, timeout_s=timeout_s)
+        outputs = await self.server.infer(name, inputs, timeout_s=timeout_s, version=model.version)
         response = pb.ModelInferResponse(
             model_name=name, model_version=model.version, id=request.id
         )

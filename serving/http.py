@@ -112,17 +112,10 @@ def create_app(
     def model_of(request: Request) -> tuple[str, Any, Any]:
         name = request.path_params["model"]
         try:
-            batcher = server.batcher(name)
+            batcher = server.batcher(name, request.path_params.get("version"))
         except UnknownModel as exc:
             raise _HTTPError(404, str(exc)) from None
-        version = request.path_params.get("version")
-        model = batcher.model
-        if version is not None and version != model.version:
-            raise _HTTPError(
-                404,
-                f"model {name!r} has no version {version!r} (serving version {model.version!r})",
-            )
-        return name, model, batcher
+        return name, batcher.model, batcher
 
     def handled(fn):
         async def endpoint(request: Request) -> Response:
@@ -171,7 +164,7 @@ def create_app(
 
     async def model_metadata(request: Request) -> Response:
         name, model, _ = model_of(request)
-        return _json(kserve.model_metadata(name, model))
+        return _json(kserve.model_metadata(name, model, server.versions(name)))
 
     async def model_config(request: Request) -> Response:
         name, model, batcher = model_of(request)
@@ -256,7 +249,7 @@ def create_app(
         except kserve.ProtocolError as exc:
             batcher.count("invalid")
             raise _HTTPError(400, str(exc)) from None
-        queued = server.infer(name, inputs, timeout_s=timeout_s)
+        queued = server.infer(name, inputs, timeout_s=timeout_s, version=model.version)
         future = getattr(queued, "future", None)
         # A client that hangs up takes its request out of the queue if it is not
         # dispatched yet. pxrt serve's protocol reports that through a scope extension;

@@ -322,7 +322,7 @@ def server_metadata() -> dict:
     }
 
 
-def model_metadata(name: str, model: Any) -> dict:
+def model_metadata(name: str, model: Any, versions: list[str] | None = None) -> dict:
     def tensors(specs: dict) -> list[dict]:
         return [
             {"name": k, "datatype": datatype_of(s.dtype), "shape": [-1, *protocol_dims(s.shape)]}
@@ -331,7 +331,7 @@ def model_metadata(name: str, model: Any) -> dict:
 
     return {
         "name": name,
-        "versions": [model.version],
+        "versions": versions or [model.version],
         "platform": "pxrt_jax",
         "inputs": tensors(model.inputs),
         "outputs": tensors(model.outputs),

@@ -145,20 +145,40 @@ class ModelMetrics:
 
 
 class Metrics:
-    """All models' metrics, and a prometheus-client registry that exposes them."""
+    """All models' metrics, per model and version, and a prometheus-client registry that
+    exposes them (labels ``model`` and ``version``)."""
 
     def __init__(self) -> None:
+        #: (name, version) -> its metrics, for every version served.
+        self.versions: dict[tuple[str, str], ModelMetrics] = {}
+        #: name -> the metrics of the version that unversioned requests reach.
         self.models: dict[str, ModelMetrics] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
-    def add_model(self, name: str, source: ModelSource) -> ModelMetrics:
-        self.models[name] = ModelMetrics(source)
-        return self.models[name]
+    def add_model(self, name: str, source: ModelSource, version: str = "") -> ModelMetrics:
+        m = self.versions[(name, version)] = ModelMetrics(source)
+        self.models.setdefault(name, m)
+        return m
+
+    def set_default(self, name: str, version: str | None) -> None:
+        """Which version's metrics ``snapshot()[name]`` shows (None: the model is gone)."""
+        if version is None:
+            self.models.pop(name, None)
+        else:
+            self.models[name] = self.versions[(name, version)]
+
+    def remove_model(self, name: str, version: str) -> None:
+        self.versions.pop((name, version), None)
 
     def snapshot(self) -> dict[str, dict]:
-        """model -> {"requests": {outcome: n}, "batches": n, "<stage>_us": {...}, ...}."""
+        """model -> {"requests": {outcome: n}, "batches": n, "<stage>_us": {...}, ...}, for
+        the version unversioned requests reach."""
         return {name: m.snapshot() for name, m in self.models.items()}
+
+    def snapshot_versions(self) -> dict[tuple[str, str], dict]:
+        """(model, version) -> its snapshot, for every version served."""
+        return {key: m.snapshot() for key, m in self.versions.items()}
 
 
 class _Collector:
@@ -166,26 +186,28 @@ class _Collector:
         self._metrics = metrics
 
     def collect(self):
-        models = list(self._metrics.models.items())
+        models = list(self._metrics.versions.items())
         requests = CounterMetricFamily(
-            "pxrt_requests", "Requests by outcome", labels=["model", "outcome"]
+            "pxrt_requests", "Requests by outcome", labels=["model", "version", "outcome"]
         )
-        batches = CounterMetricFamily("pxrt_batches", "Batches executed", labels=["model"])
+        batches = CounterMetricFamily(
+            "pxrt_batches", "Batches executed", labels=["model", "version"]
+        )
         queued = GaugeMetricFamily(
-            "pxrt_queued_rows", "Rows waiting in the queue", labels=["model"]
+            "pxrt_queued_rows", "Rows waiting in the queue", labels=["model", "version"]
         )
         compiles = GaugeMetricFamily(
             "pxrt_compiles_after_load",
             "XLA compiles on the request path after load (stays 0)",
-            labels=["model"],
+            labels=["model", "version"],
         )
-        for name, m in models:
+        for (name, version), m in models:
             m.source.drain_timings()
             for outcome, n in m.requests.items():
-                requests.add_metric([name, outcome], n)
-            batches.add_metric([name], m.batches)
-            queued.add_metric([name], m.source.queued_rows())
-            compiles.add_metric([name], m.source.compiles())
+                requests.add_metric([name, version, outcome], n)
+            batches.add_metric([name, version], m.batches)
+            queued.add_metric([name, version], m.source.queued_rows())
+            compiles.add_metric([name, version], m.source.compiles())
         yield from (requests, batches, queued, compiles)
         families = [
             (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", lambda m, s=stage: m.stages[s])
@@ -200,8 +222,8 @@ class _Collector:
             ),
         ]
         for metric, doc, pick in families:
-            family = HistogramMetricFamily(metric, doc, labels=["model"])
-            for name, m in models:
+            family = HistogramMetricFamily(metric, doc, labels=["model", "version"])
+            for (name, version), m in models:
                 hist = pick(m)
-                family.add_metric([name], hist.cumulative(), hist.sum)
+                family.add_metric([name, version], hist.cumulative(), hist.sum)
             yield family

@@ -39,6 +39,11 @@ async def _raise(exc: BaseException) -> Any:
     raise exc
 
 
+def version_order(version: str) -> tuple:
+    """How versions sort: numbers numerically (2 < 10), before any other name."""
+    return (0, int(version), "") if version.isdigit() else (1, 0, version)
+
+
 class Server:
     """Serves loaded ``pxrt.Model``s to many concurrent callers with dynamic batching.
 
@@ -48,8 +53,12 @@ class Server:
 
     def __init__(self) -> None:
         self.metrics = Metrics()
+        # name -> version -> its batcher: every version served.
+        self._versions: dict[str, dict[str, Batcher]] = {}
+        # name -> the batcher of the version that unversioned requests reach (the newest).
         self._batchers: dict[str, Batcher] = {}
-        self._queues: dict[str, Any] = {}  # name -> its batcher's queue, for infer
+        self._queues: dict[str, Any] = {}  # name -> that batcher's queue, for infer
+        self._closing: set[Batcher] = set()
         self._closed = False
 
     async def __aenter__(self) -> Server:
@@ -71,7 +80,9 @@ class Server:
         copy: bool = False,
         cell_policy: str = "cost",
     ) -> None:
-        """Serve ``model`` (from ``pxrt.load``) as ``name``.
+        """Serve ``model`` (from ``pxrt.load``) as ``name``, version ``model.version``. A
+        new version of a name already served joins it: unversioned requests go to the
+        newest version from then on, older ones stay reachable by version.
 
         Args:
           max_batch_size: the most rows in one batch (default and cap: the largest
@@ -92,9 +103,9 @@ class Server:
         """
         if self._closed:
             raise ServerClosed("the server is closed")
-        if name in self._batchers:
-            raise ValueError(f"a model named {name!r} is already being served")
-        batcher = self._batchers[name] = Batcher(
+        if model.version in self._versions.get(name, {}):
+            raise ValueError(f"version {model.version!r} of model {name!r} is already being served")
+        batcher = Batcher(
             name,
             model,
             self.metrics,
@@ -106,14 +117,89 @@ class Server:
             copy=copy,
             cell_policy=cell_policy,
         )
+        self._versions.setdefault(name, {})[model.version] = batcher
+        self._route(name)
+
+    def _route(self, name: str) -> None:
+        """Unversioned requests for ``name`` go to its newest version from now on (one
+        assignment on the loop's thread: the switch is atomic for callers)."""
+        versions = self._versions.get(name)
+        if not versions:
+            self._versions.pop(name, None)
+            self._batchers.pop(name, None)
+            self._queues.pop(name, None)
+            self.metrics.set_default(name, None)
+            return
+        newest = max(versions, key=version_order)
+        batcher = versions[newest]
+        self._batchers[name] = batcher
         self._queues[name] = batcher.queue
+        self.metrics.set_default(name, newest)
+
+    async def load_model(
+        self, name: str, path: str, *, load_options: dict | None = None, **options: Any
+    ) -> Any:
+        """Load the artifact at ``path`` (compiling every bucket on a worker thread while
+        everything served keeps serving) and serve it as a version of ``name``: its
+        manifest's version, which must be new. Once it is compiled and warm, requests
+        without a version go to the newest version; older versions stay reachable by
+        version until ``unload_model``. A load that fails raises and changes nothing.
+        ``load_options`` go to ``pxrt.load``, ``options`` to ``add_model``; returns
+        the loaded model."""
+        import pxrt
+
+        if self._closed:
+            raise ServerClosed("the server is closed")
+        model = await asyncio.to_thread(pxrt.load, path, **(load_options or {}))
+        self.add_model(name, model, **options)
+        return model
+
+    async def unload_model(self, name: str, version: str | None = None) -> None:
+        """Stop serving ``version`` of ``name`` (None: every version). New requests for
+        it are refused (unversioned ones go to the newest version left) at once; every
+        request it accepted is answered; then its pipeline stops and its model (device
+        memory included) is released, unless the caller holds it."""
+        versions = self._versions.get(name)
+        if not versions:
+            raise UnknownModel(self._unknown(name))
+        if version is not None and version not in versions:
+            raise UnknownModel(
+                f"model {name!r} has no version {version!r}; serving versions "
+                f"{', '.join(sorted(versions, key=version_order))}"
+            )
+        gone = [version] if version is not None else list(versions)
+        batchers = [versions.pop(v) for v in gone]
+        self._route(name)
+        self._closing.update(batchers)
+        try:
+            await asyncio.gather(*(b.close() for b in batchers))
+        finally:
+            self._closing.difference_update(batchers)
+            for v in gone:
+                self.metrics.remove_model(name, v)
 
     @property
     def models(self) -> dict[str, Any]:
+        """name -> the model unversioned requests reach (its newest version)."""
         return {name: b.model for name, b in self._batchers.items()}
 
-    def batcher(self, name: str) -> Batcher:
-        batcher = self._batchers.get(name)
+    def versions(self, name: str) -> list[str]:
+        """The versions of ``name`` served, oldest first."""
+        if name not in self._versions:
+            raise UnknownModel(self._unknown(name))
+        return sorted(self._versions[name], key=version_order)
+
+    def batcher(self, name: str, version: str | None = None) -> Batcher:
+        """The batcher of ``version`` of ``name`` (None: the newest)."""
+        if version is None:
+            batcher = self._batchers.get(name)
+        else:
+            batcher = self._versions.get(name, {}).get(version)
+            if batcher is None and name in self._versions:
+                raise UnknownModel(
+                    f"model {name!r} has no version {version!r}; serving versions "
+                    f"{', '.join(self.versions(name))}"
+                )
         if batcher is None:
             raise UnknownModel(self._unknown(name))
         return batcher
@@ -122,7 +208,12 @@ class Server:
         return f"no model named {name!r}; serving: {', '.join(self._batchers) or 'none'}"
 
     def infer(
-        self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
+        self,
+        name: str,
+        request: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+        version: str | None = None,
     ) -> Awaitable[dict]:
         """Queue one request (input name -> array of n >= 1 rows) to be batched with
         others; ``await server.infer("mlp", {"x": x})`` -> output name -> array.
@@ -133,25 +224,34 @@ class Server:
         ``Overloaded`` when the queue was full, ``DeadlineExceeded`` when the deadline
         (``timeout_s``, else the model's default) passed while queued,
         ``ExecutionFailed`` when its batch failed, ``ServerClosed`` while shutting down,
-        ``UnknownModel`` for a name not served. A caller that stops waiting (its task
-        cancelled) takes its request out of the queue if it was not dispatched yet.
+        ``UnknownModel`` for a name (or ``version``) not served. Without a version, the
+        newest version served answers. A caller that stops waiting (its task cancelled)
+        takes its request out of the queue if it was not dispatched yet.
         """
-        queue = self._queues.get(name)
         try:
-            if queue is None:
-                raise UnknownModel(self._unknown(name))
+            if version is None:
+                queue = self._queues.get(name)
+                if queue is None:
+                    raise UnknownModel(self._unknown(name))
+            else:
+                queue = self.batcher(name, version).queue
             return queue.submit(request, timeout_s)
         except Exception as exc:  # raised where the caller awaits, as from a coroutine
             return _raise(exc)
 
     def submit(
-        self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None
+        self,
+        name: str,
+        request: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+        version: str | None = None,
     ) -> asyncio.Future:
         """``infer`` without the coroutine: queue the request and return its future at
         once (for callers that handle many requests from one task). Errors that
         ``infer`` raises before queueing are raised here; cancelling the future drops
         the request if it was not dispatched yet."""
-        return self.batcher(name).queue.submit(request, timeout_s).future
+        return self.batcher(name, version).queue.submit(request, timeout_s).future
 
     def metrics_snapshot(self) -> dict[str, dict]:
         """Per model: request outcomes, batches, stage-time and batch-shape summaries."""
@@ -160,7 +260,8 @@ class Server:
     async def close(self) -> None:
         """Stop accepting requests, answer every accepted one, stop the pipelines."""
         self._closed = True
-        await asyncio.gather(*(b.close() for b in self._batchers.values()))
+        batchers = [b for versions in self._versions.values() for b in versions.values()]
+        await asyncio.gather(*(b.close() for b in batchers + list(self._closing)))
 
 
 class BlockingServer:

@@ -1,0 +1,138 @@
+"""Versions of a model in one `serving.Server`: loading a new one while traffic flows,
+unloading an old one, a load that fails, and what callers see meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import numpy as np
+import pytest
+from models import MODELS, assert_matches, mlp_params
+
+import pxrt
+from serving import Server, UnknownModel
+
+
+@pytest.fixture(scope="module")
+def two_versions(tmp_path_factory):
+    """The test MLP exported twice: version 1 and version 2 (other weights)."""
+    root = tmp_path_factory.mktemp("versions")
+    spec = MODELS["mlp"]
+    paths = {}
+    for version, seed in (("1", 0), ("2", 5)):
+        paths[version] = pxrt.export(
+            spec["fn"],
+            mlp_params(seed=seed),
+            root / f"v{version}",
+            inputs=spec["inputs"],
+            batch_buckets=spec["buckets"],
+            name="mlp",
+            version=version,
+        )
+    return paths
+
+
+def _reference(seed, x):
+    import jax
+
+    return np.asarray(jax.jit(MODELS["mlp"]["fn"])(mlp_params(seed=seed), x)["y"])
+
+
+def test_a_new_version_takes_over_without_a_failed_request(two_versions, run):
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((1 + i % 3, 32)).astype(np.float32) for i in range(40)]
+    want = {v: [_reference(seed, x) for x in xs] for v, seed in (("1", 0), ("2", 5))}
+
+    async def main():
+        async with Server() as server:
+            await server.load_model("mlp", two_versions["1"])
+            answers = []  # (index, output) of every request, in completion order
+            stop = asyncio.Event()
+
+            async def caller(k):
+                i = k
+                while not stop.is_set():
+                    out = await server.infer("mlp", {"x": xs[i % len(xs)]})
+                    answers.append((i % len(xs), out["y"]))
+                    i += 7
+
+            callers = [asyncio.ensure_future(caller(k)) for k in range(8)]
+            await asyncio.sleep(0.2)
+            before = len(answers)
+            await server.load_model("mlp", two_versions["2"])  # compiles while serving
+            switched = len(answers)
+            assert server.versions("mlp") == ["1", "2"]
+            # Unversioned requests now reach version 2; version 1 by name.
+            x = xs[0]
+            np.testing.assert_allclose(
+                (await server.infer("mlp", {"x": x}))["y"], want["2"][0], rtol=1e-5, atol=1e-5
+            )
+            old = await server.infer("mlp", {"x": x}, version="1")
+            np.testing.assert_allclose(old["y"], want["1"][0], rtol=1e-5, atol=1e-5)
+            await asyncio.sleep(0.2)
+            await server.unload_model("mlp", "1")  # answers what it accepted, then frees
+            assert server.versions("mlp") == ["2"]
+            with pytest.raises(UnknownModel, match="no version '1'"):
+                await server.infer("mlp", {"x": x}, version="1")
+            await asyncio.sleep(0.1)
+            stop.set()
+            await asyncio.gather(*callers)  # any failed request would raise here
+            snap = server.metrics.snapshot_versions()
+            return answers, before, switched, snap
+
+    answers, before, switched, snap = run(main)
+    assert before > 0 and len(answers) > switched
+    # Every answer is one version's, whole; after the switch, only version 2's.
+    for n, (i, y) in enumerate(answers):
+        ok = [v for v in ("1", "2") if np.allclose(y, want[v][i], rtol=1e-5, atol=1e-5)]
+        assert ok, f"answer {n} matches no version"
+        if n >= switched + 8:  # the 8 callers' requests in flight at the switch aside
+            assert ok == ["2"]
+    assert set(snap) == {("mlp", "2")} and snap[("mlp", "2")]["requests"]["success"] > 0
+
+
+def test_a_failed_load_leaves_the_serving_version_alone(two_versions, tmp_path, run):
+    broken = tmp_path / "broken"
+    os.makedirs(broken)
+    with open(os.path.join(two_versions["2"], "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["batch_buckets"] = "many"
+    for name in ("model.jaxexport", "params.npz"):
+        with open(os.path.join(two_versions["2"], name), "rb") as src:
+            (broken / name).write_bytes(src.read())
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    x = np.ones((2, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            await server.load_model("mlp", two_versions["1"])
+            with pytest.raises(pxrt.ArtifactError, match="batch_buckets"):
+                await server.load_model("mlp", str(broken))
+            assert server.versions("mlp") == ["1"]
+            out = await server.infer("mlp", {"x": x})
+            with pytest.raises(ValueError, match="version '1' of model 'mlp' is already"):
+                await server.load_model("mlp", two_versions["1"])
+            await server.unload_model("mlp")
+            with pytest.raises(UnknownModel):
+                await server.infer("mlp", {"x": x})
+            with pytest.raises(UnknownModel):
+                await server.unload_model("mlp")
+            return out
+
+    assert_matches(run(main), {"y": _reference(0, x)})
+
+
+def test_unload_answers_every_accepted_request(two_versions, run):
+    async def main():
+        async with Server() as server:
+            await server.load_model("mlp", two_versions["1"])
+            xs = [np.full((1, 32), i, np.float32) for i in range(200)]
+            pending = [server.infer("mlp", {"x": x}) for x in xs]  # queued, not awaited
+            await server.unload_model("mlp")
+            return xs, await asyncio.gather(*pending)
+
+    xs, outs = run(main)
+    for x, out in zip(xs[::20], outs[::20]):
+        assert_matches(out, {"y": _reference(0, x)})
