@@ -10,7 +10,8 @@ Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, Mode
 ModelStatistics, ModelInfer (``raw_input_contents`` or typed ``contents`` in,
 ``raw_output_contents`` out) and ModelStreamInfer (any number of requests in flight on
 one stream, each answered or failed on its own, in completion order, with its ``id``).
-The repository methods and shared memory answer UNIMPLEMENTED.
+RepositoryIndex, RepositoryModelLoad and RepositoryModelUnload drive a
+``serving.repository.Repository`` when there is one; shared memory answers UNIMPLEMENTED.
 
 Errors map to status codes as Triton's do: a malformed request or a validation error is
 INVALID_ARGUMENT, an unknown model or version NOT_FOUND, a full queue or a server that is
@@ -155,9 +156,10 @@ def _timeout(request: pb.ModelInferRequest, context: Any) -> float | None:
 class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` for the models of ``server``."""
 
-    def __init__(self, server: Server, state: Any) -> None:
+    def __init__(self, server: Server, state: Any, repository: Any = None) -> None:
         self.server = server
         self.state = state
+        self.repository = repository
 
     # ------------------------------------------------------------------ helpers
 
@@ -231,6 +233,42 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
             return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
         except Exception as exc:  # noqa: BLE001 - answered with its status code
             await self._abort(context, exc)
+
+    # ------------------------------------------------------------------ repository
+
+    def _repo(self) -> Any:
+        if self.repository is None:
+            raise _Abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no model repository: start pxrt serve with --model-repository DIR",
+            )
+        return self.repository
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        try:
+            rows = self._repo().index()
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc)
+        if request.ready:
+            rows = [r for r in rows if r["state"] == "READY"]
+        response = pb.RepositoryIndexResponse()
+        for r in rows:
+            response.models.add(**r)
+        return response
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        try:
+            await self._repo().load(request.model_name)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        try:
+            await self._repo().unload(request.model_name)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc)
+        return pb.RepositoryModelUnloadResponse()
 
     # ------------------------------------------------------------------ inference
 
@@ -326,7 +364,13 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
 
 async def start_grpc(
-    server: Server, port: int, state: Any, *, host: str = "127.0.0.1", max_message_bytes: int
+    server: Server,
+    port: int,
+    state: Any,
+    *,
+    host: str = "127.0.0.1",
+    max_message_bytes: int,
+    repository: Any = None,
 ) -> grpc.aio.Server:
     """Serve ``GRPCService`` on ``host:port`` with grpcio's asyncio server on the running
     loop; returns the started server (``await it.stop(grace)`` to stop it)."""
@@ -335,7 +379,8 @@ async def start_grpc(
         ("grpc.max_send_message_length", max_message_bytes),
     ]
     grpc_server = grpc.aio.server(options=options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(GRPCService(server, state), grpc_server)
+    service = GRPCService(server, state, repository)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, grpc_server)
     if grpc_server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot listen for gRPC on {host}:{port}")
     await grpc_server.start()

@@ -97,6 +97,7 @@ def create_app(
     max_pending_body_bytes: int = DEFAULT_MAX_PENDING_BODY_BYTES,
     state: State | None = None,
     lifespan: Any = None,
+    repository: Any = None,
 ) -> Starlette:
     """A Starlette app speaking KServe v2 for ``server``'s models.
 
@@ -181,6 +182,39 @@ def create_app(
         return _json(
             {"model_stats": [stats_of(name, model) for name, model in server.models.items()]}
         )
+
+    def repo() -> Any:
+        if repository is None:
+            raise _HTTPError(
+                400, "no model repository: start pxrt serve with --model-repository DIR"
+            )
+        return repository
+
+    async def repository_index(request: Request) -> Response:
+        rows = repo().index()
+        body = await request.body()
+        if body:
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise _HTTPError(400, f"malformed JSON in the request: {exc}") from None
+            if isinstance(doc, dict) and doc.get("ready") is True:
+                rows = [r for r in rows if r["state"] == "READY"]
+        return _json(rows)
+
+    async def repository_load(request: Request) -> Response:
+        try:
+            await repo().load(request.path_params["model"])
+        except ValueError as exc:  # RepositoryError: unknown model, mode none, failed
+            raise _HTTPError(400, str(exc)) from None
+        return _json({})
+
+    async def repository_unload(request: Request) -> Response:
+        try:
+            await repo().unload(request.path_params["model"])
+        except ValueError as exc:
+            raise _HTTPError(400, str(exc)) from None
+        return _json({})
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -291,6 +325,9 @@ def create_app(
         Route("/v2/health/ready", handled(ready)),
         Route("/metrics", handled(metrics)),
         Route("/v2/models/stats", handled(all_stats)),  # before {model}: not a model's name
+        Route("/v2/repository/index", handled(repository_index), methods=["POST"]),
+        Route("/v2/repository/models/{model}/load", handled(repository_load), methods=["POST"]),
+        Route("/v2/repository/models/{model}/unload", handled(repository_unload), methods=["POST"]),
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         routes += [

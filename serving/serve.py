@@ -95,6 +95,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also serve KServe v2 over gRPC on this port (default: HTTP only)",
     )
     p.add_argument("--config", metavar="TOML", help="per-model options (see pxrt serve --help)")
+    p.add_argument(
+        "--model-repository",
+        metavar="DIR",
+        help="serve the models of DIR/<model>/<version>/ (artifact directories)",
+    )
+    p.add_argument(
+        "--model-control-mode",
+        choices=("none", "explicit", "poll"),
+        default="none",
+        help="none: the repository's models at start, no changes; explicit: only what "
+        "--load-model names and the load/unload API asks; poll: rescan for new and "
+        "removed versions (default none)",
+    )
+    p.add_argument(
+        "--load-model", action="append", default=[], metavar="NAME",
+        help="explicit mode: load this repository model at start (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repository-poll-secs", type=_Number(float, 0, inclusive=False), default=15.0,
+        help="poll mode: seconds between scans of the repository (default 15)",
+    )  # fmt: skip
     for key, check in OPTIONS.items():
         p.add_argument("--" + key.replace("_", "-"), type=check, default=None)
     positive = _Number(float, 0, inclusive=False)
@@ -141,15 +162,50 @@ def model_specs(args: argparse.Namespace, demo_dir: str) -> list[tuple[str | Non
         defaults |= _options(conf.get("defaults", {}), "[defaults]")
         for name, section in conf.get("models", {}).items():
             if "path" not in section:
+                if args.model_repository:
+                    continue  # a repository model's options: see repository_config
                 raise SystemExit(f"pxrt serve: [models.{name}] in {args.config} needs a path")
+            if "version_policy" in section:
+                raise SystemExit(
+                    f"pxrt serve: version_policy in [models.{name}] is for models of the "
+                    "--model-repository"
+                )
             extra = {k: v for k, v in section.items() if k != "path"}
             specs.append((name, section["path"], defaults | _options(extra, f"[models.{name}]")))
     specs += [(None, path, dict(defaults)) for path in args.model_dirs]
-    if not specs:
+    if not specs and not args.model_repository:
         from pxrt import demo
 
         specs.append((None, demo.export_demo(os.path.join(demo_dir, "mlp")), dict(defaults)))
     return specs
+
+
+def repository_config(args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """(defaults, name -> options, name -> version policy) for the repository's models,
+    from the flags and the TOML's ``[defaults]`` and path-less ``[models.NAME]``."""
+    from .repository import parse_policy
+
+    defaults = {k: getattr(args, k) for k in OPTION_KEYS if getattr(args, k) is not None}
+    options: dict[str, dict] = {}
+    policies: dict[str, str] = {}
+    if args.config:
+        with open(args.config, "rb") as f:
+            conf = tomllib.load(f)
+        defaults |= _options(conf.get("defaults", {}), "[defaults]")
+        for name, section in conf.get("models", {}).items():
+            if "path" in section:
+                continue
+            extra = {k: v for k, v in section.items() if k != "version_policy"}
+            options[name] = _options(extra, f"[models.{name}]")
+            if "version_policy" in section:
+                try:
+                    parse_policy(section["version_policy"])
+                except ValueError as exc:
+                    raise SystemExit(
+                        f"pxrt serve: [models.{name}] in {args.config}: {exc}"
+                    ) from None
+                policies[name] = section["version_policy"]
+    return defaults, options, policies
 
 
 def _options(section: dict, where: str) -> dict:
@@ -191,6 +247,32 @@ def main(args: argparse.Namespace) -> int:
         server = Server()
         state = State()
         loading_error: list[BaseException] = []
+        repository = None
+        if args.model_repository:
+            from .repository import Repository
+
+            defaults, repo_options, policies = repository_config(args)
+            try:
+                repository = Repository(
+                    args.model_repository,
+                    server,
+                    mode=args.model_control_mode,
+                    policies=policies,
+                    options={
+                        name: defaults | repo_options.get(name, {})
+                        for name in set(repo_options) | set(os.listdir(args.model_repository))
+                    },
+                )
+            except (OSError, ValueError) as exc:
+                print(f"pxrt serve: error: {exc}", file=sys.stderr)
+                return 2
+        elif args.load_model or args.model_control_mode != "none":
+            print(
+                "pxrt serve: error: --model-control-mode and --load-model need --model-repository",
+                file=sys.stderr,
+            )
+            return 2
+        poller: list[asyncio.Future] = []
 
         async def load_all() -> None:
             try:
@@ -203,6 +285,20 @@ def main(args: argparse.Namespace) -> int:
                         f"{dims}, {len(model.devices)} device(s))",
                         file=sys.stderr,
                     )
+                if repository is not None:
+                    await repository.start(args.load_model)
+                    for row in repository.index():
+                        print(
+                            f"pxrt serve: repository {row['name']} version {row['version']}: "
+                            f"{row['state']} {row['reason']}".rstrip(),
+                            file=sys.stderr,
+                        )
+                    if args.model_control_mode == "poll":
+                        poller.append(
+                            asyncio.ensure_future(
+                                repository.poll_forever(args.repository_poll_secs)
+                            )
+                        )
                 # jax's many objects leave the collector's view (its full passes stall the loop).
                 gc.collect()
                 gc.freeze()
@@ -224,12 +320,15 @@ def main(args: argparse.Namespace) -> int:
                     state,
                     host=args.host,
                     max_message_bytes=int(args.max_body_mb * (1 << 20)),
+                    repository=repository,
                 )
                 print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
             loader = asyncio.ensure_future(load_all())
             yield
             state.draining = True
             loader.cancel()
+            for task in poller:
+                task.cancel()
             if grpc_server is not None:
                 await grpc_server.stop(grace=5.0)  # in-flight calls finish, then it closes
             await server.close()
@@ -241,6 +340,7 @@ def main(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * (1 << 20)),
             max_json_bytes=int(args.max_json_mb * (1 << 20)),
             max_pending_body_bytes=int(args.max_pending_body_mb * (1 << 20)),
+            repository=repository,
         )
         config = uvicorn.Config(
             app,

@@ -137,13 +137,20 @@ class Server:
         self.metrics.set_default(name, newest)
 
     async def load_model(
-        self, name: str, path: str, *, load_options: dict | None = None, **options: Any
+        self,
+        name: str,
+        path: str,
+        *,
+        version: str | None = None,
+        load_options: dict | None = None,
+        **options: Any,
     ) -> Any:
         """Load the artifact at ``path`` (compiling every bucket on a worker thread while
         everything served keeps serving) and serve it as a version of ``name``: its
-        manifest's version, which must be new. Once it is compiled and warm, requests
-        without a version go to the newest version; older versions stay reachable by
-        version until ``unload_model``. A load that fails raises and changes nothing.
+        manifest's version (or ``version``), which must be new. Once it is compiled and
+        warm, requests without a version go to the newest version; older versions stay
+        reachable by version until ``unload_model``. A load that fails raises and
+        changes nothing.
         ``load_options`` go to ``pxrt.load``, ``options`` to ``add_model``; returns
         the loaded model."""
         import pxrt
@@ -151,6 +158,8 @@ class Server:
         if self._closed:
             raise ServerClosed("the server is closed")
         model = await asyncio.to_thread(pxrt.load, path, **(load_options or {}))
+        if version is not None:
+            model.version = str(version)
         self.add_model(name, model, **options)
         return model
 

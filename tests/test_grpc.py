@@ -30,6 +30,7 @@ from models import (
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
+import pxrt
 from serving import kserve
 
 OUTPUTS = {
@@ -206,3 +207,41 @@ def test_asyncio_client(served):
                 assert_matches({"y": seen[str(i)]}, reference("mlp", r))
 
     asyncio.run(main())
+
+
+def test_repository_methods(built_repository):
+    from servers import ServeProcess
+
+    root = built_repository
+    proc = ServeProcess(
+        ["--model-repository", str(root), "--model-control-mode", "explicit"], grpc=True
+    )
+    try:
+        c = grpcclient.InferenceServerClient(proc.grpc_url)
+        index = c.get_model_repository_index(as_json=True)["models"]
+        assert [(m["name"], m["version"], m["state"]) for m in index] == [
+            ("mlp", "1", "UNAVAILABLE")
+        ]
+        c.load_model("mlp")
+        assert c.is_model_ready("mlp")
+        x = np.ones((2, 32), np.float32)
+        assert_matches({"y": c.infer("mlp", _inputs({"x": x})).as_numpy("y")},
+                       reference("mlp", {"x": x}))  # fmt: skip
+        c.unload_model("mlp")
+        assert not c.is_model_ready("mlp")
+        code, message = _status(lambda: c.load_model("nope"))
+        assert code == "StatusCode.INVALID_ARGUMENT" and "no model 'nope'" in message
+        c.close()
+    finally:
+        assert proc.stop() == 0
+
+
+@pytest.fixture
+def built_repository(tmp_path):
+    spec = MODELS["mlp"]
+    path = tmp_path / "repo" / "mlp" / "1"
+    pxrt.export(
+        spec["fn"], spec["params"](), path, inputs=spec["inputs"],
+        batch_buckets=spec["buckets"], name="mlp",
+    )  # fmt: skip
+    return tmp_path / "repo"

@@ -1,0 +1,260 @@
+"""A model repository: a directory of ``<model>/<version>/`` artifact directories (Triton's
+layout), and which of them a ``serving.Server`` serves.
+
+- A model's name is its directory's name; a version is a subdirectory named by a positive
+  integer that holds a ``manifest.json`` (other entries are ignored).
+- A version policy per model picks the versions to serve: ``latest:N`` (the N highest,
+  default ``latest:1``), ``all``, or ``specific:1,3``.
+- Control modes, as Triton's: ``none`` serves what the policies pick at start and never
+  changes; ``explicit`` serves nothing until ``load(name)`` (``--load-model`` at start);
+  ``poll`` serves what the policies pick and rescans every ``poll_s``: new versions are
+  loaded, removed ones unloaded.
+
+Loading a version compiles it while everything else keeps serving (``Server.load_model``);
+a version that fails to load is reported (``index``) and changes nothing served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from .errors import UnknownModel
+from .server import Server
+
+log = logging.getLogger("pxrt.repository")
+
+MODES = ("none", "explicit", "poll")
+
+
+class RepositoryError(ValueError):
+    """A request the repository cannot carry out (an unknown model, the wrong mode)."""
+
+
+def parse_policy(text: str) -> tuple[str, Any]:
+    """``"latest:N"``, ``"all"`` or ``"specific:V,V"`` -> (kind, argument)."""
+    kind, _, arg = str(text).partition(":")
+    try:
+        if kind == "all" and not arg:
+            return "all", None
+        if kind == "latest":
+            n = int(arg or "1")
+            if n >= 1:
+                return "latest", n
+        if kind == "specific":
+            versions = [int(v) for v in arg.split(",")]
+            if versions and all(v >= 1 for v in versions):
+                return "specific", sorted(set(versions))
+    except ValueError:
+        pass
+    raise ValueError(f"version policy {text!r}: expected latest:N, all or specific:V[,V...]")
+
+
+class Repository:
+    """The models of the directory ``root`` served by ``server``.
+
+    Args:
+      policies: model name -> version policy text (default ``latest:1``).
+      options: model name -> ``Server.add_model`` options.
+      mode: ``none``, ``explicit`` or ``poll``.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        server: Server,
+        *,
+        mode: str = "none",
+        policies: dict[str, str] | None = None,
+        options: dict[str, dict] | None = None,
+        load_options: dict | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"model control mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"model repository {root!r} is not a directory")
+        self.root = root
+        self.server = server
+        self.mode = mode
+        self.policies = {k: parse_policy(v) for k, v in (policies or {}).items()}
+        self.options = options or {}
+        self.load_options = load_options or {}
+        # (name, version) -> (state, reason) of versions loading, failed or unloading.
+        self._states: dict[tuple[str, str], tuple[str, str]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # ------------------------------------------------------------------ the directory
+
+    def scan(self) -> dict[str, list[str]]:
+        """Model name -> its version directories (ascending), as the directory is now."""
+        out: dict[str, list[str]] = {}
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name)
+            if name.startswith(".") or not os.path.isdir(path):
+                continue
+            versions = [
+                v
+                for v in os.listdir(path)
+                if v.isdigit()
+                and int(v) >= 1
+                and os.path.isfile(os.path.join(path, v, "manifest.json"))
+            ]
+            out[name] = sorted(versions, key=int)
+        return out
+
+    def wanted(self, name: str, available: list[str]) -> list[str]:
+        """The versions of ``name`` its policy picks from ``available``."""
+        kind, arg = self.policies.get(name, ("latest", 1))
+        if kind == "all":
+            return list(available)
+        if kind == "specific":
+            return [v for v in available if int(v) in arg]
+        return available[-arg:]
+
+    # ------------------------------------------------------------------ actions
+
+    def _served(self, name: str) -> list[str]:
+        try:
+            return self.server.versions(name)
+        except UnknownModel:
+            return []
+
+    async def start(self, load: list[str] | None = None) -> None:
+        """What the mode serves at start: every model (none, poll), or ``load`` only."""
+        names = list(self.scan()) if self.mode != "explicit" else list(load or [])
+        for name in names:
+            await self.sync(name)
+
+    async def sync(self, name: str) -> list[str]:
+        """Serve the versions of ``name`` its policy picks now: load the new ones (a
+        failure is recorded and leaves the rest alone), then unload the others. Returns
+        the versions served after."""
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            available = self.scan().get(name)
+            if available is None:
+                if not self._served(name):
+                    raise RepositoryError(f"no model {name!r} in the repository {self.root}")
+                available = []
+            want = self.wanted(name, available)
+            for version in want:
+                if version in self._served(name):
+                    continue
+                await self._load(name, version)
+            for version in self._served(name):
+                if version not in want and self._loaded_ok(name, want):
+                    await self._unload(name, version)
+            return self._served(name)
+
+    def _loaded_ok(self, name: str, want: list[str]) -> bool:
+        # Old versions go only once a wanted one serves: never nothing served by a reload.
+        return not want or any(v in self._served(name) for v in want)
+
+    async def _load(self, name: str, version: str) -> None:
+        key = (name, version)
+        self._states[key] = ("LOADING", "")
+        path = os.path.join(self.root, name, version)
+        try:
+            model = await self.server.load_model(
+                name,
+                path,
+                load_options=self.load_options,
+                version=version,
+                **self.options.get(name, {}),
+            )
+        except Exception as exc:  # noqa: BLE001 - reported, and nothing served changes
+            reason = f"{type(exc).__name__}: {exc}"
+            self._states[key] = ("UNAVAILABLE", reason)
+            log.warning("pxrt: %s version %s failed to load: %s", name, version, reason)
+            return
+        del self._states[key]
+        log.info("pxrt: %s version %s ready (%d cells)", name, version, len(model.cells))
+
+    async def _unload(self, name: str, version: str) -> None:
+        key = (name, version)
+        self._states[key] = ("UNLOADING", "")
+        try:
+            await self.server.unload_model(name, version)
+        finally:
+            self._states.pop(key, None)
+
+    async def load(self, name: str) -> list[str]:
+        """``load`` of the repository API: (re)serve ``name`` as its policy says now."""
+        if self.mode == "none":
+            raise RepositoryError(
+                "the model control mode is none: models cannot be loaded or unloaded "
+                "(start pxrt serve with --model-control-mode explicit or poll)"
+            )
+        served = await self.sync(name)
+        failed = [r for (n, _), (s, r) in self._states.items() if n == name and s == "UNAVAILABLE"]
+        if not served and failed:
+            raise RepositoryError(f"model {name!r} failed to load: {failed[-1]}")
+        return served
+
+    async def unload(self, name: str) -> None:
+        """``unload`` of the repository API: stop serving every version of ``name``
+        (every request they accepted is answered first)."""
+        if self.mode == "none":
+            raise RepositoryError(
+                "the model control mode is none: models cannot be loaded or unloaded "
+                "(start pxrt serve with --model-control-mode explicit or poll)"
+            )
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            served = self._served(name)
+            if not served:
+                raise RepositoryError(f"model {name!r} is not loaded")
+            for version in served:
+                await self._unload(name, version)
+
+    async def poll_forever(self, period_s: float) -> None:
+        """Rescan every ``period_s``: every model of the directory served as its policy
+        says; models whose directory is gone are unloaded."""
+        while True:
+            await asyncio.sleep(period_s)
+            names = set(self.scan()) | set(self.server.models)
+            for name in sorted(names):
+                try:
+                    if name in self.scan():
+                        await self.sync(name)
+                    elif self._served(name):
+                        await self.unload_all(name)
+                except Exception:  # noqa: BLE001 - the next scan tries again
+                    log.exception("pxrt: repository poll of %s failed", name)
+
+    async def unload_all(self, name: str) -> None:
+        for version in self._served(name):
+            await self._unload(name, version)
+
+    def index(self) -> list[dict]:
+        """Every model version of the directory and of the server: name, version, state
+        (READY, LOADING, UNLOADING, UNAVAILABLE) and, when not ready, why."""
+        rows: dict[tuple[str, str], dict] = {}
+        for name, versions in self.scan().items():
+            for version in versions:
+                rows[(name, version)] = {
+                    "name": name,
+                    "version": version,
+                    "state": "UNAVAILABLE",
+                    "reason": "not loaded",
+                }
+        for name in self.server.models:
+            for version in self._served(name):
+                rows[(name, version)] = {
+                    "name": name,
+                    "version": version,
+                    "state": "READY",
+                    "reason": "",
+                }
+        for (name, version), (state, reason) in self._states.items():
+            rows[(name, version)] = {
+                "name": name,
+                "version": version,
+                "state": state,
+                "reason": reason,
+            }
+        return [
+            rows[k] for k in sorted(rows, key=lambda k: (k[0], int(k[1]) if k[1].isdigit() else 0))
+        ]

@@ -1,0 +1,171 @@
+"""The model repository (`<model>/<version>/`): version policies, control modes, and
+`pxrt serve --model-repository` with its HTTP repository endpoints under load."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from models import MODELS, mlp_params
+from servers import ServeProcess
+
+import pxrt
+from serving import Server
+from serving.repository import Repository, RepositoryError, parse_policy
+
+
+def _export(path, seed):
+    spec = MODELS["mlp"]
+    return pxrt.export(
+        spec["fn"], mlp_params(seed=seed), path, inputs=spec["inputs"],
+        batch_buckets=spec["buckets"], name="mlp", overwrite=True,
+    )  # fmt: skip
+
+
+def _want(seed, x):
+    import jax
+
+    return np.asarray(jax.jit(MODELS["mlp"]["fn"])(mlp_params(seed=seed), x)["y"])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Artifacts to copy into repositories: the test MLP with weights of seeds 1, 2, 3."""
+    root = tmp_path_factory.mktemp("built")
+    return {seed: _export(root / f"s{seed}", seed) for seed in (1, 2, 3)}
+
+
+def _repo(tmp_path, built, versions):
+    root = tmp_path / "repo"
+    for v in versions:
+        shutil.copytree(built[v], root / "mlp" / str(v))
+    (root / "mlp" / "notes").mkdir()  # not a version: ignored
+    return root
+
+
+@pytest.mark.parametrize(
+    "text, kind, arg",
+    [("latest:2", "latest", 2), ("all", "all", None), ("specific:3,1", "specific", [1, 3])],
+)
+def test_version_policies_parse(text, kind, arg):
+    assert parse_policy(text) == (kind, arg)
+
+
+@pytest.mark.parametrize("bad", ["latest:0", "newest", "specific:", "all:3"])
+def test_bad_version_policies_are_refused(bad):
+    with pytest.raises(ValueError, match="expected latest:N"):
+        parse_policy(bad)
+
+
+def test_policies_and_polling(tmp_path, built, run):
+    root = _repo(tmp_path, built, [1, 2])
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            repo = Repository(str(root), server, mode="poll", policies={"mlp": "latest:1"})
+            await repo.start()
+            assert server.versions("mlp") == ["2"]
+            np.testing.assert_allclose((await server.infer("mlp", {"x": x}))["y"], _want(2, x),
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+            repo.policies = {"mlp": parse_policy("all")}
+            assert await repo.sync("mlp") == ["1", "2"]
+            shutil.copytree(built[3], root / "mlp" / "3")  # a new version appears
+            repo.policies = {"mlp": parse_policy("latest:1")}
+            assert await repo.sync("mlp") == ["3"]
+            np.testing.assert_allclose((await server.infer("mlp", {"x": x}))["y"], _want(3, x),
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+            shutil.rmtree(root / "mlp" / "3")  # removed: the newest left takes over
+            assert await repo.sync("mlp") == ["2"]
+            broken = root / "mlp" / "4"
+            shutil.copytree(built[1], broken)
+            (broken / "params.npz").write_bytes(b"not the params")
+            assert await repo.sync("mlp") == ["2"]  # the broken one failed; 2 still serves
+            row = next(r for r in repo.index() if r["version"] == "4")
+            assert row["state"] == "UNAVAILABLE" and "sha256" in row["reason"]
+            assert {r["version"]: r["state"] for r in repo.index()}["2"] == "READY"
+
+    run(main)
+
+
+def test_modes(tmp_path, built, run):
+    root = _repo(tmp_path, built, [1])
+
+    async def main():
+        async with Server() as server:
+            none = Repository(str(root), server, mode="none")
+            with pytest.raises(RepositoryError, match="control mode is none"):
+                await none.load("mlp")
+        async with Server() as server:
+            explicit = Repository(str(root), server, mode="explicit")
+            await explicit.start()
+            assert server.models == {}
+            assert [r["state"] for r in explicit.index()] == ["UNAVAILABLE"]
+            await explicit.load("mlp")
+            assert server.versions("mlp") == ["1"]
+            with pytest.raises(RepositoryError, match="no model 'other'"):
+                await explicit.load("other")
+            await explicit.unload("mlp")
+            assert server.models == {}
+            with pytest.raises(RepositoryError, match="not loaded"):
+                await explicit.unload("mlp")
+
+    run(main)
+
+
+@pytest.mark.slow
+def test_reload_under_load_over_http(tmp_path, built):
+    root = _repo(tmp_path, built, [1])
+    proc = ServeProcess(
+        ["--model-repository", str(root), "--model-control-mode", "explicit",
+         "--load-model", "mlp"],
+    )  # fmt: skip
+    try:
+        x = np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)
+        want = {v: _want(v, x) for v in (1, 2)}
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32],
+                            "data": x.ravel().tolist()}]}  # fmt: skip
+        seen, failures, stop = [], [], threading.Event()
+
+        def client():
+            with httpx.Client(timeout=30) as c:
+                while not stop.is_set():
+                    r = c.post(proc.url + "/v2/models/mlp/infer", json=body)
+                    if r.status_code != 200:
+                        failures.append(r.text)
+                        continue
+                    y = np.array(r.json()["outputs"][0]["data"], np.float32).reshape(1, 32)
+                    seen.append(next(v for v in (1, 2) if np.allclose(y, want[v], atol=1e-5)))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        post = lambda path: httpx.post(proc.url + path, timeout=120)  # noqa: E731
+        shutil.copytree(built[2], root / "mlp" / "2")
+        assert post("/v2/repository/models/mlp/load").status_code == 200
+        (root / "mlp" / "3").mkdir()
+        shutil.copytree(built[1], root / "mlp" / "3", dirs_exist_ok=True)
+        (root / "mlp" / "3" / "model.jaxexport").write_bytes(b"broken")
+        bad = post("/v2/repository/models/mlp/load")  # 3 is broken: 2 keeps serving
+        assert bad.status_code == 200, bad.text
+        index = {r["version"]: r for r in post("/v2/repository/index").json()}
+        assert index["2"]["state"] == "READY" and index["3"]["state"] == "UNAVAILABLE"
+        assert "1" not in index or index["1"]["state"] != "READY"
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not failures, failures[:3]
+        assert seen and seen[-1] == 2 and set(seen) <= {1, 2}
+        assert post("/v2/repository/models/mlp/unload").status_code == 200
+        assert httpx.post(proc.url + "/v2/models/mlp/infer", json=body).status_code == 404
+        again = post("/v2/repository/models/mlp/load")  # the policy picks 3: broken
+        assert again.status_code == 400 and "failed to load: ArtifactError" in again.json()["error"]
+        shutil.rmtree(root / "mlp" / "3")
+        assert post("/v2/repository/models/mlp/load").status_code == 200
+        meta = httpx.get(proc.url + "/v2/models/mlp").json()
+        assert meta["versions"] == ["2"]
+    finally:
+        assert proc.stop() == 0
