@@ -136,3 +136,22 @@ def test_unload_answers_every_accepted_request(two_versions, run):
     xs, outs = run(main)
     for x, out in zip(xs[::20], outs[::20]):
         assert_matches(out, {"y": _reference(0, x)})
+
+
+def test_an_unloaded_model_is_released(two_versions, run):
+    import gc
+    import weakref
+
+    async def main():
+        async with Server() as server:
+            model = await server.load_model("mlp", two_versions["1"])
+            ref, params = weakref.ref(model), weakref.ref(model.params_dev[0][0])
+            await server.infer("mlp", {"x": np.ones((3, 32), np.float32)})
+            del model
+            await server.unload_model("mlp")
+            return ref, params
+
+    ref, params = run(main)
+    gc.collect()
+    # Nothing keeps the model, so its executables and device-resident params are freed.
+    assert ref() is None and params() is None
