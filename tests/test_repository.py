@@ -169,3 +169,33 @@ def test_reload_under_load_over_http(tmp_path, built):
         assert meta["versions"] == ["2"]
     finally:
         assert proc.stop() == 0
+
+
+@pytest.mark.slow
+def test_poll_mode_picks_up_new_and_removed_versions(tmp_path, built):
+    import time
+
+    root = _repo(tmp_path, built, [1])
+    proc = ServeProcess(
+        ["--model-repository", str(root), "--model-control-mode", "poll",
+         "--repository-poll-secs", "0.3"]
+    )  # fmt: skip
+
+    def versions_become(want):
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            meta = httpx.get(proc.url + "/v2/models/mlp", timeout=10)
+            if meta.status_code == 200 and meta.json()["versions"] == want:
+                return True
+            assert httpx.get(proc.url + "/v2/health/ready").status_code == 200
+            time.sleep(0.1)
+        return False
+
+    try:
+        assert versions_become(["1"])
+        shutil.copytree(built[2], root / "mlp" / "2")
+        assert versions_become(["2"])  # latest:1: 2 loaded, then 1 retired
+        shutil.rmtree(root / "mlp" / "2")
+        assert versions_become(["1"])
+    finally:
+        assert proc.stop() == 0

@@ -420,11 +420,14 @@ def test_metrics_page_counts_what_happened(run, models):
         for family in text_string_to_metric_families(page)
         for s in family.samples
     }
-    assert samples[("pxrt_requests_total", (("model", "mlp"), ("outcome", "success")))] == 7
-    assert samples[("pxrt_requests_total", (("model", "mlp"), ("outcome", "invalid")))] == 1
-    assert samples[("pxrt_request_duration_us_count", (("model", "mlp"),))] == 7
-    assert samples[("pxrt_batch_rows_sum", (("model", "mlp"),))] == 21
-    assert samples[("pxrt_compiles_after_load", (("model", "mlp"),))] == 0
+    mv = (("model", "mlp"), ("version", "1"))
+    success = (("model", "mlp"), ("outcome", "success"), ("version", "1"))
+    invalid = (("model", "mlp"), ("outcome", "invalid"), ("version", "1"))
+    assert samples[("pxrt_requests_total", success)] == 7
+    assert samples[("pxrt_requests_total", invalid)] == 1
+    assert samples[("pxrt_request_duration_us_count", mv)] == 7
+    assert samples[("pxrt_batch_rows_sum", mv)] == 21
+    assert samples[("pxrt_compiles_after_load", mv)] == 0
     assert snap["mlp"]["requests"]["success"] == 7 and snap["mlp"]["batch_rows"]["count"] >= 1
 
 
