@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import threading
 from collections.abc import Awaitable, Mapping
 from typing import Any
@@ -186,6 +187,15 @@ class Server:
             self._closing.difference_update(batchers)
             for v in gone:
                 self.metrics.remove_model(name, v)
+        del batchers
+        # A model loaded before gc.freeze() (pxrt serve freezes after start-up) is in the
+        # permanent generation: its reference cycles are collected only after unfreezing.
+        if gc.get_freeze_count():
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+        else:
+            gc.collect()
 
     @property
     def models(self) -> dict[str, Any]:
