@@ -73,7 +73,10 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="pxrt-grpc-")
     path = demo.export_demo(os.path.join(tmp, "mlp"))
-    port, grpc_port = free_port(), free_port()
+    port = free_port()
+    grpc_port = free_port()
+    while grpc_port == port:  # the OS may hand out the same free port twice
+        grpc_port = free_port()
     cmd = [sys.executable, "-m", "serving.cli", "serve", path, "--port", str(port)]
     proc = start([*cmd, "--grpc-port", str(grpc_port)], port, dict(os.environ))
     runs: dict[tuple[str, int], list[dict]] = {}

@@ -16,16 +16,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while choosing, so none repeats)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class ServeProcess:
     def __init__(self, args: list[str], grpc: bool = False):
-        self.port = free_port()
+        self.port, grpc_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.grpc_port = free_port() if grpc else None
+        self.grpc_port = grpc_port if grpc else None
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         if grpc:
             args = [*args, "--grpc-port", str(self.grpc_port)]
