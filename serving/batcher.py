@@ -100,6 +100,7 @@ class Batcher:
         self._delay_timer: asyncio.TimerHandle | None = None
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._drained = asyncio.Event()
+        self._close_task: asyncio.Task | None = None
         # Outcomes counted here and by front ends; the queue counts the rest itself.
         self._counts = dict.fromkeys(("success", "failed", "invalid"), 0)
         self.cell_policy = cell_policy
@@ -406,8 +407,19 @@ class Batcher:
 
     # ------------------------------------------------------------------ shutdown
 
+    def closing(self) -> asyncio.Task:
+        """Start closing (once, however many callers ask): the task that stops accepting,
+        answers every accepted request, then stops the pipeline."""
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        return self._close_task
+
     async def close(self) -> None:
-        """Stop accepting, answer every accepted request, then stop the pipeline."""
+        """Stop accepting, answer every accepted request, then stop the pipeline. A
+        caller cancelled while it waits stops waiting; the closing goes on."""
+        await asyncio.shield(self.closing())
+
+    async def _close(self) -> None:
         self.queue.closed = True
         self._flush()
         await self._drained.wait()

@@ -322,18 +322,14 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 response = await self._infer(request, None)
                 await done.put(pb.ModelStreamInferResponse(infer_response=response))
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as exc:
+                if asyncio.current_task().cancelling():
+                    raise  # the stream is ending: nobody reads the answer
+                # the request was cancelled, not this task (its model closing): it is
+                # answered like any failed one, or the stream would wait for it forever
+                await done.put(_stream_error(request, f"the request was cancelled: {exc}"))
             except Exception as exc:  # noqa: BLE001 - this request's answer
-                _, message = status_of(exc)
-                await done.put(
-                    pb.ModelStreamInferResponse(
-                        error_message=message,
-                        infer_response=pb.ModelInferResponse(
-                            model_name=request.model_name, id=request.id
-                        ),
-                    )
-                )
+                await done.put(_stream_error(request, status_of(exc)[1]))
 
         tasks: set[asyncio.Task] = set()
 
@@ -361,6 +357,14 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+def _stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    """A stream's answer to a request that failed: its error and its id."""
+    return pb.ModelStreamInferResponse(
+        error_message=message,
+        infer_response=pb.ModelInferResponse(model_name=request.model_name, id=request.id),
+    )
 
 
 async def start_grpc(

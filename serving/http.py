@@ -267,6 +267,9 @@ def create_app(
         request: Request, name: str, model: Any, batcher: Any, held: list[int]
     ) -> Response:
         body = await read_body(request, held)
+        # The version that answers is the one served now: while the body was read, a
+        # newer version may have taken over (or the one picked, been unloaded).
+        name, model, batcher = model_of(request)
         try:
             header, binary = kserve.split_body(body, request.headers.get(HEADER_LENGTH))
             if len(header) > max_json_bytes:

@@ -57,7 +57,9 @@ class Repository:
 
     Args:
       policies: model name -> version policy text (default ``latest:1``).
-      options: model name -> ``Server.add_model`` options.
+      defaults: ``Server.add_model`` options of every model of the directory (also of
+        models added to it later).
+      options: model name -> its own ``Server.add_model`` options (over ``defaults``).
       mode: ``none``, ``explicit`` or ``poll``.
     """
 
@@ -68,6 +70,7 @@ class Repository:
         *,
         mode: str = "none",
         policies: dict[str, str] | None = None,
+        defaults: dict | None = None,
         options: dict[str, dict] | None = None,
         load_options: dict | None = None,
     ) -> None:
@@ -79,11 +82,15 @@ class Repository:
         self.server = server
         self.mode = mode
         self.policies = {k: parse_policy(v) for k, v in (policies or {}).items()}
+        self.defaults = defaults or {}
         self.options = options or {}
         self.load_options = load_options or {}
         # (name, version) -> (state, reason) of versions loading, failed or unloading.
         self._states: dict[tuple[str, str], tuple[str, str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Models this repository has loaded: the only ones it unloads when their
+        # directory goes (the server may serve others, given it by other means).
+        self._ours: set[str] = set()
 
     # ------------------------------------------------------------------ the directory
 
@@ -162,7 +169,7 @@ class Repository:
                 path,
                 load_options=self.load_options,
                 version=version,
-                **self.options.get(name, {}),
+                **(self.defaults | self.options.get(name, {})),
             )
         except Exception as exc:  # noqa: BLE001 - reported, and nothing served changes
             reason = f"{type(exc).__name__}: {exc}"
@@ -170,6 +177,7 @@ class Repository:
             log.warning("pxrt: %s version %s failed to load: %s", name, version, reason)
             return
         del self._states[key]
+        self._ours.add(name)
         log.info("pxrt: %s version %s ready (%d cells)", name, version, len(model.cells))
 
     async def _unload(self, name: str, version: str) -> None:
@@ -177,6 +185,8 @@ class Repository:
         self._states[key] = ("UNLOADING", "")
         try:
             await self.server.unload_model(name, version)
+        except UnknownModel:
+            pass  # already gone (unloaded by other means meanwhile)
         finally:
             self._states.pop(key, None)
 
@@ -201,32 +211,41 @@ class Repository:
                 "the model control mode is none: models cannot be loaded or unloaded "
                 "(start pxrt serve with --model-control-mode explicit or poll)"
             )
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            served = self._served(name)
-            if not served:
-                raise RepositoryError(f"model {name!r} is not loaded")
-            for version in served:
-                await self._unload(name, version)
-
-    async def poll_forever(self, period_s: float) -> None:
-        """Rescan every ``period_s``: every model of the directory served as its policy
-        says; models whose directory is gone are unloaded."""
-        while True:
-            await asyncio.sleep(period_s)
-            names = set(self.scan()) | set(self.server.models)
-            for name in sorted(names):
-                try:
-                    if name in self.scan():
-                        await self.sync(name)
-                    elif self._served(name):
-                        await self.unload_all(name)
-                except Exception:  # noqa: BLE001 - the next scan tries again
-                    log.exception("pxrt: repository poll of %s failed", name)
+        if not self._served(name):
+            raise RepositoryError(f"model {name!r} is not loaded")
+        await self.unload_all(name)
 
     async def unload_all(self, name: str) -> None:
-        for version in self._served(name):
-            await self._unload(name, version)
+        """Stop serving every version of ``name`` (a no-op when none is served)."""
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            for version in self._served(name):
+                await self._unload(name, version)
+            self._ours.discard(name)
+
+    async def poll_once(self) -> None:
+        """One scan: every model of the directory served as its policy says; models
+        this repository loaded whose directory is gone are unloaded. A failure is logged
+        and the rest goes on."""
+        try:
+            present = self.scan()
+        except OSError:
+            log.exception("pxrt: repository scan of %s failed", self.root)
+            return
+        for name in sorted(set(present) | self._ours):
+            try:
+                if name in present:
+                    await self.sync(name)
+                else:
+                    await self.unload_all(name)
+            except Exception:  # noqa: BLE001 - the next scan tries again
+                log.exception("pxrt: repository poll of %s failed", name)
+
+    async def poll_forever(self, period_s: float) -> None:
+        """``poll_once`` every ``period_s``."""
+        while True:
+            await asyncio.sleep(period_s)
+            await self.poll_once()
 
     def index(self) -> list[dict]:
         """Every model version of the directory and of the server: name, version, state

@@ -258,10 +258,8 @@ def main(args: argparse.Namespace) -> int:
                     server,
                     mode=args.model_control_mode,
                     policies=policies,
-                    options={
-                        name: defaults | repo_options.get(name, {})
-                        for name in set(repo_options) | set(os.listdir(args.model_repository))
-                    },
+                    defaults=defaults,
+                    options=repo_options,
                 )
             except (OSError, ValueError) as exc:
                 print(f"pxrt serve: error: {exc}", file=sys.stderr)

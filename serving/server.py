@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
 import threading
 from collections.abc import Awaitable, Mapping
@@ -180,14 +181,16 @@ class Server:
         gone = [version] if version is not None else list(versions)
         batchers = [versions.pop(v) for v in gone]
         self._route(name)
+        # The closing goes on if this caller is cancelled; close() waits for it then.
         self._closing.update(batchers)
-        try:
-            await asyncio.gather(*(b.close() for b in batchers))
-        finally:
-            self._closing.difference_update(batchers)
-            for v in gone:
-                self.metrics.remove_model(name, v)
-        del batchers
+        closing = []
+        for v, batcher in zip(gone, batchers):
+            task = batcher.closing()
+            task.add_done_callback(functools.partial(self._closed_one, name, v, batcher))
+            closing.append(task)
+        del batchers, batcher
+        await asyncio.shield(asyncio.gather(*closing))
+        del closing
         # A model loaded before gc.freeze() (pxrt serve freezes after start-up) is in the
         # permanent generation: its reference cycles are collected only after unfreezing.
         if gc.get_freeze_count():
@@ -196,6 +199,10 @@ class Server:
             gc.freeze()
         else:
             gc.collect()
+
+    def _closed_one(self, name: str, version: str, batcher: Batcher, _: asyncio.Task) -> None:
+        self._closing.discard(batcher)
+        self.metrics.remove_model(name, version, batcher)
 
     @property
     def models(self) -> dict[str, Any]:

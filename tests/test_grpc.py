@@ -245,3 +245,46 @@ def built_repository(tmp_path):
         batch_buckets=spec["buckets"], name="mlp",
     )  # fmt: skip
     return tmp_path / "repo"
+
+
+def test_a_stream_answers_a_request_cancelled_under_it(artifacts, run):
+    # A request whose future is cancelled (not the stream's task) is answered with an
+    # error of its own; the stream goes on and ends, instead of waiting for it forever.
+    from serving import Server
+    from serving.grpc_server import GRPCService
+    from serving.http import State
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", pxrt.load(artifacts["mlp"]))
+            state = State()
+            state.ready = True
+            service = GRPCService(server, state)
+            infer = server.infer
+
+            def cancelling_infer(name, inputs, **kw):
+                queued = infer(name, inputs, **kw)
+                if inputs["x"][0, 0] == 7:
+                    queued.future.cancel()
+                return queued
+
+            server.infer = cancelling_infer
+            requests = []
+            for i in range(6):
+                x = np.full((1, 32), 7 if i == 2 else i, np.float32)
+                r = pb.ModelInferRequest(model_name="mlp", id=str(i))
+                r.inputs.add(name="x", datatype="FP32", shape=[1, 32])
+                r.raw_input_contents.append(x.tobytes())
+                requests.append(r)
+
+            async def stream():
+                for r in requests:
+                    yield r
+
+            answers = [a async for a in service.ModelStreamInfer(stream(), None)]
+            return {a.infer_response.id: a for a in answers}
+
+    answers = run(main)
+    assert sorted(answers) == [str(i) for i in range(6)]
+    assert "cancelled" in answers["2"].error_message
+    assert all(not answers[str(i)].error_message for i in (0, 1, 3, 4, 5))

@@ -160,3 +160,73 @@ def test_an_unloaded_model_is_released(two_versions, run):
     gc.collect()
     # Nothing keeps the model, so its executables and device-resident params are freed.
     assert ref() is None and params() is None
+
+
+def test_a_cancelled_unload_still_closes_its_version(two_versions, run):
+    # The caller of unload_model stops waiting; the version still drains, its pipeline
+    # stops, and Server.close (which may run meanwhile) waits for that closing.
+    async def main():
+        server = Server()
+        await server.load_model("mlp", two_versions["1"])
+        batcher = server.batcher("mlp")
+        calls = []
+        close = batcher.pipeline.close
+        batcher.pipeline.close = lambda: (calls.append(1), close())[1]
+        xs = [np.full((1, 32), i, np.float32) for i in range(50)]
+        pending = [server.infer("mlp", {"x": x}) for x in xs]
+        unload = asyncio.ensure_future(server.unload_model("mlp"))
+        await asyncio.sleep(0)
+        unload.cancel()
+        await server.close()
+        assert unload.cancelled() and batcher.pipeline._closed and calls == [1]
+        assert server.metrics.versions == {}
+        await batcher.close()  # closing again is a no-op
+        return xs, await asyncio.gather(*pending), calls
+
+    xs, outs, calls = run(main)
+    assert calls == [1]
+    for x, out in zip(xs[::10], outs[::10]):
+        assert_matches(out, {"y": _reference(0, x)})
+
+
+def test_an_http_request_is_answered_by_the_version_served_when_its_body_is_in(two_versions, run):
+    # Version 1 serves when the request arrives; while its body trickles in, version 2
+    # is loaded and version 1 unloaded. The request is answered by version 2, not failed.
+    import httpx
+
+    from serving.http import create_app
+
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(1, 32)
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32],
+                       "data": x.ravel().tolist()}]}  # fmt: skip
+    body = json.dumps(doc).encode()
+
+    async def main():
+        async with Server() as server:
+            await server.load_model("mlp", two_versions["1"])
+            started, go = asyncio.Event(), asyncio.Event()
+
+            async def trickle():
+                yield body[:10]
+                started.set()
+                await go.wait()
+                yield body[10:]
+
+            async def switch():
+                await started.wait()
+                await server.load_model("mlp", two_versions["2"])
+                await server.unload_model("mlp", "1")
+                go.set()
+
+            transport = httpx.ASGITransport(app=create_app(server))
+            async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
+                r, _ = await asyncio.gather(
+                    http.post("/v2/models/mlp/infer", content=trickle()), switch()
+                )
+            return r.status_code, r.json()
+
+    status, doc = run(main)
+    assert status == 200, doc
+    assert doc["model_version"] == "2"
+    out = np.asarray(doc["outputs"][0]["data"], np.float32).reshape(1, -1)
+    np.testing.assert_allclose(out, _reference(5, x), rtol=1e-5, atol=1e-5)

@@ -199,3 +199,34 @@ def test_poll_mode_picks_up_new_and_removed_versions(tmp_path, built):
         assert versions_become(["1"])
     finally:
         assert proc.stop() == 0
+
+
+def test_polling_leaves_what_it_did_not_load_and_outlives_a_failed_scan(
+    tmp_path, built, run, caplog
+):
+    root = _repo(tmp_path, built, [1])
+
+    async def main():
+        async with Server() as server:
+            server.add_model("other", pxrt.load(built[2]))  # not from the repository
+            repo = Repository(str(root), server, mode="poll", defaults={"max_batch_size": 2},
+                              options={"late": {"max_batch_size": 4}})  # fmt: skip
+            await repo.start()
+            assert server.batcher("mlp").max_batch_size == 2  # the defaults apply
+            shutil.copytree(root / "mlp", root / "late")  # a model added after start
+            await repo.poll_once()
+            assert server.batcher("late").max_batch_size == 4
+            shutil.rmtree(root / "mlp")
+            await repo.poll_once()
+            assert sorted(server.models) == ["late", "other"]  # mlp retired, other kept
+            moved = tmp_path / "moved"
+            root.rename(moved)
+            await repo.poll_once()  # the scan fails: logged, nothing changes
+            assert sorted(server.models) == ["late", "other"]
+            moved.rename(root)
+            shutil.rmtree(root / "late")
+            await repo.poll_once()  # and the next scan works
+            assert sorted(server.models) == ["other"]
+
+    run(main)
+    assert "repository scan" in caplog.text
