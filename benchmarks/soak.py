@@ -3,11 +3,15 @@
 For ``--minutes`` (default 5), at once: good clients (JSON and binary tensors, checked
 against the model), clients sending malformed or invalid requests, slowloris sockets that
 never finish their headers, clients that hang up mid-request, oversized headers, and
-idle sockets. Every few seconds it samples the server's resident memory and open file
-descriptors. The report: requests by outcome, any 5xx (there must be none), and memory
-and descriptors at the start of the second minute (after warm-up) and at the end.
+idle sockets; and every ``--reload-every-s`` (default 20) the model is reloaded: the
+server serves it from a model repository (explicit mode) and a version 2 directory
+appears or goes before each ``POST /v2/repository/models/mlp/load``, so the served
+version alternates (load the new one, retire the old one) under the traffic. Every few
+seconds it samples the server's resident memory and open file descriptors. The report:
+requests by outcome, any 5xx (there must be none), and memory and descriptors at the
+start of the second minute (after warm-up) and at the end.
 
-    python benchmarks/soak.py [--minutes 5]
+    python benchmarks/soak.py [--minutes 5] [--reload-every-s 20]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -51,9 +56,18 @@ def open_fds(pid: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument(
+        "--reload-every-s", type=float, default=20.0, help="seconds between reloads (0: none)"
+    )
     args = parser.parse_args()
-    path = demo.export_demo(os.path.join(tempfile.mkdtemp(prefix="pxrt-soak-"), "mlp"))
-    proc = ServeProcess([path, "--header-timeout-s", "2", "--body-timeout-s", "2"])
+    work = tempfile.mkdtemp(prefix="pxrt-soak-")
+    repo = os.path.join(work, "repo")
+    demo.export_demo(os.path.join(repo, "mlp", "1"))
+    spare = shutil.copytree(os.path.join(repo, "mlp", "1"), os.path.join(work, "spare"))
+    proc = ServeProcess(
+        ["--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "mlp",
+         "--header-timeout-s", "2", "--body-timeout-s", "2"]
+    )  # fmt: skip
     url, port, pid = proc.url, proc.port, proc.proc.pid
     stop = time.monotonic() + args.minutes * 60
     outcomes: Counter = Counter()
@@ -143,7 +157,21 @@ def main() -> None:
             except OSError:
                 count(f"{kind} reset")
 
+    def reload() -> None:
+        version2 = os.path.join(repo, "mlp", "2")
+        with httpx.Client(base_url=url, timeout=300) as http:
+            while time.monotonic() + args.reload_every_s < stop:
+                time.sleep(args.reload_every_s)
+                if os.path.isdir(version2):
+                    shutil.rmtree(version2)  # back to version 1
+                else:
+                    shutil.copytree(spare, version2)
+                r = http.post("/v2/repository/models/mlp/load")
+                count(f"reload {r.status_code}")
+
     threads = [threading.Thread(target=good) for _ in range(4)]
+    if args.reload_every_s > 0:
+        threads.append(threading.Thread(target=reload))
     threads += [threading.Thread(target=bad) for _ in range(2)]
     threads += [
         threading.Thread(target=raw, args=(k,))
@@ -161,6 +189,7 @@ def main() -> None:
     samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
     healthy = httpx.get(url + "/v2/health/ready", timeout=10).status_code
     rc = proc.stop()
+    shutil.rmtree(work, ignore_errors=True)
 
     after_warmup = next((s for s in samples if s[0] >= 60), samples[0])
     end = samples[-1]

@@ -163,6 +163,11 @@ class Server:
         if version is not None:
             model.version = str(version)
         self.add_model(name, model, **options)
+        if gc.get_freeze_count():
+            # pxrt serve freezes what start-up made (gc.freeze): a model loaded later
+            # joins it, so full collections do not walk its objects on the request path.
+            gc.collect()
+            gc.freeze()
         return model
 
     async def unload_model(self, name: str, version: str | None = None) -> None:

@@ -230,3 +230,32 @@ def test_an_http_request_is_answered_by_the_version_served_when_its_body_is_in(t
     assert doc["model_version"] == "2"
     out = np.asarray(doc["outputs"][0]["data"], np.float32).reshape(1, -1)
     np.testing.assert_allclose(out, _reference(5, x), rtol=1e-5, atol=1e-5)
+
+
+def test_with_gc_frozen_a_loaded_model_joins_the_frozen_and_is_still_released(
+    two_versions, run
+):
+    # pxrt serve calls gc.freeze() after start-up: a model loaded later is frozen too
+    # (full collections skip it), and unloading it still frees it.
+    import gc
+    import weakref
+
+    async def main():
+        async with Server() as server:
+            before = gc.get_freeze_count()
+            model = await server.load_model("mlp", two_versions["1"])
+            frozen = gc.get_freeze_count() - before
+            ref = weakref.ref(model)
+            del model
+            await server.infer("mlp", {"x": np.ones((2, 32), np.float32)})
+            await server.unload_model("mlp")
+            return frozen, ref
+
+    gc.freeze()
+    try:
+        frozen, ref = run(main)
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert frozen > 0
+    assert ref() is None
