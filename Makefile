@@ -21,7 +21,7 @@ all: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*.pyx serving/*.pxd)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,grpc]'
+	$(PY) -m pip install -q -e '.[test,bench,grpc,ray]'
 	touch $@
 
 demo: $(STAMP)
@@ -30,15 +30,18 @@ demo: $(STAMP)
 	$(VENV)/bin/pxrt bench --quick
 
 # tritonclient.grpc and kserve register the same protobuf names: one process holds one of
-# them, so the gRPC tests run in a pytest of their own.
+# them, so the gRPC tests run in a pytest of their own. The Ray Serve tests start a local
+# Ray: they run once, in their own step.
 PYTEST := $(PY) -m pytest -q
-TESTS := $(PYTEST) tests --ignore=tests/test_grpc.py && $(PYTEST) tests/test_grpc.py
+TESTS := $(PYTEST) tests --ignore=tests/test_grpc.py --ignore=tests/test_ray.py \
+	&& $(PYTEST) tests/test_grpc.py
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
 	$(TESTS)
 	$(FOUR) sh -c '$(TESTS)'
 	PXRT_NO_EXTENSIONS=1 $(FOUR) sh -c '$(TESTS)'
+	$(PYTEST) tests/test_ray.py
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name
@@ -49,6 +52,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/http_compare.py
 	$(PY) benchmarks/grpc_compare.py
 	$(PY) benchmarks/variable_length.py
+	$(PY) benchmarks/ray_compare.py
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py

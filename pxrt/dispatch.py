@@ -378,6 +378,14 @@ class Pipeline:
             raise RuntimeError("the pipeline is closed")
         self._todo.put(batch)
 
+    def check_alive(self) -> None:
+        """Raise RuntimeError unless the pipeline is open and every worker runs."""
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead:
+            raise RuntimeError(f"pipeline worker threads died: {', '.join(dead)}")
+
     def close(self) -> None:
         """Finish every submitted batch, then stop the workers (blocks until they end)."""
         if not self._closed:

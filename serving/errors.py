@@ -15,6 +15,9 @@ class Overloaded(ServingError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):  # pickled whole (Ray hands errors between processes)
+        return type(self), (str(self), self.retry_after_s)
+
 
 class DeadlineExceeded(ServingError, TimeoutError):
     """The request's deadline passed while it was queued; it was never executed."""

@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import tomllib
 from typing import Any
 
@@ -116,6 +117,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repository-poll-secs", type=_Number(float, 0, inclusive=False), default=15.0,
         help="poll mode: seconds between scans of the repository (default 15)",
     )  # fmt: skip
+    ray = p.add_argument_group("Ray Serve (the ray extra)")
+    ray.add_argument(
+        "--ray", action="store_true",
+        help="serve the model as a Ray Serve application of --replicas pxrt replicas, "
+        "KServe v2 HTTP on Ray's proxy at --host/--port",
+    )  # fmt: skip
+    ray.add_argument("--replicas", type=_Number(int, 1), default=1, help="default 1")
+    ray.add_argument(
+        "--ray-address", default=None,
+        help="a running Ray cluster (default: RAY_ADDRESS, else start a local one)",
+    )  # fmt: skip
+    ray.add_argument("--replica-cpus", type=_Number(float, 0), default=1.0, help="default 1")
+    ray.add_argument("--replica-gpus", type=_Number(float, 0), default=0.0, help="default 0")
     for key, check in OPTIONS.items():
         p.add_argument("--" + key.replace("_", "-"), type=check, default=None)
     positive = _Number(float, 0, inclusive=False)
@@ -232,6 +246,8 @@ def main(args: argparse.Namespace) -> int:
     from .http import State, create_app
     from .server import Server, new_event_loop
 
+    if args.ray:
+        return main_ray(args)
     if args.grpc_port is not None:
         try:
             from . import grpc_server  # noqa: F401 - fail now, not once serving
@@ -388,4 +404,59 @@ def main(args: argparse.Namespace) -> int:
         if loading_error:
             print(f"pxrt serve: error: {loading_error[0]}", file=sys.stderr)
             return 2
+    return 0
+
+
+def main_ray(args: argparse.Namespace) -> int:
+    """``pxrt serve --ray``: one model on ``--replicas`` Ray Serve replicas, until
+    SIGTERM or Ctrl-C."""
+    if args.grpc_port is not None or args.model_repository:
+        print(
+            "pxrt serve: error: --ray serves one artifact directory over HTTP "
+            "(not with --grpc-port or --model-repository)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import ray
+        from ray import serve
+
+        from .ray import pxrt_app
+    except ImportError as exc:
+        print(f"pxrt serve: error: --ray needs the ray extra ({exc}): pip install 'pxrt[ray]'",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pxrt-serve-") as demo_dir:
+        specs = model_specs(args, demo_dir)
+        if len(specs) != 1:
+            print(f"pxrt serve: error: --ray serves one model, got {len(specs)}", file=sys.stderr)
+            return 2
+        name, path, options = specs[0]
+        stop = threading.Event()
+        ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS"))
+        # After ray.init, which installs its own SIGTERM handler (it aborts the process).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            serve.start(http_options={"host": args.host, "port": args.port})
+            app = pxrt_app(
+                os.path.abspath(path),
+                name=name,
+                num_replicas=args.replicas,
+                ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+                **options,
+            )
+            serve.run(app, name="pxrt", route_prefix="/")
+            print(
+                f"pxrt serve: ready on http://{args.host}:{args.port} "
+                f"({args.replicas} Ray Serve replicas)",
+                file=sys.stderr,
+            )
+            stop.wait()
+        except Exception as exc:  # noqa: BLE001 - a deployment that failed to start
+            print(f"pxrt serve: error: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            serve.shutdown()
+            ray.shutdown()
     return 0

@@ -232,9 +232,7 @@ def test_an_http_request_is_answered_by_the_version_served_when_its_body_is_in(t
     np.testing.assert_allclose(out, _reference(5, x), rtol=1e-5, atol=1e-5)
 
 
-def test_with_gc_frozen_a_loaded_model_joins_the_frozen_and_is_still_released(
-    two_versions, run
-):
+def test_with_gc_frozen_a_loaded_model_joins_the_frozen_and_is_still_released(two_versions, run):
     # pxrt serve calls gc.freeze() after start-up: a model loaded later is frozen too
     # (full collections skip it), and unloading it still frees it.
     import gc
