@@ -1,8 +1,10 @@
 # make demo   - the demo models (an MLP; a transformer encoder on variable-length inputs):
 #               export, load, run, timing; then a short pxrt bench
-# make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers
+# make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers;
+#               then the Ray Serve tests once
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparisons
-# make soak   - pxrt serve for 5 minutes under mixed good and bad traffic: leaks, 5xx
+# make soak   - pxrt serve for 5 minutes under mixed good and bad traffic and reloads:
+#               leaks, 5xx
 # make debug  - rebuild the extensions with bounds checks, line tracing and annotation
 # make lint   - ruff
 # Each target creates .venv and installs pxrt (editable, with its test and bench extras)
@@ -41,7 +43,7 @@ test: $(STAMP)
 	$(TESTS)
 	$(FOUR) sh -c '$(TESTS)'
 	PXRT_NO_EXTENSIONS=1 $(FOUR) sh -c '$(TESTS)'
-	$(PYTEST) tests/test_ray.py
+	$(PYTEST) -W ignore::DeprecationWarning tests/test_ray.py  # (Ray's own pydantic warnings)
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name

@@ -167,3 +167,18 @@ def test_bench_on_variable_lengths(tmp_path, var_artifacts):
     assert "grid vs padded throughput" in result.stdout
     bad = _pxrt("bench", str(var_artifacts["encoder"]), "--lengths", "zipf:1", timeout=120)
     assert bad.returncode == 2 and "expected pareto:LOW:HIGH" in bad.stderr
+
+
+def test_serving_works_without_ray_and_says_how_to_get_it():
+    # Ray is an optional extra: without it (blocked here), serving and its HTTP app
+    # import; serving.ray and pxrt serve --ray say which extra to install.
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import serving, serving.http, serving.server\n"
+        "try:\n    import serving.ray\nexcept ImportError as e:\n    print(e)\n"
+        "from serving.cli import main\n"
+        "sys.exit(main(['serve', '--ray']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "pip install 'pxrt[ray]'" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "--ray needs the ray extra" in proc.stderr, proc.stderr
