@@ -432,11 +432,25 @@ def main_ray(args: argparse.Namespace) -> int:
             print(f"pxrt serve: error: --ray serves one model, got {len(specs)}", file=sys.stderr)
             return 2
         name, path, options = specs[0]
+        import pxrt
+
+        try:  # a bad artifact is reported here, not as a replica that fails to start
+            pxrt.read_artifact(path)
+        except (OSError, ValueError) as exc:
+            print(f"pxrt serve: error: {exc}", file=sys.stderr)
+            return 2
         stop = threading.Event()
+        started = threading.Event()
+
+        def on_signal(*_: Any) -> None:
+            stop.set()
+            if not started.is_set():  # still deploying: stop waiting for it
+                raise KeyboardInterrupt
+
         ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS"))
         # After ray.init, which installs its own SIGTERM handler (it aborts the process).
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
             app = pxrt_app(
@@ -447,12 +461,15 @@ def main_ray(args: argparse.Namespace) -> int:
                 **options,
             )
             serve.run(app, name="pxrt", route_prefix="/")
+            started.set()
             print(
                 f"pxrt serve: ready on http://{args.host}:{args.port} "
                 f"({args.replicas} Ray Serve replicas)",
                 file=sys.stderr,
             )
             stop.wait()
+        except KeyboardInterrupt:  # a requested stop, as any other: exit 0
+            print("pxrt serve: stopped while deploying", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - a deployment that failed to start
             print(f"pxrt serve: error: {exc}", file=sys.stderr)
             return 2

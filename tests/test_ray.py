@@ -42,6 +42,47 @@ def test_pxrt_serve_ray_runs_replicas_until_sigterm(artifacts):
     assert rc == 0
 
 
+def test_pxrt_serve_ray_reports_a_bad_artifact_before_starting_ray(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "serve", str(tmp_path), "--ray"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "is not a pxrt artifact: manifest.json is missing" in proc.stderr, proc.stderr
+    assert "Started a local Ray" not in proc.stdout + proc.stderr
+
+
+def test_pxrt_serve_ray_stops_when_signalled_while_deploying(artifacts, tmp_path):
+    # SIGTERM while replicas are still loading: Serve and Ray shut down and the process
+    # exits 0 ("stopped while deploying", unless the deployment won the race), no hang.
+    import subprocess
+    import sys
+
+    (port,) = free_ports(1)
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "serving.cli", "serve", str(artifacts["mlp"]), "--ray",
+             "--replicas", "2", "--replica-cpus", "0.5", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.time() + 60
+        while "Deploying new version" not in log.read_text() and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("pxrt serve --ray did not stop on SIGTERM while deploying")
+    text = log.read_text()
+    assert rc == 0, text[-2000:]
+    assert "stopped while deploying" in text or "ready on" in text, text[-2000:]
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray (2 CPUs) with Serve's HTTP proxy on a free port."""
