@@ -77,13 +77,13 @@ class JitBatch:
         return Response(orjson.dumps(body), media_type="application/json")
 
 
-def deploy(path: str, wait_s: float, delay_us: float = 0.0) -> dict[str, str]:
+def deploy(path: str, wait_s: float, **pxrt_options: float) -> dict[str, str]:
     """Every system and replica count as its own application; name -> route prefix."""
     apps = {}
     for replicas in (1, 2):
         name = f"pxrt-{replicas}"
         app = pxrt_app(path, num_replicas=replicas, ray_actor_options={"num_cpus": 0},
-                       max_batch_size=MAX_BATCH, max_delay_us=delay_us)  # fmt: skip
+                       max_batch_size=MAX_BATCH, **pxrt_options)  # fmt: skip
         serve.run(app, name=name, route_prefix=f"/{name}")
         apps[name] = f"/{name}"
         name = f"batch-{replicas}"
@@ -141,6 +141,8 @@ def main() -> None:
                         help="@serve.batch's batch_wait_timeout_s, in ms (default 2)")  # fmt: skip
     parser.add_argument("--delay-us", type=float, default=0.0,
                         help="pxrt's max_delay_us (default 0)")  # fmt: skip
+    parser.add_argument("--max-inflight", type=int, default=2,
+                        help="pxrt's max_inflight (default 2)")  # fmt: skip
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--modes", default="handle,http")
     args = parser.parse_args()
@@ -150,7 +152,9 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
     try:
-        apps = deploy(path, args.wait_ms / 1e3, args.delay_us)
+        apps = deploy(
+            path, args.wait_ms / 1e3, max_delay_us=args.delay_us, max_inflight=args.max_inflight
+        )
         rows = []
         loop = asyncio.new_event_loop()
         for mode in args.modes.split(","):
