@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/grpc_compare.py
 	$(PY) benchmarks/variable_length.py
 	$(PY) benchmarks/ray_compare.py
+	$(PY) benchmarks/ray_compare.py --model encoder
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py

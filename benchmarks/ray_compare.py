@@ -4,13 +4,18 @@ its constructor, so nothing compiles while measured). The demo MLP, 1-row reques
 closed-loop callers, 1 and 2 replicas of each, all deployed at once on one local Ray and
 measured alternately:
 
-- ``handle``: Python callers in the driver, ``await handle.infer.remote({"x": x})``;
+- ``handle``: Python callers in the driver, ``await handle.infer.remote({"x": x})``, and
+  for pxrt also through a ``PxrtHandle``;
 - ``http``: KServe v2 JSON through Ray's HTTP proxy (aiohttp callers).
+
+``--model encoder``: the demo encoder on long-tailed lengths instead (handle mode), against
+``@serve.batch`` padding each batch to length 256 and 1, 8 or 32 rows.
 
 Prints req/s and p50/p99 per run and the median ratios pxrt / @serve.batch. The callers,
 Ray's proxy and the replicas share this machine's cores.
 
     python benchmarks/ray_compare.py [--duration 5] [--repeats 3] [--clients 64]
+    python benchmarks/ray_compare.py --model encoder
 """
 
 from __future__ import annotations
@@ -77,29 +82,87 @@ class JitBatch:
         return Response(orjson.dumps(body), media_type="application/json")
 
 
-def deploy(path: str, wait_s: float, **pxrt_options: float) -> dict[str, str]:
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+class JitEncoderBatch:
+    """The baseline for the encoder (``--model encoder``): what a careful Ray user writes
+    for variable lengths: each batch padded to the longest length served (256) and to a
+    batch size of 1, 8 or 32, all three shapes compiled in the constructor."""
+
+    SIZES = (1, 8, 32)
+
+    def __init__(self, wait_s: float) -> None:
+        import jax
+
+        self.params = demo.make_encoder_params()
+        self.fn = jax.jit(demo.encoder)
+        self.top = max(demo.ENC_SEQ_BUCKETS)
+        for n in self.SIZES:
+            tokens = np.zeros((n, self.top), np.int32)
+            self.fn(self.params, tokens, tokens > 0)["pooled"].block_until_ready()
+        self.infer.set_batch_wait_timeout_s(wait_s)
+
+    @serve.batch(max_batch_size=32)
+    async def infer(self, requests: list[dict]) -> list[dict]:
+        rows = sum(len(r["tokens"]) for r in requests)
+        size = next(n for n in self.SIZES if n >= rows)
+        tokens = np.zeros((size, self.top), np.int32)
+        mask = np.zeros((size, self.top), np.bool_)
+        start = 0
+        for r in requests:
+            n, length = r["tokens"].shape
+            tokens[start : start + n, :length] = r["tokens"]
+            mask[start : start + n, :length] = r["mask"]
+            start += n
+        out = self.fn(self.params, tokens, mask)
+        hidden, pooled = np.asarray(out["hidden"]), np.asarray(out["pooled"])
+        answers, start = [], 0
+        for r in requests:
+            n, length = r["tokens"].shape
+            answers.append(
+                {"hidden": hidden[start : start + n, :length], "pooled": pooled[start : start + n]}
+            )
+            start += n
+        return answers
+
+
+def encoder_requests(n: int = 512) -> list[dict]:
+    """1-row requests with long-tailed lengths (Pareto on 8..256, median ~14)."""
+    return [
+        demo.encoder_request(1, int(length), seed=i)
+        for i, length in enumerate(demo.token_lengths(n, 8, 256, seed=0))
+    ]
+
+
+def deploy(path: str, wait_s: float, model: str = "mlp", **pxrt_options: float) -> dict[str, str]:
     """Every system and replica count as its own application; name -> route prefix."""
     apps = {}
     for replicas in (1, 2):
         name = f"pxrt-{replicas}"
         app = pxrt_app(path, num_replicas=replicas, ray_actor_options={"num_cpus": 0},
-                       max_batch_size=MAX_BATCH, **pxrt_options)  # fmt: skip
+                       max_batch_size=MAX_BATCH if model == "mlp" else 32,
+                       **pxrt_options)  # fmt: skip
         serve.run(app, name=name, route_prefix=f"/{name}")
         apps[name] = f"/{name}"
         name = f"batch-{replicas}"
-        app = JitBatch.options(num_replicas=replicas).bind(wait_s)
+        baseline = JitBatch if model == "mlp" else JitEncoderBatch
+        app = baseline.options(num_replicas=replicas).bind(wait_s)
         serve.run(app, name=name, route_prefix=f"/{name}")
         apps[name] = f"/{name}"
     return apps
 
 
-async def measure_handle(name: str, clients: int, duration: float, coalesce: bool) -> dict:
+async def measure_handle(
+    name: str, clients: int, duration: float, coalesce: bool, model: str = "mlp"
+) -> dict:
     handle = serve.get_app_handle(name)
-    x = np.random.default_rng(0).standard_normal((1, demo.WIDTH)).astype(np.float32)
-    request = {"x": x}
+    if model == "mlp":
+        x = np.random.default_rng(0).standard_normal((1, demo.WIDTH)).astype(np.float32)
+        request: dict | list = {"x": x}
+    else:
+        request = encoder_requests()
     infer = PxrtHandle(handle).infer if coalesce else handle.infer.remote
-    for _ in range(3):
-        await infer(request)
+    for r in (request if isinstance(request, list) else [request])[:3]:
+        await infer(r)
     latencies, elapsed, errors = await closed_loop(
         infer, request, clients, duration, count_errors=True
     )
@@ -145,16 +208,26 @@ def main() -> None:
                         help="pxrt's max_inflight (default 2)")  # fmt: skip
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--modes", default="handle,http")
+    parser.add_argument(
+        "--model", choices=("mlp", "encoder"), default="mlp",
+        help="encoder: the demo encoder on long-tailed lengths (handle mode only)",
+    )  # fmt: skip
     args = parser.parse_args()
 
-    path = demo.export_demo(os.path.join(tempfile.mkdtemp(prefix="pxrt-ray-"), "mlp"))
+    work = tempfile.mkdtemp(prefix="pxrt-ray-")
+    if args.model == "mlp":
+        path = demo.export_demo(os.path.join(work, "mlp"))
+    else:
+        path = demo.export_encoder(os.path.join(work, "encoder"))
+        args.modes = "handle"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
     try:
         apps = deploy(
-            path, args.wait_ms / 1e3, max_delay_us=args.delay_us, max_inflight=args.max_inflight
-        )
+            path, args.wait_ms / 1e3, args.model,
+            max_delay_us=args.delay_us, max_inflight=args.max_inflight,
+        )  # fmt: skip
         rows = []
         loop = asyncio.new_event_loop()
         for mode in args.modes.split(","):
@@ -165,7 +238,7 @@ def main() -> None:
                 for name, coalesce in runs:
                     if mode == "handle":
                         row = loop.run_until_complete(
-                            measure_handle(name, args.clients, args.duration, coalesce)
+                            measure_handle(name, args.clients, args.duration, coalesce, args.model)
                         )
                     else:
                         row = loop.run_until_complete(
