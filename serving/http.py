@@ -251,10 +251,10 @@ def create_app(
         why = not_serving()
         if why:
             raise _HTTPError(503, why)
-        name, model, batcher = model_of(request)
+        _, _, batcher = model_of(request)  # an unknown model is a 404 before its body
         held = [0]
         try:
-            return await infer_body(request, name, model, batcher, held)
+            return await infer_body(request, held)
         except _HTTPError:
             raise
         except Exception:
@@ -263,9 +263,7 @@ def create_app(
         finally:
             budget.give(held[0])  # inputs may view the body until the reply is made
 
-    async def infer_body(
-        request: Request, name: str, model: Any, batcher: Any, held: list[int]
-    ) -> Response:
+    async def infer_body(request: Request, held: list[int]) -> Response:
         body = await read_body(request, held)
         # The version that answers is the one served now: while the body was read, a
         # newer version may have taken over (or the one picked, been unloaded).

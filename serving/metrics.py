@@ -168,11 +168,11 @@ class Metrics:
         else:
             self.models[name] = self.versions[(name, version)]
 
-    def remove_model(self, name: str, version: str, source: ModelSource | None = None) -> None:
-        """Forget a version's metrics (only ``source``'s: the same version may be served
-        again by then)."""
+    def remove_model(self, name: str, version: str, source: ModelSource) -> None:
+        """Forget a version's metrics, if they are still ``source``'s (the same version
+        may be served again by then)."""
         m = self.versions.get((name, version))
-        if m is not None and (source is None or m.source is source):
+        if m is not None and m.source is source:
             del self.versions[(name, version)]
 
     def snapshot(self) -> dict[str, dict]:

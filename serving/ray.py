@@ -80,7 +80,8 @@ class PxrtDeployment:
         self.server.add_model(self.name, model, **options)
         # One small request through the whole path: the replica is warm when Ray
         # first routes to it.
-        await self.server.infer(self.name, _zeros(model))
+        smallest = {dim: lengths[0] for dim, lengths in model.dim_buckets.items()}
+        await self.server.infer(self.name, pxrt.example_inputs(model.inputs, 1, lengths=smallest))
 
     def __serve_build_asgi_app__(self) -> Any:
         from .http import create_app
@@ -208,17 +209,6 @@ class PxrtHandle:
         finally:
             self._inflight -= 1
             self._send_what_fits()
-
-
-def _zeros(model: Any) -> dict:
-    """A one-row request of zeros (named dimensions at their smallest bucket)."""
-    import numpy as np
-
-    request = {}
-    for name, spec in model.inputs.items():
-        shape = [1] + [d if isinstance(d, int) else model.dim_buckets[d][0] for d in spec.shape]
-        request[name] = np.full(shape, spec.pad, spec.dtype)
-    return request
 
 
 def pxrt_app(

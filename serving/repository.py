@@ -98,18 +98,25 @@ class Repository:
         """Model name -> its version directories (ascending), as the directory is now."""
         out: dict[str, list[str]] = {}
         for name in sorted(os.listdir(self.root)):
-            path = os.path.join(self.root, name)
-            if name.startswith(".") or not os.path.isdir(path):
-                continue
-            versions = [
-                v
-                for v in os.listdir(path)
-                if v.isdigit()
-                and int(v) >= 1
-                and os.path.isfile(os.path.join(path, v, "manifest.json"))
-            ]
-            out[name] = sorted(versions, key=int)
+            versions = self.scan_model(name)
+            if versions is not None:
+                out[name] = versions
         return out
+
+    def scan_model(self, name: str) -> list[str] | None:
+        """The version directories of model ``name`` (ascending); None when the
+        repository has no such model."""
+        path = os.path.join(self.root, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            return None
+        versions = [
+            v
+            for v in os.listdir(path)
+            if v.isdigit()
+            and int(v) >= 1
+            and os.path.isfile(os.path.join(path, v, "manifest.json"))
+        ]
+        return sorted(versions, key=int)
 
     def wanted(self, name: str, available: list[str]) -> list[str]:
         """The versions of ``name`` its policy picks from ``available``."""
@@ -121,6 +128,10 @@ class Repository:
         return available[-arg:]
 
     # ------------------------------------------------------------------ actions
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        """One lock per model: its loads and unloads go one at a time."""
+        return self._locks.setdefault(name, asyncio.Lock())
 
     def _served(self, name: str) -> list[str]:
         try:
@@ -138,9 +149,8 @@ class Repository:
         """Serve the versions of ``name`` its policy picks now: load the new ones (a
         failure is recorded and leaves the rest alone), then unload the others. Returns
         the versions served after."""
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            available = self.scan().get(name)
+        async with self._lock(name):
+            available = self.scan_model(name)
             if available is None:
                 if not self._served(name):
                     raise RepositoryError(f"no model {name!r} in the repository {self.root}")
@@ -217,8 +227,7 @@ class Repository:
 
     async def unload_all(self, name: str) -> None:
         """Stop serving every version of ``name`` (a no-op when none is served)."""
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
+        async with self._lock(name):
             for version in self._served(name):
                 await self._unload(name, version)
             self._ours.discard(name)

@@ -126,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--replicas", type=_Number(int, 1), default=1, help="default 1")
     ray.add_argument(
         "--ray-address", default=None,
-        help="a running Ray cluster (default: RAY_ADDRESS, else start a local one)",
+        help="a running Ray cluster (default: RAY_ADDRESS, else the cluster last started on "
+        "this machine, else a new local one)",
     )  # fmt: skip
     ray.add_argument("--replica-cpus", type=_Number(float, 0), default=1.0, help="default 1")
     ray.add_argument("--replica-gpus", type=_Number(float, 0), default=0.0, help="default 0")
@@ -168,24 +169,20 @@ def _fd_budget() -> int:
 
 def model_specs(args: argparse.Namespace, demo_dir: str) -> list[tuple[str | None, str, dict]]:
     """(name or None for the manifest's, path, options) per model to serve."""
-    defaults = {k: getattr(args, k) for k in OPTION_KEYS if getattr(args, k) is not None}
+    defaults, sections = _config(args)
     specs: list[tuple[str | None, str, dict]] = []
-    if args.config:
-        with open(args.config, "rb") as f:
-            conf = tomllib.load(f)
-        defaults |= _options(conf.get("defaults", {}), "[defaults]")
-        for name, section in conf.get("models", {}).items():
-            if "path" not in section:
-                if args.model_repository:
-                    continue  # a repository model's options: see repository_config
-                raise SystemExit(f"pxrt serve: [models.{name}] in {args.config} needs a path")
-            if "version_policy" in section:
-                raise SystemExit(
-                    f"pxrt serve: version_policy in [models.{name}] is for models of the "
-                    "--model-repository"
-                )
-            extra = {k: v for k, v in section.items() if k != "path"}
-            specs.append((name, section["path"], defaults | _options(extra, f"[models.{name}]")))
+    for name, section in sections.items():
+        if "path" not in section:
+            if args.model_repository:
+                continue  # a repository model's options: see repository_config
+            raise SystemExit(f"pxrt serve: [models.{name}] in {args.config} needs a path")
+        if "version_policy" in section:
+            raise SystemExit(
+                f"pxrt serve: version_policy in [models.{name}] is for models of the "
+                "--model-repository"
+            )
+        extra = {k: v for k, v in section.items() if k != "path"}
+        specs.append((name, section["path"], defaults | _options(extra, f"[models.{name}]")))
     specs += [(None, path, dict(defaults)) for path in args.model_dirs]
     if not specs and not args.model_repository:
         from pxrt import demo
@@ -199,27 +196,32 @@ def repository_config(args: argparse.Namespace) -> tuple[dict, dict, dict]:
     from the flags and the TOML's ``[defaults]`` and path-less ``[models.NAME]``."""
     from .repository import parse_policy
 
-    defaults = {k: getattr(args, k) for k in OPTION_KEYS if getattr(args, k) is not None}
+    defaults, sections = _config(args)
     options: dict[str, dict] = {}
     policies: dict[str, str] = {}
-    if args.config:
-        with open(args.config, "rb") as f:
-            conf = tomllib.load(f)
-        defaults |= _options(conf.get("defaults", {}), "[defaults]")
-        for name, section in conf.get("models", {}).items():
-            if "path" in section:
-                continue
-            extra = {k: v for k, v in section.items() if k != "version_policy"}
-            options[name] = _options(extra, f"[models.{name}]")
-            if "version_policy" in section:
-                try:
-                    parse_policy(section["version_policy"])
-                except ValueError as exc:
-                    raise SystemExit(
-                        f"pxrt serve: [models.{name}] in {args.config}: {exc}"
-                    ) from None
-                policies[name] = section["version_policy"]
+    for name, section in sections.items():
+        if "path" in section:
+            continue
+        extra = {k: v for k, v in section.items() if k != "version_policy"}
+        options[name] = _options(extra, f"[models.{name}]")
+        if "version_policy" in section:
+            try:
+                parse_policy(section["version_policy"])
+            except ValueError as exc:
+                raise SystemExit(f"pxrt serve: [models.{name}] in {args.config}: {exc}") from None
+            policies[name] = section["version_policy"]
     return defaults, options, policies
+
+
+def _config(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(the options every model gets: the flags, then the TOML's ``[defaults]``; the
+    TOML's ``[models.NAME]`` sections)."""
+    defaults = {k: getattr(args, k) for k in OPTION_KEYS if getattr(args, k) is not None}
+    if not args.config:
+        return defaults, {}
+    with open(args.config, "rb") as f:
+        conf = tomllib.load(f)
+    return defaults | _options(conf.get("defaults", {}), "[defaults]"), conf.get("models", {})
 
 
 def _options(section: dict, where: str) -> dict:
@@ -447,7 +449,8 @@ def main_ray(args: argparse.Namespace) -> int:
             if not started.is_set():  # still deploying: stop waiting for it
                 raise KeyboardInterrupt
 
-        ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS"))
+        # None: RAY_ADDRESS, else the cluster last started on this machine, else a new one.
+        ray.init(address=args.ray_address)
         # After ray.init, which installs its own SIGTERM handler (it aborts the process).
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
