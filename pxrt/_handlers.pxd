@@ -53,7 +53,11 @@ cdef class InputHandler:
     cdef Py_ssize_t* _memo_input
     cdef PyObject** _scratch
 
+    cdef tuple _bools                   # the positions of the bool inputs (None: none)
+
     cdef tuple prepare_c(self, object request, Py_ssize_t* rows)
+    cdef tuple _prepare_arrays(self, object request, Py_ssize_t* rows)
+    cdef int _check_bools(self, tuple arrays) except -1
     cdef tuple _prepare_memo(self, dict request, Py_ssize_t* rows)
     cdef int _remember(self, dict request, tuple perm) except -1
     cpdef tuple prepare(self, object request)

@@ -14,13 +14,14 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport Py_EQ, PyObject, PyObject_RichCompareBool, PyTypeObject
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
 from pxrt._keys cimport RouteCache, signature_of
 
 import numpy as np
 
-from ._validate import check_lanes, inner_contiguous, validate
+from ._validate import bad_bool_error, check_lanes, inner_contiguous, validate
 
 cnp.import_array()
 
@@ -35,6 +36,21 @@ cdef object _ndarray = np.ndarray
 cdef object _empty = np.empty
 cdef object _ascontiguousarray = np.ascontiguousarray
 cdef object _concatenate = np.concatenate
+
+
+cdef inline bint _over_one(const unsigned char* p, Py_ssize_t n) noexcept nogil:
+    # Whether any of the n bytes at p is > 1 (not a valid bool): OR them together eight
+    # at a time and look at the high seven bits of each byte once.
+    cdef uint64_t acc = 0, word
+    cdef Py_ssize_t i = 0
+    while i + 8 <= n:
+        memcpy(&word, p + i, 8)
+        acc |= word
+        i += 8
+    while i < n:
+        acc |= p[i]
+        i += 1
+    return (acc & <uint64_t>0xFEFEFEFEFEFEFEFE) != 0
 
 
 cdef inline bint _rows_contiguous(cnp.ndarray arr, Py_ssize_t row_nbytes):
@@ -143,6 +159,8 @@ cdef class InputHandler:
         for i, lane in enumerate(lanes):
             self._lane_of[i] = lane
         self.routes = RouteCache(max_routes)
+        bools = tuple(k for k, dt in enumerate(self.dtypes) if dt == np.bool_)
+        self._bools = bools or None
 
     def __dealloc__(self):
         PyMem_Free(self._row_nbytes)
@@ -243,6 +261,30 @@ cdef class InputHandler:
 
     cdef tuple prepare_c(self, object request, Py_ssize_t* rows_out):
         """``prepare`` for C callers: the arrays, with the rows in ``rows_out``."""
+        cdef tuple arrays = self._prepare_arrays(request, rows_out)
+        if self._bools is not None:
+            self._check_bools(arrays)
+        return arrays
+
+    cdef int _check_bools(self, tuple arrays) except -1:
+        # A bool is the byte 0 or 1. numpy does not check bytes that become bools
+        # (np.frombuffer(data, bool), .view(bool)) and XLA gives other bytes no meaning:
+        # refused here, per request, so the requests batched with it still run.
+        cdef object k
+        cdef cnp.ndarray arr
+        cdef bint bad
+        for k in self._bools:
+            arr = <cnp.ndarray>arrays[k]
+            if cnp.PyArray_IS_C_CONTIGUOUS(arr):
+                bad = _over_one(<const unsigned char*>cnp.PyArray_DATA(arr),
+                                cnp.PyArray_NBYTES(arr))
+            else:
+                bad = bool((arr.view(np.uint8) > 1).any())
+            if bad:
+                raise bad_bool_error(self.model, self.names[k], arr)
+        return 0
+
+    cdef tuple _prepare_arrays(self, object request, Py_ssize_t* rows_out):
         cdef tuple arrays
         cdef object key, perm
         cdef list values

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import _keys_py as _keys
-from ._validate import check_lanes, inner_contiguous, validate
+from ._validate import check_bools, check_lanes, inner_contiguous, validate
 
 
 class InputHandler:
@@ -68,6 +68,7 @@ class InputHandler:
             for name in self.dim_names
         ]
         self.routes = _keys.RouteCache(max_routes)
+        self._bools = tuple(k for k, dt in enumerate(self.dtypes) if dt == np.bool_)
 
     @property
     def dim_max(self) -> dict[str, int]:
@@ -108,7 +109,14 @@ class InputHandler:
         self.routes.clear()
 
     def prepare(self, request: Any) -> tuple[tuple[np.ndarray, ...], int]:
-        """Validate one request; returns its arrays in model input order and its rows."""
+        """Validate one request; returns its arrays in model input order and its rows.
+        A bool input must hold only the bytes 0 and 1."""
+        arrays, rows = self._prepare_arrays(request)
+        if self._bools:
+            check_bools(self.model, self.names, self._bools, arrays)
+        return arrays, rows
+
+    def _prepare_arrays(self, request: Any) -> tuple[tuple[np.ndarray, ...], int]:
         key = _keys.signature(request)
         perm = self.routes.get(key) if key is not None else None
         if perm is None:

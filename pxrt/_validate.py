@@ -141,6 +141,27 @@ def validate(
     return tuple(arrays), rows
 
 
+def bad_bool_error(model: str, name: str, arr: np.ndarray) -> ValueError:
+    """The error for a bool input holding a byte other than 0 or 1 (numpy lets such
+    bytes in through ``np.frombuffer(data, bool)`` or ``.view(bool)``; XLA gives them
+    no meaning)."""
+    raw = arr.view(np.uint8)
+    index = tuple(int(i) for i in np.argwhere(raw > 1)[0])
+    where = f"model {model!r}: " if model else ""
+    return ValueError(
+        f"{where}input {name!r}: a bool must be the byte 0 or 1, got {int(raw[index])} "
+        f"at index {index}"
+    )
+
+
+def check_bools(model: str, names: tuple, bools: tuple, arrays: tuple) -> None:
+    """Raise ``bad_bool_error`` for the first of the inputs at positions ``bools``
+    holding a byte other than 0 or 1."""
+    for k in bools:
+        if arrays[k].size and arrays[k].view(np.uint8).max() > 1:
+            raise bad_bool_error(model, names[k], arrays[k])
+
+
 def check_lanes(
     dim_names: tuple, dim_lengths: Any, lane_of: Any
 ) -> tuple[tuple[tuple[int, ...], ...], list[int]]:

@@ -22,6 +22,7 @@ failed batch INTERNAL, a message over the size limit RESOURCE_EXHAUSTED (grpcio'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from typing import Any
@@ -54,6 +55,43 @@ _CONTENTS = {
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpcLimits:
+    """What one client may hold of the gRPC listener (grpc core enforces each).
+
+    - ``max_connections``: connections open at once; grpc closes new ones beyond it at
+      once (``pxrt serve`` gives gRPC a share of its one connection budget).
+    - ``handshake_timeout_s``: from connecting to the client's HTTP/2 settings; a socket
+      that sends nothing is closed after it.
+    - ``idle_timeout_s``: a connection with no call for this long is sent GOAWAY and
+      closed (clients reconnect when they next call).
+    - ``keepalive_s``, ``keepalive_timeout_s``: a connection with calls but quiet this
+      long is pinged; one whose peer does not answer in the timeout is closed.
+    - ``min_client_ping_s``: clients pinging more often than this without data are sent
+      GOAWAY after two strikes (grpc's keepalive enforcement; Triton's default too).
+    """
+
+    max_connections: int = 250
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
+    keepalive_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_client_ping_s: float = 300.0
+
+    def options(self) -> list[tuple[str, int]]:
+        """grpc channel arguments enforcing these limits."""
+        ms = lambda s: max(1, int(s * 1000))  # noqa: E731
+        return [
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
+            ("grpc.max_connection_idle_ms", ms(self.idle_timeout_s)),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", ms(self.min_client_ping_s)),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
 
 
 class _Abort(Exception):
@@ -375,12 +413,15 @@ async def start_grpc(
     host: str = "127.0.0.1",
     max_message_bytes: int,
     repository: Any = None,
+    limits: GrpcLimits = GrpcLimits(),
 ) -> grpc.aio.Server:
     """Serve ``GRPCService`` on ``host:port`` with grpcio's asyncio server on the running
-    loop; returns the started server (``await it.stop(grace)`` to stop it)."""
+    loop, within ``limits``; returns the started server (``await it.stop(grace)`` to
+    stop it)."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        *limits.options(),
     ]
     grpc_server = grpc.aio.server(options=options)
     service = GRPCService(server, state, repository)

@@ -33,6 +33,30 @@ class RepositoryError(ValueError):
     """A request the repository cannot carry out (an unknown model, the wrong mode)."""
 
 
+def check_name(name: str) -> str:
+    """``name`` if it can be a model of a repository: one directory name (no ``/``,
+    ``\\``, NUL, no leading ``.``, at most 255 characters). Names come from clients
+    (the load and unload APIs): anything else could reach outside the repository."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 255
+        or name.startswith(".")
+        or any(c in name for c in "/\\\0")
+    ):
+        shown = name[:80] if isinstance(name, str) else name
+        raise RepositoryError(
+            f"model name {shown!r}: a model is named by one directory of the repository "
+            "(no '/', '\\', NUL or leading '.')"
+        )
+    return name
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether ``path``, symlinks resolved, lies under ``root`` (resolved)."""
+    return os.path.commonpath([os.path.realpath(path), root]) == root
+
+
 def parse_policy(text: str) -> tuple[str, Any]:
     """``"latest:N"``, ``"all"`` or ``"specific:V,V"`` -> (kind, argument)."""
     kind, _, arg = str(text).partition(":")
@@ -79,6 +103,7 @@ class Repository:
         if not os.path.isdir(root):
             raise FileNotFoundError(f"model repository {root!r} is not a directory")
         self.root = root
+        self._real_root = os.path.realpath(root)
         self.server = server
         self.mode = mode
         self.policies = {k: parse_policy(v) for k, v in (policies or {}).items()}
@@ -105,16 +130,24 @@ class Repository:
 
     def scan_model(self, name: str) -> list[str] | None:
         """The version directories of model ``name`` (ascending); None when the
-        repository has no such model."""
+        repository has no such model. Only what lies inside the repository counts: a
+        name that is not one directory name, or a model or version directory that is a
+        symlink leaving the repository, is no model or version."""
+        try:
+            check_name(name)
+        except RepositoryError:
+            return None
         path = os.path.join(self.root, name)
-        if name.startswith(".") or not os.path.isdir(path):
+        if not os.path.isdir(path) or not _inside(path, self._real_root):
             return None
         versions = [
             v
             for v in os.listdir(path)
-            if v.isdigit()
+            if v.isascii()
+            and v.isdigit()
             and int(v) >= 1
             and os.path.isfile(os.path.join(path, v, "manifest.json"))
+            and _inside(os.path.join(path, v), self._real_root)
         ]
         return sorted(versions, key=int)
 
@@ -149,6 +182,7 @@ class Repository:
         """Serve the versions of ``name`` its policy picks now: load the new ones (a
         failure is recorded and leaves the rest alone), then unload the others. Returns
         the versions served after."""
+        check_name(name)
         async with self._lock(name):
             available = self.scan_model(name)
             if available is None:
@@ -184,11 +218,11 @@ class Repository:
         except Exception as exc:  # noqa: BLE001 - reported, and nothing served changes
             reason = f"{type(exc).__name__}: {exc}"
             self._states[key] = ("UNAVAILABLE", reason)
-            log.warning("pxrt: %s version %s failed to load: %s", name, version, reason)
+            log.warning("pxrt: %r version %s failed to load: %s", name, version, reason)
             return
         del self._states[key]
         self._ours.add(name)
-        log.info("pxrt: %s version %s ready (%d cells)", name, version, len(model.cells))
+        log.info("pxrt: %r version %s ready (%d cells)", name, version, len(model.cells))
 
     async def _unload(self, name: str, version: str) -> None:
         key = (name, version)
@@ -211,6 +245,11 @@ class Repository:
         failed = [r for (n, _), (s, r) in self._states.items() if n == name and s == "UNAVAILABLE"]
         if not served and failed:
             raise RepositoryError(f"model {name!r} failed to load: {failed[-1]}")
+        if not served:
+            raise RepositoryError(
+                f"model {name!r} has no version to serve: no <version>/manifest.json "
+                "its version policy picks"
+            )
         return served
 
     async def unload(self, name: str) -> None:
@@ -221,6 +260,7 @@ class Repository:
                 "the model control mode is none: models cannot be loaded or unloaded "
                 "(start pxrt serve with --model-control-mode explicit or poll)"
             )
+        check_name(name)
         if not self._served(name):
             raise RepositoryError(f"model {name!r} is not loaded")
         await self.unload_all(name)
@@ -248,7 +288,7 @@ class Repository:
                 else:
                     await self.unload_all(name)
             except Exception:  # noqa: BLE001 - the next scan tries again
-                log.exception("pxrt: repository poll of %s failed", name)
+                log.exception("pxrt: repository poll of %r failed", name)
 
     async def poll_forever(self, period_s: float) -> None:
         """``poll_once`` every ``period_s``."""

@@ -141,18 +141,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "larger JSON parts get 413 (send large tensors as binary data)"),
         ("--max-pending-body-mb", positive, 512.0,
          "request bodies held at once, over all requests; more get 503"),
-        ("--max-connections", _Number(int, 1), min(limits.max_connections, _fd_budget()),
-         "open connections; new ones beyond are closed at once"),
+        ("--max-connections", _Number(int, 2), min(limits.max_connections, _fd_budget()),
+         "open connections over every listener (HTTP and gRPC); new ones beyond a "
+         "listener's share are closed at once"),
         ("--max-header-kb", positive, limits.max_header_bytes / 1024,
          "a request's URL and headers; more get 431"),
         ("--header-timeout-s", positive, limits.header_timeout_s,
-         "time to send the headers, from connecting or the request's start (408)"),
+         "time to send the headers, from connecting or the request's start (408); "
+         "for gRPC, to send the HTTP/2 settings after connecting"),
         ("--body-timeout-s", positive, limits.body_timeout_s, "a body's longest pause (408)"),
         ("--request-timeout-s", positive, limits.request_timeout_s,
          "time to send a whole request (408)"),
     ]  # fmt: skip
     for flag, check, default, text in server_flags:
         p.add_argument(flag, type=check, default=default, help=f"{text} (default {default:g})")
+    p.add_argument(
+        "--max-grpc-connections", type=_Number(int, 1), default=None,
+        help="gRPC's share of --max-connections (default a quarter: gRPC clients "
+        "multiplex calls on one connection); HTTP gets the rest",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
 
 
@@ -165,6 +172,29 @@ def _fd_budget() -> int:
     except (ImportError, OSError, ValueError):  # pragma: no cover - not on this platform
         return 1000
     return max(16, soft - 64) if soft != resource.RLIM_INFINITY else 1000
+
+
+def connection_shares(args: argparse.Namespace) -> tuple[int, int]:
+    """(HTTP's, gRPC's) connections: one budget, ``--max-connections``, over every
+    listener, so that together they never exhaust the file descriptors (a flood of
+    sockets on one port cannot take the other down). gRPC's share is 0 without it."""
+    total = args.max_connections
+    budget = _fd_budget()
+    if total > budget:
+        raise SystemExit(
+            f"pxrt serve: error: --max-connections {total} is over what the file "
+            f"descriptor limit allows ({budget}, ulimit -n less 64 to spare); raise the "
+            "limit or lower --max-connections"
+        )
+    if args.grpc_port is None:
+        return total, 0
+    grpc = args.max_grpc_connections or max(1, total // 4)
+    if grpc >= total:
+        raise SystemExit(
+            f"pxrt serve: error: --max-grpc-connections {grpc} leaves no connection of "
+            f"--max-connections {total} to HTTP"
+        )
+    return total - grpc, grpc
 
 
 def model_specs(args: argparse.Namespace, demo_dir: str) -> list[tuple[str | None, str, dict]]:
@@ -260,6 +290,7 @@ def main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    http_connections, grpc_connections = connection_shares(args)
     with tempfile.TemporaryDirectory(prefix="pxrt-serve-") as demo_dir:
         specs = model_specs(args, demo_dir)
         server = Server()
@@ -328,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
         async def lifespan(app: Any):
             grpc_server = None
             if args.grpc_port is not None:
-                from .grpc_server import start_grpc
+                from .grpc_server import GrpcLimits, start_grpc
 
                 grpc_server = await start_grpc(
                     server,
@@ -337,6 +368,10 @@ def main(args: argparse.Namespace) -> int:
                     host=args.host,
                     max_message_bytes=int(args.max_body_mb * (1 << 20)),
                     repository=repository,
+                    limits=GrpcLimits(
+                        max_connections=grpc_connections,
+                        handshake_timeout_s=args.header_timeout_s,
+                    ),
                 )
                 print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
             loader = asyncio.ensure_future(load_all())
@@ -364,7 +399,7 @@ def main(args: argparse.Namespace) -> int:
             port=args.port,
             http=guarded_protocol(
                 Limits(
-                    max_connections=args.max_connections,
+                    max_connections=http_connections,
                     max_header_bytes=int(args.max_header_kb * 1024),
                     header_timeout_s=args.header_timeout_s,
                     body_timeout_s=args.body_timeout_s,

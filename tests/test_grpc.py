@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import shutil
+import socket
 import sys
+import time
 
 import pytest
 
@@ -15,6 +19,7 @@ if "kserve" in sys.modules:  # its protobufs claim the same names as tritonclien
         allow_module_level=True,
     )
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -160,6 +165,22 @@ def test_errors_map_to_status_codes(client):
     assert code == "StatusCode.INVALID_ARGUMENT"
 
 
+def test_bool_raw_bytes_other_than_0_and_1_are_invalid_argument(client):
+    tokens = np.arange(1, 9, dtype=np.int32).reshape(1, 8)
+    good = np.ones((1, 8), np.bool_)
+    ok = client.infer("encoder", _inputs({"tokens": tokens, "mask": good}))
+    want = encoder_reference({"tokens": tokens, "mask": good})["pooled"]
+    assert_matches({"pooled": ok.as_numpy("pooled")}, {"pooled": want})
+    for raw, words in [(b"\x01\x02" + b"\x01" * 6, "got 2 at index (0, 1)"),
+                       (b"\x01" * 7 + b"\xff", "got 255 at index (0, 7)")]:  # fmt: skip
+        bad = np.frombuffer(raw, np.bool_).reshape(1, 8)
+        code, message = _status(
+            lambda bad=bad: client.infer("encoder", _inputs({"tokens": tokens, "mask": bad}))
+        )
+        assert code == "StatusCode.INVALID_ARGUMENT", message
+        assert "input 'mask': a bool must be the byte 0 or 1" in message and words in message
+
+
 def test_a_stream_of_1000_with_bad_ones_mixed_in(client):
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
@@ -231,6 +252,23 @@ def test_repository_methods(built_repository):
         assert not c.is_model_ready("mlp")
         code, message = _status(lambda: c.load_model("nope"))
         assert code == "StatusCode.INVALID_ARGUMENT" and "no model 'nope'" in message
+        # A model name is one directory of the repository: no path leaves it, no alias
+        # loads another copy, and an existing directory answers as a missing one.
+        outside = root.parent / "elsewhere"
+        shutil.copytree(root / "mlp", outside)
+        names = [str(outside), "mlp/../../elsewhere", "../elsewhere", "mlp/.", "mlp/./.",
+                 "..", "mlp\\..", "/etc", "/nope-nope"]  # fmt: skip
+        messages = []
+        for name in names:
+            code, message = _status(lambda name=name: c.load_model(name))
+            assert code == "StatusCode.INVALID_ARGUMENT", (name, code, message)
+            messages.append(message.replace(repr(name), "NAME"))
+            code, _ = _status(lambda name=name: c.unload_model(name))
+            assert code == "StatusCode.INVALID_ARGUMENT", name
+        assert messages[-1] == messages[-2]  # "/etc" exists, "/nope-nope" does not
+        index = c.get_model_repository_index(as_json=True)["models"]
+        assert [(m["name"], m["version"]) for m in index] == [("mlp", "1")]
+        assert not any(c.is_model_ready(n) for n in names)
         c.close()
     finally:
         assert proc.stop() == 0
@@ -288,3 +326,58 @@ def test_a_stream_answers_a_request_cancelled_under_it(artifacts, run):
     assert sorted(answers) == [str(i) for i in range(6)]
     assert "cancelled" in answers["2"].error_message
     assert all(not answers[str(i)].error_message for i in (0, 1, 3, 4, 5))
+
+
+def _open_fds(proc) -> int:
+    return len(os.listdir(f"/proc/{proc.proc.pid}/fd"))
+
+
+def _silent_sockets(port: int, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds in /proc")
+def test_one_connection_budget_over_both_listeners(artifacts):
+    """A flood of silent sockets on either port holds at most that listener's share of
+    --max-connections, so the fds never run out and the other port keeps serving; the
+    silent ones are closed after the handshake (header) timeout."""
+    from servers import ServeProcess
+
+    proc = ServeProcess(
+        [str(artifacts["mlp"]), "--max-connections", "40", "--max-grpc-connections", "10",
+         "--header-timeout-s", "1"],
+        grpc=True,
+    )  # fmt: skip
+    x = np.ones((2, 32), np.float32)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 32],
+                        "data": x.ravel().tolist()}]}  # fmt: skip
+    want = reference("mlp", {"x": x})
+
+    def http_ok() -> bool:
+        r = httpx.post(proc.url + "/v2/models/mlp/infer", json=body, timeout=10)
+        return r.status_code == 200
+
+    def grpc_ok() -> bool:
+        with grpcclient.InferenceServerClient(proc.grpc_url) as c:
+            assert_matches({"y": c.infer("mlp", _inputs({"x": x})).as_numpy("y")}, want)
+        return True
+
+    try:
+        assert http_ok() and grpc_ok()
+        for port, share, other_ok in ((proc.grpc_port, 10, http_ok), (proc.port, 30, grpc_ok)):
+            base = _open_fds(proc)
+            socks = _silent_sockets(port, 200)
+            try:
+                time.sleep(0.3)
+                assert _open_fds(proc) - base <= share + 4, (port, _open_fds(proc) - base)
+                assert other_ok()  # the other listener is untouched
+                deadline = time.monotonic() + 10
+                while _open_fds(proc) - base > 4 and time.monotonic() < deadline:
+                    time.sleep(0.1)  # the silent ones time out
+                assert _open_fds(proc) - base <= 4
+            finally:
+                for s in socks:
+                    s.close()
+        assert http_ok() and grpc_ok()
+    finally:
+        assert proc.stop() == 0

@@ -237,3 +237,43 @@ def test_errors_are_identical_in_both_implementations():
                 impl.InputHandler(*args).prepare(req)
             errors.append((type(info.value), str(info.value)))
         assert errors[0] == errors[1]
+
+
+# --------------------------------------------------------------------------- bool bytes
+
+
+def _bools_from(raw: bytes, shape) -> np.ndarray:
+    # What a decoder of binary tensor data does: numpy takes any byte as a bool.
+    return np.frombuffer(raw, np.bool_).reshape(shape)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("at", [0, 7, 8, 12, 16 * 3 - 1])  # word-aligned, the tail, last
+@pytest.mark.parametrize("byte", [2, 4, 0x80, 0xFF])
+def test_bool_bytes_other_than_0_and_1_are_refused(impl, at, byte):
+    h = impl.InputHandler("m", ["x", "mask"], [np.float32, np.bool_], [(2,), (16,)])
+    x = np.zeros((3, 2), np.float32)
+    raw = bytearray(np.random.default_rng(at).integers(0, 2, 48, dtype=np.uint8).tobytes())
+    good = _bools_from(bytes(raw), (3, 16))
+    arrays, rows = h.prepare({"x": x, "mask": good})  # 0/1 bytes pass (and are cached)
+    assert rows == 3 and arrays[1] is good
+    raw[at] = byte
+    bad = _bools_from(bytes(raw), (3, 16))
+    with pytest.raises(ValueError) as info:
+        h.prepare({"x": x, "mask": bad})  # the same signature: the cached route checks too
+    assert str(info.value) == (
+        f"model 'm': input 'mask': a bool must be the byte 0 or 1, got {byte} at index "
+        f"{(at // 16, at % 16)}"
+    )
+    with pytest.raises(ValueError, match=f"got {byte} at index \\(0, {at % 16}\\)"):
+        h.prepare({"x": x[:1], "mask": bad[at // 16 :][:1]})  # the row alone
+    strided = _bools_from(bytes(raw) * 2, (6, 16))[::2]  # not contiguous: rows 0, 2, 4
+    with pytest.raises(ValueError, match=f"got {byte} at index"):
+        h.prepare({"x": x, "mask": strided})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bool_checks_leave_other_dtypes_alone(impl):
+    h = impl.InputHandler("m", ["x"], [np.uint8], [(4,)])
+    x = np.full((2, 4), 0xFF, np.uint8)  # any byte is a uint8
+    assert h.prepare({"x": x})[1] == 2

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-from models import MODELS, assert_matches, random_request, reference
+from models import MODELS, assert_matches, encoder_reference, random_request, reference
 from prometheus_client.parser import text_string_to_metric_families
 from servers import ROOT, ServeProcess
 from tritonclient.utils import InferenceServerException
@@ -603,3 +603,59 @@ def test_a_bad_length_is_a_400_and_the_requests_beside_it_succeed(served):
     assert "disagree on dimension 'seq'" in results["bad"].json()["error"]
     assert results["long"].status_code == 400
     assert "dimension 'seq' (axis 1) is 33" in results["long"].json()["error"]
+
+
+def _encoder_binary(tokens: np.ndarray, mask_bytes: bytes) -> tuple[bytes, dict]:
+    shape = list(tokens.shape)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "tokens",
+                    "datatype": "INT32",
+                    "shape": shape,
+                    "parameters": {"binary_data_size": tokens.nbytes},
+                },
+                {
+                    "name": "mask",
+                    "datatype": "BOOL",
+                    "shape": shape,
+                    "parameters": {"binary_data_size": len(mask_bytes)},
+                },
+            ],
+            "outputs": [{"name": "pooled"}],
+        }  # fmt: skip
+    ).encode()
+    body = header + tokens.tobytes() + mask_bytes
+    return body, {"Inference-Header-Content-Length": str(len(header))}
+
+
+def test_bool_bytes_other_than_0_and_1_are_400_and_the_batch_beside_them_succeeds(served):
+    tokens = np.arange(1, 9, dtype=np.int32).reshape(1, 8)
+    good = bytes([1] * 6 + [0, 0])
+    mask = np.frombuffer(good, np.bool_).reshape(1, 8)
+    want = encoder_reference({"tokens": tokens, "mask": mask})
+    results = {}
+
+    def send(key, mask):
+        body, headers = _encoder_binary(tokens, mask)
+        results[key] = post(served, "/v2/models/encoder/infer", body, headers)
+
+    cases = [("good0", good), ("two", b"\x01\x02" + good[2:]), ("good1", good),
+             ("high", good[:7] + b"\x80"), ("ff", b"\xff" * 8)]  # fmt: skip
+    threads = [threading.Thread(target=send, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key in ("good0", "good1"):
+        assert results[key].status_code == 200
+        out = results[key].json()["outputs"][0]
+        got = np.array(out["data"], np.float32).reshape(out["shape"])
+        assert_matches({"pooled": got}, {"pooled": want["pooled"]})
+    for key, words in [("two", "got 2 at index (0, 1)"), ("high", "got 128 at index (0, 7)"),
+                       ("ff", "got 255 at index (0, 0)")]:  # fmt: skip
+        r = results[key]
+        assert r.status_code == 400, (key, r.text)
+        assert "input 'mask': a bool must be the byte 0 or 1" in r.json()["error"]
+        assert words in r.json()["error"]

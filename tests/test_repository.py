@@ -116,6 +116,59 @@ def test_modes(tmp_path, built, run):
     run(main)
 
 
+ESCAPES = [
+    "/abs/elsewhere",  # replaced by the absolute path of a model outside the repository
+    "mlp/../../elsewhere",
+    "../elsewhere",
+    "/etc",
+    "mlp/.",
+    "mlp/./.",
+    ".",
+    "..",
+    "",
+    "mlp\\..",
+    "m\x00lp",
+    ".hidden",
+    "link",  # a symlink in the repository to a model outside it
+    "x" * 300,
+]
+
+
+def test_model_names_cannot_leave_the_repository(tmp_path, built, run):
+    """Load and unload take one directory name of the repository, found by its scan:
+    no absolute paths, no '..', no aliases of a model ('mlp/.'), no symlinks out."""
+    root = _repo(tmp_path, built, [1])
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(built[2], elsewhere / "1")  # a valid model outside the repository
+    (root / "link").symlink_to(elsewhere, target_is_directory=True)
+    (root / "empty").mkdir()  # a directory without versions: not loadable either
+
+    async def main():
+        async with Server() as server:
+            repo = Repository(str(root), server, mode="explicit")
+            assert [r["name"] for r in repo.index()] == ["mlp"]  # not "link"
+            for name in ESCAPES:
+                name = str(elsewhere) if name == "/abs/elsewhere" else name
+                with pytest.raises(RepositoryError):
+                    await repo.load(name)
+                with pytest.raises(RepositoryError):
+                    await repo.unload(name)
+                assert server.models == {}, name
+            with pytest.raises(RepositoryError, match="no version to serve"):
+                await repo.load("empty")
+            # "/etc" exists and "nope" does not: both answer alike (no probing).
+            errors = []
+            for name in ("/etc", "/nope-nope"):
+                with pytest.raises(RepositoryError) as info:
+                    await repo.load(name)
+                errors.append(str(info.value).replace(name, "NAME"))
+            assert errors[0] == errors[1]
+            await repo.load("mlp")
+            assert server.versions("mlp") == ["1"] and list(server.models) == ["mlp"]
+
+    run(main)
+
+
 @pytest.mark.slow
 def test_reload_under_load_over_http(tmp_path, built):
     root = _repo(tmp_path, built, [1])
@@ -164,6 +217,9 @@ def test_reload_under_load_over_http(tmp_path, built):
         again = post("/v2/repository/models/mlp/load")  # the policy picks 3: broken
         assert again.status_code == 400 and "failed to load: ArtifactError" in again.json()["error"]
         shutil.rmtree(root / "mlp" / "3")
+        for name in ("%2E%2E", ".hidden", "mlp%5C..", "%2Fetc", "mlp%2F."):  # decoded by the server
+            r = post(f"/v2/repository/models/{name}/load")
+            assert r.status_code in (400, 404), (name, r.status_code, r.text)
         assert post("/v2/repository/models/mlp/load").status_code == 200
         meta = httpx.get(proc.url + "/v2/models/mlp").json()
         assert meta["versions"] == ["2"]
