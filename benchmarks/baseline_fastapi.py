@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 import pxrt
-from serving import kserve
+from serving import codec
 from serving.http import infer_response
 
 artifact = pxrt.read_artifact(os.environ["PXRT_BASELINE_MODEL"])
@@ -32,7 +32,7 @@ async def metadata(model: str) -> dict:
     return {
         "name": model,
         "inputs": [
-            {"name": k, "datatype": kserve.datatype_of(s.dtype), "shape": [-1, *s.shape]}
+            {"name": k, "datatype": codec.datatype_of(s.dtype), "shape": [-1, *s.shape]}
             for k, s in artifact.inputs.items()
         ],
     }
@@ -41,9 +41,9 @@ async def metadata(model: str) -> dict:
 @app.post("/v2/models/{model}/infer")
 async def infer(model: str, request: Request) -> Response:
     body = await request.body()
-    header, binary = kserve.split_body(body, request.headers.get("inference-header-content-length"))
-    doc = kserve.parse_json(header)
-    inputs = kserve.decode_inputs(doc, binary, artifact.inputs)
+    header, binary = codec.split_body(body, request.headers.get("inference-header-content-length"))
+    doc = codec.parse_json(header)
+    inputs = codec.decode_inputs(doc, binary, artifact.inputs)
 
     def run() -> dict:
         outs = jitted(params, *[inputs[n] for n in names])
@@ -51,7 +51,7 @@ async def infer(model: str, request: Request) -> Response:
 
     outputs = await run_in_threadpool(run)
     return infer_response(
-        *kserve.encode_response(
-            model, "1", doc.get("id"), outputs, kserve.requested_outputs(doc, out_names)
+        *codec.encode_response(
+            model, "1", doc.get("id"), outputs, codec.requested_outputs(doc, out_names)
         )
     )

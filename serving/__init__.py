@@ -8,12 +8,16 @@ from .errors import (
     ServingError,
     UnknownModel,
 )
+from .options import BatchingOptions, HttpLimits, OptionError
 from .server import BlockingServer, Server, new_event_loop
 
 __all__ = [
+    "BatchingOptions",
     "BlockingServer",
     "DeadlineExceeded",
     "ExecutionFailed",
+    "HttpLimits",
+    "OptionError",
     "Overloaded",
     "Server",
     "ServerClosed",

@@ -39,15 +39,13 @@ from pxrt.dispatch import Batch, Request
 
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from .metrics import Metrics
+from .options import BatchingOptions
 
 # Measurements use perf_counter: uvloop's loop.time() moves in whole milliseconds.
 _clock = time.perf_counter
 INF = math.inf
 NEVER = 1 << 62  # a kick_rows no queue reaches
 TIMER_SLACK_S = 2e-3  # loop timers fire up to a millisecond early (asyncio) or late (uvloop)
-
-
-CELL_POLICIES = ("cost", "oldest")
 
 
 class RequestTooLarge(ValueError):
@@ -67,32 +65,19 @@ class Batcher:
         name: str,
         model: Model,
         metrics: Metrics,
-        *,
-        max_batch_size: int | None = None,
-        max_delay_us: float = 0.0,
-        max_queue: int = 4096,
-        max_inflight: int = 2,
-        default_timeout_s: float | None = None,
-        copy: bool = False,
-        cell_policy: str = "cost",
+        options: BatchingOptions = BatchingOptions(),
     ) -> None:
-        if cell_policy not in CELL_POLICIES:
-            raise ValueError(f"cell_policy must be one of {CELL_POLICIES}, got {cell_policy!r}")
-        if max_batch_size is not None and max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_delay_us < 0 or max_queue < 1 or max_inflight < 1:
-            raise ValueError("max_delay_us must be >= 0, max_queue and max_inflight >= 1")
-        if default_timeout_s is not None and not default_timeout_s > 0:
-            raise ValueError(f"default_timeout_s must be > 0 or None, got {default_timeout_s}")
         self.name = name
         self.model = model
+        self.options = options
         engine = model.engine
+        max_batch_size = options.max_batch_size
         self.max_batch_size = min(max_batch_size or engine.max_rows, engine.max_rows)
-        self.max_delay = max_delay_us * 1e-6
-        self.max_queue = max_queue
-        self.max_inflight = max_inflight
-        self.default_timeout_s = default_timeout_s
-        self.copy = copy
+        self.max_delay = options.max_delay_us * 1e-6
+        self.max_queue = max_queue = options.max_queue
+        self.max_inflight = max_inflight = options.max_inflight
+        self.default_timeout_s = default_timeout_s = options.default_timeout_s
+        self.copy = copy = options.copy
         self._loop = asyncio.get_running_loop()
         self.queue = engine.queue(max_queue, self, self._loop.create_future)
         self.queue.default_timeout = INF if default_timeout_s is None else default_timeout_s
@@ -103,7 +88,7 @@ class Batcher:
         self._close_task: asyncio.Task | None = None
         # Outcomes counted here and by front ends; the queue counts the rest itself.
         self._counts = dict.fromkeys(("success", "failed", "invalid"), 0)
-        self.cell_policy = cell_policy
+        self.cell_policy = options.cell_policy
         self.lanes = engine.lanes
         self._fold_lanes = engine.fold_lanes
         #: Per lane: the most rows of one batch.

@@ -1,23 +1,27 @@
 """KServe v2 / Open Inference Protocol over HTTP: a mountable Starlette app.
 
 ``create_app(server)`` serves the models of a ``serving.Server``: health, metadata,
-Triton-style model config and statistics, inference with JSON or binary tensors, and
-``/metrics`` in Prometheus text format. Errors come back as ``{"error": "..."}``: 400 for
-a malformed request or a validation error, 404 for an unknown model, version or path,
-405 for a wrong method, 413 for a body (or its JSON part) over the limit (refused before
-it is read), 429 with ``Retry-After`` when the queue is full, 503 while loading or
-draining or when the app already holds its budget of request bodies, 504 when the
-request's deadline passed in the queue, 500 when its batch failed or anything
-unexpected happened (logged in one line). A client that hangs up takes its request out
-of the queue if it was not dispatched yet. Limits on connections, header sizes and slow
-clients are the HTTP protocol's (``serving.protocol``), which ``pxrt serve`` uses.
+Triton-style model config and statistics, inference with JSON or binary tensors, the
+model repository when there is one, and ``/metrics`` in Prometheus text format. The
+endpoints translate HTTP only: inference goes through the request core
+(``serving.core``), whose error table gives each error its status, so HTTP and gRPC
+answer alike. Errors come back as ``{"error": "..."}``: 400 for a malformed request or a
+validation error, 404 for an unknown model, version or path, 405 for a wrong method, 413
+for a body (or its JSON part) over the limit (refused before it is read), 429 with
+``Retry-After`` when the queue is full, 503 while loading or draining or when the app
+already holds its budget of request bodies, 504 when the request's deadline passed in
+the queue, 500 when its batch failed or anything unexpected happened (logged in one
+line). A client that hangs up takes its request out of the queue if it was not
+dispatched yet. Limits on connections, header sizes and slow clients are the HTTP
+protocol's (``serving.http_limits``), which ``pxrt serve`` uses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import math
+import dataclasses
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -28,39 +32,23 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import kserve
-from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed, UnknownModel
-from .protocol import DISCONNECT_EXTENSION
+from pxrt import Model
+
+from . import codec, core, documents
+from .codec import ProtocolError
+from .core import InferRequest, TooLarge
+from .errors import ServingError
+from .options import HttpLimits
+from .repository import Repository, RepositoryError, require
 from .server import Server
 
-log = logging.getLogger("pxrt.http")
-
 HEADER_LENGTH = "inference-header-content-length"
-DEFAULT_MAX_BODY_BYTES = 64 << 20
-# The JSON part of a request: parsing it holds the GIL (so the loop) for ~10 ms a MB.
-# Large tensors go as binary data, which decodes in constant time.
-DEFAULT_MAX_JSON_BYTES = 16 << 20
-DEFAULT_MAX_PENDING_BODY_BYTES = 512 << 20
 
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.headers = headers
-
-
-def _json(doc: Any, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(
-        orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY),
-        status,
-        headers,
-        media_type="application/json",
-    )
-
-
-def _error(status: int, message: str, headers: dict | None = None) -> Response:
-    return _json({"error": message}, status, headers)
+# The ASGI scope extension through which the app learns that a client hung up: a
+# function taking a callback, called (on the loop) if the connection is lost before the
+# response is complete. No task per request waiting on receive(). ``pxrt serve``'s
+# protocol (``serving.http_limits``) provides it.
+DISCONNECT_EXTENSION = "pxrt.on_disconnect"
 
 
 class BodyBudget:
@@ -81,280 +69,288 @@ class BodyBudget:
         self.held -= n
 
 
-class State:
-    """What the app knows beyond the Server: readiness and draining."""
+class BodiesFull(ServingError):
+    """The app holds its budget of request bodies: retry later (503)."""
 
-    def __init__(self) -> None:
-        self.ready = False  # every model loaded, compiled and warmed
-        self.draining = False  # shutting down: refuse new inference
+
+@dataclasses.dataclass
+class _AppState:
+    """What the endpoints serve: ``request.app.state.pxrt``."""
+
+    server: Server
+    limits: HttpLimits
+    budget: BodyBudget
+    repository: Repository | None
 
 
 def create_app(
     server: Server,
     *,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
-    max_pending_body_bytes: int = DEFAULT_MAX_PENDING_BODY_BYTES,
-    state: State | None = None,
+    limits: HttpLimits = HttpLimits(),
     lifespan: Any = None,
-    repository: Any = None,
+    repository: Repository | None = None,
 ) -> Starlette:
     """A Starlette app speaking KServe v2 for ``server``'s models.
 
-    Mount it in your own ASGI app, or run it with uvicorn (``pxrt serve`` does). The
-    app is ready once ``state.ready`` is set; with no ``state`` given, it is ready as
-    soon as it is created (its models are loaded by then).
+    Mount it in your own ASGI app, or run it with uvicorn (``pxrt serve`` does). It
+    takes inference requests while ``server.ready`` and not ``server.draining``. Of
+    ``limits`` the app enforces the body sizes; the connection and timing limits are
+    the protocol's (``serving.http_limits.guarded_protocol``).
     """
-    if state is None:
-        state = State()
-        state.ready = True
-    budget = BodyBudget(max_pending_body_bytes)
+    handlers: dict[Any, Callable] = {HTTPException: _routing_error}
+    handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
+    handlers[BodiesFull] = _error_response
+    app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)
+    app.state.pxrt = _AppState(
+        server, limits, BodyBudget(limits.max_pending_body_bytes), repository
+    )
+    return app
 
-    def model_of(request: Request) -> tuple[str, Any, Any]:
-        name = request.path_params["model"]
+
+# --------------------------------------------------------------------------- responses
+
+
+def _json(doc: Any, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(
+        orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY),
+        status,
+        headers,
+        media_type="application/json",
+    )
+
+
+async def _error_response(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, BodiesFull):
+        return _json({"error": str(exc)}, 503, {"Retry-After": "1"})
+    status = core.status_of(exc)
+    return _json({"error": status.message}, status.http, status.headers)
+
+
+async def _routing_error(request: Request, exc: Exception) -> Response:
+    # Starlette's own 404/405 (no route, wrong method), as every other error: JSON.
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no endpoint {request.url.path!r}; the API is KServe v2 under /v2"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    else:
+        message = str(exc.detail)
+    return _json({"error": message}, exc.status_code, exc.headers)
+
+
+def _endpoint(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
+    """An endpoint whose unexpected errors are answered like the known ones: a JSON 500,
+    one log line, the connection kept."""
+
+    @functools.wraps(fn)
+    async def endpoint(request: Request) -> Response:
         try:
-            batcher = server.batcher(name, request.path_params.get("version"))
-        except UnknownModel as exc:
-            raise _HTTPError(404, str(exc)) from None
-        return name, batcher.model, batcher
+            return await fn(request)
+        except (ServingError, ProtocolError, RepositoryError, asyncio.CancelledError):
+            raise  # the app's exception handlers answer these
+        except Exception as exc:  # noqa: BLE001 - a bug: logged, answered, serving goes on
+            raise core.internal_error(f"{request.method} {request.url.path}", exc) from exc
 
-    def handled(fn):
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await fn(request)
-            except _HTTPError as exc:
-                return _error(exc.status, str(exc), exc.headers)
-            except Exception as exc:  # noqa: BLE001 - a JSON 500, one log line, connection kept
-                log.error(
-                    "pxrt: %s %s failed: %s: %.200s",
-                    request.method,
-                    request.url.path,
-                    type(exc).__name__,
-                    exc,
-                )
-                return _error(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+    return endpoint
 
-        return endpoint
 
-    def not_serving() -> str | None:
-        """Why inference is refused now, or None."""
-        if state.draining:
-            return "the server is draining; not accepting inference requests"
-        if not state.ready:
-            return "the server is loading; not accepting inference requests"
-        return None
+def _state(request: Request) -> _AppState:
+    return request.app.state.pxrt
 
-    async def server_metadata(request: Request) -> Response:
-        return _json(kserve.server_metadata())
 
-    async def live(request: Request) -> Response:
-        return _json({"live": True})
+def _model(request: Request) -> tuple[str, Model]:
+    name = request.path_params["model"]
+    return name, _state(request).server.model(name, request.path_params.get("version"))
 
-    async def ready(request: Request) -> Response:
-        why = not_serving()
-        if why:
-            return _json({"ready": False, "error": why}, 503)
-        return _json({"ready": True})
 
-    async def model_ready(request: Request) -> Response:
-        name, _, _ = model_of(request)
-        why = not_serving()
-        if why:
-            return _json({"name": name, "ready": False, "error": why}, 503)
-        return _json({"name": name, "ready": True})
+# --------------------------------------------------------------------------- health, metadata
 
-    async def model_metadata(request: Request) -> Response:
-        name, model, _ = model_of(request)
-        return _json(kserve.model_metadata(name, model, server.versions(name)))
 
-    async def model_config(request: Request) -> Response:
-        name, model, batcher = model_of(request)
-        return _json(kserve.model_config(name, model, batcher))
+@_endpoint
+async def server_metadata(request: Request) -> Response:
+    return _json(documents.server_metadata())
 
-    def stats_of(name: str, model: Any) -> dict:
-        return kserve.model_stats(name, model, server.metrics_snapshot()[name])
 
-    async def model_stats(request: Request) -> Response:
-        name, model, _ = model_of(request)
-        return _json({"model_stats": [stats_of(name, model)]})
+@_endpoint
+async def live(request: Request) -> Response:
+    return _json({"live": True})
 
-    async def all_stats(request: Request) -> Response:
-        return _json(
-            {"model_stats": [stats_of(name, model) for name, model in server.models.items()]}
+
+@_endpoint
+async def ready(request: Request) -> Response:
+    why = _state(request).server.not_serving()
+    if why:
+        return _json({"ready": False, "error": why}, 503)
+    return _json({"ready": True})
+
+
+@_endpoint
+async def model_ready(request: Request) -> Response:
+    name, _ = _model(request)
+    why = _state(request).server.not_serving()
+    if why:
+        return _json({"name": name, "ready": False, "error": why}, 503)
+    return _json({"name": name, "ready": True})
+
+
+@_endpoint
+async def model_metadata(request: Request) -> Response:
+    name, model = _model(request)
+    return _json(documents.model_metadata(name, model, _state(request).server.versions(name)))
+
+
+@_endpoint
+async def model_config(request: Request) -> Response:
+    server = _state(request).server
+    name, model = _model(request)
+    return _json(
+        documents.model_config(
+            name,
+            model,
+            server.options(name, model.version),
+            server.max_batch_size(name, model.version),
         )
+    )
 
-    def repo() -> Any:
-        if repository is None:
-            raise _HTTPError(
-                400, "no model repository: start pxrt serve with --model-repository DIR"
+
+@_endpoint
+async def model_stats(request: Request) -> Response:
+    name, model = _model(request)
+    snap = _state(request).server.stats(name, model.version)
+    return _json({"model_stats": [documents.model_stats(name, model.version, snap)]})
+
+
+@_endpoint
+async def all_stats(request: Request) -> Response:
+    server = _state(request).server
+    stats = [
+        documents.model_stats(name, model.version, server.stats(name))
+        for name, model in server.models.items()
+    ]
+    return _json({"model_stats": stats})
+
+
+@_endpoint
+async def metrics(request: Request) -> Response:
+    registry = _state(request).server.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# --------------------------------------------------------------------------- repository
+
+
+@_endpoint
+async def repository_index(request: Request) -> Response:
+    rows = require(_state(request).repository).index()
+    body = await request.body()
+    if body:
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise ProtocolError(f"malformed JSON in the request: {exc}") from None
+        if isinstance(doc, dict) and doc.get("ready") is True:
+            rows = [r for r in rows if r["state"] == "READY"]
+    return _json(rows)
+
+
+@_endpoint
+async def repository_load(request: Request) -> Response:
+    await require(_state(request).repository).load(request.path_params["model"])
+    return _json({})
+
+
+@_endpoint
+async def repository_unload(request: Request) -> Response:
+    await require(_state(request).repository).unload(request.path_params["model"])
+    return _json({})
+
+
+# --------------------------------------------------------------------------- inference
+
+
+async def _read_body(request: Request, state: _AppState, held: list[int]) -> bytes:
+    """The whole body, within the per-request limit and the app's budget of bytes held
+    over all requests; ``held[0]`` is what this request holds of the budget (the caller
+    gives it back)."""
+    limit = state.limits.max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise TooLarge(f"the request body has {length} bytes; the limit is {limit}")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the request body is over the limit of {limit} bytes")
+        if not state.budget.take(len(chunk)):
+            raise BodiesFull(
+                f"the server holds the most request bodies it may ({state.budget.limit} "
+                "bytes); retry later"
             )
-        return repository
+        held[0] += len(chunk)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def repository_index(request: Request) -> Response:
-        rows = repo().index()
-        body = await request.body()
-        if body:
-            try:
-                doc = orjson.loads(body)
-            except orjson.JSONDecodeError as exc:
-                raise _HTTPError(400, f"malformed JSON in the request: {exc}") from None
-            if isinstance(doc, dict) and doc.get("ready") is True:
-                rows = [r for r in rows if r["state"] == "READY"]
-        return _json(rows)
 
-    async def repository_load(request: Request) -> Response:
-        try:
-            await repo().load(request.path_params["model"])
-        except ValueError as exc:  # RepositoryError: unknown model, mode none, failed
-            raise _HTTPError(400, str(exc)) from None
-        return _json({})
+@_endpoint
+async def infer(request: Request) -> Response:
+    state = _state(request)
+    server = state.server
+    name = request.path_params["model"]
+    version = request.path_params.get("version")
+    core.resolve(server, name, version)  # loading, draining, unknown: before the body
+    held = [0]
+    try:
+        body = await _read_body(request, state, held)
+        max_json = state.limits.max_json_bytes
+        header_length = request.headers.get(HEADER_LENGTH)
 
-    async def repository_unload(request: Request) -> Response:
-        try:
-            await repo().unload(request.path_params["model"])
-        except ValueError as exc:
-            raise _HTTPError(400, str(exc)) from None
-        return _json({})
-
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def read_body(request: Request, held: list[int]) -> bytes:
-        """The whole body, within the per-request limit and the app's budget of bytes
-        held over all requests; ``held[0]`` is what this request holds of the budget
-        (the caller gives it back)."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            raise _HTTPError(
-                413, f"the request body has {length} bytes; the limit is {max_body_bytes}"
-            )
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise _HTTPError(
-                    413, f"the request body is over the limit of {max_body_bytes} bytes"
+        def decode(model: Model) -> InferRequest:
+            header, binary = codec.split_body(body, header_length)
+            if len(header) > max_json:
+                raise TooLarge(
+                    f"the request's JSON is {len(header)} bytes; the limit is {max_json} "
+                    "(send large tensors as binary data)"
                 )
-            if not budget.take(len(chunk)):
-                raise _HTTPError(
-                    503,
-                    f"the server holds the most request bodies it may ({budget.limit} bytes); "
-                    "retry later",
-                    {"Retry-After": "1"},
-                )
-            held[0] += len(chunk)
-            chunks.append(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return InferRequest.from_json(header, binary, model)
 
-    async def infer(request: Request) -> Response:
-        why = not_serving()
-        if why:
-            raise _HTTPError(503, why)
-        _, _, batcher = model_of(request)  # an unknown model is a 404 before its body
-        held = [0]
-        try:
-            return await infer_body(request, held)
-        except _HTTPError:
-            raise
-        except Exception:
-            batcher.count("failed")  # unexpected: handled() answers a JSON 500
-            raise
-        finally:
-            budget.give(held[0])  # inputs may view the body until the reply is made
+        queued: list[asyncio.Future] = []
+        hangup: list[asyncio.Future] = []
 
-    async def infer_body(request: Request, held: list[int]) -> Response:
-        body = await read_body(request, held)
-        # The version that answers is the one served now: while the body was read, a
-        # newer version may have taken over (or the one picked, been unloaded).
-        name, model, batcher = model_of(request)
-        try:
-            header, binary = kserve.split_body(body, request.headers.get(HEADER_LENGTH))
-            if len(header) > max_json_bytes:
-                raise _HTTPError(
-                    413,
-                    f"the request's JSON is {len(header)} bytes; the limit is {max_json_bytes} "
-                    "(send large tensors as binary data)",
-                )
-            doc = kserve.parse_json(header)
-            rid = kserve.request_id(doc)
-            inputs = kserve.decode_inputs(doc, binary, model.inputs)
-            selected = kserve.requested_outputs(doc, list(model.outputs))
-            timeout_s = _timeout(doc)
-        except kserve.ProtocolError as exc:
-            batcher.count("invalid")
-            raise _HTTPError(400, str(exc)) from None
-        queued = server.infer(name, inputs, timeout_s=timeout_s, version=model.version)
-        future = getattr(queued, "future", None)
-        # A client that hangs up takes its request out of the queue if it is not
-        # dispatched yet. pxrt serve's protocol reports that through a scope extension;
-        # under another server, a pending receive() per request does.
-        hangup = None
-        if future is not None:
+        def on_queued(future: asyncio.Future) -> None:
+            # A client that hangs up takes its request out of the queue if it is not
+            # dispatched yet. pxrt serve's protocol reports that through a scope
+            # extension; under another server, a pending receive() per request does.
+            queued.append(future)
             on_disconnect = request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
             if on_disconnect is not None:
                 on_disconnect(future.cancel)
             else:
-                hangup = asyncio.ensure_future(request.receive())
-                hangup.add_done_callback(lambda t: _on_hangup(t, future))
+                receive = asyncio.ensure_future(request.receive())
+                receive.add_done_callback(functools.partial(_on_hangup, future=future))
+                hangup.append(receive)
+
+        # The version that answers is the one served now: while the body was read, a
+        # newer version may have taken over (or the one picked, been unloaded).
         try:
-            outputs = await queued
+            return await core.infer(server, name, version, decode, _encode, on_queued)
         except asyncio.CancelledError:
-            if future is not None and future.cancelled():
+            if queued and queued[0].cancelled():
                 return Response(status_code=499)  # the client is gone; nobody reads it
             raise
-        except (TypeError, ValueError) as exc:
-            raise _HTTPError(400, str(exc)) from None
-        except Overloaded as exc:
-            raise _HTTPError(
-                429, str(exc), {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
-            ) from None
-        except DeadlineExceeded as exc:
-            raise _HTTPError(504, str(exc)) from None
-        except ServerClosed as exc:
-            raise _HTTPError(503, str(exc)) from None
-        except ExecutionFailed as exc:
-            raise _HTTPError(500, str(exc)) from None
         finally:
-            if hangup is not None:
-                hangup.cancel()
-        return infer_response(*kserve.encode_response(name, model.version, rid, outputs, selected))
+            for receive in hangup:
+                receive.cancel()
+    finally:
+        state.budget.give(held[0])  # inputs may view the body until the reply is made
 
-    routes = [
-        Route("/v2", handled(server_metadata)),
-        Route("/v2/health/live", handled(live)),
-        Route("/v2/health/ready", handled(ready)),
-        Route("/metrics", handled(metrics)),
-        Route("/v2/models/stats", handled(all_stats)),  # before {model}: not a model's name
-        Route("/v2/repository/index", handled(repository_index), methods=["POST"]),
-        Route("/v2/repository/models/{model}/load", handled(repository_load), methods=["POST"]),
-        Route("/v2/repository/models/{model}/unload", handled(repository_unload), methods=["POST"]),
-    ]
-    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        routes += [
-            Route(prefix, handled(model_metadata)),
-            Route(prefix + "/ready", handled(model_ready)),
-            Route(prefix + "/config", handled(model_config)),
-            Route(prefix + "/stats", handled(model_stats)),
-            Route(prefix + "/infer", handled(infer), methods=["POST"]),
-        ]
 
-    async def routing_error(request: Request, exc: HTTPException) -> Response:
-        # Starlette's own 404/405 (no route, wrong method), as every other error: JSON.
-        if exc.status_code == 404:
-            message = f"no endpoint {request.url.path!r}; the API is KServe v2 under /v2"
-        elif exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "")
-            message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
-        else:
-            message = str(exc.detail)
-        return _error(exc.status_code, message, exc.headers)
-
-    app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: routing_error}
+def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> Response:
+    body, header_length = codec.encode_response(
+        name, model.version, request.id, outputs, request.outputs
     )
-    app.state.pxrt = state
-    return app
+    return infer_response(body, header_length)
 
 
 def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
@@ -365,7 +361,7 @@ def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
 
 
 def infer_response(body: bytes, header_length: int | None) -> Response:
-    """The HTTP response for an encoded inference result (``kserve.encode_response``)."""
+    """The HTTP response for an encoded inference result (``codec.encode_response``)."""
     if header_length is None:
         return Response(body, media_type="application/json")
     return Response(
@@ -375,11 +371,26 @@ def infer_response(body: bytes, header_length: int | None) -> Response:
     )
 
 
-def _timeout(doc: dict) -> float | None:
-    params = doc.get("parameters")
-    if not isinstance(params, dict) or params.get("timeout") is None:
-        return None
-    timeout = params["timeout"]
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise kserve.ProtocolError("parameters.timeout must be a positive number of microseconds")
-    return timeout * 1e-6
+def _routes() -> list[Route]:
+    routes = [
+        Route("/v2", server_metadata),
+        Route("/v2/health/live", live),
+        Route("/v2/health/ready", ready),
+        Route("/metrics", metrics),
+        Route("/v2/models/stats", all_stats),  # before {model}: not a model's name
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{model}/load", repository_load, methods=["POST"]),
+        Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
+    ]
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        routes += [
+            Route(prefix, model_metadata),
+            Route(prefix + "/ready", model_ready),
+            Route(prefix + "/config", model_config),
+            Route(prefix + "/stats", model_stats),
+            Route(prefix + "/infer", infer, methods=["POST"]),
+        ]
+    return routes
+
+
+__all__ = ["DISCONNECT_EXTENSION", "BodyBudget", "create_app", "infer_response"]

@@ -180,6 +180,10 @@ class Metrics:
         the version unversioned requests reach."""
         return {name: m.snapshot() for name, m in self.models.items()}
 
+    def snapshot_of(self, name: str, version: str) -> dict:
+        """The snapshot of one version."""
+        return self.versions[(name, version)].snapshot()
+
     def snapshot_versions(self) -> dict[tuple[str, str], dict]:
         """(model, version) -> its snapshot, for every version served."""
         return {key: m.snapshot() for key, m in self.versions.items()}

@@ -35,15 +35,14 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on what is installed
     raise ImportError(f"serving.ray needs Ray Serve ({exc}): pip install 'pxrt[ray]'") from exc
 
+from .options import BatchingOptions
 from .server import Server
-
-#: Requests Ray may hand one replica at once by default: as many as the batcher's
-#: default queue holds (4096 rows) of one row each.
-DEFAULT_MAX_ONGOING = 4096
 
 
 @serve.deployment(
-    max_ongoing_requests=DEFAULT_MAX_ONGOING,
+    # Requests Ray may hand one replica at once by default: as many as the batcher's
+    # default queue holds, of one row each.
+    max_ongoing_requests=BatchingOptions().max_queue,
     health_check_period_s=5,
     health_check_timeout_s=30,
     ray_actor_options={"num_cpus": 1},
@@ -58,8 +57,9 @@ class PxrtDeployment:
         persistent compilation cache beside it is shared).
       name: the model's name in the KServe v2 API (default: the manifest's).
       load_options: keyword arguments of ``pxrt.load`` (``buckets``, ``devices``...).
-      options: ``Server.add_model``'s (``max_batch_size``, ``max_delay_us``,
-        ``max_queue``, ``default_timeout_s``, ``max_inflight``...).
+      options, changes: the model's ``BatchingOptions`` (``max_batch_size``,
+        ``max_delay_us``, ``max_queue``, ``default_timeout_s``, ``max_inflight``...),
+        as ``Server.add_model`` takes them.
     """
 
     async def __init__(
@@ -68,7 +68,8 @@ class PxrtDeployment:
         *,
         name: str | None = None,
         load_options: Mapping[str, Any] | None = None,
-        **options: Any,
+        options: BatchingOptions | None = None,
+        **changes: Any,
     ) -> None:
         import pxrt
 
@@ -77,7 +78,7 @@ class PxrtDeployment:
         # loop keeps answering Ray; the replica takes traffic only once this returns.
         model = await asyncio.to_thread(pxrt.load, path, **dict(load_options or {}))
         self.name = name or model.name
-        self.server.add_model(self.name, model, **options)
+        self.server.add_model(self.name, model, options, **changes)
         # One small request through the whole path: the replica is warm when Ray
         # first routes to it.
         smallest = {dim: lengths[0] for dim, lengths in model.dim_buckets.items()}
@@ -118,9 +119,9 @@ class PxrtDeployment:
 
     def metadata(self) -> dict:
         """The model's KServe v2 metadata document."""
-        from . import kserve
+        from . import documents
 
-        return kserve.model_metadata(self.name, self.server.models[self.name])
+        return documents.model_metadata(self.name, self.server.model(self.name))
 
     def metrics(self) -> dict:
         """This replica's metrics snapshot (``Server.metrics_snapshot``), and its pid."""
@@ -128,10 +129,7 @@ class PxrtDeployment:
 
     def check_health(self) -> None:
         """Ray's health check: the model is served and its pipeline alive."""
-        batcher = self.server.batcher(self.name)
-        if batcher.queue.closed:
-            raise RuntimeError(f"model {self.name!r} is closed")
-        batcher.pipeline.check_alive()
+        self.server.check_health(self.name)
 
     async def __del__(self) -> None:
         await self.server.close()
@@ -220,17 +218,19 @@ def pxrt_app(
     max_ongoing_requests: int | None = None,
     name: str | None = None,
     load_options: Mapping[str, Any] | None = None,
-    **options: Any,
+    options: BatchingOptions | None = None,
+    **changes: Any,
 ) -> Any:
     """The Ray Serve application serving the artifact at ``path``: ``serve.run(app)``.
 
     Ray's deployment options are passed through (``num_replicas`` or
     ``autoscaling_config``, ``ray_actor_options`` such as ``{"num_gpus": 1}``);
     ``max_ongoing_requests`` defaults to ``max_queue`` (the batcher's queue, in rows).
-    Everything else is ``PxrtDeployment``'s."""
+    ``options`` with ``changes`` over them are the model's ``BatchingOptions``, checked
+    here (before any replica starts)."""
+    options = BatchingOptions.from_mapping(changes, options)
     deployment_options: dict[str, Any] = {
-        "max_ongoing_requests": max_ongoing_requests
-        or options.get("max_queue", DEFAULT_MAX_ONGOING)
+        "max_ongoing_requests": max_ongoing_requests or options.max_queue
     }
     if num_replicas is not None:
         deployment_options["num_replicas"] = num_replicas
@@ -239,5 +239,5 @@ def pxrt_app(
     if ray_actor_options is not None:
         deployment_options["ray_actor_options"] = dict(ray_actor_options)
     return PxrtDeployment.options(**deployment_options).bind(
-        path, name=name, load_options=load_options, **options
+        path, name=name, load_options=load_options, options=options
     )

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import UnknownModel
+from .options import BatchingOptions
 from .server import Server
 
 log = logging.getLogger("pxrt.repository")
@@ -31,6 +33,20 @@ MODES = ("none", "explicit", "poll")
 
 class RepositoryError(ValueError):
     """A request the repository cannot carry out (an unknown model, the wrong mode)."""
+
+
+class NoRepository(RepositoryError):
+    """A repository request to a server that has no repository."""
+
+    def __init__(self) -> None:
+        super().__init__("no model repository: start pxrt serve with --model-repository DIR")
+
+
+def require(repository: Repository | None) -> Repository:
+    """``repository``, or ``NoRepository`` when there is none (front ends' check)."""
+    if repository is None:
+        raise NoRepository()
+    return repository
 
 
 def check_name(name: str) -> str:
@@ -81,9 +97,9 @@ class Repository:
 
     Args:
       policies: model name -> version policy text (default ``latest:1``).
-      defaults: ``Server.add_model`` options of every model of the directory (also of
-        models added to it later).
-      options: model name -> its own ``Server.add_model`` options (over ``defaults``).
+      defaults: the batching options of every model of the directory (also of models
+        added to it later): ``BatchingOptions``, or a mapping of them.
+      options: model name -> its own options (a mapping is taken over ``defaults``).
       mode: ``none``, ``explicit`` or ``poll``.
     """
 
@@ -94,8 +110,8 @@ class Repository:
         *,
         mode: str = "none",
         policies: dict[str, str] | None = None,
-        defaults: dict | None = None,
-        options: dict[str, dict] | None = None,
+        defaults: BatchingOptions | Mapping[str, Any] | None = None,
+        options: Mapping[str, BatchingOptions | Mapping[str, Any]] | None = None,
         load_options: dict | None = None,
     ) -> None:
         if mode not in MODES:
@@ -107,8 +123,13 @@ class Repository:
         self.server = server
         self.mode = mode
         self.policies = {k: parse_policy(v) for k, v in (policies or {}).items()}
-        self.defaults = defaults or {}
-        self.options = options or {}
+        if not isinstance(defaults, BatchingOptions):
+            defaults = BatchingOptions.from_mapping(defaults or {})
+        self.defaults = defaults
+        self.options = {
+            name: o if isinstance(o, BatchingOptions) else BatchingOptions.from_mapping(o, defaults)
+            for name, o in (options or {}).items()
+        }
         self.load_options = load_options or {}
         # (name, version) -> (state, reason) of versions loading, failed or unloading.
         self._states: dict[tuple[str, str], tuple[str, str]] = {}
@@ -213,7 +234,7 @@ class Repository:
                 path,
                 load_options=self.load_options,
                 version=version,
-                **(self.defaults | self.options.get(name, {})),
+                options=self.options.get(name, self.defaults),
             )
         except Exception as exc:  # noqa: BLE001 - reported, and nothing served changes
             reason = f"{type(exc).__name__}: {exc}"

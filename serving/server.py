@@ -20,12 +20,15 @@ import concurrent.futures
 import functools
 import gc
 import threading
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+
+from pxrt import Model
 
 from .batcher import Batcher
 from .errors import ServerClosed, UnknownModel
 from .metrics import Metrics
+from .options import BatchingOptions
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -51,9 +54,23 @@ class Server:
 
     Create it on (or enter it from) the event loop that will serve. Every method but
     ``metrics_snapshot`` must be called on that loop's thread.
+
+    Args:
+      ready: whether it takes inference requests from the start (front ends answer
+        "loading" until ``ready`` is set: ``pxrt serve`` sets it once every model is
+        warm).
+      on_models_changed: called after a model is loaded or unloaded through
+        ``load_model``/``unload_model`` (``pxrt serve`` re-freezes the garbage
+        collector there). Without one, an unload runs a collection, which releases the
+        model's device memory at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, ready: bool = True, on_models_changed: Callable[[], None] | None = None
+    ) -> None:
+        self.ready = ready
+        self.draining = False
+        self.on_models_changed = on_models_changed
         self.metrics = Metrics()
         # name -> version -> its batcher: every version served.
         self._versions: dict[str, dict[str, Batcher]] = {}
@@ -72,53 +89,25 @@ class Server:
     def add_model(
         self,
         name: str,
-        model: Any,
-        *,
-        max_batch_size: int | None = None,
-        max_delay_us: float = 0.0,
-        max_queue: int = 4096,
-        default_timeout_s: float | None = None,
-        max_inflight: int = 2,
-        copy: bool = False,
-        cell_policy: str = "cost",
+        model: Model,
+        options: BatchingOptions | None = None,
+        **changes: Any,
     ) -> None:
         """Serve ``model`` (from ``pxrt.load``) as ``name``, version ``model.version``. A
         new version of a name already served joins it: unversioned requests go to the
         newest version from then on, older ones stay reachable by version.
 
-        Args:
-          max_batch_size: the most rows in one batch (default and cap: the largest
-            compiled bucket); that many rows waiting close a batch at once.
-          max_delay_us: an extra wait for fuller batches: how long the oldest queued
-            request may wait for ``max_batch_size`` rows when nothing is in flight.
-            0 (the default): a request goes at once when the pipeline is idle; under
-            load, batches grow by themselves while the device is busy.
-          max_queue: queued rows beyond which requests are rejected with ``Overloaded``.
-          default_timeout_s: deadline of a request that brings none (None: no deadline).
-          max_inflight: batches in flight at once: one executes while the next (a full
-            one) is assembled and dispatched.
-          copy: hand out owned, writeable outputs instead of read-only views.
-          cell_policy: for models with named dimensions, how the next cell is chosen:
-            ``"cost"`` (from the execution times measured at load: which lane goes and
-            which shorter requests ride along in it) or ``"oldest"`` (the oldest
-            request's lane, alone).
+        ``options`` (default ``BatchingOptions()``) with ``changes`` over them: how its
+        requests are batched and queued (``max_batch_size``, ``max_delay_us``,
+        ``max_queue``, ``default_timeout_s``, ``max_inflight``, ``copy``,
+        ``cell_policy``; see ``BatchingOptions``). A bad value raises ``OptionError``.
         """
+        options = BatchingOptions.from_mapping(changes, options)
         if self._closed:
             raise ServerClosed("the server is closed")
         if model.version in self._versions.get(name, {}):
             raise ValueError(f"version {model.version!r} of model {name!r} is already being served")
-        batcher = Batcher(
-            name,
-            model,
-            self.metrics,
-            max_batch_size=max_batch_size,
-            max_delay_us=max_delay_us,
-            max_queue=max_queue,
-            max_inflight=max_inflight,
-            default_timeout_s=default_timeout_s,
-            copy=copy,
-            cell_policy=cell_policy,
-        )
+        batcher = Batcher(name, model, self.metrics, options)
         self._versions.setdefault(name, {})[model.version] = batcher
         self._route(name)
 
@@ -145,29 +134,28 @@ class Server:
         *,
         version: str | None = None,
         load_options: dict | None = None,
-        **options: Any,
-    ) -> Any:
+        options: BatchingOptions | None = None,
+        **changes: Any,
+    ) -> Model:
         """Load the artifact at ``path`` (compiling every bucket on a worker thread while
         everything served keeps serving) and serve it as a version of ``name``: its
         manifest's version (or ``version``), which must be new. Once it is compiled and
         warm, requests without a version go to the newest version; older versions stay
         reachable by version until ``unload_model``. A load that fails raises and
         changes nothing.
-        ``load_options`` go to ``pxrt.load``, ``options`` to ``add_model``; returns
-        the loaded model."""
+        ``load_options`` go to ``pxrt.load``, ``options`` and ``changes`` to
+        ``add_model`` (checked before anything loads); returns the loaded model."""
         import pxrt
 
         if self._closed:
             raise ServerClosed("the server is closed")
+        options = BatchingOptions.from_mapping(changes, options)
         model = await asyncio.to_thread(pxrt.load, path, **(load_options or {}))
         if version is not None:
             model.version = str(version)
-        self.add_model(name, model, **options)
-        if gc.get_freeze_count():
-            # pxrt serve freezes what start-up made (gc.freeze): a model loaded later
-            # joins it, so full collections do not walk its objects on the request path.
-            gc.collect()
-            gc.freeze()
+        self.add_model(name, model, options)
+        if self.on_models_changed is not None:
+            self.on_models_changed()
         return model
 
     async def unload_model(self, name: str, version: str | None = None) -> None:
@@ -196,14 +184,10 @@ class Server:
         del batchers, batcher
         await asyncio.shield(asyncio.gather(*closing))
         del closing
-        # A model loaded before gc.freeze() (pxrt serve freezes after start-up) is in the
-        # permanent generation: its reference cycles are collected only after unfreezing.
-        if gc.get_freeze_count():
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
+        if self.on_models_changed is not None:
+            self.on_models_changed()
         else:
-            gc.collect()
+            gc.collect()  # the model's reference cycles hold its device memory
 
     def _closed_one(self, name: str, version: str, batcher: Batcher, _: asyncio.Task) -> None:
         self._closing.discard(batcher)
@@ -220,7 +204,59 @@ class Server:
             raise UnknownModel(self._unknown(name))
         return sorted(self._versions[name], key=version_order)
 
-    def batcher(self, name: str, version: str | None = None) -> Batcher:
+    # ------------------------------------------------------------------ per model
+
+    def model(self, name: str, version: str | None = None) -> Model:
+        """The model serving ``version`` of ``name`` (None: the newest); ``UnknownModel``
+        when there is none."""
+        return self._batcher(name, version).model
+
+    def options(self, name: str, version: str | None = None) -> BatchingOptions:
+        """The batching options ``version`` of ``name`` (None: the newest) was given."""
+        return self._batcher(name, version).options
+
+    def max_batch_size(self, name: str, version: str | None = None) -> int:
+        """The most rows of one batch of ``version`` of ``name``: its option, capped by
+        the largest compiled bucket."""
+        return self._batcher(name, version).max_batch_size
+
+    def stats(self, name: str, version: str | None = None) -> dict:
+        """The metrics snapshot of ``version`` of ``name`` (None: the newest)."""
+        batcher = self._batcher(name, version)
+        return self.metrics.snapshot_of(name, batcher.model.version)
+
+    def check_health(self, name: str, version: str | None = None) -> None:
+        """Raise ``RuntimeError`` when ``version`` of ``name`` cannot serve (closed, or its
+        pipeline's workers are gone); ``UnknownModel`` when it is not served."""
+        batcher = self._batcher(name, version)
+        if batcher.queue.closed:
+            raise RuntimeError(f"model {name!r} is closed")
+        batcher.pipeline.check_alive()
+
+    def count(self, name: str, version: str, outcome: str) -> None:
+        """A request of ``version`` of ``name`` that a front end answered itself:
+        ``invalid`` (it did not follow the protocol) or ``failed`` (an unexpected error).
+        A version gone meanwhile counts nothing."""
+        batcher = self._versions.get(name, {}).get(version)
+        if batcher is not None:
+            batcher.count(outcome)
+
+    # ------------------------------------------------------------------ readiness
+
+    def not_serving(self) -> str | None:
+        """Why inference requests are refused now (loading, draining), or None."""
+        if self.draining:
+            return "the server is draining; not accepting inference requests"
+        if not self.ready:
+            return "the server is loading; not accepting inference requests"
+        return None
+
+    def drain(self) -> None:
+        """Refuse new inference requests from now on (``not_serving`` says why); the
+        accepted ones are answered. ``close`` drains too."""
+        self.draining = True
+
+    def _batcher(self, name: str, version: str | None = None) -> Batcher:
         """The batcher of ``version`` of ``name`` (None: the newest)."""
         if version is None:
             batcher = self._batchers.get(name)
@@ -265,7 +301,7 @@ class Server:
                 if queue is None:
                     raise UnknownModel(self._unknown(name))
             else:
-                queue = self.batcher(name, version).queue
+                queue = self._batcher(name, version).queue
             return queue.submit(request, timeout_s)
         except Exception as exc:  # raised where the caller awaits, as from a coroutine
             return _raise(exc)
@@ -282,7 +318,7 @@ class Server:
         once (for callers that handle many requests from one task). Errors that
         ``infer`` raises before queueing are raised here; cancelling the future drops
         the request if it was not dispatched yet."""
-        return self.batcher(name, version).queue.submit(request, timeout_s).future
+        return self._batcher(name, version).queue.submit(request, timeout_s).future
 
     def metrics_snapshot(self) -> dict[str, dict]:
         """Per model: request outcomes, batches, stage-time and batch-shape summaries."""
@@ -291,6 +327,7 @@ class Server:
     async def close(self) -> None:
         """Stop accepting requests, answer every accepted one, stop the pipelines."""
         self._closed = True
+        self.draining = True
         batchers = [b for versions in self._versions.values() for b in versions.values()]
         await asyncio.gather(*(b.close() for b in batchers + list(self._closing)))
 
@@ -324,11 +361,13 @@ class BlockingServer:
     def server(self) -> Server:
         return self._server
 
-    def add_model(self, name: str, model: Any, **options: Any) -> None:
+    def add_model(
+        self, name: str, model: Model, options: BatchingOptions | None = None, **changes: Any
+    ) -> None:
         """As ``Server.add_model``."""
 
         async def add() -> None:
-            self._server.add_model(name, model, **options)
+            self._server.add_model(name, model, options, **changes)
 
         self._call(add())
 

@@ -17,7 +17,7 @@ import tritonclient.http.aio as triton_aio
 from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
 from models import MODELS, assert_matches, random_request, reference
 
-from serving import kserve
+from serving import codec
 
 X = {"name": "x", "datatype": "FP32", "shape": [2, 32], "data": [0.25] * 64}
 
@@ -131,7 +131,7 @@ def test_every_datatype_round_trips_in_a_conforming_body(served):
     inputs = [
         {
             "name": k,
-            "datatype": kserve.datatype_of(v.dtype),
+            "datatype": codec.datatype_of(v.dtype),
             "shape": list(v.shape),
             # BF16 has no JSON form in the protocol: its data go as FP32 values.
             "data": (v.astype(np.float32) if v.dtype.name == "bfloat16" else v).ravel().tolist(),
@@ -145,16 +145,16 @@ def test_every_datatype_round_trips_in_a_conforming_body(served):
 
 def test_not_ready_and_draining_bodies_follow_the_spec(run):
     from serving import Server
-    from serving.http import State, create_app
+    from serving.http import create_app
 
-    state = State()
-    app = create_app(Server(), state=state)
+    server = Server(ready=False)
+    app = create_app(server)
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
             for draining in (False, True):
-                state.ready, state.draining = draining, draining
+                server.ready, server.draining = draining, draining
                 r = await http.get("/v2/health/ready")
                 assert r.status_code == 503
                 jsonschema.validate(r.json(), S.READY)
@@ -187,7 +187,7 @@ def test_kserve_rest_client(served, run):
                 request = random_request(MODELS[name]["inputs"], 3, rng)
                 inputs = []
                 for k, v in request.items():
-                    inp = InferInput(k, list(v.shape), kserve.datatype_of(v.dtype))
+                    inp = InferInput(k, list(v.shape), codec.datatype_of(v.dtype))
                     inp.set_data_from_numpy(v, binary_data=binary)
                     inputs.append(inp)
                 result = await client.infer(

@@ -36,7 +36,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 import pxrt
-from serving import kserve
+from serving import codec
 
 OUTPUTS = {
     "mlp": ["y"],
@@ -56,7 +56,7 @@ def client(served):
 def _inputs(request):
     inputs = []
     for k, v in request.items():
-        inp = grpcclient.InferInput(k, list(v.shape), kserve.datatype_of(v.dtype))
+        inp = grpcclient.InferInput(k, list(v.shape), codec.datatype_of(v.dtype))
         inp.set_data_from_numpy(np.ascontiguousarray(v))
         inputs.append(inp)
     return inputs
@@ -290,23 +290,20 @@ def test_a_stream_answers_a_request_cancelled_under_it(artifacts, run):
     # error of its own; the stream goes on and ends, instead of waiting for it forever.
     from serving import Server
     from serving.grpc_server import GRPCService
-    from serving.http import State
 
     async def main():
         async with Server() as server:
             server.add_model("mlp", pxrt.load(artifacts["mlp"]))
-            state = State()
-            state.ready = True
-            service = GRPCService(server, state)
-            infer = server.infer
+            service = GRPCService(server)
+            submit = server.submit
 
-            def cancelling_infer(name, inputs, **kw):
-                queued = infer(name, inputs, **kw)
+            def cancelling_submit(name, inputs, **kw):
+                future = submit(name, inputs, **kw)
                 if inputs["x"][0, 0] == 7:
-                    queued.future.cancel()
-                return queued
+                    future.cancel()
+                return future
 
-            server.infer = cancelling_infer
+            server.submit = cancelling_submit
             requests = []
             for i in range(6):
                 x = np.full((1, 32), 7 if i == 2 else i, np.float32)
@@ -381,3 +378,74 @@ def test_one_connection_budget_over_both_listeners(artifacts):
         assert http_ok() and grpc_ok()
     finally:
         assert proc.stop() == 0
+
+
+class _Aborted(Exception):
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
+class _Context:
+    """What the servicer reads of a grpc.aio context."""
+
+    def time_remaining(self):
+        return None
+
+    async def abort(self, code, message):
+        raise _Aborted(code, message)
+
+
+def _infer_message(x, version=""):
+    r = pb.ModelInferRequest(model_name="mlp", model_version=version)
+    r.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    r.raw_input_contents.append(x.tobytes())
+    return r
+
+
+def test_statistics_per_version_and_unexpected_errors_are_internal_and_counted(
+    artifacts, run, monkeypatch
+):
+    """Each version's statistics are its own; an unexpected error (a TypeError inside
+    the server, not the request's fault) is INTERNAL, not INVALID_ARGUMENT, and counts
+    as failed."""
+    import grpc
+
+    from serving import Server, codec
+    from serving.grpc_server import GRPCService
+
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        async with Server() as server:
+            await server.load_model("mlp", artifacts["mlp"], version="1")
+            await server.load_model("mlp", artifacts["mlp"], version="2")
+            service = GRPCService(server)
+            ctx = _Context()
+            for version, n in (("1", 3), ("2", 5)):
+                for _ in range(n):
+                    await service.ModelInfer(_infer_message(x, version), ctx)
+
+            async def stats(version):
+                request = pb.ModelStatisticsRequest(name="mlp", version=version)
+                return (await service.ModelStatistics(request, ctx)).model_stats[0]
+
+            per_version = {v: await stats(v) for v in ("1", "2", "")}
+            real = codec.datatype_of
+            monkeypatch.setattr(codec, "datatype_of", lambda dtype: real(dtype)[:0] + 1)
+            with pytest.raises(_Aborted) as info:
+                await service.ModelInfer(_infer_message(x, "1"), ctx)
+            monkeypatch.setattr(codec, "datatype_of", real)
+            failed = await stats("1")
+            return per_version, info.value, failed
+
+    per_version, aborted, failed = run(main)
+    assert [(s.version, s.inference_stats.success.count) for s in per_version.values()] == [
+        ("1", 3),
+        ("2", 5),
+        ("2", 5),  # no version: the newest
+    ]
+    assert aborted.code == grpc.StatusCode.INTERNAL, aborted
+    assert str(aborted).startswith("internal error: TypeError")
+    stats = failed.inference_stats  # it ran (a success of the batch), its caller got INTERNAL
+    assert stats.fail.count == 1 and stats.success.count == 4

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import ROOT, ServeProcess
 from tritonclient.utils import InferenceServerException
 
-from serving import kserve
+from serving import codec
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def triton_infer(client, name, request, binary):
     # tritonclient sends and reads BF16 only as binary data.
     inputs = []
     for k, v in request.items():
-        datatype = kserve.datatype_of(v.dtype)
+        datatype = codec.datatype_of(v.dtype)
         inp = triton.InferInput(k, list(v.shape), datatype)
         inp.set_data_from_numpy(v, binary_data=binary or datatype == "BF16")
         inputs.append(inp)
@@ -318,10 +318,10 @@ def test_repeated_sigterm_still_exits_cleanly(artifacts):
 
 def test_not_ready_while_loading_and_503_while_draining(run):
     from serving import Server
-    from serving.http import State, create_app
+    from serving.http import create_app
 
-    state = State()
-    app = create_app(Server(), state=state)
+    server = Server(ready=False)
+    app = create_app(server)
 
     async def main():
         transport = httpx.ASGITransport(app=app)
@@ -330,7 +330,7 @@ def test_not_ready_while_loading_and_503_while_draining(run):
             assert (await http.get("/v2/health/ready")).status_code == 503
             r = await http.post("/v2/models/mlp/infer", content=infer_json([X]))
             assert r.status_code == 503 and "loading" in r.json()["error"]
-            state.ready, state.draining = True, True
+            server.ready, server.draining = True, True
             assert (await http.get("/v2/health/ready")).status_code == 503
             r = await http.post("/v2/models/mlp/infer", content=infer_json([X]))
             assert r.status_code == 503 and "draining" in r.json()["error"]
@@ -475,7 +475,7 @@ def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(
     from serving.http import create_app
 
     calls = {"n": 0}
-    real = kserve.encode_response
+    real = codec.encode_response
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -483,7 +483,7 @@ def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(
             raise RuntimeError("encoder exploded " + "x" * 5000)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kserve, "encode_response", flaky)
+    monkeypatch.setattr(codec, "encode_response", flaky)
     model = pxrt.load(artifacts["mlp"])
     port = free_port()
     body = infer_json([X])
@@ -517,14 +517,14 @@ def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(
             await serving
             return replies, server.metrics_snapshot()["mlp"]["requests"]
 
-    with caplog.at_level(logging.ERROR, logger="pxrt.http"):
+    with caplog.at_level(logging.ERROR, logger="pxrt.core"):
         (first, second), counts = run(main)
     assert first[0].startswith(b"HTTP/1.1 500") and first[1]["content-type"] == "application/json"
     error = json.loads(first[2])["error"]
     assert "RuntimeError: encoder exploded" in error and len(error) < 300
     assert second[0].startswith(b"HTTP/1.1 200")  # the same connection, still serving
     assert counts["failed"] == 1 and counts["success"] == 2  # it ran; its caller got a 500
-    logged = [r for r in caplog.records if r.name == "pxrt.http"]
+    logged = [r for r in caplog.records if r.name.startswith("pxrt.")]
     assert len(logged) == 1 and len(logged[0].getMessage()) < 400
 
 
@@ -556,7 +556,7 @@ def test_variable_lengths_over_http_match_jax(client, binary):
         request["mask"][:, 0] = True  # every sequence has a token
         inputs = []
         for k, v in request.items():
-            inp = triton.InferInput(k, list(v.shape), kserve.datatype_of(v.dtype))
+            inp = triton.InferInput(k, list(v.shape), codec.datatype_of(v.dtype))
             inp.set_data_from_numpy(v, binary_data=binary)
             inputs.append(inp)
         outputs = [triton.InferRequestedOutput(k, binary_data=binary) for k in ("hidden", "pooled")]

@@ -168,7 +168,7 @@ def test_a_cancelled_unload_still_closes_its_version(two_versions, run):
     async def main():
         server = Server()
         await server.load_model("mlp", two_versions["1"])
-        batcher = server.batcher("mlp")
+        batcher = server._batcher("mlp")
         calls = []
         close = batcher.pipeline.close
         batcher.pipeline.close = lambda: (calls.append(1), close())[1]
@@ -233,16 +233,19 @@ def test_an_http_request_is_answered_by_the_version_served_when_its_body_is_in(t
 
 
 def test_with_gc_frozen_a_loaded_model_joins_the_frozen_and_is_still_released(two_versions, run):
-    # pxrt serve calls gc.freeze() after start-up: a model loaded later is frozen too
-    # (full collections skip it), and unloading it still frees it.
+    # pxrt serve's policy (its on_models_changed hook): gc.freeze() after start-up, and a
+    # model loaded later is frozen too (full collections skip it); unloading it still
+    # frees it. A Server without the hook leaves the collector as it found it.
     import gc
     import weakref
 
-    async def main():
-        async with Server() as server:
-            before = gc.get_freeze_count()
+    from serving.serve import refreeze_gc
+
+    async def main(hook):
+        async with Server(on_models_changed=hook) as server:
             model = await server.load_model("mlp", two_versions["1"])
-            frozen = gc.get_freeze_count() - before
+            # gc.get_objects() lists the collector's generations, not the frozen ones.
+            frozen = not any(o is model.engine for o in gc.get_objects())
             ref = weakref.ref(model)
             del model
             await server.infer("mlp", {"x": np.ones((2, 32), np.float32)})
@@ -251,9 +254,33 @@ def test_with_gc_frozen_a_loaded_model_joins_the_frozen_and_is_still_released(tw
 
     gc.freeze()
     try:
-        frozen, ref = run(main)
+        frozen, ref = run(main, refreeze_gc)
+        plain_frozen, plain_ref = run(main, None)
     finally:
         gc.unfreeze()
     gc.collect()
-    assert frozen > 0
-    assert ref() is None
+    assert frozen and not plain_frozen
+    assert ref() is None and plain_ref() is None
+
+
+def test_statistics_are_per_version_over_http(two_versions, run):
+    import httpx
+
+    from serving.http import create_app
+
+    async def main():
+        async with Server() as server:
+            await server.load_model("mlp", two_versions["1"])
+            await server.load_model("mlp", two_versions["2"])
+            for version, n in (("1", 3), ("2", 5)):
+                for _ in range(n):
+                    await server.infer("mlp", {"x": np.ones((1, 32), np.float32)}, version=version)
+            transport = httpx.ASGITransport(app=create_app(server))
+            async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
+                paths = ["/v2/models/mlp/versions/1/stats", "/v2/models/mlp/versions/2/stats",
+                         "/v2/models/mlp/stats", "/v2/models/stats"]  # fmt: skip
+                return [(await http.get(p)).json()["model_stats"] for p in paths]
+
+    docs = run(main)
+    got = [[(s["version"], s["inference_stats"]["success"]["count"]) for s in d] for d in docs]
+    assert got == [[("1", 3)], [("2", 5)], [("2", 5)], [("2", 5)]]

@@ -22,7 +22,7 @@ from servers import ServeProcess, free_ports  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from serving import Overloaded  # noqa: E402
-from serving.kserve import datatype_of  # noqa: E402
+from serving.codec import datatype_of  # noqa: E402
 from serving.ray import PxrtHandle, pxrt_app  # noqa: E402
 
 

@@ -268,10 +268,10 @@ def test_polling_leaves_what_it_did_not_load_and_outlives_a_failed_scan(
             repo = Repository(str(root), server, mode="poll", defaults={"max_batch_size": 2},
                               options={"late": {"max_batch_size": 4}})  # fmt: skip
             await repo.start()
-            assert server.batcher("mlp").max_batch_size == 2  # the defaults apply
+            assert server.options("mlp").max_batch_size == 2  # the defaults apply
             shutil.copytree(root / "mlp", root / "late")  # a model added after start
             await repo.poll_once()
-            assert server.batcher("late").max_batch_size == 4
+            assert server.options("late").max_batch_size == 4
             shutil.rmtree(root / "mlp")
             await repo.poll_once()
             assert sorted(server.models) == ["late", "other"]  # mlp retired, other kept

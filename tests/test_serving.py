@@ -131,7 +131,7 @@ def test_a_lone_request_goes_at_once_by_default(run, models):
     async def main():
         async with Server() as server:
             server.add_model("mlp", model)
-            assert server.batcher("mlp").max_delay == 0
+            assert server.options("mlp").max_delay_us == 0
             out = await asyncio.wait_for(server.infer("mlp", {"x": x}), 10)
             server.add_model("slow", model, max_delay_us=30e6)
             with pytest.raises(asyncio.TimeoutError):

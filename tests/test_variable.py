@@ -389,7 +389,7 @@ def test_cost_policy_folds_short_requests_when_it_pays(var_models, run, top_ms, 
     async def main():
         async with Server() as server:
             server.add_model("enc", model)
-            b = server.batcher("enc")
+            b = server._batcher("enc")
             q = b.queue
             real = b.lanes
             top = len(real) - 1
@@ -423,7 +423,7 @@ def test_cost_policy_caps_a_lane_at_its_most_efficient_bucket(var_models, run):
     async def main():
         async with Server() as server:
             server.add_model("enc", model)
-            b = server.batcher("enc")
+            b = server._batcher("enc")
             return b._efficient_caps, b.lane_caps
 
     caps, limits = run(main)
@@ -468,7 +468,7 @@ def test_server_serves_mixed_lengths_and_bad_ones_fail_alone(var_models, run, po
 def test_serving_rejects_an_unknown_cell_policy(var_models, run):
     async def main():
         async with Server() as server:
-            with pytest.raises(ValueError, match="cell_policy must be one of"):
+            with pytest.raises(ValueError, match="cell_policy: .fifo. is not one of cost, oldest"):
                 server.add_model("enc", var_models["encoder"], cell_policy="fifo")
 
     run(main)

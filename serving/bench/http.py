@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from .. import kserve
+from .. import codec
 from ..server import new_event_loop
 from .loadgen import closed_loop, open_loop, run_result
 from .report import print_table, write_report
@@ -44,7 +44,7 @@ class Target:
         inputs = []
         blobs = []
         for spec in meta["inputs"]:
-            dtype = kserve.DATATYPES[spec["datatype"]]
+            dtype = codec.DATATYPES[spec["datatype"]]
             shape = [self.rows, *spec["shape"][1:]]
             if dtype.kind == "f" or spec["datatype"] == "BF16":
                 x = rng.standard_normal(shape).astype(dtype)

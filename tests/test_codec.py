@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving import kserve
+from serving import codec
 
 try:
     from serving import _tensors  # noqa: F401
@@ -28,9 +28,9 @@ def _values(dtype: np.dtype, shape) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 
 
-@pytest.mark.parametrize("datatype", list(kserve.DATATYPES))
+@pytest.mark.parametrize("datatype", list(codec.DATATYPES))
 def test_binary_round_trip(datatype):
-    dtype = kserve.DATATYPES[datatype]
+    dtype = codec.DATATYPES[datatype]
     x = _values(dtype, (3, 4))
     header = json.dumps(
         {
@@ -44,12 +44,12 @@ def test_binary_round_trip(datatype):
             ]
         }
     ).encode()
-    head, tail = kserve.split_body(header + x.tobytes(), str(len(header)))
-    got = kserve.decode_inputs(kserve.parse_json(head), tail)["x"]
+    head, tail = codec.split_body(header + x.tobytes(), str(len(header)))
+    got = codec.decode_inputs(codec.parse_json(head), tail)["x"]
     assert got.dtype == dtype and got.shape == (3, 4)
     np.testing.assert_array_equal(got.view(np.uint8), x.view(np.uint8))
 
-    body, n = kserve.encode_response("m", "1", "id7", {"y": x}, [("y", True)])
+    body, n = codec.encode_response("m", "1", "id7", {"y": x}, [("y", True)])
     doc = json.loads(body[:n])
     assert doc["id"] == "id7" and doc["outputs"][0]["datatype"] == datatype
     assert doc["outputs"][0]["parameters"]["binary_data_size"] == x.nbytes
@@ -58,16 +58,16 @@ def test_binary_round_trip(datatype):
     )
 
 
-@pytest.mark.parametrize("datatype", [d for d in kserve.DATATYPES if d != "BF16"])
+@pytest.mark.parametrize("datatype", [d for d in codec.DATATYPES if d != "BF16"])
 def test_json_round_trip_flat_and_nested(datatype):
-    dtype = kserve.DATATYPES[datatype]
+    dtype = codec.DATATYPES[datatype]
     x = _values(dtype, (2, 3))
     for data in (x.ravel().tolist(), x.tolist()):
         doc = {"inputs": [{"name": "x", "datatype": datatype, "shape": [2, 3], "data": data}]}
-        got = kserve.decode_inputs(doc, memoryview(b""))["x"]
+        got = codec.decode_inputs(doc, memoryview(b""))["x"]
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, x)
-    body, n = kserve.encode_response("m", "1", None, {"y": x}, [("y", False)])
+    body, n = codec.encode_response("m", "1", None, {"y": x}, [("y", False)])
     assert n is None
     out = json.loads(body)["outputs"][0]
     np.testing.assert_array_equal(np.asarray(out["data"], dtype).reshape(out["shape"]), x)
@@ -101,8 +101,8 @@ def test_json_round_trip_flat_and_nested(datatype):
 )
 def test_json_never_casts_silently(data, datatype, shape, words):
     doc = {"inputs": [{"name": "x", "datatype": datatype, "shape": shape, "data": data}]}
-    with pytest.raises(kserve.ProtocolError, match=words):
-        kserve.decode_inputs(doc, memoryview(b""))
+    with pytest.raises(codec.ProtocolError, match=words):
+        codec.decode_inputs(doc, memoryview(b""))
 
 
 @pytest.mark.parametrize(
@@ -177,8 +177,8 @@ def test_json_never_casts_silently(data, datatype, shape, words):
     ],
 )
 def test_malformed_requests_are_protocol_errors(doc, words):
-    with pytest.raises(kserve.ProtocolError, match=words):
-        kserve.decode_inputs(doc, memoryview(b""), {"x": object()})
+    with pytest.raises(codec.ProtocolError, match=words):
+        codec.decode_inputs(doc, memoryview(b""), {"x": object()})
 
 
 @pytest.mark.parametrize(
@@ -195,15 +195,15 @@ def test_malformed_requests_are_protocol_errors(doc, words):
     ],
 )
 def test_malformed_output_requests_are_protocol_errors(doc, words):
-    with pytest.raises(kserve.ProtocolError, match=words):
-        kserve.requested_outputs(doc, ["y"])
+    with pytest.raises(codec.ProtocolError, match=words):
+        codec.requested_outputs(doc, ["y"])
 
 
 @pytest.mark.parametrize("value", ["1_0", "١٠", " 10", "-1", "1e3", "0x10", "9" * 30])
 def test_header_length_is_a_plain_decimal(value):
-    with pytest.raises(kserve.ProtocolError, match="decimal byte count"):
-        kserve.split_body(b"x" * 20, value)
-    assert bytes(kserve.split_body(b"x" * 20, "10")[0]) == b"x" * 10
+    with pytest.raises(codec.ProtocolError, match="decimal byte count"):
+        codec.split_body(b"x" * 20, value)
+    assert bytes(codec.split_body(b"x" * 20, "10")[0]) == b"x" * 10
 
 
 def test_unclaimed_binary_bytes_are_an_error():
@@ -213,8 +213,8 @@ def test_unclaimed_binary_bytes_are_an_error():
             {"name": "x", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}}
         ]
     }
-    with pytest.raises(kserve.ProtocolError, match="no input claims"):
-        kserve.decode_inputs(doc, memoryview(x.tobytes() + b"junk"))
+    with pytest.raises(codec.ProtocolError, match="no input claims"):
+        codec.decode_inputs(doc, memoryview(x.tobytes() + b"junk"))
 
 
 # --------------------------------------------------------------------------- the decoder twins
@@ -234,12 +234,12 @@ _data = st.recursive(st.lists(_scalars, max_size=6), lambda inner: st.lists(inne
 @given(
     data=st.one_of(_data, _scalars),
     shape=st.lists(st.integers(0, 4), max_size=3).map(tuple),
-    datatype=st.sampled_from(list(kserve.DATATYPES)),
+    datatype=st.sampled_from(list(codec.DATATYPES)),
 )
 def test_json_decoder_twins_agree(data, shape, datatype):
     from serving import _tensors, _tensors_py
 
-    kind, bounds = kserve._LIMITS[kserve.DATATYPES[datatype]]
+    kind, bounds = codec._LIMITS[codec.DATATYPES[datatype]]
     answers = []
     for impl in (_tensors, _tensors_py):
         try:

@@ -1,9 +1,14 @@
 """KServe v2 / Open Inference Protocol tensors: decoding requests, encoding responses.
 
-Binary tensors (the binary tensor data extension) decode with ``np.frombuffer`` on the
-request body and encode as the output arrays' own memory: no per-element Python work.
-JSON ``data`` is accepted flat or nested. Nothing is cast silently: a JSON float for an
-integer tensor, or an integer out of its type's range, is an error.
+HTTP: binary tensors (the binary tensor data extension) decode with ``np.frombuffer`` on
+the request body and encode as the output arrays' own memory: no per-element Python
+work; JSON ``data`` is accepted flat or nested. gRPC: ``raw_input_contents`` decode as
+views of the message's bytes, typed ``contents`` are checked against their datatype's
+range. Nothing is cast silently: a JSON float for an integer tensor, or an integer out
+of its type's range, is an error (``ProtocolError``, naming the input).
+
+What a request asks beyond its tensors (its id, outputs, timeout) is read here too; the
+request core (``serving.core``) puts it together.
 """
 
 from __future__ import annotations
@@ -119,8 +124,8 @@ def decode_inputs(
         if name in out:
             raise ProtocolError(f"input {name!r} is given twice")
         datatype = spec.get("datatype")
-        dtype = _dtype(name, datatype)
-        shape = _shape(name, spec.get("shape"))
+        dtype = tensor_dtype(name, datatype)
+        shape = tensor_shape(name, spec.get("shape"))
         count = math.prod(shape)
         params = _parameters(spec, f"input {name!r}")
         size = params.get("binary_data_size")
@@ -174,7 +179,8 @@ def _parameters(obj: dict, where: str) -> dict:
     return params
 
 
-def _dtype(name: str, datatype: Any) -> np.dtype:
+def tensor_dtype(name: str, datatype: Any) -> np.dtype:
+    """The dtype of input ``name``'s protocol ``datatype``."""
     try:
         return DATATYPES[datatype]
     except (KeyError, TypeError):
@@ -187,7 +193,8 @@ def _dtype(name: str, datatype: Any) -> np.dtype:
 MAX_RANK = 32
 
 
-def _shape(name: str, shape: Any) -> tuple[int, ...]:
+def tensor_shape(name: str, shape: Any) -> tuple[int, ...]:
+    """Input ``name``'s ``shape``, checked: a list of non-negative ints, bounded."""
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_RANK
@@ -307,98 +314,116 @@ def encode_response(
     return b"".join([header, *blobs]), len(header)
 
 
-# --------------------------------------------------------------------------- documents
-# What the metadata, config and statistics endpoints answer, as plain dicts: the HTTP
-# app sends them as JSON, the gRPC service as the protocol's messages.
+def timeout_of(doc: dict) -> float | None:
+    """A JSON request's deadline: ``parameters.timeout`` in microseconds (None: none)."""
+    params = doc.get("parameters")
+    if not isinstance(params, dict) or params.get("timeout") is None:
+        return None
+    timeout = params["timeout"]
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ProtocolError("parameters.timeout must be a positive number of microseconds")
+    return timeout * 1e-6
 
 
-def server_metadata() -> dict:
-    import pxrt
+# --------------------------------------------------------------------------- gRPC
+# ModelInferRequest messages are read by their fields only: this module does not import
+# the protobuf classes (they come with the grpc extra).
 
-    return {
-        "name": "pxrt",
-        "version": pxrt.__version__,
-        "extensions": ["binary_tensor_data", "model_configuration", "statistics"],
-    }
-
-
-def model_metadata(name: str, model: Any, versions: list[str] | None = None) -> dict:
-    def tensors(specs: dict) -> list[dict]:
-        return [
-            {"name": k, "datatype": datatype_of(s.dtype), "shape": [-1, *protocol_dims(s.shape)]}
-            for k, s in specs.items()
-        ]
-
-    return {
-        "name": name,
-        "versions": versions or [model.version],
-        "platform": "pxrt_jax",
-        "inputs": tensors(model.inputs),
-        "outputs": tensors(model.outputs),
-    }
+# Typed contents: the field each datatype's elements travel in. FP16 and BF16 have none
+# (the protocol sends them as raw bytes only).
+CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
 
 
-def model_config(name: str, model: Any, batcher: Any) -> dict:
-    """The model's configuration in Triton's shape (what Triton's tools read)."""
+def decode_proto_inputs(message: Any, specs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A ModelInferRequest's inputs as arrays (raw ones are views of the message's
+    bytes). Nothing is cast: typed contents must fit their datatype's range exactly."""
+    raw = message.raw_input_contents
+    if not message.inputs:
+        raise ProtocolError("the request has no inputs")
+    if len(message.inputs) > len(specs):
+        raise ProtocolError(
+            f"the request has {len(message.inputs)} inputs; the model takes {len(specs)}"
+        )
+    if raw and len(raw) != len(message.inputs):
+        raise ProtocolError(
+            f"{len(raw)} raw_input_contents for {len(message.inputs)} inputs: give every "
+            "input's data raw, or every input's as contents"
+        )
+    out: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(message.inputs):
+        name = tensor.name
+        if name not in specs:
+            raise ProtocolError(
+                f"unexpected input {name[:60]!r}; the model takes {', '.join(map(repr, specs))}"
+            )
+        if name in out:
+            raise ProtocolError(f"input {name!r} is given twice")
+        dtype = tensor_dtype(name, tensor.datatype)
+        shape = tensor_shape(name, list(tensor.shape))
+        count = math.prod(shape)
+        if raw:
+            if tensor.HasField("contents"):
+                raise ProtocolError(
+                    f"input {name!r} has both contents and raw_input_contents; give one"
+                )
+            data = raw[i]
+            if len(data) != count * dtype.itemsize:
+                raise ProtocolError(
+                    f"input {name!r}: shape {list(shape)} of {tensor.datatype} needs "
+                    f"{count * dtype.itemsize} bytes, raw_input_contents has {len(data)}"
+                )
+            out[name] = np.frombuffer(data, dtype).reshape(shape)
+            continue
+        field = CONTENTS.get(tensor.datatype)
+        if field is None:
+            raise ProtocolError(
+                f"input {name!r}: {tensor.datatype} has no typed contents; send it as "
+                "raw_input_contents"
+            )
+        values = getattr(tensor.contents, field)
+        if len(values) != count:
+            raise ProtocolError(
+                f"input {name!r}: shape {list(shape)} needs {count} elements, contents.{field} "
+                f"has {len(values)}"
+            )
+        wide = np.array(values, dtype=np.float64 if dtype.kind == "f" else None)
+        if dtype.kind in "iu" and count:
+            info = np.iinfo(dtype)
+            if wide.min() < info.min or wide.max() > info.max:
+                raise ProtocolError(f"input {name!r}: contents out of range for {tensor.datatype}")
+        out[name] = wide.astype(dtype).reshape(shape)
+    return out
 
-    def tensors(specs: dict) -> list[dict]:
-        return [
-            {
-                "name": k,
-                "data_type": "TYPE_" + datatype_of(s.dtype),
-                "dims": protocol_dims(s.shape),
-            }
-            for k, s in specs.items()
-        ]
 
-    return {
-        "name": name,
-        "platform": "pxrt_jax",
-        "backend": "pxrt",
-        "version_policy": {"specific": {"versions": [model.version]}},
-        "max_batch_size": batcher.max_batch_size,
-        "input": tensors(model.inputs),
-        "output": tensors(model.outputs),
-        # pxrt's own: the lengths each named (-1) dimension is compiled at.
-        "parameters": {
-            f"dim_buckets.{d}": {"string_value": ",".join(map(str, v))}
-            for d, v in model.dim_buckets.items()
-        },
-        "dynamic_batching": {
-            "preferred_batch_size": [b for b in model.buckets if b <= batcher.max_batch_size],
-            "max_queue_delay_microseconds": int(batcher.max_delay * 1e6),
-            "default_queue_policy": {"max_queue_size": batcher.max_queue},
-        },
-        "instance_group": [
-            {
-                "count": 1,
-                "kind": "KIND_CPU" if model.devices[0].platform == "cpu" else "KIND_GPU",
-            }
-        ],
-    }
+def requested_proto_outputs(message: Any, names: list[str]) -> list[tuple[str, bool]]:
+    """(output name, as raw bytes: always) for each output a ModelInferRequest asks for
+    (all of them when it names none), in its order."""
+    wanted = [o.name for o in message.outputs] or names
+    for name in wanted:
+        if name not in names:
+            raise ProtocolError(f"unknown output {name[:60]!r}; the model has {', '.join(names)}")
+    return [(name, True) for name in wanted]
 
 
-def model_stats(name: str, model: Any, snap: dict) -> dict:
-    """One model's statistics, in Triton's shape, from its metrics snapshot."""
-
-    def duration(key: str) -> dict:
-        h = snap[key]
-        return {"count": h["count"], "ns": int(h["mean"] * h["count"] * 1e3)}
-
-    req = snap["requests"]
-    fail_count = sum(req[k] for k in ("invalid", "rejected", "expired", "failed"))
-    return {
-        "name": name,
-        "version": model.version,
-        "inference_count": int(snap["batch_rows"]["mean"] * snap["batch_rows"]["count"]),
-        "execution_count": snap["batches"],
-        "inference_stats": {
-            "success": duration("request_us"),
-            "fail": {"count": fail_count, "ns": 0},
-            "queue": duration("queue_us"),
-            "compute_input": duration("compute_input_us"),
-            "compute_infer": duration("compute_infer_us"),
-            "compute_output": duration("compute_output_us"),
-        },
-        "batch_stats": [],
-    }
+def proto_timeout(message: Any) -> float | None:
+    """A ModelInferRequest's ``timeout`` parameter (microseconds, as Triton's), in
+    seconds; None when it has none."""
+    if "timeout" not in message.parameters:
+        return None
+    param = message.parameters["timeout"]
+    value = param.int64_param if param.WhichOneof("parameter_choice") else 0
+    if value <= 0:
+        raise ProtocolError("parameters.timeout must be a positive int64 (us)")
+    return value * 1e-6

@@ -1,11 +1,11 @@
 """HTTP/1.1 with limits: uvicorn's httptools protocol, guarded against clients that hold
-resources without finishing their requests.
+resources without finishing their requests (``pxrt serve`` runs uvicorn with it).
 
 uvicorn bounds none of these: a request's header size, how long a client may take to
 send its headers or its body, and how many sockets it holds open (its concurrency limit
 answers 503 but keeps accepting sockets until the process runs out of file
-descriptors). ``guarded_protocol(limits)`` returns a protocol class for
-``uvicorn.Config(http=...)`` that:
+descriptors). ``guarded_protocol(limits)`` (``serving.options.HttpLimits``) returns a protocol class
+for ``uvicorn.Config(http=...)`` that:
 
 - closes a new connection at once when ``max_connections`` are open;
 - answers 431 and closes when a request's URL and headers exceed ``max_header_bytes``;
@@ -15,45 +15,36 @@ descriptors). ``guarded_protocol(limits)`` returns a protocol class for
   complete ``request_timeout_s`` after the request began (checked by one sweep per
   server, every quarter second: no timer per request);
 - tells the app when a client hangs up before its response is complete, through the
-  ASGI scope extension ``pxrt.on_disconnect`` (no task per request).
+  ASGI scope extension ``serving.http.DISCONNECT_EXTENSION`` (no task per request).
+
+It subclasses uvicorn's ``HttpToolsProtocol`` and uses its internals (``connections``,
+``cycle``, ``scope``, ``transport``, the parser callbacks), so the uvicorn version is
+bounded in ``pyproject.toml`` and ``tests/test_limits.py`` checks that those internals
+are still there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .http import DISCONNECT_EXTENSION
+from .options import HttpLimits
+
 log = logging.getLogger("pxrt.http")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Per-server limits on what clients may hold (see the module docstring)."""
-
-    max_connections: int = 1000
-    max_header_bytes: int = 64 << 10
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 10.0
-    request_timeout_s: float = 120.0
 
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-# The ASGI scope extension through which the app learns that a client hung up: a
-# function taking a callback, called (on the loop) if the connection is lost before the
-# response is complete. No task per request waiting on receive().
-DISCONNECT_EXTENSION = "pxrt.on_disconnect"
-
 SWEEP_S = 0.25  # how often deadlines are checked: one timer per server, none per request
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    limits = Limits()
+    limits = HttpLimits()
     _sweeping: dict = {}  # loop -> its sweep's timer (one per server's loop)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -169,9 +160,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
 
 
-def guarded_protocol(limits: Limits) -> type[HttpToolsProtocol]:
+def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` that enforces ``limits``."""
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
 
 
-__all__ = ["DISCONNECT_EXTENSION", "Limits", "guarded_protocol"]
+# The internals of uvicorn's protocol this module reads or overrides (checked by a test).
+UVICORN_INTERNALS = (
+    "connections",
+    "cycle",
+    "scope",
+    "transport",
+    "loop",
+    "on_message_begin",
+    "on_url",
+    "on_header",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "data_received",
+    "connection_made",
+    "connection_lost",
+)
+
+__all__ = ["UVICORN_INTERNALS", "GuardedHttpToolsProtocol", "guarded_protocol"]

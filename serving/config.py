@@ -1,0 +1,280 @@
+"""``pxrt serve``'s configuration: its flags, its TOML file, and what they make.
+
+Per-model batching options come from flags (defaults for every model) or a TOML file,
+each checked by ``BatchingOptions``; the HTTP limits' flags make an ``HttpLimits``::
+
+    [defaults]
+    max_delay_us = 2000
+
+    [models.mlp]
+    path = "models/mlp"
+    max_batch_size = 64
+
+    [models.encoder]
+    path = "models/encoder"
+    cell_policy = "cost"     # models with named dimensions: "cost" or "oldest"
+
+    [models.ranker]          # a model of --model-repository: options and version policy
+    version_policy = "latest:2"
+
+Bad values stop ``pxrt serve`` at start-up with a message naming the option, instead of
+failing every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from typing import Any
+
+from .options import BatchingOptions, HttpLimits, OptionError, number
+
+MB = 1 << 20
+KB = 1 << 10
+
+# The batching options a flag or a TOML section may set (``copy`` is for embedding:
+# a served answer is serialized anyway).
+SERVE_OPTIONS = tuple(k for k in BatchingOptions.CHECKS if k != "copy")
+
+
+def _arg(check: Any) -> Any:
+    """An argparse type from an option check: argparse names the flag in its error."""
+
+    def parse(text: str) -> Any:
+        try:
+            return check(text)
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {exc}") from None
+
+    parse.__name__ = "value"
+    return parse
+
+
+# HTTP limit flags: (flag, HttpLimits field, unit in bytes or 1, help).
+HTTP_FLAGS = (
+    ("--max-body-mb", "max_body_bytes", MB, "larger bodies get 413"),
+    ("--max-json-mb", "max_json_bytes", MB,
+     "larger JSON parts get 413 (send large tensors as binary data)"),
+    ("--max-pending-body-mb", "max_pending_body_bytes", MB,
+     "request bodies held at once, over all requests; more get 503"),
+    ("--max-header-kb", "max_header_bytes", KB, "a request's URL and headers; more get 431"),
+    ("--header-timeout-s", "header_timeout_s", 1,
+     "time to send the headers, from connecting or the request's start (408); "
+     "for gRPC, to send the HTTP/2 settings after connecting"),
+    ("--body-timeout-s", "body_timeout_s", 1, "a body's longest pause (408)"),
+    ("--request-timeout-s", "request_timeout_s", 1, "time to send a whole request (408)"),
+)  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    positive = _arg(number(float, 0, inclusive=False))
+    port = _arg(number(int, 0))
+    p.add_argument("model_dirs", nargs="*", help="artifact directories (default: the demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port, default=8000)
+    p.add_argument(
+        "--grpc-port",
+        type=port,
+        default=None,
+        help="also serve KServe v2 over gRPC on this port (default: HTTP only)",
+    )
+    p.add_argument("--config", metavar="TOML", help="per-model options (see pxrt serve --help)")
+    p.add_argument(
+        "--model-repository",
+        metavar="DIR",
+        help="serve the models of DIR/<model>/<version>/ (artifact directories)",
+    )
+    p.add_argument(
+        "--model-control-mode",
+        choices=("none", "explicit", "poll"),
+        default="none",
+        help="none: the repository's models at start, no changes; explicit: only what "
+        "--load-model names and the load/unload API asks; poll: rescan for new and "
+        "removed versions (default none)",
+    )
+    p.add_argument(
+        "--load-model", action="append", default=[], metavar="NAME",
+        help="explicit mode: load this repository model at start (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repository-poll-secs", type=positive, default=15.0,
+        help="poll mode: seconds between scans of the repository (default 15)",
+    )  # fmt: skip
+    ray = p.add_argument_group("Ray Serve (the ray extra)")
+    ray.add_argument(
+        "--ray", action="store_true",
+        help="serve the model as a Ray Serve application of --replicas pxrt replicas, "
+        "KServe v2 HTTP on Ray's proxy at --host/--port",
+    )  # fmt: skip
+    ray.add_argument("--replicas", type=_arg(number(int, 1)), default=1, help="default 1")
+    ray.add_argument(
+        "--ray-address", default=None,
+        help="a running Ray cluster (default: RAY_ADDRESS, else the cluster last started on "
+        "this machine, else a new local one)",
+    )  # fmt: skip
+    cpus = _arg(number(float, 0))
+    ray.add_argument("--replica-cpus", type=cpus, default=1.0, help="default 1")
+    ray.add_argument("--replica-gpus", type=cpus, default=0.0, help="default 0")
+    batching = p.add_argument_group("batching (every model; a TOML file sets them per model)")
+    for key in SERVE_OPTIONS:
+        check = BatchingOptions.CHECKS[key]
+        batching.add_argument(
+            "--" + key.replace("_", "-"), type=_arg(check), default=None,
+            help=f"{check.expects} (default {getattr(BatchingOptions(), key)})",
+        )  # fmt: skip
+    limits = HttpLimits()
+    http = p.add_argument_group("limits on clients")
+    for flag, field, unit, text in HTTP_FLAGS:
+        default = getattr(limits, field) / unit
+        http.add_argument(
+            flag, type=positive, default=default, help=f"{text} (default {default:g})"
+        )
+    http.add_argument(
+        "--max-connections", type=_arg(number(int, 2)),
+        default=min(limits.max_connections, fd_budget()),
+        help="open connections over every listener (HTTP and gRPC); new ones beyond a "
+        "listener's share are closed at once (default: 1000, or the file descriptor limit)",
+    )  # fmt: skip
+    http.add_argument(
+        "--max-grpc-connections", type=_arg(number(int, 1)), default=None,
+        help="gRPC's share of --max-connections (default a quarter: gRPC clients "
+        "multiplex calls on one connection); HTTP gets the rest",
+    )  # fmt: skip
+    p.add_argument("--log-level", default="warning")
+
+
+def fd_budget() -> int:
+    """Connections this process can hold with file descriptors to spare."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on this platform
+        return 1000
+    return max(16, soft - 64) if soft != resource.RLIM_INFINITY else 1000
+
+
+def connection_shares(args: argparse.Namespace) -> tuple[int, int]:
+    """(HTTP's, gRPC's) connections: one budget, ``--max-connections``, over every
+    listener, so that together they never exhaust the file descriptors (a flood of
+    sockets on one port cannot take the other down). gRPC's share is 0 without it."""
+    total = args.max_connections
+    budget = fd_budget()
+    if total > budget:
+        raise SystemExit(
+            f"pxrt serve: error: --max-connections {total} is over what the file "
+            f"descriptor limit allows ({budget}, ulimit -n less 64 to spare); raise the "
+            "limit or lower --max-connections"
+        )
+    if args.grpc_port is None:
+        return total, 0
+    grpc = args.max_grpc_connections or max(1, total // 4)
+    if grpc >= total:
+        raise SystemExit(
+            f"pxrt serve: error: --max-grpc-connections {grpc} leaves no connection of "
+            f"--max-connections {total} to HTTP"
+        )
+    return total - grpc, grpc
+
+
+def http_limits(args: argparse.Namespace, max_connections: int) -> HttpLimits:
+    """The HTTP limits the flags set (``max_connections``: HTTP's share)."""
+    values = {field: getattr(args, flag[2:].replace("-", "_")) * unit
+              for flag, field, unit, _ in HTTP_FLAGS}  # fmt: skip
+    for field in ("max_body_bytes", "max_json_bytes", "max_pending_body_bytes",
+                  "max_header_bytes"):  # fmt: skip
+        values[field] = int(values[field])
+    return HttpLimits(max_connections=max_connections, **values)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_specs(
+    args: argparse.Namespace, demo_dir: str
+) -> list[tuple[str | None, str, BatchingOptions]]:
+    """(name or None for the manifest's, path, options) per model to serve."""
+    defaults, sections = _config(args)
+    specs: list[tuple[str | None, str, BatchingOptions]] = []
+    for name, section in sections.items():
+        if "path" not in section:
+            if args.model_repository:
+                continue  # a repository model's options: see repository_config
+            raise SystemExit(f"pxrt serve: [models.{name}] in {args.config} needs a path")
+        if "version_policy" in section:
+            raise SystemExit(
+                f"pxrt serve: version_policy in [models.{name}] is for models of the "
+                "--model-repository"
+            )
+        extra = {k: v for k, v in section.items() if k != "path"}
+        specs.append((name, section["path"], _options(extra, f"[models.{name}]", defaults)))
+    specs += [(None, path, defaults) for path in args.model_dirs]
+    if not specs and not args.model_repository:
+        from pxrt import demo
+
+        specs.append((None, demo.export_demo(os.path.join(demo_dir, "mlp")), defaults))
+    return specs
+
+
+def repository_config(
+    args: argparse.Namespace,
+) -> tuple[BatchingOptions, dict[str, BatchingOptions], dict[str, str]]:
+    """(the options of every repository model, name -> its own options, name -> its
+    version policy), from the flags and the TOML's ``[defaults]`` and path-less
+    ``[models.NAME]`` sections."""
+    from .repository import parse_policy
+
+    defaults, sections = _config(args)
+    options: dict[str, BatchingOptions] = {}
+    policies: dict[str, str] = {}
+    for name, section in sections.items():
+        if "path" in section:
+            continue
+        extra = {k: v for k, v in section.items() if k != "version_policy"}
+        options[name] = _options(extra, f"[models.{name}]", defaults)
+        if "version_policy" in section:
+            try:
+                parse_policy(section["version_policy"])
+            except ValueError as exc:
+                raise SystemExit(f"pxrt serve: [models.{name}] in {args.config}: {exc}") from None
+            policies[name] = section["version_policy"]
+    return defaults, options, policies
+
+
+def _config(args: argparse.Namespace) -> tuple[BatchingOptions, dict]:
+    """(the options every model gets: the flags, then the TOML's ``[defaults]``; the
+    TOML's ``[models.NAME]`` sections)."""
+    flags = {k: getattr(args, k) for k in SERVE_OPTIONS if getattr(args, k) is not None}
+    defaults = BatchingOptions(**flags)
+    if not args.config:
+        return defaults, {}
+    with open(args.config, "rb") as f:
+        conf = tomllib.load(f)
+    return _options(conf.get("defaults", {}), "[defaults]", defaults), conf.get("models", {})
+
+
+def _options(section: dict, where: str, base: BatchingOptions) -> BatchingOptions:
+    """``base`` with a TOML section's options over it, each checked."""
+    unknown = sorted(set(section) - set(SERVE_OPTIONS))
+    if unknown:
+        raise SystemExit(
+            f"pxrt serve: unknown option(s) {unknown} in {where}; known: {', '.join(SERVE_OPTIONS)}"
+        )
+    checked = {}
+    for key, value in section.items():
+        try:
+            checked[key] = BatchingOptions.check(key, value)
+        except OptionError as exc:
+            raise SystemExit(f"pxrt serve: {key} in {where}: {exc}") from None
+    return base.replace(**checked)
+
+
+__all__ = [
+    "add_arguments",
+    "connection_shares",
+    "fd_budget",
+    "http_limits",
+    "model_specs",
+    "repository_config",
+]

@@ -1,0 +1,234 @@
+"""The request core: one KServe v2 inference path for every front end.
+
+A front end translates its transport and nothing else. It hands ``infer`` the model's
+name and version, a ``decode`` that makes an ``InferRequest`` for the model resolved
+(``InferRequest.from_json`` over HTTP, ``from_proto`` over gRPC) and an ``encode`` that
+makes its reply; ``infer`` does the rest, the same for all: readiness, the lookup, the
+queue, the outcome counts. Every error a front end answers maps through one table,
+``status_of``, to its HTTP status and its gRPC code, with the same message on both.
+(KServe's own ``dataplane.py`` is the pattern.)
+
+Outcomes: a request that does not follow the protocol counts ``invalid`` (its model's
+queue counts the ones that fail validation), an unexpected error anywhere on its path
+counts ``failed`` and is logged once, in one line; the rest are counted by the queue and
+the batcher (success, rejected, expired, cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from pxrt import Model
+
+from . import codec
+from .codec import ProtocolError
+from .errors import (
+    DeadlineExceeded,
+    ExecutionFailed,
+    Overloaded,
+    ServerClosed,
+    ServingError,
+    UnknownModel,
+)
+from .repository import NoRepository, RepositoryError
+from .server import Server
+
+log = logging.getLogger("pxrt.core")
+
+T = TypeVar("T")
+
+
+class NotServing(ServingError):
+    """The server is loading or draining: it takes no inference requests now."""
+
+
+class InvalidRequest(ServingError, ValueError):
+    """A request the model refuses: a missing or unexpected input, a wrong dtype or
+    shape, more rows than its queue holds... (the validation's own message)."""
+
+
+class TooLarge(ProtocolError):
+    """A request, or a part of it, over a size limit (HTTP 413)."""
+
+
+class InternalError(ServingError):
+    """An unexpected error on a request's path (a bug): answered 500 / INTERNAL."""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass(slots=True)
+class InferRequest:
+    """One inference request, decoded for its model.
+
+    Attributes:
+      inputs: input name -> array with a leading batch dimension (views of the
+        transport's bytes where the data came raw).
+      outputs: (output name, as binary data) to answer with, in order.
+      id: the request's id, echoed in the answer.
+      timeout_s: its deadline in seconds from now (None: the model's default).
+    """
+
+    inputs: dict[str, np.ndarray]
+    outputs: list[tuple[str, bool]]
+    id: str | None = None
+    timeout_s: float | None = None
+
+    @classmethod
+    def from_json(
+        cls, header: memoryview | bytes, binary: memoryview, model: Model
+    ) -> InferRequest:
+        """A KServe v2 JSON request (``header``) with its binary tensor data."""
+        doc = codec.parse_json(header)
+        rid = codec.request_id(doc)
+        return cls(
+            inputs=codec.decode_inputs(doc, binary, model.inputs),
+            outputs=codec.requested_outputs(doc, list(model.outputs)),
+            id=rid,
+            timeout_s=codec.timeout_of(doc),
+        )
+
+    @classmethod
+    def from_proto(
+        cls, message: Any, model: Model, deadline_s: float | None = None
+    ) -> InferRequest:
+        """A ModelInferRequest; its ``timeout`` parameter, else ``deadline_s`` (the
+        call's own deadline), is its deadline."""
+        inputs = codec.decode_proto_inputs(message, model.inputs)
+        outputs = codec.requested_proto_outputs(message, list(model.outputs))
+        timeout_s = codec.proto_timeout(message)
+        return cls(
+            inputs=inputs,
+            outputs=outputs,
+            id=message.id,
+            timeout_s=timeout_s if timeout_s is not None else deadline_s,
+        )
+
+
+def resolve(server: Server, name: str, version: str | None = None) -> Model:
+    """The model that serves ``version`` of ``name`` now, if the server takes inference
+    requests: ``NotServing`` while loading or draining, ``UnknownModel`` without one."""
+    why = server.not_serving()
+    if why:
+        raise NotServing(why)
+    return server.model(name, version)
+
+
+async def infer(
+    server: Server,
+    name: str,
+    version: str | None,
+    decode: Callable[[Model], InferRequest],
+    encode: Callable[[str, Model, InferRequest, dict], T],
+    on_queued: Callable[[asyncio.Future], Any] | None = None,
+) -> T:
+    """Answer one inference request: ``encode(name, model, request, outputs)`` for the
+    request ``decode(model)`` makes for the model resolved now.
+
+    ``on_queued`` gets the request's future once it is queued (cancelling it takes the
+    request out of the queue if it was not dispatched: a client that hung up). Raises
+    what ``status_of`` maps; an unexpected error is counted failed, logged once and
+    raised as ``InternalError``.
+    """
+    model = resolve(server, name, version)
+    version = model.version
+    try:
+        try:
+            request = decode(model)
+        except ProtocolError:
+            server.count(name, version, "invalid")
+            raise
+        try:
+            future = server.submit(
+                name, request.inputs, timeout_s=request.timeout_s, version=version
+            )
+        except (TypeError, ValueError) as exc:  # the model's validation (its queue counted it)
+            raise InvalidRequest(str(exc)) from None
+        if on_queued is not None:
+            on_queued(future)
+        outputs = await future
+        return encode(name, model, request, outputs)
+    except (ServingError, ProtocolError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
+        server.count(name, version, "failed")
+        raise internal_error(f"{name!r} inference", exc) from exc
+
+
+def internal_error(where: str, exc: BaseException) -> InternalError:
+    """The ``InternalError`` an unexpected ``exc`` is answered with, logged (one line)."""
+    log.error("pxrt: %s failed: %s: %.200s", where, type(exc).__name__, exc)
+    return InternalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Status:
+    """How an error is answered: HTTP status, gRPC status code name, message, and any
+    headers HTTP adds."""
+
+    http: int
+    grpc: str
+    message: str
+    headers: dict[str, str] | None = None
+
+
+# Every error a front end answers, most specific first: (type, HTTP status, gRPC code).
+# The codes are Triton's (a full queue is UNAVAILABLE over gRPC, 429 over HTTP).
+ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (TooLarge, 413, "RESOURCE_EXHAUSTED"),
+    (ProtocolError, 400, "INVALID_ARGUMENT"),  # does not follow the protocol
+    (InvalidRequest, 400, "INVALID_ARGUMENT"),  # does not fit the model
+    (NoRepository, 400, "FAILED_PRECONDITION"),
+    (RepositoryError, 400, "INVALID_ARGUMENT"),
+    (UnknownModel, 404, "NOT_FOUND"),
+    (Overloaded, 429, "UNAVAILABLE"),
+    (NotServing, 503, "UNAVAILABLE"),
+    (ServerClosed, 503, "UNAVAILABLE"),
+    (DeadlineExceeded, 504, "DEADLINE_EXCEEDED"),
+    (ExecutionFailed, 500, "INTERNAL"),
+    (InternalError, 500, "INTERNAL"),
+)
+
+
+def status_of(exc: BaseException) -> Status:
+    """How ``exc`` is answered (anything not in ``ERRORS`` is a 500 / INTERNAL whose
+    message names its type; the caller logs it with ``internal_error``)."""
+    for kind, http, grpc in ERRORS:
+        if isinstance(exc, kind):
+            headers = None
+            if isinstance(exc, Overloaded):
+                headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+            return Status(http, grpc, str(exc), headers)
+    return Status(500, "INTERNAL", f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def is_known(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of the errors a request may meet (not a bug)."""
+    return isinstance(exc, tuple(kind for kind, _, _ in ERRORS))
+
+
+__all__ = [
+    "ERRORS",
+    "InferRequest",
+    "InternalError",
+    "InvalidRequest",
+    "NotServing",
+    "Status",
+    "TooLarge",
+    "infer",
+    "internal_error",
+    "is_known",
+    "resolve",
+    "status_of",
+]

@@ -1,0 +1,210 @@
+"""The options of serving, each declared and checked once.
+
+``BatchingOptions`` (per model: how its requests are batched and queued) and
+``HttpLimits`` (per HTTP server: what clients may hold) are frozen dataclasses whose
+values are checked when one is made, so a bad value stops whoever made it with a message
+naming the option, what it takes and what came. Every front end derives from them: the
+keyword arguments of ``Server.add_model``, ``pxrt serve``'s flags and TOML sections, the
+model repository's per-model options, Ray's deployments and ``BlockingServer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+
+class OptionError(ValueError):
+    """An option with a value it does not take (or an option that does not exist)."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def number(kind: type, low: float, inclusive: bool = True, none: bool = False):
+    """A check for a number of ``kind`` (int or float) >= ``low`` (or > ``low``; or None
+    with ``none``): returns the value converted, or raises ``OptionError`` saying what it
+    takes."""
+    what = "an integer" if kind is int else "a number"
+    text = f"{what} {'>=' if inclusive else '>'} {low:g}" + (" (or none)" if none else "")
+
+    def check(value: Any) -> Any:
+        if value is None and none:
+            return None
+        if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+            raise OptionError(text)
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise OptionError(text) from None
+        if math.isnan(number) or not (number >= low if inclusive else number > low):
+            raise OptionError(text)
+        return number
+
+    check.expects = text  # type: ignore[attr-defined]
+    return check
+
+
+def choice(*choices: str):
+    text = "one of " + ", ".join(choices)
+
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise OptionError(text)
+        return value
+
+    check.expects = text  # type: ignore[attr-defined]
+    return check
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OptionError("true or false")
+    return value
+
+
+_flag.expects = "true or false"  # type: ignore[attr-defined]
+
+
+def _checked(check: Any, value: Any) -> Any:
+    try:
+        return check(value)
+    except OptionError as exc:
+        raise OptionError(f"{value!r} is not {exc}") from None
+
+
+class _Checked:
+    """Checks each field's value through ``CHECKS`` when an instance is made."""
+
+    CHECKS: ClassVar[dict[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        for key, check in self.CHECKS.items():
+            try:
+                value = _checked(check, getattr(self, key))
+            except OptionError as exc:
+                raise OptionError(f"option {key}: {exc}") from None
+            object.__setattr__(self, key, value)
+
+    @classmethod
+    def check(cls, key: str, value: Any) -> Any:
+        """One option's value, checked (and converted: ``"8"`` -> 8 for an int); an
+        ``OptionError`` says ``'<value>' is not <what it takes>``."""
+        if key not in cls.CHECKS:
+            raise OptionError(f"unknown option {key!r}; known: {', '.join(cls.CHECKS)}")
+        return _checked(cls.CHECKS[key], value)
+
+    @classmethod
+    def expects(cls, key: str) -> str:
+        """What option ``key`` takes, in words."""
+        return cls.CHECKS[key].expects
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], base: Any = None) -> Any:
+        """``base`` (default: the defaults) with ``values`` (option -> value) over it;
+        an unknown option is an ``OptionError`` listing the known ones."""
+        unknown = sorted(set(values) - set(cls.CHECKS))
+        if unknown:
+            raise OptionError(f"unknown option(s) {unknown}; known: {', '.join(cls.CHECKS)}")
+        return dataclasses.replace(base if base is not None else cls(), **values)
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (checked)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+# --------------------------------------------------------------------------- batching
+
+CELL_POLICIES = ("cost", "oldest")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingOptions(_Checked):
+    """How one model's requests are batched and queued.
+
+    Attributes:
+      max_batch_size: the most rows in one batch (None: the largest compiled bucket,
+        which also caps it); that many rows waiting close a batch at once.
+      max_delay_us: an extra wait for fuller batches: how long the oldest queued request
+        may wait for ``max_batch_size`` rows when nothing is in flight. 0 (the default):
+        a request goes at once when the pipeline is idle; under load, batches grow by
+        themselves while the device is busy.
+      max_queue: queued rows beyond which requests are rejected with ``Overloaded``.
+      default_timeout_s: deadline of a request that brings none (None: no deadline).
+      max_inflight: batches in flight at once: one executes while the next (a full one)
+        is assembled and dispatched.
+      copy: hand out owned, writeable outputs instead of read-only views.
+      cell_policy: for models with named dimensions, how the next cell is chosen:
+        ``"cost"`` (from the execution times measured at load: which lane goes and which
+        shorter requests ride along in it) or ``"oldest"`` (the oldest request's lane,
+        alone).
+    """
+
+    max_batch_size: int | None = None
+    max_delay_us: float = 0.0
+    max_queue: int = 4096
+    default_timeout_s: float | None = None
+    max_inflight: int = 2
+    copy: bool = False
+    cell_policy: str = "cost"
+
+    CHECKS: ClassVar[dict[str, Any]] = {
+        "max_batch_size": number(int, 1, none=True),
+        "max_delay_us": number(float, 0),
+        "max_queue": number(int, 1),
+        "default_timeout_s": number(float, 0, inclusive=False, none=True),
+        "max_inflight": number(int, 1),
+        "copy": _flag,
+        "cell_policy": choice(*CELL_POLICIES),
+    }
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits(_Checked):
+    """What HTTP clients may hold of a server.
+
+    The body limits are the app's (``serving.http.create_app``); the connection, header
+    and timing limits are the protocol's (``serving.http_limits``, which ``pxrt serve``
+    runs uvicorn with).
+
+    Attributes:
+      max_body_bytes: a request body's size; larger ones get 413 (before being read
+        when they say their length).
+      max_json_bytes: the JSON part of a request; its parse holds the event loop (~10 ms
+        a MB), so large tensors go as binary data. Larger ones get 413.
+      max_pending_body_bytes: request bodies held at once, over all requests; uploads
+        that would go over get 503 with Retry-After.
+      max_connections: connections open at once; new ones beyond are closed at once.
+      max_header_bytes: a request's URL and headers; more get 431.
+      header_timeout_s: time to send the headers, from connecting or the request's start.
+      body_timeout_s: a body's longest pause.
+      request_timeout_s: time to send a whole request.
+    """
+
+    max_body_bytes: int = 64 << 20
+    max_json_bytes: int = 16 << 20
+    max_pending_body_bytes: int = 512 << 20
+    max_connections: int = 1000
+    max_header_bytes: int = 64 << 10
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    request_timeout_s: float = 120.0
+
+    CHECKS: ClassVar[dict[str, Any]] = {
+        "max_body_bytes": number(int, 1),
+        "max_json_bytes": number(int, 1),
+        "max_pending_body_bytes": number(int, 1),
+        "max_connections": number(int, 1),
+        "max_header_bytes": number(int, 1),
+        "header_timeout_s": number(float, 0, inclusive=False),
+        "body_timeout_s": number(float, 0, inclusive=False),
+        "request_timeout_s": number(float, 0, inclusive=False),
+    }
+
+
+__all__ = ["CELL_POLICIES", "BatchingOptions", "HttpLimits", "OptionError"]
