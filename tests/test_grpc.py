@@ -131,6 +131,12 @@ def test_typed_contents_and_requested_outputs(served):
             infer(req)
         return info.value.code(), info.value.details()
 
+    both = pb.ModelInferRequest(model_name="mlp")
+    t = both.inputs.add(name="x", datatype="FP32", shape=[1, 32])
+    t.contents.fp32_contents.extend([1.0] * 32)
+    both.raw_input_contents.append(np.ones((1, 32), np.float32).tobytes())
+    code, details = code_of(both)  # as Triton: one or the other
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "both contents and raw" in details
     wrong = pb.ModelInferRequest(model_name="two_io")
     t = wrong.inputs.add(name="features", datatype="FP16", shape=[1, 8])
     code, details = code_of(wrong)
