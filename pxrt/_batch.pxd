@@ -31,7 +31,7 @@ cdef class Batch:
     cdef public object outputs          # per piece: output name -> array
     cdef public object error
     cdef public double fill             # valid elements / elements the cell computes
-    cdef public double t_start, t_assembled, t_dispatched, t_fetched, t_done
+    cdef public double t_start, t_dispatched, t_fetched, t_done
 
     cdef void _add(self, Request r, Py_ssize_t start, Py_ssize_t count)
 

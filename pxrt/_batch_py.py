@@ -113,7 +113,6 @@ class Batch:
         "error",
         "fill",
         "t_start",
-        "t_assembled",
         "t_dispatched",
         "t_fetched",
         "t_done",
@@ -131,7 +130,7 @@ class Batch:
         self.outputs: list[dict] | None = None
         self.error: BaseException | None = None
         self.fill = 0.0
-        self.t_start = self.t_assembled = self.t_dispatched = self.t_fetched = self.t_done = 0.0
+        self.t_start = self.t_dispatched = self.t_fetched = self.t_done = 0.0
 
     @staticmethod
     def single(arrays: tuple, rows: int, lane: int = 0) -> Batch:

@@ -1,4 +1,4 @@
-"""Chooses the Cython modules (handlers, keys, batch plans) or their pure-Python twins,
+"""Chooses the Cython modules (handlers, batch plans) or their pure-Python twins,
 once per process.
 
 ``PXRT_NO_EXTENSIONS=1`` forces the pure-Python ones; a missing build falls back to
@@ -14,14 +14,12 @@ import warnings
 if os.environ.get("PXRT_NO_EXTENSIONS", "") not in ("", "0"):
     from . import _batch_py as batch
     from . import _handlers_py as handlers
-    from . import _keys_py as keys
 
     EXTENSIONS = False
 else:
     try:
         from . import _batch as batch  # type: ignore[no-redef]
         from . import _handlers as handlers  # type: ignore[no-redef]
-        from . import _keys as keys  # type: ignore[no-redef]
 
         EXTENSIONS = True
     except ImportError as exc:
@@ -34,7 +32,6 @@ else:
         )
         from . import _batch_py as batch  # type: ignore[no-redef]
         from . import _handlers_py as handlers  # type: ignore[no-redef]
-        from . import _keys_py as keys  # type: ignore[no-redef]
 
         EXTENSIONS = False
 
@@ -46,8 +43,6 @@ BatchQueue = batch.BatchQueue
 Request = batch.Request
 InputHandler = handlers.InputHandler
 ResultHandler = handlers.ResultHandler
-RouteCache = keys.RouteCache
-signature = keys.signature
 
 
 def twin(extension: str, pure: str):

@@ -33,7 +33,6 @@ cdef extern from "numpy/arrayobject.h":
 
 # Hot-path lookups cached as C-level globals.
 cdef object _ndarray = np.ndarray
-cdef object _empty = np.empty
 cdef object _ascontiguousarray = np.ascontiguousarray
 cdef object _concatenate = np.concatenate
 

@@ -52,14 +52,14 @@ class _CompileCounter:
     jax reports every backend compile as a duration event on the compiling thread.
     Request-path code runs inside ``request_path(owner)``, which names the owner (a
     Model) for the current thread; a compile reported while an owner is set counts
-    against it. That count must stay 0 after load.
+    against it, in the owner's own ``request_path_compiles`` attribute (so the count
+    lives and dies with its model). That count must stay 0 after load.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.total = 0
-        self.on_request_path: dict[int, int] = {}
         self._registered = False
 
     def ensure_registered(self) -> None:
@@ -73,10 +73,6 @@ class _CompileCounter:
         meanwhile count against ``model``."""
         return _RequestPath(self._local, owner)
 
-    def count(self, owner: object) -> int:
-        """Compiles on ``owner``'s request path so far."""
-        return self.on_request_path.get(id(owner), 0)
-
     def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
         if event != _BACKEND_COMPILE_EVENT:
             return
@@ -84,8 +80,7 @@ class _CompileCounter:
         with self._lock:
             self.total += 1
             if owner is not None:
-                key = id(owner)
-                self.on_request_path[key] = self.on_request_path.get(key, 0) + 1
+                owner.request_path_compiles = getattr(owner, "request_path_compiles", 0) + 1
 
 
 class _RequestPath:

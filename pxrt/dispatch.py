@@ -262,7 +262,6 @@ class Engine:
         try:
             batch.t_start = _clock()
             self.input_handler.assemble(batch.pieces, batch.starts, batch.counts, slot.buffers)
-            batch.t_assembled = _clock()
             handle = program.dispatch(slot)
             batch.t_dispatched = _clock()
             shards = program.fetch(handle)

@@ -175,3 +175,20 @@ def test_good_clients_are_served_throughout(guarded):
         for t in attackers:
             t.join(10)
     assert ok == 20
+
+
+def test_the_uvicorn_internals_the_guard_uses_are_there():
+    """serving.http_limits subclasses uvicorn's httptools protocol and reads its state:
+    when an upgrade moves what it relies on, this fails (not the server, at run time)."""
+    import inspect
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from serving.http_limits import UVICORN_INTERNALS
+
+    source = inspect.getsource(HttpToolsProtocol)
+    for name in UVICORN_INTERNALS:
+        assert hasattr(HttpToolsProtocol, name) or f"self.{name} =" in source, name
+    cycle = inspect.getsource(inspect.getmodule(HttpToolsProtocol).RequestResponseCycle)
+    for name in ("response_complete", "disconnected", "message_event"):
+        assert f"self.{name} =" in cycle, name
