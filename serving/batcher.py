@@ -18,8 +18,8 @@ A model with named dimensions has a lane per set of compiled lengths, and each r
 waits in the cheapest lane that holds it. The lane of the oldest request goes first; how
 big its batch is (which cell) and which shorter requests ride along in it (paying padding
 instead of waiting for a batch of their own) is decided from each cell's execution time
-measured at load (``cell_policy="cost"``, see ``Batcher._choose``); ``"oldest"`` runs the
-lane of the oldest request alone, up to ``max_batch_size`` rows.
+measured at load (``cell_policy="cost"``, see ``serving.policy.choose_cell``); ``"oldest"``
+runs the lane of the oldest request alone, up to ``max_batch_size`` rows.
 
 Queue policy: a full queue rejects at once (``Overloaded``, with a retry-after
 estimate); a request whose deadline passes while queued is answered
@@ -40,6 +40,7 @@ from pxrt.dispatch import Batch, Request
 from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from .metrics import Metrics
 from .options import BatchingOptions
+from .policy import Choice, choose_cell, efficient_cap
 
 # Measurements use perf_counter: uvloop's loop.time() moves in whole milliseconds.
 _clock = time.perf_counter
@@ -99,11 +100,7 @@ class Batcher:
         #: Per lane: the rows of its most efficient bucket (least time per row) within
         #: its cap: the cost policy's batches go no bigger.
         self._efficient_caps = [
-            min(
-                (b for b in lane.buckets if b.size <= cap),
-                key=lambda b: (b.exec_s / b.size, -b.size),
-                default=lane.bucket_for(cap),
-            ).size
+            efficient_cap(lane.buckets, cap, lane.bucket_for(cap).size)
             for lane, cap in zip(self.lanes, self.lane_caps)
         ]
         full = [lane.bucket_for(cap) for lane, cap in zip(self.lanes, self.lane_caps)]
@@ -270,67 +267,16 @@ class Batcher:
         if queue.closed and not self.inflight and not queue.queued_rows:
             self._drained.set()
 
-    def _choose(self, now: float, full_only: bool) -> tuple[int, tuple[int, ...], int] | None:
-        """The lane to run next, the lanes whose requests ride along in it, and the most
-        rows to take; or None (nothing waits; with ``full_only``, no lane fills a batch).
-
-        ``"cost"``: each lane's batch is capped at its most efficient bucket (the least
-        measured execution time per row; a bigger cell that costs more per row, as
-        attention's does, is never filled for its own sake). Requests of a shorter lane
-        ride along when that lowers the total wait: with ``T(lane, rows)`` the execution
-        time measured at load, taking ``n_i`` requests of lane i into lane j's batch of
-        ``n`` costs every waiting request ``d = T(j, rows + r_i) - T(j, rows)`` more (0
-        while they fit the bucket's padding rows), and saves lane i's requests and
-        everyone behind them the run of their own batch, ``T(i, r_i)``: they ride along
-        when ``d * (n + n_i + m) < T(i, r_i) * (n_i + m)`` (``m``: requests waiting
-        elsewhere). The lane of the oldest waiting request goes first.
-
-        ``"oldest"``: the lane of the oldest waiting request, alone, up to
-        ``max_batch_size`` rows.
-        """
+    def _choose(self, now: float, full_only: bool) -> Choice | None:
+        """The next batch of a model with several lanes (``policy.choose_cell``)."""
+        cost = self.cell_policy == "cost"
+        caps = self._efficient_caps if cost else self.lane_caps
         queue = self.queue
-        caps = self.lane_caps
-        lanes = self.lanes
-        if self.cell_policy == "oldest":
-            stats = [queue.lane_stats(k, caps[k], now) for k in range(len(lanes))]
-            k = min(range(len(lanes)), key=lambda k: stats[k][3])
-            if not stats[k][0] or (full_only and stats[k][0] < caps[k]):
-                return None
-            return k, (), caps[k]
-        caps = self._efficient_caps
-        stats = [queue.lane_stats(k, caps[k], now) for k in range(len(lanes))]
-        waiting = sum(st[1] for st in stats)
-        best = None
-        best_score = -INF
-        for j, (rows, n, _, oldest) in enumerate(stats):
-            if not rows:
-                continue
-            lane = lanes[j]
-            t = lane.bucket_for(rows).exec_s
-            fold = []
-            for i in self._fold_lanes[j]:
-                r_i, n_i, _, _ = stats[i]
-                room = caps[j] - rows
-                if room <= 0:
-                    break
-                if not r_i:
-                    continue
-                take = min(r_i, room)
-                n_i *= take / r_i
-                t_new = lane.bucket_for(rows + take).exec_s
-                others = waiting - n - n_i
-                if (t_new - t) * (n + n_i + others) < lanes[i].bucket_for(take).exec_s * (
-                    n_i + others
-                ):
-                    fold.append(i)
-                    rows += take
-                    n += n_i
-                    t = t_new
-            if full_only and rows < caps[j]:
-                continue
-            if -oldest > best_score:  # the lane of the oldest request goes
-                best, best_score = (j, tuple(fold), caps[j]), -oldest
-        return best
+        stats = [queue.lane_stats(k, caps[k], now) for k in range(len(self.lanes))]
+        return choose_cell(self.cell_policy, stats, caps, self._exec_s, self._fold_lanes, full_only)
+
+    def _exec_s(self, lane: int, rows: int) -> float:
+        return self.lanes[lane].bucket_for(rows).exec_s
 
     def _arm_delay(self, delay: float) -> None:
         if self._delay_timer is not None:

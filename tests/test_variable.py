@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
-import time
 import types
 
 import numpy as np
@@ -25,6 +25,7 @@ from models import (
 import pxrt
 from pxrt import _batch_py, _handlers_py, artifact, demo
 from serving import Server
+from serving.policy import choose_cell, efficient_cap
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SEQ = ENCODER["dim_buckets"]["seq"]
@@ -364,16 +365,6 @@ def test_queue_lanes_take_and_fold(impl):
 # --------------------------------------------------------------------------- serving
 
 
-class _FakeLane:
-    """A lane whose execution times are given (ms by rows), for deterministic choices."""
-
-    def __init__(self, ms):
-        self.ms = ms
-
-    def bucket_for(self, rows):
-        return types.SimpleNamespace(exec_s=self.ms(rows) * 1e-3)
-
-
 @pytest.mark.parametrize(
     "top_ms, want",
     [
@@ -383,55 +374,39 @@ class _FakeLane:
         (lambda rows: 10.0 * rows, "top"),
     ],
 )
-def test_cost_policy_folds_short_requests_when_it_pays(var_models, run, top_ms, want):
-    model = var_models["encoder"]
-
-    async def main():
-        async with Server() as server:
-            server.add_model("enc", model)
-            b = server._batcher("enc")
-            q = b.queue
-            real = b.lanes
-            top = len(real) - 1
-            q.kick_rows = 1 << 62  # no flush until we ask: the choice sees all of them
-            long = server.infer("enc", encoder_request(1, SEQ[-1], seed=1))
-            time.sleep(0.05)  # the long one has waited 50 ms when the short ones come
-            shorts = [server.infer("enc", encoder_request(1, 4, seed=i)) for i in range(2)]
-            now = time.perf_counter()
-            b.lanes = [_FakeLane(lambda rows: 1.0)] * top + [_FakeLane(top_ms)]
-            b._efficient_caps = list(b.lane_caps)  # room for the short ones in every lane
-            # The oldest request's lane goes, and the short ones ride along when
-            # d * (n + n_i + m) < T_i * (n_i + m): here d * 3 < 1 ms * 2.
-            got = b._choose(now, False)
-            b.cell_policy = "oldest"
-            oldest = b._choose(now, False)
-            b.lanes, b.cell_policy = real, "cost"
-            b._flush()
-            outs = await asyncio.gather(long, *shorts)
-            assert outs[0]["hidden"].shape == (1, SEQ[-1], ENCODER_SIZES["dim"])
-            return got, oldest
-
-    got, oldest = run(main)
-    top = len(model.engine.lanes) - 1
-    assert got[:2] == ((top, (0,)) if want == "top+fold" else (top, ()))
-    assert oldest[:2] == (top, ())
+def test_cost_policy_folds_short_requests_when_it_pays(top_ms, want):
+    # Three lanes: a long request has waited longest in the top one; two short ones
+    # wait in lane 0. Execution times are given (ms by rows), so the choice is exact.
+    stats = [(2, 2, 0.0, 1.05), (0, 0, 0.0, math.inf), (1, 1, 0.05, 1.0)]
+    caps = [8, 8, 8]
+    exec_s = lambda lane, rows: (top_ms(rows) if lane == 2 else 1.0) * 1e-3  # noqa: E731
+    fold_lanes = [(), (0,), (1, 0)]
+    # The oldest request's lane goes, and the short ones ride along when
+    # d * (n + n_i + m) < T_i * (n_i + m): here d * 3 < 1 ms * 2.
+    got = choose_cell("cost", stats, caps, exec_s, fold_lanes, False)
+    assert got == ((2, (0,), 8) if want == "top+fold" else (2, (), 8))
+    assert choose_cell("oldest", stats, caps, exec_s, fold_lanes, False) == (2, (), 8)
+    # With a batch in flight only a full batch goes: none here, then lane 0's.
+    assert choose_cell("cost", stats, caps, exec_s, fold_lanes, True) is None
+    assert choose_cell("cost", stats, [2, 8, 8], exec_s, fold_lanes, True) == (0, (), 2)
+    assert (
+        choose_cell("oldest", [(0, 0, 0.0, math.inf)] * 3, caps, exec_s, fold_lanes, False) is None
+    )
 
 
-def test_cost_policy_caps_a_lane_at_its_most_efficient_bucket(var_models, run):
-    model = var_models["encoder"]
-
-    async def main():
-        async with Server() as server:
-            server.add_model("enc", model)
-            b = server._batcher("enc")
-            return b._efficient_caps, b.lane_caps
-
-    caps, limits = run(main)
-    for lane, cap, limit in zip(model.engine.lanes, caps, limits):
-        fits = [x for x in lane.buckets if x.size <= limit]
-        best = min(x.exec_s / x.size for x in fits)
-        chosen = lane.bucket_for(cap)
-        assert chosen.size == cap and chosen.exec_s / cap == best
+def test_cost_policy_caps_a_lane_at_its_most_efficient_bucket(var_models):
+    for lane in var_models["encoder"].engine.lanes:
+        for limit in {lane.max_rows, max(1, lane.max_rows // 2)}:
+            fallback = lane.bucket_for(limit).size
+            cap = efficient_cap(lane.buckets, limit, fallback)
+            fits = [x for x in lane.buckets if x.size <= limit]
+            best = min(x.exec_s / x.size for x in fits)
+            chosen = lane.bucket_for(cap)
+            assert chosen.size == cap and chosen.exec_s / cap == best
+    one = types.SimpleNamespace
+    buckets = [one(size=4, exec_s=1.0), one(size=8, exec_s=2.0), one(size=16, exec_s=8.0)]
+    assert efficient_cap(buckets, 16, 16) == 8  # a tie: the bigger one
+    assert efficient_cap(buckets, 2, 4) == 4  # none that small: the fallback
 
 
 @pytest.mark.parametrize("policy", ["cost", "oldest"])
