@@ -21,6 +21,7 @@ from pxrt._keys cimport RouteCache, signature_of
 
 import numpy as np
 
+from ._handlers_py import split_pieces
 from ._validate import bad_bool_error, check_lanes, inner_contiguous, validate
 
 cnp.import_array()
@@ -658,8 +659,9 @@ cdef class ResultHandler:
         if self._any_cut:
             if lengths is None or len(lengths) != n_pieces:
                 raise ValueError("outputs with named dimensions need each piece's lengths")
-            return _split_cut(self.names, self._cuts, shard_lists, shard_rows, starts, counts,
-                              copy, lengths)
+            # Cutting to lengths is numpy slicing either way: the twin's code, shared.
+            return split_pieces(self.names, self._cuts, shard_lists, shard_rows, starts,
+                                counts, copy, lengths)
         for i in range(n_pieces):
             start = starts[i]
             count = counts[i]
@@ -727,48 +729,3 @@ def _cuts(tuple shapes, tuple dim_names):
                 cut.append((axis, dim_names.index(d)))
         cuts.append(tuple(cut))
     return tuple(cuts)
-
-
-def _split_cut(tuple names, tuple cuts, list shard_lists, Py_ssize_t shard_rows, list starts,
-               list counts, bint copy, list lengths):
-    # Outputs of a batch with named dimensions: each piece's rows, cut to its lengths
-    # (a strided view of the shard when the piece lies inside one, unless copy).
-    cdef Py_ssize_t i, k, start, count, first, offset, stop, last
-    cdef list results = []
-    cdef dict out
-    cdef list index
-    for i in range(len(starts)):
-        start = starts[i]
-        count = counts[i]
-        piece_lengths = lengths[i]
-        first = start // shard_rows
-        offset = start - first * shard_rows
-        out = {}
-        for k in range(len(names)):
-            shards = <list>shard_lists[k]
-            if start < 0 or count < 1 or start + count > len(shards) * shard_rows:
-                raise ValueError(f"rows {start}:{start + count} out of range for "
-                                 f"{len(shards) * shard_rows} rows")
-            index = [slice(None)] * (<cnp.ndarray>shards[0]).ndim
-            for axis, d in <tuple>cuts[k]:
-                index[axis] = slice(0, piece_lengths[d])
-            if offset + count <= shard_rows:
-                index[0] = slice(offset, offset + count)
-                arr = shards[first][tuple(index)]
-                if copy:
-                    arr = arr.copy()
-            else:
-                stop = start + count
-                last = (stop - 1) // shard_rows
-                index[0] = slice(offset, None)
-                parts = [shards[first][tuple(index)]]
-                index[0] = slice(None)
-                parts += [shards[s][tuple(index)] for s in range(first + 1, last)]
-                index[0] = slice(0, stop - last * shard_rows)
-                parts.append(shards[last][tuple(index)])
-                arr = _concatenate(parts)
-                if not copy:
-                    arr.flags.writeable = False
-            out[names[k]] = arr
-        results.append(out)
-    return results

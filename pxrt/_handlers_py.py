@@ -241,33 +241,52 @@ class ResultHandler:
                     )
         if any(self._cuts) and (lengths is None or len(lengths) != len(starts)):
             raise ValueError("outputs with named dimensions need each piece's lengths")
-        results = []
-        for i, (start, count) in enumerate(zip(starts, counts)):
-            if start < 0 or count < 1 or start + count > len(outputs[0]) * shard_rows:
-                raise ValueError(
-                    f"rows {start}:{start + count} out of range for "
-                    f"{len(outputs[0]) * shard_rows} rows"
-                )
-            first, offset = divmod(start, shard_rows)
-            one_shard = offset + count <= shard_rows
-            out = {}
-            for name, shards, cut in zip(self.names, outputs, self._cuts):
-                index = [slice(None)] * shards[0].ndim
-                for axis, d in cut:
-                    index[axis] = slice(0, lengths[i][d])
-                inner = tuple(index[1:])
-                if one_shard:
-                    arr = shards[first][(slice(offset, offset + count), *inner)]
-                    out[name] = arr.copy() if copy else arr
-                else:
-                    stop = start + count
-                    last = (stop - 1) // shard_rows
-                    parts = [shards[first][(slice(offset, None), *inner)]]
-                    parts += [shards[s][(slice(None), *inner)] for s in range(first + 1, last)]
-                    parts.append(shards[last][(slice(0, stop - last * shard_rows), *inner)])
-                    arr = np.concatenate(parts)
-                    if not copy:  # outputs are read-only unless the caller asked for copies
-                        arr.flags.writeable = False
-                    out[name] = arr
-            results.append(out)
-        return results
+        return split_pieces(
+            self.names, self._cuts, outputs, shard_rows, starts, counts, copy, lengths
+        )
+
+
+def split_pieces(
+    names: Sequence[str],
+    cuts: Sequence[tuple],
+    outputs: list,
+    shard_rows: int,
+    starts: list,
+    counts: list,
+    copy: bool,
+    lengths: list | None,
+) -> list[dict[str, np.ndarray]]:
+    """``ResultHandler.split``'s work once its arguments are checked: per piece, each
+    output's rows (a view of a shard when the piece lies inside one, unless ``copy``;
+    else a new, read-only array), cut to the piece's ``lengths`` along each named
+    dimension (``cuts[k]``: output k's (axis, dimension index) pairs). The Cython
+    handler calls it for outputs with named dimensions."""
+    results = []
+    for i, (start, count) in enumerate(zip(starts, counts)):
+        if start < 0 or count < 1 or start + count > len(outputs[0]) * shard_rows:
+            raise ValueError(
+                f"rows {start}:{start + count} out of range for {len(outputs[0]) * shard_rows} rows"
+            )
+        first, offset = divmod(start, shard_rows)
+        one_shard = offset + count <= shard_rows
+        out = {}
+        for name, shards, cut in zip(names, outputs, cuts):
+            index = [slice(None)] * shards[0].ndim
+            for axis, d in cut:
+                index[axis] = slice(0, lengths[i][d])
+            inner = tuple(index[1:])
+            if one_shard:
+                arr = shards[first][(slice(offset, offset + count), *inner)]
+                out[name] = arr.copy() if copy else arr
+            else:
+                stop = start + count
+                last = (stop - 1) // shard_rows
+                parts = [shards[first][(slice(offset, None), *inner)]]
+                parts += [shards[s][(slice(None), *inner)] for s in range(first + 1, last)]
+                parts.append(shards[last][(slice(0, stop - last * shard_rows), *inner)])
+                arr = np.concatenate(parts)
+                if not copy:  # outputs are read-only unless the caller asked for copies
+                    arr.flags.writeable = False
+                out[name] = arr
+        results.append(out)
+    return results

@@ -381,9 +381,7 @@ def load(
             compiled_buckets.append(
                 Bucket(size, program, ring, compiled, compile_s, exec_s, tuple(lengths))
             )
-    return Model(
-        art, devices, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes
-    )
+    return Model(art, devices, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes)
 
 
 def _grid(
