@@ -22,6 +22,9 @@ the manifest's signature (inputs and outputs in order, params, x64, mesh), and
 with, or that does not match the program's own argument and result types. Nothing in
 the directory is native code: compiled executables are cached outside it (see
 ``pxrt.load``).
+
+This module writes and reads the directory; what a tensor spec is lives in
+``pxrt.specs``, the manifest's format and checks in ``pxrt.manifest``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -39,157 +41,34 @@ from typing import Any
 
 import jax
 import jaxlib
-import ml_dtypes
 import numpy as np
 from jax import export as jax_export
 
 from . import _xla
+from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PARAMS_FILE,
+    PROGRAM_FILE,
+    ArtifactError,
+    check_jax_version,
+    check_manifest,
+    check_program,
+    program_name,
+)
+from .specs import (
+    BATCH_DIM,
+    DTYPES,
+    MAX_BUCKET,
+    Dim,
+    TensorSpec,
+    as_dtype,
+    check_lengths,
+)
 
-FORMAT = "pxrt-artifact"
-# 2: the program's name binds the manifest's signature (1 still loads, unbound).
-# 3: named dimensions in shapes, their buckets (``dim_buckets``) and per-input pad
-#    values (2 and 1 still load: they have neither).
-FORMAT_VERSION = 3
-SIGNATURE_KEYS = ("inputs", "outputs", "params", "x64", "mesh")
-# A bucket's rows, at most: far beyond any batch one device runs, small enough that a
-# typo (1e9) is refused before anything is allocated for it.
-MAX_BUCKET = 1 << 20
-MANIFEST = "manifest.json"
-PROGRAM_FILE = "model.jaxexport"
-PARAMS_FILE = "params.npz"
 BATCH_AXIS = "data"
-BATCH_DIM = "b"  # the batch dimension's symbol in the program; not a name for others
 DEFAULT_OUTPUT = "output"
-
-# dtype name -> numpy dtype; names are what manifests and error messages use.
-DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(name)
-    for name in (
-        "bool",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "float16",
-        "float32",
-        "float64",
-    )
-}
-DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
-
-
-class ArtifactError(ValueError):
-    """An artifact directory cannot be written or loaded; the message says what to do."""
-
-
-def as_dtype(dtype: Any) -> np.dtype:
-    """A supported numpy dtype from a name, a numpy/ml_dtypes dtype or a scalar type."""
-    try:
-        dt = DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
-    except (KeyError, TypeError) as exc:
-        raise TypeError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}") from exc
-    if dt.name not in DTYPES or dt != DTYPES[dt.name]:
-        raise TypeError(f"unsupported dtype {dt}; supported: {', '.join(DTYPES)}")
-    return DTYPES[dt.name]
-
-
-Dim = int | str
-
-
-def _is_dim_name(d: Any) -> bool:
-    return isinstance(d, str) and d.isidentifier() and d != BATCH_DIM
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """One named input or output: its per-example ``shape`` (the leading batch
-    dimension is implicit) and its exact ``dtype``.
-
-    A dimension of ``shape`` is a size (an int) or a name (``"seq"``): a length that
-    varies from request to request, compiled at the lengths ``dim_buckets`` gives it.
-    ``pad`` is what an input's rows are padded with up to the compiled length (and
-    what fills a batch's unused rows); it must be exactly representable in ``dtype``.
-    """
-
-    shape: tuple[Dim, ...]
-    dtype: np.dtype
-    pad: bool | int | float = 0
-
-    def __init__(self, shape: Sequence[Dim] | Dim, dtype: Any, pad: bool | int | float = 0):
-        if isinstance(shape, (int, str)):
-            shape = (shape,)
-        dims = tuple(shape)
-        for d in dims:
-            if isinstance(d, str):
-                if not _is_dim_name(d):
-                    raise ValueError(
-                        f"dimension name {d!r} is not usable: names are Python identifiers "
-                        f"other than {BATCH_DIM!r} (the batch)"
-                    )
-            elif not (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0):
-                raise ValueError(
-                    f"shape must be a tuple of non-negative ints and dimension names, got {shape!r}"
-                )
-        dt = as_dtype(dtype)
-        object.__setattr__(self, "shape", tuple(d if isinstance(d, str) else int(d) for d in dims))
-        object.__setattr__(self, "dtype", dt)
-        object.__setattr__(self, "pad", _check_pad(pad, dt))
-
-    @property
-    def dims(self) -> tuple[str, ...]:
-        """The named dimensions of the shape, in order."""
-        return tuple(d for d in self.shape if isinstance(d, str))
-
-    def at(self, lengths: Mapping[str, int]) -> tuple[int, ...]:
-        """The per-example shape with each named dimension at ``lengths[name]``."""
-        return tuple(lengths[d] if isinstance(d, str) else d for d in self.shape)
-
-    @property
-    def nbytes_per_row(self) -> int:
-        """Bytes of one example (one row of a batch); only for fixed shapes."""
-        if self.dims:
-            raise ValueError(f"{self.describe()} has named dimensions: use nbytes_at(lengths)")
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-    def nbytes_at(self, lengths: Mapping[str, int]) -> int:
-        """Bytes of one example with the named dimensions at ``lengths``."""
-        return int(np.prod(self.at(lengths), dtype=np.int64)) * self.dtype.itemsize
-
-    def describe(self) -> str:
-        return f"{self.dtype.name}[{', '.join(['n', *map(str, self.shape)])}]"
-
-    def to_json(self, name: str, *, pad: bool = False) -> dict:
-        out = {"name": name, "dtype": self.dtype.name, "shape": list(self.shape)}
-        if pad:
-            out["pad"] = self.pad
-        return out
-
-
-def _check_pad(pad: Any, dtype: np.dtype) -> bool | int | float:
-    """``pad`` as a plain JSON-able scalar that ``dtype`` holds exactly."""
-    if isinstance(pad, np.generic):
-        pad = pad.item()
-    if dtype == np.bool_:
-        if pad in (0, 1) and isinstance(pad, (bool, int)):
-            return bool(pad)
-    elif np.issubdtype(dtype, np.integer):
-        if isinstance(pad, int) and not isinstance(pad, bool):
-            info = np.iinfo(dtype)
-            if info.min <= pad <= info.max:
-                return pad
-    elif isinstance(pad, (int, float)) and not isinstance(pad, bool):
-        try:
-            value = float(pad)
-        except OverflowError:
-            value = math.inf
-        with np.errstate(over="ignore"):
-            if np.isfinite(value) and float(np.array(value, dtype)) == value:
-                return value
-    raise ValueError(f"pad value {pad!r} is not exactly representable as {dtype.name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,22 +263,6 @@ def _check_dim_buckets(
     return {d: check_lengths(d, given[d]) for d in named}
 
 
-def check_lengths(name: str, lengths: Any) -> tuple[int, ...]:
-    """The lengths to compile named dimension ``name`` at, sorted, checked."""
-    try:
-        out = tuple(sorted({int(v) for v in lengths}))
-        if any(isinstance(v, bool) or int(v) != v for v in lengths):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ValueError(f"dim_buckets[{name!r}] must be positive ints, got {lengths!r}") from None
-    if not out or out[0] < 1 or out[-1] > MAX_BUCKET:
-        raise ValueError(
-            f"dim_buckets[{name!r}] must be non-empty, positive and at most {MAX_BUCKET}, "
-            f"got {lengths!r}"
-        )
-    return out
-
-
 def _output_dims(name: str, shape: Sequence[Any], dims: Mapping[str, Any]) -> tuple[Dim, ...]:
     """An output's per-example shape: sizes and named dimensions; the batch first."""
     if not shape or str(shape[0]) != BATCH_DIM:
@@ -420,14 +283,6 @@ def _output_dims(name: str, shape: Sequence[Any], dims: Mapping[str, Any]) -> tu
                 f"as they are, not {d}"
             )
     return tuple(out)
-
-
-def program_name(manifest: Mapping[str, Any]) -> str:
-    """The name an artifact's program is exported under: a hash of the manifest's
-    signature (what feeds the program, what its outputs are called)."""
-    signature = {k: manifest[k] for k in SIGNATURE_KEYS}
-    text = json.dumps(signature, sort_keys=True, separators=(",", ":"))
-    return "pxrt_" + hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
 def _check_buckets(batch_buckets: Sequence[int], num_devices: int | None) -> tuple[int, ...]:
@@ -513,14 +368,6 @@ def _sha256(path: str) -> str:
 # --------------------------------------------------------------------------- read
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
-    parts = []
-    for p in v.split(".")[:3]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 def read(path: str | os.PathLike) -> Artifact:
     """Read and verify an artifact directory (hashes, format and jax versions)."""
     path = os.fspath(path)
@@ -547,7 +394,7 @@ def read(path: str | os.PathLike) -> Artifact:
             f"versions up to {FORMAT_VERSION}: upgrade pxrt, or re-export the "
             "model with this one"
         )
-    _check_manifest(manifest, manifest_path)
+    check_manifest(manifest, manifest_path)
 
     files = manifest.get("files") or {}
     for fname in (PROGRAM_FILE, PARAMS_FILE):
@@ -565,7 +412,7 @@ def read(path: str | os.PathLike) -> Artifact:
                 "corrupted; re-export it"
             )
 
-    _check_jax_version(path, manifest)
+    check_jax_version(path, manifest)
     with open(os.path.join(path, PROGRAM_FILE), "rb") as f:
         blob = f.read()
     try:
@@ -581,7 +428,7 @@ def read(path: str | os.PathLike) -> Artifact:
     }
     outputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["outputs"]}
     param_meta = manifest["params"]
-    _check_program(exported, manifest, inputs, outputs, path)
+    check_program(exported, manifest, inputs, outputs, path)
 
     params = _read_params(path, exported, param_meta)
     return Artifact(
@@ -592,165 +439,6 @@ def read(path: str | os.PathLike) -> Artifact:
         inputs=inputs,
         outputs=outputs,
     )
-
-
-def _check_manifest(m: dict, where: str) -> None:
-    """The manifest's structure, field by field: a malformed one is an ArtifactError that
-    names the field, never a KeyError or an allocation sized by a typo."""
-
-    def need(ok: bool, field: str, what: str) -> None:
-        if not ok:
-            raise ArtifactError(f"{where}: {field} {what}; re-export the model")
-
-    def is_int(v: Any, low: int = 0) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-    need(isinstance(m.get("name"), str) and bool(m["name"]), "'name'", "must be a non-empty string")
-    need(isinstance(m.get("version"), str), "'version'", "must be a string")
-    need(isinstance(m.get("x64"), bool), "'x64'", "must be true or false")
-    need(isinstance(m.get("mesh"), dict), "'mesh'", "must be an object")
-    files = m.get("files")
-    need(
-        isinstance(files, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()),
-        "'files'",
-        "must map file names to sha256 strings",
-    )
-    v3 = m["format_version"] >= 3
-    dim_buckets = m.get("dim_buckets") if v3 else {}
-    need(
-        isinstance(dim_buckets, dict)
-        and all(
-            _is_dim_name(k)
-            and isinstance(v, list)
-            and bool(v)
-            and all(is_int(x, 1) and x <= MAX_BUCKET for x in v)
-            for k, v in dim_buckets.items()
-        ),
-        "'dim_buckets'",
-        f"must map dimension names to non-empty lists of lengths from 1 to {MAX_BUCKET}",
-    )
-    for kind in ("inputs", "outputs"):
-        tensors = m.get(kind)
-        need(isinstance(tensors, list) and bool(tensors), f"'{kind}'", "must be a non-empty list")
-        for i, t in enumerate(tensors):
-            field = f"{kind}[{i}]"
-            need(isinstance(t, dict), field, "must be an object")
-            need(
-                isinstance(t.get("name"), str) and bool(t["name"]),
-                f"{field}.name",
-                "must be a non-empty string",
-            )
-            need(
-                isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES,
-                f"{field}.dtype",
-                f"must be one of {', '.join(DTYPES)}",
-            )
-            shape = t.get("shape")
-            need(
-                isinstance(shape, list)
-                and all(
-                    is_int(d) or (v3 and isinstance(d, str) and d in dim_buckets) for d in shape
-                ),
-                f"{field}.shape",
-                "must be a list of non-negative ints"
-                + (" and names from 'dim_buckets'" if v3 else ""),
-            )
-            if kind == "inputs" and "pad" in t:
-                try:
-                    _check_pad(t["pad"], DTYPES[t["dtype"]])
-                except ValueError as exc:
-                    need(False, f"{field}.pad", str(exc))
-        names = [t["name"] for t in tensors]
-        need(len(set(names)) == len(names), f"'{kind}'", "names a tensor twice")
-    named = {d for t in m["inputs"] for d in t["shape"] if isinstance(d, str)}
-    need(
-        set(dim_buckets) == named,
-        "'dim_buckets'",
-        f"must give lengths for exactly the inputs' named dimensions {sorted(named)}",
-    )
-    buckets = m.get("batch_buckets")
-    need(
-        isinstance(buckets, list) and bool(buckets) and all(is_int(b, 1) for b in buckets),
-        "'batch_buckets'",
-        "must be a non-empty list of positive ints",
-    )
-    need(max(buckets) <= MAX_BUCKET, "'batch_buckets'", f"has a bucket over {MAX_BUCKET} rows")
-    params = m.get("params")
-    need(isinstance(params, list), "'params'", "must be a list")
-    for i, p in enumerate(params):
-        field = f"params[{i}]"
-        need(isinstance(p, dict), field, "must be an object")
-        need(
-            isinstance(p.get("key"), str) and isinstance(p.get("path"), str),
-            field,
-            "needs string 'key' and 'path'",
-        )
-        need(
-            isinstance(p.get("dtype"), str) and p["dtype"] in DTYPES,
-            f"{field}.dtype",
-            f"must be one of {', '.join(DTYPES)}",
-        )
-        need(
-            isinstance(p.get("shape"), list) and all(is_int(d) for d in p["shape"]),
-            f"{field}.shape",
-            "must be a list of non-negative ints",
-        )
-
-
-def _check_program(exported: Any, manifest: dict, inputs: dict, outputs: dict, path: str) -> None:
-    """The manifest against the program it came with: every input and output's dtype and
-    per-example shape in order, and (format 2) the signature the program was named after."""
-    n_params = len(manifest["params"])
-    in_avals, out_avals = exported.in_avals, exported.out_avals
-
-    def mismatch(kind: str, specs: dict, avals: Any) -> str | None:
-        if len(avals) != len(specs):
-            return f"the program has {len(avals)} {kind}, the manifest lists {len(specs)}"
-        for (name, spec), aval in zip(specs.items(), avals):
-            dims = tuple(d if isinstance(d, int) else str(d) for d in aval.shape[1:])
-            if (
-                not aval.shape
-                or isinstance(aval.shape[0], int)
-                or np.dtype(aval.dtype) != spec.dtype
-                or dims != spec.shape
-            ):
-                return (
-                    f"{kind[:-1]} {name!r} is {spec.describe()} in the manifest but "
-                    f"{np.dtype(aval.dtype).name}{list(aval.shape)} in the program"
-                )
-        return None
-
-    why = mismatch("inputs", inputs, in_avals[n_params:]) or mismatch("outputs", outputs, out_avals)
-    if why is None and manifest["format_version"] >= 2:
-        if exported.fun_name != program_name(manifest):
-            why = (
-                "its inputs, outputs, params, x64 flag or mesh are not the ones the program "
-                "was exported with (they were edited)"
-            )
-    if why is not None:
-        raise ArtifactError(
-            f"{path}: the manifest does not match the program: {why}; re-export the model"
-        )
-
-
-def _check_jax_version(path: str, manifest: dict) -> None:
-    ccv = manifest.get("calling_convention_version")
-    lo = jax_export.minimum_supported_calling_convention_version
-    hi = jax_export.maximum_supported_calling_convention_version
-    exported_with = str(manifest.get("jax_version", "?"))
-    if not isinstance(ccv, int) or not lo <= ccv <= hi:
-        raise ArtifactError(
-            f"{path} was exported with jax {exported_with} (calling convention {ccv}); jax "
-            f"{jax.__version__} runs calling conventions {lo}..{hi}. Re-export the model with "
-            f"jax {jax.__version__}, or load it with jax {exported_with}"
-        )
-    if _version_tuple(exported_with) > _version_tuple(jax.__version__):
-        raise ArtifactError(
-            f"{path} was exported with jax {exported_with}, newer than this process's jax "
-            f"{jax.__version__} (jax.export reads artifacts at most a few weeks newer than "
-            f"itself). Install jax=={exported_with}, or re-export with jax {jax.__version__}"
-        )
 
 
 def _read_params(path: str, exported: jax_export.Exported, meta: list[dict]) -> Any:
@@ -779,3 +467,16 @@ def _read_params(path: str, exported: jax_export.Exported, meta: list[dict]) -> 
                 )
             leaves.append(leaf)
     return jax.tree.unflatten(params_tree, leaves)
+
+
+__all__ = [
+    "BATCH_AXIS",
+    "FORMAT_VERSION",
+    "Artifact",
+    "ArtifactError",
+    "TensorSpec",
+    "check_lengths",
+    "export",
+    "program_name",
+    "read",
+]
