@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
 import time
 
 import jax
@@ -150,17 +153,45 @@ def assert_matches(got, want, name=""):
             np.testing.assert_array_equal(g, w, err_msg=f"{name}:{k}")
 
 
-class Wrapped:
-    """A bucket program wrapper that can slow down or fail a batch, and counts batches."""
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Poll ``condition()`` from the event loop until it holds: what tests wait on
+    instead of a sleep that guesses how long something takes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, f"timed out after {timeout_s} s waiting"
+        await asyncio.sleep(0.005)
 
-    def __init__(self, real, delay_s=0.0, fail_if=None):
-        self.real, self.delay_s, self.fail_if = real, delay_s, fail_if
-        self.path, self.fast = real.path, real.fast
-        self.out_shard_rows, self.row_slices = real.out_shard_rows, real.row_slices
+
+class Gate:
+    """What the programs of ``inject`` share: ``started`` is set when a batch reaches
+    "the device"; with ``hold``, every batch waits there until ``release`` is set. Tests
+    wait on these instead of sleeping."""
+
+    def __init__(self, hold: bool) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
         self.batches = 0
 
+    async def wait_started(self) -> None:
+        """Until a batch is on the device (from the event loop)."""
+        assert await asyncio.to_thread(self.started.wait, 30), "no batch started"
+
+
+class Wrapped:
+    """A bucket program that can hold, slow down or fail a batch, and counts batches."""
+
+    def __init__(self, real, gate, delay_s=0.0, fail_if=None):
+        self.real, self.gate, self.delay_s, self.fail_if = real, gate, delay_s, fail_if
+        self.path, self.fast = real.path, real.fast
+        self.out_shard_rows, self.row_slices = real.out_shard_rows, real.row_slices
+
     def dispatch(self, slot):
-        self.batches += 1
+        self.gate.batches += 1
+        self.gate.started.set()
+        assert self.gate.release.wait(30), "the test never released its batches"
         if self.delay_s:
             time.sleep(self.delay_s)
         if self.fail_if is not None and self.fail_if(slot):
@@ -171,17 +202,19 @@ class Wrapped:
         return self.real.fetch(handle)
 
 
-def wrap_all(model, **kw):
-    """Wrap every bucket's program of ``model`` (before it is served); returns the
-    wrappers by bucket size."""
-    wrappers = {}
-
-    def wrap(program):
-        wrappers[len(wrappers)] = w = Wrapped(program, **kw)
-        return w
-
-    model.engine = model.engine.replace_programs(wrap)
-    return {b.size: wrappers[i] for i, b in enumerate(model.engine.buckets)}
+@contextlib.contextmanager
+def inject(model, *, hold=False, delay_s=0.0, fail_if=None):
+    """Within the block, every bucket of ``model`` runs through a ``Wrapped`` program
+    (serve it inside the block); yields their ``Gate``. The model's own engine is back
+    afterwards, so session models can be used (nothing recompiles)."""
+    gate = Gate(hold)
+    real = model.engine
+    model.engine = real.replace_programs(lambda p: Wrapped(p, gate, delay_s, fail_if))
+    try:
+        yield gate
+    finally:
+        gate.release.set()
+        model.engine = real
 
 
 # --------------------------------------------------------------------------- named dims

@@ -282,7 +282,9 @@ def test_sigterm_under_load_answers_everyone(artifacts):
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while sum(r is not None for r in results) < 16 and time.monotonic() < deadline:
+        time.sleep(0.01)  # SIGTERM once requests flow, with many still to come
     proc.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(90)
@@ -338,34 +340,42 @@ def test_not_ready_while_loading_and_503_while_draining(run):
     run(main)
 
 
-def test_queue_full_is_429_with_retry_after(run, artifacts):
+def test_queue_full_is_429_with_retry_after(run, models):
     """A full queue answers 429 at once, with Retry-After; the requests it holds succeed."""
     import asyncio
 
-    from models import wrap_all
+    from models import inject, until
 
-    import pxrt
     from serving import Server
     from serving.http import create_app
 
-    model = pxrt.load(artifacts["mlp"])
-    wrap_all(model, delay_s=0.2)
+    model = models["mlp"]
 
     async def main():
-        async with Server() as server:
-            server.add_model("mlp", model, max_queue=2, max_inflight=1, max_batch_size=1)
-            transport = httpx.ASGITransport(app=create_app(server))
-            async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
-                return await asyncio.gather(
-                    *(http.post("/v2/models/mlp/infer", content=infer_json([X])) for _ in range(6))
-                )
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_queue=2, max_inflight=1, max_batch_size=1)
+                transport = httpx.ASGITransport(app=create_app(server))
+                async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
 
-    replies = run(main)
-    codes = sorted(r.status_code for r in replies)
-    assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}, codes
-    for r in replies:
-        if r.status_code == 429:
-            assert "overloaded" in r.json()["error"] and int(r.headers["retry-after"]) >= 1
+                    def post():
+                        return asyncio.ensure_future(
+                            http.post("/v2/models/mlp/infer", content=infer_json([X]))
+                        )
+
+                    first = post()
+                    await gate.wait_started()  # one batch on the device, held there
+                    queued = [post() for _ in range(2)]  # the queue holds two
+                    await until(lambda: server.stats("mlp")["queued_rows"] == 2)
+                    refused = await asyncio.gather(*(post() for _ in range(3)))
+                    gate.release.set()
+                    return [await first, *await asyncio.gather(*queued)], refused
+
+    served_, refused = run(main)
+    assert [r.status_code for r in served_] == [200, 200, 200]
+    for r in refused:
+        assert r.status_code == 429, r.text
+        assert "overloaded" in r.json()["error"] and int(r.headers["retry-after"]) >= 1
 
 
 def test_client_sees_errors_as_exceptions(client):
@@ -407,20 +417,18 @@ def test_bench_over_http(served, tmp_path):
     assert report["results"][1]["stages_us"]["compute_infer"] > 0
 
 
-def test_a_client_that_hangs_up_takes_its_request_out_of_the_queue(run, artifacts):
+def test_a_client_that_hangs_up_takes_its_request_out_of_the_queue(run, models):
     """Requests of clients that disconnect before their batch is dispatched never run."""
     import asyncio
 
     import uvicorn
-    from models import wrap_all
+    from models import inject, until
     from servers import free_port
 
-    import pxrt
     from serving import Server
     from serving.http import create_app
 
-    model = pxrt.load(artifacts["mlp"])
-    wrappers = wrap_all(model, delay_s=0.3)
+    model = models["mlp"]
     port = free_port()
     body = infer_json([X])
     raw = (
@@ -428,35 +436,48 @@ def test_a_client_that_hangs_up_takes_its_request_out_of_the_queue(run, artifact
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
-    async def main():
-        async with Server() as server:
-            server.add_model("mlp", model, max_inflight=1, max_batch_size=1)
-            config = uvicorn.Config(
-                create_app(server), port=port, log_level="error", lifespan="off"
-            )
-            uv = uvicorn.Server(config)
-            serving = asyncio.ensure_future(uv.serve())
-            while not uv.started:
-                await asyncio.sleep(0.01)
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-                first = asyncio.ensure_future(http.post("/v2/models/mlp/infer", content=body))
-                await asyncio.sleep(0.1)  # the first batch is running
-                for _ in range(5):  # five clients send a request and hang up
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                    writer.write(raw)
-                    await writer.drain()
-                    await asyncio.sleep(0.02)
-                    writer.close()
-                await asyncio.sleep(0.1)
-                assert (await first).status_code == 200
-                await asyncio.sleep(0.4)
-            uv.should_exit = True
-            await serving
-            return server.metrics_snapshot()["mlp"]["requests"]
+    def waiting_for_disconnect():
+        return [
+            t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith(".receive")
+        ]
 
-    counts = run(main)
+    async def main():
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_inflight=1, max_batch_size=1)
+                config = uvicorn.Config(
+                    create_app(server), port=port, log_level="error", lifespan="off"
+                )
+                uv = uvicorn.Server(config)
+                serving = asyncio.ensure_future(uv.serve())
+                await until(lambda: uv.started)
+                base_url = f"http://127.0.0.1:{port}"
+                async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+                    first = asyncio.ensure_future(http.post("/v2/models/mlp/infer", content=body))
+                    await gate.wait_started()  # the first batch is on the device, held
+                    writers = []
+                    for _ in range(5):  # five clients send a request...
+                        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                        writer.write(raw)
+                        await writer.drain()
+                        writers.append(writer)
+                    await until(lambda: server.stats("mlp")["queued_rows"] == 5)
+                    for writer in writers:  # ...and hang up while it waits
+                        writer.close()
+                    # Under plain uvicorn a pending receive() per request hears the
+                    # hang-up (its callback cancels the request's future a turn later);
+                    # the first request's is the one left.
+                    await until(lambda: len(waiting_for_disconnect()) == 1)
+                    await asyncio.sleep(0)
+                    gate.release.set()
+                    assert (await first).status_code == 200
+                uv.should_exit = True
+                await serving
+                return server.stats("mlp")["requests"], gate.batches
+
+    counts, batches = run(main)
     assert counts["cancelled"] == 5 and counts["success"] == 1, counts
-    assert sum(w.batches for w in wrappers.values()) == 1  # the hung-up requests never ran
+    assert batches == 1  # the hung-up requests never ran
 
 
 def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from models import MODELS, assert_matches, mlp_params
+from models import MODELS, assert_matches, mlp_params, until
 
 import pxrt
 from serving import Server, UnknownModel
@@ -59,7 +59,7 @@ def test_a_new_version_takes_over_without_a_failed_request(two_versions, run):
                     i += 7
 
             callers = [asyncio.ensure_future(caller(k)) for k in range(8)]
-            await asyncio.sleep(0.2)
+            await until(lambda: len(answers) >= 16)  # traffic flows
             before = len(answers)
             await server.load_model("mlp", two_versions["2"])  # compiles while serving
             switched = len(answers)
@@ -71,12 +71,13 @@ def test_a_new_version_takes_over_without_a_failed_request(two_versions, run):
             )
             old = await server.infer("mlp", {"x": x}, version="1")
             np.testing.assert_allclose(old["y"], want["1"][0], rtol=1e-5, atol=1e-5)
-            await asyncio.sleep(0.2)
+            await until(lambda: len(answers) >= switched + 16)  # both versions serve
             await server.unload_model("mlp", "1")  # answers what it accepted, then frees
             assert server.versions("mlp") == ["2"]
             with pytest.raises(UnknownModel, match="no version '1'"):
                 await server.infer("mlp", {"x": x}, version="1")
-            await asyncio.sleep(0.1)
+            unloaded = len(answers)
+            await until(lambda: len(answers) >= unloaded + 16)  # version 2 alone serves
             stop.set()
             await asyncio.gather(*callers)  # any failed request would raise here
             snap = server.metrics.snapshot_versions()

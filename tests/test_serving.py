@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from models import MODELS, assert_matches, random_request, reference, wrap_all
+from models import MODELS, assert_matches, inject, random_request, reference
 
 import pxrt
 from serving import (
@@ -141,22 +141,23 @@ def test_a_lone_request_goes_at_once_by_default(run, models):
     assert_matches(run(main), reference("mlp", {"x": x}))
 
 
-def test_batches_grow_while_the_device_is_busy(run, artifacts):
+def test_batches_grow_while_the_device_is_busy(run, models):
     """The first request goes alone; the ones that arrive while it runs go together."""
-    model = pxrt.load(artifacts["mlp"])
-    wrap_all(model, delay_s=0.2)
+    model = models["mlp"]
     rng = np.random.default_rng(5)
     requests = [random_request(model.inputs, 1, rng) for _ in range(model.max_batch)]
     wants = batch_reference("mlp", requests)
 
     async def main():
-        async with Server() as server:
-            server.add_model("mlp", model, max_inflight=1)
-            first = server.infer("mlp", requests[0])
-            await asyncio.sleep(0.05)  # the first batch is executing
-            rest = [server.infer("mlp", r) for r in requests[1:]]
-            outs = await asyncio.gather(first, *rest)
-            return outs, server.metrics_snapshot()["mlp"]
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_inflight=1)
+                first = server.infer("mlp", requests[0])
+                await gate.wait_started()  # the first batch is executing
+                rest = [server.infer("mlp", r) for r in requests[1:]]
+                gate.release.set()
+                outs = await asyncio.gather(first, *rest)
+                return outs, server.metrics_snapshot()["mlp"]
 
     outs, snap = run(main)
     for got, want in zip(outs, wants):
@@ -199,31 +200,33 @@ def test_infer_is_awaitable_like_a_coroutine(run, models):
             return outs
 
     got, bad, unknown, again = run(main)
-    assert_matches(got, want) and assert_matches(again, want)
+    assert_matches(got, want)
+    assert_matches(again, want)
     assert isinstance(bad, TypeError) and "float64" in str(bad)
     assert isinstance(unknown, UnknownModel)
 
 
-def test_requests_whose_callers_gave_up_hold_no_room(run, artifacts):
+def test_requests_whose_callers_gave_up_hold_no_room(run, models):
     """Futures from Server.submit that their callers cancel free their queue rows for
     the requests that come next (no Overloaded caused by requests nobody awaits)."""
-    model = pxrt.load(artifacts["mlp"])
-    wrap_all(model, delay_s=0.2)
+    model = models["mlp"]
     x = np.ones((1, 32), np.float32)
 
     async def main():
-        async with Server() as server:
-            server.add_model("mlp", model, max_queue=4, max_inflight=1, max_batch_size=1)
-            running = server.infer("mlp", {"x": x})
-            await asyncio.sleep(0.05)  # the device is busy; the queue fills
-            doomed = [server.submit("mlp", {"x": x}) for _ in range(4)]
-            with pytest.raises(Overloaded):
-                server.submit("mlp", {"x": x})
-            for fut in doomed:
-                fut.cancel()
-            later = [server.infer("mlp", {"x": x}) for _ in range(4)]
-            outs = await asyncio.gather(running, *later)
-            return outs, server.metrics_snapshot()["mlp"]["requests"]
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_queue=4, max_inflight=1, max_batch_size=1)
+                running = server.infer("mlp", {"x": x})
+                await gate.wait_started()  # the device is busy; the queue fills
+                doomed = [server.submit("mlp", {"x": x}) for _ in range(4)]
+                with pytest.raises(Overloaded):
+                    server.submit("mlp", {"x": x})
+                for fut in doomed:
+                    fut.cancel()
+                later = [server.infer("mlp", {"x": x}) for _ in range(4)]
+                gate.release.set()
+                outs = await asyncio.gather(running, *later)
+                return outs, server.metrics_snapshot()["mlp"]["requests"]
 
     outs, counts = run(main)
     assert len(outs) == 5
@@ -248,13 +251,13 @@ def test_a_request_larger_than_the_queue_is_refused_for_good(run, models):
 # --------------------------------------------------------------------------- queue policy
 
 
-def test_overload_rejects_at_once_with_retry_after(run, artifacts):
-    model = pxrt.load(artifacts["mlp"])
+def test_overload_rejects_at_once_with_retry_after(run, models):
+    model = models["mlp"]
     x = np.ones((4, 32), np.float32)
 
     async def main():
         async with Server() as server:
-            wrap_all(model, delay_s=0.05)
+            # 20 requests of 4 rows are queued in one go: 16 rows fit, the rest do not.
             server.add_model("mlp", model, max_batch_size=8, max_queue=16, max_inflight=1)
             outs = await asyncio.gather(
                 *(server.infer("mlp", {"x": x}) for _ in range(20)), return_exceptions=True
@@ -270,50 +273,51 @@ def test_overload_rejects_at_once_with_retry_after(run, artifacts):
     assert snap["requests"]["success"] == len(served)
 
 
-def test_deadline_passing_in_the_queue_drops_the_request_unexecuted(run, artifacts):
-    model = pxrt.load(artifacts["mlp"])
-    wrappers = {}
+def test_deadline_passing_in_the_queue_drops_the_request_unexecuted(run, models):
+    model = models["mlp"]
     x = np.ones((1, 32), np.float32)
 
     async def main():
-        async with Server() as server:
-            wrappers.update(wrap_all(model, delay_s=0.5))
-            server.add_model("mlp", model, max_batch_size=1, max_inflight=1)
-            first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
-            await asyncio.sleep(0.02)  # the first batch is now executing
-            late = server.infer("mlp", {"x": x * 2}, timeout_s=0.05)
-            with pytest.raises(DeadlineExceeded, match="was not executed"):
-                await late
-            await first
-            return server.metrics_snapshot()["mlp"]
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_batch_size=1, max_inflight=1)
+                first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
+                await gate.wait_started()  # the first batch is executing, held
+                late = server.infer("mlp", {"x": x * 2}, timeout_s=0.05)
+                with pytest.raises(DeadlineExceeded, match="was not executed"):
+                    await late
+                gate.release.set()
+                await first
+                return server.metrics_snapshot()["mlp"], gate.batches
 
-    snap = run(main)
-    assert sum(w.batches for w in wrappers.values()) == 1  # the late one never ran
+    snap, batches = run(main)
+    assert batches == 1  # the late one never ran
     assert snap["requests"]["expired"] == 1 and snap["requests"]["success"] == 1
 
 
-def test_cancelled_request_is_removed_before_dispatch(run, artifacts):
-    model = pxrt.load(artifacts["mlp"])
-    wrappers = {}
+def test_cancelled_request_is_removed_before_dispatch(run, models):
+    model = models["mlp"]
     x = np.ones((1, 32), np.float32)
 
     async def main():
-        async with Server() as server:
-            wrappers.update(wrap_all(model, delay_s=0.5))
-            server.add_model("mlp", model, max_batch_size=1, max_inflight=1)
-            first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
-            await asyncio.sleep(0.02)
-            doomed = asyncio.ensure_future(server.infer("mlp", {"x": x}))
-            after = asyncio.ensure_future(server.infer("mlp", {"x": x * 3}))
-            await asyncio.sleep(0.01)
-            doomed.cancel()
-            out_first, out_after = await first, await after
-            with pytest.raises(asyncio.CancelledError):
-                await doomed
-            return out_first, out_after, server.metrics_snapshot()["mlp"]
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_batch_size=1, max_inflight=1)
+                first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
+                await gate.wait_started()
+                doomed = asyncio.ensure_future(server.infer("mlp", {"x": x}))
+                after = asyncio.ensure_future(server.infer("mlp", {"x": x * 3}))
+                await asyncio.sleep(0)  # the tasks await their requests
+                doomed.cancel()
+                await asyncio.sleep(0)  # the cancellation reaches the queue
+                gate.release.set()
+                out_first, out_after = await first, await after
+                with pytest.raises(asyncio.CancelledError):
+                    await doomed
+                return out_first, out_after, server.metrics_snapshot()["mlp"], gate.batches
 
-    out_first, out_after, snap = run(main)
-    assert sum(w.batches for w in wrappers.values()) == 2
+    out_first, out_after, snap, batches = run(main)
+    assert batches == 2
     assert snap["requests"]["cancelled"] == 1 and snap["requests"]["success"] == 2
     assert not np.array_equal(out_first["y"], out_after["y"])
 
@@ -321,25 +325,29 @@ def test_cancelled_request_is_removed_before_dispatch(run, artifacts):
 # --------------------------------------------------------------------------- faults, shutdown
 
 
-def test_a_failing_batch_fails_alone(run, artifacts):
-    model = pxrt.load(artifacts["mlp"])
+def test_a_failing_batch_fails_alone(run, models):
+    model = models["mlp"]
     rng = np.random.default_rng(2)
     good = [random_request(model.inputs, 2, rng) for _ in range(6)]
     poison = {"x": np.full((1, 32), -1, np.float32)}
     wants = batch_reference("mlp", good)
 
+    def poisoned(slot):  # any batch holding a row of all -1 fails on "the device"
+        return bool((slot.buffers[0] == -1).all(axis=1).any())
+
     async def main():
-        async with Server() as server:
-            # 2 + 1 rows fill a batch of 3: the first good request and the poison one
-            # are dispatched together, for certain.
-            # Any batch holding a row of all -1 fails on "the device".
-            wrap_all(model, fail_if=lambda slot: bool((slot.buffers[0] == -1).all(axis=1).any()))
-            server.add_model("mlp", model, max_batch_size=3, max_delay_us=50_000)
-            first = await asyncio.gather(
-                server.infer("mlp", good[0]), server.infer("mlp", poison), return_exceptions=True
-            )
-            rest = await asyncio.gather(*(server.infer("mlp", g) for g in good[1:]))
-            return first, rest, server.metrics_snapshot()["mlp"]
+        with inject(model, fail_if=poisoned):
+            async with Server() as server:
+                # 2 + 1 rows fill a batch of 3: the first good request and the poison one
+                # are dispatched together, for certain.
+                server.add_model("mlp", model, max_batch_size=3, max_delay_us=50_000)
+                first = await asyncio.gather(
+                    server.infer("mlp", good[0]),
+                    server.infer("mlp", poison),
+                    return_exceptions=True,
+                )
+                rest = await asyncio.gather(*(server.infer("mlp", g) for g in good[1:]))
+                return first, rest, server.metrics_snapshot()["mlp"]
 
     (first_good, failed), rest, snap = run(main)
     assert isinstance(failed, ExecutionFailed)
@@ -352,23 +360,27 @@ def test_a_failing_batch_fails_alone(run, artifacts):
     assert snap["requests"]["failed"] == 2 and snap["requests"]["success"] == len(rest)
 
 
-def test_close_while_busy_answers_every_accepted_request(run, artifacts):
-    model = pxrt.load(artifacts["mlp"])
+def test_close_while_busy_answers_every_accepted_request(run, models):
+    model = models["mlp"]
     rng = np.random.default_rng(3)
     requests = [random_request(model.inputs, int(rng.integers(1, 6)), rng) for _ in range(200)]
     wants = batch_reference("mlp", requests)
 
     async def main():
-        server = Server()
-        wrap_all(model, delay_s=0.01)
-        server.add_model("mlp", model, max_batch_size=16, max_delay_us=1000, max_queue=1 << 20)
-        tasks = [asyncio.ensure_future(server.infer("mlp", r)) for r in requests]
-        await asyncio.sleep(0.005)
-        await server.close()
-        assert all(t.done() for t in tasks), "close returned before answering everyone"
-        with pytest.raises(ServerClosed):
-            await server.infer("mlp", requests[0])
-        return [t.result() for t in tasks]
+        with inject(model, hold=True) as gate:
+            server = Server()
+            server.add_model("mlp", model, max_batch_size=16, max_delay_us=1000, max_queue=1 << 20)
+            tasks = [asyncio.ensure_future(server.infer("mlp", r)) for r in requests]
+            await gate.wait_started()  # a batch is on the device, the rest queued
+            closing = asyncio.ensure_future(server.close())
+            await asyncio.sleep(0)
+            assert not closing.done()
+            gate.release.set()
+            await closing
+            assert all(t.done() for t in tasks), "close returned before answering everyone"
+            with pytest.raises(ServerClosed):
+                await server.infer("mlp", requests[0])
+            return [t.result() for t in tasks]
 
     for got, want in zip(run(main), wants):
         assert_matches(got, want)
@@ -466,42 +478,42 @@ def test_finished_batches_are_not_kept(run, models):
             server.add_model("mlp", models["mlp"])
             for _ in range(6):
                 await server.infer("mlp", {"x": x})
-            await asyncio.sleep(0.1)  # the workers finish their on_done calls
+            await server.close()  # the workers have finished their on_done calls
             gc.collect()
             return [o for o in gc.get_objects() if type(o) is Batch]
 
     assert run(main) == []
 
 
-def test_every_cancellation_is_counted_once(run, artifacts):
+def test_every_cancellation_is_counted_once(run, models):
     """Callers that give up before dispatch, while their batch runs, or through the
     future of Server.submit: each counted exactly once, none answered."""
-    model = pxrt.load(artifacts["mlp"])
-    wrap_all(model, delay_s=0.05)
+    model = models["mlp"]
     x = np.ones((1, 32), np.float32)
 
     async def main():
-        async with Server() as server:
-            server.add_model("mlp", model, max_batch_size=4, max_inflight=1)
-            tasks = [asyncio.ensure_future(server.infer("mlp", {"x": x})) for _ in range(40)]
-            futures = [server.submit("mlp", {"x": x}) for _ in range(20)]
-            await asyncio.sleep(0.03)  # the first batch runs; the rest wait
-            for t in tasks[::2]:
-                t.cancel()
-            for f in futures[::2]:
-                f.cancel()
-            await asyncio.gather(*tasks, *futures, return_exceptions=True)
-            await asyncio.sleep(0.1)
-            return server.metrics_snapshot()["mlp"]["requests"]
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_batch_size=4, max_inflight=1)
+                tasks = [asyncio.ensure_future(server.infer("mlp", {"x": x})) for _ in range(40)]
+                futures = [server.submit("mlp", {"x": x}) for _ in range(20)]
+                await gate.wait_started()  # the first batch runs; the rest wait
+                for t in tasks[::2]:
+                    t.cancel()
+                for f in futures[::2]:
+                    f.cancel()
+                gate.release.set()
+                await asyncio.gather(*tasks, *futures, return_exceptions=True)
+                await server.close()  # every batch has come back and been counted
+                return server.metrics_snapshot()["mlp"]["requests"]
 
     counts = run(main)
     assert counts["cancelled"] == 30 and counts["success"] == 30, counts
 
 
-def test_small_requests_are_not_held_behind_a_large_one(run, artifacts):
+def test_small_requests_are_not_held_behind_a_large_one(run, models):
     """A request split over many batches takes turns with the requests queued after it."""
-    model = pxrt.load(artifacts["mlp"])
-    wrap_all(model, delay_s=0.02)
+    model = models["mlp"]
     big = {"x": np.ones((10 * model.max_batch, 32), np.float32)}
     small = {"x": np.ones((1, 32), np.float32)}
     order = []
