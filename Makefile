@@ -34,14 +34,16 @@ demo: $(STAMP)
 # tritonclient.grpc and kserve register the same protobuf names: one process holds one of
 # them, so the gRPC tests run in a pytest of their own. The Ray Serve tests start a local
 # Ray: they run once, in their own step.
-PYTEST := $(PY) -m pytest -q
-TESTS := $(PYTEST) tests --ignore=tests/test_grpc.py --ignore=tests/test_ray.py \
-	&& $(PYTEST) tests/test_grpc.py
+# Modules marked `once` (nothing in them depends on the device count or the handlers'
+# build) run in the 4-device set-up only. --durations: the slowest tests of each run.
+PYTEST := $(PY) -m pytest -q --durations=5
+SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_ray.py
+TESTS := $(PYTEST) -m "not once" $(SUITE) && $(PYTEST) tests/test_grpc.py
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
 	$(TESTS)
-	$(FOUR) sh -c '$(TESTS)'
+	$(FOUR) sh -c '$(PYTEST) $(SUITE) && $(PYTEST) tests/test_grpc.py'
 	PXRT_NO_EXTENSIONS=1 $(FOUR) sh -c '$(TESTS)'
 	$(PYTEST) -W ignore::DeprecationWarning tests/test_ray.py  # (Ray's own pydantic warnings)
 

@@ -416,7 +416,10 @@ def test_cost_policy_caps_a_lane_at_its_most_efficient_bucket(var_models):
 def test_server_serves_mixed_lengths_and_bad_ones_fail_alone(var_models, run, policy):
     model = var_models["encoder"]
     rng = np.random.default_rng(7)
-    shapes = [(int(rng.integers(1, 4)), int(rng.integers(1, SEQ[-1] + 1))) for _ in range(60)]
+    # Lengths on both sides of each compiled length (the plain-JAX reference compiles
+    # once per shape, so not every length).
+    lengths = sorted({1, SEQ[-1]} | {s + d for s in SEQ for d in (-1, 1)} - {SEQ[-1] + 1})
+    shapes = [(int(rng.integers(1, 4)), int(rng.choice(lengths))) for _ in range(60)]
     requests = [encoder_request(n, L, seed=i) for i, (n, L) in enumerate(shapes)]
     bad = [
         {"tokens": np.zeros((1, 5), np.int32), "mask": np.ones((1, 6), bool)},
