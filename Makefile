@@ -1,12 +1,13 @@
 # make demo   - the demo models (an MLP; a transformer encoder on variable-length inputs):
 #               export, load, run, timing; then a short pxrt bench
-# make test   - ruff, then the tests: 1 device, 4 virtual devices, pure-Python handlers;
+# make test   - make lint, then the tests: 1 device, 4 virtual devices, pure-Python handlers;
 #               then the Ray Serve tests once
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparisons
 # make soak   - pxrt serve for 5 minutes under mixed good and bad traffic and reloads:
 #               leaks, 5xx
 # make debug  - rebuild the extensions with bounds checks, line tracing and annotation
-# make lint   - ruff
+# make lint   - ruff; mypy over pxrt/ and serving/; stubtest: the Cython modules' .pyi
+#               stubs against the built modules
 # Each target creates .venv and installs pxrt (editable, with its test and bench extras)
 # when needed.
 
@@ -40,8 +41,7 @@ PYTEST := $(PY) -m pytest -q --durations=5
 SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_ray.py
 TESTS := $(PYTEST) -m "not once" $(SUITE) && $(PYTEST) tests/test_grpc.py
 
-test: $(STAMP)
-	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
+test: lint
 	$(TESTS)
 	$(FOUR) sh -c '$(PYTEST) $(SUITE) && $(PYTEST) tests/test_grpc.py'
 	PXRT_NO_EXTENSIONS=1 $(FOUR) sh -c '$(TESTS)'
@@ -66,8 +66,12 @@ debug: $(STAMP)
 	$(PY) -m pip install -q 'cython>=3.0.11' 'setuptools>=77'
 	PXRT_DEBUG=1 $(PY) setup.py build_ext --inplace --force
 
+STUBS := pxrt._batch pxrt._handlers pxrt._keys serving._tensors
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
+	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest --ignore-disjoint-bases --allowlist tests/stubtest_allowlist.txt $(STUBS)
 
 clean:
 	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html serving/*.so serving/*.c serving/*.html $(VENV)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
+
+from .contracts import InputHandling, QueuePolicy
 
 INF = math.inf
 _NEVER = 1 << 62
@@ -123,7 +126,7 @@ class Batch:
         self.starts: list[int] = []
         self.counts: list[int] = []
         self.offsets: list[int] = []
-        self.requests: list[Request | None] = []
+        self.requests: list[Request | None] = []  # None: Batch.single's piece
         self.rows = 0
         self.lane = 0
         self.bucket: Any = None
@@ -178,9 +181,9 @@ class BatchQueue:
     def __init__(
         self,
         max_queued_rows: int = 0,
-        handler: Any = None,
-        policy: Any = None,
-        create_future: Any = None,
+        handler: InputHandling | None = None,
+        policy: QueuePolicy | None = None,
+        create_future: Callable[[], Any] | None = None,
         lanes: int = 1,
     ) -> None:
         if lanes < 1:
@@ -198,7 +201,6 @@ class BatchQueue:
         self._handler = handler
         self._policy = policy
         self._create_future = create_future
-        self._kick = policy.kick if policy is not None else None
         self.default_timeout = INF
         self.kick_rows = 1 if policy is not None else _NEVER
         self.sweep_at = INF
@@ -214,8 +216,12 @@ class BatchQueue:
         """When the oldest request still waiting was queued (+inf: none waits)."""
         return min((self._lane_oldest(k) for k in range(self.lanes)), default=INF)
 
+    def _waiting(self, lane: int) -> list[Request]:
+        # Lane ``lane``'s entries from its head on (the taken ones before it are None).
+        return cast("list[Request]", self._items[lane][self._heads[lane] :])
+
     def _lane_oldest(self, lane: int) -> float:
-        for r in self._items[lane][self._heads[lane] :]:
+        for r in self._waiting(lane):
             if not r.finished:
                 return r.t_enqueue
         return INF
@@ -238,7 +244,7 @@ class BatchQueue:
         rows = n = 0
         ages = 0.0
         oldest = INF
-        for r in self._items[lane][self._heads[lane] :]:
+        for r in self._waiting(lane):
             if rows >= max_rows:
                 break
             if r.finished:
@@ -322,7 +328,7 @@ class BatchQueue:
             raise error
         if self.queued_rows >= self.kick_rows:
             self.kick_rows = _NEVER  # once; the policy re-arms it
-            self._kick()
+            self._policy.kick()
         if deadline < self.sweep_at:
             self.sweep_at = deadline
             self._policy.arm_sweep(deadline)
@@ -376,7 +382,7 @@ class BatchQueue:
         head = self._heads[lane]
         n = len(items)
         while head < n and room > 0:
-            r = items[head]
+            r = cast(Request, items[head])
             if self._drop_if_gone(r, now):
                 items[head] = None
                 head += 1
@@ -398,7 +404,7 @@ class BatchQueue:
             if r.next_row == r.rows:
                 items[head] = None  # the batch holds it now
                 head += 1
-        if split and room == 0 and head < n - 1 and items[head].next_row:
+        if split and room == 0 and head < n - 1 and cast(Request, items[head]).next_row:
             # A request split across batches waits behind the others for its next piece,
             # so a large request does not hold the requests behind it for all its batches.
             items.append(items[head])
@@ -446,13 +452,14 @@ class BatchQueue:
         """Answer the requests of a batch whose ``outputs`` came back: each whole request
         gets its outputs, a split one once all its pieces are in. Logs each answered
         request's latency up to ``now`` (default: the clock); returns how many."""
-        outputs = batch.outputs
+        outputs = cast(list, batch.outputs)
         if len(outputs) != len(batch.requests):
             raise ValueError(f"{len(outputs)} outputs for a batch of {len(batch.requests)} pieces")
         if now < 0:
             now = _clock()
         answered = 0
-        for r, start, count, out in zip(batch.requests, batch.starts, batch.counts, outputs):
+        requests = cast("list[Request]", batch.requests)  # a queue's batches: no None
+        for r, start, count, out in zip(requests, batch.starts, batch.counts, outputs):
             if r.finished:
                 continue
             if count != r.rows:
@@ -471,7 +478,10 @@ class BatchQueue:
     def fail(self, batch: Batch, error: BaseException) -> int:
         """Answer every request of a failed batch with ``error`` (a split request
         fails whole); returns how many were answered."""
-        return sum(self._finish(r, None, error) for r in batch.requests)
+        answered = 0
+        for r in cast("list[Request]", batch.requests):
+            answered += self._finish(r, None, error)
+        return answered
 
     def cancel(self, r: Request) -> bool:
         """Its caller gave up: rows not yet in a batch leave the queue, rows in one
@@ -491,8 +501,8 @@ class BatchQueue:
         gave up; returns the earliest deadline among those still waiting (+inf)."""
         earliest = INF
         for k in range(self.lanes):
-            keep = []
-            for r in self._items[k][self._heads[k] :]:
+            keep: list[Request | None] = []
+            for r in self._waiting(k):
                 if self._drop_if_gone(r, now):
                     continue
                 keep.append(r)

@@ -18,8 +18,8 @@ if os.environ.get("PXRT_NO_EXTENSIONS", "") not in ("", "0"):
     EXTENSIONS = False
 else:
     try:
-        from . import _batch as batch  # type: ignore[no-redef]
-        from . import _handlers as handlers  # type: ignore[no-redef]
+        from pxrt import _batch as batch  # type: ignore[no-redef]
+        from pxrt import _handlers as handlers  # type: ignore[no-redef]
 
         EXTENSIONS = True
     except ImportError as exc:
@@ -30,8 +30,8 @@ else:
             RuntimeWarning,
             stacklevel=2,
         )
-        from . import _batch_py as batch  # type: ignore[no-redef]
-        from . import _handlers_py as handlers  # type: ignore[no-redef]
+        from . import _batch_py as batch
+        from . import _handlers_py as handlers
 
         EXTENSIONS = False
 

@@ -273,6 +273,7 @@ def split_pieces(
         for name, shards, cut in zip(names, outputs, cuts):
             index = [slice(None)] * shards[0].ndim
             for axis, d in cut:
+                assert lengths is not None  # split checked: cut outputs come with lengths
                 index[axis] = slice(0, lengths[i][d])
             inner = tuple(index[1:])
             if one_shard:

@@ -138,6 +138,7 @@ def validate(
         if not inner_contiguous(value):
             value = np.ascontiguousarray(value)
         arrays.append(value)
+    assert rows is not None  # a model has at least one input (the manifest's check)
     return tuple(arrays), rows
 
 

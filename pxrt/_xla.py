@@ -73,7 +73,7 @@ class _CompileCounter:
         meanwhile count against ``model``."""
         return _RequestPath(self._local, owner)
 
-    def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
+    def _on_event(self, event: str, duration_secs: float, **kwargs: Any) -> None:
         if event != _BACKEND_COMPILE_EVENT:
             return
         owner = getattr(self._local, "owner", None)
@@ -213,7 +213,9 @@ class RawProgram:
         bucket: int,
         zero_copy: bool = True,
     ):
-        mesh_exe = compiled._executable
+        # jax internals (docs/jax-runtime-notes.md): typed Any; verify-then-fallback
+        # (``choose_program``) checks their behaviour at load.
+        mesh_exe: Any = compiled._executable
         if compiled._params.const_args:
             raise _Unsupported("the executable has hoisted constants (const_args)")
         n_args = len(mesh_exe.in_avals)
@@ -222,7 +224,10 @@ class RawProgram:
         if n_args != len(param_bufs) + n_inputs:
             raise _Unsupported(f"expected {len(param_bufs) + n_inputs} arguments, got {n_args}")
         self.bucket = bucket
-        self.exe = compiled.runtime_executable()
+        exe = compiled.runtime_executable()
+        if exe is None:
+            raise _Unsupported("the compiled program has no runtime executable")
+        self.exe = exe
         self.param_bufs = list(param_bufs)
         self.x64 = x64
         self.in_avals = list(mesh_exe.in_avals[-n_inputs:])
@@ -353,7 +358,8 @@ def make_program(
     if not (allow_raw and RAW_PATH_AVAILABLE):
         return public
     candidates: list[tuple[str, Any]] = []
-    if len(compiled.runtime_executable().local_devices()) == 1:
+    runtime = compiled.runtime_executable()
+    if runtime is not None and len(runtime.local_devices()) == 1:
         candidates.append(("call", lambda: CallProgram(compiled, params_dev, x64, bucket)))
     candidates.append(
         (

@@ -342,7 +342,8 @@ def _write_directory(
         with open(os.path.join(tmp, PROGRAM_FILE), "wb") as f:
             f.write(program)
         with open(os.path.join(tmp, PARAMS_FILE), "wb") as f:
-            np.savez(f, **{f"p{i:04d}": _storable(leaf) for i, leaf in enumerate(leaves)})
+            stored: dict[str, Any] = {f"p{i:04d}": _storable(leaf) for i, leaf in enumerate(leaves)}
+            np.savez(f, **stored)
         manifest["files"] = {
             fname: _sha256(os.path.join(tmp, fname)) for fname in (PROGRAM_FILE, PARAMS_FILE)
         }
@@ -442,8 +443,8 @@ def read(path: str | os.PathLike) -> Artifact:
 
 
 def _read_params(path: str, exported: jax_export.Exported, meta: list[dict]) -> Any:
-    args_tree = exported.in_tree.children()[0]
-    params_tree = args_tree.children()[0]
+    args_tree = jax.tree_util.treedef_children(exported.in_tree)[0]
+    params_tree: Any = jax.tree_util.treedef_children(args_tree)[0]  # jaxlib: untyped
     if params_tree.num_leaves != len(meta):
         raise ArtifactError(
             f"{path}: the program takes {params_tree.num_leaves} param arrays "

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import _ext, _xla
+from .contracts import InputHandling, QueuePolicy, ResultHandling
 
 log = logging.getLogger("pxrt")
 
@@ -45,10 +46,21 @@ class Program(Protocol):
     in the order ``dispatch`` puts them.
     """
 
-    path: str
-    fast: bool
-    row_slices: Sequence[slice]
-    out_shard_rows: int
+    @property
+    def path(self) -> str:
+        """How it runs: ``"public"`` (jax's API), ``"raw"`` or ``"call"`` (fast paths)."""
+        ...
+
+    @property
+    def fast(self) -> bool:
+        """It takes a fast path (verified at load against the public one)."""
+        ...
+
+    @property
+    def row_slices(self) -> Sequence[slice]: ...
+
+    @property
+    def out_shard_rows(self) -> int: ...
 
     def dispatch(self, slot: _xla.StagingSlot) -> Any: ...
 
@@ -189,8 +201,8 @@ class Engine:
     def __init__(
         self,
         name: str,
-        input_handler: Any,
-        result_handler: Any,
+        input_handler: InputHandling,
+        result_handler: ResultHandling,
         buckets: Sequence[Bucket],
         owner: object,
     ) -> None:
@@ -242,7 +254,10 @@ class Engine:
         return Engine(self.name, self.input_handler, self.result_handler, buckets, self.owner)
 
     def queue(
-        self, max_queued_rows: int = 0, policy: Any = None, create_future: Any = None
+        self,
+        max_queued_rows: int = 0,
+        policy: QueuePolicy | None = None,
+        create_future: Callable[[], Any] | None = None,
     ) -> BatchQueue:
         """A new, empty queue to plan this engine's batches with; its ``submit``
         validates requests with this engine's input handler (see ``BatchQueue``)."""
@@ -290,6 +305,7 @@ class Engine:
         if rows <= self.lanes[lane].max_rows:
             batch = Batch.single(arrays, rows, lane)
             self.run(batch, copy)
+            assert batch.outputs is not None  # run fills them or raises
             return batch.outputs[0]
         return self.run_all([(arrays, rows)], copy, False)[0]
 
@@ -308,8 +324,8 @@ class Engine:
                 requests.append(exc)
                 continue
             requests.append(plan.push(arrays, rows, lane=lane))
-        for lane in self.lanes:
-            while (batch := plan.take(lane.max_rows, 0.0, lane.index)) is not None:
+        for each in self.lanes:
+            while (batch := plan.take(each.max_rows, 0.0, each.index)) is not None:
                 try:
                     self.run(batch, copy)
                 except Exception as exc:

@@ -47,9 +47,10 @@ def version_tuple(v: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def check_manifest(m: dict, where: str) -> None:
+def check_manifest(m: dict[str, Any], where: str) -> None:
     """The manifest's structure, field by field: a malformed one is an ArtifactError that
-    names the field, never a KeyError or an allocation sized by a typo."""
+    names the field, never a KeyError or an allocation sized by a typo. (Its values are
+    untrusted JSON, ``Any`` until checked.)"""
 
     def need(ok: bool, field: str, what: str) -> None:
         if not ok:
@@ -62,7 +63,7 @@ def check_manifest(m: dict, where: str) -> None:
     need(isinstance(m.get("version"), str), "'version'", "must be a string")
     need(isinstance(m.get("x64"), bool), "'x64'", "must be true or false")
     need(isinstance(m.get("mesh"), dict), "'mesh'", "must be an object")
-    files = m.get("files")
+    files: Any = m.get("files")
     need(
         isinstance(files, dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()),
@@ -70,7 +71,7 @@ def check_manifest(m: dict, where: str) -> None:
         "must map file names to sha256 strings",
     )
     v3 = m["format_version"] >= 3
-    dim_buckets = m.get("dim_buckets") if v3 else {}
+    dim_buckets: Any = m.get("dim_buckets") if v3 else {}
     need(
         isinstance(dim_buckets, dict)
         and all(
@@ -84,7 +85,7 @@ def check_manifest(m: dict, where: str) -> None:
         f"must map dimension names to non-empty lists of lengths from 1 to {MAX_BUCKET}",
     )
     for kind in ("inputs", "outputs"):
-        tensors = m.get(kind)
+        tensors: Any = m.get(kind)
         need(isinstance(tensors, list) and bool(tensors), f"'{kind}'", "must be a non-empty list")
         for i, t in enumerate(tensors):
             field = f"{kind}[{i}]"
@@ -122,14 +123,14 @@ def check_manifest(m: dict, where: str) -> None:
         "'dim_buckets'",
         f"must give lengths for exactly the inputs' named dimensions {sorted(named)}",
     )
-    buckets = m.get("batch_buckets")
+    buckets: Any = m.get("batch_buckets")
     need(
         isinstance(buckets, list) and bool(buckets) and all(is_int(b, 1) for b in buckets),
         "'batch_buckets'",
         "must be a non-empty list of positive ints",
     )
     need(max(buckets) <= MAX_BUCKET, "'batch_buckets'", f"has a bucket over {MAX_BUCKET} rows")
-    params = m.get("params")
+    params: Any = m.get("params")
     need(isinstance(params, list), "'params'", "must be a list")
     for i, p in enumerate(params):
         field = f"params[{i}]"

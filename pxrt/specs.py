@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -49,6 +49,7 @@ def as_dtype(dtype: Any) -> np.dtype:
 
 
 Dim = int | str
+_L = TypeVar("_L")  # what TensorSpec.at puts for a named dimension
 
 
 def is_dim_name(d: Any) -> bool:
@@ -95,8 +96,9 @@ class TensorSpec:
         """The named dimensions of the shape, in order."""
         return tuple(d for d in self.shape if isinstance(d, str))
 
-    def at(self, lengths: Mapping[str, int]) -> tuple[int, ...]:
-        """The per-example shape with each named dimension at ``lengths[name]``."""
+    def at(self, lengths: Mapping[str, _L]) -> tuple[int | _L, ...]:
+        """The per-example shape with each named dimension at ``lengths[name]`` (ints,
+        or jax's symbolic dimensions at export)."""
         return tuple(lengths[d] if isinstance(d, str) else d for d in self.shape)
 
     @property
@@ -104,17 +106,17 @@ class TensorSpec:
         """Bytes of one example (one row of a batch); only for fixed shapes."""
         if self.dims:
             raise ValueError(f"{self.describe()} has named dimensions: use nbytes_at(lengths)")
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.at({})) * self.dtype.itemsize
 
     def nbytes_at(self, lengths: Mapping[str, int]) -> int:
         """Bytes of one example with the named dimensions at ``lengths``."""
-        return int(np.prod(self.at(lengths), dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.at(lengths)) * self.dtype.itemsize
 
     def describe(self) -> str:
         return f"{self.dtype.name}[{', '.join(['n', *map(str, self.shape)])}]"
 
     def to_json(self, name: str, *, pad: bool = False) -> dict:
-        out = {"name": name, "dtype": self.dtype.name, "shape": list(self.shape)}
+        out: dict[str, Any] = {"name": name, "dtype": self.dtype.name, "shape": list(self.shape)}
         if pad:
             out["pad"] = self.pad
         return out

@@ -70,7 +70,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[memoryview, memo
     return view[:n], view[n:]
 
 
-def parse_json(header: memoryview) -> dict:
+def parse_json(header: memoryview | bytes) -> dict:
     try:
         doc = orjson.loads(header)
     except orjson.JSONDecodeError as exc:
@@ -226,8 +226,8 @@ def _limits(dtype: np.dtype) -> tuple[int, tuple]:
     if dtype.kind == "b":
         return tensors.BOOL, ()
     if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        return (tensors.INT if dtype.kind == "i" else tensors.UINT), (int(info.min), int(info.max))
+        ints = np.iinfo(dtype)
+        return (tensors.INT if dtype.kind == "i" else tensors.UINT), (int(ints.min), int(ints.max))
     if dtype == np.float64:
         return tensors.FLOAT, (0, 0, math.inf)  # JSON numbers are doubles already
     info = ml_dtypes.finfo(dtype)
@@ -240,7 +240,7 @@ def _limits(dtype: np.dtype) -> tuple[int, tuple]:
 _LIMITS = {dtype: _limits(dtype) for dtype in DATATYPES.values()}
 
 
-def _from_json(name: str, data: Any, dtype: np.dtype, shape: tuple, datatype: str) -> np.ndarray:
+def _from_json(name: str, data: Any, dtype: np.dtype, shape: tuple, datatype: Any) -> np.ndarray:
     kind, bounds = _LIMITS[dtype]
     try:
         raw = tensors.decode(data, shape, kind, *bounds)
@@ -299,7 +299,7 @@ def encode_response(
         }
         if binary:
             entry["parameters"] = {"binary_data_size": arr.nbytes}
-            blobs.append(memoryview(arr.reshape(-1).view(np.uint8)))
+            blobs.append(memoryview(arr.reshape(-1).view(np.uint8).data))
         elif arr.dtype == DATATYPES["BF16"]:
             entry["data"] = arr.astype(np.float32).ravel()
         else:

@@ -219,7 +219,8 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
                 response = await self._infer(request, None)
                 await done.put(pb.ModelStreamInferResponse(infer_response=response))
             except asyncio.CancelledError as exc:
-                if asyncio.current_task().cancelling():
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
                     raise  # the stream is ending: nobody reads the answer
                 # the request was cancelled, not this task (its model closing): it is
                 # answered like any failed one, or the stream would wait for it forever

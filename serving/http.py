@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -110,7 +110,7 @@ def create_app(
 # --------------------------------------------------------------------------- responses
 
 
-def _json(doc: Any, status: int = 200, headers: dict | None = None) -> Response:
+def _json(doc: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
     return Response(
         orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY),
         status,

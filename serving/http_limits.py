@@ -119,7 +119,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._header_bytes = 0
         self._on_lost = []
-        self.scope["extensions"] = {DISCONNECT_EXTENSION: self._on_lost.append}
+        # ASGI extensions are free-form; uvicorn's scope type says dict values.
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: self._on_lost.append}  # type: ignore[dict-item]
         now = self.loop.time()
         if not self._due:  # a later request on a kept-alive connection
             self._due = now + self.limits.header_timeout_s

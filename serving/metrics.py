@@ -13,7 +13,7 @@ numbers back as a dict, with percentiles interpolated within buckets.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -22,6 +22,7 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    Metric,
 )
 
 # 10 us .. ~80 s in x2 steps: fine enough for the percentiles of a serving path.
@@ -189,11 +190,15 @@ class Metrics:
         return {key: m.snapshot() for key, m in self.versions.items()}
 
 
+def _stage_of(stage: str) -> Callable[[ModelMetrics], Histogram]:
+    return lambda m: m.stages[stage]
+
+
 class _Collector:
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         models = list(self._metrics.versions.items())
         requests = CounterMetricFamily(
             "pxrt_requests", "Requests by outcome", labels=["model", "version", "outcome"]
@@ -217,8 +222,8 @@ class _Collector:
             queued.add_metric([name, version], m.source.queued_rows())
             compiles.add_metric([name, version], m.source.compiles())
         yield from (requests, batches, queued, compiles)
-        families = [
-            (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", lambda m, s=stage: m.stages[s])
+        families: list[tuple[str, str, Callable[[ModelMetrics], Histogram]]] = [
+            (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", _stage_of(stage))
             for stage, doc in STAGES.items()
         ]
         families += [

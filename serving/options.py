@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 
 class OptionError(ValueError):
@@ -102,16 +102,17 @@ class _Checked:
         return cls.CHECKS[key].expects
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], base: Any = None) -> Any:
+    def from_mapping(cls, values: Mapping[str, Any], base: Self | None = None) -> Self:
         """``base`` (default: the defaults) with ``values`` (option -> value) over it;
         an unknown option is an ``OptionError`` listing the known ones."""
         unknown = sorted(set(values) - set(cls.CHECKS))
         if unknown:
             raise OptionError(f"unknown option(s) {unknown}; known: {', '.join(cls.CHECKS)}")
-        return dataclasses.replace(base if base is not None else cls(), **values)
+        return (base if base is not None else cls()).replace(**values)
 
-    def replace(self, **changes: Any) -> Any:
+    def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` (checked)."""
+        # The subclasses are dataclasses; this base is not.
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
 

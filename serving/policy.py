@@ -66,9 +66,10 @@ def choose_cell(
     waiting = sum(st[1] for st in stats)
     best = None
     best_oldest = math.inf
-    for j, (rows, n, _, oldest) in enumerate(stats):
+    for j, (rows, requests, _, oldest) in enumerate(stats):
         if not rows:
             continue
+        n: float = requests  # grows by fractions of folded lanes' requests
         t = exec_s(j, rows)
         fold = []
         for i in fold_lanes[j]:
@@ -95,8 +96,11 @@ def choose_cell(
 
 
 class _Bucket(Protocol):
-    size: int
-    exec_s: float
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def exec_s(self) -> float: ...
 
 
 def efficient_cap(buckets: Iterable[_Bucket], cap: int, fallback: int) -> int:

@@ -62,7 +62,7 @@ class PxrtDeployment:
         as ``Server.add_model`` takes them.
     """
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits async constructors
         self,
         path: str,
         *,
@@ -238,6 +238,7 @@ def pxrt_app(
         deployment_options["autoscaling_config"] = dict(autoscaling_config)
     if ray_actor_options is not None:
         deployment_options["ray_actor_options"] = dict(ray_actor_options)
-    return PxrtDeployment.options(**deployment_options).bind(
+    # @serve.deployment made the class a Deployment, which mypy does not see.
+    return PxrtDeployment.options(**deployment_options).bind(  # type: ignore[attr-defined]
         path, name=name, load_options=load_options, options=options
     )

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 import pxrt
+from pxrt import demo
 
 from ..server import new_event_loop
 from . import loadgen, report
@@ -46,7 +47,7 @@ def parse_lengths(spec: str, top: int):
         low, high = min(values[0], top), min(values[1], top)
         if kind == "uniform":
             return lambda n, seed: np.random.default_rng(seed).integers(low, high, n, endpoint=True)
-        return lambda n, seed: pxrt.demo.token_lengths(n, low, high, seed)
+        return lambda n, seed: demo.token_lengths(n, low, high, seed)
     raise ValueError(
         f"--lengths {spec!r}: expected pareto:LOW:HIGH, uniform:LOW:HIGH or fixed:N "
         "(positive ints, LOW <= HIGH)"

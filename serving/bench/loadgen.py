@@ -8,6 +8,7 @@ Everything here drives an ``infer(request)`` coroutine function, whatever serves
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -143,7 +144,7 @@ async def open_loop(
     pick = _picker(request)
     async for at in poisson_arrivals(rate, duration, seed=4):
         outstanding += 1
-        submit(pick()).add_done_callback(lambda fut, at=at: done(fut, at))
+        submit(pick()).add_done_callback(functools.partial(done, scheduled=at))
     generating = False
     if outstanding:
         await all_done.wait()

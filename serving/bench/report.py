@@ -93,6 +93,7 @@ def plot(results: list[dict], path: str) -> bool:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    modes: tuple[tuple[str, str], ...]
     modes = (("pxrt-closed", "o"), ("plain", "D"), ("http-closed", "^"), ("naive", "s"))
     modes += (("grid", "o"), ("oldest", "D"), ("padded", "s"))  # variable-length runs
     for mode, marker in modes:
