@@ -104,7 +104,7 @@ async def measure_model(
                             "cpu_us": cpu / max(len(lat), 1) * 1e6,
                         }
                     )
-                for size in {model.bucket_for(min(c, model.max_batch)), model.max_batch}:
+                for size in {model.size_for(min(c, model.max_batch)), model.max_batch}:
                     ceilings.setdefault(size, []).append(
                         run_ceiling(model, duration / 2, size)["rows_per_s"]
                     )
@@ -131,7 +131,7 @@ def report(name: str, model: pxrt.Model, out: dict) -> None:
     )
     for c, runs in out["runs"].items():
         px, pl, nu = (med(runs[k], "req_s") for k in ("pxrt", "plain", "null"))
-        ceiling = ceilings[model.bucket_for(min(c, model.max_batch))]
+        ceiling = ceilings[model.size_for(min(c, model.max_batch))]
         largest = ceilings[model.max_batch]
         print(
             f"{c:>7} {px:>11,.0f} {pl:>9,.0f} {nu:>10,.0f} {px / pl:>9.2f}x {px / nu:>8.2f}x "

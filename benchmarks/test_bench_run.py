@@ -11,7 +11,7 @@ from pxrt import demo
 
 @pytest.fixture(params=BUCKETS, ids=lambda b: f"B{b}")
 def bucket(request, model):
-    return model.bucket_for(request.param)
+    return model.size_for(request.param)
 
 
 def _x(size):

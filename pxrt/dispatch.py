@@ -48,12 +48,8 @@ class Program(Protocol):
 
     @property
     def path(self) -> str:
-        """How it runs: ``"public"`` (jax's API), ``"raw"`` or ``"call"`` (fast paths)."""
-        ...
-
-    @property
-    def fast(self) -> bool:
-        """It takes a fast path (verified at load against the public one)."""
+        """How it runs: ``"public"`` (jax's API), or a fast path verified at load
+        against it: ``"raw"`` or ``"call"``."""
         ...
 
     @property
@@ -140,7 +136,8 @@ class Bucket:
 
     @property
     def fast_path(self) -> bool:
-        return bool(self.program.fast)
+        """It runs on a fast path (``program.path`` is not ``"public"``)."""
+        return self.program.path != "public"
 
 
 def lane_key(lengths: tuple[int, ...]) -> tuple:

@@ -167,9 +167,10 @@ class Model:
             f"{self.cells}"
         )
 
-    def bucket_for(self, rows: int) -> int:
-        """The bucket size a batch of ``rows`` rows runs in (the smallest that holds it;
-        in the cheapest lane for models with named dimensions)."""
+    def size_for(self, rows: int) -> int:
+        """The size of the bucket a batch of ``rows`` rows runs in (the smallest that
+        holds it; in the cheapest lane for models with named dimensions). ``bucket``
+        gives the bucket itself."""
         return self.engine.bucket_for(rows).size
 
     @property
@@ -366,7 +367,7 @@ def load(
                 art.x64,
                 size,
                 example,
-                allow_raw=fast_path,
+                fast_path=fast_path,
                 zero_copy=zero_copy,
             )
             compile_s = time.perf_counter() - tc

@@ -186,7 +186,7 @@ class Wrapped:
 
     def __init__(self, real, gate, delay_s=0.0, fail_if=None):
         self.real, self.gate, self.delay_s, self.fail_if = real, gate, delay_s, fail_if
-        self.path, self.fast = real.path, real.fast
+        self.path = real.path
         self.out_shard_rows, self.row_slices = real.out_shard_rows, real.row_slices
 
     def dispatch(self, slot):

@@ -172,7 +172,7 @@ def test_compile_counter_catches_a_compile_on_the_request_path(artifacts):
     class Compiling:
         def __init__(self, real):
             self.real = real
-            self.path, self.fast = real.path, real.fast
+            self.path = real.path
             self.out_shard_rows, self.row_slices = real.out_shard_rows, real.row_slices
 
         def dispatch(self, slot):
