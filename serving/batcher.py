@@ -211,12 +211,7 @@ class Batcher:
             batch = queue.take(self.max_batch_size, now)
             if batch is None:
                 break
-            try:
-                self.pipeline.submit(batch)
-            except Exception as exc:  # noqa: BLE001 - answer the batch's callers, keep serving
-                self._fail(batch, f"could not dispatch a batch: {exc!r}", exc)
-                continue
-            self.inflight += 1
+            self._dispatch(batch)
         if self.inflight < self.max_inflight:
             # Idle: the next request goes at once; busy: the next full batch does.
             queue.kick_rows = self.max_batch_size if self.inflight else 1
@@ -248,12 +243,7 @@ class Batcher:
             batch = queue.take(rows, now, lane, fold)
             if batch is None:
                 continue  # what waited was given up or expired: look again
-            try:
-                self.pipeline.submit(batch)
-            except Exception as exc:  # noqa: BLE001 - answer the batch's callers, keep serving
-                self._fail(batch, f"could not dispatch a batch: {exc!r}", exc)
-                continue
-            self.inflight += 1
+            self._dispatch(batch)
         if self.inflight < self.max_inflight:
             # Idle: the next request goes at once; busy: look again as rows arrive, for
             # a lane that fills a batch, and when the earliest deadline comes due.
@@ -266,6 +256,16 @@ class Batcher:
                     self._arm_delay(max(due - _clock(), 0.0))
         if queue.closed and not self.inflight and not queue.queued_rows:
             self._drained.set()
+
+    def _dispatch(self, batch: Batch) -> None:
+        """Hand ``batch`` to the pipeline; if that fails, its callers get the error and
+        serving goes on."""
+        try:
+            self.pipeline.submit(batch)
+        except Exception as exc:  # noqa: BLE001 - answer the batch's callers, keep serving
+            self._fail(batch, f"could not dispatch a batch: {exc!r}", exc)
+            return
+        self.inflight += 1
 
     def _choose(self, now: float, full_only: bool) -> Choice | None:
         """The next batch of a model with several lanes (``policy.choose_cell``)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -331,3 +332,174 @@ def test_a_split_request_takes_turns_with_the_requests_behind_it(impl):
         queue.deliver(batch)
     assert plan == [[(0, 0, 4)], [(1, 0, 1), (2, 0, 1), (0, 4, 2)], [(0, 6, 4)]]
     assert big.result()["y"].tolist() == list(range(10))
+
+
+# --------------------------------------------------------------------------- lanes
+
+
+def _lane(raw, lanes):
+    """A drawn lane: mostly one of the queue's, sometimes one just outside it."""
+    return -1 if raw == 18 else lanes if raw == 19 else raw % lanes
+
+
+def _outcome(fn, *args):
+    """(True, result) or (False, (type, message)): errors compared like results."""
+    try:
+        return True, fn(*args)
+    except Exception as exc:
+        return False, (type(exc), str(exc))
+
+
+def _describe(batch, numbers):
+    """A batch as comparable data, its requests by number (``numbers``: id -> number);
+    each piece's inputs are its request's."""
+    if batch is None:
+        return None
+    assert all(r.arrays is p for r, p in zip(batch.requests, batch.pieces))
+    return (
+        batch.lane,
+        batch.rows,
+        list(batch.starts),
+        list(batch.counts),
+        list(batch.offsets),
+        [numbers[id(r)] for r in batch.requests],
+        [r.lane for r in batch.requests],
+    )
+
+
+def _answers(requests):
+    """Each request's answer: its rows, its error, or what became of it."""
+    answers = []
+    for r, fut in requests:
+        if r is None:
+            answers.append("refused")
+        elif fut.cancelled():
+            answers.append("cancelled")
+        elif fut.done() and fut.exception() is not None:
+            answers.append(repr(fut.exception()))
+        elif fut.done():
+            answers.append(fut.result()["y"].tolist())
+        else:
+            answers.append("pending")
+    return answers
+
+
+raw_lane = st.sampled_from(range(20))
+lane_op_kinds = {
+    "push": st.tuples(
+        st.just("push"),
+        st.sampled_from([1, 1, 2, 2, 3, 4, 6, 9, 0]),
+        raw_lane,
+        st.sampled_from([math.inf, math.inf, 1.0, 1.5]),
+    ),
+    "take": st.tuples(
+        st.just("take"),
+        st.sampled_from([*range(1, 17), 0, -1]),
+        st.floats(0, 2),
+        raw_lane,
+        st.sampled_from([None, "others"]) | st.lists(raw_lane, max_size=4).map(tuple),
+    ),
+    "stats": st.tuples(st.just("stats"), raw_lane, st.integers(-1, 12), st.floats(0, 2)),
+    "deliver": st.tuples(st.just("deliver")),
+    "fail": st.tuples(st.just("fail")),
+    "cancel": st.tuples(st.just("cancel"), st.integers(0, 50)),
+    "give_up": st.tuples(st.just("give_up"), st.integers(0, 50)),
+    "sweep": st.tuples(st.just("sweep"), st.floats(0, 2)),
+}
+# Weighted: enough pushes and takes that batches form in every lane.
+lane_ops = st.lists(
+    st.sampled_from(["push"] * 6 + ["take"] * 3 + ["deliver"] * 2 + list(lane_op_kinds)).flatmap(
+        lane_op_kinds.__getitem__
+    ),
+    min_size=20,
+    max_size=80,
+)
+
+
+def play_lanes(batch_mod, script, lanes, max_queued_rows):
+    """Run ``script`` on a queue of ``lanes`` lanes; returns everything observable, with
+    times as request numbers (and the ages of ``lane_stats`` apart: clock-dependent)."""
+    queue = batch_mod.BatchQueue(max_queued_rows, None, Policy(), None, lanes)
+    requests, taken, log, ages = [], [], [], []
+    numbers, by_time = {}, {}  # request id, t_enqueue (unique: see below) -> number
+
+    def which(t):
+        return None if t == math.inf else by_time[t]
+
+    for op in script:
+        if op[0] == "push":
+            _, rows, lane, deadline = op
+            k = len(requests)
+            fut = concurrent.futures.Future()
+            ok, r = _outcome(queue.push, request(k, rows), rows, fut, deadline, _lane(lane, lanes))
+            if ok and r is not None:
+                numbers[id(r)], by_time[r.t_enqueue] = k, k
+                assert (r.rows, r.lane, r.deadline) == (rows, _lane(lane, lanes), deadline)
+                while time.perf_counter() <= r.t_enqueue:  # the next push is strictly later
+                    pass
+            requests.append((r if ok else None, fut))
+            log.append(("push", r is not None if ok else r))
+        elif op[0] == "take":
+            _, max_rows, now, lane, fold = op
+            lane = _lane(lane, lanes)
+            if fold == "others":  # what serving folds: every other lane, longest first
+                fold = tuple(k for k in reversed(range(lanes)) if k != lane)
+            elif fold is not None:
+                fold = tuple(_lane(k, lanes) for k in fold)
+            ok, batch = _outcome(queue.take, max_rows, now, lane, fold)
+            if ok and batch is not None:
+                taken.append(batch)
+            log.append(("take", _describe(batch, numbers) if ok else batch))
+        elif op[0] == "stats":
+            _, lane, max_rows, now = op
+            ok, stats = _outcome(queue.lane_stats, _lane(lane, lanes), max_rows, now)
+            if ok:
+                rows, n, age_sum, oldest = stats
+                ages.append((n, now, age_sum))
+                stats = (rows, n, which(oldest))
+            log.append(("stats", stats))
+            log.append(("lane_rows", _outcome(queue.lane_rows, _lane(lane, lanes))))
+        elif op[0] in ("deliver", "fail") and taken:
+            batch = taken.pop(0)
+            if op[0] == "deliver":
+                batch.outputs = outputs_for(batch)
+                log.append(("deliver", queue.deliver(batch, False)))
+            else:
+                log.append(("fail", queue.fail(batch, KeyError("batch failed"))))
+        elif op[0] == "cancel" and requests:
+            r, _ = requests[op[1] % len(requests)]
+            log.append(("cancel", r is not None and queue.cancel(r)))
+        elif op[0] == "give_up" and requests:
+            _, fut = requests[op[1] % len(requests)]
+            log.append(("give_up", fut.cancel()))
+        elif op[0] == "sweep":
+            log.append(("sweep", queue.sweep(op[1])))
+        per_lane = [queue.lane_rows(k) for k in range(lanes)]
+        assert sum(per_lane) == queue.queued_rows
+        log.append(
+            (
+                "state",
+                queue.queued_rows,
+                len(queue),
+                per_lane,
+                queue.earliest_deadline,
+                which(queue.oldest),
+                (queue.expired, queue.cancelled, queue.refused_rows),
+            )
+        )
+    return log, _answers(requests), ages
+
+
+@needs_ext
+@settings(max_examples=100, deadline=None)
+@given(script=lane_ops, lanes=st.integers(1, 4), max_queued_rows=st.sampled_from([0, 6, 20]))
+def test_lanes_and_folds_behave_the_same_in_both_implementations(script, lanes, max_queued_rows):
+    """Per-lane pushes, takes with folded lanes, lane stats and rows, and their errors."""
+    py_log, py_answers, py_ages = play_lanes(_batch_py, script, lanes, max_queued_rows)
+    c_log, c_answers, c_ages = play_lanes(_batch_c, script, lanes, max_queued_rows)
+    assert py_log == c_log
+    assert py_answers == c_answers
+    # Ages are sums of now - t_enqueue: the same requests, so the same up to the clock
+    # (both runs take well under a second per request counted).
+    for (n, now, a), (m, _, b) in zip(py_ages, c_ages):
+        assert n == m and a == pytest.approx(b, abs=n * 1.0, rel=0)
