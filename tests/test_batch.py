@@ -501,5 +501,87 @@ def test_lanes_and_folds_behave_the_same_in_both_implementations(script, lanes, 
     assert py_answers == c_answers
     # Ages are sums of now - t_enqueue: the same requests, so the same up to the clock
     # (both runs take well under a second per request counted).
-    for (n, now, a), (m, _, b) in zip(py_ages, c_ages):
+    for (n, _now, a), (m, _, b) in zip(py_ages, c_ages):
         assert n == m and a == pytest.approx(b, abs=n * 1.0, rel=0)
+
+
+# --------------------------------------------------------------------------- submit
+
+submit_op_kinds = {
+    "submit": st.tuples(
+        st.just("submit"),
+        st.sampled_from([1, 2, 3, 5, 100]),  # 100 rows: more than a queue may hold
+        st.sampled_from([1, 2, 3, 4, 7, 8, 9]),  # 9: over the largest compiled length
+        st.sampled_from(["float32", "float32", "float32", "float64", "missing"]),
+        st.sampled_from([None, None, 0.5, 30.0]),
+    ),
+    "take": st.tuples(st.just("take"), st.integers(1, 12), st.integers(0, 2)),
+    "deliver": st.tuples(st.just("deliver")),
+    "kick_rows": st.tuples(st.just("kick_rows"), st.integers(0, 12)),
+    "close": st.tuples(st.just("close"), st.booleans()),
+}
+submit_ops = st.lists(
+    st.sampled_from(["submit"] * 6 + list(submit_op_kinds)).flatmap(submit_op_kinds.__getitem__),
+    min_size=10,
+    max_size=60,
+)
+
+
+def play_submits(impl, script, max_queued_rows):
+    """Run ``script`` through ``submit`` on a three-lane queue (one named dimension
+    compiled at 2, 4 and 8); returns everything observable, deadlines as timeouts."""
+    batch_mod, handlers = impl
+    handler = handlers.InputHandler(
+        "m", ["x", "w"], [np.float32, np.int32], [("s",), (2,)], 8, [(2, 4, 8)], [0, 1, 2]
+    )
+    policy = Policy()
+    queue = batch_mod.BatchQueue(max_queued_rows, handler, policy, concurrent.futures.Future, 3)
+    queue.default_timeout = 10.0
+    log, taken = [], []
+    for k, op in enumerate(script):
+        if op[0] == "submit":
+            _, rows, length, dtype, timeout = op
+            req = {"w": np.full((rows, 2), k, np.int32)}
+            if dtype != "missing":
+                req["x"] = np.full((rows, length), k, dtype)
+            ok, r = _outcome(queue.submit, req, timeout)
+            log.append(
+                ("submit", (r.rows, r.lane, round(r.deadline - r.t_enqueue, 6)) if ok else r)
+            )
+        elif op[0] == "take":
+            batch = queue.take(op[1], 0.0, op[2], None)
+            if batch is not None:
+                taken.append(batch)
+                log.append(("take", batch.lane, batch.rows, list(batch.counts)))
+        elif op[0] == "deliver" and taken:
+            batch = taken.pop(0)
+            batch.outputs = [
+                {"x": a[0][s : s + c]} for a, s, c in zip(batch.pieces, batch.starts, batch.counts)
+            ]
+            log.append(("deliver", queue.deliver(batch, False)))
+        elif op[0] == "kick_rows":
+            queue.kick_rows = op[1]
+        elif op[0] == "close":
+            queue.closed = op[1]
+        log.append(
+            (
+                queue.queued_rows,
+                [queue.lane_rows(k) for k in range(3)],
+                queue.kick_rows,
+                (queue.invalid, queue.rejected, queue.refused_rows),
+                policy.kicks,
+                len(policy.sweeps),
+            )
+        )
+    return log
+
+
+@needs_ext
+@settings(max_examples=100, deadline=None)
+@given(script=submit_ops, max_queued_rows=st.sampled_from([0, 8, 20]))
+def test_submit_behaves_the_same_in_both_implementations(script, max_queued_rows):
+    """Admission through ``submit``: validation, lanes, deadlines, refusals and their
+    counts, kicks and sweeps armed, closing; each error's type and words."""
+    impls = [(_batch_py, _handlers_py), (_batch_c, _handlers_c)]
+    py_log, c_log = (play_submits(impl, script, max_queued_rows) for impl in impls)
+    assert py_log == c_log

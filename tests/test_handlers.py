@@ -277,3 +277,107 @@ def test_bool_checks_leave_other_dtypes_alone(impl):
     h = impl.InputHandler("m", ["x"], [np.uint8], [(4,)])
     x = np.full((2, 4), 0xFF, np.uint8)  # any byte is a uint8
     assert h.prepare({"x": x})[1] == 2
+
+
+# --------------------------------------------------------------------------- named dimensions
+
+# Input shapes over two named dimensions ("s" compiled at 4 and 8, "t" at 3 and 6); every
+# input set mentions both, so each handler's dimension order is ("s", "t") or ("t", "s").
+NAMED_SHAPES = [("s",), ("s", 2), (2, "s"), ("t", "s"), ("s", "t"), (3,), ("t",)]
+GRID = {"s": (4, 8), "t": (3, 6)}
+
+
+def _named_array(rng, dtype, shape, rows, layout):
+    """rows x shape, with the source laid out as drawn: contiguous, every other row of a
+    bigger array (strided rows), reversed rows, or a transpose's view (strided inner axes;
+    prepare makes those contiguous)."""
+    base = rng.integers(-50, 50, (rows * 2,) + shape).astype(dtype)
+    if layout == "strided":
+        return base[::2]
+    if layout == "reversed":
+        return base[:rows][::-1]
+    if layout == "transposed" and len(shape) >= 1:
+        t = rng.integers(-50, 50, shape[::-1] + (rows,)).astype(dtype)
+        return t.T
+    return np.ascontiguousarray(base[:rows])
+
+
+@needs_ext
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(st.sampled_from(NAMED_SHAPES), min_size=1, max_size=3).filter(
+        lambda ss: {d for s in ss for d in s if isinstance(d, str)} == {"s", "t"}
+    ),
+    dtypes=st.lists(st.sampled_from(DTYPES), min_size=3, max_size=3),
+    pieces=st.lists(
+        st.tuples(st.integers(1, 4), st.integers(1, 8), st.integers(1, 6), st.integers(0, 3)),
+        min_size=1,
+        max_size=5,
+    ),
+    layout=st.sampled_from(["contiguous", "strided", "reversed", "transposed"]),
+    seed=st.integers(0, 2**16),
+    copy=st.booleans(),
+)
+def test_padded_assembly_and_cut_split_match_the_python_twin(
+    shapes, dtypes, pieces, layout, seed, copy
+):
+    """Named-dimension assembly (each piece into the corner of its rows, the input's pad
+    everywhere else) and the cut split, on sources of every layout, against the twin and
+    against numpy."""
+    rng = np.random.default_rng(seed)
+    names = [f"in{i}" for i in range(len(shapes))]
+    dtypes = dtypes[: len(shapes)]
+    dim_names = tuple(dict.fromkeys(d for s in shapes for d in s if isinstance(d, str)))
+    dim_lengths = [GRID[d] for d in dim_names]
+    pads = [int(rng.integers(0, 4)) if dt != np.bool_ else 1 for dt in dtypes]
+    # Requests: per piece, its rows and its length along s and t; the piece taken is
+    # rows start:start+count of it.
+    requests, starts, counts = [], [], []
+    for rows, s, t, skip in pieces:
+        lengths = {"s": s, "t": t}
+        concrete = [tuple(lengths.get(d, d) for d in shape) for shape in shapes]
+        requests.append(
+            {n: _named_array(rng, dt, c, rows, layout) for n, dt, c in zip(names, dtypes, concrete)}
+        )
+        start = min(skip, rows - 1)
+        starts.append(start)
+        counts.append(int(rng.integers(1, rows - start + 1)))
+    total = sum(counts)
+    bucket = total + int(rng.integers(0, 3))
+    full = [tuple(max(GRID[d]) if isinstance(d, str) else d for d in s) for s in shapes]
+
+    results = []
+    for impl in (_handlers_py, _handlers_c):
+        handler = impl.InputHandler("m", names, dtypes, shapes, 8, dim_lengths, [0, 1, 2, 3], pads)
+        prepared = [handler.prepare(r)[0] for r in requests]
+        lengths = [handler.lengths_of(a) for a in prepared]
+        lanes = [handler.lane_of(a) for a in prepared]
+        buffers = [np.full((bucket,) + f, 7, dt) for f, dt in zip(full, dtypes)]
+        assert handler.assemble(prepared, starts, counts, buffers) == total
+        # Outputs: the identity, one output per input, split at two shards when they fit.
+        shards = 2 if bucket % 2 == 0 else 1
+        per = bucket // shards
+        outputs = [[b[i * per : (i + 1) * per].copy() for i in range(shards)] for b in buffers]
+        offsets = list(np.cumsum([0] + counts[:-1]))
+        splitter = impl.ResultHandler(names, dtypes, shapes, dim_names)
+        split = splitter.split(outputs, per, offsets, counts, copy, lengths)
+        results.append((lengths, lanes, buffers, split))
+
+    (len_py, lanes_py, buf_py, out_py), (len_c, lanes_c, buf_c, out_c) = results
+    assert len_py == len_c and lanes_py == lanes_c
+    for j, (a, b) in enumerate(zip(buf_py, buf_c)):
+        want = np.full_like(a, pads[j])
+        row = 0
+        for req, start, count in zip(requests, starts, counts):
+            src = req[names[j]][start : start + count]
+            want[(slice(row, row + count), *(slice(0, n) for n in src.shape[1:]))] = src
+            row += count
+        np.testing.assert_array_equal(a, want)
+        np.testing.assert_array_equal(b, want)
+    for req, start, count, got_py, got_c in zip(requests, starts, counts, out_py, out_c):
+        for n in names:
+            want = req[n][start : start + count]
+            np.testing.assert_array_equal(got_py[n], want)
+            np.testing.assert_array_equal(got_c[n], want)
+            assert got_c[n].dtype == got_py[n].dtype == want.dtype
+            assert got_c[n].flags.writeable == got_py[n].flags.writeable
