@@ -46,7 +46,12 @@ from .policy import Choice, choose_cell, efficient_cap
 _clock = time.perf_counter
 INF = math.inf
 NEVER = 1 << 62  # a kick_rows no queue reaches
-TIMER_SLACK_S = 2e-3  # loop timers fire up to a millisecond early (asyncio) or late (uvloop)
+# How long before a queued deadline a waiting batch is closed, beyond a full batch's
+# execution time: loop timers fire up to a millisecond early (asyncio) and, on a busy or
+# virtual machine, several late. Each batcher widens its own margin to twice the
+# lateness its delay timers show (at most MAX_TIMER_SLACK_S), narrowing it slowly again.
+TIMER_SLACK_S = 10e-3
+MAX_TIMER_SLACK_S = 0.1
 
 
 class RequestTooLarge(ValueError):
@@ -84,6 +89,8 @@ class Batcher:
         self.queue.default_timeout = INF if default_timeout_s is None else default_timeout_s
         self.inflight = 0
         self._delay_timer: asyncio.TimerHandle | None = None
+        self._delay_at = 0.0  # when the delay timer is due (_clock)
+        self._timer_slack = TIMER_SLACK_S
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._drained = asyncio.Event()
         self._close_task: asyncio.Task | None = None
@@ -198,7 +205,7 @@ class Batcher:
             if queue.queued_rows < self.max_batch_size and not queue.closed:
                 # Go early enough that the request with the earliest deadline is taken
                 # (and could run) before it: loop timers fire up to ~1 ms off.
-                due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+                due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
                 if not self.inflight and self.max_delay:
                     due = min(due, queue.oldest + self.max_delay)
                 elif not self.inflight:
@@ -226,7 +233,7 @@ class Batcher:
         while self.inflight < self.max_inflight and queue.queued_rows:
             now = _clock()
             if not self.inflight and queue.queued_rows < self.max_batch_size and not queue.closed:
-                due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+                due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
                 due = min(due, queue.oldest + self.max_delay) if self.max_delay else now
                 if due > now:
                     if due < INF:
@@ -234,7 +241,7 @@ class Batcher:
                     queue.kick_rows = self.max_batch_size
                     return
             # Busy: only a full batch goes, unless a queued deadline is due.
-            due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+            due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
             full_only = self.inflight > 0 and not queue.closed and due > now
             choice = self._choose(now, full_only)
             if choice is None:
@@ -251,7 +258,7 @@ class Batcher:
                 max(min(self.lane_caps), queue.queued_rows + 1) if self.inflight else 1
             )
             if self.inflight and queue.queued_rows:
-                due = queue.earliest_deadline - self._full_exec_s - TIMER_SLACK_S
+                due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
                 if due < INF:
                     self._arm_delay(max(due - _clock(), 0.0))
         if queue.closed and not self.inflight and not queue.queued_rows:
@@ -282,9 +289,14 @@ class Batcher:
         if self._delay_timer is not None:
             self._delay_timer.cancel()
         self._delay_timer = self._loop.call_later(delay, self._on_delay)
+        self._delay_at = _clock() + delay
 
     def _on_delay(self) -> None:
         self._delay_timer = None
+        late = _clock() - self._delay_at
+        self._timer_slack = min(
+            max(TIMER_SLACK_S, self._timer_slack * 0.99, 2 * late), MAX_TIMER_SLACK_S
+        )
         self._flush()
 
     def _sweep(self) -> None:
