@@ -141,6 +141,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="gRPC's share of --max-connections (default a quarter: gRPC clients "
         "multiplex calls on one connection); HTTP gets the rest",
     )  # fmt: skip
+    p.add_argument(
+        "--max-stream-inflight", type=_arg(number(int, 1)), default=512,
+        help="requests of one gRPC stream read and not yet answered; over it the stream "
+        "is not read (HTTP/2 flow control holds the client) (default 512)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
 
 

@@ -19,7 +19,9 @@ Errors map to status codes as Triton's do: a malformed request or a validation e
 INVALID_ARGUMENT, an unknown model or version NOT_FOUND, a full queue or a server that is
 loading or draining UNAVAILABLE, a deadline passed in the queue DEADLINE_EXCEEDED, a
 failed batch or an unexpected error INTERNAL, a message over the size limit
-RESOURCE_EXHAUSTED (grpcio's own).
+RESOURCE_EXHAUSTED (grpcio's own), a message that is not a valid protobuf
+INVALID_ARGUMENT (``start_grpc`` parses messages itself: grpcio would answer UNKNOWN
+with a Python exception's text).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -61,6 +64,10 @@ class GrpcLimits:
       long is pinged; one whose peer does not answer in the timeout is closed.
     - ``min_client_ping_s``: clients pinging more often than this without data are sent
       GOAWAY after two strikes (grpc's keepalive enforcement; Triton's default too).
+    - ``max_stream_inflight``: requests of one ModelStreamInfer stream read and not yet
+      answered (answers waiting to be written included); over it the stream is not read
+      until an answer is written, so HTTP/2 flow control holds a client that sends
+      faster than it reads (pxrt's own, not grpc core's).
     """
 
     max_connections: int = 250
@@ -69,6 +76,7 @@ class GrpcLimits:
     keepalive_s: float = 60.0
     keepalive_timeout_s: float = 20.0
     min_client_ping_s: float = 300.0
+    max_stream_inflight: int = 512
 
     def options(self) -> list[tuple[str, int]]:
         """grpc channel arguments enforcing these limits."""
@@ -88,9 +96,12 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` for the models of ``server`` (and of
     ``repository``, when there is one)."""
 
-    def __init__(self, server: Server, repository: Repository | None = None) -> None:
+    def __init__(
+        self, server: Server, repository: Repository | None = None, limits: GrpcLimits | None = None
+    ) -> None:
         self.server = server
         self.repository = repository
+        self.limits = limits or GrpcLimits()
 
     @staticmethod
     async def _abort(context: Any, exc: BaseException, where: str) -> None:
@@ -190,6 +201,9 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
     # ------------------------------------------------------------------ inference
 
     def _infer(self, message: pb.ModelInferRequest, deadline_s: float | None) -> Any:
+        if isinstance(message, Malformed):  # in a stream: this request's error
+            raise codec.ProtocolError(message.error)
+
         def decode(model: Model) -> InferRequest:
             return InferRequest.from_proto(message, model, deadline_s)
 
@@ -209,42 +223,54 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Any:
         """Every request of the stream is queued as it arrives; answers (or errors, as
-        ``error_message`` with the request's ``id``) go back as they complete."""
+        ``error_message`` with the request's ``id``) go back as they complete. At most
+        ``limits.max_stream_inflight`` requests are read and not yet answered. When the
+        server drains, the stream is no longer read: what was read is answered, then
+        the stream ends with UNAVAILABLE."""
         done: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(self.limits.max_stream_inflight)
         pending = 0
         reading = True
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
                 response = await self._infer(request, None)
-                await done.put(pb.ModelStreamInferResponse(infer_response=response))
+                done.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except asyncio.CancelledError as exc:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise  # the stream is ending: nobody reads the answer
                 # the request was cancelled, not this task (its model closing): it is
                 # answered like any failed one, or the stream would wait for it forever
-                await done.put(_stream_error(request, f"the request was cancelled: {exc}"))
+                done.put_nowait(_stream_error(request, f"the request was cancelled: {exc}"))
             except Exception as exc:  # noqa: BLE001 - this request's answer
                 if not core.is_known(exc):
                     exc = core.internal_error("ModelStreamInfer", exc)
-                await done.put(_stream_error(request, core.status_of(exc).message))
+                done.put_nowait(_stream_error(request, core.status_of(exc).message))
 
         tasks: set[asyncio.Task] = set()
 
         async def read() -> None:
             nonlocal pending, reading
+            requests = aiter(request_iterator)
             try:
-                async for request in request_iterator:
+                while True:
+                    await slots.acquire()  # at the cap: not read until an answer is written
+                    try:
+                        request = await anext(requests)
+                    except StopAsyncIteration:
+                        break
                     pending += 1
                     task = asyncio.ensure_future(one(request))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
             finally:
                 reading = False
-                await done.put(None)  # wakes the writer to check whether all is done
+                done.put_nowait(None)  # wakes the writer to check whether all is done
 
         reader = asyncio.ensure_future(read())
+        draining = asyncio.ensure_future(self.server.wait_draining())
+        draining.add_done_callback(lambda _: reader.cancel())
         try:
             while reading or pending:
                 item = await done.get()
@@ -252,10 +278,71 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
                     continue
                 pending -= 1
                 yield item
+                slots.release()
+            if draining.done() and not draining.cancelled() and reader.cancelled():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.server.not_serving())
         finally:
+            draining.cancel()
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+class Malformed:
+    """A request message that did not parse: what ``start_grpc``'s parser hands the
+    servicer instead of raising (the error goes back as INVALID_ARGUMENT)."""
+
+    model_name = id = ""
+
+    def __init__(self, message_type: str) -> None:
+        self.error = f"malformed {message_type}: the message is not a valid protobuf"
+
+
+def _parser(message_class: Any) -> Any:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return Malformed(message_class.DESCRIPTOR.name)
+
+    return parse
+
+
+def _checked(method: Any) -> Any:
+    """A unary method that answers a malformed request INVALID_ARGUMENT."""
+
+    async def call(request: Any, context: Any) -> Any:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return await method(request, context)
+
+    return call
+
+
+def add_service(service: GRPCService, grpc_server: grpc.aio.Server) -> None:
+    """Register ``service``'s methods on ``grpc_server``, as the generated
+    ``add_GRPCInferenceServiceServicer_to_server`` does but parsing each request itself
+    (a malformed one is INVALID_ARGUMENT, not grpcio's UNKNOWN)."""
+    descriptor = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in descriptor.methods:
+        parse = _parser(getattr(pb, method.input_type.name))
+        serialize = getattr(pb, method.output_type.name).SerializeToString
+        impl = getattr(service, method.name)
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                impl, request_deserializer=parse, response_serializer=serialize
+            )
+        elif not method.client_streaming and not method.server_streaming:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _checked(impl), request_deserializer=parse, response_serializer=serialize
+            )
+        else:  # pragma: no cover - the KServe v2 service has no such method
+            raise TypeError(f"{method.full_name}: only unary and bidirectional methods")
+    grpc_server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)
+    )
+    grpc_server.add_registered_method_handlers(descriptor.full_name, handlers)
 
 
 def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> Any:
@@ -294,8 +381,8 @@ async def start_grpc(
         *limits.options(),
     ]
     grpc_server = grpc.aio.server(options=options)
-    service = GRPCService(server, repository)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, grpc_server)
+    service = GRPCService(server, repository, limits)
+    add_service(service, grpc_server)
     if grpc_server.add_insecure_port(f"{host}:{port}") == 0:
         raise OSError(f"cannot listen for gRPC on {host}:{port}")
     await grpc_server.start()

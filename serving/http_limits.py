@@ -7,13 +7,19 @@ answers 503 but keeps accepting sockets until the process runs out of file
 descriptors). ``guarded_protocol(limits)`` (``serving.options.HttpLimits``) returns a protocol class
 for ``uvicorn.Config(http=...)`` that:
 
-- closes a new connection at once when ``max_connections`` are open;
+- answers a new connection at once with ``503`` + ``Retry-After`` + ``Connection: close``
+  when ``max_connections`` are open, and logs those refusals at most once per
+  ``REFUSAL_LOG_S`` with their count;
 - answers 431 and closes when a request's URL and headers exceed ``max_header_bytes``;
 - answers 408 and closes when headers are not complete ``header_timeout_s`` after the
   connection opened or the request began (so a socket that never sends anything is
   closed too), or when a body makes no progress for ``body_timeout_s`` or is not
   complete ``request_timeout_s`` after the request began (checked by one sweep per
   server, every quarter second: no timer per request);
+- drains: from ``shutdown`` (uvicorn's graceful shutdown, after it stopped listening) a
+  connection's next response carries ``Connection: close`` (the app answers 503 while
+  the server drains), so a request that arrives on a kept-alive connection gets an answer
+  instead of a reset; a connection idle for ``DRAIN_IDLE_S`` is closed then;
 - tells the app when a client hangs up before its response is complete, through the
   ASGI scope extension ``serving.http.DISCONNECT_EXTENSION`` (no task per request).
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -37,14 +44,57 @@ from .options import HttpLimits
 log = logging.getLogger("pxrt.http")
 
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
 
 
 SWEEP_S = 0.25  # how often deadlines are checked: one timer per server, none per request
+REFUSAL_LOG_S = 10.0  # connections refused beyond the cap: one log line per this, counted
+DRAIN_IDLE_S = 1.0  # draining: a connection with no request for this long is closed
+
+
+def canned(status: int, message: str, *extra: bytes) -> bytes:
+    """A whole HTTP/1.1 response that closes its connection: a JSON error body."""
+    body = orjson.dumps({"error": message})
+    head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % (
+        status,
+        _REASONS[status],
+        len(body),
+    )
+    return head + b"".join(extra) + b"connection: close\r\n\r\n" + body
+
+
+class RefusalLog:
+    """Counts refused connections and logs them at most once per ``interval_s`` (a
+    client that is refused 1,000 times a second writes one line, not 1,000)."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_S) -> None:
+        self.interval_s = interval_s
+        self.count = 0  # refused since the last line
+        self.total = 0
+        self._next = 0.0  # when the next line may be written
+
+    def refused(self, now: float, open_now: int) -> None:
+        self.count += 1
+        self.total += 1
+        if now >= self._next:
+            log.warning(
+                "pxrt: refused %d connection(s) in the last %.0f s: %d open, the limit",
+                self.count,
+                self.interval_s,
+                open_now,
+            )
+            self.count = 0
+            self._next = now + self.interval_s
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = HttpLimits()
+    pxrt_server: Any = None  # the serving.Server whose drain (when given) closes connections
+    refusals = RefusalLog()  # per protocol class (guarded_protocol makes one per server)
     _sweeping: dict = {}  # loop -> its sweep's timer (one per server's loop)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -56,8 +106,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._due = 0.0  # when what is being received is due (0: nothing is)
         self._request_due = 0.0  # when the whole request is due
         self._on_lost: list = []
+        self._draining = False
+        self._idle_since = 0.0  # draining: when it was first seen with no request (0: busy)
         if too_many:
-            log.warning("pxrt: %d connections open; closing a new one", len(self.connections))
+            self._refused = True
+            self.refusals.refused(self.loop.time(), len(self.connections) - 1)
+            transport.write(_FULL)
             transport.close()
             return
         # Headers are due this long after the connection opens: a socket that never
@@ -76,13 +130,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # --------------------------------------------------------------- limits
 
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown (listening has stopped): drain this connection
+        instead of closing it where it stands (see the module's docstring)."""
+        self._draining = True
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False  # its response says Connection: close
+        if self.loop not in self._sweeping:
+            self._sweep()
+
     def _sweep(self) -> None:
         # Every SWEEP_S: time out the connections whose headers, body or request are
-        # overdue. Stops when no connection is left.
+        # overdue, and close draining ones idle for DRAIN_IDLE_S. Stops when no
+        # connection is left.
         now = self.loop.time()
         for conn in list(self.connections):
             if not isinstance(conn, GuardedHttpToolsProtocol) or conn._refused:
                 continue
+            if conn._draining:
+                busy = conn._in_body or (
+                    conn.cycle is not None and not conn.cycle.response_complete
+                )
+                if busy:
+                    conn._idle_since = 0.0
+                elif not conn._idle_since:
+                    conn._idle_since = now
+                elif now - conn._idle_since >= DRAIN_IDLE_S:
+                    conn.transport.close()
+                    continue
             if conn._due and now > conn._due:
                 what = "its body" if conn._in_body else "its headers"
                 conn._refuse(408, f"the client took too long to send {what}")
@@ -98,11 +173,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
-        body = orjson.dumps({"error": message})
-        self.transport.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body)) + body
-        )
+        self.transport.write(canned(status, message))
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's receive() says http.disconnect
             self.cycle.message_event.set()
@@ -149,6 +220,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_body = True
         self._due = self.loop.time() + self.limits.body_timeout_s
         super().on_headers_complete()
+        if self.cycle is not None and (
+            self._draining or (self.pxrt_server and self.pxrt_server.draining)
+        ):
+            self.cycle.keep_alive = False  # answered (503: draining), then closed
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -161,9 +236,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
 
 
-def guarded_protocol(limits: HttpLimits) -> type[HttpToolsProtocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` that enforces ``limits``."""
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+_FULL = canned(503, "the server has too many connections open; retry later", b"retry-after: 1\r\n")
+
+
+def guarded_protocol(limits: HttpLimits, server: Any = None) -> type[GuardedHttpToolsProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` that enforces ``limits``; with
+    ``server`` (a ``serving.Server``), requests that arrive once it drains are answered
+    with ``Connection: close`` even before uvicorn's shutdown begins."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {"limits": limits, "pxrt_server": server, "refusals": RefusalLog()},
+    )
 
 
 # The internals of uvicorn's protocol this module reads or overrides (checked by a test).
@@ -182,6 +266,13 @@ UVICORN_INTERNALS = (
     "data_received",
     "connection_made",
     "connection_lost",
+    "shutdown",
 )
 
-__all__ = ["UVICORN_INTERNALS", "GuardedHttpToolsProtocol", "guarded_protocol"]
+__all__ = [
+    "UVICORN_INTERNALS",
+    "GuardedHttpToolsProtocol",
+    "RefusalLog",
+    "canned",
+    "guarded_protocol",
+]

@@ -133,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
                     limits=GrpcLimits(
                         max_connections=grpc_connections,
                         handshake_timeout_s=args.header_timeout_s,
+                        max_stream_inflight=args.max_stream_inflight,
                     ),
                 )
                 print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
@@ -152,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            http=guarded_protocol(limits),
+            http=guarded_protocol(limits, server),
             lifespan="on",
             log_level=args.log_level,
             timeout_graceful_shutdown=30,

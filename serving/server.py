@@ -69,7 +69,7 @@ class Server:
         self, *, ready: bool = True, on_models_changed: Callable[[], None] | None = None
     ) -> None:
         self.ready = ready
-        self.draining = False
+        self._draining = asyncio.Event()  # set by drain(): streams end on it
         self.on_models_changed = on_models_changed
         self.metrics = Metrics()
         # name -> version -> its batcher: every version served.
@@ -251,10 +251,27 @@ class Server:
             return "the server is loading; not accepting inference requests"
         return None
 
+    @property
+    def draining(self) -> bool:
+        """Whether inference requests are refused because the server is stopping."""
+        return self._draining.is_set()
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if value:
+            self._draining.set()
+        else:
+            self._draining.clear()
+
     def drain(self) -> None:
         """Refuse new inference requests from now on (``not_serving`` says why); the
-        accepted ones are answered. ``close`` drains too."""
+        accepted ones are answered; open streams stop reading (``wait_draining``).
+        ``close`` drains too."""
         self.draining = True
+
+    async def wait_draining(self) -> None:
+        """Return once the server drains (at once if it does already)."""
+        await self._draining.wait()
 
     def _batcher(self, name: str, version: str | None = None) -> Batcher:
         """The batcher of ``version`` of ``name`` (None: the newest)."""

@@ -58,8 +58,9 @@ class ServeProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        output = self.output()
         self.stop()
-        raise RuntimeError(f"pxrt serve did not become ready: {self.output()}")
+        raise RuntimeError(f"pxrt serve did not become ready: {output}")
 
     def output(self) -> str:
         self.log.seek(0)

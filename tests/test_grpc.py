@@ -19,6 +19,7 @@ if "kserve" in sys.modules:  # its protobufs claim the same names as tritonclien
         allow_module_level=True,
     )
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -29,8 +30,10 @@ from models import (
     MODELS,
     assert_matches,
     encoder_reference,
+    inject,
     random_request,
     reference,
+    until,
 )
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
@@ -169,6 +172,29 @@ def test_errors_map_to_status_codes(client):
         lambda: client.infer("mlp", x, outputs=[grpcclient.InferRequestedOutput("z")])
     )
     assert code == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_a_malformed_protobuf_is_invalid_argument_in_plain_words(served):
+    """Bytes that are not the method's message: INVALID_ARGUMENT naming the message, no
+    Python exception text; in a stream, that request's error and the stream goes on."""
+    garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, a length past the end
+    with grpc.insecure_channel(served.grpc_url) as channel:
+        for method in ("ModelInfer", "ModelMetadata", "RepositoryIndex"):
+            call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                call(garbage, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            details = info.value.details()
+            assert details.startswith("malformed ") and "protobuf" in details
+            assert "Error" not in details and "<class" not in details
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        good = _stream_request(3).SerializeToString()
+        answers = list(stream(iter([garbage, good]), timeout=10))
+    errors = sorted(a.error_message for a in answers)
+    assert len(answers) == 2 and errors[0] == "" and "malformed ModelInferRequest" in errors[1]
 
 
 def test_bool_raw_bytes_other_than_0_and_1_are_invalid_argument(client):
@@ -329,6 +355,98 @@ def test_a_stream_answers_a_request_cancelled_under_it(artifacts, run):
     assert sorted(answers) == [str(i) for i in range(6)]
     assert "cancelled" in answers["2"].error_message
     assert all(not answers[str(i)].error_message for i in (0, 1, 3, 4, 5))
+
+
+def _stream_request(i: int) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="mlp", id=str(i))
+    r.inputs.add(name="x", datatype="FP32", shape=[1, 32])
+    r.raw_input_contents.append(np.full((1, 32), i, np.float32).tobytes())
+    return r
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    """What a servicer sees of grpc's context: ``abort`` raises, as grpc's does."""
+
+    code = details = None
+
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+def test_a_stream_is_not_read_past_its_cap_while_its_answers_wait(models, run):
+    """A client that sends and does not read: the stream reads max_stream_inflight
+    requests, then no more until an answer is written (HTTP/2 flow control holds the
+    client), so the server's memory does not grow with what the client sends."""
+    from serving import Server
+    from serving.grpc_server import GrpcLimits, GRPCService
+
+    async def main():
+        read = 0
+
+        async def endless():
+            nonlocal read
+            while True:
+                read += 1
+                yield _stream_request(read)
+
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            service = GRPCService(server, limits=GrpcLimits(max_stream_inflight=8))
+            answers = service.ModelStreamInfer(endless(), Context())
+            first = await anext(answers)  # then nobody takes the next answer
+            await until(lambda: server.stats("mlp")["requests"]["success"] == 8)
+            await asyncio.sleep(0.1)  # time to read on, were the reading not held
+            assert read == 8 and not first.error_message
+            for _ in range(3):  # each answer written lets one more request be read
+                assert not (await anext(answers)).error_message
+            await until(lambda: read == 11)
+            await answers.aclose()
+
+    run(main)
+
+
+def test_a_draining_server_answers_what_a_stream_read_then_ends_it_unavailable(models, run):
+    """Drain: the requests read (here held on the device) are answered, the stream is
+    not read further and ends with UNAVAILABLE, so the client knows to go elsewhere."""
+    from serving import Server
+    from serving.grpc_server import GRPCService
+
+    async def main():
+        feed: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (r := await feed.get()) is not None:
+                yield r
+
+        context = Context()
+        with inject(models["mlp"], hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", models["mlp"])
+                answers = GRPCService(server).ModelStreamInfer(requests(), context)
+                for i in range(3):
+                    feed.put_nowait(_stream_request(i))
+                got = asyncio.ensure_future(anext(answers))
+                await gate.wait_started()
+                await until(lambda: feed.empty())  # all three read
+                server.drain()
+                for _ in range(5):
+                    await asyncio.sleep(0)  # the stream sees the drain
+                feed.put_nowait(_stream_request(99))  # after the drain: not read
+                gate.release.set()
+                ids = [(await got).infer_response.id]
+                ids += [(await anext(answers)).infer_response.id for _ in range(2)]
+                with pytest.raises(Aborted):  # (a stream that is not ended: TimeoutError)
+                    await asyncio.wait_for(anext(answers), 30)
+            return ids, context.code, feed.qsize()
+
+    ids, code, unread = run(main)
+    assert sorted(ids) == ["0", "1", "2"] and unread == 1
+    assert code == grpc.StatusCode.UNAVAILABLE
 
 
 def _open_fds(proc) -> int:

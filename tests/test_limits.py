@@ -5,6 +5,8 @@ large uploads at once. Raw sockets, since a client library would not misbehave."
 from __future__ import annotations
 
 import json
+import select
+import signal
 import socket
 import threading
 import time
@@ -115,23 +117,78 @@ def test_a_trickled_body_hits_the_request_deadline(guarded):
     assert time.monotonic() - t0 < 8
 
 
-def test_connections_beyond_the_limit_are_closed_at_once(guarded):
+def test_connections_beyond_the_limit_get_503_and_one_log_line(guarded):
+    """Beyond --max-connections a new connection is answered at once (503, Retry-After,
+    Connection: close), not reset; the refusals are logged once per interval, counted."""
     socks = [connect(guarded) for _ in range(20)]
     try:
-        closed = 0
-        for s in socks:
-            s.settimeout(0.3)
-            try:
-                if s.recv(1) == b"":
-                    closed += 1
-            except TimeoutError:
-                pass
-        assert closed >= 20 - 12
+        # The refused ones answer at once; the others wait for a request (for the header
+        # timeout, 1 s, longer than this wait).
+        time.sleep(0.5)
+        answered, _, _ = select.select(socks, [], [], 0)
+        refused = 0
+        for s in answered:
+            reply = read_all(s)
+            assert reply.startswith(b"HTTP/1.1 503 "), reply[:80]
+            assert b"retry-after: 1\r\n" in reply and b"connection: close\r\n" in reply
+            assert b"too many connections" in reply
+            refused += 1
+        assert refused >= 20 - 12
     finally:
         for s in socks:
             s.close()
-    time.sleep(0.2)
+    assert guarded.output().count("connection(s) in the last") == 1
     assert infer_ok(guarded)
+
+
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 response: (its head, its body); b"" when the server closed instead."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"", b""
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(
+        next(
+            v
+            for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+            if k.lower() == b"content-length"
+        )
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.lower(), body
+
+
+def test_kept_alive_connections_get_503_and_close_when_the_server_drains(artifacts):
+    """SIGTERM: a request on a connection kept alive from before (busy or idle) is
+    answered 503 + Connection: close, not reset; then the process exits 0."""
+    proc = ServeProcess([str(artifacts["mlp"])])
+    ready = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+    try:
+        busy, idle = connect(proc), connect(proc)
+        for s in (busy, idle):
+            s.sendall(ready)
+            assert read_response(s)[0].startswith(b"http/1.1 200 ")
+        proc.proc.send_signal(signal.SIGTERM)
+        while True:  # the busy one: ready until the drain starts, then 503 and closed
+            busy.sendall(ready)
+            answer, _ = read_response(busy)
+            assert answer, "the connection was closed without an answer"
+            if not answer.startswith(b"http/1.1 200 "):
+                break
+        assert answer.startswith(b"http/1.1 503 ") and b"connection: close" in answer
+        assert read_all(busy) == b""
+        idle.sendall(head("/v2/models/mlp/infer", "\r\n", len(BODY)) + BODY)
+        answer, body = read_response(idle)
+        assert answer.startswith(b"http/1.1 503 ") and b"connection: close" in answer
+        assert b"draining" in body
+        assert read_all(idle) == b""
+    finally:
+        code = proc.stop()
+    assert code == 0
 
 
 def test_many_large_uploads_at_once_get_503_not_memory(guarded):
