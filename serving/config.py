@@ -146,6 +146,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests of one gRPC stream read and not yet answered; over it the stream "
         "is not read (HTTP/2 flow control holds the client) (default 512)",
     )  # fmt: skip
+    access = p.add_argument_group("access (HTTP and gRPC alike)")
+    access.add_argument(
+        "--restricted-api", action="append", default=[], metavar="GROUPS:HEADER=VALUE",
+        help="answer the API groups (comma-separated: health, metadata, inference, "
+        "statistics, model-repository) only with this header and value: 403 / "
+        "PERMISSION_DENIED without (repeat for other groups and keys)",
+    )  # fmt: skip
+    access.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS and gRPC over TLS "
+                        "with this certificate (chain) and --tls-key")  # fmt: skip
+    access.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    access.add_argument("--tls-ca", metavar="PEM", help="with --tls-cert: require client "
+                        "certificates signed by these CAs (mutual TLS)")  # fmt: skip
     p.add_argument("--log-level", default="warning")
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from pxrt import Model
 
 from . import codec
+from .access import Forbidden
 from .codec import ProtocolError
 from .errors import (
     DeadlineExceeded,
@@ -186,6 +187,7 @@ class Status:
 # Every error a front end answers, most specific first: (type, HTTP status, gRPC code).
 # The codes are Triton's (a full queue is UNAVAILABLE over gRPC, 429 over HTTP).
 ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
+    (Forbidden, 403, "PERMISSION_DENIED"),  # a restricted API without its key
     (TooLarge, 413, "RESOURCE_EXHAUSTED"),
     (ProtocolError, 400, "INVALID_ARGUMENT"),  # does not follow the protocol
     (InvalidRequest, 400, "INVALID_ARGUMENT"),  # does not fit the model

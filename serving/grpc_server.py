@@ -42,6 +42,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from pxrt import Model
 
 from . import codec, core, documents
+from .access import Forbidden, Restrictions, TlsFiles
 from .core import InferRequest
 from .errors import UnknownModel
 from .repository import Repository, require
@@ -97,11 +98,16 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
     ``repository``, when there is one)."""
 
     def __init__(
-        self, server: Server, repository: Repository | None = None, limits: GrpcLimits | None = None
+        self,
+        server: Server,
+        repository: Repository | None = None,
+        limits: GrpcLimits | None = None,
+        restrictions: Restrictions = Restrictions(),
     ) -> None:
         self.server = server
         self.repository = repository
         self.limits = limits or GrpcLimits()
+        self.restrictions = restrictions
 
     @staticmethod
     async def _abort(context: Any, exc: BaseException, where: str) -> None:
@@ -227,6 +233,11 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         ``limits.max_stream_inflight`` requests are read and not yet answered. When the
         server drains, the stream is no longer read: what was read is answered, then
         the stream ends with UNAVAILABLE."""
+        if self.restrictions:
+            try:
+                self.restrictions.check("inference", _metadata(context))
+            except Forbidden as exc:
+                await self._abort(context, exc, "ModelStreamInfer")
         done: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(self.limits.max_stream_inflight)
         pending = 0
@@ -308,10 +319,40 @@ def _parser(message_class: Any) -> Any:
     return parse
 
 
-def _checked(method: Any) -> Any:
-    """A unary method that answers a malformed request INVALID_ARGUMENT."""
+# The API group (``serving.access``) of each method that can be restricted.
+GROUPS = {
+    "ServerLive": "health",
+    "ServerReady": "health",
+    "ModelReady": "health",
+    "ServerMetadata": "metadata",
+    "ModelMetadata": "metadata",
+    "ModelConfig": "metadata",
+    "ModelStatistics": "statistics",
+    "ModelInfer": "inference",
+    "ModelStreamInfer": "inference",
+    "RepositoryIndex": "model-repository",
+    "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository",
+}
+
+
+def _metadata(context: Any) -> Any:
+    """A call's metadata value by (lower-case) key, None without it."""
+    return dict(context.invocation_metadata() or ()).get
+
+
+def _checked(method: Any, group: str | None, restrictions: Restrictions) -> Any:
+    """A unary method that answers a malformed request INVALID_ARGUMENT, and one of a
+    restricted group without its key PERMISSION_DENIED."""
+    restricted = group is not None and group in restrictions.keys
 
     async def call(request: Any, context: Any) -> Any:
+        if restricted:
+            assert group is not None
+            try:
+                restrictions.check(group, _metadata(context))
+            except Forbidden as exc:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         return await method(request, context)
@@ -335,7 +376,9 @@ def add_service(service: GRPCService, grpc_server: grpc.aio.Server) -> None:
             )
         elif not method.client_streaming and not method.server_streaming:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _checked(impl), request_deserializer=parse, response_serializer=serialize
+                _checked(impl, GROUPS.get(method.name), service.restrictions),
+                request_deserializer=parse,
+                response_serializer=serialize,
             )
         else:  # pragma: no cover - the KServe v2 service has no such method
             raise TypeError(f"{method.full_name}: only unary and bidirectional methods")
@@ -371,6 +414,8 @@ async def start_grpc(
     max_message_bytes: int,
     repository: Repository | None = None,
     limits: GrpcLimits = GrpcLimits(),
+    restrictions: Restrictions = Restrictions(),
+    tls: TlsFiles | None = None,
 ) -> grpc.aio.Server:
     """Serve ``GRPCService`` on ``host:port`` with grpcio's asyncio server on the running
     loop, within ``limits``; returns the started server (``await it.stop(grace)`` to
@@ -381,9 +426,14 @@ async def start_grpc(
         *limits.options(),
     ]
     grpc_server = grpc.aio.server(options=options)
-    service = GRPCService(server, repository, limits)
+    service = GRPCService(server, repository, limits, restrictions)
     add_service(service, grpc_server)
-    if grpc_server.add_insecure_port(f"{host}:{port}") == 0:
+    address = f"{host}:{port}"
+    if tls is not None:
+        bound = grpc_server.add_secure_port(address, tls.grpc_credentials())
+    else:
+        bound = grpc_server.add_insecure_port(address)
+    if bound == 0:
         raise OSError(f"cannot listen for gRPC on {host}:{port}")
     await grpc_server.start()
     return grpc_server

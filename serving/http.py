@@ -35,6 +35,7 @@ from starlette.routing import Route
 from pxrt import Model
 
 from . import codec, core, documents
+from .access import Restrictions
 from .codec import ProtocolError
 from .core import InferRequest, TooLarge
 from .errors import ServingError
@@ -81,6 +82,7 @@ class _AppState:
     limits: HttpLimits
     budget: BodyBudget
     repository: Repository | None
+    restrictions: Restrictions
 
 
 def create_app(
@@ -89,20 +91,22 @@ def create_app(
     limits: HttpLimits = HttpLimits(),
     lifespan: Any = None,
     repository: Repository | None = None,
+    restrictions: Restrictions = Restrictions(),
 ) -> Starlette:
     """A Starlette app speaking KServe v2 for ``server``'s models.
 
     Mount it in your own ASGI app, or run it with uvicorn (``pxrt serve`` does). It
     takes inference requests while ``server.ready`` and not ``server.draining``. Of
     ``limits`` the app enforces the body sizes; the connection and timing limits are
-    the protocol's (``serving.http_limits.guarded_protocol``).
+    the protocol's (``serving.http_limits.guarded_protocol``). ``restrictions``: the API
+    groups that answer only requests carrying their key (``serving.access``).
     """
     handlers: dict[Any, Callable] = {HTTPException: _routing_error}
     handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
     handlers[BodiesFull] = _error_response
     app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)
     app.state.pxrt = _AppState(
-        server, limits, BodyBudget(limits.max_pending_body_bytes), repository
+        server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions
     )
     return app
 
@@ -153,6 +157,20 @@ def _endpoint(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
             raise core.internal_error(f"{request.method} {request.url.path}", exc) from exc
 
     return endpoint
+
+
+def _restricted(group: str, endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
+    """``endpoint``, answering 403 (``Forbidden``) when ``group`` is restricted and the
+    request lacks its key."""
+
+    @functools.wraps(endpoint)
+    async def guarded(request: Request) -> Response:
+        restrictions = _state(request).restrictions
+        if restrictions:
+            restrictions.check(group, request.headers.get)
+        return await endpoint(request)
+
+    return guarded
 
 
 def _state(request: Request) -> _AppState:
@@ -372,23 +390,32 @@ def infer_response(body: bytes, header_length: int | None) -> Response:
 
 
 def _routes() -> list[Route]:
+    r = _restricted
     routes = [
-        Route("/v2", server_metadata),
-        Route("/v2/health/live", live),
-        Route("/v2/health/ready", ready),
-        Route("/metrics", metrics),
-        Route("/v2/models/stats", all_stats),  # before {model}: not a model's name
-        Route("/v2/repository/index", repository_index, methods=["POST"]),
-        Route("/v2/repository/models/{model}/load", repository_load, methods=["POST"]),
-        Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
+        Route("/v2", r("metadata", server_metadata)),
+        Route("/v2/health/live", r("health", live)),
+        Route("/v2/health/ready", r("health", ready)),
+        Route("/metrics", r("statistics", metrics)),
+        Route("/v2/models/stats", r("statistics", all_stats)),  # before {model}: not a name
+        Route("/v2/repository/index", r("model-repository", repository_index), methods=["POST"]),
+        Route(
+            "/v2/repository/models/{model}/load",
+            r("model-repository", repository_load),
+            methods=["POST"],
+        ),
+        Route(
+            "/v2/repository/models/{model}/unload",
+            r("model-repository", repository_unload),
+            methods=["POST"],
+        ),
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         routes += [
-            Route(prefix, model_metadata),
-            Route(prefix + "/ready", model_ready),
-            Route(prefix + "/config", model_config),
-            Route(prefix + "/stats", model_stats),
-            Route(prefix + "/infer", infer, methods=["POST"]),
+            Route(prefix, r("metadata", model_metadata)),
+            Route(prefix + "/ready", r("health", model_ready)),
+            Route(prefix + "/config", r("metadata", model_config)),
+            Route(prefix + "/stats", r("statistics", model_stats)),
+            Route(prefix + "/infer", r("inference", infer), methods=["POST"]),
         ]
     return routes
 

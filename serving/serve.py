@@ -18,7 +18,9 @@ import sys
 import tempfile
 from typing import Any
 
+from .access import Restrictions, TlsFiles
 from .config import add_arguments, connection_shares, http_limits, model_specs, repository_config
+from .options import OptionError
 
 __all__ = ["add_arguments", "main"]
 
@@ -57,6 +59,12 @@ def main(args: argparse.Namespace) -> int:
             )
             return 2
     http_connections, grpc_connections = connection_shares(args)
+    try:
+        restrictions = Restrictions.parse(args.restricted_api)
+        tls = TlsFiles.from_args(args)
+    except (OptionError, OSError) as exc:
+        print(f"pxrt serve: error: {exc}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="pxrt-serve-") as demo_dir:
         specs = model_specs(args, demo_dir)
         server = Server(ready=False, on_models_changed=refreeze_gc)
@@ -113,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
                         )
                 refreeze_gc()
                 server.ready = True
-                print(f"pxrt serve: ready on http://{args.host}:{args.port}", file=sys.stderr)
+                scheme = "https" if tls else "http"
+                print(f"pxrt serve: ready on {scheme}://{args.host}:{args.port}", file=sys.stderr)
             except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
                 loading_error.append(exc)
                 uv.should_exit = True
@@ -130,6 +139,8 @@ def main(args: argparse.Namespace) -> int:
                     host=args.host,
                     max_message_bytes=int(args.max_body_mb * (1 << 20)),
                     repository=repository,
+                    restrictions=restrictions,
+                    tls=tls,
                     limits=GrpcLimits(
                         max_connections=grpc_connections,
                         handshake_timeout_s=args.header_timeout_s,
@@ -148,7 +159,13 @@ def main(args: argparse.Namespace) -> int:
             await server.close()
 
         limits = http_limits(args, http_connections)
-        app = create_app(server, limits=limits, lifespan=lifespan, repository=repository)
+        app = create_app(
+            server,
+            limits=limits,
+            lifespan=lifespan,
+            repository=repository,
+            restrictions=restrictions,
+        )
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -157,6 +174,7 @@ def main(args: argparse.Namespace) -> int:
             lifespan="on",
             log_level=args.log_level,
             timeout_graceful_shutdown=30,
+            **(tls.uvicorn_options() if tls else {}),
         )
 
         class Uvicorn(uvicorn.Server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -31,10 +32,70 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def make_certs(folder) -> dict[str, str]:
+    """A CA, a server certificate it signed for 127.0.0.1 and localhost, and a client
+    certificate it signed: name -> PEM path (``ca``, ``cert``, ``key``, ``client_cert``,
+    ``client_key``)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def issue(subject, key, issuer, issuer_key, ca=False, san=None):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, server_key, client_key = (ec.generate_private_key(ec.SECP256R1()) for _ in "abc")
+    ca = issue("pxrt test CA", ca_key, "pxrt test CA", ca_key, ca=True)
+    san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    server = issue("localhost", server_key, "pxrt test CA", ca_key, san=san)
+    client = issue("client", client_key, "pxrt test CA", ca_key)
+    paths = {}
+    for label, obj in [("ca", ca), ("cert", server), ("client_cert", client)]:
+        paths[label] = os.path.join(folder, label + ".pem")
+        with open(paths[label], "wb") as f:
+            f.write(obj.public_bytes(serialization.Encoding.PEM))
+    for label, key in [("key", server_key), ("client_key", client_key)]:
+        paths[label] = os.path.join(folder, label + ".pem")
+        with open(paths[label], "wb") as f:
+            f.write(
+                key.private_bytes(
+                    serialization.Encoding.PEM,
+                    serialization.PrivateFormat.PKCS8,
+                    serialization.NoEncryption(),
+                )
+            )
+    return paths
+
+
 class ServeProcess:
-    def __init__(self, args: list[str], grpc: bool = False):
+    def __init__(self, args: list[str], grpc: bool = False, tls: dict | None = None):
+        """``tls``: ``make_certs``' files; the server is started with them (and reached
+        over https, trusting their CA, presenting the client certificate)."""
         self.port, grpc_port = free_ports(2)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        if tls:
+            args = [*args, "--tls-cert", tls["cert"], "--tls-key", tls["key"]]
         self.grpc_port = grpc_port if grpc else None
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         if grpc:
@@ -53,7 +114,7 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"pxrt serve exited: {self.output()}")
             try:
-                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200:
+                if self.get("/v2/health/ready", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -61,6 +122,21 @@ class ServeProcess:
         output = self.output()
         self.stop()
         raise RuntimeError(f"pxrt serve did not become ready: {output}")
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        """GET ``path``, over TLS when the server serves it (presenting the client
+        certificate)."""
+        if self.tls:
+            kw["verify"] = self.ssl_context()
+        return httpx.get(self.url + path, **kw)
+
+    def ssl_context(self, client_cert: bool = True) -> ssl.SSLContext:
+        """Trusting the test CA, presenting the client certificate (``client_cert``)."""
+        assert self.tls
+        context = ssl.create_default_context(cafile=self.tls["ca"])
+        if client_cert:
+            context.load_cert_chain(self.tls["client_cert"], self.tls["client_key"])
+        return context
 
     def output(self) -> str:
         self.log.seek(0)

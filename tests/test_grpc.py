@@ -573,3 +573,67 @@ def test_statistics_per_version_and_unexpected_errors_are_internal_and_counted(
     assert str(aborted).startswith("internal error: TypeError")
     stats = failed.inference_stats  # it ran (a success of the batch), its caller got INTERNAL
     assert stats.fail.count == 1 and stats.success.count == 4
+
+
+def test_tls_and_restricted_apis_with_the_triton_client(artifacts, tmp_path):
+    """Over TLS (the client trusting the test CA): inference with its key, the
+    repository and statistics with theirs; without a key, PERMISSION_DENIED, on the
+    stream too."""
+    from servers import ServeProcess, make_certs
+
+    certs = make_certs(tmp_path)
+    proc = ServeProcess(
+        [
+            str(artifacts["mlp"]),
+            "--restricted-api", "model-repository,statistics:admin-key=s3cret",
+            "--restricted-api", "inference:infer-key=abc",
+        ],
+        grpc=True,
+        tls=certs,
+    )  # fmt: skip
+    with open(certs["ca"], "rb") as f:
+        ca = f.read()
+    try:
+        client = grpcclient.InferenceServerClient(
+            f"localhost:{proc.grpc_port}", ssl=True, root_certificates=certs["ca"]
+        )
+        x = _inputs({"x": np.ones((1, 32), np.float32)})
+        assert client.is_server_ready()  # health is open
+        out = client.infer("mlp", x, headers={"infer-key": "abc"}).as_numpy("y")
+        assert out.shape[0] == 1
+        wrong = {"infer-key": "wrong"}
+        for call in (
+            lambda: client.infer("mlp", x, headers=wrong),
+            lambda: client.get_inference_statistics("mlp", headers=wrong),
+            lambda: client.get_model_repository_index(headers=wrong),
+            lambda: client.load_model("mlp", headers=wrong),
+        ):
+            code, message = _status(call)
+            assert code == "StatusCode.PERMISSION_DENIED" and "restricted" in message
+        stats = client.get_inference_statistics("mlp", headers={"admin-key": "s3cret"})
+        assert stats.model_stats[0].inference_stats.success.count == 1
+        code, _ = _status(
+            lambda: client.get_model_repository_index(headers={"admin-key": "s3cret"})
+        )
+        assert code == "StatusCode.FAILED_PRECONDITION"  # allowed; no repository here
+
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(lambda result, error: answers.put(error), headers={})
+        try:
+            client.async_stream_infer("mlp", x)
+        except InferenceServerException:
+            pass  # the stream was refused already: its error went to the callback
+        error = answers.get(timeout=30)
+        client.stop_stream()
+        assert error is not None and "PERMISSION_DENIED" in str(error.status())
+        client.close()
+        with grpc.secure_channel(
+            f"localhost:{proc.grpc_port}", grpc.ssl_channel_credentials(ca)
+        ) as channel:  # and a plain-text client is not served on the TLS port
+            grpc.channel_ready_future(channel).result(timeout=10)
+        plain = grpcclient.InferenceServerClient(f"localhost:{proc.grpc_port}")
+        with pytest.raises(InferenceServerException):
+            plain.is_server_live(client_timeout=5)
+        plain.close()
+    finally:
+        assert proc.stop() == 0

@@ -1,0 +1,142 @@
+"""Restricted APIs: groups of endpoints that answer only requests carrying a key in a
+header, on every front end (Triton's ``--http-restricted-api`` semantics).
+
+``pxrt serve --restricted-api model-repository:admin-key=SECRET`` lets the inference
+port be exposed without exposing model control: a load, unload or index request without
+the header ``admin-key: SECRET`` is answered 403 over HTTP and PERMISSION_DENIED over
+gRPC (the header is gRPC metadata there), before anything else is looked at. The groups:
+
+- ``health``: live and ready (server and model);
+- ``metadata``: server and model metadata, model config;
+- ``inference``: infer (and gRPC's stream);
+- ``statistics``: model statistics and ``/metrics``;
+- ``model-repository``: the repository's index, load and unload.
+
+A group is restricted by one key; several groups may share one. Keys are compared in
+constant time. This is an access key, not a user system: keep the value secret, send it
+over TLS, and rotate it by restarting.
+
+TLS (``TlsFiles``): ``--tls-cert`` and ``--tls-key`` serve HTTPS and gRPC over TLS with
+one certificate; ``--tls-ca`` makes it mutual (clients must present a certificate those
+CAs signed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hmac
+import ssl
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ServingError
+from .options import OptionError
+
+GROUPS = ("health", "metadata", "inference", "statistics", "model-repository")
+
+
+class Forbidden(ServingError):
+    """A request to a restricted API without its key (HTTP 403, gRPC PERMISSION_DENIED)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restrictions:
+    """Per restricted group: the header (lower case) and the value it must carry."""
+
+    keys: Mapping[str, tuple[str, bytes]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    @classmethod
+    def parse(cls, specs: Iterable[str]) -> Restrictions:
+        """From ``GROUP[,GROUP...]:HEADER=VALUE`` strings (``--restricted-api``)."""
+        keys: dict[str, tuple[str, bytes]] = {}
+        for spec in specs:
+            groups, sep, key = spec.partition(":")
+            header, eq, value = key.partition("=")
+            header = header.strip().lower()
+            if not sep or not eq or not header or not value or not groups.strip():
+                raise OptionError(
+                    f"--restricted-api {spec!r}: expected GROUP[,GROUP...]:HEADER=VALUE "
+                    f"(groups: {', '.join(GROUPS)})"
+                )
+            if not header.replace("-", "").replace("_", "").isalnum() or not header.isascii():
+                raise OptionError(f"--restricted-api {spec!r}: {header!r} is not a header name")
+            for group in (g.strip() for g in groups.split(",")):
+                if group not in GROUPS:
+                    raise OptionError(
+                        f"--restricted-api {spec!r}: no API group {group!r} "
+                        f"(groups: {', '.join(GROUPS)})"
+                    )
+                if group in keys:
+                    raise OptionError(f"--restricted-api: group {group!r} is restricted twice")
+                keys[group] = (header, value.encode())
+        return cls(MappingProxyType(keys))
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, group: str, header: Callable[[str], str | bytes | None]) -> None:
+        """Raise ``Forbidden`` unless ``group`` is open or ``header(name)`` (the
+        request's value of a header, None without it) carries its key."""
+        key = self.keys.get(group)
+        if key is None:
+            return
+        name, want = key
+        got = header(name)
+        if isinstance(got, str):
+            got = got.encode("latin-1", "replace")
+        if got is None or not hmac.compare_digest(got, want):
+            raise Forbidden(f"the {group} API is restricted: send its key in the {name!r} header")
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsFiles:
+    """The PEM files of ``pxrt serve``'s TLS: its certificate chain, its key, and the
+    CAs whose client certificates it requires (None: no client certificates)."""
+
+    cert: str
+    key: str
+    ca: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TlsFiles | None:
+        """From ``--tls-cert``/``--tls-key``/``--tls-ca``; None without them. The files
+        are loaded once here, so a wrong path or a key that does not match the
+        certificate stops start-up with its message (``OSError``)."""
+        if not (args.tls_cert or args.tls_key or args.tls_ca):
+            return None
+        if not (args.tls_cert and args.tls_key):
+            raise OptionError("--tls-cert and --tls-key go together (--tls-ca needs both)")
+        files = cls(args.tls_cert, args.tls_key, args.tls_ca)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(files.cert, files.key)
+        if files.ca:
+            context.load_verify_locations(files.ca)
+        return files
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """``uvicorn.Config`` keyword arguments serving HTTPS with these files."""
+        options: dict[str, Any] = {"ssl_certfile": self.cert, "ssl_keyfile": self.key}
+        if self.ca:
+            options.update(ssl_ca_certs=self.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return options
+
+    def grpc_credentials(self) -> Any:
+        """``grpc.ServerCredentials`` for ``add_secure_port``."""
+        import grpc
+
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_server_credentials(
+            [(read(self.key), read(self.cert))],
+            root_certificates=read(self.ca) if self.ca else None,
+            require_client_auth=self.ca is not None,
+        )
+
+
+__all__ = ["GROUPS", "Forbidden", "Restrictions", "TlsFiles"]

@@ -1,0 +1,135 @@
+"""Restricted APIs and TLS over HTTP (`pxrt serve --restricted-api`, `--tls-cert`), with
+an unmodified client (Triton's HTTP client) where one applies. The gRPC side is in
+test_grpc.py."""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from servers import ROOT, ServeProcess, make_certs
+
+from serving.access import Restrictions
+from serving.options import OptionError
+
+# Nothing here depends on the device count or the handlers' build.
+pytestmark = pytest.mark.once
+
+X = {"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("model-repository", "expected GROUP"),
+        ("model-repository:admin-key", "expected GROUP"),
+        (":admin-key=1", "expected GROUP"),
+        ("models:admin-key=1", "no API group 'models'"),
+        ("health:bad header=1", "not a header name"),
+    ],
+)
+def test_bad_restriction_specs_are_refused_with_the_groups(spec, match):
+    with pytest.raises(OptionError, match=match):
+        Restrictions.parse([spec])
+    with pytest.raises(OptionError, match="restricted twice"):
+        Restrictions.parse(["health:a=1", "metadata,health:b=2"])
+
+
+def test_a_bad_flag_stops_pxrt_serve_at_start_up(artifacts, tmp_path):
+    for args, message in [
+        (["--restricted-api", "nope:a=1"], "no API group 'nope'"),
+        (["--tls-cert", str(tmp_path / "missing.pem")], "--tls-cert and --tls-key go together"),
+        (["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", "x"], "No such file"),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "serving.cli", "serve", str(artifacts["mlp"]), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def restricted(artifacts):
+    proc = ServeProcess(
+        [
+            str(artifacts["mlp"]),
+            "--restricted-api", "model-repository,statistics:admin-key=s3cret",
+            "--restricted-api", "metadata:meta-key=other",
+        ]
+    )  # fmt: skip
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.mark.parametrize(
+    "method, path, group",
+    [
+        ("POST", "/v2/repository/index", "model-repository"),
+        ("POST", "/v2/repository/models/mlp/load", "model-repository"),
+        ("POST", "/v2/repository/models/mlp/unload", "model-repository"),
+        ("GET", "/v2/models/mlp/stats", "statistics"),
+        ("GET", "/v2/models/stats", "statistics"),
+        ("GET", "/metrics", "statistics"),
+        ("GET", "/v2/models/mlp", "metadata"),
+        ("GET", "/v2/models/mlp/config", "metadata"),
+        ("GET", "/v2", "metadata"),
+    ],
+)
+def test_a_restricted_api_needs_its_key(restricted, method, path, group):
+    url = restricted.url + path
+    for headers in ({}, {"admin-key": "wrong"}, {"meta-key": "s3cret"}):
+        r = httpx.request(method, url, headers=headers, timeout=10)
+        assert r.status_code == 403, (path, headers)
+        assert r.json()["error"].startswith(f"the {group} API is restricted")
+    key = {"admin-key": "s3cret"} if group != "metadata" else {"meta-key": "other"}
+    r = httpx.request(method, url, headers=key, timeout=10)
+    # With the key: answered as without restrictions (no repository here: a 400 for it).
+    assert r.status_code == (400 if "repository" in path else 200), r.text
+
+
+def test_open_apis_stay_open(restricted):
+    assert restricted.get("/v2/health/ready").status_code == 200
+    assert restricted.get("/v2/models/mlp/ready").status_code == 200
+    r = httpx.post(restricted.url + "/v2/models/mlp/infer", json={"inputs": [X]}, timeout=10)
+    assert r.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def test_https_with_the_triton_client(artifacts, certs):
+    proc = ServeProcess([str(artifacts["mlp"])], tls=certs)
+    try:
+        client = httpclient.InferenceServerClient(
+            f"127.0.0.1:{proc.port}", ssl=True, ssl_options={"ca_certs": certs["ca"]}
+        )
+        x = httpclient.InferInput("x", [2, 32], "FP32")
+        x.set_data_from_numpy(np.ones((2, 32), np.float32))
+        assert client.infer("mlp", [x]).as_numpy("y").shape[0] == 2
+        client.close()
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port
+            httpx.get(f"http://127.0.0.1:{proc.port}/v2/health/ready", timeout=5)
+        assert "ready on https://" in proc.output()
+    finally:
+        assert proc.stop() == 0
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(artifacts, certs):
+    proc = ServeProcess([str(artifacts["mlp"]), "--tls-ca", certs["ca"]], tls=certs)
+    try:
+        assert proc.get("/v2/health/ready", timeout=10).status_code == 200  # presents one
+        anonymous = proc.ssl_context(client_cert=False)
+        with pytest.raises((httpx.HTTPError, ssl.SSLError)):
+            httpx.get(proc.url + "/v2/health/ready", verify=anonymous, timeout=5)
+    finally:
+        assert proc.stop() == 0
