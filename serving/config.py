@@ -158,6 +158,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     access.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     access.add_argument("--tls-ca", metavar="PEM", help="with --tls-cert: require client "
                         "certificates signed by these CAs (mutual TLS)")  # fmt: skip
+    p.add_argument(
+        "--allow-signature-change", action="store_true",
+        help="repository: serve a new version whose inputs or outputs differ from the "
+        "served version's (default: refused, the old version keeps serving; per model: "
+        "allow_signature_change = true in its [models.NAME] section)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
 
 
@@ -236,19 +242,22 @@ def model_specs(
 
 def repository_config(
     args: argparse.Namespace,
-) -> tuple[BatchingOptions, dict[str, BatchingOptions], dict[str, str]]:
+) -> tuple[BatchingOptions, dict[str, BatchingOptions], dict[str, str], set[str]]:
     """(the options of every repository model, name -> its own options, name -> its
-    version policy), from the flags and the TOML's ``[defaults]`` and path-less
+    version policy, the models whose new versions may change their inputs or outputs
+    (``"*"``: all)), from the flags and the TOML's ``[defaults]`` and path-less
     ``[models.NAME]`` sections."""
     from .repository import parse_policy
 
     defaults, sections = _config(args)
     options: dict[str, BatchingOptions] = {}
     policies: dict[str, str] = {}
+    may_change = {"*"} if args.allow_signature_change else set()
     for name, section in sections.items():
         if "path" in section:
             continue
-        extra = {k: v for k, v in section.items() if k != "version_policy"}
+        own = ("version_policy", "allow_signature_change")
+        extra = {k: v for k, v in section.items() if k not in own}
         options[name] = _options(extra, f"[models.{name}]", defaults)
         if "version_policy" in section:
             try:
@@ -256,7 +265,15 @@ def repository_config(
             except ValueError as exc:
                 raise SystemExit(f"pxrt serve: [models.{name}] in {args.config}: {exc}") from None
             policies[name] = section["version_policy"]
-    return defaults, options, policies
+        allow = section.get("allow_signature_change", False)
+        if not isinstance(allow, bool):
+            raise SystemExit(
+                f"pxrt serve: [models.{name}] in {args.config}: allow_signature_change "
+                f"must be true or false, got {allow!r}"
+            )
+        if allow:
+            may_change.add(name)
+    return defaults, options, policies, may_change
 
 
 def _config(args: argparse.Namespace) -> tuple[BatchingOptions, dict]:

@@ -38,6 +38,7 @@ from .errors import (
     ServingError,
     UnknownModel,
 )
+from .logs import printable
 from .repository import NoRepository, RepositoryError
 from .server import Server
 
@@ -166,7 +167,7 @@ async def infer(
 
 def internal_error(where: str, exc: BaseException) -> InternalError:
     """The ``InternalError`` an unexpected ``exc`` is answered with, logged (one line)."""
-    log.error("pxrt: %s failed: %s: %.200s", where, type(exc).__name__, exc)
+    log.error("pxrt: %s failed: %s: %.200s", printable(where), type(exc).__name__, printable(exc))
     return InternalError(f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
 
 

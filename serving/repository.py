@@ -11,18 +11,23 @@ layout), and which of them a ``serving.Server`` serves.
   loaded, removed ones unloaded.
 
 Loading a version compiles it while everything else keeps serving (``Server.load_model``);
-a version that fails to load is reported (``index``) and changes nothing served.
+a version that fails to load is reported (``index``) and changes nothing served. So is a
+new version whose inputs or outputs (names, dtypes, shapes) differ from those of the
+version unversioned requests reach now, unless the model is allowed to change them
+(``allow_signature_change``): its clients would break without having changed anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .errors import UnknownModel
+from .logs import printable
 from .options import BatchingOptions
 from .server import Server
 
@@ -73,6 +78,15 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([os.path.realpath(path), root]) == root
 
 
+def _signature(manifest: dict) -> dict[str, dict[str, str]]:
+    """A manifest's inputs and outputs as clients see them: kind -> name -> dtype and
+    shape."""
+    return {
+        kind: {t["name"]: f"{t['dtype']}{list(t['shape'])}" for t in manifest[kind + "s"]}
+        for kind in ("input", "output")
+    }
+
+
 def parse_policy(text: str) -> tuple[str, Any]:
     """``"latest:N"``, ``"all"`` or ``"specific:V,V"`` -> (kind, argument)."""
     kind, _, arg = str(text).partition(":")
@@ -101,6 +115,8 @@ class Repository:
         added to it later): ``BatchingOptions``, or a mapping of them.
       options: model name -> its own options (a mapping is taken over ``defaults``).
       mode: ``none``, ``explicit`` or ``poll``.
+      allow_signature_change: names of the models whose new versions may change their
+        inputs or outputs (``"*"``: every model); a new version of any other is refused.
     """
 
     def __init__(
@@ -113,6 +129,7 @@ class Repository:
         defaults: BatchingOptions | Mapping[str, Any] | None = None,
         options: Mapping[str, BatchingOptions | Mapping[str, Any]] | None = None,
         load_options: dict | None = None,
+        allow_signature_change: Collection[str] = (),
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"model control mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -131,6 +148,7 @@ class Repository:
             for name, o in (options or {}).items()
         }
         self.load_options = load_options or {}
+        self.allow_signature_change = frozenset(allow_signature_change)
         # (name, version) -> (state, reason) of versions loading, failed or unloading.
         self._states: dict[tuple[str, str], tuple[str, str]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -224,10 +242,45 @@ class Repository:
         # Old versions go only once a wanted one serves: never nothing served by a reload.
         return not want or any(v in self._served(name) for v in want)
 
+    def _signature_change(self, name: str, path: str) -> str | None:
+        """Why the version at ``path`` may not be served: its inputs or outputs differ
+        from those of the version of ``name`` served now (None: they do not, nothing is
+        served, or the model may change them)."""
+        if name in self.allow_signature_change or "*" in self.allow_signature_change:
+            return None
+        try:
+            served = self.server.model(name)
+        except UnknownModel:
+            return None
+        try:
+            with open(os.path.join(path, "manifest.json")) as f:
+                new = _signature(json.load(f))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None  # the load reports what is wrong with it
+        old = _signature(served.artifact.manifest)
+        if new == old:
+            return None
+        changed = sorted(
+            f"{kind} {n!r}: {old[kind].get(n, 'none')} -> {new[kind].get(n, 'none')}"
+            for kind in ("input", "output")
+            for n in set(old[kind]) | set(new[kind])
+            if old[kind].get(n) != new[kind].get(n)
+        )
+        return (
+            f"its inputs or outputs differ from version {served.version}'s, which clients "
+            f"use now ({'; '.join(changed)}); allow it with allow_signature_change "
+            "(--allow-signature-change, or the model's config section)"
+        )
+
     async def _load(self, name: str, version: str) -> None:
         key = (name, version)
-        self._states[key] = ("LOADING", "")
         path = os.path.join(self.root, name, version)
+        refused = self._signature_change(name, path)
+        if refused is not None:
+            self._states[key] = ("UNAVAILABLE", refused)
+            log.warning("pxrt: %r version %s not loaded: %s", name, version, printable(refused))
+            return
+        self._states[key] = ("LOADING", "")
         try:
             model = await self.server.load_model(
                 name,
@@ -239,7 +292,7 @@ class Repository:
         except Exception as exc:  # noqa: BLE001 - reported, and nothing served changes
             reason = f"{type(exc).__name__}: {exc}"
             self._states[key] = ("UNAVAILABLE", reason)
-            log.warning("pxrt: %r version %s failed to load: %s", name, version, reason)
+            log.warning("pxrt: %r version %s failed to load: %s", name, version, printable(reason))
             return
         del self._states[key]
         self._ours.add(name)

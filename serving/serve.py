@@ -20,6 +20,7 @@ from typing import Any
 
 from .access import Restrictions, TlsFiles
 from .config import add_arguments, connection_shares, http_limits, model_specs, repository_config
+from .logs import printable
 from .options import OptionError
 
 __all__ = ["add_arguments", "main"]
@@ -73,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
         if args.model_repository:
             from .repository import Repository
 
-            defaults, repo_options, policies = repository_config(args)
+            defaults, repo_options, policies, may_change = repository_config(args)
             try:
                 repository = Repository(
                     args.model_repository,
@@ -82,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
                     policies=policies,
                     defaults=defaults,
                     options=repo_options,
+                    allow_signature_change=may_change,
                 )
             except (OSError, ValueError) as exc:
                 print(f"pxrt serve: error: {exc}", file=sys.stderr)
@@ -108,11 +110,11 @@ def main(args: argparse.Namespace) -> int:
                 if repository is not None:
                     await repository.start(args.load_model)
                     for row in repository.index():
-                        print(
-                            f"pxrt serve: repository {row['name']} version {row['version']}: "
-                            f"{row['state']} {row['reason']}".rstrip(),
-                            file=sys.stderr,
+                        line = (
+                            f"repository {row['name']} version {row['version']}: "
+                            f"{row['state']} {row['reason']}"
                         )
+                        print(f"pxrt serve: {printable(line).rstrip()}", file=sys.stderr)
                     if args.model_control_mode == "poll":
                         poller.append(
                             asyncio.ensure_future(
@@ -205,6 +207,6 @@ def main(args: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)
         if loading_error:
-            print(f"pxrt serve: error: {loading_error[0]}", file=sys.stderr)
+            print(f"pxrt serve: error: {printable(loading_error[0])}", file=sys.stderr)
             return 2
     return 0

@@ -291,3 +291,57 @@ def test_polling_leaves_what_it_did_not_load_and_outlives_a_failed_scan(
 
     run(main)
     assert "repository scan" in caplog.text
+
+
+def test_a_new_version_that_changes_the_inputs_is_refused_unless_allowed(tmp_path, built, run):
+    """Version 2 takes other inputs than version 1, which clients use: it is not served
+    (1 keeps serving, the index says why) until the model is allowed to change them."""
+    root = _repo(tmp_path, built, [1])
+    spec = MODELS["two_io"]
+    pxrt.export(
+        spec["fn"], spec["params"](), root / "mlp" / "2", inputs=spec["inputs"],
+        batch_buckets=spec["buckets"], name="mlp",
+    )  # fmt: skip
+
+    async def main():
+        async with Server() as server:
+            repo = Repository(str(root), server, mode="poll")
+            await repo.sync("mlp")  # start: 2 is the newest, nothing served yet: 2 loads
+            assert server.versions("mlp") == ["2"]
+            await repo.unload_all("mlp")
+            shutil.move(root / "mlp" / "2", tmp_path / "v2")
+            assert await repo.sync("mlp") == ["1"]
+            shutil.move(tmp_path / "v2", root / "mlp" / "2")  # a new version appears
+            assert await repo.sync("mlp") == ["1"]
+            row = next(r for r in repo.index() if r["version"] == "2")
+            assert row["state"] == "UNAVAILABLE"
+            assert "differ from version 1's" in row["reason"] and "input 'x'" in row["reason"]
+            allowed = Repository(str(root), server, mode="poll", allow_signature_change={"mlp"})
+            assert await allowed.sync("mlp") == ["2"]
+
+    run(main)
+
+
+def test_names_from_the_directory_cannot_forge_log_lines(tmp_path, built, run, caplog):
+    root = tmp_path / "repo"
+    evil = root / "evil\npxrt: forged line"
+    shutil.copytree(built[1], evil / "1")
+    (evil / "1" / "params.npz").write_bytes(b"broken")
+
+    async def main():
+        async with Server() as server:
+            await Repository(str(root), server, mode="poll").poll_once()
+
+    with caplog.at_level("WARNING", logger="pxrt"):
+        run(main)
+    lines = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
+    assert lines and all("\n" not in line for line in lines)
+    assert "evil\\npxrt: forged line" in lines[0]
+    # pxrt serve's own start-up lines too.
+    proc = ServeProcess(["--model-repository", str(root)])
+    try:
+        output = proc.output()
+    finally:
+        assert proc.stop() == 0
+    assert "evil\\npxrt: forged line version 1: UNAVAILABLE" in output
+    assert not any(line.startswith("pxrt: forged line") for line in output.splitlines())
