@@ -6,10 +6,15 @@ never finish their headers, clients that hang up mid-request, oversized headers,
 idle sockets; and every ``--reload-every-s`` (default 20) the model is reloaded: the
 server serves it from a model repository (explicit mode) and a version 2 directory
 appears or goes before each ``POST /v2/repository/models/mlp/load``, so the served
-version alternates (load the new one, retire the old one) under the traffic. Every few
-seconds it samples the server's resident memory and open file descriptors. The report:
-requests by outcome, any 5xx (there must be none), and memory and descriptors at the
-start of the second minute (after warm-up) and at the end.
+version alternates (load the new one, retire the old one) under the traffic. gRPC
+clients send bursts of requests down streams (Triton's client), and a flood of sockets
+beyond ``--max-connections`` is refused now and then. Every few seconds it samples the
+server's resident memory and open file descriptors. At the end the server gets SIGTERM
+while all of this goes on: it must drain (every request sent is answered, or its stream
+ended with UNAVAILABLE, or its connection refused before it was sent). The report:
+requests by outcome, unanswered requests and 5xx on established connections (there must
+be none), and memory and descriptors at the start of the second minute (after warm-up)
+and at the end.
 
     python benchmarks/soak.py [--minutes 5] [--reload-every-s 20]
 """
@@ -36,7 +41,12 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+import queue  # noqa: E402
+import signal  # noqa: E402
+
+import tritonclient.grpc as grpcclient  # noqa: E402
 from servers import ServeProcess  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from pxrt import demo  # noqa: E402
 
@@ -66,10 +76,13 @@ def main() -> None:
     spare = shutil.copytree(os.path.join(repo, "mlp", "1"), os.path.join(work, "spare"))
     proc = ServeProcess(
         ["--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "mlp",
-         "--header-timeout-s", "2", "--body-timeout-s", "2"]
+         "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections", "64"],
+        grpc=True,
     )  # fmt: skip
     url, port, pid = proc.url, proc.port, proc.proc.pid
     stop = time.monotonic() + args.minutes * 60
+    draining = threading.Event()  # SIGTERM sent: the clients go on until refused
+    over = threading.Event()  # the server is gone: the clients stop
     outcomes: Counter = Counter()
     lock = threading.Lock()
     rng = np.random.default_rng(0)
@@ -111,30 +124,112 @@ def main() -> None:
     ]
 
     def count(key: str) -> None:
-        with lock:
-            outcomes[key] += 1
+        count_n(key, 1)
+
+    def count_n(key: str, n: int) -> None:
+        if n:
+            with lock:
+                outcomes[key] += n
 
     def good() -> None:
         with httpx.Client(base_url=url, timeout=30) as http:
-            while time.monotonic() < stop:
-                if random.random() < 0.5:
-                    r = http.post("/v2/models/mlp/infer", content=good_json)
+            while not over.is_set():
+                try:
+                    if random.random() < 0.5:
+                        r = http.post("/v2/models/mlp/infer", content=good_json)
+                    else:
+                        r = http.post(
+                            "/v2/models/mlp/infer",
+                            content=header + x.tobytes(),
+                            headers={"Inference-Header-Content-Length": str(len(header))},
+                        )
+                except httpx.ConnectError:  # not sent: the listener is closed (draining)
+                    count("good refused (not sent)")
+                    time.sleep(0.05)
+                    continue
+                except httpx.HTTPError as exc:  # sent, and no answer
+                    count(f"good UNANSWERED ({type(exc).__name__})")
+                    continue
+                count(f"good {r.status_code}{when()}")
+
+    def when() -> str:
+        return " (draining)" if draining.is_set() else ""
+
+    def stream() -> None:
+        inputs = [grpcclient.InferInput("x", [3, 256], "FP32")]
+        inputs[0].set_data_from_numpy(x)
+        while not draining.is_set() or not over.is_set():
+            if over.is_set():
+                return
+            answers: queue.Queue = queue.Queue()
+            try:
+                client = grpcclient.InferenceServerClient(proc.grpc_url)
+                client.start_stream(lambda result, error, answers=answers: answers.put(error))
+            except Exception:  # noqa: BLE001 - the server is gone
+                count("stream refused (not sent)")
+                time.sleep(0.05)
+                continue
+            sent = 0
+            for i in range(200):
+                try:
+                    client.async_stream_infer("mlp", inputs, request_id=str(i))
+                except InferenceServerException:
+                    break  # the stream ended (its error is in answers)
+                sent += 1
+            answered, ended = 0, None
+            while answered < sent and ended is None:
+                try:
+                    error = answers.get(timeout=30)
+                except queue.Empty:
+                    break
+                if error is None:
+                    answered += 1
+                elif error.status() and "UNAVAILABLE" in error.status():
+                    ended = "UNAVAILABLE"
                 else:
-                    r = http.post(
-                        "/v2/models/mlp/infer",
-                        content=header + x.tobytes(),
-                        headers={"Inference-Header-Content-Length": str(len(header))},
-                    )
-                count(f"good {r.status_code}")
+                    ended = str(error.status())
+            client.stop_stream()
+            client.close()
+            count_n("stream answered", answered)
+            if sent > answered:
+                if ended == "UNAVAILABLE":  # drained: the client is told
+                    count_n("stream ended UNAVAILABLE (not answered)", sent - answered)
+                else:
+                    count_n(f"stream UNANSWERED ({ended})", sent - answered)
+
+    def flood() -> None:
+        while not draining.is_set():
+            time.sleep(15)
+            socks, refused = [], 0
+            for _ in range(80):
+                try:
+                    socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                except OSError:
+                    refused += 1
+            for s in socks:
+                s.settimeout(2)
+                try:
+                    reply = s.recv(64)
+                    count(f"flood {reply[9:12].decode() or 'closed'}")
+                except OSError:
+                    count("flood open")  # within the budget: closed by us below
+                s.close()
+            count_n("flood refused at connect", refused)
 
     def bad() -> None:
         with httpx.Client(base_url=url, timeout=30) as http:
-            while time.monotonic() < stop:
-                r = http.post("/v2/models/mlp/infer", content=random.choice(bad_bodies))
+            while not draining.is_set():
+                try:
+                    r = http.post("/v2/models/mlp/infer", content=random.choice(bad_bodies))
+                except httpx.HTTPError as exc:
+                    count(
+                        f"bad {'refused (not sent)' if draining.is_set() else type(exc).__name__}"
+                    )
+                    continue
                 count(f"bad {r.status_code}")
 
     def raw(kind: str) -> None:
-        while time.monotonic() < stop:
+        while not draining.is_set():
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
                     if kind == "slowloris":
@@ -173,6 +268,8 @@ def main() -> None:
     if args.reload_every_s > 0:
         threads.append(threading.Thread(target=reload))
     threads += [threading.Thread(target=bad) for _ in range(2)]
+    threads += [threading.Thread(target=stream) for _ in range(2)]
+    threads.append(threading.Thread(target=flood))
     threads += [
         threading.Thread(target=raw, args=(k,))
         for k in ("slowloris", "slowloris", "hangup", "big-header", "idle")
@@ -184,11 +281,18 @@ def main() -> None:
     while time.monotonic() < stop:
         samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
         time.sleep(5)
-    for t in threads:
-        t.join(60)
     samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
     healthy = httpx.get(url + "/v2/health/ready", timeout=10).status_code
-    rc = proc.stop()
+    # SIGTERM under the traffic: the server drains and exits.
+    draining.set()
+    proc.proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.proc.wait(90)
+    finally:
+        over.set()
+    for t in threads:
+        t.join(60)
+    proc.stop()
     shutil.rmtree(work, ignore_errors=True)
 
     after_warmup = next((s for s in samples if s[0] >= 60), samples[0])
@@ -196,12 +300,17 @@ def main() -> None:
     print(f"\nsoak: {args.minutes:g} min, server exit code {rc}, ready afterwards: {healthy}")
     for key, n in sorted(outcomes.items()):
         print(f"  {key:<22} {n:>9,}")
+    # 5xx on requests sent on established connections (503s to sockets beyond the
+    # connection budget and to requests arriving while draining are refusals, by design).
     fives = sum(
         n
         for k, n in outcomes.items()
-        if k.split()[-1].startswith("5") and not k.startswith("hangup")
-    )
-    print(f"  5xx answers: {fives}")
+        if k.split()[0] in ("good", "bad", "reload") and k.split()[1].startswith("5")
+        and "draining" not in k
+    )  # fmt: skip
+    draining_503 = sum(n for k, n in outcomes.items() if k.endswith("503 (draining)"))
+    unanswered = sum(n for k, n in outcomes.items() if "UNANSWERED" in k)
+    print(f"  5xx answers: {fives} (503 while draining: {draining_503}); unanswered: {unanswered}")
     print(
         f"RSS MB: start {samples[0][1]:.0f}, at {after_warmup[0]:.0f} s {after_warmup[1]:.0f}, "
         f"end {end[1]:.0f}, max {max(s[1] for s in samples):.0f} "

@@ -127,7 +127,11 @@ async def _error_response(request: Request, exc: Exception) -> Response:
     if isinstance(exc, BodiesFull):
         return _json({"error": str(exc)}, 503, {"Retry-After": "1"})
     status = core.status_of(exc)
-    return _json({"error": status.message}, status.http, status.headers)
+    headers = status.headers
+    if isinstance(exc, core.NotServing) and _state(request).server.draining:
+        # Draining: the client should go elsewhere, not send its next request here.
+        headers = {**(headers or {}), "Connection": "close"}
+    return _json({"error": status.message}, status.http, headers)
 
 
 async def _routing_error(request: Request, exc: Exception) -> Response:

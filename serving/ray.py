@@ -131,6 +131,13 @@ class PxrtDeployment:
         """Ray's health check: the model is served and its pipeline alive."""
         self.server.check_health(self.name)
 
+    def reconfigure(self, config: Mapping[str, Any]) -> None:
+        """Ray Serve's in-place update of every replica (the deployment's
+        ``user_config``): ``{"draining": True}`` makes the replica refuse new requests
+        (503 / ``ServerClosed``-like errors) while it answers those it accepted."""
+        if config.get("draining"):
+            self.server.drain()
+
     async def __del__(self) -> None:
         await self.server.close()
 
@@ -219,6 +226,7 @@ def pxrt_app(
     name: str | None = None,
     load_options: Mapping[str, Any] | None = None,
     options: BatchingOptions | None = None,
+    draining: bool = False,
     **changes: Any,
 ) -> Any:
     """The Ray Serve application serving the artifact at ``path``: ``serve.run(app)``.
@@ -227,10 +235,14 @@ def pxrt_app(
     ``autoscaling_config``, ``ray_actor_options`` such as ``{"num_gpus": 1}``);
     ``max_ongoing_requests`` defaults to ``max_queue`` (the batcher's queue, in rows).
     ``options`` with ``changes`` over them are the model's ``BatchingOptions``, checked
-    here (before any replica starts)."""
+    here (before any replica starts). The same application with ``draining=True``,
+    ``serve.run`` again, drains every replica in place (``pxrt serve --ray`` does on
+    SIGTERM)."""
     options = BatchingOptions.from_mapping(changes, options)
     deployment_options: dict[str, Any] = {
-        "max_ongoing_requests": max_ongoing_requests or options.max_queue
+        "max_ongoing_requests": max_ongoing_requests or options.max_queue,
+        # Always set, so that setting draining is an in-place update (no new replicas).
+        "user_config": {"draining": draining},
     }
     if num_replicas is not None:
         deployment_options["num_replicas"] = num_replicas

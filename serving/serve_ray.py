@@ -9,9 +9,14 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from typing import Any
 
 from .config import model_specs
+
+# After the replicas drain: how long requests already in flight (queued in Ray's proxy or
+# a replica) have to finish before Serve shuts down.
+DRAIN_GRACE_S = 2.0
 
 
 def main_ray(args: argparse.Namespace) -> int:
@@ -61,14 +66,21 @@ def main_ray(args: argparse.Namespace) -> int:
             signal.signal(sig, on_signal)
         try:
             serve.start(http_options={"host": args.host, "port": args.port})
-            app = pxrt_app(
-                os.path.abspath(path),
-                name=name,
-                num_replicas=args.replicas,
-                ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
-                options=options,
-            )
-            serve.run(app, name="pxrt", route_prefix="/")
+
+            def app(draining: bool = False) -> Any:
+                return pxrt_app(
+                    os.path.abspath(path),
+                    name=name,
+                    num_replicas=args.replicas,
+                    ray_actor_options={
+                        "num_cpus": args.replica_cpus,
+                        "num_gpus": args.replica_gpus,
+                    },
+                    options=options,
+                    draining=draining,
+                )
+
+            serve.run(app(), name="pxrt", route_prefix="/")
             started.set()
             print(
                 f"pxrt serve: ready on http://{args.host}:{args.port} "
@@ -76,6 +88,11 @@ def main_ray(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             stop.wait()
+            # Drain: every replica answers 503 to new requests from now on (an in-place
+            # update), the requests it accepted finish, then Serve stops.
+            print("pxrt serve: draining", file=sys.stderr)
+            serve.run(app(draining=True), name="pxrt", route_prefix="/")
+            time.sleep(DRAIN_GRACE_S)
         except KeyboardInterrupt:  # a requested stop, as any other: exit 0
             print("pxrt serve: stopped while deploying", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - a deployment that failed to start

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
@@ -26,10 +27,31 @@ from serving.codec import datatype_of  # noqa: E402
 from serving.ray import PxrtHandle, pxrt_app  # noqa: E402
 
 
-def test_pxrt_serve_ray_runs_replicas_until_sigterm(artifacts):
+def test_pxrt_serve_ray_runs_replicas_until_sigterm_and_drains(artifacts):
     # First in the module: its own local Ray, before the module's cluster starts.
     proc = ServeProcess([str(artifacts["mlp"]), "--ray", "--replicas", "2",
                          "--replica-cpus", "0.5", "--max-delay-us", "500"])  # fmt: skip
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}]}
+    statuses: list = []
+    lost: list = []
+    done = threading.Event()
+
+    def traffic():
+        # Every request in flight when the drain begins is answered; from then on the
+        # replicas answer 503 + Connection: close, and a client told so stops.
+        with httpx.Client(timeout=60) as http:
+            while not done.is_set():
+                try:
+                    r = http.post(proc.url + "/v2/models/mlp/infer", json=body)
+                except httpx.HTTPError as exc:
+                    lost.append(repr(exc))
+                    return
+                statuses.append(r.status_code)
+                if r.status_code == 503:
+                    assert "draining" in r.json()["error"]
+                    assert r.headers["connection"] == "close"
+                    return
+
     try:
         client = httpclient.InferenceServerClient(proc.url.removeprefix("http://"))
         request = random_request(MODELS["mlp"]["inputs"], 3, np.random.default_rng(5))
@@ -37,9 +59,23 @@ def test_pxrt_serve_ray_runs_replicas_until_sigterm(artifacts):
         inp.set_data_from_numpy(request["x"])
         assert_matches({"y": client.infer("mlp", [inp]).as_numpy("y")}, reference("mlp", request))
         client.close()
+        threads = [threading.Thread(target=traffic) for _ in range(4)]
+        for t in threads:
+            t.start()
+        while len(statuses) < 50:
+            time.sleep(0.05)
+        proc.proc.send_signal(signal.SIGTERM)
+        proc.proc.wait(120)
+        output = proc.output()
     finally:
+        done.set()
         rc = proc.stop()
+    for t in threads:
+        t.join(60)
     assert rc == 0
+    assert not lost, lost[:3]
+    assert set(statuses) == {200, 503} and statuses.count(503) == len(threads), statuses[-8:]
+    assert "pxrt serve: draining" in output
 
 
 def test_pxrt_serve_ray_reports_a_bad_artifact_before_starting_ray(tmp_path):
