@@ -104,7 +104,7 @@ def create_app(
     handlers: dict[Any, Callable] = {HTTPException: _routing_error}
     handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
     handlers[BodiesFull] = _error_response
-    app = Starlette(routes=_routes(), lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(routes=_routes(restrictions), lifespan=lifespan, exception_handlers=handlers)
     app.state.pxrt = _AppState(
         server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions
     )
@@ -163,15 +163,17 @@ def _endpoint(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
     return endpoint
 
 
-def _restricted(group: str, endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
-    """``endpoint``, answering 403 (``Forbidden``) when ``group`` is restricted and the
-    request lacks its key."""
+def _restricted(
+    restrictions: Restrictions, group: str, endpoint: Callable[[Request], Awaitable[Response]]
+) -> Callable:
+    """``endpoint``, answering 403 (``Forbidden``) without the key when ``group`` is
+    restricted (else ``endpoint`` itself: an open group costs nothing)."""
+    if group not in restrictions.keys:
+        return endpoint
 
     @functools.wraps(endpoint)
     async def guarded(request: Request) -> Response:
-        restrictions = _state(request).restrictions
-        if restrictions:
-            restrictions.check(group, request.headers.get)
+        restrictions.check(group, request.headers.get)
         return await endpoint(request)
 
     return guarded
@@ -393,8 +395,8 @@ def infer_response(body: bytes, header_length: int | None) -> Response:
     )
 
 
-def _routes() -> list[Route]:
-    r = _restricted
+def _routes(restrictions: Restrictions) -> list[Route]:
+    r = functools.partial(_restricted, restrictions)
     routes = [
         Route("/v2", r("metadata", server_metadata)),
         Route("/v2/health/live", r("health", live)),
