@@ -6,17 +6,43 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import ssl
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
+from .access import TlsFiles
 from .config import model_specs
+from .options import OptionError
 
 # After the replicas drain: how long requests already in flight (queued in Ray's proxy or
 # a replica) have to finish before Serve shuts down.
 DRAIN_GRACE_S = 2.0
+
+
+def _wait_draining(args: argparse.Namespace, https: bool, timeout_s: float = 15.0) -> None:
+    """Until the proxy's readiness answers "draining" several times in a row (each
+    answer from a replica Ray picks), or ``timeout_s``: ``serve.run`` may return before
+    every replica has taken the update."""
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"{'https' if https else 'http'}://{host}:{args.port}/v2/health/ready"
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # our own proxy, on this machine
+    in_a_row, deadline = 0, time.monotonic() + timeout_s
+    while in_a_row < 2 * args.replicas + 2 and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=5, context=context if https else None):
+                in_a_row = 0  # 200: a replica still takes requests
+        except urllib.error.HTTPError as exc:
+            in_a_row = in_a_row + 1 if exc.code == 503 else 0
+        except OSError:
+            in_a_row = 0
+        time.sleep(0.05)
 
 
 def main_ray(args: argparse.Namespace) -> int:
@@ -28,6 +54,20 @@ def main_ray(args: argparse.Namespace) -> int:
             "(not with --grpc-port or --model-repository)",
             file=sys.stderr,
         )
+        return 2
+    # Ray's proxy owns the connections: what it cannot enforce is refused, not ignored.
+    if args.restricted_api or args.tls_ca:
+        print(
+            "pxrt serve: error: with --ray, Ray's HTTP proxy serves the requests, and it "
+            "enforces neither --restricted-api nor client certificates (--tls-ca); put a "
+            "proxy that does in front of it",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        tls = TlsFiles.from_args(args)
+    except (OptionError, OSError) as exc:
+        print(f"pxrt serve: error: {exc}", file=sys.stderr)
         return 2
     try:
         import ray
@@ -65,7 +105,10 @@ def main_ray(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
         try:
-            serve.start(http_options={"host": args.host, "port": args.port})
+            http_options: dict[str, Any] = {"host": args.host, "port": args.port}
+            if tls is not None:
+                http_options.update(ssl_certfile=tls.cert, ssl_keyfile=tls.key)
+            serve.start(http_options=http_options)
 
             def app(draining: bool = False) -> Any:
                 return pxrt_app(
@@ -80,21 +123,35 @@ def main_ray(args: argparse.Namespace) -> int:
                     draining=draining,
                 )
 
+            def drain() -> None:
+                # Every replica answers 503 to new requests from now on (an in-place
+                # update), the requests it accepted finish, then Serve stops.
+                print("pxrt serve: draining", file=sys.stderr)
+                serve.run(app(draining=True), name="pxrt", route_prefix="/")
+                _wait_draining(args, tls is not None)
+                time.sleep(DRAIN_GRACE_S)
+
             serve.run(app(), name="pxrt", route_prefix="/")
             started.set()
             print(
-                f"pxrt serve: ready on http://{args.host}:{args.port} "
+                f"pxrt serve: ready on {'https' if tls else 'http'}://{args.host}:{args.port} "
                 f"({args.replicas} Ray Serve replicas)",
                 file=sys.stderr,
             )
             stop.wait()
-            # Drain: every replica answers 503 to new requests from now on (an in-place
-            # update), the requests it accepted finish, then Serve stops.
-            print("pxrt serve: draining", file=sys.stderr)
-            serve.run(app(draining=True), name="pxrt", route_prefix="/")
-            time.sleep(DRAIN_GRACE_S)
+            drain()
         except KeyboardInterrupt:  # a requested stop, as any other: exit 0
-            print("pxrt serve: stopped while deploying", file=sys.stderr)
+            try:
+                status = serve.status().applications.get("pxrt")
+            except Exception:  # noqa: BLE001 - Serve did not start: nothing to drain
+                status = None
+            if status is not None and str(status.status).endswith("RUNNING"):
+                # Stopped as serve.run returned: the replicas serve already (readiness
+                # said so), so they drain as on any other stop.
+                started.set()
+                drain()
+            else:
+                print("pxrt serve: stopped while deploying", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - a deployment that failed to start
             print(f"pxrt serve: error: {exc}", file=sys.stderr)
             return 2

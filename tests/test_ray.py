@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 import tritonclient.http as httpclient  # noqa: E402
 from models import MODELS, assert_matches, random_request, reference  # noqa: E402
 from ray import serve  # noqa: E402
-from servers import ServeProcess, free_ports  # noqa: E402
+from servers import ServeProcess, free_ports, make_certs  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from serving import Overloaded  # noqa: E402
@@ -73,9 +73,40 @@ def test_pxrt_serve_ray_runs_replicas_until_sigterm_and_drains(artifacts):
     for t in threads:
         t.join(60)
     assert rc == 0
-    assert not lost, lost[:3]
+    assert not lost, (lost[:2], len(lost), statuses.count(200), statuses.count(503))
     assert set(statuses) == {200, 503} and statuses.count(503) == len(threads), statuses[-8:]
     assert "pxrt serve: draining" in output
+
+
+def test_pxrt_serve_ray_serves_https_with_the_triton_client(artifacts, tmp_path):
+    # Its own local Ray too (before the module's cluster starts): Ray's proxy over TLS.
+    certs = make_certs(tmp_path)
+    proc = ServeProcess([str(artifacts["mlp"]), "--ray", "--replicas", "1",
+                         "--replica-cpus", "0.5"], tls=certs)  # fmt: skip
+    try:
+        client = httpclient.InferenceServerClient(
+            f"localhost:{proc.port}", ssl=True, ssl_options={"ca_certs": certs["ca"]}
+        )
+        request = random_request(MODELS["mlp"]["inputs"], 2, np.random.default_rng(6))
+        inp = httpclient.InferInput("x", [2, 32], "FP32")
+        inp.set_data_from_numpy(request["x"])
+        assert_matches({"y": client.infer("mlp", [inp]).as_numpy("y")}, reference("mlp", request))
+        client.close()
+    finally:
+        rc = proc.stop()
+    assert rc == 0
+
+
+def test_pxrt_serve_ray_refuses_what_rays_proxy_cannot_enforce(artifacts, tmp_path):
+    import subprocess
+    import sys
+
+    for extra in (["--restricted-api", "model-repository:k=v"], ["--tls-ca", str(tmp_path)]):
+        done = subprocess.run(
+            [sys.executable, "-m", "serving.cli", "serve", str(artifacts["mlp"]), "--ray", *extra],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2 and "Ray's HTTP proxy" in done.stderr, done.stderr
 
 
 def test_pxrt_serve_ray_reports_a_bad_artifact_before_starting_ray(tmp_path):
