@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(FOUR) $(PY) benchmarks/compare.py
 	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/http_compare.py
+	$(PY) benchmarks/protocol_overhead.py
 	$(PY) benchmarks/grpc_compare.py
 	$(PY) benchmarks/variable_length.py
 	$(PY) benchmarks/ray_compare.py

@@ -13,6 +13,7 @@ request core (``serving.core``) puts it together.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -160,6 +161,47 @@ def decode_inputs(
     return out
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BinaryPlan:
+    """What a request header whose every tensor comes as binary data decoded to, for a
+    model: the same header with a binary tail of ``size`` bytes decodes to the same
+    arrays (``views``, of the new tail), outputs, id and deadline, with nothing to check
+    again (the header's checks passed; the values are the model's to validate)."""
+
+    inputs: tuple[tuple[str, np.dtype, int, int, tuple[int, ...]], ...]  # name, dtype,
+    # count, offset, shape
+    size: int
+    outputs: list[tuple[str, bool]]
+    id: str | None
+    timeout_s: float | None
+
+    @classmethod
+    def of(
+        cls,
+        doc: dict,
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[tuple[str, bool]],
+        rid: str | None,
+        timeout_s: float | None,
+    ) -> BinaryPlan | None:
+        """The plan of a decoded request (``decode_inputs`` laid the binary inputs out
+        in order, end to end), or None when any tensor came as JSON data."""
+        if any("data" in spec for spec in doc["inputs"]):
+            return None
+        entries = []
+        offset = 0
+        for name, arr in inputs.items():
+            entries.append((name, arr.dtype, arr.size, offset, arr.shape))
+            offset += arr.nbytes
+        return cls(tuple(entries), offset, outputs, rid, timeout_s)
+
+    def views(self, binary: memoryview) -> dict[str, np.ndarray]:
+        return {
+            name: np.frombuffer(binary, dtype, count, offset).reshape(shape)
+            for name, dtype, count, offset, shape in self.inputs
+        }
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -288,6 +330,21 @@ def encode_response(
     selected: list[tuple[str, bool]],
 ) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when binary data follows it."""
+    header, blobs = response_parts(model, version, request_id, outputs, selected)
+    if not blobs:
+        return header, None
+    return b"".join([header, *blobs]), len(header)
+
+
+def response_parts(
+    model: str,
+    version: str,
+    request_id: Any,
+    outputs: Mapping[str, np.ndarray],
+    selected: list[tuple[str, bool]],
+) -> tuple[bytes, list[memoryview]]:
+    """The response's JSON header and the binary data that follows it (views of the
+    outputs, in order): a body written as a list of buffers, never joined."""
     entries = []
     blobs: list[Any] = []
     for name, binary in selected:
@@ -308,10 +365,7 @@ def encode_response(
     doc: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if request_id is not None:
         doc["id"] = request_id
-    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not blobs:
-        return header, None
-    return b"".join([header, *blobs]), len(header)
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), blobs
 
 
 def timeout_of(doc: dict) -> float | None:

@@ -141,6 +141,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="gRPC's share of --max-connections (default a quarter: gRPC clients "
         "multiplex calls on one connection); HTTP gets the rest",
     )  # fmt: skip
+    http.add_argument(
+        "--native-http", action=argparse.BooleanOptionalAction, default=True,
+        help="answer inference and health requests straight from the HTTP parser, "
+        "without the ASGI stack (same answers, a fraction of the CPU); --no-native-http "
+        "sends every request through the Starlette app (default on)",
+    )  # fmt: skip
     p.add_argument(
         "--max-stream-inflight", type=_arg(number(int, 1)), default=512,
         help="requests of one gRPC stream read and not yet answered; over it the stream "

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -88,15 +89,33 @@ class InferRequest:
     def from_json(
         cls, header: memoryview | bytes, binary: memoryview, model: Model
     ) -> InferRequest:
-        """A KServe v2 JSON request (``header``) with its binary tensor data."""
+        """A KServe v2 JSON request (``header``) with its binary tensor data.
+
+        A header whose tensors all come as binary data is remembered per model with what
+        it decoded to (``codec.BinaryPlan``): the same header again (load generators and
+        most clients send the same one for every request of a shape) is decoded by one
+        dict lookup and a view per input, not a JSON parse and its checks."""
+        plans = _plans(model)
+        try:
+            plan = plans.get(header)
+        except (TypeError, ValueError):  # a writable buffer cannot be a key
+            plan = None
+        if plan is not None and plan.size == len(binary):
+            return cls(plan.views(binary), plan.outputs, plan.id, plan.timeout_s)
         doc = codec.parse_json(header)
         rid = codec.request_id(doc)
-        return cls(
+        request = cls(
             inputs=codec.decode_inputs(doc, binary, model.inputs),
             outputs=codec.requested_outputs(doc, list(model.outputs)),
             id=rid,
             timeout_s=codec.timeout_of(doc),
         )
+        plan = codec.BinaryPlan.of(doc, request.inputs, request.outputs, rid, request.timeout_s)
+        if plan is not None:
+            if len(plans) >= PLANS_PER_MODEL:
+                plans.clear()  # many different headers (ids, shapes): start over
+            plans[bytes(header)] = plan  # a copy: the key outlives the body
+        return request
 
     @classmethod
     def from_proto(
@@ -115,6 +134,19 @@ class InferRequest:
         )
 
 
+PLANS_PER_MODEL = 64  # binary-request headers remembered per model (InferRequest.from_json)
+_PLANS: dict[int, tuple[weakref.ref, dict]] = {}  # id(model) -> (the model, its plans)
+
+
+def _plans(model: Model) -> dict:
+    """``model``'s header -> ``codec.BinaryPlan`` table (gone with the model)."""
+    entry = _PLANS.get(id(model))
+    if entry is None or entry[0]() is not model:
+        key = id(model)
+        entry = _PLANS[key] = (weakref.ref(model, lambda _: _PLANS.pop(key, None)), {})
+    return entry[1]
+
+
 def resolve(server: Server, name: str, version: str | None = None) -> Model:
     """The model that serves ``version`` of ``name`` now, if the server takes inference
     requests: ``NotServing`` while loading or draining, ``UnknownModel`` without one."""
@@ -122,6 +154,56 @@ def resolve(server: Server, name: str, version: str | None = None) -> Model:
     if why:
         raise NotServing(why)
     return server.model(name, version)
+
+
+def start(
+    server: Server,
+    name: str,
+    version: str | None,
+    decode: Callable[[Model], InferRequest],
+) -> tuple[Model, InferRequest, asyncio.Future]:
+    """The first half of ``infer``, for front ends that do not await: the model resolved
+    now, the request ``decode(model)`` made for it, and its future in the queue
+    (cancelling it takes the request out of the queue if it was not dispatched: a
+    client that hung up). ``finish`` makes the reply once the future is done."""
+    model = resolve(server, name, version)
+    try:
+        try:
+            request = decode(model)
+        except ProtocolError:
+            server.count(name, model.version, "invalid")
+            raise
+        try:
+            future = server.submit(
+                name, request.inputs, timeout_s=request.timeout_s, version=model.version
+            )
+        except (TypeError, ValueError) as exc:  # the model's validation (its queue counted it)
+            raise InvalidRequest(str(exc)) from None
+    except (ServingError, ProtocolError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
+        server.count(name, model.version, "failed")
+        raise internal_error(f"{name!r} inference", exc) from exc
+    return model, request, future
+
+
+def finish(
+    server: Server,
+    name: str,
+    model: Model,
+    request: InferRequest,
+    future: asyncio.Future,
+    encode: Callable[[str, Model, InferRequest, dict], T],
+) -> T:
+    """The second half of ``infer``: ``encode``'s reply for the done (not cancelled)
+    ``future`` of ``start``, or the error it is answered with raised."""
+    try:
+        return encode(name, model, request, future.result())
+    except (ServingError, ProtocolError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
+        server.count(name, model.version, "failed")
+        raise internal_error(f"{name!r} inference", exc) from exc
 
 
 async def infer(
@@ -140,29 +222,14 @@ async def infer(
     what ``status_of`` maps; an unexpected error is counted failed, logged once and
     raised as ``InternalError``.
     """
-    model = resolve(server, name, version)
-    version = model.version
+    model, request, future = start(server, name, version, decode)
+    if on_queued is not None:
+        on_queued(future)
     try:
-        try:
-            request = decode(model)
-        except ProtocolError:
-            server.count(name, version, "invalid")
-            raise
-        try:
-            future = server.submit(
-                name, request.inputs, timeout_s=request.timeout_s, version=version
-            )
-        except (TypeError, ValueError) as exc:  # the model's validation (its queue counted it)
-            raise InvalidRequest(str(exc)) from None
-        if on_queued is not None:
-            on_queued(future)
-        outputs = await future
-        return encode(name, model, request, outputs)
-    except (ServingError, ProtocolError, asyncio.CancelledError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
-        server.count(name, version, "failed")
-        raise internal_error(f"{name!r} inference", exc) from exc
+        await future  # cancelled with the caller (the request leaves the queue)
+    except Exception:  # noqa: BLE001, S110 - the request's error: finish raises it, mapped
+        pass
+    return finish(server, name, model, request, future, encode)
 
 
 def internal_error(where: str, exc: BaseException) -> InternalError:
@@ -229,9 +296,11 @@ __all__ = [
     "NotServing",
     "Status",
     "TooLarge",
+    "finish",
     "infer",
     "internal_error",
     "is_known",
     "resolve",
+    "start",
     "status_of",
 ]

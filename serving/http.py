@@ -75,8 +75,8 @@ class BodiesFull(ServingError):
 
 
 @dataclasses.dataclass
-class _AppState:
-    """What the endpoints serve: ``request.app.state.pxrt``."""
+class AppState:
+    """What the endpoints serve: ``app.state.pxrt`` (the native path serves the same)."""
 
     server: Server
     limits: HttpLimits
@@ -105,7 +105,7 @@ def create_app(
     handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
     handlers[BodiesFull] = _error_response
     app = Starlette(routes=_routes(restrictions), lifespan=lifespan, exception_handlers=handlers)
-    app.state.pxrt = _AppState(
+    app.state.pxrt = AppState(
         server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions
     )
     return app
@@ -123,15 +123,29 @@ def _json(doc: Any, status: int = 200, headers: Mapping[str, str] | None = None)
     )
 
 
-async def _error_response(request: Request, exc: Exception) -> Response:
+def error_reply(exc: BaseException, server: Server) -> tuple[int, dict, dict[str, str] | None]:
+    """How an error is answered over HTTP (both paths): status, JSON document, headers."""
     if isinstance(exc, BodiesFull):
-        return _json({"error": str(exc)}, 503, {"Retry-After": "1"})
+        return 503, {"error": str(exc)}, {"Retry-After": "1"}
     status = core.status_of(exc)
     headers = status.headers
-    if isinstance(exc, core.NotServing) and _state(request).server.draining:
+    if isinstance(exc, core.NotServing) and server.draining:
         # Draining: the client should go elsewhere, not send its next request here.
         headers = {**(headers or {}), "Connection": "close"}
-    return _json({"error": status.message}, status.http, headers)
+    return status.http, {"error": status.message}, headers
+
+
+def readiness(server: Server) -> tuple[int, dict]:
+    """``/v2/health/ready``'s status and document."""
+    why = server.not_serving()
+    if why:
+        return 503, {"ready": False, "error": why}
+    return 200, {"ready": True}
+
+
+async def _error_response(request: Request, exc: Exception) -> Response:
+    status, doc, headers = error_reply(exc, _state(request).server)
+    return _json(doc, status, headers)
 
 
 async def _routing_error(request: Request, exc: Exception) -> Response:
@@ -179,7 +193,7 @@ def _restricted(
     return guarded
 
 
-def _state(request: Request) -> _AppState:
+def _state(request: Request) -> AppState:
     return request.app.state.pxrt
 
 
@@ -203,10 +217,8 @@ async def live(request: Request) -> Response:
 
 @_endpoint
 async def ready(request: Request) -> Response:
-    why = _state(request).server.not_serving()
-    if why:
-        return _json({"ready": False, "error": why}, 503)
-    return _json({"ready": True})
+    status, doc = readiness(_state(request).server)
+    return _json(doc, status)
 
 
 @_endpoint
@@ -293,28 +305,42 @@ async def repository_unload(request: Request) -> Response:
 # --------------------------------------------------------------------------- inference
 
 
-async def _read_body(request: Request, state: _AppState, held: list[int]) -> bytes:
-    """The whole body, within the per-request limit and the app's budget of bytes held
-    over all requests; ``held[0]`` is what this request holds of the budget (the caller
-    gives it back)."""
-    limit = state.limits.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise TooLarge(f"the request body has {length} bytes; the limit is {limit}")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"the request body is over the limit of {limit} bytes")
-        if not state.budget.take(len(chunk)):
+class Upload:
+    """One request body as it arrives, within the per-request limit and the app's budget
+    of bytes held over all requests (both HTTP paths): ``TooLarge`` (413) or
+    ``BodiesFull`` (503) as soon as it goes over. ``release`` gives back what it holds
+    (once the reply is made: inputs may view the body until then)."""
+
+    __slots__ = ("budget", "chunks", "held", "limit")
+
+    def __init__(self, state: AppState, length: str | bytes | None) -> None:
+        self.limit = limit = state.limits.max_body_bytes
+        self.budget = state.budget
+        self.chunks: list[bytes] = []
+        self.held = 0
+        if length is not None and length.isdigit() and int(length) > limit:
+            n = length.decode() if isinstance(length, bytes) else length
+            raise TooLarge(f"the request body has {n} bytes; the limit is {limit}")
+
+    def add(self, chunk: bytes) -> None:
+        if self.held + len(chunk) > self.limit:
+            raise TooLarge(f"the request body is over the limit of {self.limit} bytes")
+        if not self.budget.take(len(chunk)):
             raise BodiesFull(
-                f"the server holds the most request bodies it may ({state.budget.limit} "
+                f"the server holds the most request bodies it may ({self.budget.limit} "
                 "bytes); retry later"
             )
-        held[0] += len(chunk)
-        chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.held += len(chunk)
+        self.chunks.append(chunk)
+
+    def body(self) -> bytes:
+        chunks = self.chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+        self.chunks = []
 
 
 @_endpoint
@@ -324,20 +350,12 @@ async def infer(request: Request) -> Response:
     name = request.path_params["model"]
     version = request.path_params.get("version")
     core.resolve(server, name, version)  # loading, draining, unknown: before the body
-    held = [0]
+    upload = Upload(state, request.headers.get("content-length"))
     try:
-        body = await _read_body(request, state, held)
-        max_json = state.limits.max_json_bytes
-        header_length = request.headers.get(HEADER_LENGTH)
-
-        def decode(model: Model) -> InferRequest:
-            header, binary = codec.split_body(body, header_length)
-            if len(header) > max_json:
-                raise TooLarge(
-                    f"the request's JSON is {len(header)} bytes; the limit is {max_json} "
-                    "(send large tensors as binary data)"
-                )
-            return InferRequest.from_json(header, binary, model)
+        async for chunk in request.stream():
+            upload.add(chunk)
+        body = upload.body()
+        decode = request_decoder(body, request.headers.get(HEADER_LENGTH), state.limits)
 
         queued: list[asyncio.Future] = []
         hangup: list[asyncio.Future] = []
@@ -367,7 +385,26 @@ async def infer(request: Request) -> Response:
             for receive in hangup:
                 receive.cancel()
     finally:
-        state.budget.give(held[0])  # inputs may view the body until the reply is made
+        upload.release()  # inputs may view the body until the reply is made
+
+
+def request_decoder(
+    body: bytes, header_length: str | None, limits: HttpLimits
+) -> Callable[[Model], InferRequest]:
+    """``core.infer``'s ``decode`` for an HTTP request's body (JSON, then any binary
+    tensor data; ``header_length``: the Inference-Header-Content-Length header)."""
+    max_json = limits.max_json_bytes
+
+    def decode(model: Model) -> InferRequest:
+        header, binary = codec.split_body(body, header_length)
+        if len(header) > max_json:
+            raise TooLarge(
+                f"the request's JSON is {len(header)} bytes; the limit is {max_json} "
+                "(send large tensors as binary data)"
+            )
+        return InferRequest.from_json(header, binary, model)
+
+    return decode
 
 
 def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> Response:
@@ -426,4 +463,16 @@ def _routes(restrictions: Restrictions) -> list[Route]:
     return routes
 
 
-__all__ = ["DISCONNECT_EXTENSION", "BodyBudget", "create_app", "infer_response"]
+__all__ = [
+    "DISCONNECT_EXTENSION",
+    "HEADER_LENGTH",
+    "AppState",
+    "BodiesFull",
+    "BodyBudget",
+    "Upload",
+    "create_app",
+    "error_reply",
+    "infer_response",
+    "readiness",
+    "request_decoder",
+]

@@ -36,9 +36,9 @@ import logging
 from typing import Any
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .http import DISCONNECT_EXTENSION
+from .http import DISCONNECT_EXTENSION, AppState
+from .http_native import NativeInferProtocol
 from .options import HttpLimits
 
 log = logging.getLogger("pxrt.http")
@@ -91,7 +91,7 @@ class RefusalLog:
             self._next = now + self.interval_s
 
 
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
+class GuardedHttpToolsProtocol(NativeInferProtocol):
     limits = HttpLimits()
     pxrt_server: Any = None  # the serving.Server whose drain (when given) closes connections
     refusals = RefusalLog()  # per protocol class (guarded_protocol makes one per server)
@@ -205,7 +205,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_bytes += len(name) + len(value) + 4
         self._check_header_size()
-        super().on_header(name, value)
+        # uvicorn's on_header, inline (one Python call per header, not two).
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def _check_header_size(self) -> None:
         if self._header_bytes > self.limits.max_header_bytes:
@@ -239,14 +243,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 _FULL = canned(503, "the server has too many connections open; retry later", b"retry-after: 1\r\n")
 
 
-def guarded_protocol(limits: HttpLimits, server: Any = None) -> type[GuardedHttpToolsProtocol]:
+def guarded_protocol(
+    limits: HttpLimits, server: Any = None, native: AppState | None = None
+) -> type[GuardedHttpToolsProtocol]:
     """A protocol class for ``uvicorn.Config(http=...)`` that enforces ``limits``; with
     ``server`` (a ``serving.Server``), requests that arrive once it drains are answered
-    with ``Connection: close`` even before uvicorn's shutdown begins."""
+    with ``Connection: close`` even before uvicorn's shutdown begins. With ``native``
+    (the app's state, ``app.state.pxrt``), inference and health take the native path
+    (``serving.http_native``)."""
     return type(
         "GuardedHttpToolsProtocol",
         (GuardedHttpToolsProtocol,),
-        {"limits": limits, "pxrt_server": server, "refusals": RefusalLog()},
+        {
+            "limits": limits,
+            "pxrt_server": server,
+            "refusals": RefusalLog(),
+            "native_state": native,
+        },
     )
 
 
@@ -260,6 +273,8 @@ UVICORN_INTERNALS = (
     "on_message_begin",
     "on_url",
     "on_header",
+    "headers",
+    "expect_100_continue",
     "on_headers_complete",
     "on_body",
     "on_message_complete",
@@ -267,6 +282,14 @@ UVICORN_INTERNALS = (
     "connection_made",
     "connection_lost",
     "shutdown",
+    # and the native path's (serving.http_native)
+    "parser",
+    "url",
+    "client",
+    "server_state",
+    "access_log",
+    "access_logger",
+    "on_response_complete",
 )
 
 __all__ = [

@@ -172,7 +172,9 @@ def main(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            http=guarded_protocol(limits, server),
+            http=guarded_protocol(
+                limits, server, native=app.state.pxrt if args.native_http else None
+            ),
             lifespan="on",
             log_level=args.log_level,
             timeout_graceful_shutdown=30,

@@ -122,10 +122,7 @@ def run(request):
 # --------------------------------------------------------------------------- pxrt serve
 
 
-@pytest.fixture(scope="session")
-def served(artifacts, var_artifacts, tmp_path_factory):
-    """One `pxrt serve` process for the session: five models (one with a named
-    dimension), a queue of one row, a 1 MB body limit."""
+def _serve(artifacts, var_artifacts, tmp_path_factory, *extra: str, grpc: bool = False):
     conf = tmp_path_factory.mktemp("serve") / "serve.toml"
     conf.write_text(
         "[defaults]\nmax_delay_us = 2000\n\n"
@@ -133,6 +130,22 @@ def served(artifacts, var_artifacts, tmp_path_factory):
     )
     paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
     paths.append(str(var_artifacts["encoder"]))
-    proc = ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1"], grpc=True)
+    return ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1", *extra], grpc=grpc)
+
+
+@pytest.fixture(scope="session")
+def served(artifacts, var_artifacts, tmp_path_factory):
+    """One `pxrt serve` process for the session: five models (one with a named
+    dimension), a queue of one row, a 1 MB body limit."""
+    proc = _serve(artifacts, var_artifacts, tmp_path_factory, grpc=True)
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def served_asgi(artifacts, var_artifacts, tmp_path_factory):
+    """The same server as ``served`` with every HTTP request through the Starlette app
+    (``--no-native-http``): what the native path is held to."""
+    proc = _serve(artifacts, var_artifacts, tmp_path_factory, "--no-native-http")
     yield proc
     assert proc.stop() == 0

@@ -1,0 +1,362 @@
+"""The native HTTP path of ``pxrt serve``: inference and health answered straight from
+the HTTP parser's callbacks, without the ASGI stack.
+
+Starlette on uvicorn costs ~200 us of CPU per request before pxrt's request core runs
+(the ASGI scope and messages, a task per request, routing, the Request and Response
+objects); the core itself costs a few. ``NativeInferProtocol`` sits under the connection
+guard (``serving.http_limits``) in uvicorn's httptools protocol and takes, when the
+connection has no other request in progress:
+
+- ``POST /v2/models/{model}[/versions/{version}]/infer``: the restricted-API key, the
+  declared length, the model's readiness and existence are checked once the headers are
+  in (and answered at once, the rest of the body discarded); the body is gathered
+  within the same per-request limit and app-wide budget as the ASGI path
+  (``serving.http.Upload``); then the request core decodes it (binary tensors as views
+  of the received bytes, JSON through the Cython walk) and queues it
+  (``serving.core.start``), and the future's callback writes the reply with
+  ``writelines`` (status line and headers, the JSON header, each output's bytes: never
+  joined). No task or coroutine per request.
+- ``GET /v2/health/live`` and ``/v2/health/ready``.
+
+Everything else (metadata, config, statistics, repository, metrics, and a request sent
+while another is in progress on the same connection) goes through the Starlette app as
+before; the status codes, error bodies and headers are the same on both paths (the same
+helpers make them), and the guard's limits (431, 408, the connection cap, drain) apply
+to both. A client that hangs up cancels its request's future, which takes it out of
+the queue if it was not dispatched yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pxrt import Model
+
+from . import codec, core
+from .http import (
+    HEADER_LENGTH,
+    AppState,
+    BodiesFull,
+    Upload,
+    error_reply,
+    readiness,
+    request_decoder,
+)
+
+log = logging.getLogger("pxrt.http")
+
+_STATUS = {
+    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus
+}
+_STATUS[499] = b"HTTP/1.1 499 Client Closed Request\r\n"
+_JSON = b"content-type: application/json\r\n"
+_BINARY = b"content-type: application/octet-stream\r\n"
+_CLOSE = b"connection: close\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LENGTH_HEADER = HEADER_LENGTH.encode()
+
+_INFER, _LIVE, _READY = "inference", "live", "ready"
+_MODELS = "/v2/models/"
+
+
+_ROUTES: dict[tuple[bytes, bytes], tuple[str, str, str | None] | None] = {}
+ROUTES_CACHED = 1024  # (method, URL) -> route, remembered (cleared when full)
+
+
+def route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
+    """``(kind, model, version)`` of a request the native path answers, else None."""
+    key = (method, url)
+    try:
+        return _ROUTES[key]
+    except KeyError:
+        pass
+    found = _route(method, url)
+    if len(_ROUTES) >= ROUTES_CACHED:
+        _ROUTES.clear()
+    _ROUTES[key] = found
+    return found
+
+
+def _route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
+    try:
+        path = httptools.parse_url(url).path.decode("ascii")
+    except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
+        return None
+    if "%" in path:
+        path = unquote(path)
+    if method == b"POST":
+        if not (path.startswith(_MODELS) and path.endswith("/infer")):
+            return None
+        parts = path[len(_MODELS) : -len("/infer")].split("/")
+        if len(parts) == 1 and parts[0]:
+            return _INFER, parts[0], None
+        if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+            return _INFER, parts[0], parts[2]
+        return None
+    if method == b"GET":
+        if path == "/v2/health/live":
+            return _LIVE, "", None
+        if path == "/v2/health/ready":
+            return _READY, "", None
+    return None
+
+
+class _NoEvent:
+    """What uvicorn and the guard set on a cycle's ``message_event``: nothing waits."""
+
+    @staticmethod
+    def set() -> None:
+        pass
+
+
+_NO_EVENT = _NoEvent()
+
+
+class NativeCycle:
+    """One request on the native path (in ``protocol.cycle``, where uvicorn keeps its
+    request-response cycle: the guard and uvicorn read the same attributes)."""
+
+    __slots__ = (
+        "disconnected",
+        "future",
+        "header_length",
+        "keep_alive",
+        "kind",
+        "message_event",
+        "model",
+        "name",
+        "proto",
+        "request",
+        "response_complete",
+        "upload",
+        "version",
+    )
+
+    def __init__(
+        self, proto: NativeInferProtocol, kind: str, name: str, version: str | None
+    ) -> None:
+        self.proto = proto
+        self.kind = kind
+        self.name = name
+        self.version = version
+        parser = proto.parser
+        self.keep_alive = parser.get_http_version() != "1.0" and parser.should_keep_alive()
+        self.response_complete = False
+        self.disconnected = False
+        self.message_event = _NO_EVENT
+        self.upload: Upload | None = None
+        self.header_length: str | None = None
+        self.future: asyncio.Future | None = None
+        self.model: Model | None = None
+        self.request: core.InferRequest | None = None
+
+    # ------------------------------------------------------------------ the request
+
+    def headers_complete(self, state: AppState) -> None:
+        """Checks that need only the headers; an error is answered now."""
+        proto = self.proto
+        headers = proto.headers
+        try:
+            group = _INFER if self.kind == _INFER else "health"
+            state.restrictions.check(group, _getter(headers))
+            if self.kind != _INFER:
+                return
+            length = None
+            for name, value in headers:
+                if name == b"content-length":
+                    length = value
+                elif name == _LENGTH_HEADER:
+                    self.header_length = value.decode("latin-1")
+            self.upload = Upload(state, length)
+            core.resolve(state.server, self.name, self.version)  # before the body
+        except Exception as exc:  # noqa: BLE001 - answered by the error table
+            self.fail(exc)
+            return
+        if proto.expect_100_continue:
+            proto.transport.write(_CONTINUE)
+
+    def body(self, chunk: bytes) -> None:
+        if self.upload is None:
+            return  # health: a body is ignored, as on the ASGI path
+        try:
+            self.upload.add(chunk)
+        except Exception as exc:  # noqa: BLE001 - TooLarge, BodiesFull
+            self.fail(exc)
+
+    def message_complete(self, state: AppState) -> None:
+        server = state.server
+        if self.kind == _LIVE:
+            self.reply_json(200, {"live": True})
+            return
+        if self.kind == _READY:
+            self.reply_json(*readiness(server))
+            return
+        upload = self.upload
+        assert upload is not None
+        try:
+            decode = request_decoder(upload.body(), self.header_length, state.limits)
+            # The version that answers is the one served now (resolved again).
+            self.model, self.request, future = core.start(
+                server, self.name, self.version, decode
+            )
+        except Exception as exc:  # noqa: BLE001 - answered by the error table
+            self.fail(exc)
+            return
+        self.future = future
+        future.add_done_callback(self.done)
+
+    def done(self, future: asyncio.Future) -> None:
+        self.future = None
+        if future.cancelled():  # the client hung up (or the server cancelled it)
+            self.reply(499, [])
+            return
+        assert self.model is not None and self.request is not None
+        state = self.proto.native_state
+        assert state is not None
+        try:
+            parts, header_length = core.finish(
+                state.server, self.name, self.model, self.request, future, _encode
+            )
+        except Exception as exc:  # noqa: BLE001 - answered by the error table
+            self.fail(exc)
+            return
+        if header_length is None:
+            self.reply(200, parts, _JSON)
+        else:
+            extra = b"%s: %d\r\n" % (_LENGTH_HEADER, header_length)
+            self.reply(200, parts, _BINARY + extra)
+
+    def lost(self) -> None:
+        """The connection closed before the reply."""
+        self.disconnected = True
+        if self.future is not None:
+            self.future.cancel()  # out of the queue if not dispatched; done() releases
+        elif self.upload is not None:
+            self.upload.release()
+
+    # ------------------------------------------------------------------ replies
+
+    def fail(self, exc: BaseException) -> None:
+        state = self.proto.native_state
+        assert state is not None
+        if not (core.is_known(exc) or isinstance(exc, BodiesFull)):
+            exc = core.internal_error(f"{self.kind} {self.name!r}", exc)
+        status, doc, headers = error_reply(exc, state.server)
+        extra = b""
+        if headers:
+            for key, value in headers.items():
+                if key.lower() == "connection":
+                    self.keep_alive = False
+                else:
+                    extra += b"%s: %s\r\n" % (key.lower().encode(), value.encode())
+        self.reply_json(status, doc, extra)
+
+    def reply_json(self, status: int, doc: Any, extra: bytes = b"") -> None:
+        self.reply(status, [orjson.dumps(doc)], _JSON + extra)
+
+    def reply(self, status: int, parts: list, headers: bytes = b"") -> None:
+        """Write the response (``parts``: the body's buffers), then go on as uvicorn
+        does after a response: the next request, or close without keep-alive."""
+        if self.response_complete:
+            return
+        self.response_complete = True
+        if self.upload is not None:
+            self.upload.release()
+        proto = self.proto
+        transport = proto.transport
+        if transport.is_closing():
+            return
+        head = [_STATUS[status]]
+        for name, value in proto.server_state.default_headers:  # date, server
+            head += [name, b": ", value, b"\r\n"]
+        length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        head.append(headers)
+        head.append(b"content-length: %d\r\n" % length)
+        if not self.keep_alive:
+            head.append(_CLOSE)
+        head.append(b"\r\n")
+        transport.writelines([b"".join(head), *parts])
+        if proto.access_log:
+            proto.access_logger.info(
+                '%s - "%s %s HTTP/1.1" %d', _client(proto), proto.scope.get("method"),
+                proto.url.decode("latin-1"), status,
+            )  # fmt: skip
+        if not self.keep_alive:
+            transport.close()
+        proto.on_response_complete()  # counts it; the next request, or the keep-alive timer
+
+
+def _encode(
+    name: str, model: Model, request: core.InferRequest, outputs: dict
+) -> tuple[list, int | None]:
+    header, blobs = codec.response_parts(name, model.version, request.id, outputs, request.outputs)
+    return [header, *blobs], len(header) if blobs else None
+
+
+def _getter(headers: list[tuple[bytes, bytes]]):
+    def header(name: str) -> bytes | None:
+        key = name.encode("latin-1")
+        for k, v in headers:
+            if k == key:
+                return v
+        return None
+
+    return header
+
+
+def _client(proto: HttpToolsProtocol) -> str:
+    return f"{proto.client[0]}:{proto.client[1]}" if proto.client else "-"
+
+
+class NativeInferProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the native path (``native_state``: the app's
+    ``AppState``; None: every request goes to the ASGI app)."""
+
+    native_state: AppState | None = None
+
+    def on_headers_complete(self) -> None:
+        state = self.native_state
+        cycle = self.cycle
+        if state is not None and (cycle is None or cycle.response_complete):
+            found = route(self.parser.get_method(), self.url)
+            if found is not None and not self.parser.should_upgrade():
+                self.scope["method"] = self.parser.get_method().decode("ascii")
+                native = NativeCycle(self, *found)
+                self.cycle = native  # type: ignore[assignment]
+                native.headers_complete(state)
+                return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, NativeCycle):
+            if not cycle.response_complete:
+                cycle.body(body)
+            return
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, NativeCycle):
+            if not cycle.response_complete:
+                assert self.native_state is not None
+                cycle.message_complete(self.native_state)
+            return
+        super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        if isinstance(cycle, NativeCycle) and not cycle.response_complete:
+            cycle.lost()
+        super().connection_lost(exc)
+
+
+__all__ = ["NativeCycle", "NativeInferProtocol", "route"]
