@@ -124,6 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             help=f"{check.expects} (default {getattr(BatchingOptions(), key)})",
         )  # fmt: skip
     limits = HttpLimits()
+    raise_fd_limit()  # before the connection budget is sized from it
     http = p.add_argument_group("limits on clients")
     for flag, field, unit, text in HTTP_FLAGS:
         default = getattr(limits, field) / unit
@@ -134,7 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-connections", type=_arg(number(int, 2)),
         default=min(limits.max_connections, fd_budget()),
         help="open connections over every listener (HTTP and gRPC); new ones beyond a "
-        "listener's share are closed at once (default: 1000, or the file descriptor limit)",
+        "listener's share are answered 503 + Retry-After and closed (default: 8192, or the "
+        "file descriptor limit less 64)",
     )  # fmt: skip
     http.add_argument(
         "--max-grpc-connections", type=_arg(number(int, 1)), default=None,
@@ -171,6 +173,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "allow_signature_change = true in its [models.NAME] section)",
     )  # fmt: skip
     p.add_argument("--log-level", default="warning")
+
+
+def raise_fd_limit(want: int = 65536) -> None:
+    """Raise this process's soft file descriptor limit towards its hard limit (to
+    ``want``), as servers do: the default soft limit (often 1024) would cap the
+    connections below what the defaults promise."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not on this platform
+        pass
 
 
 def fd_budget() -> int:

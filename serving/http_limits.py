@@ -9,7 +9,9 @@ for ``uvicorn.Config(http=...)`` that:
 
 - answers a new connection at once with ``503`` + ``Retry-After`` + ``Connection: close``
   when ``max_connections`` are open, and logs those refusals at most once per
-  ``REFUSAL_LOG_S`` with their count;
+  ``REFUSAL_LOG_S`` with their count; a refused connection (this, 408, 431) is closed
+  without a reset: FIN after the answer, what the client still sends dropped for up to
+  ``LINGER_S`` (an RST would lose the answer);
 - answers 431 and closes when a request's URL and headers exceed ``max_header_bytes``;
 - answers 408 and closes when headers are not complete ``header_timeout_s`` after the
   connection opened or the request began (so a socket that never sends anything is
@@ -54,6 +56,7 @@ _REASONS = {
 SWEEP_S = 0.25  # how often deadlines are checked: one timer per server, none per request
 REFUSAL_LOG_S = 10.0  # connections refused beyond the cap: one log line per this, counted
 DRAIN_IDLE_S = 1.0  # draining: a connection with no request for this long is closed
+LINGER_S = 2.0  # a refused connection: how long what its client still sends is dropped
 
 
 def canned(status: int, message: str, *extra: bytes) -> bytes:
@@ -108,11 +111,12 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
         self._on_lost: list = []
         self._draining = False
         self._idle_since = 0.0  # draining: when it was first seen with no request (0: busy)
+        self._linger_until = 0.0  # refused: closed by then if the client has not closed
         if too_many:
             self._refused = True
             self.refusals.refused(self.loop.time(), len(self.connections) - 1)
             transport.write(_FULL)
-            transport.close()
+            self._linger()
             return
         # Headers are due this long after the connection opens: a socket that never
         # sends anything is closed too.
@@ -145,7 +149,11 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
         # connection is left.
         now = self.loop.time()
         for conn in list(self.connections):
-            if not isinstance(conn, GuardedHttpToolsProtocol) or conn._refused:
+            if not isinstance(conn, GuardedHttpToolsProtocol):
+                continue
+            if conn._refused:
+                if conn._linger_until and now > conn._linger_until:
+                    conn.transport.close()
                 continue
             if conn._draining:
                 busy = conn._in_body or (
@@ -177,11 +185,32 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's receive() says http.disconnect
             self.cycle.message_event.set()
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close a refused connection without a reset: closing a socket whose client
+        sent bytes not yet read makes the kernel answer RST, and the client loses the
+        answer just written. So: the answer, then FIN (write_eof), and what the client
+        still sends is read and dropped until it closes or ``LINGER_S`` pass (the sweep
+        closes it then). Beyond twice the cap (a flood), or over TLS (no half-close),
+        it closes at once."""
+        transport = self.transport
+        if (
+            len(self.connections) >= 2 * self.limits.max_connections
+            or not transport.can_write_eof()
+        ):
+            transport.close()
+            return
+        transport.write_eof()
+        self._linger_until = self.loop.time() + LINGER_S
+        if self.loop not in self._sweeping:
+            self._sweep()
 
     # --------------------------------------------------------------- parser callbacks
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # answered and lingering: what else comes is dropped
         if self._in_body:
             self._due = self.loop.time() + self.limits.body_timeout_s  # progress
         super().data_received(data)

@@ -190,7 +190,7 @@ class HttpLimits(_Checked):
     max_body_bytes: int = 64 << 20
     max_json_bytes: int = 16 << 20
     max_pending_body_bytes: int = 512 << 20
-    max_connections: int = 1000
+    max_connections: int = 8192
     max_header_bytes: int = 64 << 10
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0

@@ -178,6 +178,9 @@ def main(args: argparse.Namespace) -> int:
             lifespan="on",
             log_level=args.log_level,
             timeout_graceful_shutdown=30,
+            # Connections waiting to be accepted (the kernel caps it at somaxconn):
+            # thousands of clients connecting at once wait there, not refused.
+            backlog=4096,
             **(tls.uvicorn_options() if tls else {}),
         )
 

@@ -248,3 +248,34 @@ def test_json_decoder_twins_agree(data, shape, datatype):
         except impl.TensorDataError as exc:
             answers.append(("error", str(exc)))
     assert answers[0] == answers[1]
+
+
+def test_a_binary_header_seen_before_decodes_as_the_first_time(models):
+    # InferRequest.from_json remembers a binary request's header per model: the same
+    # header with new bytes decodes to the new bytes' arrays; a tail of another length
+    # takes the full decode (and its error); another model decodes it against its own
+    # inputs, not the first model's plan.
+    from serving.core import InferRequest
+
+    mlp, two_io = models["mlp"], models["two_io"]
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((2, 32)).astype(np.float32) for _ in range(3)]
+    header = json.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 32],
+                     "parameters": {"binary_data_size": xs[0].nbytes}}],
+         "outputs": [{"name": "y", "parameters": {"binary_data": True}}], "id": "same"}
+    ).encode()  # fmt: skip
+    for x in xs:
+        got = InferRequest.from_json(header, memoryview(x.tobytes()), mlp)
+        np.testing.assert_array_equal(got.inputs["x"], x)
+        assert got.outputs == [("y", True)] and got.id == "same" and got.timeout_s is None
+    with pytest.raises(codec.ProtocolError, match="truncated binary data"):
+        InferRequest.from_json(header, memoryview(xs[0].tobytes()[:-4]), mlp)
+    with pytest.raises(codec.ProtocolError, match="unexpected input 'x'"):
+        InferRequest.from_json(header, memoryview(xs[0].tobytes()), two_io)
+    # JSON tensors are not remembered: their values are in the header.
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}]}
+    first = InferRequest.from_json(json.dumps(doc).encode(), memoryview(b""), mlp)
+    doc["inputs"][0]["data"] = [1.5] * 32
+    second = InferRequest.from_json(json.dumps(doc).encode(), memoryview(b""), mlp)
+    assert first.inputs["x"][0, 0] == 0.5 and second.inputs["x"][0, 0] == 1.5

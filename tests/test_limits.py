@@ -141,6 +141,27 @@ def test_connections_beyond_the_limit_get_503_and_one_log_line(guarded):
     assert infer_ok(guarded)
 
 
+def test_refused_clients_that_already_sent_a_request_read_the_503_not_a_reset(guarded):
+    # A client that connects and sends its request at once (as every load generator
+    # does) while the server is full: closing a socket with its bytes unread would make
+    # the kernel answer RST, and the client would lose the 503. It reads the 503, then EOF.
+    held = [connect(guarded) for _ in range(12)]  # the cap: the server is full
+    try:
+        time.sleep(0.3)
+        late = []
+        for _ in range(10):
+            s = connect(guarded)
+            s.sendall(head("/v2/models/mlp/infer", length=len(BODY)) + b"\r\n" + BODY * 20)
+            late.append(s)
+        for s in late:
+            reply = read_all(s)  # ConnectionResetError here without the linger
+            assert reply.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in reply, reply[:80]
+    finally:
+        for s in held + late:
+            s.close()
+    assert infer_ok(guarded)
+
+
 def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
     """One HTTP/1.1 response: (its head, its body); b"" when the server closed instead."""
     data = b""
