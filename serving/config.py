@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=min(limits.max_connections, fd_budget()),
         help="open connections over every listener (HTTP and gRPC); new ones beyond a "
         "listener's share are answered 503 + Retry-After and closed (default: 8192, or the "
-        "file descriptor limit less 64)",
+        "file descriptor limit less 128)",
     )  # fmt: skip
     http.add_argument(
         "--max-grpc-connections", type=_arg(number(int, 1)), default=None,
@@ -198,7 +198,9 @@ def fd_budget() -> int:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (ImportError, OSError, ValueError):  # pragma: no cover - not on this platform
         return 1000
-    return max(16, soft - 64) if soft != resource.RLIM_INFINITY else 1000
+    # 64 to spare for the process's own files, 64 for refused connections that linger
+    # (serving.http_limits.linger_allowance).
+    return max(16, soft - 128) if soft != resource.RLIM_INFINITY else 1000
 
 
 def connection_shares(args: argparse.Namespace) -> tuple[int, int]:
@@ -210,7 +212,7 @@ def connection_shares(args: argparse.Namespace) -> tuple[int, int]:
     if total > budget:
         raise SystemExit(
             f"pxrt serve: error: --max-connections {total} is over what the file "
-            f"descriptor limit allows ({budget}, ulimit -n less 64 to spare); raise the "
+            f"descriptor limit allows ({budget}, ulimit -n less 128 to spare); raise the "
             "limit or lower --max-connections"
         )
     if args.grpc_port is None:

@@ -11,7 +11,8 @@ for ``uvicorn.Config(http=...)`` that:
   when ``max_connections`` are open, and logs those refusals at most once per
   ``REFUSAL_LOG_S`` with their count; a refused connection (this, 408, 431) is closed
   without a reset: FIN after the answer, what the client still sends dropped for up to
-  ``LINGER_S`` (an RST would lose the answer);
+  ``LINGER_S`` (an RST would lose the answer), for at most ``linger_allowance``
+  connections beyond the cap at once;
 - answers 431 and closes when a request's URL and headers exceed ``max_header_bytes``;
 - answers 408 and closes when headers are not complete ``header_timeout_s`` after the
   connection opened or the request began (so a socket that never sends anything is
@@ -57,6 +58,12 @@ SWEEP_S = 0.25  # how often deadlines are checked: one timer per server, none pe
 REFUSAL_LOG_S = 10.0  # connections refused beyond the cap: one log line per this, counted
 DRAIN_IDLE_S = 1.0  # draining: a connection with no request for this long is closed
 LINGER_S = 2.0  # a refused connection: how long what its client still sends is dropped
+
+
+def linger_allowance(max_connections: int) -> int:
+    """Refused connections that may linger beyond ``max_connections`` (``_linger``):
+    the connection budget's file descriptors are ``max_connections`` plus this."""
+    return min(64, max(4, max_connections // 8))
 
 
 def canned(status: int, message: str, *extra: bytes) -> bytes:
@@ -192,13 +199,12 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
         sent bytes not yet read makes the kernel answer RST, and the client loses the
         answer just written. So: the answer, then FIN (write_eof), and what the client
         still sends is read and dropped until it closes or ``LINGER_S`` pass (the sweep
-        closes it then). Beyond twice the cap (a flood), or over TLS (no half-close),
-        it closes at once."""
+        closes it then). At most ``linger_allowance`` connections beyond the cap linger
+        (the file descriptors stay bounded under a flood); past that, or over TLS (no
+        half-close), it closes at once."""
         transport = self.transport
-        if (
-            len(self.connections) >= 2 * self.limits.max_connections
-            or not transport.can_write_eof()
-        ):
+        cap = self.limits.max_connections
+        if len(self.connections) > cap + linger_allowance(cap) or not transport.can_write_eof():
             transport.close()
             return
         transport.write_eof()
@@ -327,4 +333,5 @@ __all__ = [
     "RefusalLog",
     "canned",
     "guarded_protocol",
+    "linger_allowance",
 ]

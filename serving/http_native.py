@@ -51,8 +51,6 @@ from .http import (
     request_decoder,
 )
 
-log = logging.getLogger("pxrt.http")
-
 _STATUS = {
     s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus
 }
@@ -284,7 +282,7 @@ class NativeCycle:
             head.append(_CLOSE)
         head.append(b"\r\n")
         transport.writelines([b"".join(head), *parts])
-        if proto.access_log:
+        if proto.access_log and proto.access_logger.isEnabledFor(logging.INFO):
             proto.access_logger.info(
                 '%s - "%s %s HTTP/1.1" %d', _client(proto), proto.scope.get("method"),
                 proto.url.decode("latin-1"), status,

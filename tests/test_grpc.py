@@ -464,6 +464,8 @@ def test_one_connection_budget_over_both_listeners(artifacts):
     silent ones are closed after the handshake (header) timeout."""
     from servers import ServeProcess
 
+    from serving.http_limits import linger_allowance
+
     proc = ServeProcess(
         [str(artifacts["mlp"]), "--max-connections", "40", "--max-grpc-connections", "10",
          "--header-timeout-s", "1"],
@@ -490,7 +492,9 @@ def test_one_connection_budget_over_both_listeners(artifacts):
             socks = _silent_sockets(port, 200)
             try:
                 time.sleep(0.3)
-                assert _open_fds(proc) - base <= share + 4, (port, _open_fds(proc) - base)
+                # (HTTP: refused ones may linger, a bounded few, to be closed without RST)
+                extra = linger_allowance(share) if port == proc.port else 0
+                assert _open_fds(proc) - base <= share + extra + 4, (port, _open_fds(proc) - base)
                 assert other_ok()  # the other listener is untouched
                 deadline = time.monotonic() + 10
                 while _open_fds(proc) - base > 4 and time.monotonic() < deadline:
