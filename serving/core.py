@@ -111,7 +111,7 @@ class InferRequest:
             timeout_s=codec.timeout_of(doc),
         )
         plan = codec.BinaryPlan.of(doc, request.inputs, request.outputs, rid, request.timeout_s)
-        if plan is not None:
+        if plan is not None and len(header) <= PLAN_HEADER_BYTES:
             if len(plans) >= PLANS_PER_MODEL:
                 plans.clear()  # many different headers (ids, shapes): start over
             plans[bytes(header)] = plan  # a copy: the key outlives the body
@@ -135,6 +135,7 @@ class InferRequest:
 
 
 PLANS_PER_MODEL = 64  # binary-request headers remembered per model (InferRequest.from_json)
+PLAN_HEADER_BYTES = 4096  # longer headers are not remembered (the table stays small)
 _PLANS: dict[int, tuple[weakref.ref, dict]] = {}  # id(model) -> (the model, its plans)
 
 

@@ -160,7 +160,7 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
                 continue
             if conn._refused:
                 if conn._linger_until and now > conn._linger_until:
-                    conn.transport.close()
+                    conn.transport.abort()  # (close() would wait on a client not reading)
                 continue
             if conn._draining:
                 busy = conn._in_body or (
@@ -192,6 +192,13 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the app's receive() says http.disconnect
             self.cycle.message_event.set()
+        self._linger()
+
+    def can_reply(self) -> bool:
+        return not self._refused and super().can_reply()
+
+    def close_answered(self) -> None:
+        self._refused = True  # what else the client sends is dropped
         self._linger()
 
     def _linger(self) -> None:

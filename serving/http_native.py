@@ -41,6 +41,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from pxrt import Model
 
 from . import codec, core
+from .core import TooLarge
 from .http import (
     HEADER_LENGTH,
     AppState,
@@ -67,6 +68,7 @@ _MODELS = "/v2/models/"
 
 _ROUTES: dict[tuple[bytes, bytes], tuple[str, str, str | None] | None] = {}
 ROUTES_CACHED = 1024  # (method, URL) -> route, remembered (cleared when full)
+ROUTE_URL_BYTES = 256  # longer URLs are routed each time
 
 
 def route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
@@ -77,9 +79,10 @@ def route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
     except KeyError:
         pass
     found = _route(method, url)
-    if len(_ROUTES) >= ROUTES_CACHED:
-        _ROUTES.clear()
-    _ROUTES[key] = found
+    if len(url) <= ROUTE_URL_BYTES:  # (any URL may come: the table stays small)
+        if len(_ROUTES) >= ROUTES_CACHED:
+            _ROUTES.clear()
+        _ROUTES[key] = found
     return found
 
 
@@ -131,6 +134,7 @@ class NativeCycle:
         "message_event",
         "model",
         "name",
+        "pending",
         "proto",
         "request",
         "response_complete",
@@ -155,11 +159,16 @@ class NativeCycle:
         self.future: asyncio.Future | None = None
         self.model: Model | None = None
         self.request: core.InferRequest | None = None
+        self.pending: BaseException | None = None  # answered once the body is in
 
     # ------------------------------------------------------------------ the request
 
     def headers_complete(self, state: AppState) -> None:
-        """Checks that need only the headers; an error is answered now."""
+        """Checks that need only the headers, in the ASGI path's order. Their error is
+        answered once the body is in (the body is not kept), so the connection stays
+        usable; a body that will not be taken (over the limit) or that the client waits
+        to be asked for (``Expect: 100-continue``) is answered now, and the connection
+        closed after it."""
         proto = self.proto
         headers = proto.headers
         try:
@@ -173,24 +182,33 @@ class NativeCycle:
                     length = value
                 elif name == _LENGTH_HEADER:
                     self.header_length = value.decode("latin-1")
-            self.upload = Upload(state, length)
             core.resolve(state.server, self.name, self.version)  # before the body
+            self.upload = Upload(state, length)
+        except TooLarge as exc:
+            self.fail(exc, early=True)
+            return
         except Exception as exc:  # noqa: BLE001 - answered by the error table
-            self.fail(exc)
+            if proto.expect_100_continue:
+                self.fail(exc, early=True)
+            else:
+                self.pending = exc
             return
         if proto.expect_100_continue:
             proto.transport.write(_CONTINUE)
 
     def body(self, chunk: bytes) -> None:
         if self.upload is None:
-            return  # health: a body is ignored, as on the ASGI path
+            return  # health, or an error pending: a body is not kept
         try:
             self.upload.add(chunk)
         except Exception as exc:  # noqa: BLE001 - TooLarge, BodiesFull
-            self.fail(exc)
+            self.fail(exc, early=True)
 
     def message_complete(self, state: AppState) -> None:
         server = state.server
+        if self.pending is not None:
+            self.fail(self.pending)
+            return
         if self.kind == _LIVE:
             self.reply_json(200, {"live": True})
             return
@@ -242,7 +260,10 @@ class NativeCycle:
 
     # ------------------------------------------------------------------ replies
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, early: bool = False) -> None:
+        """Answer ``exc`` by the error table; ``early``: before the whole body came,
+        so the connection closes after the answer (without a reset: the protocol's
+        ``close_answered``)."""
         state = self.proto.native_state
         assert state is not None
         if not (core.is_known(exc) or isinstance(exc, BodiesFull)):
@@ -255,6 +276,8 @@ class NativeCycle:
                     self.keep_alive = False
                 else:
                     extra += b"%s: %s\r\n" % (key.lower().encode(), value.encode())
+        if early:
+            self.keep_alive = False
         self.reply_json(status, doc, extra)
 
     def reply_json(self, status: int, doc: Any, extra: bytes = b"") -> None:
@@ -269,8 +292,10 @@ class NativeCycle:
         if self.upload is not None:
             self.upload.release()
         proto = self.proto
+        if proto.native is self:
+            proto.native = None
         transport = proto.transport
-        if transport.is_closing():
+        if self.disconnected or not proto.can_reply():
             return
         head = [_STATUS[status]]
         for name, value in proto.server_state.default_headers:  # date, server
@@ -288,8 +313,10 @@ class NativeCycle:
                 proto.url.decode("latin-1"), status,
             )  # fmt: skip
         if not self.keep_alive:
-            transport.close()
+            proto.close_answered()
         proto.on_response_complete()  # counts it; the next request, or the keep-alive timer
+        if proto.flow.write_paused:
+            proto.flow.pause_reading()  # a client that does not read: read no more of it
 
 
 def _encode(
@@ -319,6 +346,26 @@ class NativeInferProtocol(HttpToolsProtocol):
     ``AppState``; None: every request goes to the ASGI app)."""
 
     native_state: AppState | None = None
+    native: NativeCycle | None = None  # the native request in progress (not yet answered)
+
+    def can_reply(self) -> bool:
+        """Whether a reply may still be written on this connection."""
+        return not self.transport.is_closing()
+
+    def close_answered(self) -> None:
+        """Close after a reply that ends the connection (the guard lingers instead)."""
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        # An answer written inside the parser's callbacks (health, an early error) armed
+        # uvicorn's keep-alive timer; this request, parsed from the same read, stops it.
+        self._unset_keepalive_if_required()
+        super().on_message_begin()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.native_state is not None:
+            self.flow.resume_reading()  # paused by a native reply while writes were
 
     def on_headers_complete(self) -> None:
         state = self.native_state
@@ -329,6 +376,7 @@ class NativeInferProtocol(HttpToolsProtocol):
                 self.scope["method"] = self.parser.get_method().decode("ascii")
                 native = NativeCycle(self, *found)
                 self.cycle = native  # type: ignore[assignment]
+                self.native = native
                 native.headers_complete(state)
                 return
         super().on_headers_complete()
@@ -351,9 +399,9 @@ class NativeInferProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        cycle = self.cycle
-        if isinstance(cycle, NativeCycle) and not cycle.response_complete:
-            cycle.lost()
+        native = self.native  # (a request pipelined behind it may be self.cycle)
+        if native is not None and not native.response_complete:
+            native.lost()
         super().connection_lost(exc)
 
 

@@ -111,6 +111,10 @@ def test_native_answers_as_the_asgi_app_does(served, served_asgi, label, raw):
     (native,) = exchange(served.port, raw)
     (asgi,) = exchange(served_asgi.port, raw)
     assert native[0] == asgi[0], (native, asgi)
+    if label == "declared length over the limit":
+        # Refused before its body: the native path closes after the answer (the ASGI
+        # path reads the body it will not use and keeps the connection).
+        assert native[1].pop("connection") == "close"
     if native[2] == asgi[2]:
         assert native[1] == asgi[1], (native, asgi)
     elif label == "deadline":  # the message says how late, which varies
@@ -243,3 +247,97 @@ def test_a_hung_up_client_takes_its_request_out_of_the_queue(run, models, native
     assert answer.startswith(b"HTTP/1.1 200 OK"), answer
     assert counts["cancelled"] == 5 and counts["success"] == 1, counts
     assert batches == 1  # the hung-up requests never ran
+
+
+def test_an_unknown_model_with_100_continue_gets_one_answer_and_a_close(served):
+    # The client waits to be asked for its body: the error is its answer, the
+    # connection closes (no 100, no second answer when the body never comes).
+    head = request("/v2/models/nope/infer", headers={"Expect": "100-continue"})
+    head = head.replace(b"Content-Length: 0", b"Content-Length: 100")
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 404 ") and answer.count(b"HTTP/1.1") == 1, answer
+    assert b"connection: close" in answer
+
+
+def _in_process(run, model, limits, check, keep_alive_s=5.0):
+    """``check(port, server, gate)`` against pxrt serve's protocol (native path) in this
+    process, the model's batches held until ``gate.release``."""
+    import uvicorn
+    from models import inject, until
+    from servers import free_port
+
+    from serving import Server
+    from serving.http import create_app
+    from serving.http_limits import guarded_protocol
+
+    port = free_port()
+
+    async def main():
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", model, max_inflight=1, max_batch_size=1)
+                app = create_app(server)
+                config = uvicorn.Config(
+                    app, port=port, log_level="error", lifespan="off",
+                    http=guarded_protocol(limits, server, native=app.state.pxrt),
+                    timeout_keep_alive=keep_alive_s,
+                )  # fmt: skip
+                uv = uvicorn.Server(config)
+                serving = asyncio.ensure_future(uv.serve())
+                await until(lambda: uv.started)
+                try:
+                    return await check(port, server, gate)
+                finally:
+                    gate.release.set()
+                    uv.should_exit = True
+                    await serving
+
+    return run(main)
+
+
+def test_an_answer_written_while_parsing_does_not_time_out_the_next_request(run, models):
+    # Health answered from the parser armed the keep-alive timer (1 s here); the infer
+    # parsed from the same read, held 1.5 s on the device, must still be answered.
+    from serving.options import HttpLimits
+
+    async def check(port, server, gate):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request("/v2/health/live", method="GET")
+                     + request("/v2/models/mlp/infer", infer_json([X])))  # fmt: skip
+        await gate.wait_started()
+        await asyncio.sleep(1.5)
+        gate.release.set()
+        answers = (await asyncio.wait_for(reader.read(1 << 16), 10)).decode()
+        while answers.count("HTTP/1.1") < 2:
+            chunk = await asyncio.wait_for(reader.read(1 << 16), 10)
+            assert chunk, answers
+            answers += chunk.decode()
+        writer.close()
+        return answers
+
+    answers = _in_process(run, models["mlp"], HttpLimits(), check, keep_alive_s=1.0)
+    assert answers.count("HTTP/1.1 200 OK") == 2, answers
+
+
+def test_a_pipelined_request_timed_out_behind_a_native_one_breaks_nothing(run, models):
+    # The second request's headers time out (408, the connection half-closed) while
+    # the first is on the device: the first's reply is dropped quietly (the run fixture
+    # fails on any error the loop logs).
+    from serving.options import HttpLimits
+
+    async def check(port, server, gate):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request("/v2/models/mlp/infer", infer_json([X])) + b"POST /v2/mo")
+        await gate.wait_started()
+        answer = await asyncio.wait_for(reader.read(1 << 16), 10)
+        gate.release.set()
+        await asyncio.sleep(0.2)  # the first request's reply is made now
+        writer.close()
+        return answer
+
+    answer = _in_process(run, models["mlp"], HttpLimits(header_timeout_s=0.5), check)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
