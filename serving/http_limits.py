@@ -105,7 +105,7 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
     limits = HttpLimits()
     pxrt_server: Any = None  # the serving.Server whose drain (when given) closes connections
     refusals = RefusalLog()  # per protocol class (guarded_protocol makes one per server)
-    _sweeping: dict = {}  # loop -> its sweep's timer (one per server's loop)
+    _sweeping: dict = {}  # id(server's connections) -> (loop, its sweep's timer): one a server
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         too_many = len(self.connections) >= self.limits.max_connections
@@ -128,7 +128,7 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
         # Headers are due this long after the connection opens: a socket that never
         # sends anything is closed too.
         self._due = self.loop.time() + self.limits.header_timeout_s
-        if self.loop not in self._sweeping:
+        if not self._sweep_running():
             self._sweep()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -147,8 +147,12 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
         self._draining = True
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False  # its response says Connection: close
-        if self.loop not in self._sweeping:
+        if not self._sweep_running():
             self._sweep()
+
+    def _sweep_running(self) -> bool:
+        entry = self._sweeping.get(id(self.connections))
+        return entry is not None and entry[0] is self.loop and not self.loop.is_closed()
 
     def _sweep(self) -> None:
         # Every SWEEP_S: time out the connections whose headers, body or request are
@@ -179,9 +183,10 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
             elif conn._request_due and now > conn._request_due:
                 conn._refuse(408, "the client took too long to send its request")
         if self.connections:
-            self._sweeping[self.loop] = self.loop.call_later(SWEEP_S, self._sweep)
+            timer = self.loop.call_later(SWEEP_S, self._sweep)
+            self._sweeping[id(self.connections)] = (self.loop, timer)
         else:
-            self._sweeping.pop(self.loop, None)
+            self._sweeping.pop(id(self.connections), None)
 
     def _refuse(self, status: int, message: str) -> None:
         self._due = self._request_due = 0.0
@@ -216,7 +221,7 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
             return
         transport.write_eof()
         self._linger_until = self.loop.time() + LINGER_S
-        if self.loop not in self._sweeping:
+        if not self._sweep_running():
             self._sweep()
 
     # --------------------------------------------------------------- parser callbacks

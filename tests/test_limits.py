@@ -276,3 +276,43 @@ def test_the_uvicorn_internals_the_guard_uses_are_there():
     cycle = inspect.getsource(inspect.getmodule(HttpToolsProtocol).RequestResponseCycle)
     for name in ("response_complete", "disconnected", "message_event"):
         assert f"self.{name} =" in cycle, name
+
+
+def test_two_guarded_servers_on_one_loop_both_time_out_idle_sockets(run):
+    # Each server's connections are swept (the sweep was once per loop: the second
+    # server's idle sockets were never timed out).
+    import asyncio
+
+    import uvicorn
+    from models import until
+    from servers import free_ports
+    from starlette.applications import Starlette
+
+    from serving.http_limits import guarded_protocol
+    from serving.options import HttpLimits
+
+    async def main():
+        servers = []
+        for port in free_ports(2):
+            config = uvicorn.Config(
+                Starlette(), port=port, log_level="error", lifespan="off",
+                http=guarded_protocol(HttpLimits(header_timeout_s=0.5)),
+            )  # fmt: skip
+            uv = uvicorn.Server(config)
+            servers.append((port, uv, asyncio.ensure_future(uv.serve())))
+        for _, uv, _ in servers:
+            await until(lambda uv=uv: uv.started)
+        readers = []
+        for port, _, _ in servers:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            readers.append((reader, writer))
+        answers = [await asyncio.wait_for(r.read(), 10) for r, _ in readers]
+        for _, w in readers:
+            w.close()
+        for _, uv, task in servers:
+            uv.should_exit = True
+            await task
+        return answers
+
+    for answer in run(main):
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
