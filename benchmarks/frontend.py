@@ -61,6 +61,13 @@ def export_trivial(root: str) -> str:
     )
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Served:
     """One `pxrt serve` process (HTTP and gRPC ports) and its counters."""
 
@@ -86,9 +93,7 @@ class Served:
         return f"http://127.0.0.1:{self.http}{path}"
 
     def cpu_s(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def requests(self) -> int:
         doc = httpx.get(self.url("/v2/models/trivial/stats"), timeout=10).json()

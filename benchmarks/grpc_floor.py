@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from frontend import Served, export_trivial, perf_analyzer  # noqa: E402
+from frontend import Served, cpu_seconds, export_trivial, perf_analyzer  # noqa: E402
 from http_compare import free_port  # noqa: E402
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -106,9 +106,7 @@ class Floor:
         time.sleep(3)
 
     def cpu_s(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def requests(self) -> int:
         try:

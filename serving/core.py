@@ -110,11 +110,12 @@ class InferRequest:
             id=rid,
             timeout_s=codec.timeout_of(doc),
         )
-        plan = codec.BinaryPlan.of(doc, request.inputs, request.outputs, rid, request.timeout_s)
-        if plan is not None and len(header) <= PLAN_HEADER_BYTES:
-            if len(plans) >= PLANS_PER_MODEL:
-                plans.clear()  # many different headers (ids, shapes): start over
-            plans[bytes(header)] = plan  # a copy: the key outlives the body
+        if len(header) <= PLAN_HEADER_BYTES:
+            plan = codec.BinaryPlan.of(doc, request.inputs, request.outputs, rid, request.timeout_s)
+            if plan is not None:
+                if len(plans) >= PLANS_PER_MODEL:
+                    plans.clear()  # many different headers (ids, shapes): start over
+                plans[bytes(header)] = plan  # a copy: the key outlives the body
         return request
 
     @classmethod
@@ -136,16 +137,15 @@ class InferRequest:
 
 PLANS_PER_MODEL = 64  # binary-request headers remembered per model (InferRequest.from_json)
 PLAN_HEADER_BYTES = 4096  # longer headers are not remembered (the table stays small)
-_PLANS: dict[int, tuple[weakref.ref, dict]] = {}  # id(model) -> (the model, its plans)
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its plans
 
 
 def _plans(model: Model) -> dict:
     """``model``'s header -> ``codec.BinaryPlan`` table (gone with the model)."""
-    entry = _PLANS.get(id(model))
-    if entry is None or entry[0]() is not model:
-        key = id(model)
-        entry = _PLANS[key] = (weakref.ref(model, lambda _: _PLANS.pop(key, None)), {})
-    return entry[1]
+    plans = _PLANS.get(model)
+    if plans is None:
+        plans = _PLANS[model] = {}
+    return plans
 
 
 def resolve(server: Server, name: str, version: str | None = None) -> Model:

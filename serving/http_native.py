@@ -29,6 +29,7 @@ the queue if it was not dispatched yet.
 from __future__ import annotations
 
 import asyncio
+import functools
 import http
 import logging
 from typing import Any
@@ -66,24 +67,15 @@ _INFER, _LIVE, _READY = "inference", "live", "ready"
 _MODELS = "/v2/models/"
 
 
-_ROUTES: dict[tuple[bytes, bytes], tuple[str, str, str | None] | None] = {}
-ROUTES_CACHED = 1024  # (method, URL) -> route, remembered (cleared when full)
-ROUTE_URL_BYTES = 256  # longer URLs are routed each time
+ROUTES_CACHED = 1024  # (method, URL) -> route, remembered (least recently used go)
+ROUTE_URL_BYTES = 256  # longer URLs are routed each time (any URL may come)
 
 
 def route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
     """``(kind, model, version)`` of a request the native path answers, else None."""
-    key = (method, url)
-    try:
-        return _ROUTES[key]
-    except KeyError:
-        pass
-    found = _route(method, url)
-    if len(url) <= ROUTE_URL_BYTES:  # (any URL may come: the table stays small)
-        if len(_ROUTES) >= ROUTES_CACHED:
-            _ROUTES.clear()
-        _ROUTES[key] = found
-    return found
+    if len(url) <= ROUTE_URL_BYTES:
+        return _cached_route(method, url)
+    return _route(method, url)
 
 
 def _route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
@@ -108,6 +100,9 @@ def _route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
         if path == "/v2/health/ready":
             return _READY, "", None
     return None
+
+
+_cached_route = functools.lru_cache(maxsize=ROUTES_CACHED)(_route)
 
 
 class _NoEvent:
@@ -300,7 +295,7 @@ class NativeCycle:
         head = [_STATUS[status]]
         for name, value in proto.server_state.default_headers:  # date, server
             head += [name, b": ", value, b"\r\n"]
-        length = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        length = sum(map(len, parts))  # bytes, and 1-D uint8 views
         head.append(headers)
         head.append(b"content-length: %d\r\n" % length)
         if not self.keep_alive:
