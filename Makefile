@@ -38,12 +38,13 @@ demo: $(STAMP)
 # Modules marked `once` (nothing in them depends on the device count or the handlers'
 # build) run in the 4-device set-up only. --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=5
-SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_ray.py
-TESTS := $(PYTEST) -m "not once" $(SUITE) && $(PYTEST) tests/test_grpc.py
+GRPC := tests/test_grpc.py tests/test_grpc_native.py
+SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py --ignore=tests/test_ray.py
+TESTS := $(PYTEST) -m "not once" $(SUITE) && $(PYTEST) $(GRPC)
 
 test: lint
 	$(TESTS)
-	$(FOUR) sh -c '$(PYTEST) $(SUITE) && $(PYTEST) tests/test_grpc.py'
+	$(FOUR) sh -c '$(PYTEST) $(SUITE) && $(PYTEST) $(GRPC)'
 	PXRT_NO_EXTENSIONS=1 $(FOUR) sh -c '$(TESTS)'
 	$(PYTEST) -W ignore::DeprecationWarning tests/test_ray.py  # (Ray's own pydantic warnings)
 
@@ -67,7 +68,7 @@ debug: $(STAMP)
 	$(PY) -m pip install -q 'cython>=3.0.11' 'setuptools>=77'
 	PXRT_DEBUG=1 $(PY) setup.py build_ext --inplace --force
 
-STUBS := pxrt._batch pxrt._handlers pxrt._keys serving._tensors
+STUBS := pxrt._batch pxrt._handlers pxrt._keys serving._tensors serving._hpack
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py

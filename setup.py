@@ -33,7 +33,9 @@ extensions = [
         define_macros=macros,
         extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
     )
-    for name in ("pxrt._keys", "pxrt._handlers", "pxrt._batch", "serving._tensors")
+    for name in (
+        "pxrt._keys", "pxrt._handlers", "pxrt._batch", "serving._tensors", "serving._hpack"
+    )
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives=directives, annotate=DEBUG))

@@ -42,7 +42,8 @@ import pxrt  # noqa: E402
 # name -> extra `pxrt serve` flags
 CONFIGS = {
     "asgi": ["--no-native-http"],  # every request through the Starlette app
-    "native": [],  # the default: inference and health from the parser's callbacks
+    "native": [],  # the defaults: HTTP from the parser's callbacks, gRPC on pxrt's HTTP/2
+    "grpcio": ["--no-native-grpc"],  # gRPC with grpcio's asyncio server
 }
 
 

@@ -1,11 +1,13 @@
-"""The HTTP front end's own code, without sockets: `pxrt serve`'s protocol (the guard over
-uvicorn's httptools protocol) fed whole requests by in-memory connections on one event
-loop, each sending its next request when its reply is written (closed loop, like
-perf_analyzer's connections). Its native path and its ASGI path (the Starlette app) are
-measured against the floor: the same requests' decoded inputs through
-``Server.submit`` and an awaiting task each, no HTTP. Alternated repeats; prints loop
-time per request and the ratios. What this leaves out is the kernel's share (a recv and a
-send per request), which `benchmarks/frontend.py` measures with perf_analyzer.
+"""The front ends' own code, without sockets: `pxrt serve`'s protocols fed whole requests
+by in-memory connections on one event loop, each sending its next request when its reply
+is written (closed loop, like perf_analyzer's connections). HTTP's native path and its
+ASGI path (the Starlette app, both under the guard over uvicorn's httptools protocol) and
+gRPC on pxrt's HTTP/2 (``serving.grpc_native``: HEADERS and DATA frames in, as grpc
+clients send them once their HPACK tables are warm) are measured against the floor: the
+same requests' decoded inputs through ``Server.submit`` and an awaiting task each, no
+protocol. Alternated repeats; prints loop time per request and the ratios. What this
+leaves out is the kernel's share (a recv and a send per request), which
+`benchmarks/frontend.py` measures with perf_analyzer.
 
     python benchmarks/protocol_overhead.py [--connections 64] [--requests 20000] [--repeats 5]
 """
@@ -20,6 +22,7 @@ import sys
 import tempfile
 import time
 
+import hpack
 import numpy as np
 import orjson
 
@@ -32,6 +35,8 @@ from frontend import export_trivial  # noqa: E402
 from uvicorn.server import ServerState  # noqa: E402
 
 import pxrt  # noqa: E402
+from serving import h2  # noqa: E402
+from serving.grpc_native import GrpcProtocol, GrpcServer  # noqa: E402
 from serving.http import create_app  # noqa: E402
 from serving.http_limits import guarded_protocol  # noqa: E402
 from serving.options import HttpLimits  # noqa: E402
@@ -126,6 +131,92 @@ async def http_run(app, native: bool, request: bytes, connections: int, total: i
     return elapsed / total
 
 
+def grpc_message(x: np.ndarray) -> bytes:
+    """A ModelInferRequest as a gRPC message (its 5-byte prefix included)."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="trivial")
+    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    data = request.SerializeToString()
+    return b"\0" + len(data).to_bytes(4, "big") + data
+
+
+GRPC_HEADERS = [
+    (b":method", b"POST"), (b":scheme", b"http"),
+    (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
+    (b":authority", b"127.0.0.1:8001"), (b"te", b"trailers"),
+    (b"content-type", b"application/grpc"), (b"user-agent", b"grpc-c++/1.60"),
+    (b"grpc-accept-encoding", b"identity,deflate,gzip"),
+]  # fmt: skip
+
+
+class GrpcConnection(Connection):
+    """An in-memory gRPC client connection: one call at a time; windows opened wide."""
+
+    def __init__(self, run: GrpcRun) -> None:
+        asyncio.Transport.__init__(self)
+        self.run = run  # type: ignore[assignment]
+        self.protocol = GrpcProtocol(run.owner)
+        self.protocol.connection_made(self)
+        self.closed = False
+        encoder = hpack.Encoder()
+        first = encoder.encode(GRPC_HEADERS)
+        self.block = encoder.encode(GRPC_HEADERS)  # all indexed, as grpc sends them warm
+        self.stream_id = 1
+        settings = (4).to_bytes(2, "big") + h2.MAX_WINDOW.to_bytes(4, "big")
+        self.protocol.data_received(
+            h2.PREFACE + h2.frame_head(h2.SETTINGS, 0, 0, 6) + settings
+            + h2.frame_head(h2.WINDOW_UPDATE, 0, 0, 4)
+            + (h2.MAX_WINDOW - h2.DEFAULT_WINDOW).to_bytes(4, "big")
+            + self.call(first)
+        )  # fmt: skip
+
+    def call(self, block: bytes) -> bytes:
+        message = self.run.request
+        sid = self.stream_id
+        self.stream_id += 2
+        return (
+            h2.frame_head(h2.HEADERS, h2.END_HEADERS, sid, len(block)) + block
+            + h2.frame_head(h2.DATA, h2.END_STREAM, sid, len(message)) + message
+        )  # fmt: skip
+
+    def send(self) -> None:
+        if self.run.sent < self.run.total:
+            self.run.sent += 1
+            self.protocol.data_received(self.call(self.block))
+
+    def writelines(self, parts) -> None:
+        for part in parts:
+            if part is self.run.ok:  # a call's trailers: it is answered
+                self.write(part)
+
+
+class GrpcRun:
+    def __init__(self, owner: GrpcServer, request: bytes, total: int) -> None:
+        from serving.grpc_native import _OK_TRAILERS
+
+        self.owner = owner
+        self.ok = _OK_TRAILERS
+        self.request = request
+        self.total = total
+        self.sent = self.replies = 0
+        self.loop = asyncio.get_running_loop()
+        self.done = asyncio.Event()
+
+
+async def grpc_run(owner: GrpcServer, request: bytes, connections: int, total: int) -> float:
+    run = GrpcRun(owner, request, total)
+    conns = [GrpcConnection(run) for _ in range(connections)]
+    run.sent = connections  # (each connection's first call went with its preface)
+    t0 = time.perf_counter()
+    await run.done.wait()
+    elapsed = time.perf_counter() - t0
+    for conn in conns:
+        conn.protocol.connection_lost(None)
+    return elapsed / total
+
+
 async def floor_run(server: Server, x: np.ndarray, connections: int, total: int) -> float:
     left = [total]
 
@@ -147,10 +238,13 @@ async def main_async(args) -> None:
     app = create_app(server)
     x = np.arange(16, dtype=np.float32).reshape(1, 16)
     request = binary_request(x)
+    owner = GrpcServer(server, max_message_bytes=1 << 20)
+    message = grpc_message(x)
     runs = {
         "floor (submit + await)": lambda: floor_run(server, x, args.connections, args.requests),
         "native": lambda: http_run(app, True, request, args.connections, args.requests),
         "asgi": lambda: http_run(app, False, request, args.connections, args.requests),
+        "grpc (pxrt's HTTP/2)": lambda: grpc_run(owner, message, args.connections, args.requests),
     }
     for run in runs.values():  # warm up
         await run()

@@ -124,6 +124,17 @@ class TlsFiles:
             options.update(ssl_ca_certs=self.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         return options
 
+    def server_context(self, alpn: list[str] | None = None) -> ssl.SSLContext:
+        """A server-side ``ssl.SSLContext`` with these files (offering ``alpn``)."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        if self.ca:
+            context.load_verify_locations(self.ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+        if alpn:
+            context.set_alpn_protocols(alpn)
+        return context
+
     def grpc_credentials(self) -> Any:
         """``grpc.ServerCredentials`` for ``add_secure_port``."""
         import grpc

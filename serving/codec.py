@@ -471,6 +471,151 @@ def requested_proto_outputs(message: Any, names: list[str]) -> list[tuple[str, b
     return [(name, True) for name in wanted]
 
 
+RAW_INPUT_TAG = 0x3A  # ModelInferRequest.raw_input_contents: field 7, length-delimited
+
+
+def _varint(data: Any, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("a truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def raw_layout(data: Any) -> tuple[int, list[tuple[int, int]]] | None:
+    """Where a serialized ModelInferRequest's raw input contents lie: the length of
+    everything before them (the request's description) and each one's (offset, size);
+    None unless they all come last, as protobuf's serializers write fields (in number
+    order: raw_input_contents is the last field)."""
+    pos, end = 0, len(data)
+    try:
+        while pos < end:
+            start = pos
+            tag, pos = _varint(data, pos)
+            if tag == RAW_INPUT_TAG:
+                pos = start
+                break
+            wire = tag & 7
+            if wire == 2:
+                length, pos = _varint(data, pos)
+                pos += length
+            elif wire == 0:
+                _, pos = _varint(data, pos)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                return None
+        prefix = pos
+        raws = []
+        while pos < end:
+            tag, pos = _varint(data, pos)
+            if tag != RAW_INPUT_TAG:
+                return None
+            length, pos = _varint(data, pos)
+            raws.append((pos, length))
+            pos += length
+    except ValueError:
+        return None
+    return (prefix, raws) if pos == end and raws else None
+
+
+def proto_model(data: Any) -> tuple[str, str] | None:
+    """A serialized ModelInferRequest's model name and version read off its first fields
+    (where serializers put them), or None when they are not there."""
+    try:
+        if not data or data[0] != 0x0A:  # model_name: field 1, length-delimited
+            return None
+        length, pos = _varint(data, 1)
+        if pos + length > len(data):
+            return None
+        name = str(data[pos : pos + length], "utf-8")
+        pos += length
+        version = ""
+        if pos < len(data) and data[pos] == 0x12:  # model_version: field 2
+            length, pos = _varint(data, pos + 1)
+            if pos + length > len(data):
+                return None
+            version = str(data[pos : pos + length], "utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return name, version
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProtoPlan:
+    """What a ModelInferRequest whose inputs all come as raw contents decoded to, for a
+    model, keyed by its bytes' layout: a message of the same ``size`` whose bytes are
+    the same except inside the raw contents (the same description, the same contents'
+    tags and lengths at the same places) decodes to the same arrays (``views`` of the
+    new message's bytes), outputs, id and deadline, with nothing to parse or check
+    again. Protobuf's serializers write the raw contents last, so the description is
+    one prefix of the message."""
+
+    prefix: bytes  # the message up to its first raw contents
+    heads: tuple[tuple[int, bytes], ...]  # each raw contents' (offset, tag and length)
+    inputs: tuple[tuple[str, np.dtype, int, int, tuple[int, ...]], ...]  # name, dtype,
+    # count, offset, shape
+    size: int
+    outputs: list[tuple[str, bool]]
+    id: str | None
+    timeout_s: float | None
+
+    @classmethod
+    def of(
+        cls,
+        data: Any,
+        inputs: Mapping[str, np.ndarray],
+        outputs: list[tuple[str, bool]],
+        rid: str | None,
+        timeout_s: float | None,
+    ) -> ProtoPlan | None:
+        """The plan of a decoded message (``inputs`` in the message's order, each a view
+        of its raw contents), or None when its inputs are not all raw and last."""
+        layout = raw_layout(data)
+        if layout is None or len(layout[1]) != len(inputs):
+            return None
+        prefix, raws = layout
+        heads, entries = [], []
+        for (name, arr), (offset, length) in zip(inputs.items(), raws):
+            if arr.nbytes != length:
+                return None
+            head = bytes([RAW_INPUT_TAG]) + _varint_bytes(length)
+            heads.append((offset - len(head), head))
+            entries.append((name, arr.dtype, arr.size, offset, arr.shape))
+        return cls(
+            bytes(data[:prefix]), tuple(heads), tuple(entries), len(data), outputs, rid, timeout_s
+        )
+
+    def matches(self, data: Any) -> bool:
+        """Whether ``data`` (of ``size`` bytes) has this plan's layout."""
+        if data[: len(self.prefix)] != self.prefix:
+            return False
+        for offset, head in self.heads:
+            if data[offset : offset + len(head)] != head:
+                return False
+        return True
+
+    def views(self, data: Any) -> dict[str, np.ndarray]:
+        return {
+            name: np.frombuffer(data, dtype, count, offset).reshape(shape)
+            for name, dtype, count, offset, shape in self.inputs
+        }
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def proto_timeout(message: Any) -> float | None:
     """A ModelInferRequest's ``timeout`` parameter (microseconds, as Triton's), in
     seconds; None when it has none."""

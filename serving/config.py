@@ -149,6 +149,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "without the ASGI stack (same answers, a fraction of the CPU); --no-native-http "
         "sends every request through the Starlette app (default on)",
     )  # fmt: skip
+    http.add_argument(
+        "--native-grpc", action=argparse.BooleanOptionalAction, default=True,
+        help="serve gRPC on pxrt's own HTTP/2 (the same service and answers at a fraction "
+        "of grpcio's CPU); --no-native-grpc serves it with grpcio's asyncio server "
+        "(default on)",
+    )  # fmt: skip
     p.add_argument(
         "--max-stream-inflight", type=_arg(number(int, 1)), default=512,
         help="requests of one gRPC stream read and not yet answered; over it the stream "

@@ -65,6 +65,35 @@ class InternalError(ServingError):
     """An unexpected error on a request's path (a bug): answered 500 / INTERNAL."""
 
 
+class BodiesFull(ServingError):
+    """The server holds its budget of request bodies: retry later (503 / UNAVAILABLE)."""
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, over all requests of every front end that
+    shares it (``pxrt serve``: HTTP and gRPC): a request that would go over it is
+    answered ``BodiesFull`` instead of growing memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+    def full(self) -> BodiesFull:
+        """The error a request over the budget is answered with."""
+        return BodiesFull(
+            f"the server holds the most request bodies it may ({self.limit} bytes); retry later"
+        )
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -119,6 +148,44 @@ class InferRequest:
         return request
 
     @classmethod
+    def from_proto_bytes(
+        cls,
+        data: Any,
+        model: Model,
+        parse: Callable[[Any], Any],
+        deadline_s: float | None = None,
+    ) -> InferRequest:
+        """A serialized ModelInferRequest (``parse`` makes the message of its bytes, or
+        raises ``ProtocolError``), as ``from_proto``.
+
+        A message whose inputs all come as raw contents is remembered per model by its
+        layout (``codec.ProtoPlan``): a message laid out the same (clients send the same
+        description for every request of a shape, only the tensors' bytes differ) is
+        decoded by a comparison of its description and a view per input of its bytes,
+        not a parse and its checks."""
+        plans = _proto_plans(model)
+        candidates = plans.get(len(data))
+        if candidates is not None:
+            for plan in candidates:
+                if plan.matches(data):
+                    timeout = plan.timeout_s if plan.timeout_s is not None else deadline_s
+                    return cls(plan.views(data), plan.outputs, plan.id, timeout)
+        message = parse(data)
+        request = cls.from_proto(message, model, deadline_s)
+        if message.raw_input_contents:
+            plan = codec.ProtoPlan.of(
+                data, request.inputs, request.outputs, message.id, codec.proto_timeout(message)
+            )
+            if plan is not None and len(plan.prefix) <= PLAN_HEADER_BYTES:
+                if len(plans) >= PLANS_PER_MODEL:
+                    plans.clear()  # many different sizes: start over
+                same_size = plans.setdefault(len(data), [])
+                if len(same_size) >= PLANS_PER_SIZE:
+                    del same_size[0]  # (ids of one length that differ: the oldest goes)
+                same_size.append(plan)
+        return request
+
+    @classmethod
     def from_proto(
         cls, message: Any, model: Model, deadline_s: float | None = None
     ) -> InferRequest:
@@ -135,9 +202,11 @@ class InferRequest:
         )
 
 
-PLANS_PER_MODEL = 64  # binary-request headers remembered per model (InferRequest.from_json)
+PLANS_PER_MODEL = 64  # request headers (sizes: gRPC) remembered per model
+PLANS_PER_SIZE = 8  # gRPC: layouts of one message size remembered per model
 PLAN_HEADER_BYTES = 4096  # longer headers are not remembered (the table stays small)
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its plans
+_PROTO_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> size -> plans
 
 
 def _plans(model: Model) -> dict:
@@ -145,6 +214,14 @@ def _plans(model: Model) -> dict:
     plans = _PLANS.get(model)
     if plans is None:
         plans = _PLANS[model] = {}
+    return plans
+
+
+def _proto_plans(model: Model) -> dict:
+    """``model``'s message size -> ``codec.ProtoPlan``s table (gone with the model)."""
+    plans = _PROTO_PLANS.get(model)
+    if plans is None:
+        plans = _PROTO_PLANS[model] = {}
     return plans
 
 
@@ -265,6 +342,7 @@ ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (UnknownModel, 404, "NOT_FOUND"),
     (Overloaded, 429, "UNAVAILABLE"),
     (NotServing, 503, "UNAVAILABLE"),
+    (BodiesFull, 503, "UNAVAILABLE"),
     (ServerClosed, 503, "UNAVAILABLE"),
     (DeadlineExceeded, 504, "DEADLINE_EXCEEDED"),
     (ExecutionFailed, 500, "INTERNAL"),
@@ -280,6 +358,8 @@ def status_of(exc: BaseException) -> Status:
             headers = None
             if isinstance(exc, Overloaded):
                 headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+            elif isinstance(exc, BodiesFull):
+                headers = {"Retry-After": "1"}
             return Status(http, grpc, str(exc), headers)
     return Status(500, "INTERNAL", f"internal error: {type(exc).__name__}: {str(exc)[:200]}")
 
@@ -291,6 +371,8 @@ def is_known(exc: BaseException) -> bool:
 
 __all__ = [
     "ERRORS",
+    "BodiesFull",
+    "BodyBudget",
     "InferRequest",
     "InternalError",
     "InvalidRequest",

@@ -37,7 +37,7 @@ from pxrt import Model
 from . import codec, core, documents
 from .access import Restrictions
 from .codec import ProtocolError
-from .core import InferRequest, TooLarge
+from .core import BodiesFull, BodyBudget, InferRequest, TooLarge
 from .errors import ServingError
 from .options import HttpLimits
 from .repository import Repository, RepositoryError, require
@@ -50,28 +50,6 @@ HEADER_LENGTH = "inference-header-content-length"
 # response is complete. No task per request waiting on receive(). ``pxrt serve``'s
 # protocol (``serving.http_limits``) provides it.
 DISCONNECT_EXTENSION = "pxrt.on_disconnect"
-
-
-class BodyBudget:
-    """Bytes of request bodies the app holds at once, over all requests: uploads that
-    would go over it are answered 503 (retry later) instead of growing memory."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def take(self, n: int) -> bool:
-        if self.held + n > self.limit:
-            return False
-        self.held += n
-        return True
-
-    def give(self, n: int) -> None:
-        self.held -= n
-
-
-class BodiesFull(ServingError):
-    """The app holds its budget of request bodies: retry later (503)."""
 
 
 @dataclasses.dataclass
@@ -103,7 +81,6 @@ def create_app(
     """
     handlers: dict[Any, Callable] = {HTTPException: _routing_error}
     handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
-    handlers[BodiesFull] = _error_response
     app = Starlette(routes=_routes(restrictions), lifespan=lifespan, exception_handlers=handlers)
     app.state.pxrt = AppState(
         server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions
@@ -125,8 +102,6 @@ def _json(doc: Any, status: int = 200, headers: Mapping[str, str] | None = None)
 
 def error_reply(exc: BaseException, server: Server) -> tuple[int, dict, dict[str, str] | None]:
     """How an error is answered over HTTP (both paths): status, JSON document, headers."""
-    if isinstance(exc, BodiesFull):
-        return 503, {"error": str(exc)}, {"Retry-After": "1"}
     status = core.status_of(exc)
     headers = status.headers
     if isinstance(exc, core.NotServing) and server.draining:
@@ -326,10 +301,7 @@ class Upload:
         if self.held + len(chunk) > self.limit:
             raise TooLarge(f"the request body is over the limit of {self.limit} bytes")
         if not self.budget.take(len(chunk)):
-            raise BodiesFull(
-                f"the server holds the most request bodies it may ({self.budget.limit} "
-                "bytes); retry later"
-            )
+            raise self.budget.full()
         self.held += len(chunk)
         self.chunks.append(chunk)
 

@@ -81,8 +81,9 @@ class RefusalLog:
     """Counts refused connections and logs them at most once per ``interval_s`` (a
     client that is refused 1,000 times a second writes one line, not 1,000)."""
 
-    def __init__(self, interval_s: float = REFUSAL_LOG_S) -> None:
+    def __init__(self, interval_s: float = REFUSAL_LOG_S, kind: str = "HTTP") -> None:
         self.interval_s = interval_s
+        self.kind = kind
         self.count = 0  # refused since the last line
         self.total = 0
         self._next = 0.0  # when the next line may be written
@@ -92,8 +93,9 @@ class RefusalLog:
         self.total += 1
         if now >= self._next:
             log.warning(
-                "pxrt: refused %d connection(s) in the last %.0f s: %d open, the limit",
+                "pxrt: refused %d %s connection(s) in the last %.0f s: %d open, the limit",
                 self.count,
+                self.kind,
                 self.interval_s,
                 open_now,
             )

@@ -46,16 +46,13 @@ from .core import TooLarge
 from .http import (
     HEADER_LENGTH,
     AppState,
-    BodiesFull,
     Upload,
     error_reply,
     readiness,
     request_decoder,
 )
 
-_STATUS = {
-    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus
-}
+_STATUS = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _STATUS[499] = b"HTTP/1.1 499 Client Closed Request\r\n"
 _JSON = b"content-type: application/json\r\n"
 _BINARY = b"content-type: application/octet-stream\r\n"
@@ -215,9 +212,7 @@ class NativeCycle:
         try:
             decode = request_decoder(upload.body(), self.header_length, state.limits)
             # The version that answers is the one served now (resolved again).
-            self.model, self.request, future = core.start(
-                server, self.name, self.version, decode
-            )
+            self.model, self.request, future = core.start(server, self.name, self.version, decode)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail(exc)
             return
@@ -261,7 +256,7 @@ class NativeCycle:
         ``close_answered``)."""
         state = self.proto.native_state
         assert state is not None
-        if not (core.is_known(exc) or isinstance(exc, BodiesFull)):
+        if not core.is_known(exc):
             exc = core.internal_error(f"{self.kind} {self.name!r}", exc)
         status, doc, headers = error_reply(exc, state.server)
         extra = b""

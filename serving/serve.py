@@ -133,11 +133,9 @@ def main(args: argparse.Namespace) -> int:
         async def lifespan(app: Any):
             grpc_server = None
             if args.grpc_port is not None:
-                from .grpc_server import GrpcLimits, start_grpc
+                from .grpc_server import GrpcLimits
 
-                grpc_server = await start_grpc(
-                    server,
-                    args.grpc_port,
+                options: dict[str, Any] = dict(
                     host=args.host,
                     max_message_bytes=int(args.max_body_mb * (1 << 20)),
                     repository=repository,
@@ -149,6 +147,16 @@ def main(args: argparse.Namespace) -> int:
                         max_stream_inflight=args.max_stream_inflight,
                     ),
                 )
+                if args.native_grpc:
+                    from .grpc_native import start_grpc
+
+                    # One budget of request bytes held over both front ends.
+                    options.update(
+                        budget=app.state.pxrt.budget, body_timeout_s=limits.body_timeout_s
+                    )
+                else:
+                    from .grpc_server import start_grpc  # type: ignore[assignment]
+                grpc_server = await start_grpc(server, args.grpc_port, **options)
                 print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
             loader = asyncio.ensure_future(load_all())
             yield

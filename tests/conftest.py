@@ -143,6 +143,14 @@ def served(artifacts, var_artifacts, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def served_grpcio(artifacts, var_artifacts, tmp_path_factory):
+    """The same server as ``served`` with gRPC on grpcio's server (``--no-native-grpc``)."""
+    proc = _serve(artifacts, var_artifacts, tmp_path_factory, "--no-native-grpc", grpc=True)
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="session")
 def served_asgi(artifacts, var_artifacts, tmp_path_factory):
     """The same server as ``served`` with every HTTP request through the Starlette app
     (``--no-native-http``): what the native path is held to."""

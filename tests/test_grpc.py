@@ -49,9 +49,16 @@ OUTPUTS = {
 }
 
 
+@pytest.fixture(params=["native", "grpcio"])
+def grpc_served(request):
+    """``pxrt serve`` with gRPC on pxrt's HTTP/2 (the default), and with grpcio's server
+    (``--no-native-grpc``): both held to the same answers."""
+    return request.getfixturevalue("served" if request.param == "native" else "served_grpcio")
+
+
 @pytest.fixture
-def client(served):
-    c = grpcclient.InferenceServerClient(served.grpc_url)
+def client(grpc_served):
+    c = grpcclient.InferenceServerClient(grpc_served.grpc_url)
     yield c
     c.close()
 
@@ -113,11 +120,11 @@ def test_variable_lengths_match_jax(client):
         assert_matches(got, encoder_reference(request), f"L={length}")
 
 
-def test_typed_contents_and_requested_outputs(served):
+def test_typed_contents_and_requested_outputs(grpc_served):
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    channel = grpc.insecure_channel(served.grpc_url)
+    channel = grpc.insecure_channel(grpc_served.grpc_url)
     infer = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer
     x = np.random.default_rng(0).standard_normal((2, 32)).astype(np.float32)
     request = pb.ModelInferRequest(model_name="mlp", id="typed")
@@ -174,11 +181,11 @@ def test_errors_map_to_status_codes(client):
     assert code == "StatusCode.INVALID_ARGUMENT"
 
 
-def test_a_malformed_protobuf_is_invalid_argument_in_plain_words(served):
+def test_a_malformed_protobuf_is_invalid_argument_in_plain_words(grpc_served):
     """Bytes that are not the method's message: INVALID_ARGUMENT naming the message, no
     Python exception text; in a stream, that request's error and the stream goes on."""
     garbage = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, a length past the end
-    with grpc.insecure_channel(served.grpc_url) as channel:
+    with grpc.insecure_channel(grpc_served.grpc_url) as channel:
         for method in ("ModelInfer", "ModelMetadata", "RepositoryIndex"):
             call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
             with pytest.raises(grpc.RpcError) as info:
@@ -236,9 +243,9 @@ def test_a_stream_of_1000_with_bad_ones_mixed_in(client):
         assert_matches({"y": result.as_numpy("y")}, reference("mlp", sent[rid]), rid)
 
 
-def test_asyncio_client(served):
+def test_asyncio_client(grpc_served):
     async def main():
-        async with grpcaio.InferenceServerClient(served.grpc_url) as c:
+        async with grpcaio.InferenceServerClient(grpc_served.grpc_url) as c:
             assert await c.is_server_ready()
             rng = np.random.default_rng(4)
             requests = [{"x": rng.standard_normal((2, 32)).astype(np.float32)} for _ in range(20)]

@@ -24,6 +24,7 @@ TWINS = {
     "pxrt/_handlers.pyi": "pxrt._handlers_py",
     "pxrt/_keys.pyi": "pxrt._keys_py",
     "serving/_tensors.pyi": "serving._tensors_py",
+    "serving/_hpack.pyi": "serving._hpack_py",
 }
 
 

@@ -1,0 +1,851 @@
+"""KServe v2 gRPC on pxrt's own HTTP/2 (``serving.h2``): what ``pxrt serve --grpc-port``
+runs unless ``--no-native-grpc``.
+
+grpcio's server costs ~250-300 us of CPU per call before a servicer runs; this one
+answers the same service, to the same unmodified clients (``tritonclient.grpc``, sync,
+asyncio and streaming; any grpc client), from the HTTP/2 frames themselves:
+
+- ``ModelInfer``: the message is parsed once its last DATA frame is in, the request core
+  queues it (``core.start``), and the future's callback writes the answer: response
+  headers, the message and the trailers in one write per turn of the event loop (with
+  the other answers of the same batch). The response's tensors are written from the
+  output arrays' own memory: the message is serialized without ``raw_output_contents``
+  and each output follows as its field's tag, length and the array's bytes (protobuf
+  concatenates repeated fields, so the bytes on the wire are the same).
+- ``ModelStreamInfer``: each message is queued as it arrives and answered as it
+  completes, in completion order, each failing alone with its ``id``. At most
+  ``GrpcLimits.max_stream_inflight`` requests are unanswered; past that the stream's
+  flow-control window is not given back, so the client is held by HTTP/2 itself. When
+  the server drains, the stream stops taking requests, answers those it took, and ends
+  UNAVAILABLE.
+- every other method runs ``GRPCService``'s coroutine (the one grpcio's server runs)
+  with a context that speaks the same ``abort``; the shared-memory methods answer
+  UNIMPLEMENTED.
+
+The limits are grpcio's where it has them (``GrpcLimits``: connections, handshake, idle
+and keepalive timeouts, ping strikes; messages over ``max_message_bytes`` are
+RESOURCE_EXHAUSTED) and HTTP's where it has none: the bytes of messages being received
+count against the same ``core.BodyBudget`` as HTTP's bodies, and a message that stops
+arriving for ``body_timeout_s`` fails its call. Requests compressed with ``gzip`` or
+``deflate`` are taken; answers are not compressed. ``grpc-timeout`` is the request's
+deadline unless its ``timeout`` parameter says otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import struct
+import zlib
+from collections import deque
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+from pxrt import Model
+
+from . import codec, core, h2
+from .access import Forbidden, Restrictions, TlsFiles
+from .core import BodyBudget, InferRequest
+from .grpc_server import GROUPS, GrpcLimits, GRPCService, Malformed, _checked, _parser
+from .repository import Repository
+from .server import Server
+
+log = logging.getLogger("pxrt.grpc")
+
+SERVICE = "inference.GRPCInferenceService"
+_CODES = {code.name: code.value[0] for code in grpc.StatusCode}
+_OK, _CANCELLED, _UNIMPLEMENTED = 0, _CODES["CANCELLED"], _CODES["UNIMPLEMENTED"]
+_INTERNAL, _INVALID = _CODES["INTERNAL"], _CODES["INVALID_ARGUMENT"]
+_RESOURCE, _DEADLINE = _CODES["RESOURCE_EXHAUSTED"], _CODES["DEADLINE_EXCEEDED"]
+_PERMISSION, _UNAVAILABLE = _CODES["PERMISSION_DENIED"], _CODES["UNAVAILABLE"]
+
+_ACCEPT = (b"grpc-accept-encoding", b"identity,deflate,gzip")
+_HEADERS = h2.encode_headers(
+    [(b":status", b"200"), (b"content-type", b"application/grpc"), _ACCEPT]
+)
+_OK_TRAILERS = h2.encode_headers([(b"grpc-status", b"0")])
+_PREFIX = struct.Struct(">BI")  # a gRPC message's compressed flag and length
+_TIMEOUT_UNITS = {72: 3600.0, 77: 60.0, 83: 1.0, 109: 1e-3, 117: 1e-6, 110: 1e-9}  # HMSmun
+_MESSAGE_CHARS = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)  # all but '%'
+MESSAGE_LIMIT = 2000  # characters of an error message sent in grpc-message
+
+# Methods answered here rather than through GRPCService's coroutines.
+_INFER, _STREAM = "ModelInfer", "ModelStreamInfer"
+
+
+def trailers(code: int, message: str = "", only: bool = False) -> bytes:
+    """The trailers of a call that ends with ``code`` (``only``: a Trailers-Only answer,
+    with the response headers too, for a call that sent nothing else)."""
+    fields = [(b":status", b"200"), (b"content-type", b"application/grpc")] if only else []
+    fields.append((b"grpc-status", b"%d" % code))
+    if message:
+        text = quote(message[:MESSAGE_LIMIT], safe=_MESSAGE_CHARS)  # gRPC's percent-encoding
+        fields.append((b"grpc-message", text.encode("ascii")))
+    return h2.encode_headers(fields)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _timeout(value: bytes) -> float | None:
+    """``grpc-timeout`` in seconds (None if it is not one: no deadline)."""
+    unit = _TIMEOUT_UNITS.get(value[-1]) if value else None
+    digits = value[:-1]
+    if unit is None or not 1 <= len(digits) <= 8 or not digits.isdigit():
+        return None
+    return int(digits) * unit
+
+
+def infer_response_parts(
+    name: str, version: str, request_id: str | None, outputs: dict, selected: list
+) -> list[Any]:
+    """A ModelInferResponse as buffers: the message without its raw contents, then each
+    output's ``raw_output_contents`` field (tag, length, the array's own bytes). The
+    first part is made once per answer layout (names, dtypes, shapes, id) and kept."""
+    arrays = [np.ascontiguousarray(outputs[out_name]) for out_name, _ in selected]
+    key = (name, version, request_id, *[(a.dtype, a.shape) for a in arrays], *selected)
+    head = _HEADS.get(key)
+    if head is None:
+        response = pb.ModelInferResponse(model_name=name, model_version=version, id=request_id)
+        for (out_name, _), arr in zip(selected, arrays):
+            response.outputs.add(
+                name=out_name, datatype=codec.datatype_of(arr.dtype), shape=arr.shape
+            )
+        head = response.SerializeToString()
+        if len(_HEADS) >= HEADS_KEPT:
+            _HEADS.clear()
+        _HEADS[key] = head
+    parts: list[Any] = [head]
+    for arr in arrays:
+        parts += [b"\x32" + _varint(arr.nbytes), memoryview(arr.reshape(-1).view(np.uint8).data)]
+    return parts
+
+
+HEADS_KEPT = 256  # response descriptions remembered (by layout; different ids each add one)
+_HEADS: dict[tuple, bytes] = {}
+
+
+def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> list[Any]:
+    return infer_response_parts(name, model.version, request.id, outputs, request.outputs)
+
+
+def _stream_error(message: Any, text: str) -> bytes:
+    """A stream's answer to a request that failed: its error, its model and id."""
+    return pb.ModelStreamInferResponse(
+        error_message=text,
+        infer_response=pb.ModelInferResponse(model_name=message.model_name, id=message.id),
+    ).SerializeToString()
+
+
+class Abort(Exception):
+    """What ``Context.abort`` raises: the call ends with ``code`` and ``message``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Context:
+    """What ``GRPCService``'s coroutines read of a call (as of grpc.aio's context)."""
+
+    __slots__ = ("code", "details", "headers", "remaining")
+
+    def __init__(self, headers: list, remaining: float | None) -> None:
+        self.headers = headers
+        self.remaining = remaining
+        self.code: Any = None
+        self.details = ""
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in self.headers
+            if not k.startswith(b":")
+        ]
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+    async def abort(self, code: Any, details: str) -> None:
+        raise Abort(code.value[0], details)
+
+    def set_code(self, code: Any) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+class Method:
+    """A method of the service: its name, how its request parses, its response
+    serializes, and (for those not answered natively) its coroutine."""
+
+    __slots__ = ("group", "impl", "name", "parse", "serialize")
+
+    def __init__(self, name: str, parse: Any, serialize: Any, impl: Any, group: str | None):
+        self.name = name
+        self.parse = parse
+        self.serialize = serialize
+        self.impl = impl
+        self.group = group
+
+
+def methods(service: GRPCService) -> dict[bytes, Method]:
+    """``:path`` -> the method, for every method of the service."""
+    descriptor = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    table = {}
+    for m in descriptor.methods:
+        group = GROUPS.get(m.name)
+        impl = None
+        if m.name not in (_INFER, _STREAM):
+            impl = _checked(getattr(service, m.name), group, service.restrictions)
+        table[f"/{SERVICE}/{m.name}".encode()] = Method(
+            m.name,
+            _parser(getattr(pb, m.input_type.name)),
+            getattr(pb, m.output_type.name).SerializeToString,
+            impl,
+            group,
+        )
+    return table
+
+
+# --------------------------------------------------------------------------- calls
+
+
+_NO_FUTURES: set = frozenset()  # type: ignore[assignment]
+_NO_MESSAGES: deque = deque(maxlen=0)
+
+
+class Call(h2.Stream):
+    """One gRPC call: an HTTP/2 stream and what it has received and is owed."""
+
+    __slots__ = (
+        "backlog",
+        "deadline",
+        "draining",
+        "encoding",
+        "future",
+        "headers",
+        "headers_sent",
+        "inflight",
+        "last_data",
+        "message",
+        "method",
+        "model",
+        "name",
+        "need",
+        "parts",
+        "pending",
+        "request",
+        "size",
+        "taken",
+        "task",
+    )
+
+    def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
+        super().__init__(stream_id, send_window, recv_window)
+        self.method: Method | None = None
+        self.headers: list = []
+        self.deadline: float | None = None  # loop time
+        self.encoding = b""
+        self.parts: list = []  # the message being received, as it came
+        self.size = 0  # ... its bytes so far
+        self.need = -1  # ... its length (-1: its prefix is not in yet)
+        self.taken = 0  # bytes of the budget this call holds
+        self.last_data = 0.0
+        self.message: Any = None  # a unary call's request message (bytes-like)
+        self.headers_sent = False
+        self.future: asyncio.Future | None = None
+        self.model: Model | None = None
+        self.name = ""  # the model's name as the request gave it
+        self.request: InferRequest | None = None
+        self.task: asyncio.Task | None = None
+        # streams
+        self.inflight = 0
+        self.pending: set[asyncio.Future] = _NO_FUTURES  # (a set of its own once a stream)
+        self.backlog: deque = _NO_MESSAGES  # (data, wire size): a deque of its own if a stream
+        self.draining = False
+
+
+class GrpcProtocol(h2.H2Protocol):
+    """One gRPC connection (``GrpcServer`` makes them)."""
+
+    stream_class = Call
+
+    def __init__(self, owner: GrpcServer) -> None:
+        super().__init__(owner.connections)
+        self.owner = owner
+        self.server = owner.server
+        self.budget = owner.budget
+        self.max_message = owner.max_message_bytes
+        self._partial: set[Call] = set()  # calls holding part of a message
+
+    # ------------------------------------------------------------------ streams in
+
+    def open_stream(self, stream: Any, headers: list) -> None:
+        call: Call = stream
+        call.headers = headers
+        path = content_type = timeout = None
+        method = b""
+        for name, value in headers:
+            if name == b":path":
+                path = value
+            elif name == b":method":
+                method = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = _timeout(value)
+            elif name == b"grpc-encoding":
+                call.encoding = value
+        if method != b"POST":
+            self._http_error(call, b"405")
+            return
+        if content_type is None or not content_type.startswith(b"application/grpc"):
+            self._http_error(call, b"415")
+            return
+        spec = self.owner.methods.get(path) if path is not None else None
+        if spec is None:
+            where = (path or b"").decode("latin-1")[:200]
+            self.finish(call, _UNIMPLEMENTED, f"Method not found: {where}")
+            return
+        call.method = spec
+        if call.encoding not in (b"", b"identity", b"gzip", b"deflate"):
+            self.finish(call, _UNIMPLEMENTED, f"grpc-encoding {call.encoding!r} is not supported")
+            return
+        if timeout is not None:
+            call.deadline = self.loop.time() + timeout
+        if spec.impl is None and self.owner.restrictions:  # ModelInfer, ModelStreamInfer
+            try:
+                self.owner.restrictions.check(spec.group or "", _getter(headers))
+            except Forbidden as exc:
+                self.finish(call, _PERMISSION, str(exc))
+                return
+        if spec.name == _STREAM:
+            call.pending = set()
+            call.backlog = deque()
+            self.send_headers(call, _HEADERS)  # a stream answers as it goes
+            call.headers_sent = True
+            if self.server.draining:
+                self._drain_call(call)
+        if call.remote_closed:
+            self._ended(call)
+
+    def _http_error(self, call: Call, status: bytes) -> None:
+        self.send_headers(call, h2.encode_headers([(b":status", status)]), end_stream=True)
+
+    def stream_data(self, stream: Any, data: memoryview, end_stream: bool) -> None:
+        call: Call = stream
+        if data and not call.local_closed:
+            if not self.budget.take(len(data)):
+                self.fail_call(call, self.budget.full())
+                return
+            call.taken += len(data)
+            call.last_data = self.last_frame
+            if call.need < 0 and not call.parts and len(data) >= 5:
+                flag, length = _PREFIX.unpack_from(data)
+                if length == len(data) - 5:  # one whole message: the common case
+                    if length > self.max_message:
+                        self._too_large(call, length)
+                        return
+                    self._message(call, flag, data[5:], len(data))
+                    data = data[:0]
+            if data:
+                call.parts.append(data)
+                call.size += len(data)
+                self._split(call)
+        if end_stream and not call.local_closed:
+            self._ended(call)
+
+    def _split(self, call: Call) -> None:
+        """Take the whole messages out of what ``call`` received."""
+        while not call.local_closed:
+            if call.need < 0:
+                if call.size < 5:
+                    break
+                head = self._take(call, 5)
+                flag, call.need = _PREFIX.unpack(head)
+                if call.need > self.max_message:
+                    self._too_large(call, call.need)
+                    return
+                call.need |= flag << 32  # (kept with the length until the message is in)
+            length = call.need & 0xFFFFFFFF
+            if call.size < length:
+                break
+            flag = call.need >> 32
+            call.need = -1
+            self._message(call, flag, self._take(call, length), 5 + length)
+        if call.size or call.need >= 0:
+            self._partial.add(call)
+        else:
+            self._partial.discard(call)
+
+    @staticmethod
+    def _take(call: Call, n: int) -> Any:
+        """The next ``n`` bytes ``call`` received (a view when one part holds them)."""
+        parts = call.parts
+        call.size -= n
+        first = parts[0]
+        if len(first) >= n:
+            if len(first) == n:
+                parts.pop(0)
+            else:
+                parts[0] = first[n:]
+            return first[:n]
+        out = bytearray()
+        while len(out) < n:
+            part = parts[0]
+            want = n - len(out)
+            if len(part) <= want:
+                out += part
+                parts.pop(0)
+            else:
+                out += part[:want]
+                parts[0] = part[want:]
+        return out
+
+    def _too_large(self, call: Call, length: int) -> None:
+        self.finish(
+            call, _RESOURCE, f"Received message larger than max ({length} vs. {self.max_message})"
+        )
+
+    def _message(self, call: Call, flag: int, data: Any, wire: int) -> None:
+        """One whole message of ``call`` (``wire``: its bytes on the wire, prefix included,
+        what it holds of the budget: a stream gives them back once it is answered)."""
+        if flag:
+            data = self._decompress(call, data)
+            if data is None:
+                return
+        method = call.method
+        assert method is not None
+        if method.name == _STREAM:
+            if call.draining:
+                self._give(call, wire)
+                return  # not read: the client is told UNAVAILABLE at the end
+            if call.inflight >= self.owner.limits.max_stream_inflight:
+                call.backlog.append((data, wire))
+                call.held = True  # its window is given back as answers go out
+                return
+            self._stream_request(call, data, wire)
+            return
+        if call.message is not None:
+            self.finish(call, _INVALID, f"{method.name} takes one request message, got more")
+            return
+        call.message = data
+
+    def _decompress(self, call: Call, data: Any) -> Any:
+        if call.encoding in (b"", b"identity"):
+            self.finish(call, _INTERNAL, "a compressed message without a grpc-encoding")
+            return None
+        wbits = 16 + zlib.MAX_WBITS if call.encoding == b"gzip" else zlib.MAX_WBITS
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(data, self.max_message + 1)
+        except zlib.error as exc:
+            self.finish(
+                call, _INTERNAL, f"a {call.encoding.decode()} message that does not inflate: {exc}"
+            )
+            return None
+        if len(out) > self.max_message or inflater.unconsumed_tail:
+            self._too_large(call, len(out))
+            return None
+        return out
+
+    def _ended(self, call: Call) -> None:
+        """The client sent all it will send on ``call``."""
+        if call.local_closed:
+            return
+        if call.size or call.need >= 0:
+            self._partial.discard(call)
+            self.finish(call, _INTERNAL, "the call ended inside a message")
+            return
+        method = call.method
+        assert method is not None
+        if method.name == _STREAM:
+            self._stream_maybe_done(call)
+            return
+        if call.message is None:
+            self.finish(call, _INVALID, f"{method.name} needs a request message")
+            return
+        remaining = None
+        if call.deadline is not None:
+            remaining = call.deadline - self.loop.time()
+            if remaining <= 0:
+                self.finish(call, _DEADLINE, "the deadline passed before the request was in")
+                return
+        if method.name == _INFER:
+            self._infer(call, remaining)
+        else:
+            call.task = asyncio.ensure_future(self._unary(call, method, remaining))
+
+    # ------------------------------------------------------------------ ModelInfer
+
+    def _infer(self, call: Call, remaining: float | None) -> None:
+        data, call.message = call.message, None
+        try:
+            name, version, decode = _decoder(data, remaining)
+            call.model, call.request, future = core.start(
+                self.server, name, version or None, decode
+            )
+        except Exception as exc:  # noqa: BLE001 - answered by the error table
+            self.fail_call(call, _malformed_first(exc, data))
+            return
+        call.name = name
+        call.future = future
+        future.add_done_callback(functools.partial(self._infer_done, call))
+
+    def _infer_done(self, call: Call, future: asyncio.Future) -> None:
+        call.future = None
+        if call.local_closed:  # reset by the client meanwhile
+            return
+        if future.cancelled():
+            self.finish(call, _CANCELLED, "the request was cancelled")
+            return
+        assert call.model is not None and call.request is not None
+        try:
+            message = core.finish(self.server, call.name, call.model, call.request, future, _encode)
+        except Exception as exc:  # noqa: BLE001 - answered by the error table
+            self.fail_call(call, exc)
+            return
+        self.respond(call, message)
+
+    # ------------------------------------------------------------------ ModelStreamInfer
+
+    def _stream_request(self, call: Call, data: Any, size: int) -> None:
+        try:
+            name, version, decode = _decoder(data, None)
+            model, request, future = core.start(self.server, name, version or None, decode)
+        except Exception as exc:  # noqa: BLE001 - this request's answer
+            error = _malformed_first(exc, data)
+            self._stream_answer(call, _stream_error(_parsed(data), _status(error).message), size)
+            return
+        call.inflight += 1
+        call.pending.add(future)
+        future.add_done_callback(
+            functools.partial(self._stream_done, call, name, data, model, request, size)
+        )
+
+    def _stream_done(
+        self,
+        call: Call,
+        name: str,
+        data: Any,
+        model: Model,
+        request: InferRequest,
+        size: int,
+        future: asyncio.Future,
+    ) -> None:
+        call.inflight -= 1
+        call.pending.discard(future)
+        if call.local_closed:
+            return
+        if future.cancelled():
+            # the request was cancelled, not the stream (its model closing): answered
+            # like any failed one, or the stream would wait for it forever
+            answer = _stream_error(_parsed(data), "the request was cancelled")
+        else:
+            try:
+                parts = core.finish(self.server, name, model, request, future, _encode)
+            except Exception as exc:  # noqa: BLE001 - this request's answer
+                answer = _stream_error(_parsed(data), _status(exc).message)
+            else:
+                inner = sum(map(len, parts))
+                self._stream_write(call, [b"\x12" + _varint(inner), *parts], size)
+                return
+        self._stream_answer(call, answer, size)
+
+    def _stream_answer(self, call: Call, answer: bytes, size: int) -> None:
+        self._stream_write(call, [answer], size)
+
+    def _stream_write(self, call: Call, parts: list, size: int) -> None:
+        """Write one answer of a stream, then take what waited for it."""
+        length = sum(map(len, parts))
+        self.send_data(call, [_PREFIX.pack(0, length), *parts])
+        self._give(call, size)
+        backlog = call.backlog
+        while backlog and call.inflight < self.owner.limits.max_stream_inflight:
+            if call.draining or call.local_closed:
+                break
+            self._stream_request(call, *backlog.popleft())
+        if not backlog and call.held:
+            self.release(call)
+        self._stream_maybe_done(call)
+
+    def _stream_maybe_done(self, call: Call) -> None:
+        if call.local_closed or call.inflight:
+            return
+        if call.draining:
+            self.finish(call, _UNAVAILABLE, self.server.not_serving() or "the server is draining")
+        elif call.remote_closed and not call.backlog:
+            self.finish(call, _OK)
+
+    def drain_streams(self) -> None:
+        """The server drains: every stream stops taking requests (see the module)."""
+        for stream in list(self.streams.values()):
+            call: Any = stream
+            if call.method is not None and call.method.name == _STREAM:
+                self._drain_call(call)
+
+    def _drain_call(self, call: Call) -> None:
+        call.draining = True
+        for _, wire in call.backlog:
+            self._give(call, wire)
+        call.backlog.clear()
+        self._stream_maybe_done(call)
+
+    # ------------------------------------------------------------------ other methods
+
+    async def _unary(self, call: Call, method: Method, remaining: float | None) -> None:
+        data, call.message = call.message, None
+        context = Context(call.headers, remaining)
+        try:
+            response = await method.impl(method.parse(bytes(data)), context)
+        except Abort as exc:
+            self.finish(call, exc.code, exc.message)
+        except NotImplementedError:
+            code = context.code.value[0] if context.code is not None else _UNIMPLEMENTED
+            self.finish(call, code, context.details or "Method not implemented!")
+        except Exception as exc:  # noqa: BLE001 - a bug: one line, INTERNAL
+            self.fail_call(call, core.internal_error(method.name, exc))
+        else:
+            self.respond(call, [method.serialize(response)])
+
+    # ------------------------------------------------------------------ answers
+
+    def respond(self, call: Call, parts: list) -> None:
+        """Answer a unary call with one message (``parts``: its buffers)."""
+        if call.local_closed:
+            return
+        length = sum(map(len, parts))
+        self._release(call)
+        call.headers_sent = True
+        self.send_response(call, _HEADERS, [_PREFIX.pack(0, length), *parts], _OK_TRAILERS)
+
+    def fail_call(self, call: Call, exc: BaseException) -> None:
+        """End ``call`` with ``exc``'s status (the request core's error table)."""
+        status = _status(exc)
+        self.finish(call, _CODES[status.grpc], status.message)
+
+    def finish(self, call: Call, code: int, message: str = "") -> None:
+        """End ``call`` with its trailers (and give back what it holds)."""
+        if call.local_closed:
+            return
+        if code == _OK and call.headers_sent:
+            block = _OK_TRAILERS
+        else:
+            block = trailers(code, message, only=not call.headers_sent)
+        self._release(call)
+        self.send_headers(call, block, end_stream=True)
+
+    def _give(self, call: Call, n: int) -> None:
+        self.budget.give(n)
+        call.taken -= n
+
+    def _release(self, call: Call) -> None:
+        if call.taken:
+            self.budget.give(call.taken)
+            call.taken = 0
+        call.parts = []
+        call.size = 0
+        call.backlog.clear()
+        self._partial.discard(call)
+
+    def stream_reset(self, stream: Any, code: int) -> None:
+        call: Call = stream
+        self._release(call)
+        if call.future is not None:
+            call.future.cancel()  # out of the queue if it was not dispatched
+            call.future = None
+        for future in list(call.pending):
+            future.cancel()
+        if call.task is not None:
+            call.task.cancel()
+            call.task = None
+
+    def stalled(self, since: float) -> None:
+        for call in [c for c in self._partial if c.last_data < since]:
+            self.finish(
+                call,
+                _DEADLINE,
+                f"the client sent no part of its message for {self.connections.body_timeout_s:g} s",
+            )
+
+
+_MALFORMED = Malformed("ModelInferRequest")
+
+
+def _parse(data: Any) -> Any:
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except DecodeError:
+        raise codec.ProtocolError(_MALFORMED.error) from None
+
+
+def _parsed(data: Any) -> Any:
+    """The message of ``data``, or ``Malformed`` (for a stream's error answer)."""
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except DecodeError:
+        return _MALFORMED
+
+
+def _malformed_first(exc: BaseException, data: Any) -> BaseException:
+    """The error a request fails with: a message that is not a valid protobuf is that,
+    whatever else went wrong (its model name, read off its first bytes, is no model)."""
+    if isinstance(exc, codec.ProtocolError):
+        return exc
+    try:
+        _parse(data)
+    except codec.ProtocolError as malformed:
+        return malformed
+    return exc
+
+
+def _decoder(data: Any, deadline_s: float | None) -> tuple[str, str, Any]:
+    """The model name and version a serialized ModelInferRequest asks for, and the
+    ``decode`` of the request core for it: from its bytes, where the name comes first
+    (``InferRequest.from_proto_bytes``), else from the parsed message."""
+    names = codec.proto_model(data)
+    if names is not None:
+
+        def decode(model: Model) -> InferRequest:
+            return InferRequest.from_proto_bytes(data, model, _parse, deadline_s)
+
+        return names[0], names[1], decode
+    message = _parse(data)
+
+    def decode_message(model: Model) -> InferRequest:
+        return InferRequest.from_proto(message, model, deadline_s)
+
+    return message.model_name, message.model_version, decode_message
+
+
+def _status(exc: BaseException) -> core.Status:
+    if not core.is_known(exc):
+        exc = core.internal_error("gRPC inference", exc)
+    return core.status_of(exc)
+
+
+def _getter(headers: list):
+    def header(name: str) -> bytes | None:
+        key = name.encode("latin-1")
+        for k, v in headers:
+            if k == key:
+                return v
+        return None
+
+    return header
+
+
+# --------------------------------------------------------------------------- server
+
+
+class GrpcServer:
+    """``GRPCInferenceService`` on pxrt's HTTP/2, for ``server``'s models (``start``,
+    then ``stop``, as grpcio's server)."""
+
+    def __init__(
+        self,
+        server: Server,
+        *,
+        max_message_bytes: int,
+        repository: Repository | None = None,
+        limits: GrpcLimits = GrpcLimits(),
+        restrictions: Restrictions = Restrictions(),
+        budget: BodyBudget | None = None,
+        body_timeout_s: float = 10.0,
+        settings: h2.Settings = h2.Settings(),
+    ) -> None:
+        self.server = server
+        self.limits = limits
+        self.restrictions = restrictions
+        self.max_message_bytes = max_message_bytes
+        self.budget = budget if budget is not None else BodyBudget(8 * max_message_bytes)
+        self.service = GRPCService(server, repository, limits, restrictions)
+        self.methods = methods(self.service)
+        self.connections = h2.Connections(
+            settings,
+            max_connections=limits.max_connections,
+            handshake_timeout_s=limits.handshake_timeout_s,
+            idle_timeout_s=limits.idle_timeout_s,
+            keepalive_s=limits.keepalive_s,
+            keepalive_timeout_s=limits.keepalive_timeout_s,
+            min_client_ping_s=limits.min_client_ping_s,
+            body_timeout_s=body_timeout_s,
+        )
+        self._listener: asyncio.AbstractServer | None = None
+        self._drain_watch: asyncio.Future | None = None
+
+    async def start(self, host: str, port: int, tls: TlsFiles | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        context = tls.server_context(alpn=["h2"]) if tls is not None else None
+        try:
+            self._listener = await loop.create_server(
+                lambda: GrpcProtocol(self), host, port, ssl=context, backlog=4096
+            )
+        except OSError as exc:
+            raise OSError(f"cannot listen for gRPC on {host}:{port}: {exc}") from None
+        self._drain_watch = asyncio.ensure_future(self._watch_drain())
+
+    async def _watch_drain(self) -> None:
+        await self.server.wait_draining()
+        for conn in list(self.connections.open):
+            assert isinstance(conn, GrpcProtocol)
+            conn.drain_streams()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop listening; calls in progress finish within ``grace`` seconds (GOAWAY
+        tells clients to send new ones elsewhere), then every connection closes."""
+        if self._listener is not None:
+            self._listener.close()
+        self.connections.drain()
+        deadline = asyncio.get_running_loop().time() + (grace or 0)
+        while self.connections.open and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        self.connections.close()
+        if self._drain_watch is not None:
+            self._drain_watch.cancel()
+
+
+async def start_grpc(
+    server: Server,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    max_message_bytes: int,
+    repository: Repository | None = None,
+    limits: GrpcLimits = GrpcLimits(),
+    restrictions: Restrictions = Restrictions(),
+    tls: TlsFiles | None = None,
+    budget: BodyBudget | None = None,
+    body_timeout_s: float = 10.0,
+) -> GrpcServer:
+    """Serve ``GRPCInferenceService`` on ``host:port`` on the running loop (as
+    ``serving.grpc_server.start_grpc`` does with grpcio); returns the started server."""
+    grpc_server = GrpcServer(
+        server,
+        max_message_bytes=max_message_bytes,
+        repository=repository,
+        limits=limits,
+        restrictions=restrictions,
+        budget=budget,
+        body_timeout_s=body_timeout_s,
+    )
+    await grpc_server.start(host, port, tls)
+    return grpc_server
+
+
+__all__ = ["GrpcProtocol", "GrpcServer", "infer_response_parts", "start_grpc", "trailers"]

@@ -1,0 +1,775 @@
+"""gRPC on pxrt's own HTTP/2 (serving.grpc_native, serving.h2) driven frame by frame with
+the ``h2`` package as the client: what grpc clients do (calls, streams, flow control,
+compression, deadlines, resets) and what they never do but attackers and broken peers
+might (protocol violations, floods, stalls), on a server running on the test's loop.
+The unmodified Triton clients drive the same server in test_grpc.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import sys
+from urllib.parse import unquote
+
+import pytest
+
+if "kserve" in sys.modules:  # its protobufs claim the same names as tritonclient.grpc's
+    pytest.skip("kserve is imported in this process", allow_module_level=True)
+
+import numpy as np
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    PingAckReceived,
+    ResponseReceived,
+    StreamEnded,
+    StreamReset,
+    TrailersReceived,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from models import assert_matches, inject, reference, until
+from tritonclient.grpc import service_pb2 as pb
+
+from serving import Server, h2
+from serving.core import BodyBudget
+from serving.grpc_native import GrpcProtocol, GrpcServer
+from serving.grpc_server import GrpcLimits
+
+PATH = "/inference.GRPCInferenceService/"
+
+
+def infer_message(x: np.ndarray, model: str = "mlp", rid: str = "") -> bytes:
+    request = pb.ModelInferRequest(model_name=model, id=rid)
+    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    request.raw_input_contents.append(x.tobytes())
+    return request.SerializeToString()
+
+
+def framed(message: bytes, compressed: bool = False) -> bytes:
+    return bytes([compressed]) + len(message).to_bytes(4, "big") + message
+
+
+def messages(data: bytes) -> list[bytes]:
+    out = []
+    while data:
+        n = int.from_bytes(data[1:5], "big")
+        out.append(data[5 : 5 + n])
+        data = data[5 + n :]
+    return out
+
+
+def y_of(message: bytes) -> np.ndarray:
+    response = pb.ModelInferResponse.FromString(message)
+    shape = list(response.outputs[0].shape)
+    return np.frombuffer(response.raw_output_contents[0], np.float32).reshape(shape)
+
+
+class Answer:
+    def __init__(self) -> None:
+        self.headers: dict[bytes, bytes] = {}
+        self.data = b""
+        self.trailers: dict[bytes, bytes] = {}
+        self.reset: int | None = None
+        self.ended = False
+
+    @property
+    def status(self) -> int:
+        return int((self.trailers or self.headers).get(b"grpc-status", b"-1"))
+
+    @property
+    def message(self) -> str:
+        return unquote((self.trailers or self.headers).get(b"grpc-message", b"").decode())
+
+    @property
+    def done(self) -> bool:
+        return self.ended or self.reset is not None
+
+
+class Client:
+    """A raw HTTP/2 client over a socket: the ``h2`` package's state machine, or raw
+    frames where a test sends what that state machine would not."""
+
+    def __init__(self, reader, writer, auto_ack: bool = True) -> None:
+        self.reader, self.writer = reader, writer
+        self.conn = H2Connection(H2Configuration(client_side=True, header_encoding=None))
+        self.auto_ack = auto_ack
+        self.answers: dict[int, Answer] = {}
+        self.goaway: ConnectionTerminated | None = None
+        self.pings: list[bytes] = []
+        self.closed = False
+        self.received = 0
+
+    @classmethod
+    async def connect(cls, port: int, **kw) -> Client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        client = cls(reader, writer, **kw)
+        client.conn.initiate_connection()
+        await client.flush()
+        return client
+
+    async def flush(self) -> None:
+        self.writer.write(self.conn.data_to_send())
+        await self.writer.drain()
+
+    async def raw(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def read_until(self, condition, timeout_s: float = 30.0) -> None:
+        async def loop():
+            while not condition():
+                data = await self.reader.read(1 << 16)
+                if not data:
+                    self.closed = True
+                    return
+                self.received += len(data)
+                for event in self.conn.receive_data(data):
+                    self._event(event)
+                await self.flush()
+
+        await asyncio.wait_for(loop(), timeout_s)
+
+    def _event(self, event) -> None:
+        sid = getattr(event, "stream_id", None)
+        answer = self.answers.setdefault(sid, Answer()) if sid else None
+        if isinstance(event, ResponseReceived):
+            answer.headers = dict(event.headers)
+        elif isinstance(event, DataReceived):
+            answer.data += event.data
+            if self.auto_ack:
+                self.conn.acknowledge_received_data(event.flow_controlled_length, sid)
+        elif isinstance(event, TrailersReceived):
+            answer.trailers = dict(event.headers)
+        elif isinstance(event, StreamEnded):
+            answer.ended = True
+        elif isinstance(event, StreamReset):
+            answer.reset = event.error_code
+        elif isinstance(event, ConnectionTerminated):
+            self.goaway = event
+        elif isinstance(event, PingAckReceived):
+            self.pings.append(event.ping_data)
+
+    def open(self, method: str, headers=(), end: bool = False) -> int:
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(
+            sid,
+            [(b":method", b"POST"), (b":scheme", b"http"), (b":path", (PATH + method).encode()),
+             (b":authority", b"localhost"), (b"te", b"trailers"),
+             (b"content-type", b"application/grpc"), *headers],
+            end_stream=end,
+        )  # fmt: skip
+        self.answers[sid] = Answer()
+        return sid
+
+    async def send(self, sid: int, data: bytes, end: bool = False) -> None:
+        """DATA within the server's windows and frame size, waiting for it to open them."""
+        while True:
+            room = min(self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size)
+            chunk, data = data[:room], data[room:]
+            self.conn.send_data(sid, chunk, end_stream=end and not data)
+            await self.flush()
+            if not data:
+                return
+            await self.read_until(lambda: self.conn.local_flow_control_window(sid) > 0)
+
+    async def call(self, method: str, message: bytes, headers=(), timeout_s=30.0) -> Answer:
+        sid = self.open(method, headers)
+        await self.send(sid, framed(message), end=True)
+        await self.read_until(lambda: self.answers[sid].done or self.closed, timeout_s)
+        return self.answers[sid]
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except ConnectionError:
+            pass
+
+
+async def serve(server: Server, **kw) -> tuple[GrpcServer, int]:
+    grpc_server = GrpcServer(server, max_message_bytes=kw.pop("max_message_bytes", 1 << 22), **kw)
+    await grpc_server.start("127.0.0.1", 0)
+    assert grpc_server._listener is not None
+    port = grpc_server._listener.sockets[0].getsockname()[1]
+    return grpc_server, port
+
+
+def test_unary_calls_and_big_answers_through_flow_control(models, run):
+    """Inference matches JAX, from one row to answers larger than the client's window
+    (the server waits for WINDOW_UPDATE) and requests larger than the server's stream
+    window (it gives the window back as it reads); metadata calls answer too."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server, settings=h2.Settings(initial_window=1 << 16))
+            client = await Client.connect(port)
+            rng = np.random.default_rng(0)
+            for rows in (1, 3, 700, 3000):  # 3000 rows: 384 KB each way
+                x = rng.standard_normal((rows, 32)).astype(np.float32)
+                answer = await client.call("ModelInfer", infer_message(x, rid=f"r{rows}"))
+                assert answer.status == 0, answer.message
+                assert answer.headers[b":status"] == b"200"
+                (message,) = messages(answer.data)
+                assert pb.ModelInferResponse.FromString(message).id == f"r{rows}"
+                assert_matches({"y": y_of(message)}, reference("mlp", {"x": x}), str(rows))
+            live = await client.call("ServerLive", pb.ServerLiveRequest().SerializeToString())
+            assert pb.ServerLiveResponse.FromString(messages(live.data)[0]).live
+            meta = await client.call(
+                "ModelMetadata", pb.ModelMetadataRequest(name="mlp").SerializeToString()
+            )
+            assert pb.ModelMetadataResponse.FromString(messages(meta.data)[0]).name == "mlp"
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_errors_are_grpc_statuses(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server, max_message_bytes=10_000)
+            client = await Client.connect(port)
+            x = np.ones((1, 32), np.float32)
+            cases = [
+                ("ModelInfer", infer_message(x, model="nope"), 5, "no model named 'nope'"),
+                ("ModelInfer", b"\xff\xff\xff", 3, "not a valid protobuf"),
+                ("ModelInfer", infer_message(np.ones((1, 31), np.float32)), 3, "input 'x'"),
+                ("ModelInfer", infer_message(np.ones((100, 32), np.float32)), 8,
+                 "larger than max (12"),
+                ("Nope", b"", 12, "Method not found: /inference.GRPCInferenceService/Nope"),
+                ("SystemSharedMemoryStatus", b"", 12, "Method not implemented"),
+                ("RepositoryIndex", b"", 9, "no model repository"),
+            ]  # fmt: skip
+            for method, message, code, words in cases:
+                answer = await client.call(method, message)
+                assert (answer.status, words in answer.message) == (code, True), (
+                    method, answer.status, answer.message)  # fmt: skip
+            # a request still in flight on the same connection is unaffected
+            answer = await client.call("ModelInfer", infer_message(x))
+            assert answer.status == 0
+            # HTTP-level refusals: not POST, not application/grpc
+            sid = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(
+                sid, [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/x"),
+                      (b":authority", b"h")], end_stream=True)  # fmt: skip
+            sid2 = client.conn.get_next_available_stream_id()
+            client.conn.send_headers(
+                sid2, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/x"),
+                       (b":authority", b"h"), (b"content-type", b"text/plain")],
+                end_stream=True)  # fmt: skip
+            await client.flush()
+            await client.read_until(lambda: sid2 in client.answers and client.answers[sid2].done)
+            assert client.answers[sid].headers[b":status"] == b"405"
+            assert client.answers[sid2].headers[b":status"] == b"415"
+            assert grpc_server.budget.held == 0
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+@contextlib.asynccontextmanager
+async def held(models, **kw):
+    """``mlp`` served with every batch held on "the device" until ``gate.release``:
+    yields (server, its gRPC server, a connected client, the gate); stops them after."""
+    with inject(models["mlp"], hold=True) as gate:
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server, **kw)
+            client = await Client.connect(port)
+            try:
+                yield server, grpc_server, client, gate
+            finally:
+                gate.release.set()
+                await client.close()
+                await grpc_server.stop(1)
+
+
+def test_compressed_requests(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server)
+            client = await Client.connect(port)
+            x = np.arange(64, dtype=np.float32).reshape(2, 32)
+            message = infer_message(x)
+            sid = client.open("ModelInfer", [(b"grpc-encoding", b"gzip")])
+            await client.send(sid, framed(gzip.compress(message), True), end=True)
+            await client.read_until(lambda: client.answers[sid].done)
+            assert client.answers[sid].status == 0
+            assert_matches({"y": y_of(messages(client.answers[sid].data)[0])},
+                           reference("mlp", {"x": x}))  # fmt: skip
+            sid = client.open("ModelInfer")  # compressed, but no grpc-encoding
+            await client.send(sid, framed(gzip.compress(message), True), end=True)
+            await client.read_until(lambda: client.answers[sid].done)
+            assert client.answers[sid].status == 13
+            answer = await client.call("ModelInfer", message, [(b"grpc-encoding", b"br")])
+            assert answer.status == 12 and "not supported" in answer.message
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_grpc_timeout_is_the_deadline_in_the_queue(models, run):
+    async def main():
+        async with held(models) as (server, grpc_server, client, gate):
+            message = infer_message(np.ones((1, 32), np.float32))
+            first = client.open("ModelInfer")
+            await client.send(first, framed(message), end=True)
+            await gate.wait_started()  # the device busy: the next request waits
+            late = await client.call("ModelInfer", message, [(b"grpc-timeout", b"50m")])
+            assert late.status == 4, late.message  # DEADLINE_EXCEEDED
+            gate.release.set()
+            await client.read_until(lambda: client.answers[first].done)
+            assert client.answers[first].status == 0
+
+    run(main)
+
+
+def test_a_reset_call_leaves_the_queue(models, run):
+    async def main():
+        async with held(models) as (server, grpc_server, client, gate):
+            message = infer_message(np.ones((1, 32), np.float32))
+            first = client.open("ModelInfer")
+            await client.send(first, framed(message), end=True)
+            await gate.wait_started()
+            waiting = [client.open("ModelInfer") for _ in range(3)]
+            for sid in waiting:
+                client.conn.send_data(sid, framed(message), end_stream=True)
+            await client.flush()
+            await until(lambda: server.stats("mlp")["queued_rows"] >= 2)
+            for sid in waiting:
+                client.conn.reset_stream(sid)
+            await client.flush()
+            await until(lambda: grpc_server.budget.held == len(framed(message)))  # (the first's)
+            gate.release.set()
+            await client.read_until(lambda: client.answers[first].done)
+            assert client.answers[first].status == 0, client.answers[first].message
+            await until(lambda: server.stats("mlp")["requests"]["success"] == 1)
+            assert server.stats("mlp")["requests"]["cancelled"] == 3  # never executed
+            assert grpc_server.budget.held == 0
+
+    run(main)
+
+
+def test_a_stream_takes_at_most_its_cap_and_answers_each_alone(models, run):
+    """ModelStreamInfer: past max_stream_inflight unanswered requests the rest wait
+    (not taken, the client's window not given back); every request is answered, a bad
+    one with its own error and id, in completion order."""
+
+    async def main():
+        async with held(models, limits=GrpcLimits(max_stream_inflight=4)) as (
+            server, grpc_server, client, gate):  # fmt: skip
+            submitted = []
+            submit = server.submit
+
+            def counting_submit(name, inputs, **kw):
+                submitted.append(name)
+                return submit(name, inputs, **kw)
+
+            server.submit = counting_submit
+            sid = client.open("ModelStreamInfer")
+            for i in range(20):
+                x = np.full((1, 31 if i == 7 else 32), i, np.float32)
+                client.conn.send_data(sid, framed(infer_message(x, rid=str(i))))
+            await client.flush()
+            await gate.wait_started()
+            await asyncio.sleep(0.2)  # time to take more, were the cap not held
+            assert len(submitted) <= 4
+            gate.release.set()
+            await client.read_until(lambda: len(messages(client.answers[sid].data)) == 20)
+            assert grpc_server.budget.held == 0  # each answer gave back its request's bytes
+            client.conn.end_stream(sid)
+            await client.flush()
+            await client.read_until(lambda: client.answers[sid].done)
+            answer = client.answers[sid]
+            assert answer.status == 0, answer.message
+            got = [pb.ModelStreamInferResponse.FromString(m) for m in messages(answer.data)]
+            assert sorted(int(g.infer_response.id) for g in got) == list(range(20))
+            errors = [g for g in got if g.error_message]
+            assert [g.infer_response.id for g in errors] == ["7"]
+            assert "input 'x'" in errors[0].error_message
+            for g in got:
+                if not g.error_message:
+                    i = int(g.infer_response.id)
+                    y = np.frombuffer(g.infer_response.raw_output_contents[0], np.float32)
+                    want = reference("mlp", {"x": np.full((1, 32), i, np.float32)})["y"]
+                    np.testing.assert_allclose(y.reshape(1, 32), want, rtol=1e-5, atol=1e-5)
+            assert grpc_server.budget.held == 0
+
+    run(main)
+
+
+def test_draining_answers_what_a_stream_took_then_ends_it_unavailable(models, run):
+    async def main():
+        async with held(models) as (server, grpc_server, client, gate):
+            x = np.ones((1, 32), np.float32)
+            sid = client.open("ModelStreamInfer")
+            for i in range(3):
+                client.conn.send_data(sid, framed(infer_message(x, rid=str(i))))
+            await client.flush()
+            await gate.wait_started()
+            size = len(framed(infer_message(x, rid="0")))  # held until its answer
+            await until(lambda: grpc_server.budget.held == 3 * size)  # all three taken
+            server.drain()
+            await asyncio.sleep(0)
+            client.conn.send_data(sid, framed(infer_message(x, rid="late")))
+            await client.flush()
+            unary = await client.call("ModelInfer", infer_message(x))
+            assert unary.status == 14 and "draining" in unary.message
+            gate.release.set()
+            await client.read_until(lambda: client.answers[sid].done)
+            answer = client.answers[sid]
+            ids = [pb.ModelStreamInferResponse.FromString(m).infer_response.id
+                   for m in messages(answer.data)]  # fmt: skip
+            assert sorted(ids) == ["0", "1", "2"]
+            assert answer.status == 14 and "draining" in answer.message
+            await grpc_server.stop(5)  # GOAWAY, then closed
+            await client.read_until(lambda: client.closed or client.goaway is not None)
+            assert client.goaway is not None and client.goaway.error_code == 0
+
+    run(main)
+
+
+def _frame(kind: int, flags: int, sid: int, payload: bytes) -> bytes:
+    return h2.frame_head(kind, flags, sid, len(payload)) + payload
+
+
+VIOLATIONS = {
+    "DATA on an idle stream": (_frame(h2.DATA, 0, 99, b"x"), h2.PROTOCOL_ERROR),
+    "PUSH_PROMISE from a client": (_frame(h2.PUSH_PROMISE, 4, 1, b"\0\0\0\2"), h2.PROTOCOL_ERROR),
+    "a frame over the maximum size": (h2.frame_head(h2.DATA, 0, 1, 1 << 21), h2.FRAME_SIZE_ERROR),
+    "an undecodable header block": (_frame(h2.HEADERS, 5, 1, b"\x80"), h2.COMPRESSION_ERROR),
+    "a client stream with an even id": (_frame(h2.HEADERS, 5, 2, b"\x83"), h2.PROTOCOL_ERROR),
+    "a WINDOW_UPDATE of 0": (_frame(h2.WINDOW_UPDATE, 0, 0, b"\0\0\0\0"), h2.PROTOCOL_ERROR),
+    "a header block interrupted": (
+        _frame(h2.HEADERS, 0, 1, b"\x83") + _frame(h2.PING, 0, 0, b"x" * 8), h2.PROTOCOL_ERROR),
+    "SETTINGS of a bad length": (_frame(h2.SETTINGS, 0, 0, b"\0\0\0"), h2.FRAME_SIZE_ERROR),
+    "a header block bomb": (
+        _frame(h2.HEADERS, 5, 1, b"\x40\x01k\x7f\xa1\x1e" + b"v" * 4000 + b"\xbe" * 50),
+        h2.COMPRESSION_ERROR),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("frames", list(VIOLATIONS), ids=list(VIOLATIONS))
+def test_protocol_violations_end_the_connection_with_goaway(models, run, frames):
+    raw, code = VIOLATIONS[frames]
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server)
+            client = await Client.connect(port)
+            await client.read_until(lambda: client.received > 0)  # the server's SETTINGS
+            await client.raw(raw)
+            await client.read_until(lambda: client.closed, 10)
+            assert client.goaway is not None and client.goaway.error_code == code
+            await client.close()
+            await until(lambda: not grpc_server.connections.open)
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_not_http2_is_closed(models, run):
+    async def main():
+        async with Server() as server:
+            grpc_server, port = await serve(server)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+            assert b"HTTP/1.1" not in data
+            writer.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_pings_answered_and_a_ping_flood_sent_away(models, run):
+    async def main():
+        async with Server() as server:
+            grpc_server, port = await serve(server)
+            client = await Client.connect(port)
+            client.conn.ping(b"12345678")
+            await client.flush()
+            await client.read_until(lambda: client.pings)
+            assert client.pings == [b"12345678"]
+            for i in range(5):  # quiet pings, far more often than min_client_ping_s
+                await client.raw(_frame(h2.PING, 0, 0, b"%08d" % i))
+            await client.read_until(lambda: client.closed, 10)
+            assert client.goaway.error_code == h2.ENHANCE_YOUR_CALM
+            assert client.goaway.additional_data == b"too_many_pings"
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_streams_over_the_limit_are_refused(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server, settings=h2.Settings(max_concurrent_streams=2))
+            client = await Client.connect(port)
+            await client.read_until(lambda: client.received > 0)
+            frames = b"".join(
+                _frame(h2.HEADERS, h2.END_HEADERS, sid, h2.encode_headers(
+                    [(b":method", b"POST"), (b":path", (PATH + "ModelInfer").encode()),
+                     (b"content-type", b"application/grpc")]))
+                for sid in (101, 103, 105)
+            )  # fmt: skip
+            await client.raw(frames)
+            refused = _frame(h2.RST_STREAM, 0, 105, h2.REFUSED_STREAM.to_bytes(4, "big"))
+            data = b""
+            while refused not in data:  # RST_STREAM(REFUSED_STREAM) for the third only
+                data += await asyncio.wait_for(client.reader.read(1 << 16), 10)
+            assert h2.frame_head(h2.RST_STREAM, 0, 101, 4) not in data
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_limits_on_connections_handshakes_stalls_and_bytes_held(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            limits = GrpcLimits(max_connections=2, handshake_timeout_s=0.3, idle_timeout_s=1.0)
+            grpc_server, port = await serve(
+                server, limits=limits, body_timeout_s=0.3, budget=BodyBudget(3000)
+            )
+            silent = await asyncio.open_connection("127.0.0.1", port)
+            client = await Client.connect(port)
+            refused = await Client.connect(port)  # a third: over the cap
+            # part of a message, then nothing: the call fails, its bytes given back
+            sid = client.open("ModelInfer")
+            client.conn.send_data(sid, framed(infer_message(np.ones((1, 32), np.float32)))[:50])
+            await client.flush()
+            await client.read_until(lambda: client.answers[sid].done)
+            assert client.answers[sid].status == 4, client.answers[sid].message
+            assert "no part of its message for 0.3 s" in client.answers[sid].message
+            assert grpc_server.budget.held == 0
+            # more than the budget of bytes held: UNAVAILABLE, retry later
+            big = await client.call("ModelInfer", infer_message(np.ones((30, 32), np.float32)))
+            assert big.status == 14 and "retry later" in big.message
+            assert grpc_server.budget.held == 0
+            ok = await client.call("ModelInfer", infer_message(np.ones((1, 32), np.float32)))
+            assert ok.status == 0
+            await refused.read_until(lambda: refused.closed, 10)
+            assert refused.goaway.error_code == h2.ENHANCE_YOUR_CALM
+            # no handshake in time: closed (after the server's own preface)
+            assert await asyncio.wait_for(silent[0].read(), 10) == h2.Settings().frames()
+            await client.read_until(lambda: client.goaway is not None, 10)  # idle: GOAWAY
+            assert client.goaway.error_code == 0 and client.goaway.additional_data == b"idle"
+            await client.close()
+            await refused.close()
+            silent[1].close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+class _Transport:
+    """A connection's transport for feeding a protocol bytes in memory."""
+
+    def __init__(self) -> None:
+        self.closing = False
+
+    def write(self, data) -> None:
+        pass
+
+    def writelines(self, parts) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+_KINDS = st.sampled_from([0, 1, 2, 3, 4, 6, 7, 8, 9, 0xA])
+_frames = st.tuples(_KINDS, st.integers(0, 255), st.sampled_from([0, 1, 3, 5, 2**31 - 1]),
+                    st.binary(max_size=40))  # fmt: skip
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    frames=st.lists(_frames, max_size=12),
+    good=st.booleans(),
+)
+def test_random_frames_never_break_the_server(models, frames, good):
+    """Random frames after a valid preface (some after a valid call): the protocol
+    answers or closes, never raises, and gives back every byte of its budget."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            owner = GrpcServer(server, max_message_bytes=1 << 20)
+            proto = GrpcProtocol(owner)
+            proto.connection_made(_Transport())
+            data = h2.PREFACE + _frame(h2.SETTINGS, 0, 0, b"")
+            if good:
+                block = h2.encode_headers(
+                    [(b":method", b"POST"), (b":path", (PATH + "ModelInfer").encode()),
+                     (b"content-type", b"application/grpc")])  # fmt: skip
+                message = framed(infer_message(np.ones((1, 32), np.float32)))
+                data += _frame(h2.HEADERS, h2.END_HEADERS, 1, block)
+                data += _frame(h2.DATA, h2.END_STREAM, 1, message)
+            for kind, flags, sid, payload in frames:
+                data += _frame(kind, flags, sid, payload)
+            proto.data_received(data)
+            for _ in range(20):
+                await asyncio.sleep(0)
+            proto.connection_lost(None)
+            await asyncio.sleep(0.01)
+            assert owner.budget.held == 0
+            owner.connections.close()
+
+    loop = asyncio.new_event_loop()
+    errors = []
+    loop.set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert not errors, errors
+
+
+def test_a_malformed_message_is_that_whatever_its_first_bytes_name(models, run):
+    # The model name is read off a message's first bytes (where serializers put it):
+    # a message broken after them is still answered as malformed, not as an unknown model.
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server)
+            client = await Client.connect(port)
+            good = infer_message(np.ones((1, 32), np.float32))
+            for name in (b"mlp", b"nope"):
+                broken = b"\x0a" + bytes([len(name)]) + name + b"\x2a\xff\xff\xff\x0f"
+                answer = await client.call("ModelInfer", broken)
+                assert answer.status == 3 and "not a valid protobuf" in answer.message, name
+            sid = client.open("ModelStreamInfer")
+            client.conn.send_data(sid, framed(b"\x0a\x04nope\x2a\xff\xff\xff\x0f"))
+            client.conn.send_data(sid, framed(good), end_stream=True)
+            await client.flush()
+            await client.read_until(lambda: client.answers[sid].done)
+            got = [
+                pb.ModelStreamInferResponse.FromString(m)
+                for m in messages(client.answers[sid].data)
+            ]
+            assert sorted(bool(g.error_message) for g in got) == [False, True]
+            assert "not a valid protobuf" in max(g.error_message for g in got)
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_a_message_laid_out_as_one_seen_before_decodes_as_the_first_time(models):
+    """InferRequest.from_proto_bytes remembers a message's layout per model: a message
+    laid out the same decodes to its own bytes' arrays, as a full parse would; one that
+    differs anywhere outside the tensors' bytes (its id, its contents split otherwise at
+    the same size, its outputs) takes the full parse and its checks."""
+    from serving import codec
+    from serving.core import InferRequest
+
+    mlp = models["mlp"]
+    parse = pb.ModelInferRequest.FromString
+    rng = np.random.default_rng(5)
+
+    def fresh(data):
+        return InferRequest.from_proto(parse(data), mlp)
+
+    def same(a, b):
+        assert a.inputs.keys() == b.inputs.keys()
+        for k in a.inputs:
+            np.testing.assert_array_equal(a.inputs[k], b.inputs[k])
+            assert a.inputs[k].shape == b.inputs[k].shape
+        assert (a.outputs, a.id, a.timeout_s) == (b.outputs, b.id, b.timeout_s)
+
+    x = [rng.standard_normal((1, 32)).astype(np.float32) for _ in range(3)]
+    first = infer_message(x[0], rid="a1")
+    InferRequest.from_proto_bytes(first, mlp, parse)  # remembered
+    plan = codec.ProtoPlan.of(first, fresh(first).inputs, [("y", True)], "a1", None)
+    assert plan is not None and plan.matches(infer_message(x[1], rid="a1"))
+    for data in (infer_message(x[1], rid="a1"), infer_message(x[2], rid="b2")):
+        got = InferRequest.from_proto_bytes(data, mlp, parse)
+        same(got, fresh(data))
+        assert got.inputs["x"].base is not None  # a view of the message's bytes
+    request = pb.ModelInferRequest.FromString(first)
+    request.parameters["timeout"].int64_param = 5000
+    request.outputs.add(name="y")
+    data = request.SerializeToString()
+    for _ in range(2):
+        got = InferRequest.from_proto_bytes(data, mlp, parse, deadline_s=9.0)
+        assert (got.timeout_s, got.outputs) == (0.005, [("y", True)])
+    # the same size, the raw contents split in two: not the layout remembered
+    prefix = first[: first.index(b"\x3a\x80\x01")]
+    split = prefix + b"\x3a\x3f" + b"\0" * 63 + b"\x3a\x40" + b"\0" * 64
+    assert len(split) == len(first)
+    with pytest.raises(codec.ProtocolError, match="2 raw_input_contents for 1 inputs"):
+        InferRequest.from_proto_bytes(split, mlp, parse)
+    # another model's plans are its own: the same bytes against two_io's inputs
+    with pytest.raises(codec.ProtocolError, match="unexpected input 'x'"):
+        InferRequest.from_proto_bytes(first, models["two_io"], parse)
+
+
+def test_floods_of_resets_and_empty_continuations_are_sent_away(models, run):
+    """Streams opened only to be reset (the "rapid reset" attack) and header blocks of
+    endless empty CONTINUATION frames end the connection with ENHANCE_YOUR_CALM."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server)
+            grpc_server.connections.max_client_resets = 50
+            client = await Client.connect(port)
+            message = framed(infer_message(np.ones((1, 32), np.float32)))
+            for _ in range(60):
+                sid = client.open("ModelInfer")
+                client.conn.send_data(sid, message[:10])  # not done: the reset cancels work
+                client.conn.reset_stream(sid)
+            await client.flush()
+            await client.read_until(lambda: client.closed, 10)
+            assert client.goaway.error_code == h2.ENHANCE_YOUR_CALM
+            assert client.goaway.additional_data == b"too many streams reset"
+            await client.close()
+            client = await Client.connect(port)
+            await client.read_until(lambda: client.received > 0)
+            flood = _frame(h2.HEADERS, 0, 1, b"\x83") + _frame(h2.CONTINUATION, 0, 1, b"") * 8000
+            await client.raw(flood)
+            await client.read_until(lambda: client.closed, 10)
+            assert client.goaway.error_code == h2.ENHANCE_YOUR_CALM
+            await client.close()
+            assert grpc_server.budget.held == 0
+            await grpc_server.stop(1)
+
+    run(main)
