@@ -585,6 +585,8 @@ class ProtoPlan:
             if arr.nbytes != length:
                 return None
             head = bytes([RAW_INPUT_TAG]) + _varint_bytes(length)
+            if data[offset - len(head) : offset] != head:
+                return None  # (a length written in more bytes than it needs)
             heads.append((offset - len(head), head))
             entries.append((name, arr.dtype, arr.size, offset, arr.shape))
         return cls(

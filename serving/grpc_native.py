@@ -227,6 +227,8 @@ def methods(service: GRPCService) -> dict[bytes, Method]:
 
 _NO_FUTURES: set = frozenset()  # type: ignore[assignment]
 _NO_MESSAGES: deque = deque(maxlen=0)
+_EMPTY = bytearray()  # (never appended to: a call makes its own buffer)
+SMALL_MESSAGE = 4096  # a whole message under this in a larger received chunk is copied
 
 
 class Call(h2.Stream):
@@ -234,6 +236,7 @@ class Call(h2.Stream):
 
     __slots__ = (
         "backlog",
+        "buffer",
         "deadline",
         "draining",
         "encoding",
@@ -246,11 +249,9 @@ class Call(h2.Stream):
         "method",
         "model",
         "name",
-        "need",
-        "parts",
         "pending",
+        "pumping",
         "request",
-        "size",
         "taken",
         "task",
     )
@@ -261,11 +262,9 @@ class Call(h2.Stream):
         self.headers: list = []
         self.deadline: float | None = None  # loop time
         self.encoding = b""
-        self.parts: list = []  # the message being received, as it came
-        self.size = 0  # ... its bytes so far
-        self.need = -1  # ... its length (-1: its prefix is not in yet)
+        self.buffer = _EMPTY  # received bytes not yet a whole message
         self.taken = 0  # bytes of the budget this call holds
-        self.last_data = 0.0
+        self.last_data = 0.0  # when it last received part of its request
         self.message: Any = None  # a unary call's request message (bytes-like)
         self.headers_sent = False
         self.future: asyncio.Future | None = None
@@ -274,10 +273,11 @@ class Call(h2.Stream):
         self.request: InferRequest | None = None
         self.task: asyncio.Task | None = None
         # streams
-        self.inflight = 0
+        self.inflight = 0  # requests taken and not yet answered
         self.pending: set[asyncio.Future] = _NO_FUTURES  # (a set of its own once a stream)
-        self.backlog: deque = _NO_MESSAGES  # (data, wire size): a deque of its own if a stream
+        self.backlog: deque = _NO_MESSAGES  # (data, bytes held): a deque of its own if a stream
         self.draining = False
+        self.pumping = False
 
 
 class GrpcProtocol(h2.H2Protocol):
@@ -291,13 +291,17 @@ class GrpcProtocol(h2.H2Protocol):
         self.server = owner.server
         self.budget = owner.budget
         self.max_message = owner.max_message_bytes
-        self._partial: set[Call] = set()  # calls holding part of a message
+        self.max_inflight = owner.limits.max_stream_inflight
+        # Calls waiting for the rest of their request (a unary call until its END_STREAM,
+        # a stream while a message is part-way in): the sweep fails those that stall.
+        self._waiting: set[Call] = set()
 
     # ------------------------------------------------------------------ streams in
 
     def open_stream(self, stream: Any, headers: list) -> None:
         call: Call = stream
         call.headers = headers
+        call.last_data = self.last_frame
         path = content_type = timeout = None
         method = b""
         for name, value in headers:
@@ -341,6 +345,8 @@ class GrpcProtocol(h2.H2Protocol):
             call.headers_sent = True
             if self.server.draining:
                 self._drain_call(call)
+        elif not call.remote_closed:
+            self._waiting.add(call)
         if call.remote_closed:
             self._ended(call)
 
@@ -349,127 +355,129 @@ class GrpcProtocol(h2.H2Protocol):
 
     def stream_data(self, stream: Any, data: memoryview, end_stream: bool) -> None:
         call: Call = stream
-        if data and not call.local_closed:
+        if data and not call.ending:
             if not self.budget.take(len(data)):
                 self.fail_call(call, self.budget.full())
                 return
             call.taken += len(data)
             call.last_data = self.last_frame
-            if call.need < 0 and not call.parts and len(data) >= 5:
-                flag, length = _PREFIX.unpack_from(data)
-                if length == len(data) - 5:  # one whole message: the common case
-                    if length > self.max_message:
-                        self._too_large(call, length)
-                        return
-                    self._message(call, flag, data[5:], len(data))
-                    data = data[:0]
-            if data:
-                call.parts.append(data)
-                call.size += len(data)
-                self._split(call)
-        if end_stream and not call.local_closed:
+            if call.buffer:
+                call.buffer += data
+                self._split_buffer(call)
+            else:
+                self._split_frame(call, data)
+        if end_stream and not call.ending:
             self._ended(call)
 
-    def _split(self, call: Call) -> None:
-        """Take the whole messages out of what ``call`` received."""
-        while not call.local_closed:
-            if call.need < 0:
-                if call.size < 5:
-                    break
-                head = self._take(call, 5)
-                flag, call.need = _PREFIX.unpack(head)
-                if call.need > self.max_message:
-                    self._too_large(call, call.need)
-                    return
-                call.need |= flag << 32  # (kept with the length until the message is in)
-            length = call.need & 0xFFFFFFFF
-            if call.size < length:
+    def _split_frame(self, call: Call, data: memoryview) -> None:
+        """The whole messages of a DATA payload (views of it: the common case, a message
+        in one frame, copies nothing), and the rest into the call's buffer."""
+        pos, end = 0, len(data)
+        chunk = len(data.obj)  # type: ignore[arg-type]
+        while end - pos >= 5 and not call.ending:
+            flag, length = _PREFIX.unpack_from(data, pos)
+            if length > self.max_message:
+                self._too_large(call, length)
+                return
+            stop = pos + 5 + length
+            if stop > end:
                 break
-            flag = call.need >> 32
-            call.need = -1
-            self._message(call, flag, self._take(call, length), 5 + length)
-        if call.size or call.need >= 0:
-            self._partial.add(call)
-        else:
-            self._partial.discard(call)
+            message: Any = data[pos + 5 : stop]
+            if length < SMALL_MESSAGE and chunk > 4 * length + 4096:
+                message = bytes(message)  # (a view would keep the whole chunk alive)
+            self._message(call, flag, message, 5 + length)
+            pos = stop
+        if pos < end and not call.ending:
+            call.buffer = bytearray(data[pos:])
+            self._split_buffer(call)
+        elif call.method is not None and call.method.name == _STREAM:
+            self._waiting.discard(call)
 
-    @staticmethod
-    def _take(call: Call, n: int) -> Any:
-        """The next ``n`` bytes ``call`` received (a view when one part holds them)."""
-        parts = call.parts
-        call.size -= n
-        first = parts[0]
-        if len(first) >= n:
-            if len(first) == n:
-                parts.pop(0)
-            else:
-                parts[0] = first[n:]
-            return first[:n]
-        out = bytearray()
-        while len(out) < n:
-            part = parts[0]
-            want = n - len(out)
-            if len(part) <= want:
-                out += part
-                parts.pop(0)
-            else:
-                out += part[:want]
-                parts[0] = part[want:]
-        return out
+    def _split_buffer(self, call: Call) -> None:
+        """The whole messages in the call's buffer (copies), the rest kept."""
+        buffer = call.buffer
+        pos, end = 0, len(buffer)
+        while end - pos >= 5 and not call.ending:
+            flag, length = _PREFIX.unpack_from(buffer, pos)
+            if length > self.max_message:
+                self._too_large(call, length)
+                return
+            stop = pos + 5 + length
+            if stop > end:
+                break
+            self._message(call, flag, bytes(buffer[pos + 5 : stop]), 5 + length)
+            pos = stop
+        if call.ending:
+            return
+        if pos:
+            del buffer[:pos]
+        if not buffer:
+            call.buffer = _EMPTY
+        if buffer or (call.method is not None and call.method.name != _STREAM):
+            self._waiting.add(call)
+        else:
+            self._waiting.discard(call)
 
     def _too_large(self, call: Call, length: int) -> None:
         self.finish(
             call, _RESOURCE, f"Received message larger than max ({length} vs. {self.max_message})"
         )
 
-    def _message(self, call: Call, flag: int, data: Any, wire: int) -> None:
-        """One whole message of ``call`` (``wire``: its bytes on the wire, prefix included,
-        what it holds of the budget: a stream gives them back once it is answered)."""
+    def _message(self, call: Call, flag: int, data: Any, held: int) -> None:
+        """One whole message of ``call`` (``held``: what it holds of the budget, its
+        bytes on the wire: a stream gives them back once it is answered)."""
         if flag:
-            data = self._decompress(call, data)
-            if data is None:
+            inflated = self._decompress(call, data)
+            if inflated is None:
                 return
+            if not self.budget.take(len(inflated)):
+                self.fail_call(call, self.budget.full())
+                return
+            call.taken += len(inflated)
+            data, held = inflated, held + len(inflated)
         method = call.method
         assert method is not None
         if method.name == _STREAM:
             if call.draining:
-                self._give(call, wire)
-                return  # not read: the client is told UNAVAILABLE at the end
-            if call.inflight >= self.owner.limits.max_stream_inflight:
-                call.backlog.append((data, wire))
+                self._give(call, held)
+                return  # not taken: the client is told UNAVAILABLE at the end
+            if call.backlog or call.out or call.inflight >= self.max_inflight:
+                call.backlog.append((data, held))
                 call.held = True  # its window is given back as answers go out
                 return
-            self._stream_request(call, data, wire)
+            self._stream_request(call, data, held)
             return
         if call.message is not None:
             self.finish(call, _INVALID, f"{method.name} takes one request message, got more")
             return
         call.message = data
 
-    def _decompress(self, call: Call, data: Any) -> Any:
+    def _decompress(self, call: Call, data: Any) -> bytes | None:
         if call.encoding in (b"", b"identity"):
             self.finish(call, _INTERNAL, "a compressed message without a grpc-encoding")
             return None
         wbits = 16 + zlib.MAX_WBITS if call.encoding == b"gzip" else zlib.MAX_WBITS
         inflater = zlib.decompressobj(wbits)
+        what = call.encoding.decode()
         try:
             out = inflater.decompress(data, self.max_message + 1)
         except zlib.error as exc:
-            self.finish(
-                call, _INTERNAL, f"a {call.encoding.decode()} message that does not inflate: {exc}"
-            )
+            self.finish(call, _INTERNAL, f"a {what} message that does not inflate: {exc}")
             return None
-        if len(out) > self.max_message or inflater.unconsumed_tail:
+        if len(out) > self.max_message:
             self._too_large(call, len(out))
+            return None
+        if not inflater.eof or inflater.unused_data:
+            self.finish(call, _INTERNAL, f"a {what} message that is cut short or runs on")
             return None
         return out
 
     def _ended(self, call: Call) -> None:
         """The client sent all it will send on ``call``."""
-        if call.local_closed:
+        self._waiting.discard(call)
+        if call.ending:
             return
-        if call.size or call.need >= 0:
-            self._partial.discard(call)
+        if call.buffer:
             self.finish(call, _INTERNAL, "the call ended inside a message")
             return
         method = call.method
@@ -509,7 +517,7 @@ class GrpcProtocol(h2.H2Protocol):
 
     def _infer_done(self, call: Call, future: asyncio.Future) -> None:
         call.future = None
-        if call.local_closed:  # reset by the client meanwhile
+        if call.ending:  # reset by the client meanwhile
             return
         if future.cancelled():
             self.finish(call, _CANCELLED, "the request was cancelled")
@@ -524,18 +532,19 @@ class GrpcProtocol(h2.H2Protocol):
 
     # ------------------------------------------------------------------ ModelStreamInfer
 
-    def _stream_request(self, call: Call, data: Any, size: int) -> None:
+    def _stream_request(self, call: Call, data: Any, held: int) -> None:
+        """Take one request of a stream: queued, or answered at once with its error."""
         try:
             name, version, decode = _decoder(data, None)
             model, request, future = core.start(self.server, name, version or None, decode)
         except Exception as exc:  # noqa: BLE001 - this request's answer
             error = _malformed_first(exc, data)
-            self._stream_answer(call, _stream_error(_parsed(data), _status(error).message), size)
+            self._stream_send(call, [_stream_error(_parsed(data), _status(error).message)], held)
             return
         call.inflight += 1
         call.pending.add(future)
         future.add_done_callback(
-            functools.partial(self._stream_done, call, name, data, model, request, size)
+            functools.partial(self._stream_done, call, name, data, model, request, held)
         )
 
     def _stream_done(
@@ -545,47 +554,64 @@ class GrpcProtocol(h2.H2Protocol):
         data: Any,
         model: Model,
         request: InferRequest,
-        size: int,
+        held: int,
         future: asyncio.Future,
     ) -> None:
         call.inflight -= 1
         call.pending.discard(future)
-        if call.local_closed:
+        if call.ending:
             return
         if future.cancelled():
             # the request was cancelled, not the stream (its model closing): answered
             # like any failed one, or the stream would wait for it forever
-            answer = _stream_error(_parsed(data), "the request was cancelled")
+            parts = [_stream_error(_parsed(data), "the request was cancelled")]
         else:
             try:
-                parts = core.finish(self.server, name, model, request, future, _encode)
+                inner = core.finish(self.server, name, model, request, future, _encode)
             except Exception as exc:  # noqa: BLE001 - this request's answer
-                answer = _stream_error(_parsed(data), _status(exc).message)
+                parts = [_stream_error(_parsed(data), _status(exc).message)]
             else:
-                inner = sum(map(len, parts))
-                self._stream_write(call, [b"\x12" + _varint(inner), *parts], size)
-                return
-        self._stream_answer(call, answer, size)
+                parts = [b"\x12" + _varint(sum(map(len, inner))), *inner]
+        self._stream_send(call, parts, held)
+        self._pump(call)
 
-    def _stream_answer(self, call: Call, answer: bytes, size: int) -> None:
-        self._stream_write(call, [answer], size)
-
-    def _stream_write(self, call: Call, parts: list, size: int) -> None:
-        """Write one answer of a stream, then take what waited for it."""
+    def _stream_send(self, call: Call, parts: list, held: int) -> None:
+        """Write one answer of a stream (a ModelStreamInferResponse's buffers) and give
+        back what its request held."""
         length = sum(map(len, parts))
         self.send_data(call, [_PREFIX.pack(0, length), *parts])
-        self._give(call, size)
-        backlog = call.backlog
-        while backlog and call.inflight < self.owner.limits.max_stream_inflight:
-            if call.draining or call.local_closed:
-                break
-            self._stream_request(call, *backlog.popleft())
-        if not backlog and call.held:
-            self.release(call)
+        self._give(call, held)
+
+    def _pump(self, call: Call) -> None:
+        """Take what waited for room: requests until the cap, while the answers written
+        go out (answers still waiting for the client's window count as not answered:
+        the client is held by flow control, not buffered)."""
+        if call.pumping:
+            return  # (an answer written below drained the queue: the loop goes on)
+        call.pumping = True
+        try:
+            backlog = call.backlog
+            while (
+                backlog
+                and not call.out
+                and call.inflight < self.max_inflight
+                and not (call.draining or call.ending)
+            ):
+                self._stream_request(call, *backlog.popleft())
+            if not backlog and not call.out and call.held and not call.ending:
+                call.last_data = self.loop.time()  # (it could not send while held)
+                self.release(call)
+        finally:
+            call.pumping = False
         self._stream_maybe_done(call)
 
+    def stream_drained(self, stream: Any) -> None:
+        call: Call = stream
+        if call.method is not None and call.method.name == _STREAM:
+            self._pump(call)
+
     def _stream_maybe_done(self, call: Call) -> None:
-        if call.local_closed or call.inflight:
+        if call.ending or call.inflight:
             return
         if call.draining:
             self.finish(call, _UNAVAILABLE, self.server.not_serving() or "the server is draining")
@@ -601,8 +627,8 @@ class GrpcProtocol(h2.H2Protocol):
 
     def _drain_call(self, call: Call) -> None:
         call.draining = True
-        for _, wire in call.backlog:
-            self._give(call, wire)
+        for _, held in call.backlog:
+            self._give(call, held)
         call.backlog.clear()
         self._stream_maybe_done(call)
 
@@ -627,7 +653,7 @@ class GrpcProtocol(h2.H2Protocol):
 
     def respond(self, call: Call, parts: list) -> None:
         """Answer a unary call with one message (``parts``: its buffers)."""
-        if call.local_closed:
+        if call.ending:
             return
         length = sum(map(len, parts))
         self._release(call)
@@ -640,8 +666,9 @@ class GrpcProtocol(h2.H2Protocol):
         self.finish(call, _CODES[status.grpc], status.message)
 
     def finish(self, call: Call, code: int, message: str = "") -> None:
-        """End ``call`` with its trailers (and give back what it holds)."""
-        if call.local_closed:
+        """End ``call`` with its trailers (and give back what it holds); nothing is sent
+        on it after them."""
+        if call.ending:
             return
         if code == _OK and call.headers_sent:
             block = _OK_TRAILERS
@@ -658,10 +685,11 @@ class GrpcProtocol(h2.H2Protocol):
         if call.taken:
             self.budget.give(call.taken)
             call.taken = 0
-        call.parts = []
-        call.size = 0
-        call.backlog.clear()
-        self._partial.discard(call)
+        call.buffer = _EMPTY
+        call.message = None
+        if call.backlog:
+            call.backlog.clear()
+        self._waiting.discard(call)
 
     def stream_reset(self, stream: Any, code: int) -> None:
         call: Call = stream
@@ -676,11 +704,11 @@ class GrpcProtocol(h2.H2Protocol):
             call.task = None
 
     def stalled(self, since: float) -> None:
-        for call in [c for c in self._partial if c.last_data < since]:
+        for call in [c for c in self._waiting if c.last_data < since and not c.held]:
             self.finish(
                 call,
                 _DEADLINE,
-                f"the client sent no part of its message for {self.connections.body_timeout_s:g} s",
+                f"the client sent no part of its request for {self.connections.body_timeout_s:g} s",
             )
 
 
@@ -720,11 +748,19 @@ def _decoder(data: Any, deadline_s: float | None) -> tuple[str, str, Any]:
     (``InferRequest.from_proto_bytes``), else from the parsed message."""
     names = codec.proto_model(data)
     if names is not None:
+        name, version = names
+
+        def parse(data: Any) -> Any:
+            message = _parse(data)
+            if (message.model_name, message.model_version) != (name, version):
+                # protobuf keeps a field's last value: one named twice names its last
+                raise codec.ProtocolError("the request names its model more than once")
+            return message
 
         def decode(model: Model) -> InferRequest:
-            return InferRequest.from_proto_bytes(data, model, _parse, deadline_s)
+            return InferRequest.from_proto_bytes(data, model, parse, deadline_s)
 
-        return names[0], names[1], decode
+        return name, version, decode
     message = _parse(data)
 
     def decode_message(model: Model) -> InferRequest:

@@ -4,9 +4,11 @@
 base class and messages that Triton's client package ships
 (``tritonclient.grpc.service_pb2_grpc``), so the protocol is the one Triton's clients
 speak, not a copy of it. ``start_grpc(server, port)`` serves it with grpcio's asyncio
-server on the running loop. It translates gRPC only: inference goes through the request
-core (``serving.core``), whose error table gives each error its status code, so gRPC
-and HTTP answer alike.
+server on the running loop (``pxrt serve --no-native-grpc``; by default ``pxrt serve``
+runs ``serving.grpc_native``, which answers inference from its own HTTP/2 frames and
+every other method with this class's coroutines). It translates gRPC only: inference
+goes through the request core (``serving.core``), whose error table gives each error its
+status code, so gRPC and HTTP answer alike.
 
 Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig,
 ModelStatistics, ModelInfer (``raw_input_contents`` or typed ``contents`` in,

@@ -194,6 +194,7 @@ class Stream:
         "unacked",  # received and not yet given back to the client's window
         "held",  # while set, the client's window is not given back (flow control holds it)
         "remote_closed",  # the client sent END_STREAM
+        "ending",  # the server sent or queued its END_STREAM (or reset it): it sends no more
         "local_closed",  # the server sent END_STREAM (or reset it)
         "out",  # data waiting for the windows: 1-D byte views, in order
         "out_end",  # then END_STREAM (without trailers)
@@ -207,6 +208,7 @@ class Stream:
         self.unacked = 0
         self.held = False
         self.remote_closed = False
+        self.ending = False
         self.local_closed = False
         self.out: list[memoryview] = []
         self.out_end = False
@@ -356,7 +358,9 @@ class H2Protocol(asyncio.Protocol):
         self._ping_sent = 0.0  # our keepalive ping, unanswered since
         self._last_ping = -1e9  # the client's last ping
         self._ping_strikes = 0
-        self._quiet = True  # no headers or data since the client's last ping
+        self._quiet = True  # no headers or data either way since the client's last ping
+        self._peer_table_size = 4096  # the peer's HPACK table size for the server's blocks
+        self._table_update = b""  # a size update the next block the server sends starts with
         self._linger_until = 0.0  # closed, FIN sent: aborted by then if the client is not
 
     # ------------------------------------------------------------------ asyncio
@@ -368,7 +372,8 @@ class H2Protocol(asyncio.Protocol):
         if not self.connections.admit(self):
             self.closed = True
             body = _GOAWAY.pack(0, ENHANCE_YOUR_CALM) + b"too many connections"
-            transport.write(frame_head(GOAWAY, 0, 0, len(body)) + body)
+            goaway = frame_head(GOAWAY, 0, 0, len(body)) + body
+            transport.write(self.connections._preface + goaway)  # SETTINGS come first
             transport.close()
             return
         self._write(self.connections._preface)
@@ -380,7 +385,7 @@ class H2Protocol(asyncio.Protocol):
         self.streams.clear()
         self._blocked.clear()
         for stream in streams:
-            stream.local_closed = True
+            stream.local_closed = stream.ending = True
             self.stream_reset(stream, CANCEL)
 
     def pause_writing(self) -> None:
@@ -416,7 +421,11 @@ class H2Protocol(asyncio.Protocol):
         except HpackError as exc:
             self.fail(COMPRESSION_ERROR, f"HPACK: {exc}")
             return
-        if used < len(data):
+        except Exception as exc:  # noqa: BLE001 - a bug: the connection's state is lost
+            log.exception("pxrt: HTTP/2 connection failed")
+            self.fail(INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            return
+        if used < len(data) and not self.closed:
             rest = data[used:]
             self._pending = [rest]
             self._pending_size = len(rest)
@@ -436,7 +445,7 @@ class H2Protocol(asyncio.Protocol):
         view = memoryview(data)
         unpack = _HEAD.unpack_from
         max_frame = self.settings.max_frame_size
-        while end - pos >= 9:
+        while end - pos >= 9 and not self.closed:
             head, flags, stream_id = unpack(data, pos)
             length = head >> 8
             if length > max_frame:
@@ -473,13 +482,15 @@ class H2Protocol(asyncio.Protocol):
             elif kind == GOAWAY:
                 if stream_id:
                     raise ConnectionFailed(PROTOCOL_ERROR, "GOAWAY on a stream")
+                if length < 8:
+                    raise ConnectionFailed(FRAME_SIZE_ERROR, "a GOAWAY frame under 8 bytes")
                 self.going_away = True  # the client leaves: no new streams, then close
                 self._maybe_done()
             elif kind == PRIORITY:
                 if not stream_id:
                     raise ConnectionFailed(PROTOCOL_ERROR, "PRIORITY on stream 0")
                 if length != 5:
-                    self.reset(stream_id, FRAME_SIZE_ERROR)
+                    raise ConnectionFailed(FRAME_SIZE_ERROR, "a PRIORITY frame is 5 bytes")
             elif kind == PUSH_PROMISE:
                 raise ConnectionFailed(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
             # other types are ignored (RFC 9113 4.1)
@@ -618,10 +629,9 @@ class H2Protocol(asyncio.Protocol):
             self.peer_window += increment
             if self.peer_window > MAX_WINDOW:
                 raise ConnectionFailed(FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
-            blocked = list(self._blocked.values())
-            self._blocked.clear()
-            for waiting in blocked:
-                self._send_queued(waiting)
+            while self._blocked and self.peer_window > 0:
+                waiting = self._blocked.pop(next(iter(self._blocked)))
+                self._send_queued(waiting)  # (blocked again if the window runs out)
             return
         stream = self.streams.get(stream_id)
         if stream is None:
@@ -647,7 +657,9 @@ class H2Protocol(asyncio.Protocol):
             self._ping_sent = 0.0
             return
         now = self.loop.time()
-        if self._quiet and now - self._last_ping < self.connections.min_client_ping_s:
+        if not self._quiet:  # headers or data went either way since the last ping
+            self._ping_strikes = 0
+        elif now - self._last_ping < self.connections.min_client_ping_s:
             self._ping_strikes += 1
             if self._ping_strikes > self.connections.max_ping_strikes:
                 self.go_away(ENHANCE_YOUR_CALM, b"too_many_pings")
@@ -666,29 +678,35 @@ class H2Protocol(asyncio.Protocol):
             return
         if len(payload) % 6:
             raise ConnectionFailed(FRAME_SIZE_ERROR, "a SETTINGS frame not a multiple of 6 bytes")
-        for i in range(0, len(payload), 6):
-            key, value = _SETTING.unpack_from(payload, i)
-            if key == INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    raise ConnectionFailed(
-                        FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1"
-                    )
-                delta = value - self.peer_initial_window
-                self.peer_initial_window = value
-                for stream in list(self.streams.values()):
-                    stream.send_window += delta
-                    if stream.send_window > MAX_WINDOW:
-                        raise ConnectionFailed(FLOW_CONTROL_ERROR, "a stream's window over 2^31-1")
-                    if delta > 0 and (stream.out or stream.trailers is not None):
-                        self._send_queued(stream)
-            elif key == MAX_FRAME_SIZE:
-                if not DEFAULT_FRAME <= value <= (1 << 24) - 1:
-                    raise ConnectionFailed(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value}")
-                self.peer_max_frame = value
-            elif key == ENABLE_PUSH and value > 1:
-                raise ConnectionFailed(PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
-            # HEADER_TABLE_SIZE: the server's blocks never use the peer's table;
-            # the rest limit what the server never does (push, open streams).
+        values = dict(_SETTING.iter_unpack(payload))  # the last value of each counts
+        window = values.get(INITIAL_WINDOW_SIZE)
+        if window is not None:
+            if window > MAX_WINDOW:
+                raise ConnectionFailed(
+                    FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1"
+                )
+            delta = window - self.peer_initial_window
+            self.peer_initial_window = window
+            for stream in list(self.streams.values()):
+                stream.send_window += delta
+                if stream.send_window > MAX_WINDOW:
+                    raise ConnectionFailed(FLOW_CONTROL_ERROR, "a stream's window over 2^31-1")
+                if delta > 0 and (stream.out or stream.trailers is not None):
+                    self._send_queued(stream)
+        frame = values.get(MAX_FRAME_SIZE)
+        if frame is not None:
+            if not DEFAULT_FRAME <= frame <= (1 << 24) - 1:
+                raise ConnectionFailed(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {frame}")
+            self.peer_max_frame = frame
+        if values.get(ENABLE_PUSH, 0) > 1:
+            raise ConnectionFailed(PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {values[ENABLE_PUSH]}")
+        table = values.get(HEADER_TABLE_SIZE)
+        if table is not None and table < self._peer_table_size:
+            # The server's blocks never use the peer's table, but a peer that shrinks it
+            # expects the next block to say so (RFC 7541 4.2).
+            self._peer_table_size = table
+            self._table_update = _hpack_int(table, 5, 0x20)
+        # The rest limit what the server never does (push, open streams).
         self.settled = True
         self._write(frame_head(SETTINGS, ACK, 0, 0))
 
@@ -702,7 +720,7 @@ class H2Protocol(asyncio.Protocol):
             if stream_id > self.last_stream_id:
                 raise ConnectionFailed(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
             return
-        stream.local_closed = stream.remote_closed = True
+        stream.local_closed = stream.remote_closed = stream.ending = True
         self._blocked.pop(stream_id, None)
         self._closed_one()
         self.stream_reset(stream, _U32.unpack(payload)[0])
@@ -732,13 +750,27 @@ class H2Protocol(asyncio.Protocol):
             self._out = []
             self.transport.writelines(out)
 
+    def _block(self, block: bytes) -> bytes:
+        """A header block the server sends, after any table size update it owes."""
+        if self._table_update:
+            block, self._table_update = self._table_update + block, b""
+        return block
+
     def send_headers(self, stream: Stream, block: bytes, end_stream: bool = False) -> None:
-        """Send a header block on ``stream`` (after its queued data, if any)."""
-        if stream.local_closed:
+        """Send a header block on ``stream`` (with ``end_stream``: after its queued data,
+        if any; nothing is sent on it after that)."""
+        if stream.ending:
             return
-        if end_stream and stream.out:
-            stream.trailers = block  # after the data waiting for the windows
-            return
+        self._quiet = False
+        if end_stream:
+            stream.ending = True
+            if stream.out:
+                stream.trailers = block  # after the data waiting for the windows
+                return
+        self._headers_out(stream, block, end_stream)
+
+    def _headers_out(self, stream: Stream, block: bytes, end_stream: bool) -> None:
+        block = self._block(block)
         max_frame = self.peer_max_frame
         flags = END_STREAM if end_stream else 0
         if len(block) <= max_frame:
@@ -759,11 +791,13 @@ class H2Protocol(asyncio.Protocol):
         ``trailers`` that end it, in one write when the windows and the peer's frame
         size allow (the common case: small answers), else as ``send_headers``,
         ``send_data`` and ``send_headers`` would."""
+        if stream.ending:
+            return
         length = sum(map(len, parts))
         sid = stream.id
         if (
-            stream.local_closed
-            or stream.out
+            stream.out
+            or self._table_update
             or length > self.peer_window
             or length > stream.send_window
             or length > self.peer_max_frame
@@ -774,6 +808,8 @@ class H2Protocol(asyncio.Protocol):
             self.send_data(stream, parts)
             self.send_headers(stream, trailers, end_stream=True)
             return
+        self._quiet = False
+        stream.ending = True
         self.peer_window -= length
         stream.send_window -= length
         pack = _HEAD.pack
@@ -785,10 +821,14 @@ class H2Protocol(asyncio.Protocol):
         self._end_local(stream)
 
     def send_data(self, stream: Stream, parts: Sequence[Any], end_stream: bool = False) -> None:
-        """Send ``parts`` (bytes-like, their total length at most what the peer may
-        receive... or queued until it may) as DATA on ``stream``."""
-        if stream.local_closed:
+        """Send ``parts`` (bytes-like) as DATA on ``stream``: at once as far as the
+        peer's windows and frame size allow, the rest queued until they open
+        (``stream.out``; ``stream_drained`` is called once it has all gone)."""
+        if stream.ending:
             return
+        self._quiet = False
+        if end_stream:
+            stream.ending = True
         length = sum(map(len, parts)) if len(parts) != 1 else len(parts[0])
         if (
             not stream.out
@@ -838,11 +878,13 @@ class H2Protocol(asyncio.Protocol):
                 return
         if stream.trailers is not None:
             trailers, stream.trailers = stream.trailers, None
-            self.send_headers(stream, trailers, end_stream=True)
+            self._headers_out(stream, trailers, end_stream=True)
         elif stream.out_end:
             stream.out_end = False
             self._write(frame_head(DATA, END_STREAM, stream.id, 0))
             self._end_local(stream)
+        else:
+            self.stream_drained(stream)
 
     def reset(self, stream_id: int, code: int) -> None:
         """RST_STREAM: the server is done with the stream (``stream_reset`` is called
@@ -850,7 +892,7 @@ class H2Protocol(asyncio.Protocol):
         self._write(frame_head(RST_STREAM, 0, stream_id, 4), _U32.pack(code))
         stream = self.streams.pop(stream_id, None)
         if stream is not None:
-            stream.local_closed = stream.remote_closed = True
+            stream.local_closed = stream.remote_closed = stream.ending = True
             self._blocked.pop(stream_id, None)
             self.stream_reset(stream, code)
             self._closed_one()
@@ -862,7 +904,7 @@ class H2Protocol(asyncio.Protocol):
             self._ack(stream)
 
     def _end_local(self, stream: Stream) -> None:
-        stream.local_closed = True
+        stream.local_closed = stream.ending = True
         if not stream.remote_closed:
             # Answered before the client finished sending: ask it to stop (RFC 9113 8.1).
             self.reset(stream.id, NO_ERROR)
@@ -977,6 +1019,9 @@ class H2Protocol(asyncio.Protocol):
         server, or its connection lost (CANCEL); or answered while the client was still
         sending (NO_ERROR). Called once per stream."""
         raise NotImplementedError
+
+    def stream_drained(self, stream: Any) -> None:
+        """What ``stream`` had queued for the peer's windows has all been sent."""
 
     def stalled(self, since: float) -> None:
         """Fail the streams holding part of a message received before ``since``."""

@@ -1,6 +1,7 @@
 """``pxrt serve``: the standalone KServe v2 server (uvicorn on uvloop + httptools; with
-``--grpc-port``, grpcio's asyncio server too, on the same loop). Its flags and TOML file
-are ``serving.config``'s; ``--ray`` is ``serving.serve_ray``'s.
+``--grpc-port``, gRPC on pxrt's own HTTP/2 too, or grpcio's asyncio server with
+``--no-native-grpc``, on the same loop). Its flags and TOML file are
+``serving.config``'s; ``--ray`` is ``serving.serve_ray``'s.
 
 The HTTP server starts at once and answers ``/v2/health/live``; models load and compile
 in a worker thread, and ``/v2/health/ready`` turns 200 when all are warm. SIGTERM or

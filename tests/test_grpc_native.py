@@ -452,6 +452,8 @@ VIOLATIONS = {
     "a header block interrupted": (
         _frame(h2.HEADERS, 0, 1, b"\x83") + _frame(h2.PING, 0, 0, b"x" * 8), h2.PROTOCOL_ERROR),
     "SETTINGS of a bad length": (_frame(h2.SETTINGS, 0, 0, b"\0\0\0"), h2.FRAME_SIZE_ERROR),
+    "a short GOAWAY": (_frame(h2.GOAWAY, 0, 0, b"\0\0\0"), h2.FRAME_SIZE_ERROR),
+    "a PRIORITY of a bad length": (_frame(h2.PRIORITY, 0, 3, b"\0\0"), h2.FRAME_SIZE_ERROR),
     "a header block bomb": (
         _frame(h2.HEADERS, 5, 1, b"\x40\x01k\x7f\xa1\x1e" + b"v" * 4000 + b"\xbe" * 50),
         h2.COMPRESSION_ERROR),
@@ -554,7 +556,7 @@ def test_limits_on_connections_handshakes_stalls_and_bytes_held(models, run):
             await client.flush()
             await client.read_until(lambda: client.answers[sid].done)
             assert client.answers[sid].status == 4, client.answers[sid].message
-            assert "no part of its message for 0.3 s" in client.answers[sid].message
+            assert "no part of its request for 0.3 s" in client.answers[sid].message
             assert grpc_server.budget.held == 0
             # more than the budget of bytes held: UNAVAILABLE, retry later
             big = await client.call("ModelInfer", infer_message(np.ones((30, 32), np.float32)))
@@ -770,6 +772,211 @@ def test_floods_of_resets_and_empty_continuations_are_sent_away(models, run):
             assert client.goaway.error_code == h2.ENHANCE_YOUR_CALM
             await client.close()
             assert grpc_server.budget.held == 0
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def _stream_answers(answer: Answer) -> list:
+    return [pb.ModelStreamInferResponse.FromString(m) for m in messages(answer.data)]
+
+
+def test_pings_between_answers_are_not_strikes(models, run):
+    # grpc clients ping as answers arrive (BDP estimation), with nothing sent between:
+    # the server's own data between two pings makes the second one not a strike.
+    async def main():
+        with inject(models["mlp"], delay_s=0.05):
+            async with Server() as server:
+                server.add_model("mlp", models["mlp"], max_batch_size=1)
+                grpc_server, port = await serve(server)
+                client = await Client.connect(port)
+                sid = client.open("ModelStreamInfer")
+                x = np.ones((1, 32), np.float32)
+                for i in range(6):
+                    client.conn.send_data(sid, framed(infer_message(x, rid=str(i))))
+                await client.flush()
+                for i in range(6):
+                    await client.read_until(lambda i=i: len(messages(client.answers[sid].data)) > i)
+                    client.conn.ping(b"%08d" % i)
+                    await client.flush()
+                client.conn.end_stream(sid)
+                await client.flush()
+                await client.read_until(lambda: client.answers[sid].done)
+                assert client.answers[sid].status == 0 and client.goaway is None
+                await client.close()
+                await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_a_stream_ends_with_its_error_while_answers_wait_for_the_window(models, run):
+    """A stream whose answers wait for the client's window and which then fails ends
+    with that error: nothing else is taken or sent on it, its bytes are all given back."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server, max_message_bytes=4096)
+            client = await Client.connect(port, auto_ack=False)
+            client.conn.update_settings({4: 200})  # INITIAL_WINDOW_SIZE: about one answer
+            await client.flush()
+            sid = client.open("ModelStreamInfer")
+            x = np.ones((1, 32), np.float32)
+            for i in range(4):
+                client.conn.send_data(sid, framed(infer_message(x, rid=str(i))))
+            await client.flush()
+            await client.read_until(lambda: client.answers[sid].data)  # one answer's worth
+            await asyncio.sleep(0.1)  # the others wait for the window
+            client.conn.send_data(sid, framed(infer_message(np.ones((40, 32), np.float32))))
+            client.conn.send_data(sid, framed(infer_message(x, rid="after")), end_stream=True)
+            await client.flush()
+            for _ in range(100):  # open the window bit by bit until the stream ends
+                client.conn.increment_flow_control_window(200, sid)
+                client.conn.increment_flow_control_window(200)
+                await client.flush()
+                try:
+                    await client.read_until(lambda: client.answers[sid].done, 0.05)
+                except TimeoutError:
+                    continue
+                break
+            answer = client.answers[sid]
+            assert answer.status == 8 and "larger than max" in answer.message
+            assert "after" not in {g.infer_response.id for g in _stream_answers(answer)}
+            await until(lambda: grpc_server.budget.held == 0)
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_a_long_backlog_of_bad_requests_is_answered_without_recursion(models, run):
+    async def main():
+        async with held(models, limits=GrpcLimits(max_stream_inflight=1)) as (
+            server, grpc_server, client, gate):  # fmt: skip
+            sid = client.open("ModelStreamInfer")
+            client.conn.send_data(sid, framed(infer_message(np.ones((1, 32), np.float32))))
+            bad = framed(b"")  # no model: each fails alone
+            await client.send(sid, bad * 1500, end=True)
+            await gate.wait_started()
+            gate.release.set()
+            await client.read_until(lambda: client.answers[sid].done)
+            answer = client.answers[sid]
+            got = _stream_answers(answer)
+            assert answer.status == 0 and len(got) == 1501
+            assert sum(bool(g.error_message) for g in got) == 1500
+            assert grpc_server.budget.held == 0
+
+    run(main)
+
+
+def test_answers_held_by_the_clients_window_count_against_the_cap(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            submitted = []
+            submit = server.submit
+            server.submit = lambda *a, **kw: submitted.append(1) or submit(*a, **kw)
+            grpc_server, port = await serve(server, limits=GrpcLimits(max_stream_inflight=4))
+            client = await Client.connect(port, auto_ack=False)
+            client.conn.update_settings({4: 200})  # about one answer
+            await client.flush()
+            sid = client.open("ModelStreamInfer")
+            x = np.ones((1, 32), np.float32)
+            for i in range(40):
+                client.conn.send_data(sid, framed(infer_message(x, rid=str(i))))
+            client.conn.end_stream(sid)
+            await client.flush()
+            await client.read_until(lambda: client.answers[sid].data)
+            await asyncio.sleep(0.2)  # time to take more, were queued answers not counted
+            assert len(submitted) <= 8
+            while not client.answers[sid].done:
+                client.conn.increment_flow_control_window(1 << 16, sid)
+                client.conn.increment_flow_control_window(1 << 16)
+                await client.flush()
+                try:
+                    await client.read_until(lambda: client.answers[sid].done, 0.05)
+                except TimeoutError:
+                    pass
+            assert len(_stream_answers(client.answers[sid])) == 40
+            assert grpc_server.budget.held == 0
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_a_stream_the_server_holds_is_not_timed_out(models, run):
+    # Its backlog holds the client's window: the rest of a message cannot come, and the
+    # stall sweep must not blame the client for it.
+    async def main():
+        async with held(
+            models, limits=GrpcLimits(max_stream_inflight=1), body_timeout_s=0.2,
+            settings=h2.Settings(initial_window=400),
+        ) as (server, grpc_server, client, gate):  # fmt: skip
+            await client.read_until(lambda: client.received > 0)  # the server's SETTINGS
+            sid = client.open("ModelStreamInfer")
+            message = framed(infer_message(np.ones((1, 32), np.float32)))
+            room = client.conn.local_flow_control_window(sid)
+            data = message * 3
+            client.conn.send_data(sid, data[:room])  # two whole, the third cut by the window
+            await client.flush()
+            await gate.wait_started()
+            await asyncio.sleep(0.8)  # four sweeps' worth of no progress
+            gate.release.set()
+            await client.send(sid, data[room:], end=True)
+            await client.read_until(lambda: client.answers[sid].done)
+            assert client.answers[sid].status == 0, client.answers[sid].message
+            assert len(_stream_answers(client.answers[sid])) == 3
+
+    run(main)
+
+
+def test_request_bytes_are_budgeted_inflated_and_unary_calls_time_out(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(
+                server, budget=BodyBudget(100_000), body_timeout_s=0.3,
+                max_message_bytes=4 << 20,
+            )  # fmt: skip
+            client = await Client.connect(port)
+            zeros = infer_message(np.zeros((2000, 32), np.float32))  # 256 KB, gzips to ~1 KB
+            sid = client.open("ModelInfer", [(b"grpc-encoding", b"gzip")])
+            await client.send(sid, framed(gzip.compress(zeros), True), end=True)
+            await client.read_until(lambda: client.answers[sid].done)
+            assert client.answers[sid].status == 14 and "retry later" in client.answers[sid].message
+            cut = gzip.compress(infer_message(np.ones((1, 32), np.float32)))[:-6]
+            sid = client.open("ModelInfer", [(b"grpc-encoding", b"gzip")])
+            await client.send(sid, framed(cut, True), end=True)
+            await client.read_until(lambda: client.answers[sid].done)
+            assert client.answers[sid].status == 13 and "cut short" in client.answers[sid].message
+            # a whole message and no END_STREAM, then nothing: timed out like a stalled one
+            sid = client.open("ModelInfer")
+            client.conn.send_data(sid, framed(infer_message(np.ones((1, 32), np.float32))))
+            await client.flush()
+            await client.read_until(lambda: client.answers[sid].done)
+            assert client.answers[sid].status == 4
+            # a message in one-byte frames: put together, answered
+            x = np.arange(64, dtype=np.float32).reshape(2, 32)
+            sid = client.open("ModelInfer")
+            data = framed(infer_message(x))
+            for i in range(len(data)):
+                client.conn.send_data(sid, data[i : i + 1], end_stream=i == len(data) - 1)
+            await client.flush()
+            await client.read_until(lambda: client.answers[sid].done)
+            assert_matches({"y": y_of(messages(client.answers[sid].data)[0])},
+                           reference("mlp", {"x": x}))  # fmt: skip
+            assert grpc_server.budget.held == 0
+            # a model named twice: protobuf keeps the last; refused rather than misrouted
+            twice = b"\x0a\x03mlp" + infer_message(np.ones((1, 32), np.float32), model="nope")
+            answer = await client.call("ModelInfer", twice)
+            assert answer.status == 3 and "more than once" in answer.message
+            # a client that shrinks its HPACK table is told in the next block (h2 checks)
+            client.conn.update_settings({1: 0})
+            await client.flush()
+            ok = await client.call("ModelInfer", infer_message(np.ones((1, 32), np.float32)))
+            assert ok.status == 0
+            await client.close()
             await grpc_server.stop(1)
 
     run(main)
