@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -70,7 +71,7 @@ def create_app(
     lifespan: Any = None,
     repository: Repository | None = None,
     restrictions: Restrictions = Restrictions(),
-) -> Starlette:
+) -> KServeApp:
     """A Starlette app speaking KServe v2 for ``server``'s models.
 
     Mount it in your own ASGI app, or run it with uvicorn (``pxrt serve`` does). It
@@ -81,11 +82,70 @@ def create_app(
     """
     handlers: dict[Any, Callable] = {HTTPException: _routing_error}
     handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
-    app = Starlette(routes=_routes(restrictions), lifespan=lifespan, exception_handlers=handlers)
-    app.state.pxrt = AppState(
+    state = AppState(
         server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions
     )
-    return app
+    infer = InferEndpoint(state)
+    app = Starlette(
+        routes=_routes(restrictions, infer), lifespan=lifespan, exception_handlers=handlers
+    )
+    app.state.pxrt = state
+    return KServeApp(app, infer)
+
+
+# --------------------------------------------------------------------------- fast routes
+
+_MODELS = "/v2/models/"
+
+
+def fast_route(method: str, path: str) -> tuple[str, str, str | None] | None:
+    """``(kind, model, version)`` of a request answered without routing (inference, and
+    on ``pxrt serve``'s native path health too; ``path`` decoded), else None."""
+    if method == "POST":
+        if not (path.startswith(_MODELS) and path.endswith("/infer")):
+            return None
+        parts = path[len(_MODELS) : -len("/infer")].split("/")
+        if len(parts) == 1 and parts[0]:
+            return "inference", parts[0], None
+        if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
+            return "inference", parts[0], parts[2]
+        return None
+    if method == "GET":
+        if path == "/v2/health/live":
+            return "live", "", None
+        if path == "/v2/health/ready":
+            return "ready", "", None
+    return None
+
+
+class KServeApp:
+    """The ASGI app ``create_app`` returns: inference requests go straight to their
+    endpoint (``InferEndpoint``), without Starlette's routing, request and response
+    objects; everything else to the Starlette app (``app``: mount routes on it, read
+    ``state``). What it saves is what Ray Serve's replicas and anyone mounting the app
+    in their own server pay per request."""
+
+    def __init__(self, app: Starlette, infer: InferEndpoint) -> None:
+        self.app = app
+        self.state = app.state
+        self.infer = infer
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            root = scope.get("root_path", "")
+            if root and path.startswith(root):  # mounted: the path below the mount
+                path = path[len(root) :]
+            found = fast_route("POST", path)
+            if found is not None:
+                scope["path_params"] = (
+                    {"model": found[1]}
+                    if found[2] is None
+                    else {"model": found[1], "version": found[2]}
+                )
+                await self.infer(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # --------------------------------------------------------------------------- responses
@@ -315,49 +375,100 @@ class Upload:
         self.chunks = []
 
 
-@_endpoint
-async def infer(request: Request) -> Response:
-    state = _state(request)
-    server = state.server
-    name = request.path_params["model"]
-    version = request.path_params.get("version")
-    core.resolve(server, name, version)  # loading, draining, unknown: before the body
-    upload = Upload(state, request.headers.get("content-length"))
-    try:
-        async for chunk in request.stream():
-            upload.add(chunk)
-        body = upload.body()
-        decode = request_decoder(body, request.headers.get(HEADER_LENGTH), state.limits)
+class InferEndpoint:
+    """``POST /v2/models/{model}[/versions/{version}]/infer`` as a raw ASGI endpoint (the
+    Starlette route's, and ``KServeApp``'s without routing): the body is gathered within
+    the per-request limit and the app's budget (``Upload``), the request core answers it,
+    and the reply is sent as one response start and one body. A client that hangs up
+    takes its request out of the queue if it was not dispatched yet: ``pxrt serve``'s
+    protocol reports that through a scope extension; under another server, a pending
+    ``receive()`` per request does."""
 
-        queued: list[asyncio.Future] = []
-        hangup: list[asyncio.Future] = []
+    def __init__(self, state: AppState) -> None:
+        self.state = state
 
-        def on_queued(future: asyncio.Future) -> None:
-            # A client that hangs up takes its request out of the queue if it is not
-            # dispatched yet. pxrt serve's protocol reports that through a scope
-            # extension; under another server, a pending receive() per request does.
-            queued.append(future)
-            on_disconnect = request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
-            if on_disconnect is not None:
-                on_disconnect(future.cancel)
-            else:
-                receive = asyncio.ensure_future(request.receive())
-                receive.add_done_callback(functools.partial(_on_hangup, future=future))
-                hangup.append(receive)
-
-        # The version that answers is the one served now: while the body was read, a
-        # newer version may have taken over (or the one picked, been unloaded).
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        state = self.state
         try:
-            return await core.infer(server, name, version, decode, _encode, on_queued)
+            await self._infer(state, scope, receive, send)
+        except _Sent:
+            pass
         except asyncio.CancelledError:
-            if queued and queued[0].cancelled():
-                return Response(status_code=499)  # the client is gone; nobody reads it
             raise
+        except Exception as exc:  # noqa: BLE001 - answered by the error table
+            if not (core.is_known(exc) or isinstance(exc, (ProtocolError, RepositoryError))):
+                exc = core.internal_error(f"POST {scope.get('path', '')}", exc)
+            status, doc, headers = error_reply(exc, state.server)
+            await _send(send, status, orjson.dumps(doc), headers, "application/json")
+
+    async def _infer(self, state: AppState, scope: Any, receive: Any, send: Any) -> None:
+        headers = Headers(scope=scope)
+        if "inference" in state.restrictions.keys:
+            state.restrictions.check("inference", headers.get)
+        server = state.server
+        params = scope["path_params"]
+        name, version = params["model"], params.get("version")
+        core.resolve(server, name, version)  # loading, draining, unknown: before the body
+        upload = Upload(state, headers.get("content-length"))
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _Sent  # nobody to answer
+                upload.add(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+            decode = request_decoder(upload.body(), headers.get(HEADER_LENGTH), state.limits)
+            queued: list[asyncio.Future] = []
+            hangup: list[asyncio.Future] = []
+
+            def on_queued(future: asyncio.Future) -> None:
+                queued.append(future)
+                on_disconnect = scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+                if on_disconnect is not None:
+                    on_disconnect(future.cancel)
+                else:
+                    waiting = asyncio.ensure_future(receive())
+                    waiting.add_done_callback(functools.partial(_on_hangup, future=future))
+                    hangup.append(waiting)
+
+            # The version that answers is the one served now: while the body was read, a
+            # newer version may have taken over (or the one picked, been unloaded).
+            try:
+                body, header_length = await core.infer(
+                    server, name, version, decode, _encode, on_queued
+                )
+            except asyncio.CancelledError:
+                if queued and queued[0].cancelled():
+                    await _send(send, 499, b"", None, None)  # the client is gone
+                    raise _Sent from None
+                raise
+            finally:
+                for waiting in hangup:
+                    waiting.cancel()
         finally:
-            for receive in hangup:
-                receive.cancel()
-    finally:
-        upload.release()  # inputs may view the body until the reply is made
+            upload.release()  # inputs may view the body until the reply is made
+        if header_length is None:
+            await _send(send, 200, body, None, "application/json")
+        else:
+            extra = {"Inference-Header-Content-Length": str(header_length)}
+            await _send(send, 200, body, extra, "application/octet-stream")
+
+
+class _Sent(Exception):
+    """The endpoint has answered (or has nobody to answer)."""
+
+
+async def _send(
+    send: Any, status: int, body: bytes, headers: Mapping[str, str] | None, media: str | None
+) -> None:
+    raw = [(b"content-length", b"%d" % len(body))]
+    if media is not None:
+        raw.append((b"content-type", media.encode()))
+    for key, value in (headers or {}).items():
+        raw.append((key.lower().encode("latin-1"), value.encode("latin-1")))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 def request_decoder(
@@ -379,11 +490,10 @@ def request_decoder(
     return decode
 
 
-def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> Response:
-    body, header_length = codec.encode_response(
-        name, model.version, request.id, outputs, request.outputs
-    )
-    return infer_response(body, header_length)
+def _encode(
+    name: str, model: Model, request: InferRequest, outputs: dict
+) -> tuple[bytes, int | None]:
+    return codec.encode_response(name, model.version, request.id, outputs, request.outputs)
 
 
 def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
@@ -393,18 +503,7 @@ def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
         future.cancel()
 
 
-def infer_response(body: bytes, header_length: int | None) -> Response:
-    """The HTTP response for an encoded inference result (``codec.encode_response``)."""
-    if header_length is None:
-        return Response(body, media_type="application/json")
-    return Response(
-        body,
-        media_type="application/octet-stream",
-        headers={"Inference-Header-Content-Length": str(header_length)},
-    )
-
-
-def _routes(restrictions: Restrictions) -> list[Route]:
+def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
     r = functools.partial(_restricted, restrictions)
     routes = [
         Route("/v2", r("metadata", server_metadata)),
@@ -430,7 +529,7 @@ def _routes(restrictions: Restrictions) -> list[Route]:
             Route(prefix + "/ready", r("health", model_ready)),
             Route(prefix + "/config", r("metadata", model_config)),
             Route(prefix + "/stats", r("statistics", model_stats)),
-            Route(prefix + "/infer", r("inference", infer), methods=["POST"]),
+            Route(prefix + "/infer", infer, methods=["POST"]),  # (checks its own key)
         ]
     return routes
 
@@ -440,11 +539,13 @@ __all__ = [
     "HEADER_LENGTH",
     "AppState",
     "BodiesFull",
+    "InferEndpoint",
+    "KServeApp",
     "BodyBudget",
     "Upload",
     "create_app",
     "error_reply",
-    "infer_response",
+    "fast_route",
     "readiness",
     "request_decoder",
 ]

@@ -48,6 +48,7 @@ from .http import (
     AppState,
     Upload,
     error_reply,
+    fast_route,
     readiness,
     request_decoder,
 )
@@ -61,7 +62,6 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LENGTH_HEADER = HEADER_LENGTH.encode()
 
 _INFER, _LIVE, _READY = "inference", "live", "ready"
-_MODELS = "/v2/models/"
 
 
 ROUTES_CACHED = 1024  # (method, URL) -> route, remembered (least recently used go)
@@ -82,21 +82,7 @@ def _route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
         return None
     if "%" in path:
         path = unquote(path)
-    if method == b"POST":
-        if not (path.startswith(_MODELS) and path.endswith("/infer")):
-            return None
-        parts = path[len(_MODELS) : -len("/infer")].split("/")
-        if len(parts) == 1 and parts[0]:
-            return _INFER, parts[0], None
-        if len(parts) == 3 and parts[0] and parts[1] == "versions" and parts[2]:
-            return _INFER, parts[0], parts[2]
-        return None
-    if method == b"GET":
-        if path == "/v2/health/live":
-            return _LIVE, "", None
-        if path == "/v2/health/ready":
-            return _READY, "", None
-    return None
+    return fast_route(method.decode("latin-1"), path)
 
 
 _cached_route = functools.lru_cache(maxsize=ROUTES_CACHED)(_route)
