@@ -44,6 +44,7 @@ CONFIGS = {
     "asgi": ["--no-native-http"],  # every request through the Starlette app
     "native": [],  # the defaults: HTTP from the parser's callbacks, gRPC on pxrt's HTTP/2
     "grpcio": ["--no-native-grpc"],  # gRPC with grpcio's asyncio server
+    "workers2": ["--workers", "2"],  # two front-end processes and the device process
 }
 
 
@@ -63,10 +64,31 @@ def export_trivial(root: str) -> str:
 
 
 def cpu_seconds(pid: int) -> float:
-    """A process's CPU time so far (user + system)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """A process's CPU time so far (user + system), with its live children's (a
+    `pxrt serve --workers N` process and its workers)."""
+    total = 0.0
+    for p in [pid, *children(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                        out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return out
 
 
 class Served:
@@ -98,7 +120,7 @@ class Served:
 
     def requests(self) -> int:
         doc = httpx.get(self.url("/v2/models/trivial/stats"), timeout=10).json()
-        return doc["model_stats"][0]["inference_count"]
+        return doc["model_stats"][0]["inference_stats"]["success"]["count"]
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -113,7 +135,8 @@ def perf_analyzer(pa: list[str], served: Any, protocol: str, args, strict: bool 
         cmd = [*pa, "-m", "trivial", "-i", protocol, "-u", f"127.0.0.1:{port}",
                "--concurrency-range", f"{args.concurrency}:{args.concurrency}",
                "--measurement-interval", str(args.interval_ms),
-               "--stability-percentage", str(args.stability), "-f", out.name]  # fmt: skip
+               "--stability-percentage", str(args.stability), "-f", out.name,
+               *shlex.split(args.pa_args)]  # fmt: skip
         cpu0, n0 = served.cpu_s(), served.requests()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -152,6 +175,10 @@ def main() -> None:
     parser.add_argument(
         "--perf-analyzer", default=os.environ.get("PXRT_PERF_ANALYZER", "perf_analyzer")
     )
+    parser.add_argument(
+        "--pa-args", default="", help="more perf_analyzer arguments, e.g. "
+        "'-b 256 --input-tensor-format json' (256-row requests as JSON: the parse is the work)",
+    )  # fmt: skip
     args = parser.parse_args()
     pa = shlex.split(args.perf_analyzer)
     configs = args.configs.split(",")

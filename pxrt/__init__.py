@@ -2,15 +2,45 @@
 
 Export once (``pxrt.export``), load with every batch bucket compiled ahead of time on a
 device mesh (``pxrt.load``), then run requests (``Model.run`` / ``Model.run_batch``);
-nothing compiles on the request path. Importing pxrt changes nothing in jax's config.
+nothing compiles on the request path. Importing pxrt changes nothing in jax's config,
+and imports jax only when something that needs it is first used (``pxrt serve``'s
+front-end workers never do).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._ext import using_extensions
-from .artifact import Artifact, ArtifactError, TensorSpec, export
-from .artifact import read as read_artifact
-from .executable import Model, example_inputs, load
+
+if TYPE_CHECKING:
+    from .artifact import Artifact, ArtifactError, TensorSpec, export
+    from .artifact import read as read_artifact
+    from .executable import Model, example_inputs, load
 
 __version__ = "0.1.0"
+
+# name -> (module, attribute): imported on first use (PEP 562).
+_LAZY = {
+    "Artifact": (".artifact", "Artifact"),
+    "ArtifactError": (".artifact", "ArtifactError"),
+    "TensorSpec": (".artifact", "TensorSpec"),
+    "export": (".artifact", "export"),
+    "read_artifact": (".artifact", "read"),
+    "Model": (".executable", "Model"),
+    "example_inputs": (".executable", "example_inputs"),
+    "load": (".executable", "load"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'pxrt' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = getattr(importlib.import_module(module, __name__), attribute)
+    globals()[name] = value
+    return value
 
 
 def compile_count() -> int:

@@ -1,4 +1,12 @@
-"""pxrt's serving layer: dynamic batching on asyncio/uvloop over pxrt models."""
+"""pxrt's serving layer: dynamic batching on asyncio/uvloop over pxrt models.
+
+The server (``Server``, ``BlockingServer``) is imported on first use (PEP 562): the
+front-end modules import without jax, as ``pxrt serve``'s workers run them."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     DeadlineExceeded,
@@ -9,7 +17,20 @@ from .errors import (
     UnknownModel,
 )
 from .options import BatchingOptions, HttpLimits, OptionError
-from .server import BlockingServer, Server, new_event_loop
+
+if TYPE_CHECKING:
+    from .server import BlockingServer, Server, new_event_loop
+
+_LAZY = {"BlockingServer", "Server", "new_event_loop"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(".server", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BatchingOptions",

@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_cmd_inspect)
 
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # (pxrt serve's workers)
     try:
         return args.func(args)
     except pxrt_errors() as exc:

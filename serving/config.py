@@ -79,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also serve KServe v2 over gRPC on this port (default: HTTP only)",
     )
+    p.add_argument(
+        "--workers", type=_arg(number(int, 1)), default=1,
+        help="front-end processes: each accepts, parses and decodes HTTP and gRPC; this "
+        "process keeps the models, the batching and the devices, and the requests' "
+        "tensors cross by shared memory. Raise it when one process's front end is the "
+        "bottleneck (many clients, small models, large JSON bodies) and cores are free "
+        "(default 1: one process does everything)",
+    )  # fmt: skip
     p.add_argument("--config", metavar="TOML", help="per-model options (see pxrt serve --help)")
     p.add_argument(
         "--model-repository",

@@ -22,11 +22,9 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-
-from pxrt import Model
 
 from . import codec
 from .access import Forbidden
@@ -41,7 +39,12 @@ from .errors import (
 )
 from .logs import printable
 from .repository import NoRepository, RepositoryError
-from .server import Server
+
+if TYPE_CHECKING:
+    from pxrt import Model
+
+    from .server import Server
+
 
 log = logging.getLogger("pxrt.core")
 

@@ -3,12 +3,13 @@ app sends them as JSON, the gRPC service as the protocol's messages."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pxrt import Model
+from typing import TYPE_CHECKING, Any
 
 from .codec import datatype_of, protocol_dims
 from .options import BatchingOptions
+
+if TYPE_CHECKING:
+    from pxrt import Model
 
 
 def server_metadata() -> dict:

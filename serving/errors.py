@@ -36,3 +36,16 @@ class UnknownModel(ServingError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+def no_model(name: str, served: list[str] | tuple[str, ...] | object) -> UnknownModel:
+    """The error for a model ``name`` not among ``served`` (names)."""
+    names = ", ".join(served) or "none"  # type: ignore[arg-type]
+    return UnknownModel(f"no model named {name!r}; serving: {names}")
+
+
+def no_version(name: str, version: str, versions: list[str]) -> UnknownModel:
+    """The error for a ``version`` of ``name`` not among ``versions`` (oldest first)."""
+    return UnknownModel(
+        f"model {name!r} has no version {version!r}; serving versions {', '.join(versions)}"
+    )

@@ -39,7 +39,7 @@ import logging
 import struct
 import zlib
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import grpc
@@ -47,14 +47,17 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from pxrt import Model
-
 from . import codec, core, h2
 from .access import Forbidden, Restrictions, TlsFiles
 from .core import BodyBudget, InferRequest
 from .grpc_server import GROUPS, GrpcLimits, GRPCService, Malformed, _checked, _parser
 from .repository import Repository
-from .server import Server
+
+if TYPE_CHECKING:
+    from pxrt import Model
+
+    from .server import Server
+
 
 log = logging.getLogger("pxrt.grpc")
 
@@ -220,6 +223,25 @@ def methods(service: GRPCService) -> dict[bytes, Method]:
             group,
         )
     return table
+
+
+async def run_method(
+    method: Method, data: bytes, headers: list, remaining: float | None
+) -> tuple[int, str, bytes]:
+    """Run a method that ``GRPCService`` answers (not inference): its status code, its
+    message, and its response message serialized (when the code is OK)."""
+    context = Context(headers, remaining)
+    try:
+        response = await method.impl(method.parse(data), context)
+    except Abort as exc:
+        return exc.code, exc.message, b""
+    except NotImplementedError:
+        code = context.code.value[0] if context.code is not None else _UNIMPLEMENTED
+        return code, context.details or "Method not implemented!", b""
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, INTERNAL
+        status = core.status_of(core.internal_error(method.name, exc))
+        return _CODES[status.grpc], status.message, b""
+    return _OK, "", method.serialize(response)
 
 
 # --------------------------------------------------------------------------- calls
@@ -636,18 +658,12 @@ class GrpcProtocol(h2.H2Protocol):
 
     async def _unary(self, call: Call, method: Method, remaining: float | None) -> None:
         data, call.message = call.message, None
-        context = Context(call.headers, remaining)
-        try:
-            response = await method.impl(method.parse(bytes(data)), context)
-        except Abort as exc:
-            self.finish(call, exc.code, exc.message)
-        except NotImplementedError:
-            code = context.code.value[0] if context.code is not None else _UNIMPLEMENTED
-            self.finish(call, code, context.details or "Method not implemented!")
-        except Exception as exc:  # noqa: BLE001 - a bug: one line, INTERNAL
-            self.fail_call(call, core.internal_error(method.name, exc))
+        run = self.owner.forward or run_method
+        code, message, body = await run(method, bytes(data), call.headers, remaining)
+        if code == _OK:
+            self.respond(call, [body])
         else:
-            self.respond(call, [method.serialize(response)])
+            self.finish(call, code, message)
 
     # ------------------------------------------------------------------ answers
 
@@ -804,8 +820,13 @@ class GrpcServer:
         budget: BodyBudget | None = None,
         body_timeout_s: float = 10.0,
         settings: h2.Settings = h2.Settings(),
+        forward: Any = None,
     ) -> None:
         self.server = server
+        # A worker's (pxrt serve --workers): methods other than inference are answered
+        # by the device process, ``forward(method, data, headers, remaining)`` as
+        # ``run_method``.
+        self.forward = forward
         self.limits = limits
         self.restrictions = restrictions
         self.max_message_bytes = max_message_bytes
@@ -825,13 +846,21 @@ class GrpcServer:
         self._listener: asyncio.AbstractServer | None = None
         self._drain_watch: asyncio.Future | None = None
 
-    async def start(self, host: str, port: int, tls: TlsFiles | None = None) -> None:
+    async def start(
+        self, host: str, port: int, tls: TlsFiles | None = None, sock: Any = None
+    ) -> None:
+        """Listen on ``host:port``, or on ``sock`` (a listening socket: a worker's)."""
         loop = asyncio.get_running_loop()
         context = tls.server_context(alpn=["h2"]) if tls is not None else None
         try:
-            self._listener = await loop.create_server(
-                lambda: GrpcProtocol(self), host, port, ssl=context, backlog=4096
-            )
+            if sock is not None:
+                self._listener = await loop.create_server(
+                    lambda: GrpcProtocol(self), sock=sock, ssl=context
+                )
+            else:
+                self._listener = await loop.create_server(
+                    lambda: GrpcProtocol(self), host, port, ssl=context, backlog=4096
+                )
         except OSError as exc:
             raise OSError(f"cannot listen for gRPC on {host}:{port}: {exc}") from None
         self._drain_watch = asyncio.ensure_future(self._watch_drain())
@@ -868,6 +897,8 @@ async def start_grpc(
     tls: TlsFiles | None = None,
     budget: BodyBudget | None = None,
     body_timeout_s: float = 10.0,
+    sock: Any = None,
+    forward: Any = None,
 ) -> GrpcServer:
     """Serve ``GRPCInferenceService`` on ``host:port`` on the running loop (as
     ``serving.grpc_server.start_grpc`` does with grpcio); returns the started server."""
@@ -879,9 +910,19 @@ async def start_grpc(
         restrictions=restrictions,
         budget=budget,
         body_timeout_s=body_timeout_s,
+        forward=forward,
     )
-    await grpc_server.start(host, port, tls)
+    await grpc_server.start(host, port, tls, sock=sock)
     return grpc_server
 
 
-__all__ = ["GrpcProtocol", "GrpcServer", "infer_response_parts", "start_grpc", "trailers"]
+__all__ = [
+    "GrpcProtocol",
+    "GrpcServer",
+    "Method",
+    "infer_response_parts",
+    "methods",
+    "run_method",
+    "start_grpc",
+    "trailers",
+]

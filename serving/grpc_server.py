@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -41,14 +41,17 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from pxrt import Model
-
 from . import codec, core, documents
 from .access import Forbidden, Restrictions, TlsFiles
 from .core import InferRequest
 from .errors import UnknownModel
 from .repository import Repository, require
-from .server import Server
+
+if TYPE_CHECKING:
+    from pxrt import Model
+
+    from .server import Server
+
 
 log = logging.getLogger("pxrt.grpc")
 

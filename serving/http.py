@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,8 +33,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pxrt import Model
-
 from . import codec, core, documents
 from .access import Restrictions
 from .codec import ProtocolError
@@ -42,7 +40,12 @@ from .core import BodiesFull, BodyBudget, InferRequest, TooLarge
 from .errors import ServingError
 from .options import HttpLimits
 from .repository import Repository, RepositoryError, require
-from .server import Server
+
+if TYPE_CHECKING:
+    from pxrt import Model
+
+    from .server import Server
+
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -125,9 +128,9 @@ class KServeApp:
     ``state``). What it saves is what Ray Serve's replicas and anyone mounting the app
     in their own server pay per request."""
 
-    def __init__(self, app: Starlette, infer: InferEndpoint) -> None:
-        self.app = app
-        self.state = app.state
+    def __init__(self, app: Any, infer: InferEndpoint) -> None:
+        self.app = app  # an ASGI app (``create_app``'s: the Starlette app)
+        self.state = getattr(app, "state", None)
         self.infer = infer
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -32,14 +32,12 @@ import asyncio
 import functools
 import http
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-from pxrt import Model
 
 from . import codec, core
 from .core import TooLarge
@@ -52,6 +50,10 @@ from .http import (
     readiness,
     request_decoder,
 )
+
+if TYPE_CHECKING:
+    from pxrt import Model
+
 
 _STATUS = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _STATUS[499] = b"HTTP/1.1 499 Client Closed Request\r\n"

@@ -24,12 +24,15 @@ import json
 import logging
 import os
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import UnknownModel
 from .logs import printable
 from .options import BatchingOptions
-from .server import Server
+
+if TYPE_CHECKING:
+    from .server import Server
+
 
 log = logging.getLogger("pxrt.repository")
 

@@ -6,6 +6,10 @@
 The HTTP server starts at once and answers ``/v2/health/live``; models load and compile
 in a worker thread, and ``/v2/health/ready`` turns 200 when all are warm. SIGTERM or
 Ctrl-C: stop accepting, answer every accepted request, exit 0.
+
+``--workers N`` (N > 1): this process is the device process (models, batching,
+devices) and ``N`` front-end worker processes share its listening sockets
+(``serving.workers``); the same answers, the same drain.
 """
 
 from __future__ import annotations
@@ -37,15 +41,96 @@ def refreeze_gc() -> None:
     gc.freeze()
 
 
+class _Setup:
+    """What both ways of serving share: the checked options, the ``Server``, the
+    repository, and the loading of every model."""
+
+    def __init__(self, args: argparse.Namespace, demo_dir: str) -> None:
+        from .server import Server
+
+        self.args = args
+        self.http_connections, self.grpc_connections = connection_shares(args)
+        self.restrictions = Restrictions.parse(args.restricted_api)
+        self.tls = TlsFiles.from_args(args)
+        self.limits = http_limits(args, self.http_connections)
+        self.specs = model_specs(args, demo_dir)
+        self.server = Server(ready=False, on_models_changed=refreeze_gc)
+        self.repository: Any = None
+        self.poller: list[asyncio.Future] = []
+        self.loading_error: list[BaseException] = []
+        if args.model_repository:
+            from .repository import Repository
+
+            defaults, repo_options, policies, may_change = repository_config(args)
+            self.repository = Repository(
+                args.model_repository,
+                self.server,
+                mode=args.model_control_mode,
+                policies=policies,
+                defaults=defaults,
+                options=repo_options,
+                allow_signature_change=may_change,
+            )
+        elif args.load_model or args.model_control_mode != "none":
+            raise OptionError("--model-control-mode and --load-model need --model-repository")
+
+    def grpc_limits(self, share: int) -> Any:
+        from .grpc_server import GrpcLimits
+
+        return GrpcLimits(
+            max_connections=share,
+            handshake_timeout_s=self.args.header_timeout_s,
+            max_stream_inflight=self.args.max_stream_inflight,
+        )
+
+    async def load_all(self) -> None:
+        """Load every model, start the repository, then turn ready (a failure is kept
+        in ``loading_error`` and raised)."""
+        import pxrt
+
+        args, server, repository = self.args, self.server, self.repository
+        try:
+            for name, path, options in self.specs:
+                model = await asyncio.to_thread(pxrt.load, path)
+                server.add_model(name or model.name, model, options)
+                dims = "".join(f", {d} {v}" for d, v in model.dim_buckets.items())
+                print(
+                    f"pxrt serve: {name or model.name} ready (buckets {model.buckets}"
+                    f"{dims}, {len(model.devices)} device(s))",
+                    file=sys.stderr,
+                )
+            if repository is not None:
+                await repository.start(args.load_model)
+                for row in repository.index():
+                    line = (
+                        f"repository {row['name']} version {row['version']}: "
+                        f"{row['state']} {row['reason']}"
+                    )
+                    print(f"pxrt serve: {printable(line).rstrip()}", file=sys.stderr)
+                if args.model_control_mode == "poll":
+                    self.poller.append(
+                        asyncio.ensure_future(repository.poll_forever(args.repository_poll_secs))
+                    )
+            refreeze_gc()
+            server.ready = True
+            scheme = "https" if self.tls else "http"
+            workers = f" ({args.workers} workers)" if args.workers > 1 else ""
+            print(
+                f"pxrt serve: ready on {scheme}://{args.host}:{args.port}{workers}",
+                file=sys.stderr,
+            )
+        except asyncio.CancelledError:
+            raise  # stopped while loading: not an error
+        except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
+            self.loading_error.append(exc)
+            raise
+
+    def stop_polling(self) -> None:
+        for task in self.poller:
+            task.cancel()
+
+
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    import pxrt
-
-    from .http import create_app
-    from .http_limits import guarded_protocol
-    from .server import Server, new_event_loop
-
     if args.ray:
         from .serve_ray import main_ray
 
@@ -60,167 +145,174 @@ def main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    http_connections, grpc_connections = connection_shares(args)
-    try:
-        restrictions = Restrictions.parse(args.restricted_api)
-        tls = TlsFiles.from_args(args)
-    except (OptionError, OSError) as exc:
-        print(f"pxrt serve: error: {exc}", file=sys.stderr)
+    if args.workers > 1 and args.grpc_port is not None and not args.native_grpc:
+        print(
+            "pxrt serve: error: --workers serves gRPC on pxrt's HTTP/2 only (no --no-native-grpc)",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="pxrt-serve-") as demo_dir:
-        specs = model_specs(args, demo_dir)
-        server = Server(ready=False, on_models_changed=refreeze_gc)
-        loading_error: list[BaseException] = []
-        repository = None
-        if args.model_repository:
-            from .repository import Repository
-
-            defaults, repo_options, policies, may_change = repository_config(args)
-            try:
-                repository = Repository(
-                    args.model_repository,
-                    server,
-                    mode=args.model_control_mode,
-                    policies=policies,
-                    defaults=defaults,
-                    options=repo_options,
-                    allow_signature_change=may_change,
-                )
-            except (OSError, ValueError) as exc:
-                print(f"pxrt serve: error: {exc}", file=sys.stderr)
-                return 2
-        elif args.load_model or args.model_control_mode != "none":
-            print(
-                "pxrt serve: error: --model-control-mode and --load-model need --model-repository",
-                file=sys.stderr,
-            )
+        try:
+            setup = _Setup(args, demo_dir)
+        except (OptionError, OSError, ValueError) as exc:
+            print(f"pxrt serve: error: {exc}", file=sys.stderr)
             return 2
-        poller: list[asyncio.Future] = []
+        run = _run_workers if args.workers > 1 else _run_one
+        code = run(setup)
+        if setup.loading_error:
+            print(f"pxrt serve: error: {printable(setup.loading_error[0])}", file=sys.stderr)
+            return 2
+    return code
 
-        async def load_all() -> None:
+
+def _run_one(setup: _Setup) -> int:
+    """One process: uvicorn (and gRPC) on this process's loop."""
+    import uvicorn
+
+    from .http import create_app
+    from .http_limits import guarded_protocol
+    from .loops import new_event_loop
+
+    args, server, limits, tls = setup.args, setup.server, setup.limits, setup.tls
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any):
+        grpc_server = None
+        if args.grpc_port is not None:
+            options: dict[str, Any] = dict(
+                host=args.host,
+                max_message_bytes=limits.max_body_bytes,
+                repository=setup.repository,
+                restrictions=setup.restrictions,
+                tls=tls,
+                limits=setup.grpc_limits(setup.grpc_connections),
+            )
+            if args.native_grpc:
+                from .grpc_native import start_grpc
+
+                # One budget of request bytes held over both front ends.
+                options.update(budget=state.budget, body_timeout_s=limits.body_timeout_s)
+            else:
+                from .grpc_server import start_grpc  # type: ignore[assignment]
+            grpc_server = await start_grpc(server, args.grpc_port, **options)
+            print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
+
+        async def load() -> None:
             try:
-                for name, path, options in specs:
-                    model = await asyncio.to_thread(pxrt.load, path)
-                    server.add_model(name or model.name, model, options)
-                    dims = "".join(f", {d} {v}" for d, v in model.dim_buckets.items())
-                    print(
-                        f"pxrt serve: {name or model.name} ready (buckets {model.buckets}"
-                        f"{dims}, {len(model.devices)} device(s))",
-                        file=sys.stderr,
-                    )
-                if repository is not None:
-                    await repository.start(args.load_model)
-                    for row in repository.index():
-                        line = (
-                            f"repository {row['name']} version {row['version']}: "
-                            f"{row['state']} {row['reason']}"
-                        )
-                        print(f"pxrt serve: {printable(line).rstrip()}", file=sys.stderr)
-                    if args.model_control_mode == "poll":
-                        poller.append(
-                            asyncio.ensure_future(
-                                repository.poll_forever(args.repository_poll_secs)
-                            )
-                        )
-                refreeze_gc()
-                server.ready = True
-                scheme = "https" if tls else "http"
-                print(f"pxrt serve: ready on {scheme}://{args.host}:{args.port}", file=sys.stderr)
-            except BaseException as exc:  # noqa: BLE001 - reported, then the server stops
-                loading_error.append(exc)
+                await setup.load_all()
+            except BaseException:  # noqa: BLE001 - kept in loading_error; the server stops
                 uv.should_exit = True
 
-        @contextlib.asynccontextmanager
-        async def lifespan(app: Any):
-            grpc_server = None
-            if args.grpc_port is not None:
-                from .grpc_server import GrpcLimits
+        loader = asyncio.ensure_future(load())
+        yield
+        server.drain()
+        loader.cancel()
+        setup.stop_polling()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=5.0)  # in-flight calls finish, then it closes
+        await server.close()
 
-                options: dict[str, Any] = dict(
-                    host=args.host,
-                    max_message_bytes=int(args.max_body_mb * (1 << 20)),
-                    repository=repository,
-                    restrictions=restrictions,
-                    tls=tls,
-                    limits=GrpcLimits(
-                        max_connections=grpc_connections,
-                        handshake_timeout_s=args.header_timeout_s,
-                        max_stream_inflight=args.max_stream_inflight,
-                    ),
-                )
-                if args.native_grpc:
-                    from .grpc_native import start_grpc
+    kserve = create_app(
+        server,
+        limits=limits,
+        lifespan=lifespan,
+        repository=setup.repository,
+        restrictions=setup.restrictions,
+    )
+    state = kserve.app.state.pxrt
+    config = uvicorn.Config(
+        kserve,
+        host=args.host,
+        port=args.port,
+        http=guarded_protocol(limits, server, native=state if args.native_http else None),
+        lifespan="on",
+        log_level=args.log_level,
+        timeout_graceful_shutdown=30,
+        # Connections waiting to be accepted (the kernel caps it at somaxconn):
+        # thousands of clients connecting at once wait there, not refused.
+        backlog=4096,
+        **(tls.uvicorn_options() if tls else {}),
+    )
 
-                    # One budget of request bytes held over both front ends.
-                    options.update(
-                        budget=app.state.pxrt.budget, body_timeout_s=limits.body_timeout_s
-                    )
-                else:
-                    from .grpc_server import start_grpc  # type: ignore[assignment]
-                grpc_server = await start_grpc(server, args.grpc_port, **options)
-                print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
-            loader = asyncio.ensure_future(load_all())
-            yield
-            server.drain()
-            loader.cancel()
-            for task in poller:
-                task.cancel()
-            if grpc_server is not None:
-                await grpc_server.stop(grace=5.0)  # in-flight calls finish, then it closes
-            await server.close()
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            server.drain()  # requests still arriving get 503 from now on
+            super().handle_exit(sig, frame)
 
-        limits = http_limits(args, http_connections)
-        app = create_app(
-            server,
-            limits=limits,
-            lifespan=lifespan,
-            repository=repository,
-            restrictions=restrictions,
-        )
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            http=guarded_protocol(
-                limits, server, native=app.state.pxrt if args.native_http else None
-            ),
-            lifespan="on",
-            log_level=args.log_level,
-            timeout_graceful_shutdown=30,
-            # Connections waiting to be accepted (the kernel caps it at somaxconn):
-            # thousands of clients connecting at once wait there, not refused.
-            backlog=4096,
-            **(tls.uvicorn_options() if tls else {}),
-        )
-
-        class Uvicorn(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: Any) -> None:
-                server.drain()  # requests still arriving get 503 from now on
-                super().handle_exit(sig, frame)
-
-            @contextlib.contextmanager
-            def capture_signals(self):
-                # uvicorn's own re-raises the signal after a graceful shutdown, so the
-                # process would die of it; a drained server exits 0 instead. The handler
-                # stays until the process exits: a second SIGTERM while it finishes
-                # shutting down must not kill it either.
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, self.handle_exit)
-                yield
-
-        uv = Uvicorn(config)
-        loop = new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(uv.serve())
-        finally:
-            loop.close()
-            # Drained: what is left is the interpreter's teardown, which resets Python's
-            # signal handlers to the default (a late SIGTERM would kill the process) but
-            # leaves ignored signals ignored.
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn's own re-raises the signal after a graceful shutdown, so the
+            # process would die of it; a drained server exits 0 instead. The handler
+            # stays until the process exits: a second SIGTERM while it finishes
+            # shutting down must not kill it either.
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
-        if loading_error:
-            print(f"pxrt serve: error: {printable(loading_error[0])}", file=sys.stderr)
-            return 2
+                signal.signal(sig, self.handle_exit)
+            yield
+
+    uv = Uvicorn(config)
+    _serve_until_done(new_event_loop(), uv.serve())
     return 0
+
+
+def _run_workers(setup: _Setup) -> int:
+    """The device process of ``--workers N``: it loads and batches; the workers (which
+    share the listening sockets it binds) take the connections."""
+    from .grpc_native import methods
+    from .grpc_server import GRPCService
+    from .http import create_app
+    from .loops import new_event_loop
+    from .workers import Supervisor, listening_socket
+
+    args, server = setup.args, setup.server
+    # What workers forward (everything but inference) is answered by this app and service.
+    app = create_app(
+        server, limits=setup.limits, repository=setup.repository, restrictions=setup.restrictions
+    )
+    service = GRPCService(
+        server, setup.repository, setup.grpc_limits(setup.grpc_connections), setup.restrictions
+    )
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        sockets = {"http": listening_socket(args.host, args.port)}
+        if args.grpc_port is not None:
+            sockets["grpc"] = listening_socket(args.host, args.grpc_port)
+        argv = getattr(args, "argv", None) or sys.argv[1:]
+        supervisor = Supervisor(server, app, methods(service), argv, args.workers, sockets)
+        await supervisor.start()
+        print(
+            f"pxrt serve: {args.workers} workers on {args.host}:{args.port}"
+            + (f", gRPC on {args.host}:{args.grpc_port}" if args.grpc_port is not None else ""),
+            file=sys.stderr,
+        )
+        loader = asyncio.ensure_future(setup.load_all())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loader, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if loader.done() and not loader.cancelled() and loader.exception() is None:
+            await stopped
+        server.drain()  # the workers are told; what they send from now on gets 503
+        loader.cancel()
+        setup.stop_polling()
+        await supervisor.stop(grace_s=35.0)  # each answers what it accepted, then exits
+        for sock in sockets.values():
+            sock.close()
+        await server.close()
+
+    _serve_until_done(new_event_loop(), run())
+    return 0
+
+
+def _serve_until_done(loop: asyncio.AbstractEventLoop, main: Any) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main)
+    finally:
+        loop.close()
+        # Drained: what is left is the interpreter's teardown, which resets Python's
+        # signal handlers to the default (a late SIGTERM would kill the process) but
+        # leaves ignored signals ignored.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)

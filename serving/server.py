@@ -26,18 +26,10 @@ from typing import Any
 from pxrt import Model
 
 from .batcher import Batcher
-from .errors import ServerClosed, UnknownModel
+from .errors import ServerClosed, no_model, no_version
+from .loops import new_event_loop
 from .metrics import Metrics
 from .options import BatchingOptions
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop loop when uvloop is installed, else asyncio's default loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 async def _raise(exc: BaseException) -> Any:
@@ -68,8 +60,9 @@ class Server:
     def __init__(
         self, *, ready: bool = True, on_models_changed: Callable[[], None] | None = None
     ) -> None:
-        self.ready = ready
+        self._ready = ready
         self._draining = asyncio.Event()  # set by drain(): streams end on it
+        self._watchers: list[Callable[[], None]] = []
         self.on_models_changed = on_models_changed
         self.metrics = Metrics()
         # name -> version -> its batcher: every version served.
@@ -120,12 +113,14 @@ class Server:
             self._batchers.pop(name, None)
             self._queues.pop(name, None)
             self.metrics.set_default(name, None)
+            self._changed()
             return
         newest = max(versions, key=version_order)
         batcher = versions[newest]
         self._batchers[name] = batcher
         self._queues[name] = batcher.queue
         self.metrics.set_default(name, newest)
+        self._changed()
 
     async def load_model(
         self,
@@ -165,12 +160,9 @@ class Server:
         memory included) is released, unless the caller holds it."""
         versions = self._versions.get(name)
         if not versions:
-            raise UnknownModel(self._unknown(name))
+            raise no_model(name, self._batchers)
         if version is not None and version not in versions:
-            raise UnknownModel(
-                f"model {name!r} has no version {version!r}; serving versions "
-                f"{', '.join(sorted(versions, key=version_order))}"
-            )
+            raise no_version(name, version, sorted(versions, key=version_order))
         gone = [version] if version is not None else list(versions)
         batchers = [versions.pop(v) for v in gone]
         self._route(name)
@@ -201,7 +193,7 @@ class Server:
     def versions(self, name: str) -> list[str]:
         """The versions of ``name`` served, oldest first."""
         if name not in self._versions:
-            raise UnknownModel(self._unknown(name))
+            raise no_model(name, self._batchers)
         return sorted(self._versions[name], key=version_order)
 
     # ------------------------------------------------------------------ per model
@@ -252,6 +244,16 @@ class Server:
         return None
 
     @property
+    def ready(self) -> bool:
+        """Whether it takes inference requests (unless draining)."""
+        return self._ready
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+        self._changed()
+
+    @property
     def draining(self) -> bool:
         """Whether inference requests are refused because the server is stopping."""
         return self._draining.is_set()
@@ -262,6 +264,16 @@ class Server:
             self._draining.set()
         else:
             self._draining.clear()
+        self._changed()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the loop) whenever readiness, draining or the models
+        served change (``pxrt serve --workers`` tells its workers)."""
+        self._watchers.append(callback)
+
+    def _changed(self) -> None:
+        for callback in self._watchers:
+            callback()
 
     def drain(self) -> None:
         """Refuse new inference requests from now on (``not_serving`` says why); the
@@ -280,16 +292,10 @@ class Server:
         else:
             batcher = self._versions.get(name, {}).get(version)
             if batcher is None and name in self._versions:
-                raise UnknownModel(
-                    f"model {name!r} has no version {version!r}; serving versions "
-                    f"{', '.join(self.versions(name))}"
-                )
+                raise no_version(name, version, self.versions(name))
         if batcher is None:
-            raise UnknownModel(self._unknown(name))
+            raise no_model(name, self._batchers)
         return batcher
-
-    def _unknown(self, name: str) -> str:
-        return f"no model named {name!r}; serving: {', '.join(self._batchers) or 'none'}"
 
     def infer(
         self,
@@ -316,7 +322,7 @@ class Server:
             if version is None:
                 queue = self._queues.get(name)
                 if queue is None:
-                    raise UnknownModel(self._unknown(name))
+                    raise no_model(name, self._batchers)
             else:
                 queue = self._batcher(name, version).queue
             return queue.submit(request, timeout_s)

@@ -1,0 +1,323 @@
+"""What front-end workers and the device process say to each other (``pxrt serve
+--workers N``): the messages, their framing, and the shared memory tensors cross by.
+
+Each worker holds one Unix stream socket to the device process. A frame is a 4-byte
+length and a msgpack message (``msgspec``: typed, ~1 us to encode or decode one);
+everything one side writes in one turn of its event loop goes out in one
+``writelines``. A tensor travels inline, as the message's bytes (decoded on the other
+side as a view of them: no copy beyond the socket's), unless it is at least
+``SHARED_MIN`` bytes: then its bytes are in shared memory and the message says where.
+Each side owns one ``Arena`` per worker (the worker's for requests, the device's for
+answers): the owner allocates, the other side reads, and the owner frees once the
+other side is done with the bytes (``Result`` frees a request's, ``Free`` an answer's).
+Nothing is pickled.
+
+Worker -> device: ``Hello`` (once), ``Infer``, ``Cancel`` (the client hung up),
+``Count`` (a request the front end answered itself), ``Call`` (any other HTTP request,
+or gRPC method, answered by the device process's own front end: one view of models,
+statistics, metrics and the repository for all workers), ``Free``.
+Device -> worker: ``State`` (readiness, draining and the models served, whenever they
+change), ``Result``, ``Reply``.
+"""
+
+from __future__ import annotations
+
+import struct
+from bisect import bisect_left, insort
+from multiprocessing import shared_memory
+from typing import Any
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy: np.dtype("bfloat16")
+import msgspec
+import numpy as np
+
+SHARED_MIN = 64 << 10  # tensors at least this large cross through shared memory
+_LENGTH = struct.Struct("<I")
+
+
+class Tensor(msgspec.Struct, array_like=True):
+    """An array: inline (``data``), or ``nbytes`` at ``offset`` of the sender's arena."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    data: memoryview | None = None
+    offset: int = -1
+    nbytes: int = 0
+
+
+class Spec(msgspec.Struct, array_like=True):
+    """A model input's or output's name, dtype, per-example shape and pad value."""
+
+    name: str
+    dtype: str
+    shape: list[int | str]
+    pad: float | int | bool = 0
+
+
+class Version(msgspec.Struct, array_like=True):
+    """What a front end needs to decode requests for a version of a model."""
+
+    version: str
+    inputs: list[Spec]
+    outputs: list[Spec]
+    buckets: list[int]
+    dim_buckets: dict[str, list[int]]
+
+
+class Served(msgspec.Struct, array_like=True):
+    name: str
+    newest: str
+    versions: list[Version]
+
+
+class Error(msgspec.Struct, array_like=True):
+    """An exception, by the name of its type in ``serving.remote.ERROR_TYPES``."""
+
+    kind: str
+    message: str
+    retry_after_s: float = 0.0
+
+
+# ----------------------------------------------------------------- worker -> device
+
+
+class Hello(msgspec.Struct, tag=1, array_like=True):
+    pid: int
+    arena: str  # the worker's shared memory for request tensors
+
+
+class Infer(msgspec.Struct, tag=2, array_like=True):
+    rid: int
+    model: str
+    version: str | None
+    timeout_s: float | None
+    inputs: list[Tensor]
+
+
+class Cancel(msgspec.Struct, tag=3, array_like=True):
+    rid: int
+
+
+class Count(msgspec.Struct, tag=4, array_like=True):
+    model: str
+    version: str
+    outcome: str
+
+
+class Call(msgspec.Struct, tag=5, array_like=True):
+    """``kind`` "http": ``method``, ``target`` (path and query), ``headers``, ``body``;
+    "grpc": ``method`` (its name), ``headers`` (the call's metadata), ``body`` (the
+    request message), ``timeout_s``."""
+
+    cid: int
+    kind: str
+    method: str
+    target: str
+    headers: list[tuple[bytes, bytes]]
+    body: memoryview
+    timeout_s: float | None = None
+
+
+class Free(msgspec.Struct, tag=6, array_like=True):
+    offsets: list[int]
+
+
+# ----------------------------------------------------------------- device -> worker
+
+
+class State(msgspec.Struct, tag=11, array_like=True):
+    not_serving: str | None  # why inference requests are refused now (loading, draining)
+    draining: bool
+    models: list[Served]
+    arena: str  # the device's shared memory for this worker's answers
+
+
+class Result(msgspec.Struct, tag=12, array_like=True):
+    rid: int
+    outputs: list[Tensor] | None = None
+    error: Error | None = None
+
+
+class Reply(msgspec.Struct, tag=13, array_like=True):
+    """An HTTP answer (``status``, ``headers``, ``body``) or a gRPC one (``status``:
+    its code, ``message``, ``body``: the response message)."""
+
+    cid: int
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: memoryview
+    message: str = ""
+
+
+ToDevice = Hello | Infer | Cancel | Count | Call | Free
+ToWorker = State | Result | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    """A message as it goes on the socket: its length, then its msgpack bytes."""
+    body = _encoder.encode(message)
+    return _LENGTH.pack(len(body)) + body
+
+
+class Reader:
+    """Messages out of a stream of frames (``feed`` each chunk received). Decoded
+    messages view the chunk's bytes: a tensor inline in one costs no copy."""
+
+    def __init__(self, kind: Any) -> None:
+        self.decoder = msgspec.msgpack.Decoder(kind)
+        self.pending = b""
+
+    def feed(self, data: bytes) -> list[Any]:
+        if self.pending:
+            data = self.pending + data
+            self.pending = b""
+        view = memoryview(data)
+        out = []
+        pos, end = 0, len(data)
+        unpack, decode = _LENGTH.unpack_from, self.decoder.decode
+        while end - pos >= 4:
+            (n,) = unpack(data, pos)
+            if end - pos - 4 < n:
+                break
+            out.append(decode(view[pos + 4 : pos + 4 + n]))
+            pos += 4 + n
+        if pos < end:
+            self.pending = bytes(view[pos:])
+        return out
+
+
+# ----------------------------------------------------------------- shared memory
+
+
+class Arena:
+    """One side's shared memory for the tensors it sends: first-fit allocation over a
+    sorted free list (coalesced as it is freed). ``attach`` opens the other side's."""
+
+    ALIGN = 64
+
+    def __init__(self, size: int, name: str | None = None) -> None:
+        self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
+        self.size = self.shm.size
+        self.owner = name is None
+        self.closed = False
+        self.free_list: list[tuple[int, int]] = [(0, self.size)] if self.owner else []
+        self.used: dict[int, int] = {}  # offset -> size
+
+    @classmethod
+    def attach(cls, name: str) -> Arena:
+        arena = cls(0, name)
+        # Python < 3.13 registers an attached segment with this process's resource
+        # tracker, which unlinks it when this process exits: the owner does that.
+        from multiprocessing import resource_tracker
+
+        try:
+            resource_tracker.unregister(arena.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - (3.13+: nothing was registered)
+            pass
+        return arena
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def alloc(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` of free space, or -1 when none is left."""
+        need = -(-nbytes // self.ALIGN) * self.ALIGN
+        for i, (offset, size) in enumerate(self.free_list):
+            if size >= need:
+                if size == need:
+                    del self.free_list[i]
+                else:
+                    self.free_list[i] = (offset + need, size - need)
+                self.used[offset] = need
+                return offset
+        return -1
+
+    def free(self, offset: int) -> None:
+        size = self.used.pop(offset, 0)
+        if not size:
+            return
+        free = self.free_list
+        i = bisect_left(free, (offset, 0))
+        if i < len(free) and offset + size == free[i][0]:  # joins the next
+            size += free[i][1]
+            del free[i]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # joins the previous
+            offset, size = free[i - 1][0], free[i - 1][1] + size
+            del free[i - 1]
+        insort(free, (offset, size))
+
+    def put(self, arr: np.ndarray) -> int:
+        """Copy ``arr`` into the arena; its offset, or -1 when it does not fit."""
+        offset = self.alloc(arr.nbytes)
+        if offset >= 0:
+            target = np.ndarray(arr.shape, arr.dtype, self.shm.buf, offset)
+            np.copyto(target, arr, casting="no")
+        return offset
+
+    def view(self, tensor: Tensor, dtype: np.dtype) -> np.ndarray:
+        """The array ``tensor`` names in this arena (a view of the shared memory)."""
+        return np.ndarray(tuple(tensor.shape), dtype, self.shm.buf, tensor.offset)
+
+    def close(self) -> None:
+        """Unmap it (and, the owner, remove it); closing twice does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+        try:
+            self.shm.close()
+        except BufferError:  # (a view outlives it: the mapping goes with the process)
+            pass
+
+
+def to_tensor(name: str, arr: np.ndarray, arena: Arena | None) -> Tensor:
+    """``arr`` as it crosses: through ``arena`` when large and there is room."""
+    if arena is not None and arr.nbytes >= SHARED_MIN:
+        offset = arena.put(arr)
+        if offset >= 0:
+            return Tensor(name, arr.dtype.name, list(arr.shape), None, offset, arr.nbytes)
+    arr = np.ascontiguousarray(arr)
+    return Tensor(name, arr.dtype.name, list(arr.shape), arr.reshape(-1).view(np.uint8).data)
+
+
+def from_tensor(tensor: Tensor, arena: Arena | None) -> np.ndarray:
+    """The array a ``Tensor`` carries: a view of the message, or of the sender's arena."""
+    dtype = np.dtype(tensor.dtype)
+    if tensor.data is not None:
+        return np.frombuffer(tensor.data, dtype).reshape(tensor.shape)
+    assert arena is not None
+    return arena.view(tensor, dtype)
+
+
+__all__ = [
+    "SHARED_MIN",
+    "Arena",
+    "Call",
+    "Cancel",
+    "Count",
+    "Error",
+    "Free",
+    "Hello",
+    "Infer",
+    "Reader",
+    "Reply",
+    "Result",
+    "Served",
+    "Spec",
+    "State",
+    "Tensor",
+    "ToDevice",
+    "ToWorker",
+    "Version",
+    "frame",
+    "from_tensor",
+    "to_tensor",
+]

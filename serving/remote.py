@@ -1,0 +1,382 @@
+"""A front-end worker's view of the device process (``pxrt serve --workers N``).
+
+``RemoteServer`` is what a worker's front ends (the native HTTP path, the ASGI app's
+inference endpoint, gRPC on pxrt's HTTP/2) call where one ``pxrt serve`` process calls
+its ``Server``: readiness and draining, the models served (enough of each to decode
+its requests: ``RemoteModel``), ``submit`` and ``count``. It keeps what the device
+process last said (``ipc.State``) and sends each request there (``ipc.Infer``); its
+future resolves when the answer comes back, with the same errors ``Server.submit``'s
+future would have. Everything else a client asks (metadata, config, statistics,
+``/metrics``, the repository) is forwarded whole and answered by the device process
+(``ForwardApp`` for HTTP, ``forward_grpc`` for gRPC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import core, ipc
+from .errors import (
+    DeadlineExceeded,
+    ExecutionFailed,
+    Overloaded,
+    ServerClosed,
+    UnknownModel,
+    no_model,
+    no_version,
+)
+
+log = logging.getLogger("pxrt.worker")
+
+ARENA_BYTES = 256 << 20  # this worker's shared memory for request tensors
+
+
+class RemoteModel:
+    """A version of a model as a worker knows it: its name, version, and its inputs'
+    and outputs' specs (``ipc.Spec``: name, dtype, shape) by name."""
+
+    def __init__(self, name: str, version: ipc.Version) -> None:
+        self.name = name
+        self.version = version.version
+        self.inputs = {s.name: s for s in version.inputs}
+        self.outputs = {s.name: s for s in version.outputs}
+        self.buckets = tuple(version.buckets)
+        self.dim_buckets = {d: tuple(v) for d, v in version.dim_buckets.items()}
+        self.described = version
+
+    def __repr__(self) -> str:
+        return f"RemoteModel({self.name!r}, version {self.version!r})"
+
+
+class DeviceGone(ServerClosed):
+    """The device process is gone (this worker stops)."""
+
+
+def _error(error: ipc.Error) -> BaseException:
+    """An error from the device process, as ``Server.submit``'s future would raise it."""
+    kind, message = error.kind, error.message
+    if kind == "Overloaded":
+        return Overloaded(message, error.retry_after_s)
+    known: dict[str, type[BaseException]] = {
+        "DeadlineExceeded": DeadlineExceeded,
+        "ExecutionFailed": ExecutionFailed,
+        "ServerClosed": ServerClosed,
+        "UnknownModel": UnknownModel,
+        "ValueError": core.InvalidRequest,  # the model's validation
+        "TypeError": core.InvalidRequest,
+    }
+    return known.get(kind, core.InternalError)(message)
+
+
+class RemoteServer:
+    """What a worker's front ends call instead of ``serving.Server`` (see the module)."""
+
+    def __init__(self) -> None:
+        self.link: DeviceLink | None = None
+        self._why: str | None = "the server is starting; not accepting inference requests"
+        self._draining = asyncio.Event()
+        self._models: dict[str, dict[str, RemoteModel]] = {}  # name -> version -> model
+        self._newest: dict[str, str] = {}
+        self._pending: dict[int, tuple[asyncio.Future, list[int]]] = {}  # rid -> (future, shm)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._next = 0
+        self.arena = ipc.Arena(ARENA_BYTES)  # request tensors
+        self.theirs: ipc.Arena | None = None  # the device's: answers
+        self.started = asyncio.Event()  # the first State came
+
+    # ------------------------------------------------------------------ what Server offers
+
+    def not_serving(self) -> str | None:
+        return self._why
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    async def wait_draining(self) -> None:
+        await self._draining.wait()
+
+    @property
+    def models(self) -> dict[str, RemoteModel]:
+        return {name: self._models[name][v] for name, v in self._newest.items()}
+
+    def versions(self, name: str) -> list[str]:
+        if name not in self._models:
+            raise no_model(name, list(self._newest))
+        return list(self._models[name])
+
+    def model(self, name: str, version: str | None = None) -> RemoteModel:
+        versions = self._models.get(name)
+        if versions is None:
+            raise no_model(name, list(self._newest))
+        if version is None:
+            return versions[self._newest[name]]
+        model = versions.get(version)
+        if model is None:
+            raise no_version(name, version, list(versions))
+        return model
+
+    def count(self, name: str, version: str, outcome: str) -> None:
+        if self.link is not None:
+            self.link.send(ipc.Count(name, version, outcome))
+
+    def submit(
+        self,
+        name: str,
+        request: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+        version: str | None = None,
+    ) -> asyncio.Future:
+        """Send a request to the device process's queue; its future resolves with the
+        outputs (or its error). Cancelling it (a client that hung up) takes the request
+        out of the queue there if it was not dispatched yet."""
+        link = self.link
+        if link is None:
+            raise DeviceGone("the device process is gone")
+        self.model(name, version)  # UnknownModel here, as Server.submit raises it
+        rid = self._next = self._next + 1
+        offsets: list[int] = []
+        tensors = []
+        for key, arr in request.items():
+            tensor = ipc.to_tensor(key, np.asarray(arr), self.arena)
+            if tensor.offset >= 0:
+                offsets.append(tensor.offset)
+            tensors.append(tensor)
+        future = link.loop.create_future()
+        self._pending[rid] = (future, offsets)
+        future.add_done_callback(functools.partial(self._cancelled, rid))
+        link.send(ipc.Infer(rid, name, version, timeout_s, tensors))
+        return future
+
+    def _cancelled(self, rid: int, future: asyncio.Future) -> None:
+        if future.cancelled() and rid in self._pending and self.link is not None:
+            self.link.send(ipc.Cancel(rid))  # (its shared memory is freed with its Result)
+
+    # ------------------------------------------------------------------ from the device
+
+    def on_state(self, state: ipc.State) -> None:
+        models: dict[str, dict[str, RemoteModel]] = {}
+        for served in state.models:
+            old = self._models.get(served.name, {})
+            versions = {}
+            for described in served.versions:
+                kept = old.get(described.version)
+                # The same object while it is the same: request plans are kept per model.
+                same = kept is not None and kept.described == described
+                versions[described.version] = (
+                    kept if same and kept is not None else RemoteModel(served.name, described)
+                )
+            models[served.name] = versions
+        self._models = models
+        self._newest = {s.name: s.newest for s in state.models}
+        self._why = state.not_serving
+        if state.draining:
+            self._draining.set()
+        if self.theirs is None or self.theirs.name != state.arena:
+            self.theirs = ipc.Arena.attach(state.arena)
+        self.started.set()
+
+    def on_result(self, result: ipc.Result) -> None:
+        entry = self._pending.pop(result.rid, None)
+        theirs = [t.offset for t in result.outputs or () if t.offset >= 0]
+        if entry is None:
+            if theirs and self.link is not None:
+                self.link.send(ipc.Free(theirs))
+            return
+        future, ours = entry
+        for offset in ours:
+            self.arena.free(offset)
+        if future.done():
+            if theirs and self.link is not None:
+                self.link.send(ipc.Free(theirs))
+            return
+        if result.error is not None:
+            if result.error.kind == "CancelledError":
+                future.cancel()  # (its model closed under it: answered as cancelled)
+            else:
+                future.set_exception(_error(result.error))
+            return
+        outputs = {}
+        for tensor in result.outputs or ():
+            arr = ipc.from_tensor(tensor, self.theirs)
+            # Out of shared memory before the reply: a transport may keep a buffer
+            # until the socket takes it, and the device reuses the space once freed.
+            outputs[tensor.name] = arr.copy() if tensor.offset >= 0 else arr
+        if theirs and self.link is not None:
+            self.link.send(ipc.Free(theirs))
+        future.set_result(outputs)
+
+    def on_reply(self, reply: ipc.Reply) -> None:
+        future = self._calls.pop(reply.cid, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
+
+    def on_lost(self) -> None:
+        """The device process is gone: every request waiting on it fails."""
+        self.link = None
+        self._why = "the device process is gone; not accepting inference requests"
+        gone = DeviceGone("the device process is gone")
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.set_exception(gone)
+        self._pending.clear()
+        for call in self._calls.values():
+            if not call.done():
+                call.set_exception(gone)
+        self._calls.clear()
+        self._draining.set()
+
+    def close(self) -> None:
+        """Give back the shared memory (this worker's, and its view of the device's)."""
+        if self.link is not None and self.link.transport is not None:
+            self.link.transport.close()
+        self.arena.close()
+        if self.theirs is not None:
+            self.theirs.close()
+
+    # ------------------------------------------------------------------ forwarded calls
+
+    async def call(self, message: ipc.Call) -> ipc.Reply:
+        link = self.link
+        if link is None:
+            raise DeviceGone("the device process is gone")
+        cid = self._next = self._next + 1
+        message.cid = cid
+        future = link.loop.create_future()
+        self._calls[cid] = future
+        link.send(message)
+        try:
+            return await future
+        finally:
+            self._calls.pop(cid, None)
+
+    async def forward_grpc(
+        self, method: Any, data: bytes, headers: list, remaining: float | None
+    ) -> tuple[int, str, bytes]:
+        """A gRPC method other than inference, answered by the device process (as
+        ``serving.grpc_native.run_method`` there)."""
+        metadata = [(k, v) for k, v in headers if not k.startswith(b":")]
+        try:
+            reply = await self.call(
+                ipc.Call(0, "grpc", method.name, "", metadata, memoryview(data), remaining)
+            )
+        except DeviceGone as exc:
+            return 14, str(exc), b""
+        return reply.status, reply.message, bytes(reply.body)
+
+
+class DeviceLink(asyncio.Protocol):
+    """A worker's end of its socket to the device process."""
+
+    def __init__(self, remote: RemoteServer, on_lost: Any = None) -> None:
+        self.remote = remote
+        self.reader = ipc.Reader(ipc.ToWorker)
+        self.on_lost = on_lost
+        self._out: list[bytes] = []
+        self._flushing = False
+        self.closed = False
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.loop = asyncio.get_running_loop()
+        self.remote.link = self
+        self.send(ipc.Hello(os.getpid(), self.remote.arena.name))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.remote.on_lost()
+        if self.on_lost is not None:
+            self.on_lost()
+
+    def data_received(self, data: bytes) -> None:
+        remote = self.remote
+        for message in self.reader.feed(data):
+            kind = type(message)
+            if kind is ipc.Result:
+                remote.on_result(message)
+            elif kind is ipc.Reply:
+                remote.on_reply(message)
+            elif kind is ipc.State:
+                remote.on_state(message)
+
+    def send(self, message: Any) -> None:
+        if self.closed:
+            return
+        self._out.append(ipc.frame(message))
+        if not self._flushing:
+            self._flushing = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        out, self._out = self._out, []
+        if out and not self.closed:
+            self.transport.writelines(out)
+
+
+class ForwardApp:
+    """The ASGI app behind a worker's inference endpoint: any other request is read
+    (within the body limit) and answered by the device process's own app."""
+
+    def __init__(self, remote: RemoteServer, max_body_bytes: int) -> None:
+        self.remote = remote
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await _reply(send, 413, b'{"error": "the request body is over the limit"}')
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        call = ipc.Call(
+            0, "http", scope["method"], target.decode("latin-1"),
+            list(scope["headers"]), memoryview(b"".join(chunks)),
+        )  # fmt: skip
+        try:
+            reply = await self.remote.call(call)
+        except DeviceGone:
+            await _reply(send, 503, b'{"error": "the device process is gone"}')
+            return
+        await send(
+            {"type": "http.response.start", "status": reply.status, "headers": reply.headers}
+        )
+        await send({"type": "http.response.body", "body": bytes(reply.body)})
+
+
+async def _reply(send: Any, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["DeviceGone", "DeviceLink", "ForwardApp", "RemoteModel", "RemoteServer"]

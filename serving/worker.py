@@ -1,0 +1,136 @@
+"""A front-end worker of ``pxrt serve --workers N`` (``serving.workers.Supervisor``
+starts it; nothing else should).
+
+It serves HTTP (uvicorn on the shared listening socket, with the connection guard and
+the native path) and gRPC (pxrt's HTTP/2) exactly as one ``pxrt serve`` process does,
+over a ``serving.remote.RemoteServer``: inference goes to the device process's queue,
+everything else is answered there. It parses ``pxrt serve``'s own arguments for its
+limits; its share of the connection cap and of the request-body budget is ``1/N``.
+SIGTERM: stop accepting, answer what it accepted, exit. A worker whose device process
+is gone exits.
+
+    python -m serving.worker --ipc-fd FD --http-fd FD [--grpc-fd FD] --index I/N -- ARGS
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+from typing import Any
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    own = argparse.ArgumentParser(prog="serving.worker")
+    own.add_argument("--ipc-fd", type=int, required=True)
+    own.add_argument("--http-fd", type=int, required=True)
+    own.add_argument("--grpc-fd", type=int, default=None)
+    own.add_argument("--index", required=True, help="I/N: this worker's index and the count")
+    if "--" not in argv:
+        own.error("pxrt serve's arguments follow --")
+    split = argv.index("--")
+    args = own.parse_args(argv[:split])
+    serve_argv = argv[split + 1 :]
+    if serve_argv[:1] == ["serve"]:
+        serve_argv = serve_argv[1:]
+    from .config import add_arguments
+
+    serve = argparse.ArgumentParser(prog="pxrt serve")
+    add_arguments(serve)
+    return args, serve.parse_args(serve_argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from .access import Restrictions, TlsFiles
+    from .config import connection_shares, http_limits
+    from .core import BodyBudget
+    from .grpc_native import GrpcServer
+    from .grpc_server import GrpcLimits
+    from .http import AppState, InferEndpoint, KServeApp
+    from .http_limits import guarded_protocol
+    from .loops import new_event_loop
+    from .remote import DeviceLink, ForwardApp, RemoteServer
+
+    args, opts = _parse(sys.argv[1:] if argv is None else argv)
+    index, count = (int(x) for x in args.index.split("/"))
+    http_share, grpc_share = connection_shares(opts)
+    limits = http_limits(opts, max(1, http_share // count))
+    limits = limits.replace(max_pending_body_bytes=max(1, limits.max_pending_body_bytes // count))
+    restrictions = Restrictions.parse(opts.restricted_api)
+    tls = TlsFiles.from_args(opts)
+
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    remote = RemoteServer()
+    state = AppState(
+        remote,  # type: ignore[arg-type]  # what the front ends call of a Server
+        limits,
+        BodyBudget(limits.max_pending_body_bytes),
+        None,
+        restrictions,
+    )
+    app = KServeApp(ForwardApp(remote, limits.max_body_bytes), InferEndpoint(state))
+    config = uvicorn.Config(
+        app,
+        http=guarded_protocol(limits, remote, native=state if opts.native_http else None),
+        lifespan="off",
+        log_level=opts.log_level,
+        timeout_graceful_shutdown=30,
+        **(tls.uvicorn_options() if tls else {}),
+    )
+
+    class Uvicorn(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # SIGTERM (from the device process): shut down gracefully and exit 0; SIGINT
+            # (Ctrl-C reaches the whole process group): the device process decides.
+            signal.signal(signal.SIGTERM, self.handle_exit)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            yield
+
+    uv = Uvicorn(config)
+
+    def device_gone() -> None:
+        uv.should_exit = True
+
+    async def run() -> None:
+        ipc_sock = socket.socket(fileno=args.ipc_fd)
+        await loop.connect_accepted_socket(lambda: DeviceLink(remote, device_gone), ipc_sock)
+        await remote.started.wait()
+        grpc_server: Any = None
+        if args.grpc_fd is not None:
+            grpc_server = GrpcServer(
+                remote,  # type: ignore[arg-type]
+                max_message_bytes=limits.max_body_bytes,
+                limits=GrpcLimits(
+                    max_connections=max(1, grpc_share // count),
+                    handshake_timeout_s=opts.header_timeout_s,
+                    max_stream_inflight=opts.max_stream_inflight,
+                ),
+                restrictions=restrictions,
+                budget=state.budget,
+                body_timeout_s=limits.body_timeout_s,
+                forward=remote.forward_grpc,
+            )
+            await grpc_server.start(opts.host, 0, tls, sock=socket.socket(fileno=args.grpc_fd))
+        try:
+            await uv.serve(sockets=[socket.socket(fileno=args.http_fd)])
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(5.0)
+            remote.close()
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
