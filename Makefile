@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/http_compare.py
 	$(PY) benchmarks/protocol_overhead.py
+	$(PY) benchmarks/health_under_load.py
 	$(PY) benchmarks/grpc_compare.py
 	$(PY) benchmarks/variable_length.py
 	$(PY) benchmarks/ray_compare.py

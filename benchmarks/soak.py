@@ -16,7 +16,7 @@ requests by outcome, unanswered requests and 5xx on established connections (the
 be none), and memory and descriptors at the start of the second minute (after warm-up)
 and at the end.
 
-    python benchmarks/soak.py [--minutes 5] [--reload-every-s 20]
+    python benchmarks/soak.py [--minutes 5] [--reload-every-s 20] [--workers 1]
 """
 
 from __future__ import annotations
@@ -51,16 +51,34 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from pxrt import demo  # noqa: E402
 
 
+def _tree(pid: int) -> list[int]:
+    """The server's processes: itself and its children (--workers' workers)."""
+    from servers import children
+
+    return [pid, *children(pid)]
+
+
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident memory of the server's processes, summed."""
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(x.split()[1]) for x in f if x.startswith("VmRSS:")) / 1024
+        except (FileNotFoundError, StopIteration):
+            continue
+    return total
 
 
 def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """Open file descriptors of the server's processes, summed."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            total += len(os.listdir(f"/proc/{p}/fd"))
+        except FileNotFoundError:
+            continue
+    return total
 
 
 def main() -> None:
@@ -69,6 +87,7 @@ def main() -> None:
     parser.add_argument(
         "--reload-every-s", type=float, default=20.0, help="seconds between reloads (0: none)"
     )
+    parser.add_argument("--workers", type=int, default=1, help="pxrt serve --workers")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="pxrt-soak-")
     repo = os.path.join(work, "repo")
@@ -76,7 +95,8 @@ def main() -> None:
     spare = shutil.copytree(os.path.join(repo, "mlp", "1"), os.path.join(work, "spare"))
     proc = ServeProcess(
         ["--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "mlp",
-         "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections", "64"],
+         "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections", "64",
+         "--workers", str(args.workers)],
         grpc=True,
     )  # fmt: skip
     url, port, pid = proc.url, proc.port, proc.proc.pid

@@ -255,8 +255,11 @@ def start(
             server.count(name, model.version, "invalid")
             raise
         try:
+            # The version asked for (None: the newest, which is ``model`` here; behind
+            # ``pxrt serve --workers``, the newest when the device process takes it, so a
+            # reload between the two does not fail the request).
             future = server.submit(
-                name, request.inputs, timeout_s=request.timeout_s, version=model.version
+                name, request.inputs, timeout_s=request.timeout_s, version=version
             )
         except (TypeError, ValueError) as exc:  # the model's validation (its queue counted it)
             raise InvalidRequest(str(exc)) from None

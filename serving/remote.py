@@ -70,7 +70,6 @@ def _error(error: ipc.Error) -> BaseException:
         "ServerClosed": ServerClosed,
         "UnknownModel": UnknownModel,
         "ValueError": core.InvalidRequest,  # the model's validation
-        "TypeError": core.InvalidRequest,
     }
     return known.get(kind, core.InternalError)(message)
 

@@ -132,6 +132,10 @@ class _Setup:
 
 def main(args: argparse.Namespace) -> int:
     if args.ray:
+        if args.workers > 1:
+            print("pxrt serve: error: --workers is for pxrt's own front end, not --ray "
+                  "(Ray's proxy takes the connections)", file=sys.stderr)  # fmt: skip
+            return 2
         from .serve_ray import main_ray
 
         return main_ray(args)

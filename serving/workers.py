@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from . import ipc
-from .errors import Overloaded
+from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed, UnknownModel
 
 if TYPE_CHECKING:
     from .grpc_native import Method
@@ -40,6 +40,7 @@ log = logging.getLogger("pxrt.workers")
 
 ARENA_BYTES = 256 << 20  # shared memory per worker and direction (address space until used)
 RESTART_DELAY_S = 0.5  # a worker that died is started again after this
+MAX_RESTART_S = 30.0  # ... doubled, up to this, while it keeps dying soon after starting
 SERVICE = "/inference.GRPCInferenceService/"
 
 
@@ -68,10 +69,22 @@ def _spec(name: str, spec: Any) -> ipc.Spec:
     return ipc.Spec(name, spec.dtype.name, list(spec.shape), pad)
 
 
+# What a worker raises again, by the first of these an exception is (``serving.remote``).
+_KINDS: tuple[tuple[Any, str], ...] = (
+    (Overloaded, "Overloaded"),
+    (DeadlineExceeded, "DeadlineExceeded"),
+    (ExecutionFailed, "ExecutionFailed"),
+    (ServerClosed, "ServerClosed"),
+    (UnknownModel, "UnknownModel"),
+    ((TypeError, ValueError), "ValueError"),  # the model's validation
+)
+
+
 def error_of(exc: BaseException) -> ipc.Error:
     """An exception as it crosses to a worker (``serving.remote`` raises it again)."""
     retry = exc.retry_after_s if isinstance(exc, Overloaded) else 0.0
-    return ipc.Error(type(exc).__name__, str(exc), retry)
+    kind = next((name for types, name in _KINDS if isinstance(exc, types)), "InternalError")
+    return ipc.Error(kind, str(exc), retry)
 
 
 class WorkerLink(asyncio.Protocol):
@@ -191,22 +204,32 @@ class WorkerLink(asyncio.Protocol):
     # ------------------------------------------------------------------ forwarded calls
 
     async def _call(self, call: ipc.Call) -> None:
+        try:
+            reply = await self._answer(call)
+        except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500 / INTERNAL
+            from .core import internal_error
+
+            error = internal_error(f"forwarded {call.kind} {call.method}", exc)
+            status = 500 if call.kind == "http" else 13
+            body = b'{"error": "internal error"}' if call.kind == "http" else b""
+            reply = ipc.Reply(call.cid, status, [], memoryview(body), str(error))
+        self.send(reply)
+
+    async def _answer(self, call: ipc.Call) -> ipc.Reply:
         if call.kind == "http":
             status, headers, body = await asgi_call(
                 self.supervisor.app, call.method, call.target, call.headers, bytes(call.body)
             )
-            self.send(ipc.Reply(call.cid, status, headers, memoryview(body)))
-            return
+            return ipc.Reply(call.cid, status, headers, memoryview(body))
         from .grpc_native import run_method
 
         method = self.supervisor.methods.get((SERVICE + call.method).encode())
         if method is None or method.impl is None:
-            self.send(ipc.Reply(call.cid, 12, [], memoryview(b""), f"no method {call.method}"))
-            return
+            return ipc.Reply(call.cid, 12, [], memoryview(b""), f"no method {call.method}")
         code, message, body = await run_method(
             method, bytes(call.body), call.headers, call.timeout_s
         )
-        self.send(ipc.Reply(call.cid, code, [], memoryview(body), message))
+        return ipc.Reply(call.cid, code, [], memoryview(body), message)
 
 
 async def asgi_call(
@@ -280,9 +303,12 @@ class Supervisor:
         self.count = count
         self.sockets = sockets
         self.links: dict[int, WorkerLink] = {}
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, Any] = {}  # index -> its subprocess.Popen (or _Dead)
         self.stopping = False
         self.restarts = 0
+        self._started: dict[int, float] = {}  # index -> when its worker started
+        self._delay: dict[int, float] = {}  # index -> its restart delay now
+        self._not_before: dict[int, float] = {}  # index -> no restart before then
         self._watch: asyncio.Task | None = None
         server.watch(self._changed)
 
@@ -308,6 +334,7 @@ class Supervisor:
         proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno(), *fds.values()])
         theirs.close()
         self.procs[index] = proc
+        self._started[index] = asyncio.get_running_loop().time()
         loop = asyncio.get_running_loop()
         _, link = await loop.connect_accepted_socket(lambda: WorkerLink(self, index), ours)
         self.links[index] = link
@@ -317,20 +344,31 @@ class Supervisor:
             del self.links[link.index]
 
     async def _watch_workers(self) -> None:
-        """Start a worker again when one dies (its link closes when it does)."""
+        """Start a worker again when one dies (its link closes when it does); one that
+        keeps dying soon after starting is started again less and less often."""
+        loop = asyncio.get_running_loop()
         while not self.stopping:
             await asyncio.sleep(RESTART_DELAY_S)
+            now = loop.time()
             for index, proc in list(self.procs.items()):
-                if proc.poll() is None or self.stopping:
+                if proc.poll() is None or self.stopping or now < self._not_before.get(index, 0):
                     continue
+                lived = now - self._started.get(index, now)
+                delay = self._delay.get(index, RESTART_DELAY_S)
+                delay = RESTART_DELAY_S if lived > 10 * delay else min(2 * delay, MAX_RESTART_S)
+                self._delay[index] = delay
                 log.error(
-                    "pxrt: worker %d (pid %d) exited with %s; starting another",
-                    index, proc.pid, proc.returncode,
+                    "pxrt: worker %d (pid %d) exited with %s after %.1f s; starting another",
+                    index, proc.pid, proc.returncode, lived,
                 )  # fmt: skip
                 link = self.links.pop(index, None)
                 if link is not None and link.transport is not None:
                     link.transport.close()
                 self.restarts += 1
+                if lived < 5:
+                    self._not_before[index] = now + delay
+                    self.procs[index] = _Dead(proc.returncode)
+                    continue
                 await self._spawn(index)
 
     async def stop(self, grace_s: float) -> None:
@@ -358,6 +396,18 @@ class Supervisor:
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values() if p.poll() is None]
+
+
+class _Dead:
+    """A worker that died soon after starting, waiting to be started again."""
+
+    pid = 0
+
+    def __init__(self, returncode: int | None) -> None:
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
 
 
 def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:

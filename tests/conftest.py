@@ -151,6 +151,21 @@ def served_grpcio(artifacts, var_artifacts, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def served_workers(artifacts, tmp_path_factory):
+    """`pxrt serve --workers 2` (HTTP and gRPC): mlp, two_io and a queue of one row;
+    statistics behind a key."""
+    conf = tmp_path_factory.mktemp("workers") / "serve.toml"
+    conf.write_text(f'[models.tiny_queue]\npath = "{artifacts["mlp"]}"\nmax_queue = 1\n')
+    proc = ServeProcess(
+        [str(artifacts["mlp"]), str(artifacts["two_io"]), "--workers", "2",
+         "--config", str(conf), "--restricted-api", "statistics:admin-key=s3cret"],
+        grpc=True,
+    )  # fmt: skip
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="session")
 def served_asgi(artifacts, var_artifacts, tmp_path_factory):
     """The same server as ``served`` with every HTTP request through the Starlette app
     (``--no-native-http``): what the native path is held to."""

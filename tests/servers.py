@@ -32,6 +32,21 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's live children (from /proc): `pxrt serve --workers`'s."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry))
+    return out
+
+
 def make_certs(folder) -> dict[str, str]:
     """A CA, a server certificate it signed for 127.0.0.1 and localhost, and a client
     certificate it signed: name -> PEM path (``ca``, ``cert``, ``key``, ``client_cert``,

@@ -648,3 +648,24 @@ def test_tls_and_restricted_apis_with_the_triton_client(artifacts, tmp_path):
         plain.close()
     finally:
         assert proc.stop() == 0
+
+
+def test_grpc_through_workers(served_workers):
+    """`pxrt serve --workers 2`: gRPC answered as by one process (tensors through shared
+    memory both ways), methods other than inference by the device process."""
+    with grpcclient.InferenceServerClient(served_workers.grpc_url) as c:
+        assert c.is_server_ready() and c.get_model_metadata("mlp", as_json=True)["name"] == "mlp"
+        x = np.random.default_rng(2).standard_normal((3000, 32)).astype(np.float32)
+        result = c.infer("mlp", _inputs({"x": x}))
+        assert_matches({"y": result.as_numpy("y")}, reference("mlp", {"x": x}))
+        code, message = _status(lambda: c.get_inference_statistics("mlp"))
+        assert code == "StatusCode.PERMISSION_DENIED" and "restricted" in message
+        answers: queue.Queue = queue.Queue()
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for k in range(50):
+            c.async_stream_infer("mlp", _inputs({"x": np.full((1, 32), k, np.float32)}),
+                                 request_id=str(k))  # fmt: skip
+        got = [answers.get(timeout=60) for _ in range(50)]
+        c.stop_stream()
+        assert all(error is None for _, error in got)
+        assert sorted(int(r.get_response().id) for r, _ in got) == list(range(50))

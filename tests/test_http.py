@@ -437,9 +437,7 @@ def test_a_client_that_hangs_up_takes_its_request_out_of_the_queue(run, models):
     ).encode() + body
 
     def waiting_for_disconnect():
-        return [
-            t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith(".receive")
-        ]
+        return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith(".receive")]
 
     async def main():
         with inject(model, hold=True) as gate:

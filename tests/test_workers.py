@@ -1,0 +1,303 @@
+"""`pxrt serve --workers N`: the link between a worker and the device process in one
+process (deterministic: batches held, requests cancelled, shared memory counted), and
+whole `pxrt serve --workers 2` processes driven by unmodified clients: the same answers
+as one process, one view of statistics and metrics, a dead worker replaced, SIGTERM
+drained."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from models import MODELS, assert_matches, inject, reference, until
+
+from serving import Server, ipc
+from serving.remote import DeviceLink, RemoteServer
+from serving.workers import WorkerLink, model_state
+
+# Nothing here depends on the device count or the handlers' build, and the processes
+# take a while to start: `make test` runs this module once.
+pytestmark = pytest.mark.once
+
+
+class _Supervisor:
+    """What a WorkerLink needs of its Supervisor."""
+
+    def __init__(self, server, app=None, methods=None) -> None:
+        self.server = server
+        self.app = app
+        self.methods = methods or {}
+        self.links: list = []
+
+    def lost(self, link) -> None:
+        self.links.append(("lost", link.index))
+
+
+async def _linked(server: Server):
+    """A RemoteServer talking to ``server`` through a socket pair on this loop."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    supervisor = _Supervisor(server)
+    _, device = await loop.connect_accepted_socket(lambda: WorkerLink(supervisor, 0), ours)
+    server.watch(device.send_state)
+    remote = RemoteServer()
+    await loop.connect_accepted_socket(lambda: DeviceLink(remote), theirs)
+    await asyncio.wait_for(remote.started.wait(), 10)
+    return remote, device
+
+
+def test_a_worker_sees_the_models_and_their_answers(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            remote, device = await _linked(server)
+            assert remote.not_serving() is None
+            assert remote.model("mlp").version == models["mlp"].version
+            assert list(remote.model("mlp").inputs) == ["x"]
+            rng = np.random.default_rng(0)
+            for rows in (1, 3, 3000):  # 3000 rows: 384 KB each way, through shared memory
+                x = rng.standard_normal((rows, 32)).astype(np.float32)
+                out = await remote.submit("mlp", {"x": x})
+                assert_matches(out, reference("mlp", {"x": x}), str(rows))
+            # every byte of shared memory given back on both sides
+            await until(lambda: remote.arena.used == {} and device.ours.used == {})
+            with pytest.raises(KeyError, match="no model named 'nope'"):
+                remote.submit("nope", {"x": x})
+            bad = remote.submit("mlp", {"x": np.ones((1, 31), np.float32)})
+            with pytest.raises(ValueError, match="input 'x'"):
+                await bad  # the device process's validation, raised as in one process
+            # models added later reach the worker (Server.watch)
+            server.add_model("two_io", models["two_io"])
+            await until(lambda: "two_io" in remote.models)
+            server.drain()
+            await until(lambda: remote.draining and remote.not_serving() is not None)
+            remote.close()
+
+    run(main)
+
+
+def test_a_cancelled_request_leaves_the_device_queue_and_its_memory_is_freed(models, run):
+    async def main():
+        with inject(models["mlp"], hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", models["mlp"])
+                remote, device = await _linked(server)
+                first = remote.submit("mlp", {"x": np.ones((1, 32), np.float32)})
+                await gate.wait_started()
+                big = np.ones((600, 32), np.float32)  # 77 KB: in shared memory while it waits
+                waiting = [remote.submit("mlp", {"x": big}) for _ in range(3)]
+                await until(lambda: len(device.pending) == 4)
+                assert len(remote.arena.used) == 3
+                for future in waiting:
+                    future.cancel()  # a client that hung up
+                gate.release.set()
+                await first
+                await until(lambda: not remote.arena.used and not device.pending)
+                await until(lambda: server.stats("mlp")["requests"].get("success") == 1)
+                assert server.stats("mlp")["requests"]["cancelled"] == 3
+                remote.close()
+
+    run(main)
+
+
+def test_a_lost_device_fails_what_waits_on_it(models, run):
+    async def main():
+        with inject(models["mlp"], hold=True) as gate:
+            async with Server() as server:
+                server.add_model("mlp", models["mlp"])
+                remote, device = await _linked(server)
+                waiting = remote.submit("mlp", {"x": np.ones((1, 32), np.float32)})
+                await gate.wait_started()
+                device.transport.close()  # the device process is gone
+                with pytest.raises(Exception, match="device process is gone"):
+                    await asyncio.wait_for(waiting, 10)
+                assert remote.not_serving() is not None
+                gate.release.set()
+                remote.close()
+
+    run(main)
+
+
+def test_messages_round_trip_and_arena_allocation():
+    arena = ipc.Arena(1 << 20)
+    try:
+        offsets = [arena.alloc(100_000) for _ in range(10)]
+        assert -1 not in offsets and arena.alloc(1 << 20) == -1  # full enough
+        for offset in offsets[::2]:
+            arena.free(offset)
+        for offset in offsets[1::2]:
+            arena.free(offset)
+        assert arena.free_list == [(0, arena.size)]  # coalesced back to one
+        x = np.arange(20_000, dtype=np.float32).reshape(100, 200)
+        tensor = ipc.to_tensor("x", x, arena)
+        assert tensor.offset >= 0 and tensor.data is None
+        message = ipc.Infer(7, "m", None, 1.5, [tensor, ipc.to_tensor("s", x[:2], arena)])
+        (back,) = ipc.Reader(ipc.ToDevice).feed(ipc.frame(message))
+        assert back.rid == 7 and back.timeout_s == 1.5
+        np.testing.assert_array_equal(ipc.from_tensor(back.inputs[0], arena), x)
+        np.testing.assert_array_equal(ipc.from_tensor(back.inputs[1], None), x[:2])
+        # frames split anywhere come out whole
+        data = ipc.frame(message) * 3
+        reader = ipc.Reader(ipc.ToDevice)
+        got = [m for i in range(0, len(data), 7) for m in reader.feed(data[i : i + 7])]
+        assert [m.rid for m in got] == [7, 7, 7]
+    finally:
+        arena.close()
+
+
+def test_state_describes_every_version(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("encoder_like", models["mlp"])
+            state = model_state(server, "arena")
+            (served,) = state.models
+            assert served.name == "encoder_like" and served.newest == models["mlp"].version
+            assert served.versions[0].inputs[0] == ipc.Spec("x", "float32", [32], 0)
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _worker_pids(proc) -> list[int]:
+    from servers import children
+
+    pids = []
+    for pid in children(proc.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"serving.worker" in f.read():
+                    pids.append(pid)
+        except FileNotFoundError:
+            continue
+    return pids
+
+
+def _infer_http(url: str, name: str, request: dict, headers=None) -> httpx.Response:
+    import tritonclient.http as th
+
+    inputs = []
+    for key, value in request.items():
+        from serving import codec
+
+        inp = th.InferInput(key, list(value.shape), codec.datatype_of(value.dtype))
+        inp.set_data_from_numpy(value, binary_data=True)
+        inputs.append(inp)
+    body, header_length = th.InferenceServerClient.generate_request_body(inputs)
+    hdrs = {"Inference-Header-Content-Length": str(header_length), **(headers or {})}
+    return httpx.post(f"{url}/v2/models/{name}/infer", content=body, headers=hdrs, timeout=30)
+
+
+def test_workers_answer_as_one_process_does(served_workers):
+    import tritonclient.http as th
+
+    client = th.InferenceServerClient(served_workers.url[len("http://") :])
+    rng = np.random.default_rng(1)
+    for name in ("mlp", "two_io"):
+        for rows in (1, 5, 2 * MODELS[name]["buckets"][-1] + 1, 2000):
+            from models import random_request
+
+            request = random_request(MODELS[name]["inputs"], rows, rng)
+            inputs = []
+            for key, value in request.items():
+                from serving import codec
+
+                inp = th.InferInput(key, list(value.shape), codec.datatype_of(value.dtype))
+                inp.set_data_from_numpy(value, binary_data=rows > 5)
+                inputs.append(inp)
+            result = client.infer(name, inputs)
+            got = {k: result.as_numpy(k) for k in reference(name, request)}
+            assert_matches(got, reference(name, request), f"{name} rows={rows}")
+    # errors as one process answers them
+    r = httpx.post(served_workers.url + "/v2/models/nope/infer", json={"inputs": []}, timeout=10)
+    assert r.status_code == 404 and "no model named 'nope'" in r.json()["error"]
+    bad = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
+    r = httpx.post(served_workers.url + "/v2/models/mlp/infer", json=bad, timeout=10)
+    assert r.status_code == 400 and "input 'x'" in r.json()["error"]
+    two = _infer_http(served_workers.url, "tiny_queue", {"x": np.ones((2, 32), np.float32)})
+    assert two.status_code == 400 and "max_queue" in two.json()["error"]  # more than it holds
+    # everything else is the device process's: one view whatever the worker
+    assert (
+        httpx.get(served_workers.url + "/v2/models/mlp/config", timeout=10).json()["name"] == "mlp"
+    )
+    assert httpx.get(served_workers.url + "/v2/models/mlp/stats", timeout=10).status_code == 403
+    client.close()
+
+
+def test_statistics_and_metrics_are_one_view_over_workers(served_workers):
+    key = {"admin-key": "s3cret"}
+
+    def successes():
+        doc = httpx.get(
+            served_workers.url + "/v2/models/two_io/stats", headers=key, timeout=10
+        ).json()
+        return doc["model_stats"][0]["inference_stats"]["success"]["count"]
+
+    before = successes()
+    x = {"tokens": np.ones((1, 5), np.int32), "features": np.ones((1, 8), np.float16)}
+    for _ in range(20):  # a new connection each: both workers take some
+        assert _infer_http(served_workers.url, "two_io", x).status_code == 200
+    assert successes() == before + 20
+    metrics = httpx.get(served_workers.url + "/metrics", headers=key, timeout=10).text
+    line = [m for m in metrics.splitlines() if m.startswith("pxrt_requests_total{")
+            and 'model="two_io"' in m and 'outcome="success"' in m]  # fmt: skip
+    assert float(line[0].split()[-1]) == before + 20
+
+
+def test_workers_run_without_jax(served_workers):
+    pids = _worker_pids(served_workers)
+    assert len(pids) == 2
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            assert "jaxlib" not in f.read()
+
+
+def test_a_worker_that_dies_is_replaced_and_sigterm_drains(artifacts):
+    from servers import ServeProcess
+
+    proc = ServeProcess([str(artifacts["mlp"]), "--workers", "2"])
+    x = {"x": np.ones((2, 32), np.float32)}
+    try:
+        before = _worker_pids(proc)
+        os.kill(before[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = _worker_pids(proc)
+            if len(now) == 2 and before[0] not in now:
+                break
+            time.sleep(0.1)
+        assert len(now) == 2 and before[0] not in now, now
+        for _ in range(10):  # served by whichever worker takes the connection
+            assert _infer_http(proc.url, "mlp", x).status_code == 200
+        assert "exited with" in proc.output()
+        # SIGTERM under traffic: every request sent is answered (200, or 503 draining)
+        codes: list[int] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            while not stop.is_set():
+                try:
+                    codes.append(_infer_http(proc.url, "mlp", x).status_code)
+                except httpx.TransportError:
+                    codes.append(-1)  # refused: the listener closed (not sent)
+
+        threads = [threading.Thread(target=traffic) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(60) == 0
+        stop.set()
+        for t in threads:
+            t.join()
+        assert codes.count(200) > 0 and set(codes) <= {200, 503, -1}, set(codes)
+    finally:
+        proc.stop()
