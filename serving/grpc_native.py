@@ -844,6 +844,7 @@ class GrpcServer:
             body_timeout_s=body_timeout_s,
         )
         self._listener: asyncio.AbstractServer | None = None
+        self._acceptor: Any = None
         self._drain_watch: asyncio.Future | None = None
 
     async def start(
@@ -853,10 +854,10 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         context = tls.server_context(alpn=["h2"]) if tls is not None else None
         try:
-            if sock is not None:
-                self._listener = await loop.create_server(
-                    lambda: GrpcProtocol(self), sock=sock, ssl=context
-                )
+            if sock is not None:  # shared with other workers: one connection at a time
+                from .accept import Acceptor
+
+                self._acceptor = Acceptor(sock, lambda: GrpcProtocol(self), context)
             else:
                 self._listener = await loop.create_server(
                     lambda: GrpcProtocol(self), host, port, ssl=context, backlog=4096
@@ -876,6 +877,8 @@ class GrpcServer:
         tells clients to send new ones elsewhere), then every connection closes."""
         if self._listener is not None:
             self._listener.close()
+        if self._acceptor is not None:
+            self._acceptor.close()
         self.connections.drain()
         deadline = asyncio.get_running_loop().time() + (grace or 0)
         while self.connections.open and asyncio.get_running_loop().time() < deadline:

@@ -192,6 +192,9 @@ class Reader:
 # ----------------------------------------------------------------- shared memory
 
 
+_OWNED: set[str] = set()  # the arenas this process made
+
+
 class Arena:
     """One side's shared memory for the tensors it sends: first-fit allocation over a
     sorted free list (coalesced as it is freed). ``attach`` opens the other side's."""
@@ -202,6 +205,8 @@ class Arena:
         self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
         self.size = self.shm.size
         self.owner = name is None
+        if self.owner:
+            _OWNED.add(self.shm.name)
         self.closed = False
         self.free_list: list[tuple[int, int]] = [(0, self.size)] if self.owner else []
         self.used: dict[int, int] = {}  # offset -> size
@@ -211,12 +216,13 @@ class Arena:
         arena = cls(0, name)
         # Python < 3.13 registers an attached segment with this process's resource
         # tracker, which unlinks it when this process exits: the owner does that.
-        from multiprocessing import resource_tracker
+        if name not in _OWNED:  # (both ends in one process: tests)
+            from multiprocessing import resource_tracker
 
-        try:
-            resource_tracker.unregister(arena.shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - (3.13+: nothing was registered)
-            pass
+            try:
+                resource_tracker.unregister(arena.shm._name, "shared_memory")  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - (3.13+: nothing was registered)
+                pass
         return arena
 
     @property
@@ -278,19 +284,31 @@ class Arena:
             pass
 
 
+_NAMES: dict[np.dtype, str] = {}  # dtype -> its name (numpy computes it in Python)
+_DTYPES: dict[str, np.dtype] = {}
+
+
 def to_tensor(name: str, arr: np.ndarray, arena: Arena | None) -> Tensor:
     """``arr`` as it crosses: through ``arena`` when large and there is room."""
+    dtype = arr.dtype
+    dtype_name = _NAMES.get(dtype)
+    if dtype_name is None:
+        dtype_name = _NAMES[dtype] = dtype.name
     if arena is not None and arr.nbytes >= SHARED_MIN:
         offset = arena.put(arr)
         if offset >= 0:
-            return Tensor(name, arr.dtype.name, list(arr.shape), None, offset, arr.nbytes)
-    arr = np.ascontiguousarray(arr)
-    return Tensor(name, arr.dtype.name, list(arr.shape), arr.reshape(-1).view(np.uint8).data)
+            return Tensor(name, dtype_name, list(arr.shape), None, offset, arr.nbytes)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    # (a uint8 view: custom dtypes such as bfloat16 have no buffer format of their own)
+    return Tensor(name, dtype_name, list(arr.shape), arr.reshape(-1).view(np.uint8).data)
 
 
 def from_tensor(tensor: Tensor, arena: Arena | None) -> np.ndarray:
     """The array a ``Tensor`` carries: a view of the message, or of the sender's arena."""
-    dtype = np.dtype(tensor.dtype)
+    dtype = _DTYPES.get(tensor.dtype)
+    if dtype is None:
+        dtype = _DTYPES[tensor.dtype] = np.dtype(tensor.dtype)
     if tensor.data is not None:
         return np.frombuffer(tensor.data, dtype).reshape(tensor.shape)
     assert arena is not None

@@ -46,6 +46,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
+    from .accept import Acceptor
     from .access import Restrictions, TlsFiles
     from .config import connection_shares, http_limits
     from .core import BodyBudget
@@ -85,6 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     class Uvicorn(uvicorn.Server):
+        acceptor: Any = None
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=[])  # listening is the Acceptor's (see its module)
+            config = self.config
+
+            def protocol() -> Any:
+                return config.http_protocol_class(  # type: ignore[call-arg]
+                    config=config, server_state=self.server_state, app_state=self.lifespan.state
+                )
+
+            self.acceptor = Acceptor(socket.socket(fileno=args.http_fd), protocol, config.ssl)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            if self.acceptor is not None:
+                self.acceptor.close()
+            await super().shutdown(sockets)
+
         @contextlib.contextmanager
         def capture_signals(self):
             # SIGTERM (from the device process): shut down gracefully and exit 0; SIGINT
@@ -119,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             await grpc_server.start(opts.host, 0, tls, sock=socket.socket(fileno=args.grpc_fd))
         try:
-            await uv.serve(sockets=[socket.socket(fileno=args.http_fd)])
+            await uv.serve()
         finally:
             if grpc_server is not None:
                 await grpc_server.stop(5.0)

@@ -301,3 +301,22 @@ def test_a_worker_that_dies_is_replaced_and_sigterm_drains(artifacts):
         assert codes.count(200) > 0 and set(codes) <= {200, 503, -1}, set(codes)
     finally:
         proc.stop()
+
+
+def test_every_dtype_crosses(models, run):
+    from models import random_request
+
+    async def main():
+        async with Server() as server:
+            server.add_model("all_dtypes", models["all_dtypes"])
+            server.add_model("bf16", models["bf16"])
+            remote, _ = await _linked(server)
+            rng = np.random.default_rng(3)
+            for name in ("all_dtypes", "bf16"):
+                for rows in (1, 4000):  # inline, and (large enough) through shared memory
+                    request = random_request(MODELS[name]["inputs"], rows, rng)
+                    out = await remote.submit(name, request)
+                    assert_matches(out, reference(name, request), f"{name} {rows}")
+            remote.close()
+
+    run(main)
