@@ -17,7 +17,6 @@ from starlette.concurrency import run_in_threadpool
 
 import pxrt
 from serving import codec
-from serving.http import infer_response
 
 artifact = pxrt.read_artifact(os.environ["PXRT_BASELINE_MODEL"])
 names = list(artifact.inputs)
@@ -50,8 +49,13 @@ async def infer(model: str, request: Request) -> Response:
         return {k: np.asarray(o) for k, o in zip(out_names, outs)}
 
     outputs = await run_in_threadpool(run)
-    return infer_response(
-        *codec.encode_response(
-            model, "1", doc.get("id"), outputs, codec.requested_outputs(doc, out_names)
-        )
+    body, header_length = codec.encode_response(
+        model, "1", doc.get("id"), outputs, codec.requested_outputs(doc, out_names)
+    )
+    if header_length is None:
+        return Response(body, media_type="application/json")
+    return Response(
+        body,
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(header_length)},
     )
