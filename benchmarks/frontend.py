@@ -34,8 +34,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # servers.children
 
 from http_compare import free_port  # noqa: E402
+from servers import children  # noqa: E402
 
 import pxrt  # noqa: E402
 
@@ -75,20 +77,6 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
-
-
-def children(pid: int) -> list[int]:
-    """The pids of a process's children (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
-                        out.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    return out
 
 
 class Served:

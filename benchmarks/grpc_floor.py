@@ -100,8 +100,15 @@ class Floor:
         self.count_file = tempfile.mktemp(prefix="pxrt-floor-")
         self.upstream = upstream
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", mode, str(self.grpc),
-             f"127.0.0.1:{upstream.grpc}", self.count_file]  # fmt: skip
+            [
+                sys.executable,
+                __file__,
+                "--serve",
+                mode,
+                str(self.grpc),
+                f"127.0.0.1:{upstream.grpc}",
+                self.count_file,
+            ]  # fmt: skip
         )
         time.sleep(3)
 

@@ -88,8 +88,16 @@ def main() -> None:
     rows = int(args.mb * (1 << 20) / per_row)
     x = rng.standard_normal((rows, 16)).astype(np.float32)
     body = orjson.dumps(
-        {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
-                     "data": x.ravel().tolist()}]}  # fmt: skip
+        {
+            "inputs": [
+                {
+                    "name": "x",
+                    "datatype": "FP32",
+                    "shape": list(x.shape),
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }  # fmt: skip
     )
     print(f"JSON body: {len(body) / (1 << 20):.1f} MB ({rows} rows)")
     flags = ["--max-queue", str(2 * rows), "--max-json-mb", "64", "--max-body-mb", "64"]

@@ -66,16 +66,12 @@ class Connection(asyncio.Transport):
     def __init__(self, run: Run) -> None:
         super().__init__()
         self.run = run
-        self.protocol = run.protocol_class(
-            config=run.config, server_state=run.state, app_state={}
-        )
+        self.protocol = run.protocol_class(config=run.config, server_state=run.state, app_state={})
         self.protocol.connection_made(self)
         self.closed = False
 
     def get_extra_info(self, name, default=None):
-        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(
-            name, default
-        )
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
 
     def send(self) -> None:
         if self.run.sent < self.run.total:

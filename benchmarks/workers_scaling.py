@@ -88,7 +88,8 @@ def run_wrk(served: Served, script: str, args) -> dict:
         "p99_ms": _ms(re.search(r"99%\s+(\S+)", text).group(1)),  # type: ignore[union-attr]
         "server_us": (cpu1 - cpu0) / n * 1e6,
         "client_us": ((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime))
-        / n * 1e6,
+        / n
+        * 1e6,
         "spread": [round(s / sum(spread), 2) for s in spread] if spread and sum(spread) else [],
     }
 

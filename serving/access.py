@@ -92,6 +92,19 @@ class Restrictions:
             raise Forbidden(f"the {group} API is restricted: send its key in the {name!r} header")
 
 
+def header_getter(headers: list[tuple[bytes, bytes]]) -> Callable[[str], bytes | None]:
+    """``Restrictions.check``'s ``header`` over a list of (lower-case name, value) pairs."""
+
+    def header(name: str) -> bytes | None:
+        key = name.encode("latin-1")
+        for k, v in headers:
+            if k == key:
+                return v
+        return None
+
+    return header
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
     """The PEM files of ``pxrt serve``'s TLS: its certificate chain, its key, and the
@@ -150,4 +163,4 @@ class TlsFiles:
         )
 
 
-__all__ = ["GROUPS", "Forbidden", "Restrictions", "TlsFiles"]
+__all__ = ["GROUPS", "Forbidden", "Restrictions", "TlsFiles", "header_getter"]

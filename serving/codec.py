@@ -196,10 +196,15 @@ class BinaryPlan:
         return cls(tuple(entries), offset, outputs, rid, timeout_s)
 
     def views(self, binary: memoryview) -> dict[str, np.ndarray]:
-        return {
-            name: np.frombuffer(binary, dtype, count, offset).reshape(shape)
-            for name, dtype, count, offset, shape in self.inputs
-        }
+        return _views(binary, self.inputs)
+
+
+def _views(data: Any, inputs: tuple) -> dict[str, np.ndarray]:
+    """A plan's arrays: ``(name, dtype, count, offset, shape)`` each, views of ``data``."""
+    return {
+        name: np.frombuffer(data, dtype, count, offset).reshape(shape)
+        for name, dtype, count, offset, shape in inputs
+    }
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -584,7 +589,7 @@ class ProtoPlan:
         for (name, arr), (offset, length) in zip(inputs.items(), raws):
             if arr.nbytes != length:
                 return None
-            head = bytes([RAW_INPUT_TAG]) + _varint_bytes(length)
+            head = bytes([RAW_INPUT_TAG]) + encode_varint(length)
             if data[offset - len(head) : offset] != head:
                 return None  # (a length written in more bytes than it needs)
             heads.append((offset - len(head), head))
@@ -603,13 +608,11 @@ class ProtoPlan:
         return True
 
     def views(self, data: Any) -> dict[str, np.ndarray]:
-        return {
-            name: np.frombuffer(data, dtype, count, offset).reshape(shape)
-            for name, dtype, count, offset, shape in self.inputs
-        }
+        return _views(data, self.inputs)
 
 
-def _varint_bytes(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
+    """``n`` as a protobuf varint."""
     out = bytearray()
     while n >= 0x80:
         out.append(n & 0x7F | 0x80)

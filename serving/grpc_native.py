@@ -48,7 +48,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from . import codec, core, h2
-from .access import Forbidden, Restrictions, TlsFiles
+from .access import Forbidden, Restrictions, TlsFiles, header_getter
 from .core import BodyBudget, InferRequest
 from .grpc_server import GROUPS, GrpcLimits, GRPCService, Malformed, _checked, _parser
 from .repository import Repository
@@ -93,15 +93,6 @@ def trailers(code: int, message: str = "", only: bool = False) -> bytes:
     return h2.encode_headers(fields)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _timeout(value: bytes) -> float | None:
     """``grpc-timeout`` in seconds (None if it is not one: no deadline)."""
     unit = _TIMEOUT_UNITS.get(value[-1]) if value else None
@@ -132,7 +123,10 @@ def infer_response_parts(
         _HEADS[key] = head
     parts: list[Any] = [head]
     for arr in arrays:
-        parts += [b"\x32" + _varint(arr.nbytes), memoryview(arr.reshape(-1).view(np.uint8).data)]
+        parts += [
+            b"\x32" + codec.encode_varint(arr.nbytes),
+            memoryview(arr.reshape(-1).view(np.uint8).data),
+        ]
     return parts
 
 
@@ -356,7 +350,7 @@ class GrpcProtocol(h2.H2Protocol):
             call.deadline = self.loop.time() + timeout
         if spec.impl is None and self.owner.restrictions:  # ModelInfer, ModelStreamInfer
             try:
-                self.owner.restrictions.check(spec.group or "", _getter(headers))
+                self.owner.restrictions.check(spec.group or "", header_getter(headers))
             except Forbidden as exc:
                 self.finish(call, _PERMISSION, str(exc))
                 return
@@ -593,7 +587,7 @@ class GrpcProtocol(h2.H2Protocol):
             except Exception as exc:  # noqa: BLE001 - this request's answer
                 parts = [_stream_error(_parsed(data), _status(exc).message)]
             else:
-                parts = [b"\x12" + _varint(sum(map(len, inner))), *inner]
+                parts = [b"\x12" + codec.encode_varint(sum(map(len, inner))), *inner]
         self._stream_send(call, parts, held)
         self._pump(call)
 
@@ -789,17 +783,6 @@ def _status(exc: BaseException) -> core.Status:
     if not core.is_known(exc):
         exc = core.internal_error("gRPC inference", exc)
     return core.status_of(exc)
-
-
-def _getter(headers: list):
-    def header(name: str) -> bytes | None:
-        key = name.encode("latin-1")
-        for k, v in headers:
-            if k == key:
-                return v
-        return None
-
-    return header
 
 
 # --------------------------------------------------------------------------- server

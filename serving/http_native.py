@@ -40,6 +40,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import codec, core
+from .access import header_getter
 from .core import TooLarge
 from .http import (
     HEADER_LENGTH,
@@ -153,7 +154,7 @@ class NativeCycle:
         headers = proto.headers
         try:
             group = _INFER if self.kind == _INFER else "health"
-            state.restrictions.check(group, _getter(headers))
+            state.restrictions.check(group, header_getter(headers))
             if self.kind != _INFER:
                 return
             length = None
@@ -302,17 +303,6 @@ def _encode(
 ) -> tuple[list, int | None]:
     header, blobs = codec.response_parts(name, model.version, request.id, outputs, request.outputs)
     return [header, *blobs], len(header) if blobs else None
-
-
-def _getter(headers: list[tuple[bytes, bytes]]):
-    def header(name: str) -> bytes | None:
-        key = name.encode("latin-1")
-        for k, v in headers:
-            if k == key:
-                return v
-        return None
-
-    return header
 
 
 def _client(proto: HttpToolsProtocol) -> str:

@@ -162,6 +162,32 @@ def frame(message: msgspec.Struct) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
+class FrameWriter:
+    """Sending frames on a link (a mixin of either end's protocol, which sets
+    ``transport``, ``loop`` and ``closed``): what is sent in one turn of the event loop
+    goes out in one ``writelines``."""
+
+    transport: Any
+    loop: Any
+    closed: bool
+    _out: list[bytes]
+    _flushing: bool
+
+    def send(self, message: msgspec.Struct) -> None:
+        if self.closed:
+            return
+        self._out.append(frame(message))
+        if not self._flushing:
+            self._flushing = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        out, self._out = self._out, []
+        if out and not self.closed:
+            self.transport.writelines(out)
+
+
 class Reader:
     """Messages out of a stream of frames (``feed`` each chunk received). Decoded
     messages view the chunk's bytes: a tensor inline in one costs no copy."""
@@ -322,6 +348,7 @@ __all__ = [
     "Cancel",
     "Count",
     "Error",
+    "FrameWriter",
     "Free",
     "Hello",
     "Infer",

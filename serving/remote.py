@@ -272,7 +272,7 @@ class RemoteServer:
         return reply.status, reply.message, bytes(reply.body)
 
 
-class DeviceLink(asyncio.Protocol):
+class DeviceLink(ipc.FrameWriter, asyncio.Protocol):
     """A worker's end of its socket to the device process."""
 
     def __init__(self, remote: RemoteServer, on_lost: Any = None) -> None:
@@ -306,20 +306,6 @@ class DeviceLink(asyncio.Protocol):
                 remote.on_reply(message)
             elif kind is ipc.State:
                 remote.on_state(message)
-
-    def send(self, message: Any) -> None:
-        if self.closed:
-            return
-        self._out.append(ipc.frame(message))
-        if not self._flushing:
-            self._flushing = True
-            self.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flushing = False
-        out, self._out = self._out, []
-        if out and not self.closed:
-            self.transport.writelines(out)
 
 
 class ForwardApp:

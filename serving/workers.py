@@ -87,7 +87,7 @@ def error_of(exc: BaseException) -> ipc.Error:
     return ipc.Error(kind, str(exc), retry)
 
 
-class WorkerLink(asyncio.Protocol):
+class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
     """The device process's end of one worker's socket."""
 
     def __init__(self, supervisor: Supervisor, index: int) -> None:
@@ -151,21 +151,6 @@ class WorkerLink(asyncio.Protocol):
                 self.pid = message.pid
                 self.theirs = ipc.Arena.attach(message.arena)
                 self.send_state()
-
-    def send(self, message: Any) -> None:
-        """Queue a message; what is queued in one turn of the loop goes in one write."""
-        if self.closed:
-            return
-        self._out.append(ipc.frame(message))
-        if not self._flushing:
-            self._flushing = True
-            self.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flushing = False
-        out, self._out = self._out, []
-        if out and not self.closed:
-            self.transport.writelines(out)
 
     def send_state(self) -> None:
         self.send(model_state(self.server, self.ours.name))

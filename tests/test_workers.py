@@ -87,7 +87,8 @@ def test_a_cancelled_request_leaves_the_device_queue_and_its_memory_is_freed(mod
     async def main():
         with inject(models["mlp"], hold=True) as gate:
             async with Server() as server:
-                server.add_model("mlp", models["mlp"])
+                # One batch in flight: while it is held, the others wait in the queue.
+                server.add_model("mlp", models["mlp"], max_inflight=1)
                 remote, device = await _linked(server)
                 first = remote.submit("mlp", {"x": np.ones((1, 32), np.float32)})
                 await gate.wait_started()
