@@ -34,7 +34,8 @@ extensions = [
         extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
     )
     for name in (
-        "pxrt._keys", "pxrt._handlers", "pxrt._batch", "serving._tensors", "serving._hpack"
+        "pxrt._keys", "pxrt._handlers", "pxrt._batch", "pxrt._slots", "serving._tensors",
+        "serving._hpack",
     )
 ]
 

@@ -2,9 +2,10 @@
 
 Export once (``pxrt.export``), load with every batch bucket compiled ahead of time on a
 device mesh (``pxrt.load``), then run requests (``Model.run`` / ``Model.run_batch``);
-nothing compiles on the request path. Importing pxrt changes nothing in jax's config,
-and imports jax only when something that needs it is first used (``pxrt serve``'s
-front-end workers never do).
+nothing compiles on the request path. Decoders (``pxrt.export_decoder``) load as a
+``Decoder`` that generates with continuous batching (``Decoder.generate``). Importing
+pxrt changes nothing in jax's config, and imports jax only when something that needs it
+is first used (``pxrt serve``'s front-end workers never do).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from ._ext import using_extensions
 if TYPE_CHECKING:
     from .artifact import Artifact, ArtifactError, TensorSpec, export
     from .artifact import read as read_artifact
+    from .decoder import export_decoder
     from .executable import Model, example_inputs, load
+    from .generate import Completion, Decoder, Generation
 
 __version__ = "0.1.0"
 
@@ -31,6 +34,10 @@ _LAZY = {
     "Model": (".executable", "Model"),
     "example_inputs": (".executable", "example_inputs"),
     "load": (".executable", "load"),
+    "export_decoder": (".decoder", "export_decoder"),
+    "Decoder": (".generate", "Decoder"),
+    "Generation": (".generate", "Generation"),
+    "Completion": (".generate", "Completion"),
 }
 
 
@@ -53,11 +60,15 @@ def compile_count() -> int:
 __all__ = [
     "Artifact",
     "ArtifactError",
+    "Completion",
+    "Decoder",
+    "Generation",
     "Model",
     "TensorSpec",
     "compile_count",
     "example_inputs",
     "export",
+    "export_decoder",
     "load",
     "read_artifact",
     "using_extensions",

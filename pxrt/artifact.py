@@ -49,6 +49,7 @@ from .manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    MAX_FORMAT_VERSION,
     PARAMS_FILE,
     PROGRAM_FILE,
     ArtifactError,
@@ -158,13 +159,8 @@ def export(
     dims = _check_dim_buckets(dim_buckets, inputs)
     names = list(inputs)
 
-    leaves, treedef = jax.tree.flatten(params)
-    leaves = [np.asarray(leaf) for leaf in leaves]
-    for (keypath, _), leaf in zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves):
-        try:
-            as_dtype(leaf.dtype)
-        except TypeError as exc:
-            raise TypeError(f"param {jax.tree_util.keystr(keypath)}: {exc}") from None
+    leaves, param_meta = param_entries(params)
+    treedef = jax.tree.structure(params)
     params_np = jax.tree.unflatten(treedef, leaves)
     if x64 is None:
         x64 = any(
@@ -188,17 +184,7 @@ def export(
             "params": "replicated",
         },
         "x64": bool(x64),
-        "params": [
-            {
-                "key": f"p{i:04d}",
-                "path": jax.tree_util.keystr(kp),
-                "dtype": leaf.dtype.name,
-                "shape": list(leaf.shape),
-            }
-            for i, ((kp, _), leaf) in enumerate(
-                zip(jax.tree_util.tree_flatten_with_path(params)[0], leaves)
-            )
-        ],
+        "params": param_meta,
     }
 
     with _xla.x64_scope(x64):
@@ -237,7 +223,7 @@ def export(
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {},
     }
-    _write_directory(path, manifest, bytes(exported.serialize()), leaves, overwrite)
+    write_directory(path, manifest, {PROGRAM_FILE: bytes(exported.serialize())}, leaves, overwrite)
     return path
 
 
@@ -327,9 +313,36 @@ def _storable(leaf: np.ndarray) -> np.ndarray:
     return leaf
 
 
-def _write_directory(
-    path: str, manifest: dict, program: bytes, leaves: list[np.ndarray], overwrite: bool
+def param_entries(params: Any) -> tuple[list[np.ndarray], list[dict]]:
+    """A params pytree's leaves as numpy arrays, and the manifest's ``params`` entries."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    leaves = [np.asarray(leaf) for _, leaf in flat]
+    for (keypath, _), leaf in zip(flat, leaves):
+        try:
+            as_dtype(leaf.dtype)
+        except TypeError as exc:
+            raise TypeError(f"param {jax.tree_util.keystr(keypath)}: {exc}") from None
+    entries = [
+        {
+            "key": f"p{i:04d}",
+            "path": jax.tree_util.keystr(kp),
+            "dtype": leaf.dtype.name,
+            "shape": list(leaf.shape),
+        }
+        for i, ((kp, _), leaf) in enumerate(zip(flat, leaves))
+    ]
+    return leaves, entries
+
+
+def write_directory(
+    path: str,
+    manifest: dict,
+    programs: Mapping[str, bytes],
+    leaves: list[np.ndarray],
+    overwrite: bool,
 ) -> None:
+    """Write an artifact directory: ``programs`` (file name -> serialized program), the
+    params and the manifest with every file's sha256, beside ``path`` then renamed."""
     if os.path.exists(path) and not overwrite and (not os.path.isdir(path) or os.listdir(path)):
         raise ArtifactError(
             f"{path} already exists; pass overwrite=True (pxrt export --overwrite) to replace it"
@@ -339,13 +352,14 @@ def _write_directory(
     # Write beside the target and rename, so a crash never leaves half an artifact.
     tmp = tempfile.mkdtemp(prefix=".pxrt-export-", dir=parent)
     try:
-        with open(os.path.join(tmp, PROGRAM_FILE), "wb") as f:
-            f.write(program)
+        for fname, blob in programs.items():
+            with open(os.path.join(tmp, fname), "wb") as f:
+                f.write(blob)
         with open(os.path.join(tmp, PARAMS_FILE), "wb") as f:
             stored: dict[str, Any] = {f"p{i:04d}": _storable(leaf) for i, leaf in enumerate(leaves)}
             np.savez(f, **stored)
         manifest["files"] = {
-            fname: _sha256(os.path.join(tmp, fname)) for fname in (PROGRAM_FILE, PARAMS_FILE)
+            fname: _sha256(os.path.join(tmp, fname)) for fname in (*programs, PARAMS_FILE)
         }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
@@ -369,9 +383,9 @@ def _sha256(path: str) -> str:
 # --------------------------------------------------------------------------- read
 
 
-def read(path: str | os.PathLike) -> Artifact:
-    """Read and verify an artifact directory (hashes, format and jax versions)."""
-    path = os.fspath(path)
+def read_manifest(path: str) -> dict:
+    """An artifact directory's manifest, with its format and version checked (not yet
+    its fields)."""
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise ArtifactError(
@@ -389,16 +403,25 @@ def read(path: str | os.PathLike) -> Artifact:
     fv = manifest.get("format_version")
     if not isinstance(fv, int) or isinstance(fv, bool) or fv < 1:
         raise ArtifactError(f"{manifest_path}: bad format_version {fv!r}; re-export the model")
-    if fv > FORMAT_VERSION:
+    if fv > MAX_FORMAT_VERSION:
         raise ArtifactError(
             f"{path} has artifact format version {fv}, but this pxrt reads "
-            f"versions up to {FORMAT_VERSION}: upgrade pxrt, or re-export the "
+            f"versions up to {MAX_FORMAT_VERSION}: upgrade pxrt, or re-export the "
             "model with this one"
         )
-    check_manifest(manifest, manifest_path)
+    return manifest
 
+
+def kind(manifest: Mapping[str, Any]) -> str:
+    """``"oneshot"`` (a program run once per request) or ``"decoder"`` (generation)."""
+    return "decoder" if manifest.get("kind") == "decoder" else "oneshot"
+
+
+def verify_files(path: str, manifest: Mapping[str, Any], required: Sequence[str]) -> None:
+    """Every file the manifest lists is there and matches its sha256; ``required`` are."""
+    manifest_path = os.path.join(path, MANIFEST)
     files = manifest.get("files") or {}
-    for fname in (PROGRAM_FILE, PARAMS_FILE):
+    for fname in required:
         if fname not in files:
             raise ArtifactError(f"{manifest_path} lists no sha256 for {fname}; re-export the model")
     for fname, want in files.items():
@@ -413,16 +436,34 @@ def read(path: str | os.PathLike) -> Artifact:
                 "corrupted; re-export it"
             )
 
-    check_jax_version(path, manifest)
-    with open(os.path.join(path, PROGRAM_FILE), "rb") as f:
+
+def deserialize(path: str, fname: str) -> jax_export.Exported:
+    """One of an artifact's serialized programs (the jax version already checked)."""
+    with open(os.path.join(path, fname), "rb") as f:
         blob = f.read()
     try:
-        exported = jax_export.deserialize(bytearray(blob))
+        return jax_export.deserialize(bytearray(blob))
     except Exception as exc:  # noqa: BLE001 - any failure here means the same thing
         raise ArtifactError(
-            f"{path}: jax {jax.__version__} cannot read {PROGRAM_FILE} "
-            f"({exc}); re-export the model with this jax"
+            f"{path}: jax {jax.__version__} cannot read {fname} ({exc}); re-export the "
+            f"model with this jax"
         ) from exc
+
+
+def read(path: str | os.PathLike) -> Artifact:
+    """Read and verify an artifact directory (hashes, format and jax versions)."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    if kind(manifest) != "oneshot":
+        raise ArtifactError(
+            f"{path} is a {kind(manifest)} artifact: load it with pxrt.load (or read it "
+            "with pxrt.decoder.read)"
+        )
+    manifest_path = os.path.join(path, MANIFEST)
+    check_manifest(manifest, manifest_path)
+    verify_files(path, manifest, (PROGRAM_FILE, PARAMS_FILE))
+    check_jax_version(path, manifest)
+    exported = deserialize(path, PROGRAM_FILE)
 
     inputs = {
         d["name"]: TensorSpec(d["shape"], d["dtype"], d.get("pad", 0)) for d in manifest["inputs"]
@@ -431,7 +472,7 @@ def read(path: str | os.PathLike) -> Artifact:
     param_meta = manifest["params"]
     check_program(exported, manifest, inputs, outputs, path)
 
-    params = _read_params(path, exported, param_meta)
+    params = read_params(path, exported, param_meta)
     return Artifact(
         path=path,
         manifest=manifest,
@@ -442,7 +483,9 @@ def read(path: str | os.PathLike) -> Artifact:
     )
 
 
-def _read_params(path: str, exported: jax_export.Exported, meta: list[dict]) -> Any:
+def read_params(path: str, exported: jax_export.Exported, meta: list[dict]) -> Any:
+    """The params pytree (numpy leaves) of ``exported``'s first argument, from the
+    artifact's params file, each leaf checked against the manifest and the program."""
     args_tree = jax.tree_util.treedef_children(exported.in_tree)[0]
     params_tree: Any = jax.tree_util.treedef_children(args_tree)[0]  # jaxlib: untyped
     if params_tree.num_leaves != len(meta):

@@ -216,3 +216,165 @@ def encoder_request(rows: int, length: int, seed: int = 0, vocab: int = ENC_VOCA
         "tokens": rng.integers(0, vocab, (rows, length), dtype=np.int32),
         "mask": np.ones((rows, length), bool),
     }
+
+
+# --------------------------------------------------------------------------- decoder
+# A small decoder-only transformer over bytes (256 byte tokens, then BOS and EOS) with a
+# KV cache, for generation: ``lm_prefill`` runs a padded batch of prompts with causal
+# attention and returns their cache rows and next-token logits; ``lm_decode`` runs one
+# token for every slot, writing its keys and values at its position and attending to
+# the positions up to it. Weights are random; the output head is scaled up so that
+# greedy decoding has clear winners (a demo of the runtime, not of language).
+
+LM_VOCAB = 258
+LM_BOS, LM_EOS = 256, 257
+LM_DIM = 64
+LM_HEADS = 4
+LM_LAYERS = 2
+LM_MAX_LENGTH = 256
+LM_SLOTS = 8
+LM_PREFILL_LENGTHS = (16, 32, 64, 128)
+LM_PREFILL_BATCHES = (1, 4)
+
+
+def lm_cache_spec(layers: int = LM_LAYERS, heads: int = LM_HEADS, dim: int = LM_DIM) -> dict:
+    """The per-slot KV cache: keys and values per layer, position, head."""
+    kv = TensorSpec((layers, "length", heads, dim // heads), "float32")
+    return {"k": kv, "v": kv}
+
+
+def _lm_block(layer, x, heads, attend):
+    import jax
+    import jax.numpy as jnp
+
+    h = _layer_norm(x, layer["ln1"])
+    q, k, v = jnp.split(h @ layer["qkv"], 3, axis=-1)
+    split = x.shape[:-1] + (heads, x.shape[-1] // heads)
+    out, k, v = attend(q.reshape(split), k.reshape(split), v.reshape(split))
+    x = x + out.reshape(x.shape) @ layer["out"]
+    h = _layer_norm(x, layer["ln2"])
+    return x + jax.nn.gelu(h @ layer["ff1"]) @ layer["ff2"], k, v
+
+
+def _attention(q, k, v, keep, spec):
+    import jax
+    import jax.numpy as jnp
+
+    scale = 1.0 / np.sqrt(q.shape[-1]).astype(np.float32)
+    logits = jnp.einsum(spec[0], q, k) * scale
+    weights = jax.nn.softmax(jnp.where(keep, logits, -1e30), axis=-1)
+    return jnp.einsum(spec[1], weights, v)
+
+
+def lm_prefill(params, tokens, lengths):
+    """``tokens: int32[b, seq]`` (padded), ``lengths: int32[b]`` -> (cache rows
+    ``{"k", "v": [b, layers, seq, heads, hd]}``, logits ``[b, vocab]`` after each
+    prompt's last token)."""
+    import jax.numpy as jnp
+
+    heads = params["layers"][0]["heads"].shape[0]
+    dim = params["embed"].shape[1]
+    seq = jnp.arange(tokens.shape[1])
+    x = params["embed"][tokens] + _positions(tokens.shape[1], dim)[None]
+    # Causal, and no key past a prompt's end (its padding).
+    keep = (seq[None, :] <= seq[:, None])[None, None] & (seq < lengths[:, None])[:, None, None, :]
+    ks, vs = [], []
+    for layer in params["layers"]:
+
+        def attend(q, k, v):
+            return _attention(q, k, v, keep, ("nqhd,nkhd->nhqk", "nhqk,nkhd->nqhd")), k, v
+
+        x, k, v = _lm_block(layer, x, heads, attend)
+        ks.append(k)
+        vs.append(v)
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits = _layer_norm(last, params["ln_final"]) @ params["head"]
+    return {"k": jnp.stack(ks, axis=1), "v": jnp.stack(vs, axis=1)}, logits
+
+
+def lm_decode(params, cache, tokens, positions):
+    """One step for every slot: ``tokens``, ``positions``: ``int32[slots]``; the cache
+    ``{"k", "v": [slots, layers, length, heads, hd]}`` -> (cache, logits ``[slots,
+    vocab]``)."""
+    import jax.numpy as jnp
+
+    heads = params["layers"][0]["heads"].shape[0]
+    dim = params["embed"].shape[1]
+    slots = jnp.arange(tokens.shape[0])
+    keep = (jnp.arange(cache["k"].shape[2])[None, :] <= positions[:, None])[:, None, :]
+    x = params["embed"][tokens] + _positions_at(positions, dim)
+    kc, vc = cache["k"], cache["v"]
+    for i, layer in enumerate(params["layers"]):
+
+        def attend(q, k, v, i=i):
+            nonlocal kc, vc
+            kc = kc.at[slots, i, positions].set(k)
+            vc = vc.at[slots, i, positions].set(v)
+            out = _attention(q, kc[:, i], vc[:, i], keep, ("shd,slhd->shl", "shl,slhd->shd"))
+            return out, k, v
+
+        x, _, _ = _lm_block(layer, x, heads, attend)
+    logits = _layer_norm(x, params["ln_final"]) @ params["head"]
+    return {"k": kc, "v": vc}, logits
+
+
+def _positions_at(positions, dim: int):
+    import jax.numpy as jnp
+
+    freq = jnp.exp(-jnp.log(10000.0) * jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    angles = positions.astype(jnp.float32)[:, None] * freq[None, :]
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def make_lm_params(
+    seed: int = 0,
+    vocab: int = LM_VOCAB,
+    dim: int = LM_DIM,
+    heads: int = LM_HEADS,
+    layers: int = LM_LAYERS,
+) -> dict:
+    params = make_encoder_params(seed, vocab, dim, heads, layers)
+    rng = np.random.default_rng(seed + 1)
+    params["embed"] = rng.standard_normal((vocab, dim)).astype(np.float32)
+    params["head"] = (3.0 * rng.standard_normal((dim, vocab))).astype(np.float32)
+    return params
+
+
+def export_lm(
+    path: str,
+    *,
+    slots: int = LM_SLOTS,
+    max_length: int = LM_MAX_LENGTH,
+    prefill_lengths=LM_PREFILL_LENGTHS,
+    prefill_batches=LM_PREFILL_BATCHES,
+    overwrite: bool = True,
+    **sizes: int,
+) -> str:
+    """Export the demo decoder to ``path`` (``sizes``: dim, heads, layers)."""
+    from .decoder import export_decoder
+
+    return export_decoder(
+        lm_prefill,
+        lm_decode,
+        make_lm_params(**sizes),
+        path,
+        cache=lm_cache_spec(
+            sizes.get("layers", LM_LAYERS), sizes.get("heads", LM_HEADS), sizes.get("dim", LM_DIM)
+        ),
+        max_length=max_length,
+        slots=slots,
+        prefill_lengths=prefill_lengths,
+        prefill_batches=prefill_batches,
+        eos_id=LM_EOS,
+        name="lm",
+        overwrite=overwrite,
+    )
+
+
+def lm_prompts(n: int, seed: int = 0, low: int = 4, high: int = 128) -> list[np.ndarray]:
+    """``n`` byte prompts with long-tailed lengths in ``[low, high]``."""
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(32, 127, int(length), dtype=np.int32)
+        for length in token_lengths(n, low, high, seed)
+    ]

@@ -263,8 +263,13 @@ def load(
     zero_copy: bool = True,
     staging_depth: int = 3,
     max_routes: int = 256,
-) -> Model:
-    """Load an artifact directory and compile every bucket; returns a ``Model``.
+    **decoder_options: Any,
+) -> Any:
+    """Load an artifact directory and compile every bucket; returns a ``Model``, or for
+    a decoder artifact (``pxrt.export_decoder``) a ``pxrt.generate.Decoder``, loaded by
+    ``pxrt.generate.load_decoder`` with ``devices``, ``progress``,
+    ``compilation_cache`` and ``decoder_options`` (``slots``, ``max_length``,
+    ``prefill_lengths``, ``prefill_batches``, ``max_waiting``).
 
     A model with named dimensions is compiled on a grid: every batch bucket at every
     combination of the named dimensions' lengths (a cell each).
@@ -294,6 +299,20 @@ def load(
       staging_depth: staging slots per bucket (batches of one bucket in flight at once).
       max_routes: bound of the request-signature route cache.
     """
+    if artifact.kind(artifact.read_manifest(os.fspath(path))) == "decoder":
+        from .generate import load_decoder
+
+        return load_decoder(
+            path,
+            devices=devices,
+            progress=progress,
+            compilation_cache=compilation_cache,
+            **decoder_options,
+        )
+    if decoder_options:
+        raise TypeError(
+            f"load() got options {sorted(decoder_options)} that only decoder artifacts take"
+        )
     t0 = time.perf_counter()
     art = artifact.read(path)
     devices = list(devices) if devices is not None else jax.local_devices()

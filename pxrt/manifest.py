@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -21,6 +21,10 @@ FORMAT = "pxrt-artifact"
 # 3: named dimensions in shapes, their buckets (``dim_buckets``) and per-input pad
 #    values (2 and 1 still load: they have neither).
 FORMAT_VERSION = 3
+# 4: decoders (``"kind": "decoder"``, see ``pxrt.decoder``). One-shot artifacts are still
+#    written as 3, so a pxrt that predates decoders loads them.
+DECODER_FORMAT_VERSION = 4
+MAX_FORMAT_VERSION = 4  # the newest this pxrt reads
 SIGNATURE_KEYS = ("inputs", "outputs", "params", "x64", "mesh")
 MANIFEST = "manifest.json"
 PROGRAM_FILE = "model.jaxexport"
@@ -47,18 +51,25 @@ def version_tuple(v: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def check_manifest(m: dict[str, Any], where: str) -> None:
-    """The manifest's structure, field by field: a malformed one is an ArtifactError that
-    names the field, never a KeyError or an allocation sized by a typo. (Its values are
-    untrusted JSON, ``Any`` until checked.)"""
+def needs(where: str) -> Callable[[bool, str, str], None]:
+    """``need(ok, field, what)``: an ArtifactError naming ``field`` unless ``ok``."""
 
     def need(ok: bool, field: str, what: str) -> None:
         if not ok:
             raise ArtifactError(f"{where}: {field} {what}; re-export the model")
 
-    def is_int(v: Any, low: int = 0) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+    return need
 
+
+def is_int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def check_manifest(m: dict[str, Any], where: str) -> None:
+    """The manifest's structure, field by field: a malformed one is an ArtifactError that
+    names the field, never a KeyError or an allocation sized by a typo. (Its values are
+    untrusted JSON, ``Any`` until checked.)"""
+    need = needs(where)
     need(isinstance(m.get("name"), str) and bool(m["name"]), "'name'", "must be a non-empty string")
     need(isinstance(m.get("version"), str), "'version'", "must be a string")
     need(isinstance(m.get("x64"), bool), "'x64'", "must be true or false")
@@ -130,6 +141,12 @@ def check_manifest(m: dict[str, Any], where: str) -> None:
         "must be a non-empty list of positive ints",
     )
     need(max(buckets) <= MAX_BUCKET, "'batch_buckets'", f"has a bucket over {MAX_BUCKET} rows")
+    check_params(m, where)
+
+
+def check_params(m: dict[str, Any], where: str) -> None:
+    """The manifest's ``params`` entries (both kinds of artifact have them)."""
+    need = needs(where)
     params: Any = m.get("params")
     need(isinstance(params, list), "'params'", "must be a list")
     for i, p in enumerate(params):

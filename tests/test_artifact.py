@@ -16,6 +16,7 @@ from models import MODELS, mlp, mlp_params
 
 import pxrt
 from pxrt import artifact
+from pxrt.manifest import MAX_FORMAT_VERSION
 
 # Nothing here (export and the manifest) depends on the device count or the handlers' build:
 # `make test` runs this module once (4 devices, Cython), not in every set-up.
@@ -104,7 +105,7 @@ def test_missing_file_is_refused(tmp_path):
 
 def test_newer_format_version_is_refused(tmp_path):
     path = _export_mlp(tmp_path / "m")
-    _edit_manifest(path, format_version=artifact.FORMAT_VERSION + 1)
+    _edit_manifest(path, format_version=MAX_FORMAT_VERSION + 1)
     with pytest.raises(pxrt.ArtifactError, match="upgrade pxrt"):
         pxrt.load(path)
 

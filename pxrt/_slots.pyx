@@ -1,0 +1,121 @@
+# cython: language_level=3
+"""The per-step host work of generation, in one C loop per step.
+
+A decode step samples one token for every slot; ``SlotTable.route`` hands each to the
+generation that owned the slot when the step was dispatched (a snapshot: the slot may
+have been freed and reassigned since), checks its stop conditions, frees the slots of
+the generations that finished, and lists the generations to wake. ``pxrt._slots_py`` is
+the pure-Python twin; tests hold the two to each other.
+"""
+
+cimport numpy as cnp
+from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport PyObject
+
+cnp.import_array()
+
+STOP = "stop"
+LENGTH = "length"
+CANCELLED = "cancelled"
+ERROR = "error"
+
+
+cdef class Generation:
+    """One request's generation state as the host loop sees it: the tokens so far and
+    what ends it. ``pxrt.generate.Generation`` adds waiting and iteration."""
+
+    def __init__(self, Py_ssize_t max_tokens, frozenset stop_ids):
+        self.tokens = []
+        self.max_tokens = max_tokens
+        self.stop_ids = stop_ids
+        self.finish_reason = None
+        self.slot = -1
+        self.woken = False
+        self.t_first = 0.0
+        self.t_last = 0.0
+
+
+cdef class SlotTable:
+    """Which generation owns each decode slot, and the free slots."""
+
+    def __init__(self, Py_ssize_t slots):
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
+        self.owners = [None] * slots
+        # Popped from the end: slot 0 is taken first.
+        self.free = list(range(slots - 1, -1, -1))
+        self.busy = 0
+
+    cpdef Py_ssize_t assign(self, Generation gen):
+        """Give ``gen`` a free slot; returns it (the caller checked one is free)."""
+        cdef Py_ssize_t slot = self.free.pop()
+        self.owners[slot] = gen
+        gen.slot = slot
+        self.busy += 1
+        return slot
+
+    cpdef release(self, Generation gen):
+        """Free ``gen``'s slot if it still holds one."""
+        cdef Py_ssize_t slot = gen.slot
+        if slot >= 0 and self.owners[slot] is gen:
+            self.owners[slot] = None
+            self.free.append(slot)
+            self.busy -= 1
+        gen.slot = -1
+
+    def snapshot(self):
+        """The owners as a step dispatched now will see them."""
+        return list(self.owners)
+
+    def route(self, cnp.ndarray tokens, list owners, double now, list woken, list finished):
+        """Route one step's sampled tokens (int32, one per slot) to ``owners`` (the
+        step's snapshot): generations that got a token go to ``woken`` (once each until
+        their ``woken`` flag is cleared), those that ended to ``finished`` too."""
+        cdef const int[::1] toks = _int32s(tokens)
+        cdef Py_ssize_t i, n = PyList_GET_SIZE(owners)
+        cdef PyObject* item
+        if toks.shape[0] < n:
+            raise ValueError(f"{toks.shape[0]} tokens for {n} slots")
+        for i in range(n):
+            item = PyList_GET_ITEM(owners, i)
+            if <object>item is None:
+                continue
+            if (<Generation>item).finish_reason is None:
+                self._emit(<Generation>item, toks[i], now, woken, finished)
+
+    def first(self, cnp.ndarray tokens, list gens, double now, list woken, list finished):
+        """Route a prefill's first tokens: row i belongs to ``gens[i]``."""
+        cdef const int[::1] toks = _int32s(tokens)
+        cdef Py_ssize_t i, n = PyList_GET_SIZE(gens)
+        cdef Generation gen
+        if toks.shape[0] < n:
+            raise ValueError(f"{toks.shape[0]} tokens for {n} generations")
+        for i in range(n):
+            gen = <Generation>PyList_GET_ITEM(gens, i)
+            if gen.finish_reason is None:
+                gen.t_first = now
+                self._emit(gen, toks[i], now, woken, finished)
+
+    cdef inline void _emit(
+        self, Generation gen, int token, double now, list woken, list finished
+    ) except *:
+        cdef object tok = token
+        PyList_Append(gen.tokens, tok)
+        gen.t_last = now
+        if tok in gen.stop_ids:
+            gen.finish_reason = STOP
+        elif PyList_GET_SIZE(gen.tokens) >= gen.max_tokens:
+            gen.finish_reason = LENGTH
+        if gen.finish_reason is not None:
+            self.release(gen)
+            PyList_Append(finished, gen)
+        if not gen.woken:
+            gen.woken = True
+            PyList_Append(woken, gen)
+
+
+cdef const int[::1] _int32s(cnp.ndarray tokens) except *:
+    if tokens.dtype.num != cnp.NPY_INT32 or tokens.ndim != 1:
+        raise TypeError(f"tokens must be a 1-D int32 array, got {tokens.dtype}{(<object>tokens).shape}")
+    return tokens

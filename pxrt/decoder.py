@@ -1,0 +1,413 @@
+"""Export an autoregressive decoder to an artifact directory, and read one back.
+
+The user writes the model math only, as two pure JAX functions over a KV cache:
+
+- ``prefill(params, tokens, lengths) -> (rows, logits)``: ``tokens`` int32 ``[b, seq]``
+  (prompts padded to the bucket length ``seq``), ``lengths`` int32 ``[b]`` (each prompt's
+  true length); ``rows`` is the cache for those prompts, ``seq`` positions long, and
+  ``logits`` ``[b, vocab]`` the next-token logits after each prompt's last token.
+- ``decode(params, cache, tokens, positions) -> (cache, logits)``: one step for every
+  slot: ``tokens`` int32 ``[slots]`` at ``positions`` int32 ``[slots]``; it writes their
+  keys and values into ``cache`` at those positions and returns the updated cache and
+  ``[slots, vocab]`` logits. Slots are independent of each other; a slot attends to its
+  own positions ``<= position`` only (stale entries beyond are masked, never cleared).
+
+The cache is described per slot by a pytree of ``TensorSpec`` whose shapes name the
+sequence axis ``"length"`` (``{"k": TensorSpec((layers, "length", heads, hd),
+"float32"), ...}``): ``prefill`` returns it with ``b`` rows and ``length = seq``, and
+``decode`` takes and returns it with ``slots`` rows and ``length = max_length``. Both
+programs are exported with those dimensions symbolic, so slot count, cache length and
+prefill buckets are chosen again at load (``pxrt.load``). Everything else (inserting a
+prefilled prompt into a free slot, sampling, stop conditions, the loop) is pxrt's:
+``pxrt.generate``.
+
+The directory holds ``prefill.jaxexport``, ``decode.jaxexport``, ``params.npz`` and a
+``manifest.json`` of kind ``"decoder"`` (format version 4), bound to both programs by the
+names they are exported under, as for one-shot artifacts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+from jax import export as jax_export
+
+from . import _xla
+from .artifact import (
+    BATCH_AXIS,
+    deserialize,
+    param_entries,
+    read_manifest,
+    read_params,
+    verify_files,
+    write_directory,
+)
+from .manifest import (
+    DECODER_FORMAT_VERSION,
+    FORMAT,
+    MANIFEST,
+    PARAMS_FILE,
+    ArtifactError,
+    check_jax_version,
+    check_params,
+    is_int,
+    needs,
+)
+from .specs import DTYPES, MAX_BUCKET, TensorSpec
+
+KIND = "decoder"
+PREFILL_FILE = "prefill.jaxexport"
+DECODE_FILE = "decode.jaxexport"
+LENGTH_DIM = "length"  # the cache's sequence axis, as its spec names it
+TOKEN_DTYPE = np.dtype(np.int32)
+# The fields the programs are bound to (their exported names hash them).
+SIGNATURE_KEYS = ("params", "x64", "vocab", "cache")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderArtifact:
+    """A verified decoder artifact directory, read into memory."""
+
+    path: str
+    manifest: dict
+    prefill: jax_export.Exported
+    decode: jax_export.Exported
+    params: Any  # the params pytree, numpy leaves
+    cache: Any  # the cache's pytree of per-slot TensorSpecs
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    @property
+    def x64(self) -> bool:
+        return bool(self.manifest["x64"])
+
+    @property
+    def config(self) -> dict:
+        """The ``decoder`` section: vocab, max_length, slots, prefill buckets, stop ids."""
+        return self.manifest["decoder"]
+
+
+def program_names(manifest: Mapping[str, Any]) -> tuple[str, str]:
+    """The names the prefill and decode programs are exported under: a hash of what the
+    programs depend on (params, x64, vocabulary, cache layout)."""
+    sig = {"params": manifest["params"], "x64": manifest["x64"]}
+    sig |= {k: manifest["decoder"][k] for k in ("vocab", "cache")}
+    text = json.dumps(sig, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:40]
+    return f"pxrt_prefill_{digest}", f"pxrt_decode_{digest}"
+
+
+def cache_entries(cache: Any) -> list[dict]:
+    """The manifest's ``cache`` entries: per leaf its path, dtype and per-slot shape."""
+    flat = jax.tree_util.tree_flatten_with_path(cache, is_leaf=_is_spec)[0]
+    if not flat:
+        raise ValueError("cache must be a pytree of pxrt.TensorSpec with at least one leaf")
+    entries = []
+    for keypath, spec in flat:
+        where = f"cache{jax.tree_util.keystr(keypath)}"
+        if not isinstance(spec, TensorSpec):
+            raise TypeError(f"{where}: expected a pxrt.TensorSpec, got {type(spec).__name__}")
+        if any(d != LENGTH_DIM for d in spec.dims) or spec.dims.count(LENGTH_DIM) > 1:
+            raise ValueError(
+                f"{where}: shape {spec.shape} may name one dimension, {LENGTH_DIM!r} (the "
+                "sequence axis), and no other"
+            )
+        entries.append(
+            {"path": jax.tree_util.keystr(keypath), "dtype": spec.dtype.name, "shape": spec.shape}
+        )
+    return entries
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, TensorSpec)
+
+
+def export_decoder(
+    prefill: Callable,
+    decode: Callable,
+    params: Any,
+    path: str | os.PathLike,
+    *,
+    cache: Any,
+    max_length: int,
+    slots: int = 8,
+    prefill_lengths: Sequence[int] = (16, 32, 64, 128),
+    prefill_batches: Sequence[int] = (1, 4),
+    eos_id: int | None = None,
+    stop_ids: Sequence[int] = (),
+    name: str | None = None,
+    version: str = "1",
+    x64: bool | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Export a decoder (``prefill`` and ``decode``, see the module docstring) and its
+    params to the artifact directory ``path``; ``pxrt.load`` serves it with
+    ``generate``.
+
+    Args:
+      prefill, decode: the model's two pure functions.
+      params: a pytree of arrays, stored as plain arrays and passed to both.
+      cache: the per-slot cache as a pytree of ``pxrt.TensorSpec``, its sequence axis
+        named ``"length"``.
+      max_length: cache positions per slot: a prompt and its generated tokens together
+        (the default at load).
+      slots: sequences decoded at once (the default at load).
+      prefill_lengths: the prompt lengths prefill is compiled at; a prompt runs at the
+        smallest that holds it, and one longer than the largest is refused (not chunked).
+      prefill_batches: prompts prefilled together (batch buckets of prefill).
+      eos_id: the end-of-sequence token: generation stops after emitting it.
+      stop_ids: more tokens that stop every generation (requests may add their own).
+      name, version, x64, overwrite: as for ``pxrt.export``.
+
+    The vocabulary size is read from the logits. Returns the artifact path.
+    """
+    path = os.fspath(path)
+    entries = cache_entries(cache)
+    lengths = sizes("prefill_lengths", prefill_lengths)
+    batches = sizes("prefill_batches", prefill_batches)
+    max_length, slots = _positive("max_length", max_length), _positive("slots", slots)
+    if lengths[-1] >= max_length:
+        raise ValueError(
+            f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "
+            "needs room for at least one generated token"
+        )
+    leaves, param_meta = param_entries(params)
+    params_np = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    if x64 is None:
+        x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
+    stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
+
+    cache_tree = jax.tree.structure(cache, is_leaf=_is_spec)
+    specs = jax.tree.leaves(cache, is_leaf=_is_spec)
+    with _xla.x64_scope(x64):
+        param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
+        b, seq, n_slots, length = jax_export.symbolic_shape(f"b, seq, slots, {LENGTH_DIM}")
+        tokens = jax.ShapeDtypeStruct((b, seq), TOKEN_DTYPE)
+        prompt_lengths = jax.ShapeDtypeStruct((b,), TOKEN_DTYPE)
+        rows_spec = _cache_shapes(cache_tree, specs, b, seq)
+        slot_cache = _cache_shapes(cache_tree, specs, n_slots, length)
+        step_tokens = jax.ShapeDtypeStruct((n_slots,), TOKEN_DTYPE)
+
+        rows, logits = _pair(
+            jax.eval_shape(prefill, param_specs, tokens, prompt_lengths), "prefill"
+        )
+        _check_cache("prefill", "rows", rows, rows_spec)
+        vocab = _check_logits("prefill", logits, b)
+        out_cache, step_logits = _pair(
+            jax.eval_shape(decode, param_specs, slot_cache, step_tokens, step_tokens), "decode"
+        )
+        _check_cache("decode", "cache", out_cache, slot_cache)
+        if _check_logits("decode", step_logits, n_slots) != vocab:
+            raise ValueError(
+                f"decode's logits have {step_logits.shape[-1]} entries, prefill's {vocab}"
+            )
+        bad = [t for t in stops if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab})")
+
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": DECODER_FORMAT_VERSION,
+            "kind": KIND,
+            "name": name or os.path.basename(os.path.normpath(path)),
+            "version": str(version),
+            "x64": bool(x64),
+            "params": param_meta,
+            "mesh": {"axes": [BATCH_AXIS], "cache": BATCH_AXIS, "params": "replicated"},
+            "decoder": {
+                "vocab": vocab,
+                "cache": entries,
+                "max_length": max_length,
+                "slots": slots,
+                "prefill_lengths": list(lengths),
+                "prefill_batches": list(batches),
+                "stop_ids": stops,
+                "eos_id": None if eos_id is None else int(eos_id),
+            },
+        }
+        prefill_name, decode_name = program_names(manifest)
+        programs, ccv = {}, 0
+        for fname, fn, fun_name, args in (
+            (PREFILL_FILE, prefill, prefill_name, (param_specs, tokens, prompt_lengths)),
+            (DECODE_FILE, decode, decode_name, (param_specs, slot_cache, step_tokens, step_tokens)),
+        ):
+
+            def named(*a, _fn=fn):
+                return _fn(*a)
+
+            named.__name__ = fun_name
+            exported = jax_export.export(jax.jit(named))(*args)
+            programs[fname] = bytes(exported.serialize())
+            ccv = exported.calling_convention_version
+
+    manifest |= {
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "calling_convention_version": ccv,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "files": {},
+    }
+    write_directory(path, manifest, programs, leaves, overwrite)
+    return path
+
+
+def sizes(name: str, values: Any) -> tuple[int, ...]:
+    """``values`` as sorted distinct positive ints (bucket sizes), or a ValueError."""
+    try:
+        out = tuple(sorted({_positive(name, v) for v in values}))
+    except TypeError:
+        out = ()
+    if not out:
+        raise ValueError(f"{name} must be a non-empty list of positive ints, got {values!r}")
+    return out
+
+
+def _positive(name: str, value: Any) -> int:
+    if not is_int(value, 1) or value > MAX_BUCKET:
+        raise ValueError(f"{name} must be an int from 1 to {MAX_BUCKET}, got {value!r}")
+    return int(value)
+
+
+def _pair(out: Any, fn: str) -> tuple[Any, Any]:
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"{fn} must return a pair (cache, logits), got {type(out).__name__}")
+    return out[0], out[1]
+
+
+def _cache_shapes(tree: Any, specs: list[TensorSpec], rows: Any, length: Any) -> Any:
+    return jax.tree.unflatten(
+        tree,
+        [jax.ShapeDtypeStruct((rows,) + s.at({LENGTH_DIM: length}), s.dtype) for s in specs],
+    )
+
+
+def _check_cache(fn: str, what: str, got: Any, want: Any) -> None:
+    got_tree: Any = jax.tree.structure(got)
+    if got_tree != jax.tree.structure(want):
+        raise ValueError(
+            f"{fn} returns its {what} as {jax.tree.structure(got)}, but the cache spec is "
+            f"{jax.tree.structure(want)}"
+        )
+    for (keypath, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        if tuple(map(str, g.shape)) != tuple(map(str, w.shape)) or g.dtype != w.dtype:
+            raise ValueError(
+                f"{fn} returns {what}{jax.tree_util.keystr(keypath)} as "
+                f"{np.dtype(g.dtype).name}{tuple(map(str, g.shape))}, the cache spec says "
+                f"{np.dtype(w.dtype).name}{tuple(map(str, w.shape))}"
+            )
+
+
+def _check_logits(fn: str, logits: Any, rows: Any) -> int:
+    shape = getattr(logits, "shape", None)
+    if (
+        shape is None
+        or len(shape) != 2
+        or str(shape[0]) != str(rows)
+        or not isinstance(shape[1], int)
+        or not jnp.issubdtype(logits.dtype, jnp.floating)
+    ):
+        raise ValueError(
+            f"{fn} must return logits of shape [{rows}, vocab] (floating point), got "
+            f"{getattr(logits, 'dtype', type(logits).__name__)}{tuple(map(str, shape or ()))}"
+        )
+    return int(shape[1])
+
+
+# --------------------------------------------------------------------------- read
+
+
+def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
+    """A decoder manifest's structure, field by field (values are untrusted JSON)."""
+    need = needs(where)
+    need(isinstance(m.get("name"), str) and bool(m["name"]), "'name'", "must be a non-empty string")
+    need(isinstance(m.get("version"), str), "'version'", "must be a string")
+    need(isinstance(m.get("x64"), bool), "'x64'", "must be true or false")
+    files: Any = m.get("files")
+    need(
+        isinstance(files, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()),
+        "'files'",
+        "must map file names to sha256 strings",
+    )
+    check_params(m, where)
+    d: Any = m.get("decoder")
+    need(isinstance(d, dict), "'decoder'", "must be an object")
+    for key in ("vocab", "max_length", "slots"):
+        need(
+            is_int(d.get(key), 1) and d[key] <= MAX_BUCKET,
+            f"decoder.{key}",
+            "must be a positive int",
+        )
+    for key in ("prefill_lengths", "prefill_batches"):
+        v = d.get(key)
+        need(
+            isinstance(v, list) and bool(v) and all(is_int(x, 1) and x <= MAX_BUCKET for x in v),
+            f"decoder.{key}",
+            "must be a non-empty list of positive ints",
+        )
+    stops = d.get("stop_ids")
+    need(
+        isinstance(stops, list) and all(is_int(t) and t < d["vocab"] for t in stops),
+        "decoder.stop_ids",
+        "must be a list of token ids inside the vocabulary",
+    )
+    eos = d.get("eos_id")
+    need(eos is None or (is_int(eos) and eos < d["vocab"]), "decoder.eos_id", "must be a token id")
+    cache: Any = d.get("cache")
+    need(isinstance(cache, list) and bool(cache), "decoder.cache", "must be a non-empty list")
+    for i, e in enumerate(cache):
+        field = f"decoder.cache[{i}]"
+        need(isinstance(e, dict) and isinstance(e.get("path"), str), field, "needs a string 'path'")
+        need(e.get("dtype") in DTYPES, f"{field}.dtype", f"must be one of {', '.join(DTYPES)}")
+        shape = e.get("shape")
+        need(
+            isinstance(shape, list)
+            and all(is_int(x) or x == LENGTH_DIM for x in shape)
+            and shape.count(LENGTH_DIM) <= 1,
+            f"{field}.shape",
+            f"must be a list of non-negative ints and at most one {LENGTH_DIM!r}",
+        )
+
+
+def read(path: str | os.PathLike) -> DecoderArtifact:
+    """Read and verify a decoder artifact directory (hashes, format, jax version, both
+    programs against the manifest)."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    where = os.path.join(path, MANIFEST)
+    if manifest.get("kind") != KIND:
+        raise ArtifactError(f"{path} is not a decoder artifact; load it with pxrt.load")
+    check_decoder_manifest(manifest, where)
+    verify_files(path, manifest, (PREFILL_FILE, DECODE_FILE, PARAMS_FILE))
+    check_jax_version(path, manifest)
+    prefill = deserialize(path, PREFILL_FILE)
+    decode = deserialize(path, DECODE_FILE)
+    if (prefill.fun_name, decode.fun_name) != program_names(manifest):
+        raise ArtifactError(
+            f"{path}: the manifest does not match the programs: its params, x64 flag, "
+            "vocabulary or cache are not the ones they were exported with (they were "
+            "edited); re-export the model"
+        )
+    params = read_params(path, prefill, manifest["params"])
+    args_tree = jax.tree_util.treedef_children(decode.in_tree)[0]
+    cache_tree: Any = jax.tree_util.treedef_children(args_tree)[1]  # jaxlib: untyped
+    entries = manifest["decoder"]["cache"]
+    if cache_tree.num_leaves != len(entries):
+        raise ArtifactError(
+            f"{path}: the decode program's cache has {cache_tree.num_leaves} arrays, the "
+            f"manifest lists {len(entries)}; re-export the model"
+        )
+    cache = jax.tree.unflatten(cache_tree, [TensorSpec(e["shape"], e["dtype"]) for e in entries])
+    return DecoderArtifact(path, manifest, prefill, decode, params, cache)

@@ -1,0 +1,969 @@
+"""Generation: a decoder artifact loaded with every program compiled, served by a loop
+that batches continuously over device-resident cache slots.
+
+At load (``pxrt.load`` on a decoder artifact) pxrt builds and compiles, around the
+user's two exported programs:
+
+- ``step(params, state) -> (state, tokens)``: one decode step for every slot, with
+  sampling fused in; the state (the cache, each slot's next token, position and
+  sampling parameters) is donated, so the cache is updated in place, never copied;
+- ``prefill_insert[b, L](params, state, tokens, ints, floats) -> (state, first)``: for
+  each prefill cell (``b`` prompts of up to ``L`` tokens), prefill, sample each prompt's
+  first token and write the rows, the token and the sampling parameters into the given
+  slots, in place as well.
+
+The loop (one thread per decoder) repeats: admit waiting prompts into free slots (one
+prefill batch per step, so a burst of prompts delays a step by one prefill at most),
+dispatch the next step, then read the previous step's tokens, whose copy to the host
+was started when it was dispatched: the device always has the next step queued while
+the host routes the last one. Routing (``SlotTable.route``, Cython) hands every slot's
+token to its generation, applies the stop conditions and frees finished slots in one
+call; the generations it touched are woken once per step (one ``call_soon_threadsafe``
+per event loop).
+
+Sampling (greedy, temperature, top-k, top-p) runs per slot on the device. A sampled
+token's randomness comes from ``fold_in(key(seed), position)`` only, so a request with
+a seed gets the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import math
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from . import _ext, _xla
+from .artifact import BATCH_AXIS
+from .decoder import LENGTH_DIM, DecoderArtifact, sizes
+from .decoder import read as read_decoder
+from .executable import _cache_dir
+
+_slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
+if TYPE_CHECKING:  # both builds have the twin's API
+    from ._slots_py import Generation as _GenerationBase
+else:
+    _GenerationBase = _slots.Generation
+STOP, LENGTH, CANCELLED, ERROR = _slots.STOP, _slots.LENGTH, _slots.CANCELLED, _slots.ERROR
+
+_PREFILL, _STEP = 0, 1
+# Columns of the per-prompt int32 and float32 rows of a prefill call.
+_LEN, _SLOT, _TOPK, _SEED = range(4)
+_TEMP, _TOPP = range(2)
+
+
+class QueueFull(RuntimeError):
+    """Too many prompts are waiting for a slot; try again after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DecoderClosed(RuntimeError):
+    """The decoder was closed; its generations end with this error."""
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sample(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seed: jax.Array,
+    position: jax.Array,
+) -> jax.Array:
+    """One token per row of ``logits`` ``[n, vocab]``, each row by its own parameters:
+    ``temperature`` 0 is greedy (argmax); otherwise the logits are divided by it, cut
+    to the ``top_k`` largest (0: all) and to the smallest set whose probability reaches
+    ``top_p``, and drawn with the key ``fold_in(key(seed), position)``. Shapes are fixed
+    (a sort per row), so it compiles once; all-greedy batches skip the draw."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+
+    def draw(_: Any) -> jax.Array:
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        desc = -jnp.sort(-scaled, axis=-1)
+        k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        in_k = jnp.arange(vocab)[None, :] < k[:, None]
+        probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.maximum((in_k & (before < top_p[:, None])).sum(axis=-1), 1)
+        cut = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
+        masked = jnp.where(scaled >= cut, scaled, -jnp.inf)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+        return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)
+
+    drawn = lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished generation: its tokens and why it ended (``"stop"``: a stop token,
+    the last of ``tokens``; ``"length"``: ``max_tokens`` or the cache's end)."""
+
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    ttft_s: float  # submit -> first token on the host
+    total_s: float  # submit -> last token
+
+
+class Generation(_GenerationBase):
+    """A request being generated: iterate it (``for``/``async for``) for its tokens as
+    they come, or wait for all of them (``result``); ``cancel`` frees its slot at the
+    next step. Made by ``Decoder.submit``."""
+
+    __slots__ = (
+        "prompt",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "bucket",
+        "loop",
+        "waiter",
+        "event",
+        "error",
+        "t_submit",
+        "_decoder",
+        "_read",
+    )
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        prompt: np.ndarray,
+        limit: int,
+        stops: frozenset,
+        sampling: tuple[float, int, float, int],
+        bucket: int,
+    ) -> None:
+        super().__init__(limit, stops)
+        self.prompt = prompt
+        self.temperature, self.top_k, self.top_p, self.seed = sampling
+        self.bucket = bucket  # the prefill length it runs at
+        self.loop: asyncio.AbstractEventLoop | None
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+        self._decoder = weakref.ref(decoder)
+        self._read = 0
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+        self.event = threading.Event()
+        self.t_submit = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """Stop generating (the slot is freed before the next step); no-op when done."""
+        if self.finish_reason is None:
+            self.finish_reason = CANCELLED
+            decoder = self._decoder()
+            if decoder is not None:
+                decoder._cancelled(self)
+
+    # ------------------------------------------------------------------ sync
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            tokens = self.tokens
+            while self._read < len(tokens):
+                self._read += 1
+                yield tokens[self._read - 1]
+            if self.finish_reason is not None and self._read >= len(self.tokens):
+                if self.error is not None:
+                    raise self.error
+                return
+            self.event.wait()
+            self.event.clear()
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the whole generation (sync); raises its error if it failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.finish_reason is None or self.woken:
+            if self.finish_reason is not None and not self.woken:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"generation not finished after {timeout} s")
+            self.event.wait(left)
+            self.event.clear()
+            if self.finish_reason is not None:
+                break
+        return self._completion()
+
+    def _completion(self) -> Completion:
+        if self.error is not None:
+            raise self.error
+        assert self.finish_reason is not None
+        return Completion(
+            list(self.tokens),
+            self.finish_reason,
+            len(self.prompt),
+            max(self.t_first - self.t_submit, 0.0) if self.tokens else 0.0,
+            max(self.t_last - self.t_submit, 0.0) if self.tokens else 0.0,
+        )
+
+    # ------------------------------------------------------------------ async
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> int:
+        while True:
+            if self._read < len(self.tokens):
+                self._read += 1
+                return self.tokens[self._read - 1]
+            if self.finish_reason is not None:
+                if self.error is not None:
+                    raise self.error
+                raise StopAsyncIteration
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self.waiter = None
+
+    async def wait(self) -> Completion:
+        """Wait for the whole generation (async)."""
+        async for _ in self:
+            pass
+        return self._completion()
+
+
+def _wake_async(gens: list) -> None:
+    """On an event loop: resume the generations' readers."""
+    for gen in gens:
+        gen.woken = False
+        waiter = gen.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+@dataclasses.dataclass
+class PrefillCell:
+    batch: int
+    length: int
+    compiled: Any
+    compile_s: float
+
+
+class Decoder:
+    """A loaded decoder: the prefill cells, the insert and the decode step compiled, the
+    cache resident on the devices, served by one loop thread (started on first use).
+
+    ``generate`` (sync, whole), ``stream`` (sync, token by token), ``agenerate`` (async
+    iterator of tokens; leaving it early cancels the generation) and ``submit`` (a
+    ``Generation`` handle) all share that loop: requests from any of them are batched
+    together. Thread-safe. ``close`` stops the loop.
+    """
+
+    def __init__(
+        self,
+        art: DecoderArtifact,
+        devices: list,
+        params_dev: Any,
+        state: Any,
+        step: Any,
+        cells: list[PrefillCell],
+        make_state: Any,
+        *,
+        slots: int,
+        max_length: int,
+        max_waiting: int,
+        step_compile_s: float,
+        load_s: float,
+    ) -> None:
+        self.artifact = art
+        self.name: str = art.name
+        self.version: str = art.manifest["version"]
+        self.devices = devices
+        config = art.config
+        self.vocab: int = config["vocab"]
+        self.slots = slots
+        self.max_length = max_length
+        self.stop_ids = frozenset(config["stop_ids"])
+        self.eos_id: int | None = config["eos_id"]
+        self.prefill_lengths = tuple(sorted({c.length for c in cells}))
+        self.prefill_batches = tuple(sorted({c.batch for c in cells}))
+        self.max_prompt = self.prefill_lengths[-1]
+        self.max_waiting = max_waiting
+        self.load_s = load_s
+        self.step_compile_s = step_compile_s
+        #: XLA compiles on this decoder's loop (counted by ``_xla.compile_counter``).
+        self.request_path_compiles = 0
+        self._params = params_dev
+        self._state = state
+        self._step = step
+        self._make_state = make_state
+        self._cells = {(c.batch, c.length): c for c in cells}
+        self._table = _slots.SlotTable(slots)
+        self._waiting: collections.deque[Generation] = collections.deque()
+        self._cancels: list[Generation] = []
+        self._pending: collections.deque[tuple] = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._idle = True
+        #: Counters since load: steps, prefills, tokens, and the seconds the loop spent.
+        self.counters = {
+            "steps": 0,
+            "prefills": 0,
+            "prefill_rows": 0,
+            "tokens": 0,
+            "generations": 0,
+            "step_host_s": 0.0,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Decoder({self.name!r}, version={self.version!r}, slots={self.slots}, "
+            f"max_length={self.max_length}, prefill_lengths={self.prefill_lengths}, "
+            f"devices={len(self.devices)})"
+        )
+
+    @property
+    def compiles_after_load(self) -> int:
+        """XLA compiles that happened while generating (must stay 0)."""
+        return self.request_path_compiles
+
+    @property
+    def busy_slots(self) -> int:
+        return self._table.busy
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def state(self) -> Any:
+        """The device state (the cache and the per-slot arrays): for inspection only;
+        it is replaced (its buffers donated) at every step."""
+        return self._state
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> Generation:
+        """Queue one prompt (token ids) for generation; returns its ``Generation``.
+
+        Generation stops after ``max_tokens`` tokens, at a stop token (the artifact's
+        end-of-sequence and stop ids, and ``stop_ids``; the stop token is the last one
+        returned), or when the cache is full (``max_length`` positions in all).
+        ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 do not cut. ``seed``
+        (0 .. 2**32-1; default random) fixes the sampled tokens whatever else is
+        generated at the same time.
+
+        Raises ValueError naming the parameter for a bad request, ``QueueFull`` when
+        ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
+        """
+        tokens = self._check_prompt(prompt)
+        limit = _int_in("max_tokens", max_tokens, 1, None)
+        limit = min(limit, self.max_length - len(tokens))
+        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)):
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        k = _int_in("top_k", top_k, 0, None)
+        if not (
+            isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0.0 < top_p <= 1.0
+        ):
+            raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+        if seed is None:
+            seed = secrets.randbits(32)
+        seed = _int_in("seed", seed, 0, 2**32 - 1)
+        stops = self.stop_ids
+        if stop_ids:
+            extra = [_int_in("stop_ids", t, 0, self.vocab - 1) for t in stop_ids]
+            stops = stops | frozenset(extra)
+        gen = Generation(
+            self,
+            tokens,
+            limit,
+            stops,
+            (float(temperature), min(k, self.vocab), float(top_p), seed),
+            next(n for n in self.prefill_lengths if n >= len(tokens)),
+        )
+        with self._cond:
+            if self._closed:
+                raise DecoderClosed(f"decoder {self.name!r} is closed")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(
+                    f"decoder {self.name!r}: {len(self._waiting)} prompts are waiting for a "
+                    f"slot (max_waiting={self.max_waiting}); retry later"
+                )
+            self._waiting.append(gen)
+            self.counters["generations"] += 1
+            if self._thread is None:
+                self._start()
+            elif self._idle:
+                self._cond.notify()
+        return gen
+
+    def generate(self, prompt: Sequence[int] | np.ndarray, **options: Any) -> Completion:
+        """Generate for one prompt and wait for all of it (sync). ``options`` as for
+        ``submit``."""
+        return self.submit(prompt, **options).result()
+
+    def stream(self, prompt: Sequence[int] | np.ndarray, **options: Any) -> Iterator[int]:
+        """The generated tokens of one prompt as they come (sync); closing the iterator
+        early cancels the generation."""
+        gen = self.submit(prompt, **options)
+        try:
+            yield from gen
+        finally:
+            gen.cancel()
+
+    async def agenerate(
+        self, prompt: Sequence[int] | np.ndarray, **options: Any
+    ) -> AsyncIterator[int]:
+        """The generated tokens of one prompt as they come (async); leaving the loop
+        early, or cancelling the task, cancels the generation and frees its slot."""
+        gen = self.submit(prompt, **options)
+        try:
+            async for token in gen:
+                yield token
+        finally:
+            gen.cancel()
+
+    def _check_prompt(self, prompt: Any) -> np.ndarray:
+        try:
+            arr = np.asarray(prompt)
+        except Exception as exc:  # noqa: BLE001 - anything unreadable is a bad prompt
+            raise ValueError(
+                f"prompt: expected a list of token ids, got {type(prompt).__name__}"
+            ) from exc
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise ValueError(
+                f"prompt: expected a 1-D sequence of integer token ids, got "
+                f"{arr.dtype.name}{list(arr.shape)}"
+            )
+        n = arr.shape[0]
+        if n == 0:
+            raise ValueError("prompt: is empty; give at least one token id")
+        if n > self.max_prompt:
+            raise ValueError(
+                f"prompt: {n} tokens is longer than the longest prefill length of "
+                f"{self.name!r} ({self.max_prompt}); prompts are not chunked: shorten it "
+                "or export with longer prefill_lengths"
+            )
+        if n >= self.max_length:
+            raise ValueError(
+                f"prompt: {n} tokens leave no room in a cache of {self.max_length} positions"
+            )
+        low, high = int(arr.min()), int(arr.max())
+        if low < 0 or high >= self.vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab})")
+        return arr.astype(np.int32)
+
+    def _cancelled(self, gen: Generation) -> None:
+        with self._cond:
+            self._cancels.append(gen)
+            if self._idle:
+                self._cond.notify()
+        self._wake([gen])
+
+    # ------------------------------------------------------------------ the loop
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"pxrt-generate-{self.name}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the loop; every unfinished generation ends with ``DecoderClosed``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._fail(DecoderClosed(f"decoder {self.name!r} was closed"))
+
+    def __enter__(self) -> Decoder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        table = self._table
+        pending = self._pending
+        cond = self._cond
+        with _xla.compile_counter.request_path(self), _xla.x64_scope(self.artifact.x64):
+            while True:
+                with cond:
+                    while (
+                        not self._closed
+                        and not self._cancels
+                        and table.busy == 0
+                        and not pending
+                        and not self._waiting
+                    ):
+                        self._idle = True
+                        cond.wait()
+                    self._idle = False
+                    if self._closed:
+                        return
+                    cancels, self._cancels = self._cancels, []
+                try:
+                    for gen in cancels:
+                        table.release(gen)
+                    t0 = time.perf_counter()
+                    batch = self._admit()
+                    if batch:
+                        self._prefill(*batch)
+                    stepped = table.busy > 0
+                    if stepped:
+                        self._dispatch_step()
+                    while len(pending) > stepped:
+                        self._read(pending.popleft())
+                    if stepped:
+                        self.counters["step_host_s"] += time.perf_counter() - t0
+                except Exception as exc:  # noqa: BLE001 - a failed step fails its generations
+                    self._recover(exc)
+
+    def _admit(self) -> tuple[list, int] | None:
+        """The next prefill batch: waiting prompts in order, as many as there are free
+        slots and room in the largest prefill batch, up to the first that needs a longer
+        prefill than the first one's (it leads the next batch)."""
+        waiting = self._waiting
+        free = len(self._table.free)
+        if not waiting or not free:
+            return None
+        room = min(free, self.prefill_batches[-1])
+        batch: list[Generation] = []
+        length = 0
+        while waiting and len(batch) < room:
+            gen = waiting[0]
+            if gen.finish_reason is not None:  # cancelled while waiting
+                waiting.popleft()
+                continue
+            if length and gen.bucket > length:
+                break
+            length = length or gen.bucket
+            batch.append(waiting.popleft())
+        return (batch, length) if batch else None
+
+    def _prefill(self, batch: list, length: int) -> None:
+        n = len(batch)
+        size = next(b for b in self.prefill_batches if b >= n)
+        cell = self._cells[(size, length)]
+        tokens = np.zeros((size, length), np.int32)
+        ints = np.zeros((size, 4), np.int32)
+        ints[:, _LEN] = 1
+        ints[:, _SLOT] = self.slots  # out of range: the row is dropped
+        floats = np.zeros((size, 2), np.float32)
+        floats[:, _TOPP] = 1.0
+        assign = self._table.assign
+        for i, gen in enumerate(batch):
+            prompt = gen.prompt
+            tokens[i, : len(prompt)] = prompt
+            ints[i, _LEN] = len(prompt)
+            ints[i, _SLOT] = assign(gen)
+            ints[i, _TOPK] = gen.top_k
+            ints[i, _SEED] = gen.seed - (1 << 32) if gen.seed >= 1 << 31 else gen.seed
+            floats[i, _TEMP] = gen.temperature
+            floats[i, _TOPP] = gen.top_p
+        self._state, first = cell.compiled(self._params, self._state, tokens, ints, floats)
+        first.copy_to_host_async()
+        self._pending.append((_PREFILL, first, batch))
+        self.counters["prefills"] += 1
+        self.counters["prefill_rows"] += n
+
+    def _dispatch_step(self) -> None:
+        self._state, tokens = self._step(self._params, self._state)
+        tokens.copy_to_host_async()
+        self._pending.append((_STEP, tokens, self._table.snapshot()))
+        self.counters["steps"] += 1
+
+    def _read(self, entry: tuple) -> None:
+        kind, array, owners = entry
+        tokens = np.asarray(array)
+        woken: list = []
+        finished: list = []
+        now = time.perf_counter()
+        if kind == _STEP:
+            self._table.route(tokens, owners, now, woken, finished)
+        else:
+            self._table.first(tokens, owners, now, woken, finished)
+        self.counters["tokens"] += len(woken)
+        if woken:
+            self._wake(woken)
+
+    def _wake(self, gens: list) -> None:
+        by_loop: dict[Any, list] = {}
+        for gen in gens:
+            loop = gen.loop
+            if loop is None:
+                gen.woken = False
+                gen.event.set()
+            else:
+                by_loop.setdefault(loop, []).append(gen)
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_wake_async, group)
+            except RuntimeError:  # the loop was closed: nobody is waiting there
+                pass
+
+    def _recover(self, exc: BaseException) -> None:
+        """A device call failed: fail every generation in a slot or in flight, and start
+        again from a fresh state (the old one may have been donated)."""
+        error = RuntimeError(f"decoder {self.name!r}: generation failed: {exc!r}")
+        error.__cause__ = exc
+        victims = [g for g in self._table.owners if g is not None]
+        for _, _, who in self._pending:
+            victims.extend(g for g in who if g is not None)
+        self._pending.clear()
+        self._finish_with(victims, error)
+        try:
+            self._state = self._make_state()
+        except Exception as again:  # noqa: BLE001 - nothing more can run
+            with self._cond:
+                self._closed = True
+            self._fail(RuntimeError(f"decoder {self.name!r} cannot recover: {again!r}"))
+
+    def _fail(self, error: BaseException) -> None:
+        victims = [g for g in self._table.owners if g is not None]
+        while self._waiting:
+            victims.append(self._waiting.popleft())
+        self._finish_with(victims, error)
+
+    def _finish_with(self, gens: list, error: BaseException) -> None:
+        done = []
+        for gen in dict.fromkeys(gens):
+            self._table.release(gen)
+            if gen.finish_reason is None or gen.finish_reason == CANCELLED:
+                if gen.finish_reason is None:
+                    gen.error = error
+                    gen.finish_reason = ERROR
+                done.append(gen)
+        self._wake(done)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def cache_bytes(self) -> int:
+        """Device memory of the cache (all slots, all devices together)."""
+        total = 0
+        for e in self.artifact.config["cache"]:
+            shape = [self.max_length if d == LENGTH_DIM else d for d in e["shape"]]
+            total += self.slots * math.prod(shape) * np.dtype(_dtype(e["dtype"])).itemsize
+        return total
+
+    def describe(self) -> dict:
+        """The manifest, the compiled programs (compile time, XLA's memory analysis) and
+        the cache's size."""
+
+        def memory(compiled: Any) -> dict:
+            try:
+                mem = compiled.memory_analysis()
+            except Exception:  # noqa: BLE001 - optional per backend
+                return {}
+            if mem is None:
+                return {}
+            return {
+                "argument_bytes": mem.argument_size_in_bytes,
+                "output_bytes": mem.output_size_in_bytes,
+                "temp_bytes": mem.temp_size_in_bytes,
+                "alias_bytes": getattr(mem, "alias_size_in_bytes", 0),
+                "generated_code_bytes": mem.generated_code_size_in_bytes,
+            }
+
+        programs = [
+            {"program": "step", "slots": self.slots, "compile_s": round(self.step_compile_s, 4)}
+            | {"memory": memory(self._step)}
+        ]
+        for (b, length), cell in sorted(self._cells.items()):
+            programs.append(
+                {
+                    "program": "prefill_insert",
+                    "batch": b,
+                    "length": length,
+                    "compile_s": round(cell.compile_s, 4),
+                    "memory": memory(cell.compiled),
+                }
+            )
+        return {
+            "manifest": self.artifact.manifest,
+            "kind": "decoder",
+            "devices": [str(d) for d in self.devices],
+            "load_s": round(self.load_s, 4),
+            "extensions": _ext.using_extensions(),
+            "slots": self.slots,
+            "max_length": self.max_length,
+            "cache_bytes": self.cache_bytes,
+            "programs": programs,
+        }
+
+
+def _dtype(name: str) -> np.dtype:
+    from .specs import as_dtype
+
+    return as_dtype(name)
+
+
+def _int_in(name: str, value: Any, low: int, high: int | None) -> int:
+    if isinstance(value, np.integer):
+        value = int(value)
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        span = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an int {span}, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_decoder(
+    path: str | os.PathLike,
+    *,
+    devices: Sequence | None = None,
+    slots: int | None = None,
+    max_length: int | None = None,
+    prefill_lengths: Sequence[int] | None = None,
+    prefill_batches: Sequence[int] | None = None,
+    max_waiting: int = 1024,
+    progress: bool | None = None,
+    compilation_cache: bool | str | os.PathLike = True,
+) -> Decoder:
+    """Load a decoder artifact (``pxrt.load`` calls this for one): the step and every
+    prefill cell compiled, the params and the cache on the devices.
+
+    ``slots`` (rounded up to a multiple of the device count: the cache is sharded over
+    the devices by slot), ``max_length``, ``prefill_lengths`` and ``prefill_batches``
+    default to the artifact's. ``max_waiting`` bounds the prompts waiting for a slot.
+    """
+    t0 = time.perf_counter()
+    art = read_decoder(path)
+    config = art.config
+    devices = list(devices) if devices is not None else jax.local_devices()
+    if not devices:
+        raise ValueError("no devices to load on")
+    n_dev = len(devices)
+    slots = sizes("slots", [slots if slots is not None else config["slots"]])[0]
+    slots = -(-slots // n_dev) * n_dev
+    max_length = sizes("max_length", [max_length or config["max_length"]])[0]
+    lengths = sizes("prefill_lengths", prefill_lengths or config["prefill_lengths"])
+    batches = sizes("prefill_batches", prefill_batches or config["prefill_batches"])
+    if lengths[-1] >= max_length:
+        raise ValueError(
+            f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "
+            "needs room for at least one generated token"
+        )
+    max_waiting = _int_in("max_waiting", max_waiting, 1, None)
+
+    _xla.compile_counter.ensure_registered()
+    mesh = Mesh(np.array(devices), (BATCH_AXIS,))
+    replicated = NamedSharding(mesh, P())
+    by_slot = NamedSharding(mesh, P(BATCH_AXIS))
+    specs = jax.tree.leaves(art.cache, is_leaf=lambda x: hasattr(x, "dtype") and hasattr(x, "dims"))
+    cache_tree = jax.tree.structure(art.cache, is_leaf=lambda x: hasattr(x, "dims"))
+    length_axes = [s.shape.index(LENGTH_DIM) + 1 if LENGTH_DIM in s.shape else None for s in specs]
+
+    def state_specs() -> dict:
+        cache = jax.tree.unflatten(
+            cache_tree,
+            [
+                jax.ShapeDtypeStruct(
+                    (slots,) + s.at({LENGTH_DIM: max_length}), s.dtype, sharding=by_slot
+                )
+                for s in specs
+            ],
+        )
+        vec = {
+            "tokens": jnp.int32,
+            "positions": jnp.int32,
+            "temperature": jnp.float32,
+            "top_k": jnp.int32,
+            "top_p": jnp.float32,
+            "seed": jnp.uint32,
+        }
+        return {"cache": cache} | {
+            k: jax.ShapeDtypeStruct((slots,), dt, sharding=by_slot) for k, dt in vec.items()
+        }
+
+    shapes = state_specs()
+    state_sharding = jax.tree.map(lambda s: s.sharding, shapes)
+    prefill_call = art.prefill.call
+    decode_call = art.decode.call
+    last = max_length - 1
+
+    def make_state() -> dict:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def step(params: Any, state: dict) -> tuple[dict, jax.Array]:
+        positions = jnp.minimum(state["positions"], last)
+        cache, logits = decode_call(params, state["cache"], state["tokens"], positions)
+        following = positions + 1
+        tokens = sample(
+            logits, state["temperature"], state["top_k"], state["top_p"], state["seed"], following
+        )
+        return state | {"cache": cache, "tokens": tokens, "positions": following}, tokens
+
+    def prefill_insert(
+        params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
+    ) -> tuple[dict, jax.Array]:
+        lengths, slot, top_k = ints[:, _LEN], ints[:, _SLOT], ints[:, _TOPK]
+        seed = lax.bitcast_convert_type(ints[:, _SEED], jnp.uint32)
+        temperature, top_p = floats[:, _TEMP], floats[:, _TOPP]
+        rows, logits = prefill_call(params, tokens, lengths)
+        first = sample(logits, temperature, top_k, top_p, seed, lengths)
+        n = tokens.shape[1]
+        cache = jax.tree.unflatten(
+            cache_tree,
+            [
+                c.at[
+                    (slot,)
+                    if axis is None
+                    else (slot,) + (slice(None),) * (axis - 1) + (slice(0, n),)
+                ].set(r, mode="drop")
+                for c, r, axis in zip(
+                    jax.tree.leaves(state["cache"]), jax.tree.leaves(rows), length_axes
+                )
+            ],
+        )
+
+        def put(vec: jax.Array, values: jax.Array) -> jax.Array:
+            return vec.at[slot].set(values.astype(vec.dtype), mode="drop")
+
+        return {
+            "cache": cache,
+            "tokens": put(state["tokens"], first),
+            "positions": put(state["positions"], lengths),
+            "temperature": put(state["temperature"], temperature),
+            "top_k": put(state["top_k"], top_k),
+            "top_p": put(state["top_p"], top_p),
+            "seed": put(state["seed"], seed),
+        }, first
+
+    cache_dir = _cache_dir(compilation_cache)
+    cells: list[PrefillCell] = []
+    with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
+        params_dev = jax.device_put(art.params, jax.tree.map(lambda _: replicated, art.params))
+        param_specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
+        )
+        todo = [("step", 0, 0)] + [("prefill", b, n) for n in lengths for b in batches]
+        bar = tqdm(
+            todo,
+            desc=f"pxrt: compiling {art.name}",
+            unit="program",
+            disable=False if progress else (None if progress is None else True),
+            leave=False,
+        )
+        make_state_c = jax.jit(make_state, out_shardings=state_sharding).lower().compile()
+        step_c = None
+        step_s = 0.0
+        for what, b, n in bar:
+            tc = time.perf_counter()
+            try:
+                if what == "step":
+                    step_c = (
+                        jax.jit(
+                            step,
+                            donate_argnums=(1,),
+                            out_shardings=(state_sharding, replicated),
+                        )
+                        .lower(param_specs, shapes)
+                        .compile()
+                    )
+                    step_s = time.perf_counter() - tc
+                    continue
+                args = (
+                    jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=replicated),
+                    jax.ShapeDtypeStruct((b, 4), jnp.int32, sharding=replicated),
+                    jax.ShapeDtypeStruct((b, 2), jnp.float32, sharding=replicated),
+                )
+                compiled = (
+                    jax.jit(
+                        prefill_insert,
+                        donate_argnums=(1,),
+                        out_shardings=(state_sharding, replicated),
+                    )
+                    .lower(param_specs, shapes, *args)
+                    .compile()
+                )
+            except Exception as exc:
+                where = "the decode step" if what == "step" else f"prefill {b} x {n}"
+                raise ValueError(f"{art.name!r}: {where} does not compile: {exc}") from exc
+            cells.append(PrefillCell(b, n, compiled, time.perf_counter() - tc))
+        state = make_state_c()
+        # One run of each program (on the zero state: no slot is busy) so that the first
+        # request does not pay for first-run work.
+        for cell in cells:
+            ints = np.zeros((cell.batch, 4), np.int32)
+            ints[:, _LEN] = 1
+            ints[:, _SLOT] = slots
+            floats = np.ones((cell.batch, 2), np.float32)
+            state, first = cell.compiled(
+                params_dev, state, np.zeros((cell.batch, cell.length), np.int32), ints, floats
+            )
+        assert step_c is not None
+        state, first = step_c(params_dev, state)
+        np.asarray(first)
+        state = make_state_c()
+    return Decoder(
+        art,
+        devices,
+        params_dev,
+        state,
+        step_c,
+        cells,
+        make_state_c,
+        slots=slots,
+        max_length=max_length,
+        max_waiting=max_waiting,
+        step_compile_s=step_s,
+        load_s=time.perf_counter() - t0,
+    )

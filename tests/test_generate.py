@@ -1,0 +1,482 @@
+"""Generation: decoder artifacts, continuous batching over device-resident slots, and
+sampling, against one-request-at-a-time decoding in plain JAX with the same functions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pxrt
+from pxrt import _slots_py, decoder, demo, generate
+
+MAX_LENGTH = 64
+SIZES = {"dim": 32, "heads": 2, "layers": 2}
+LENGTHS = (8, 16, 32)
+BATCHES = (1, 2, 4)
+SLOTS = 4
+LONG = 2048
+
+
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory):
+    return demo.export_lm(
+        str(tmp_path_factory.mktemp("lm") / "lm"),
+        slots=SLOTS,
+        max_length=MAX_LENGTH,
+        prefill_lengths=LENGTHS,
+        prefill_batches=BATCHES,
+        **SIZES,
+    )
+
+
+@pytest.fixture(scope="module")
+def lm(lm_path):
+    dec = pxrt.load(lm_path)
+    yield dec
+    dec.close()
+
+
+@pytest.fixture(scope="module")
+def long_lm(lm_path):
+    """The same artifact with a long cache: generations that run for thousands of steps
+    unless cancelled."""
+    dec = pxrt.load(lm_path, max_length=LONG)
+    yield dec
+    dec.close()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return demo.make_lm_params(**SIZES)
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    """Plain JAX, one request at a time: prefill at the prompt's exact length, then
+    greedy decode steps over a one-slot cache. Returns prompt -> tokens (memoized)."""
+    prefill = jax.jit(demo.lm_prefill)
+    decode = jax.jit(demo.lm_decode)
+    memo: dict = {}
+
+    def run(prompt, max_tokens, stops=(demo.LM_EOS,)):
+        key = (tuple(int(t) for t in prompt), max_tokens, tuple(stops))
+        if key in memo:
+            return memo[key]
+        rows, logits = prefill(
+            params, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32)
+        )
+        shape = (1, SIZES["layers"], MAX_LENGTH, SIZES["heads"], SIZES["dim"] // SIZES["heads"])
+        cache = {
+            k: jnp.zeros(shape, jnp.float32).at[:, :, : len(prompt)].set(r) for k, r in rows.items()
+        }
+        tokens = [int(jnp.argmax(logits[0]))]
+        position = len(prompt)
+        limit = min(max_tokens, MAX_LENGTH - len(prompt))
+        while len(tokens) < limit and tokens[-1] not in stops:
+            cache, logits = decode(
+                params,
+                cache,
+                jnp.asarray([tokens[-1]], jnp.int32),
+                jnp.asarray([position], jnp.int32),
+            )
+            position += 1
+            tokens.append(int(jnp.argmax(logits[0])))
+        memo[key] = tokens
+        return tokens
+
+    return run
+
+
+def prompts(n, seed=0, high=32):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, high + 1, n)
+    return [rng.integers(0, 256, int(k)).astype(np.int32) for k in lengths]
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+def test_one_request_equals_plain_jax(lm, reference):
+    for prompt in prompts(4, seed=1):
+        out = lm.generate(prompt, max_tokens=12)
+        assert out.tokens == reference(prompt, 12)
+        assert out.finish_reason == ("stop" if out.tokens[-1] == demo.LM_EOS else "length")
+        assert out.prompt_tokens == len(prompt)
+
+
+def test_continuous_batching_equals_one_at_a_time(lm, reference):
+    """Staggered arrivals, more prompts than slots (slots reused), prompts across every
+    prefill length, generations ending at different steps: each stream's tokens equal
+    plain JAX greedy decoding of that prompt alone."""
+    cases = [(p, 3 + (i * 7) % 20) for i, p in enumerate(prompts(14, seed=2))]
+    results: dict = {}
+
+    def client(i, prompt, max_tokens):
+        time.sleep(0.002 * (i % 5))
+        results[i] = list(lm.stream(prompt, max_tokens=max_tokens))
+
+    threads = [threading.Thread(target=client, args=(i, p, m)) for i, (p, m) in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {len(p) for p, _ in cases} & set(range(1, 9)) and max(len(p) for p, _ in cases) > 16
+    for i, (prompt, max_tokens) in enumerate(cases):
+        assert results[i] == reference(prompt, max_tokens), i
+    assert lm.busy_slots == 0 and lm.waiting == 0
+    assert lm.compiles_after_load == 0
+
+
+def test_async_streams_under_each_loop(lm, reference, run):
+    cases = [(p, 5 + i) for i, p in enumerate(prompts(6, seed=3))]
+
+    async def main():
+        async def one(i, prompt, max_tokens):
+            await asyncio.sleep(0.001 * i)
+            return [t async for t in lm.agenerate(prompt, max_tokens=max_tokens)]
+
+        return await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(cases)))
+
+    got = run(main)
+    assert got == [reference(p, m) for p, m in cases]
+
+
+def test_stop_ids_end_a_generation_with_the_stop_token(lm, reference):
+    prompt = prompts(1, seed=4)[0]
+    full = reference(prompt, 20)
+    stop = full[5]
+    first = full.index(stop)
+    out = lm.generate(prompt, max_tokens=20, stop_ids=[stop])
+    assert out.tokens == full[: first + 1] and out.finish_reason == "stop"
+
+
+def test_generation_stops_at_the_end_of_the_cache(lm, reference):
+    prompt = prompts(1, seed=5, high=32)[0][:30]
+    out = lm.generate(prompt, max_tokens=1000)
+    assert len(out.tokens) <= MAX_LENGTH - len(prompt)
+    assert out.tokens == reference(prompt, 1000)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_seeded_sampling_is_the_same_whatever_shares_the_batch(lm):
+    prompt = prompts(1, seed=6)[0]
+    options = dict(max_tokens=16, temperature=8.0, top_k=50, top_p=0.95, seed=1234)
+    alone = lm.generate(prompt, **options).tokens
+    crowd = [
+        lm.submit(p, max_tokens=16, temperature=8.0, seed=i)
+        for i, p in enumerate(prompts(7, seed=7))
+    ]
+    together = lm.submit(prompt, **options)
+    assert together.result().tokens == alone
+    for g in crowd:
+        g.result()
+    other = lm.generate(prompt, **(options | {"seed": 99})).tokens
+    assert other != alone  # the seed matters (high temperature)
+
+
+def test_sampling_limits_on_device():
+    logits = jnp.asarray(np.log([[0.5, 0.3, 0.1, 0.05, 0.05]] * 64), jnp.float32)
+    n = logits.shape[0]
+    seeds = jnp.arange(n, dtype=jnp.uint32)
+    pos = jnp.zeros(n, jnp.int32)
+
+    def draw(temperature, top_k, top_p):
+        return np.asarray(
+            generate.sample(
+                logits,
+                jnp.full(n, temperature, jnp.float32),
+                jnp.full(n, top_k, jnp.int32),
+                jnp.full(n, top_p, jnp.float32),
+                seeds,
+                pos,
+            )
+        )
+
+    assert set(draw(0.0, 0, 1.0)) == {0}  # greedy
+    assert set(draw(1.0, 1, 1.0)) == {0}  # top-k 1 is greedy
+    assert set(draw(1.0, 2, 1.0)) == {0, 1}  # only the two likeliest
+    assert set(draw(1.0, 0, 0.75)) == {0, 1}  # 0.5 + 0.3 reach 0.75
+    assert set(draw(1.0, 0, 0.4)) == {0}
+    assert len(set(draw(1.0, 0, 1.0))) >= 4  # everything is possible
+    # Per-row parameters: greedy and sampled rows in one call.
+    mixed = generate.sample(
+        logits,
+        jnp.where(jnp.arange(n) % 2 == 0, 0.0, 1.0).astype(jnp.float32),
+        jnp.zeros(n, jnp.int32),
+        jnp.ones(n, jnp.float32),
+        seeds,
+        pos,
+    )
+    assert set(np.asarray(mixed)[::2]) == {0}
+
+
+# --------------------------------------------------------------------------- the device side
+
+
+def _pointer(array):
+    return array.addressable_shards[0].data.unsafe_buffer_pointer()
+
+
+def test_the_cache_is_donated_through_every_step_and_insert(lm):
+    """The cache is updated in place: the same device buffer before and after a whole
+    generation (inserts and steps), the old handles deleted, and XLA aliases the cache
+    argument to the output in the step and every prefill program."""
+    before = lm.state["cache"]["k"]
+    pointer = _pointer(before)
+    lm.generate(prompts(1, seed=8)[0], max_tokens=10)
+    after = lm.state["cache"]["k"]
+    assert before.is_deleted()
+    assert _pointer(after) == pointer
+    cache_bytes = lm.cache_bytes
+    for program in lm.describe()["programs"]:
+        mem = program["memory"]
+        if mem:  # XLA:CPU reports aliasing through its memory analysis
+            assert mem["alias_bytes"] >= cache_bytes // len(lm.devices), program
+
+
+def test_no_compiles_while_generating(lm):
+    before = pxrt.compile_count()
+    gens = [
+        lm.submit(p, max_tokens=6, temperature=0.5, top_k=3, seed=i)
+        for i, p in enumerate(prompts(9, seed=9))
+    ]
+    for g in gens:
+        g.result()
+    assert pxrt.compile_count() == before
+    assert lm.compiles_after_load == 0
+
+
+def test_describe_lists_every_program_and_the_cache(lm):
+    info = lm.describe()
+    cells = {
+        (p["batch"], p["length"]) for p in info["programs"] if p["program"] == "prefill_insert"
+    }
+    assert cells == {(b, n) for b in BATCHES for n in LENGTHS}
+    assert info["slots"] == lm.slots and lm.slots % len(jax.devices()) == 0
+    per_slot = 2 * SIZES["layers"] * MAX_LENGTH * SIZES["dim"] * 4
+    assert info["cache_bytes"] == lm.slots * per_slot
+    json.dumps(info)
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_cancel_frees_the_slot(long_lm, lm, reference):
+    gen = long_lm.submit(prompts(1, seed=10)[0], max_tokens=LONG)
+    it = iter(gen)
+    next(it)
+    next(it)
+    assert long_lm.busy_slots == 1 and not gen.done
+    gen.cancel()
+    _wait_for(lambda: long_lm.busy_slots == 0)
+    assert gen.finish_reason == "cancelled" and len(gen.tokens) < LONG // 4
+    # A freed slot serves the next request correctly (stale cache entries are masked).
+    other = prompts(1, seed=11)[0]
+    assert lm.generate(other, max_tokens=8).tokens == reference(other, 8)
+
+
+def _tokens_after(dec, action):
+    before = dec.counters["tokens"]
+    action()
+    _wait_for(lambda: dec.busy_slots == 0)
+    return dec.counters["tokens"] - before
+
+
+def test_leaving_an_async_stream_early_frees_the_slot(long_lm, run):
+    async def main():
+        stream = long_lm.agenerate(prompts(1, seed=12)[0], max_tokens=LONG)
+        got = []
+        async for token in stream:
+            got.append(token)
+            if len(got) == 3:
+                break
+        await stream.aclose()
+        return got
+
+    assert _tokens_after(long_lm, lambda: run(main)) < LONG // 4
+
+
+def test_cancelling_the_task_frees_the_slot(long_lm, run):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in long_lm.agenerate(prompts(1, seed=13)[0], max_tokens=LONG):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    assert _tokens_after(long_lm, lambda: run(main)) < LONG // 4
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "prompt, options, message",
+    [
+        ([], {}, "prompt: is empty"),
+        (list(range(LENGTHS[-1] + 1)), {}, "longer than the longest prefill length"),
+        ([1, 2, demo.LM_VOCAB], {}, f"token id {demo.LM_VOCAB} is outside the vocabulary"),
+        ([1, -1], {}, "token id -1 is outside"),
+        ([[1, 2]], {}, "1-D sequence"),
+        ([1.5], {}, "integer token ids"),
+        ([1], {"max_tokens": 0}, "max_tokens must be an int >= 1"),
+        ([1], {"temperature": -1.0}, "temperature"),
+        ([1], {"temperature": float("nan")}, "temperature"),
+        ([1], {"top_p": 0.0}, "top_p"),
+        ([1], {"top_k": -2}, "top_k"),
+        ([1], {"seed": 2**32}, "seed"),
+        ([1], {"stop_ids": [demo.LM_VOCAB]}, "stop_ids"),
+    ],
+)
+def test_bad_requests_fail_alone(lm, reference, prompt, options, message):
+    good = prompts(1, seed=14)[0]
+    running = lm.submit(good, max_tokens=10)
+    with pytest.raises(ValueError, match=message):
+        lm.submit(prompt, **options)
+    assert running.result().tokens == reference(good, 10)
+
+
+def test_queue_full_and_closed(lm_path):
+    dec = pxrt.load(lm_path, max_waiting=2)
+    try:
+        running = dec.submit([1, 2, 3], max_tokens=5)
+        running.result()
+        dec._admit = lambda: None  # no prompt gets a slot from now on
+        queued = [dec.submit([4], max_tokens=5) for _ in range(2)]
+        with pytest.raises(generate.QueueFull, match="max_waiting=2") as err:
+            dec.submit([5], max_tokens=5)
+        assert err.value.retry_after_s > 0
+    finally:
+        dec.close()
+    for g in queued:
+        with pytest.raises(generate.DecoderClosed):
+            g.result()
+    with pytest.raises(generate.DecoderClosed):
+        dec.submit([1])
+
+
+# --------------------------------------------------------------------------- host routing
+
+
+def test_slot_routing_twins_agree():
+    """The Cython routing and its pure-Python twin give the same tokens, stops, frees
+    and wake-ups on the same sequence of steps."""
+    mods = [_slots_py]
+    if pxrt.using_extensions():
+        from pxrt import _slots
+
+        mods.append(_slots)
+    traces = []
+    for mod in mods:
+        table = mod.SlotTable(4)
+        gens = [mod.Generation(3 + i, frozenset({7})) for i in range(5)]
+        trace = []
+        for g in gens[:4]:
+            table.assign(g)
+        rng = np.random.default_rng(0)
+        for step in range(8):
+            owners = table.snapshot()
+            if step == 2:
+                table.release(gens[1])  # cancelled mid-flight: its token is still routed
+                table.assign(gens[4])
+            woken, finished = [], []
+            table.route(
+                rng.integers(0, 9, 4).astype(np.int32), owners, float(step), woken, finished
+            )
+            for g in woken:
+                g.woken = False
+            trace.append(
+                (
+                    [gens.index(g) for g in woken],
+                    [gens.index(g) for g in finished],
+                    table.busy,
+                    sorted(table.free),
+                )
+            )
+        trace.append([(g.tokens, g.finish_reason, g.slot) for g in gens])
+        first = mod.Generation(1, frozenset())
+        table2 = mod.SlotTable(2)
+        table2.assign(first)
+        woken, finished = [], []
+        table2.first(np.array([5], np.int32), [first], 1.0, woken, finished)
+        trace.append((first.tokens, first.finish_reason, first.t_first, table2.busy))
+        traces.append(trace)
+    assert all(t == traces[0] for t in traces)
+    assert traces[0][-1] == ([5], "length", 1.0, 0)
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def test_decoder_manifest_and_refusals(lm_path, tmp_path):
+    with open(f"{lm_path}/manifest.json") as f:
+        m = json.load(f)
+    assert m["kind"] == "decoder" and m["format_version"] == 4
+    assert m["decoder"]["vocab"] == demo.LM_VOCAB and m["decoder"]["stop_ids"] == [demo.LM_EOS]
+    with pytest.raises(pxrt.ArtifactError, match="decoder artifact"):
+        pxrt.read_artifact(lm_path)
+    # An edited manifest is refused (the programs are bound to it).
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(lm_path, edited)
+    m["decoder"]["vocab"] = 300
+    (edited / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(pxrt.ArtifactError, match="edited"):
+        pxrt.load(str(edited))
+
+
+def test_export_checks_the_functions(tmp_path, params):
+    cache = demo.lm_cache_spec(SIZES["layers"], SIZES["heads"], SIZES["dim"])
+    common = dict(cache=cache, max_length=32, prefill_lengths=(8,), prefill_batches=(1,))
+
+    def bad_prefill(p, tokens, lengths):
+        rows, logits = demo.lm_prefill(p, tokens, lengths)
+        return {"k": rows["k"]}, logits
+
+    with pytest.raises(ValueError, match="prefill returns its rows"):
+        decoder.export_decoder(bad_prefill, demo.lm_decode, params, tmp_path / "a", **common)
+
+    def no_pair(p, cache, tokens, positions):
+        return demo.lm_decode(p, cache, tokens, positions)[1]
+
+    with pytest.raises(ValueError, match="decode must return a pair"):
+        decoder.export_decoder(demo.lm_prefill, no_pair, params, tmp_path / "b", **common)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decoder.export_decoder(
+            demo.lm_prefill, demo.lm_decode, params, tmp_path / "c", eos_id=10_000, **common
+        )
+    with pytest.raises(ValueError, match="needs room"):
+        decoder.export_decoder(
+            demo.lm_prefill, demo.lm_decode, params, tmp_path / "d", **(common | {"max_length": 8})
+        )
+    with pytest.raises(ValueError, match="may name one dimension"):
+        decoder.export_decoder(
+            demo.lm_prefill,
+            demo.lm_decode,
+            params,
+            tmp_path / "e",
+            **(common | {"cache": {"k": pxrt.TensorSpec(("seq",), "float32")}}),
+        )
