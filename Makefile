@@ -30,6 +30,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*.pyx
 demo: $(STAMP)
 	$(VENV)/bin/pxrt demo
 	$(VENV)/bin/pxrt demo encoder
+	$(VENV)/bin/pxrt demo lm
 	$(VENV)/bin/pxrt bench --quick
 
 # tritonclient.grpc and kserve register the same protobuf names: one process holds one of

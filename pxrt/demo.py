@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .artifact import TensorSpec
@@ -369,6 +371,43 @@ def export_lm(
         name="lm",
         overwrite=overwrite,
     )
+
+
+def lm_reference(
+    prompt,
+    max_tokens: int,
+    params=None,
+    max_length: int = LM_MAX_LENGTH,
+    stop_ids=(LM_EOS,),
+) -> list[int]:
+    """Greedy decoding of one prompt in plain JAX with ``lm_prefill`` and ``lm_decode``
+    (prefill at the prompt's own length, a one-slot cache): what pxrt's generation is
+    checked against. ``params`` default to ``make_lm_params()``."""
+    import jax.numpy as jnp
+
+    if params is None:
+        params = make_lm_params()
+    prefill, decode = _lm_jitted()
+    n = len(prompt)
+    rows, logits = prefill(params, jnp.asarray([prompt], jnp.int32), jnp.asarray([n], jnp.int32))
+    cache = {
+        k: jnp.zeros(r.shape[:2] + (max_length,) + r.shape[3:], r.dtype).at[:, :, :n].set(r)
+        for k, r in rows.items()
+    }
+    tokens = [int(jnp.argmax(logits[0]))]
+    limit = min(max_tokens, max_length - n)
+    while len(tokens) < limit and tokens[-1] not in stop_ids:
+        position = jnp.asarray([n + len(tokens) - 1], jnp.int32)
+        cache, logits = decode(params, cache, jnp.asarray([tokens[-1]], jnp.int32), position)
+        tokens.append(int(jnp.argmax(logits[0])))
+    return tokens
+
+
+@functools.cache
+def _lm_jitted():
+    import jax
+
+    return jax.jit(lm_prefill), jax.jit(lm_decode)
 
 
 def lm_prompts(n: int, seed: int = 0, low: int = 4, high: int = 128) -> list[np.ndarray]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -62,6 +63,8 @@ else:
 STOP, LENGTH, CANCELLED, ERROR = _slots.STOP, _slots.LENGTH, _slots.CANCELLED, _slots.ERROR
 
 _PREFILL, _STEP = 0, 1
+#: What ``Decoder.drain_timings`` returns durations of (seconds).
+TIMINGS = ("step", "prefill", "ttft", "tpot")
 # Columns of the per-prompt int32 and float32 rows of a prefill call.
 _LEN, _SLOT, _TOPK, _SEED = range(4)
 _TEMP, _TOPP = range(2)
@@ -342,12 +345,21 @@ class Decoder:
         #: Counters since load: steps, prefills, tokens, and the seconds the loop spent.
         self.counters = {
             "steps": 0,
+            "busy_slot_steps": 0,
             "prefills": 0,
             "prefill_rows": 0,
             "tokens": 0,
             "generations": 0,
             "step_host_s": 0.0,
         }
+        #: Outcome -> generations that ended so (stop, length, cancelled, error).
+        self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, ERROR), 0)
+        # Durations in seconds since the last ``drain_timings``: one entry per step read
+        # (the interval between steps, which every busy slot sees between two tokens),
+        # per prefill (dispatch -> its first tokens on the host), per finished
+        # generation (time to first token; time per output token after the first).
+        self._timings: dict[str, list[float]] = {k: [] for k in TIMINGS}
+        self._last_step = 0.0
 
     def __repr__(self) -> str:
         return (
@@ -553,7 +565,11 @@ class Decoder:
                     cancels, self._cancels = self._cancels, []
                 try:
                     for gen in cancels:
+                        if gen.slot < 0:  # still waiting: it no longer counts
+                            with contextlib.suppress(ValueError):
+                                self._waiting.remove(gen)
                         table.release(gen)
+                        self.outcomes[CANCELLED] += 1
                     t0 = time.perf_counter()
                     batch = self._admit()
                     if batch:
@@ -610,31 +626,61 @@ class Decoder:
             ints[i, _SEED] = gen.seed - (1 << 32) if gen.seed >= 1 << 31 else gen.seed
             floats[i, _TEMP] = gen.temperature
             floats[i, _TOPP] = gen.top_p
+        t0 = time.perf_counter()
         self._state, first = cell.compiled(self._params, self._state, tokens, ints, floats)
         first.copy_to_host_async()
-        self._pending.append((_PREFILL, first, batch))
+        self._pending.append((_PREFILL, first, batch, t0))
         self.counters["prefills"] += 1
         self.counters["prefill_rows"] += n
 
     def _dispatch_step(self) -> None:
         self._state, tokens = self._step(self._params, self._state)
         tokens.copy_to_host_async()
-        self._pending.append((_STEP, tokens, self._table.snapshot()))
+        self._pending.append((_STEP, tokens, self._table.snapshot(), 0.0))
         self.counters["steps"] += 1
+        self.counters["busy_slot_steps"] += self._table.busy
 
     def _read(self, entry: tuple) -> None:
-        kind, array, owners = entry
+        kind, array, owners, t0 = entry
         tokens = np.asarray(array)
         woken: list = []
         finished: list = []
         now = time.perf_counter()
+        timings = self._timings
         if kind == _STEP:
             self._table.route(tokens, owners, now, woken, finished)
+            if self._last_step:
+                timings["step"].append(now - self._last_step)
+            self._last_step = now
         else:
             self._table.first(tokens, owners, now, woken, finished)
+            timings["prefill"].append(now - t0)
         self.counters["tokens"] += len(woken)
         if woken:
             self._wake(woken)
+        if finished:
+            self._finished(finished)
+        if not self._table.busy:
+            self._last_step = 0.0  # idle: the next step's interval starts afresh
+
+    def _finished(self, gens: list) -> None:
+        ttft, tpot = self._timings["ttft"], self._timings["tpot"]
+        outcomes = self.outcomes
+        for gen in gens:
+            outcomes[gen.finish_reason] += 1
+            ttft.append(gen.t_first - gen.t_submit)
+            n = len(gen.tokens)
+            if n > 1:
+                tpot.append((gen.t_last - gen.t_first) / (n - 1))
+
+    def drain_timings(self) -> dict[str, list[float]]:
+        """The durations (seconds) logged since the last call, by kind (``TIMINGS``):
+        ``step``: between two steps read back (the inter-token latency of every busy
+        slot); ``prefill``: a prefill's dispatch to its first tokens on the host;
+        ``ttft``: a finished generation's time to first token; ``tpot``: its time per
+        output token after the first."""
+        out, self._timings = self._timings, {k: [] for k in TIMINGS}
+        return out
 
     def _wake(self, gens: list) -> None:
         by_loop: dict[Any, list] = {}
@@ -657,7 +703,7 @@ class Decoder:
         error = RuntimeError(f"decoder {self.name!r}: generation failed: {exc!r}")
         error.__cause__ = exc
         victims = [g for g in self._table.owners if g is not None]
-        for _, _, who in self._pending:
+        for _, _, who, _ in self._pending:
             victims.extend(g for g in who if g is not None)
         self._pending.clear()
         self._finish_with(victims, error)
@@ -682,6 +728,7 @@ class Decoder:
                 if gen.finish_reason is None:
                     gen.error = error
                     gen.finish_reason = ERROR
+                    self.outcomes[ERROR] += 1
                 done.append(gen)
         self._wake(done)
 

@@ -16,6 +16,8 @@ import numpy as np
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.model == "encoder":
         return _demo_encoder(args)
+    if args.model == "lm":
+        return _demo_lm(args)
     import jax
 
     import pxrt
@@ -125,6 +127,88 @@ def _demo_encoder(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_lm(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import pxrt
+    from pxrt import demo
+
+    from .server import new_event_loop
+
+    with tempfile.TemporaryDirectory(prefix="pxrt-demo-") as tmp:
+        path = args.keep or os.path.join(tmp, "lm")
+        demo.export_lm(path, slots=32)
+        print(
+            f"exported the demo decoder ({demo.LM_LAYERS} layers, {demo.LM_DIM} wide, byte "
+            f"vocabulary of {demo.LM_VOCAB}, random weights) to {path}"
+        )
+        dec = pxrt.load(path, progress=True)
+        print(
+            f"loaded {dec}: the decode step and {len(dec.describe()['programs']) - 1} prefill "
+            f"cells compiled in {dec.load_s:.2f} s; cache {dec.cache_bytes / 2**20:.1f} MiB on "
+            f"the device(s), donated through every step"
+        )
+        prompts = [np.frombuffer(t.encode(), np.uint8).astype(np.int32) for t in _LM_PROMPTS]
+        same = all(
+            dec.generate(p, max_tokens=24).tokens == demo.lm_reference(p, 24) for p in prompts
+        )
+        print(f"greedy tokens equal plain JAX one prompt at a time: {'yes' if same else 'NO'}")
+        print(f"streamed, sampled (temperature 1, top-k 40, seed 7) from {_LM_PROMPTS[0]!r}:")
+        text = bytearray()
+        for token in dec.stream(prompts[0], max_tokens=32, temperature=1.0, top_k=40, seed=7):
+            text.extend([token] if token < 256 else b"")
+        print(f"  {bytes(text)!r}")
+
+        work = list(
+            zip(
+                demo.lm_prompts(1024, seed=1, high=64),
+                demo.token_lengths(1024, low=8, high=192, seed=2),
+            )
+        )
+
+        async def serve_all() -> tuple[float, list, list, int]:
+            ttft: list[float] = []
+            itl: list[float] = []
+            count = 0
+            it = iter(work)
+
+            async def caller() -> None:
+                nonlocal count
+                clock = asyncio.get_running_loop().time
+                for prompt, m in it:
+                    t0 = clock()
+                    times = [clock() async for _ in dec.agenerate(prompt, max_tokens=int(m))]
+                    ttft.append(times[0] - t0)
+                    itl.extend(np.diff(times).tolist())
+                    count += len(times)
+
+            t0 = asyncio.get_running_loop().time()
+            await asyncio.gather(*(caller() for _ in range(64)))
+            return asyncio.get_running_loop().time() - t0, ttft, itl, count
+
+        loop = new_event_loop()
+        try:
+            c0 = dict(dec.counters)
+            elapsed, ttft, itl, count = loop.run_until_complete(serve_all())
+        finally:
+            loop.close()
+        steps = dec.counters["steps"] - c0["steps"]
+        busy = (dec.counters["busy_slot_steps"] - c0["busy_slot_steps"]) / max(steps, 1)
+        ms = lambda xs, q: f"{np.percentile(xs, q) * 1e3:.1f} ms"  # noqa: E731
+        print(
+            f"{len(work)} prompts (long-tailed prompt and output lengths), 64 callers: "
+            f"{count / elapsed:,.0f} tokens/s, {busy:.1f} of {dec.slots} slots busy per step; "
+            f"time to first token p50 {ms(ttft, 50)} p99 {ms(ttft, 99)}, between tokens p50 "
+            f"{ms(itl, 50)} p99 {ms(itl, 99)}"
+        )
+        print(f"compiles after load: {dec.compiles_after_load}")
+        dec.close()
+    return 0
+
+
+_LM_PROMPTS = ("The quick brown fox", "pxrt serves JAX", "Hello, world")
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     import importlib
 
@@ -165,6 +249,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"{m['name']} version {m['version']}  (format {m['format_version']}, exported with "
         f"jax {m['jax_version']}, x64={m['x64']})"
     )
+    if info.get("kind") == "decoder":
+        return _inspect_decoder(info)
     for kind in ("inputs", "outputs"):
         print(f"{kind}:")
         for t in m[kind]:
@@ -208,6 +294,36 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_decoder(info: dict) -> int:
+    m = info["manifest"]
+    d = m["decoder"]
+    n_params = sum(int(np.prod(p["shape"], dtype=np.int64)) for p in m["params"])
+    print(f"decoder: vocabulary {d['vocab']}, stop ids {d['stop_ids']}")
+    print("cache per slot:")
+    for e in d["cache"]:
+        print(f"  {e['path']:<16} {e['dtype']:<9} [{', '.join(map(str, e['shape']))}]")
+    print(f"params: {len(m['params'])} arrays, {n_params:,} values")
+    print(
+        f"devices: {len(info['devices'])} ({', '.join(info['devices'])}); loaded in "
+        f"{info['load_s']:.2f} s"
+    )
+    print(
+        f"slots {info['slots']} x length {info['max_length']}: cache "
+        f"{info['cache_bytes'] / 2**20:.2f} MiB, donated through every step and insert"
+    )
+    print(
+        f"{'program':<16} {'batch':>6} {'length':>7} {'compile':>9} {'args MB':>8} {'temp MB':>8}"
+    )
+    for p in info["programs"]:
+        mem = p.get("memory", {})
+        mb = lambda k, mem=mem: f"{mem[k] / 1e6:.2f}" if k in mem else "-"  # noqa: E731
+        print(
+            f"{p['program']:<16} {p.get('batch', p.get('slots')):>6} {p.get('length', '-'):>7} "
+            f"{p['compile_s'] * 1e3:>7.0f}ms {mb('argument_bytes'):>8} {mb('temp_bytes'):>8}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pxrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         "model",
         nargs="?",
         default="mlp",
-        choices=("mlp", "encoder"),
-        help="mlp (fixed shapes) or encoder (a transformer on variable-length inputs)",
+        choices=("mlp", "encoder", "lm"),
+        help="mlp (fixed shapes), encoder (a transformer on variable-length inputs) or lm "
+        "(a decoder: generation with continuous batching)",
     )
     p.add_argument("--keep", metavar="DIR", help="export to DIR and keep it")
     p.add_argument("--rounds", type=int, default=5)

@@ -145,6 +145,63 @@ class ModelMetrics:
         return out
 
 
+GENERATION_TIMINGS = {
+    "step": "between two decode steps read back: the inter-token latency of every busy slot",
+    "prefill": "a prefill batch, from dispatch until its first tokens are on the host",
+    "ttft": "a generation's time to first token, submit to the first token on the host",
+    "tpot": "a generation's time per output token after the first",
+}
+
+
+class DecoderSource(Protocol):
+    """What a decoder's metrics read from it (``pxrt.generate.Decoder``)."""
+
+    counters: dict
+    outcomes: dict
+    slots: int
+
+    @property
+    def busy_slots(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def compiles_after_load(self) -> int: ...
+
+    def drain_timings(self) -> dict[str, list[float]]: ...
+
+
+class DecoderMetrics:
+    """One decoder's numbers: counters read from it, durations binned from its log."""
+
+    def __init__(self, source: DecoderSource) -> None:
+        self.source = source
+        self.timings = {k: Histogram(US_BUCKETS, scale=1e6) for k in GENERATION_TIMINGS}
+
+    def drain(self) -> None:
+        for kind, values in self.source.drain_timings().items():
+            if values:
+                self.timings[kind].observe_many(np.asarray(values))
+
+    def snapshot(self) -> dict:
+        self.drain()
+        src = self.source
+        out: dict = {
+            "generations": dict(src.outcomes),
+            "tokens": src.counters["tokens"],
+            "steps": src.counters["steps"],
+            "prefills": src.counters["prefills"],
+            "slots": src.slots,
+            "slots_busy": src.busy_slots,
+            "waiting": src.waiting,
+            "compiles_after_load": src.compiles_after_load,
+        }
+        for kind, hist in self.timings.items():
+            out[f"{kind}_us"] = hist.summary()
+        return out
+
+
 class Metrics:
     """All models' metrics, per model and version, and a prometheus-client registry that
     exposes them (labels ``model`` and ``version``)."""
@@ -154,6 +211,8 @@ class Metrics:
         self.versions: dict[tuple[str, str], ModelMetrics] = {}
         #: name -> the metrics of the version that unversioned requests reach.
         self.models: dict[str, ModelMetrics] = {}
+        #: (name, version) -> the metrics of a decoder served.
+        self.decoders: dict[tuple[str, str], DecoderMetrics] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -161,6 +220,13 @@ class Metrics:
         m = self.versions[(name, version)] = ModelMetrics(source)
         self.models.setdefault(name, m)
         return m
+
+    def add_decoder(self, name: str, source: DecoderSource, version: str = "") -> DecoderMetrics:
+        m = self.decoders[(name, version)] = DecoderMetrics(source)
+        return m
+
+    def remove_decoder(self, name: str, version: str) -> None:
+        self.decoders.pop((name, version), None)
 
     def set_default(self, name: str, version: str | None) -> None:
         """Which version's metrics ``snapshot()[name]`` shows (None: the model is gone)."""
@@ -179,7 +245,10 @@ class Metrics:
     def snapshot(self) -> dict[str, dict]:
         """model -> {"requests": {outcome: n}, "batches": n, "<stage>_us": {...}, ...}, for
         the version unversioned requests reach."""
-        return {name: m.snapshot() for name, m in self.models.items()}
+        out = {name: m.snapshot() for name, m in self.models.items()}
+        for (name, _), d in self.decoders.items():
+            out[name] = d.snapshot()
+        return out
 
     def snapshot_of(self, name: str, version: str) -> dict:
         """The snapshot of one version."""
@@ -222,6 +291,7 @@ class _Collector:
             queued.add_metric([name, version], m.source.queued_rows())
             compiles.add_metric([name, version], m.source.compiles())
         yield from (requests, batches, queued, compiles)
+        yield from self._generation_families()
         families: list[tuple[str, str, Callable[[ModelMetrics], Histogram]]] = [
             (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", _stage_of(stage))
             for stage, doc in STAGES.items()
@@ -238,5 +308,50 @@ class _Collector:
             family = HistogramMetricFamily(metric, doc, labels=["model", "version"])
             for (name, version), m in models:
                 hist = pick(m)
+                family.add_metric([name, version], hist.cumulative(), hist.sum)
+            yield family
+
+    def _generation_families(self) -> Iterator[Metric]:
+        decoders = list(self._metrics.decoders.items())
+        if not decoders:
+            return
+        labels = ["model", "version"]
+        generations = CounterMetricFamily(
+            "pxrt_generations", "Generations ended, by finish reason", labels=[*labels, "reason"]
+        )
+        tokens = CounterMetricFamily("pxrt_generated_tokens", "Tokens generated", labels=labels)
+        steps = CounterMetricFamily("pxrt_decode_steps", "Decode steps executed", labels=labels)
+        slots = GaugeMetricFamily("pxrt_slots", "Decode slots", labels=labels)
+        busy = GaugeMetricFamily("pxrt_slots_busy", "Decode slots generating", labels=labels)
+        waiting = GaugeMetricFamily(
+            "pxrt_prompts_waiting", "Prompts waiting for a free slot", labels=labels
+        )
+        compiles = GaugeMetricFamily(
+            "pxrt_decoder_compiles_after_load",
+            "XLA compiles while generating (stays 0)",
+            labels=labels,
+        )
+        for (name, version), d in decoders:
+            d.drain()
+            src = d.source
+            for reason, n in src.outcomes.items():
+                generations.add_metric([name, version, reason], n)
+            tokens.add_metric([name, version], src.counters["tokens"])
+            steps.add_metric([name, version], src.counters["steps"])
+            slots.add_metric([name, version], src.slots)
+            busy.add_metric([name, version], src.busy_slots)
+            waiting.add_metric([name, version], src.waiting)
+            compiles.add_metric([name, version], src.compiles_after_load)
+        yield from (generations, tokens, steps, slots, busy, waiting, compiles)
+        names = {
+            "step": "pxrt_decode_step_duration_us",
+            "prefill": "pxrt_prefill_duration_us",
+            "ttft": "pxrt_time_to_first_token_us",
+            "tpot": "pxrt_time_per_output_token_us",
+        }
+        for kind, doc in GENERATION_TIMINGS.items():
+            family = HistogramMetricFamily(names[kind], f"Microseconds: {doc}", labels=labels)
+            for (name, version), d in decoders:
+                hist = d.timings[kind]
                 family.add_metric([name, version], hist.cumulative(), hist.sum)
             yield family

@@ -20,13 +20,16 @@ import concurrent.futures
 import functools
 import gc
 import threading
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pxrt import Model
 
 from .batcher import Batcher
-from .errors import ServerClosed, no_model, no_version
+from .errors import DeadlineExceeded, Overloaded, ServerClosed, no_model, no_version
+
+if TYPE_CHECKING:
+    from pxrt.generate import Decoder
 from .loops import new_event_loop
 from .metrics import Metrics
 from .options import BatchingOptions
@@ -71,6 +74,8 @@ class Server:
         self._batchers: dict[str, Batcher] = {}
         self._queues: dict[str, Any] = {}  # name -> that batcher's queue, for infer
         self._closing: set[Batcher] = set()
+        # name -> a decoder served (generation: ``generate``).
+        self._decoders: dict[str, Decoder] = {}
         self._closed = False
 
     async def __aenter__(self) -> Server:
@@ -103,6 +108,78 @@ class Server:
         batcher = Batcher(name, model, self.metrics, options)
         self._versions.setdefault(name, {})[model.version] = batcher
         self._route(name)
+
+    def add_decoder(self, name: str, decoder: Decoder) -> None:
+        """Serve a decoder (``pxrt.load`` of a decoder artifact) as ``name``: its
+        generations through ``generate``, its numbers in the metrics. Its loop batches
+        continuously on its own thread; ``close`` closes it."""
+        if self._closed:
+            raise ServerClosed("the server is closed")
+        if name in self._decoders or name in self._versions:
+            raise ValueError(f"a model named {name!r} is already being served")
+        self._decoders[name] = decoder
+        self.metrics.add_decoder(name, decoder, decoder.version)
+        self._changed()
+
+    def decoder(self, name: str) -> Decoder:
+        """The decoder served as ``name``; ``UnknownModel`` when there is none."""
+        decoder = self._decoders.get(name)
+        if decoder is None:
+            raise no_model(name, list(self._decoders))
+        return decoder
+
+    async def generate(
+        self,
+        name: str,
+        prompt: Sequence[int] | Any,
+        *,
+        timeout_s: float | None = None,
+        **options: Any,
+    ) -> AsyncIterator[int]:
+        """The tokens the decoder ``name`` generates for ``prompt`` (token ids), as they
+        come: ``async for token in server.generate("lm", ids, max_tokens=64)``.
+
+        ``options`` as for ``pxrt.Decoder.submit`` (``max_tokens``, ``temperature``,
+        ``top_k``, ``top_p``, ``seed``, ``stop_ids``). Leaving the loop early, or
+        cancelling the task, cancels the generation: its slot is free for the next step.
+        Raises ValueError naming what is wrong with a bad request, ``Overloaded`` when
+        the decoder's waiting queue is full, ``DeadlineExceeded`` when ``timeout_s``
+        passes before the generation ends (the tokens before it were delivered),
+        ``ServerClosed`` when the server closes, ``UnknownModel`` for a name not served.
+        """
+        from pxrt.generate import DecoderClosed, QueueFull
+
+        decoder = self.decoder(name)
+        try:
+            gen = decoder.submit(prompt, **options)
+        except QueueFull as exc:
+            raise Overloaded(str(exc), exc.retry_after_s) from None
+        except DecoderClosed as exc:
+            raise ServerClosed(str(exc)) from None
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            gen.cancel()
+
+        timer = None
+        if timeout_s is not None:
+            timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+        try:
+            async for token in gen:
+                yield token
+        except DecoderClosed as exc:
+            raise ServerClosed(str(exc)) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            gen.cancel()
+        if expired:
+            raise DeadlineExceeded(
+                f"model {name!r}: the generation did not end within {timeout_s} s "
+                f"({len(gen.tokens)} tokens were generated)"
+            )
 
     def _route(self, name: str) -> None:
         """Unversioned requests for ``name`` go to its newest version from now on (one
@@ -189,6 +266,11 @@ class Server:
     def models(self) -> dict[str, Any]:
         """name -> the model unversioned requests reach (its newest version)."""
         return {name: b.model for name, b in self._batchers.items()}
+
+    @property
+    def decoders(self) -> dict[str, Decoder]:
+        """name -> a decoder served (``add_decoder``)."""
+        return dict(self._decoders)
 
     def versions(self, name: str) -> list[str]:
         """The versions of ``name`` served, oldest first."""
@@ -353,6 +435,8 @@ class Server:
         self.draining = True
         batchers = [b for versions in self._versions.values() for b in versions.values()]
         await asyncio.gather(*(b.close() for b in batchers + list(self._closing)))
+        for decoder in self._decoders.values():
+            await asyncio.to_thread(decoder.close)
 
 
 class BlockingServer:

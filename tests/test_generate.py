@@ -59,37 +59,14 @@ def params():
 
 @pytest.fixture(scope="module")
 def reference(params):
-    """Plain JAX, one request at a time: prefill at the prompt's exact length, then
-    greedy decode steps over a one-slot cache. Returns prompt -> tokens (memoized)."""
-    prefill = jax.jit(demo.lm_prefill)
-    decode = jax.jit(demo.lm_decode)
+    """Plain JAX, one request at a time (``demo.lm_reference``), memoized."""
     memo: dict = {}
 
-    def run(prompt, max_tokens, stops=(demo.LM_EOS,)):
-        key = (tuple(int(t) for t in prompt), max_tokens, tuple(stops))
-        if key in memo:
-            return memo[key]
-        rows, logits = prefill(
-            params, jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32)
-        )
-        shape = (1, SIZES["layers"], MAX_LENGTH, SIZES["heads"], SIZES["dim"] // SIZES["heads"])
-        cache = {
-            k: jnp.zeros(shape, jnp.float32).at[:, :, : len(prompt)].set(r) for k, r in rows.items()
-        }
-        tokens = [int(jnp.argmax(logits[0]))]
-        position = len(prompt)
-        limit = min(max_tokens, MAX_LENGTH - len(prompt))
-        while len(tokens) < limit and tokens[-1] not in stops:
-            cache, logits = decode(
-                params,
-                cache,
-                jnp.asarray([tokens[-1]], jnp.int32),
-                jnp.asarray([position], jnp.int32),
-            )
-            position += 1
-            tokens.append(int(jnp.argmax(logits[0])))
-        memo[key] = tokens
-        return tokens
+    def run(prompt, max_tokens):
+        key = (tuple(int(t) for t in prompt), max_tokens)
+        if key not in memo:
+            memo[key] = demo.lm_reference(prompt, max_tokens, params, MAX_LENGTH)
+        return memo[key]
 
     return run
 
@@ -480,3 +457,63 @@ def test_export_checks_the_functions(tmp_path, params):
             tmp_path / "e",
             **(common | {"cache": {"k": pxrt.TensorSpec(("seq",), "float32")}}),
         )
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def test_server_generates_with_limits_deadlines_and_metrics(lm_path, reference, run):
+    from prometheus_client import generate_latest
+
+    from serving import Server
+    from serving.errors import DeadlineExceeded, Overloaded, ServerClosed, UnknownModel
+
+    good = prompts(3, seed=20)
+
+    async def main():
+        dec = pxrt.load(lm_path, max_waiting=len(good))
+        async with Server() as server:
+            server.add_decoder("lm", dec)
+
+            async def collect(p):
+                return [t async for t in server.generate("lm", p, max_tokens=9)]
+
+            got = await asyncio.gather(*(collect(p) for p in good))
+            assert got == [reference(p, 9) for p in good]
+            with pytest.raises(ValueError, match="prompt: is empty"):
+                [t async for t in server.generate("lm", [], max_tokens=3)]
+            with pytest.raises(UnknownModel, match="no model named 'nope'"):
+                [t async for t in server.generate("nope", [1])]
+            # A deadline ends a generation that outlives it, after the tokens before it.
+            tokens = []
+            with pytest.raises(DeadlineExceeded, match="did not end within"):
+                async for t in server.generate("lm", [1, 2], max_tokens=10_000, timeout_s=0.0):
+                    tokens.append(t)
+            _wait_for(lambda: dec.busy_slots == 0 and dec.waiting == 0)
+            # Overload: prompts that find no slot wait, up to max_waiting.
+            dec._admit = lambda: None
+            waiting = [dec.submit([3], max_tokens=2) for _ in good]
+            with pytest.raises(Overloaded) as err:
+                [t async for t in server.generate("lm", [4], max_tokens=2)]
+            assert err.value.retry_after_s > 0
+            snap = server.metrics_snapshot()["lm"]
+            assert snap["generations"]["length"] + snap["generations"]["stop"] >= 3
+            assert snap["ttft_us"]["count"] >= 3 and snap["step_us"]["count"] > 0
+            assert snap["compiles_after_load"] == 0 and snap["waiting"] == len(good)
+            text = generate_latest(server.metrics.registry).decode()
+            for family in (
+                "pxrt_time_to_first_token_us_bucket",
+                "pxrt_decode_step_duration_us_bucket",
+                "pxrt_generated_tokens_total",
+                'pxrt_slots_busy{model="lm",version="1"}',
+                f'pxrt_prompts_waiting{{model="lm",version="1"}} {len(good)}.0',
+            ):
+                assert family in text, family
+        # Closing the server ends what was still waiting.
+        for g in waiting:
+            with pytest.raises(generate.DecoderClosed):
+                g.result()
+        with pytest.raises(ServerClosed):
+            [t async for t in server.generate("lm", [1])]
+
+    run(main)

@@ -1,0 +1,311 @@
+"""Generation: pxrt's continuous batching vs static batching, side by side in one process.
+
+The demo decoder (``pxrt.demo``: a byte-level transformer, 2 layers, 64 wide, a 256
+position cache), prompts and output lengths both long-tailed (Pareto: most short, a few
+long), greedy decoding:
+
+- pxrt: ``Decoder.agenerate`` (continuous batching over ``--slots`` slots; tokens
+  streamed as they come);
+- static: what a JAX user writes without pxrt: a worker takes up to ``--slots`` waiting
+  prompts, pads them to the longest (rounded up to a prefill length, so it compiles once
+  per length), prefills them and runs a jitted decode loop (``lax.while_loop``, compiled
+  before the run) for as many steps as the longest of them asks, then hands every prompt
+  all its tokens at once. Its first token arrives with its last.
+
+Both serve the same requests: a closed loop of ``--concurrency`` callers, then Poisson
+arrivals at fractions of pxrt's closed-loop request rate. Reported per run: output
+tokens/s, time to first token (p50/p99), inter-token latency (pxrt; p50/p99). The runs
+alternate, ``--repeats`` times; the table shows medians and the ratios.
+
+Then the per-step host overhead at ``--slots`` busy slots: the loop's step time (every
+slot generating, steady state) minus the decode step's device time (the compiled step
+called back to back with nothing else on the host).
+
+    python benchmarks/generation.py [--requests 256] [--slots 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pxrt  # noqa: E402
+from pxrt import demo  # noqa: E402
+
+
+def workload(n: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[np.ndarray, int]]:
+    prompts = demo.lm_prompts(n, seed=seed, low=4, high=max_prompt)
+    outputs = demo.token_lengths(n, low=8, high=max_output, seed=seed + 1)
+    return [(p, int(m)) for p, m in zip(prompts, outputs)]
+
+
+# --------------------------------------------------------------------------- static batching
+
+
+class StaticBatcher:
+    """A batch of up to ``batch`` prompts at a time, decoded until its longest is done."""
+
+    def __init__(self, params, batch: int, max_length: int, lengths: tuple[int, ...]) -> None:
+        self.batch = batch
+        self.lengths = lengths
+        self.max_length = max_length
+        self.params = jax.device_put(params)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        layers = len(params["layers"])
+        heads = params["layers"][0]["heads"].shape[0]
+        dim = params["embed"].shape[1]
+        shape = (batch, layers, max_length, heads, dim // heads)
+
+        def run(params, tokens, lengths, steps):
+            rows, logits = demo.lm_prefill(params, tokens, lengths)
+            n = tokens.shape[1]
+            cache = {k: jnp.zeros(shape, jnp.float32).at[:, :, :n].set(r) for k, r in rows.items()}
+            first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            out = jnp.zeros((batch, max_length), jnp.int32).at[:, 0].set(first)
+
+            def body(carry):
+                i, cache, token, position, out = carry
+                cache, logits = demo.lm_decode(params, cache, token, position)
+                token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                return i + 1, cache, token, position + 1, out.at[:, i].set(token)
+
+            init = (jnp.int32(1), cache, first, lengths, out)
+            return lax.while_loop(lambda c: c[0] < steps, body, init)[4]
+
+        spec = jax.ShapeDtypeStruct
+        self.compiled = {
+            n: jax.jit(run)
+            .lower(
+                self.params,
+                spec((batch, n), jnp.int32),
+                spec((batch,), jnp.int32),
+                spec((), jnp.int32),
+            )
+            .compile()
+            for n in lengths
+        }
+        self.thread = threading.Thread(target=self._work, daemon=True)
+        self.thread.start()
+
+    async def generate(self, prompt: np.ndarray, max_tokens: int) -> list[int]:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.queue.put((prompt, max_tokens, loop, future))
+        return await future
+
+    def _work(self) -> None:
+        while True:
+            items = [self.queue.get()]
+            while len(items) < self.batch:
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            longest = max(len(p) for p, *_ in items)
+            n = next(x for x in self.lengths if x >= longest)
+            tokens = np.zeros((self.batch, n), np.int32)
+            lengths = np.ones(self.batch, np.int32)
+            for i, (p, *_) in enumerate(items):
+                tokens[i, : len(p)] = p
+                lengths[i] = len(p)
+            want = [min(m, self.max_length - len(p)) for p, m, *_ in items]
+            out = np.asarray(self.compiled[n](self.params, tokens, lengths, np.int32(max(want))))
+            for i, (_, _, loop, future) in enumerate(items):
+                row = out[i, : want[i]].tolist()
+                if demo.LM_EOS in row:
+                    row = row[: row.index(demo.LM_EOS) + 1]
+                loop.call_soon_threadsafe(_resolve, future, row)
+
+
+def _resolve(future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+# --------------------------------------------------------------------------- clients
+
+
+async def one(kind, target, prompt, max_tokens, record) -> None:
+    t0 = time.perf_counter()
+    if kind == "pxrt":
+        times = []
+        async for _ in target.agenerate(prompt, max_tokens=max_tokens):
+            times.append(time.perf_counter())
+        record["ttft"].append(times[0] - t0)
+        record["itl"].extend(np.diff(times).tolist())
+        record["tokens"] += len(times)
+    else:
+        tokens = await target.generate(prompt, max_tokens)
+        record["ttft"].append(time.perf_counter() - t0)
+        record["tokens"] += len(tokens)
+
+
+async def closed(kind, target, work, concurrency) -> dict:
+    record = {"ttft": [], "itl": [], "tokens": 0}
+    it = iter(work)
+
+    async def caller():
+        for prompt, m in it:
+            await one(kind, target, prompt, m, record)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    record["elapsed"] = time.perf_counter() - t0
+    return record
+
+
+async def poisson(kind, target, work, rate, seed) -> dict:
+    record = {"ttft": [], "itl": [], "tokens": 0}
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(work))
+    t0 = time.perf_counter()
+    tasks = []
+    at = t0
+    for (prompt, m), gap in zip(work, gaps):
+        at += gap
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(kind, target, prompt, m, record)))
+    await asyncio.gather(*tasks)
+    record["elapsed"] = time.perf_counter() - t0
+    return record
+
+
+def summary(r: dict) -> dict:
+    q = lambda xs, p: float(np.percentile(xs, p) * 1e3) if xs else float("nan")  # noqa: E731
+    return {
+        "tok/s": r["tokens"] / r["elapsed"],
+        "ttft p50": q(r["ttft"], 50),
+        "ttft p99": q(r["ttft"], 99),
+        "itl p50": q(r["itl"], 50),
+        "itl p99": q(r["itl"], 99),
+    }
+
+
+# --------------------------------------------------------------------------- host overhead
+
+
+def step_overhead(dec, steps: int = 400) -> dict:
+    """The loop's step time with every slot generating, vs the step program alone."""
+    gens = [dec.submit([65 + i % 26], max_tokens=dec.max_length) for i in range(dec.slots)]
+    while dec.busy_slots < dec.slots:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    s0, t0 = dec.counters["steps"], time.perf_counter()
+    while dec.counters["steps"] - s0 < steps and dec.busy_slots == dec.slots:
+        time.sleep(0.005)
+    loop_step = (time.perf_counter() - t0) / max(dec.counters["steps"] - s0, 1)
+    for g in gens:
+        g.cancel()
+    while dec.busy_slots:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    # The step program alone, back to back, on the decoder's own state (the loop is idle).
+    state = dec._state
+    for _ in range(20):
+        state, tokens = dec._step(dec._params, state)
+    tokens.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, tokens = dec._step(dec._params, state)
+    tokens.block_until_ready()
+    device = (time.perf_counter() - t0) / steps
+    dec._state = state
+    return {"loop_step_us": loop_step * 1e6, "device_step_us": device * 1e6}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=1024)
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rates", default="0.25,0.5", help="Poisson rates, as fractions of pxrt's")
+    p.add_argument("--max-prompt", type=int, default=64)
+    p.add_argument("--max-output", type=int, default=192)
+    args = p.parse_args()
+    lengths = (16, 32, 64, 128)
+    with tempfile.TemporaryDirectory(prefix="pxrt-gen-") as tmp:
+        path = demo.export_lm(os.path.join(tmp, "lm"), slots=args.slots, prefill_lengths=lengths)
+        dec = pxrt.load(path, progress=True)
+        static = StaticBatcher(demo.make_lm_params(), args.slots, dec.max_length, lengths)
+        print(f"{dec!r}; static batching: {args.slots} rows per batch")
+        overhead = step_overhead(dec)
+        work = workload(args.requests, 0, args.max_prompt, args.max_output)
+        gc.collect()
+        gc.freeze()
+        targets = {"pxrt": dec, "static": static}
+        runs: dict = {}
+
+        async def bench():
+            # Warm-up: both, a few requests.
+            for kind, target in targets.items():
+                await closed(kind, target, work[:8], 8)
+            for rep in range(args.repeats):
+                order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+                for kind in order:
+                    r = await closed(kind, targets[kind], work, args.concurrency)
+                    runs.setdefault(("closed", kind), []).append(summary(r))
+            rate = statistics.median(r["tok/s"] for r in runs[("closed", "pxrt")])
+            mean_tokens = np.mean([min(m, dec.max_length - len(pr)) for pr, m in work])
+            request_rate = rate / mean_tokens
+            for frac in [float(x) for x in args.rates.split(",") if x]:
+                for rep in range(args.repeats):
+                    order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+                    for kind in order:
+                        r = await poisson(kind, targets[kind], work, frac * request_rate, rep)
+                        runs.setdefault((f"poisson {frac:g}x", kind), []).append(summary(r))
+
+        asyncio.run(bench())
+        dec.close()
+    print()
+    print(
+        f"{'run':<16} {'':<7} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} "
+        f"{'itl p50':>8} {'itl p99':>8}"
+    )
+    scenarios = dict.fromkeys(s for s, _ in runs)
+    for scenario in scenarios:
+        med = {}
+        for kind in targets:
+            rows = runs[(scenario, kind)]
+            med[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            m = med[kind]
+            print(
+                f"{scenario:<16} {kind:<7} {m['tok/s']:>9.0f} {m['ttft p50']:>8.1f}m "
+                f"{m['ttft p99']:>8.1f}m {m['itl p50']:>7.2f}m {m['itl p99']:>7.2f}m"
+            )
+        a, b = med["pxrt"], med["static"]
+        print(
+            f"{'':<16} {'ratio':<7} {a['tok/s'] / b['tok/s']:>8.2f}x "
+            f"{a['ttft p50'] / b['ttft p50']:>8.2f}x {a['ttft p99'] / b['ttft p99']:>8.2f}x"
+        )
+    print()
+    host = overhead["loop_step_us"] - overhead["device_step_us"]
+    print(
+        f"per-step at {args.slots} busy slots: loop {overhead['loop_step_us']:.0f} us, step "
+        f"program alone {overhead['device_step_us']:.0f} us: host overhead {host:.0f} us "
+        f"({overhead['loop_step_us'] / overhead['device_step_us']:.2f}x)"
+    )
+    print(f"compiles after load: {dec.compiles_after_load}")
+
+
+if __name__ == "__main__":
+    main()
