@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/health_under_load.py
 	$(PY) benchmarks/grpc_compare.py
 	$(PY) benchmarks/variable_length.py
+	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/ray_compare.py
 	$(PY) benchmarks/ray_compare.py --model encoder
 

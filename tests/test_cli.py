@@ -186,3 +186,19 @@ def test_serving_works_without_ray_and_says_how_to_get_it():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "pip install 'pxrt[ray]'" in proc.stdout, proc.stdout + proc.stderr
     assert proc.returncode == 2 and "--ray needs the ray extra" in proc.stderr, proc.stderr
+
+
+def test_inspect_shows_a_decoder(tmp_path):
+    from pxrt import demo
+
+    path = demo.export_lm(
+        str(tmp_path / "lm"), max_length=64, prefill_lengths=(8, 16), prefill_batches=(1, 2)
+    )
+    result = _pxrt("inspect", path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "decoder: vocabulary 258, stop ids [257]" in out
+    assert "donated through every step and insert" in out
+    assert out.count("prefill_insert") == 4 and "step " in out
+    info = json.loads(_pxrt("inspect", path, "--json").stdout)
+    assert info["kind"] == "decoder" and len(info["programs"]) == 5
