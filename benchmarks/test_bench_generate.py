@@ -29,7 +29,7 @@ def test_route_one_step_32_slots(benchmark, impl):
     tokens = np.arange(SLOTS, dtype=np.int32)
 
     def step():
-        owners = table.snapshot()
+        owners = table.dispatch()
         woken: list = []
         finished: list = []
         table.route(tokens, owners, 0.0, woken, finished)

@@ -5,6 +5,7 @@ cdef class Generation:
     cdef public frozenset stop_ids
     cdef public object finish_reason
     cdef public Py_ssize_t slot
+    cdef public Py_ssize_t dispatched
     cdef public bint woken
     cdef public double t_first
     cdef public double t_last
@@ -18,6 +19,7 @@ cdef class SlotTable:
 
     cpdef Py_ssize_t assign(self, Generation gen)
     cpdef release(self, Generation gen)
+    cdef inline void _vacate(self, Py_ssize_t slot) except *
     cdef inline void _emit(
         self, Generation gen, int token, double now, list woken, list finished
     ) except *

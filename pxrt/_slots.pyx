@@ -30,6 +30,7 @@ cdef class Generation:
         self.stop_ids = stop_ids
         self.finish_reason = None
         self.slot = -1
+        self.dispatched = 0
         self.woken = False
         self.t_first = 0.0
         self.t_last = 0.0
@@ -48,11 +49,16 @@ cdef class SlotTable:
         self.busy = 0
 
     cpdef Py_ssize_t assign(self, Generation gen):
-        """Give ``gen`` a free slot; returns it (the caller checked one is free)."""
+        """Give ``gen`` a free slot for its prefill (which computes its first token);
+        returns it (the caller checked one is free). A generation of one token gives the
+        slot back at once: no step will compute for it."""
         cdef Py_ssize_t slot = self.free.pop()
         self.owners[slot] = gen
         gen.slot = slot
+        gen.dispatched = 1
         self.busy += 1
+        if gen.max_tokens <= 1:
+            self._vacate(slot)
         return slot
 
     cpdef release(self, Generation gen):
@@ -64,9 +70,28 @@ cdef class SlotTable:
             self.busy -= 1
         gen.slot = -1
 
-    def snapshot(self):
-        """The owners as a step dispatched now will see them."""
-        return list(self.owners)
+    cdef inline void _vacate(self, Py_ssize_t slot) except *:
+        self.owners[slot] = None
+        self.free.append(slot)
+        self.busy -= 1
+
+    def dispatch(self):
+        """A step is being dispatched: the owners as it sees them (its tokens go to
+        them). A generation whose last token (``max_tokens``) this step computes gives
+        its slot back now, so that a prompt can be inserted before the next step."""
+        cdef list owners = list(self.owners)
+        cdef Py_ssize_t i, n = PyList_GET_SIZE(owners)
+        cdef PyObject* item
+        cdef Generation gen
+        for i in range(n):
+            item = PyList_GET_ITEM(owners, i)
+            if <object>item is None:
+                continue
+            gen = <Generation>item
+            gen.dispatched += 1
+            if gen.dispatched >= gen.max_tokens:
+                self._vacate(i)
+        return owners
 
     def route(self, cnp.ndarray tokens, list owners, double now, list woken, list finished):
         """Route one step's sampled tokens (int32, one per slot) to ``owners`` (the

@@ -29,6 +29,7 @@ class Generation:
         "stop_ids",
         "finish_reason",
         "slot",
+        "dispatched",
         "woken",
         "t_first",
         "t_last",
@@ -40,6 +41,7 @@ class Generation:
         self.stop_ids = stop_ids
         self.finish_reason: str | None = None
         self.slot = -1
+        self.dispatched = 0  # tokens whose computation has been dispatched
         self.woken = False
         self.t_first = 0.0
         self.t_last = 0.0
@@ -58,11 +60,16 @@ class SlotTable:
         self.busy = 0
 
     def assign(self, gen: Generation) -> int:
-        """Give ``gen`` a free slot; returns it (the caller checked one is free)."""
+        """Give ``gen`` a free slot for its prefill (which computes its first token);
+        returns it (the caller checked one is free). A generation of one token gives the
+        slot back at once: no step will compute for it."""
         slot = self.free.pop()
         self.owners[slot] = gen
         gen.slot = slot
+        gen.dispatched = 1
         self.busy += 1
+        if gen.max_tokens <= 1:
+            self._vacate(slot)
         return slot
 
     def release(self, gen: Generation) -> None:
@@ -74,9 +81,22 @@ class SlotTable:
             self.busy -= 1
         gen.slot = -1
 
-    def snapshot(self) -> list:
-        """The owners as a step dispatched now will see them."""
-        return list(self.owners)
+    def _vacate(self, slot: int) -> None:
+        self.owners[slot] = None
+        self.free.append(slot)
+        self.busy -= 1
+
+    def dispatch(self) -> list:
+        """A step is being dispatched: the owners as it sees them (its tokens go to
+        them). A generation whose last token (``max_tokens``) this step computes gives
+        its slot back now, so that a prompt can be inserted before the next step."""
+        owners = list(self.owners)
+        for slot, gen in enumerate(owners):
+            if gen is not None:
+                gen.dispatched += 1
+                if gen.dispatched >= gen.max_tokens:
+                    self._vacate(slot)
+        return owners
 
     def route(self, tokens: Any, owners: list, now: float, woken: list, finished: list) -> None:
         """Route one step's sampled tokens (int32, one per slot) to ``owners`` (the

@@ -211,16 +211,11 @@ class Generation(_GenerationBase):
     def result(self, timeout: float | None = None) -> Completion:
         """Wait for the whole generation (sync); raises its error if it failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.finish_reason is None or self.woken:
-            if self.finish_reason is not None and not self.woken:
-                break
+        while self.finish_reason is None:
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if (left is not None and left <= 0) or not self.event.wait(left):
                 raise TimeoutError(f"generation not finished after {timeout} s")
-            self.event.wait(left)
             self.event.clear()
-            if self.finish_reason is not None:
-                break
         return self._completion()
 
     def _completion(self) -> Completion:
@@ -634,11 +629,12 @@ class Decoder:
         self.counters["prefill_rows"] += n
 
     def _dispatch_step(self) -> None:
+        busy = self._table.busy
         self._state, tokens = self._step(self._params, self._state)
         tokens.copy_to_host_async()
-        self._pending.append((_STEP, tokens, self._table.snapshot(), 0.0))
+        self._pending.append((_STEP, tokens, self._table.dispatch(), 0.0))
         self.counters["steps"] += 1
-        self.counters["busy_slot_steps"] += self._table.busy
+        self.counters["busy_slot_steps"] += busy
 
     def _read(self, entry: tuple) -> None:
         kind, array, owners, t0 = entry

@@ -374,7 +374,7 @@ def test_slot_routing_twins_agree():
             table.assign(g)
         rng = np.random.default_rng(0)
         for step in range(8):
-            owners = table.snapshot()
+            owners = table.dispatch()
             if step == 2:
                 table.release(gens[1])  # cancelled mid-flight: its token is still routed
                 table.assign(gens[4])
@@ -517,3 +517,28 @@ def test_server_generates_with_limits_deadlines_and_metrics(lm_path, reference, 
             [t async for t in server.generate("lm", [1])]
 
     run(main)
+
+
+def test_a_failed_step_fails_its_generations_and_the_next_ones_succeed(lm_path, reference):
+    dec = pxrt.load(lm_path)
+    try:
+        real = dec._step
+        broken = threading.Event()
+
+        def step(params, state):
+            if not broken.is_set():
+                broken.set()
+                raise RuntimeError("injected device failure")
+            return real(params, state)
+
+        dec._step = step
+        victim = dec.submit(prompts(1, seed=30)[0], max_tokens=10)
+        with pytest.raises(RuntimeError, match="generation failed: .*injected device failure"):
+            victim.result(timeout=30)
+        assert victim.finish_reason == "error" and dec.busy_slots == 0
+        after = prompts(2, seed=31)
+        got = [dec.submit(p, max_tokens=7) for p in after]
+        assert [g.result(timeout=30).tokens for g in got] == [reference(p, 7) for p in after]
+        assert dec.outcomes["error"] == 1
+    finally:
+        dec.close()

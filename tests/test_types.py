@@ -23,6 +23,7 @@ TWINS = {
     "pxrt/_batch.pyi": "pxrt._batch_py",
     "pxrt/_handlers.pyi": "pxrt._handlers_py",
     "pxrt/_keys.pyi": "pxrt._keys_py",
+    "pxrt/_slots.pyi": "pxrt._slots_py",
     "serving/_tensors.pyi": "serving._tensors_py",
     "serving/_hpack.pyi": "serving._hpack_py",
 }
