@@ -14,7 +14,9 @@ long), greedy decoding:
 
 Both serve the same requests: a closed loop of ``--concurrency`` callers, then Poisson
 arrivals at fractions of pxrt's closed-loop request rate. Reported per run: output
-tokens/s, time to first token (p50/p99), inter-token latency (pxrt; p50/p99). The runs
+tokens/s over the whole run and in the closed loop's steady window (while every caller
+still has a request: without the ramp-up and the drain), time to first token
+(p50/p99), inter-token latency (pxrt; p50/p99). The runs
 alternate, ``--repeats`` times; the table shows medians and the ratios.
 
 Then the per-step host overhead at ``--slots`` busy slots: the loop's step time (every
@@ -149,28 +151,37 @@ async def one(kind, target, prompt, max_tokens, record) -> None:
         record["ttft"].append(times[0] - t0)
         record["itl"].extend(np.diff(times).tolist())
         record["tokens"] += len(times)
+        record["stamps"].extend(times)
     else:
         tokens = await target.generate(prompt, max_tokens)
-        record["ttft"].append(time.perf_counter() - t0)
+        now = time.perf_counter()
+        record["ttft"].append(now - t0)
         record["tokens"] += len(tokens)
+        record["stamps"].extend([now] * len(tokens))
 
 
-async def closed(kind, target, work, concurrency) -> dict:
-    record = {"ttft": [], "itl": [], "tokens": 0}
+async def closed(kind, target, work, concurrency, one=one) -> dict:
+    """``concurrency`` callers take the requests of ``work`` in turn until none is left.
+    Besides the whole run's numbers, records the steady window: from a tenth of the way
+    to the moment the last request was taken, while every caller still has one (the
+    ramp-up before and the drain after, when the last long generations finish with few
+    slots busy, are left out)."""
+    record: dict = {"ttft": [], "itl": [], "tokens": 0, "stamps": [], "exhausted": 0.0}
     it = iter(work)
 
     async def caller():
         for prompt, m in it:
             await one(kind, target, prompt, m, record)
+        record["exhausted"] = record["exhausted"] or time.perf_counter()
 
-    t0 = time.perf_counter()
+    record["t0"] = t0 = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     record["elapsed"] = time.perf_counter() - t0
     return record
 
 
 async def poisson(kind, target, work, rate, seed) -> dict:
-    record = {"ttft": [], "itl": [], "tokens": 0}
+    record: dict = {"ttft": [], "itl": [], "tokens": 0, "stamps": []}
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(work))
     t0 = time.perf_counter()
     tasks = []
@@ -188,8 +199,15 @@ async def poisson(kind, target, work, rate, seed) -> dict:
 
 def summary(r: dict) -> dict:
     q = lambda xs, p: float(np.percentile(xs, p) * 1e3) if xs else float("nan")  # noqa: E731
+    steady = float("nan")
+    if r.get("exhausted"):
+        start = r["t0"] + 0.1 * (r["exhausted"] - r["t0"])
+        stamps = np.asarray(r["stamps"])
+        inside = int(((stamps >= start) & (stamps <= r["exhausted"])).sum())
+        steady = inside / (r["exhausted"] - start)
     return {
         "tok/s": r["tokens"] / r["elapsed"],
+        "steady tok/s": steady,
         "ttft p50": q(r["ttft"], 50),
         "ttft p99": q(r["ttft"], 99),
         "itl p50": q(r["itl"], 50),
@@ -278,7 +296,7 @@ def main() -> None:
         dec.close()
     print()
     print(
-        f"{'run':<16} {'':<7} {'tok/s':>9} {'ttft p50':>9} {'ttft p99':>9} "
+        f"{'run':<16} {'':<7} {'tok/s':>9} {'steady':>9} {'ttft p50':>9} {'ttft p99':>9} "
         f"{'itl p50':>8} {'itl p99':>8}"
     )
     scenarios = dict.fromkeys(s for s, _ in runs)
@@ -289,12 +307,14 @@ def main() -> None:
             med[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             m = med[kind]
             print(
-                f"{scenario:<16} {kind:<7} {m['tok/s']:>9.0f} {m['ttft p50']:>8.1f}m "
+                f"{scenario:<16} {kind:<7} {m['tok/s']:>9.0f} {m['steady tok/s']:>9.0f} "
+                f"{m['ttft p50']:>8.1f}m "
                 f"{m['ttft p99']:>8.1f}m {m['itl p50']:>7.2f}m {m['itl p99']:>7.2f}m"
             )
         a, b = med["pxrt"], med["static"]
         print(
             f"{'':<16} {'ratio':<7} {a['tok/s'] / b['tok/s']:>8.2f}x "
+            f"{a['steady tok/s'] / b['steady tok/s']:>8.2f}x "
             f"{a['ttft p50'] / b['ttft p50']:>8.2f}x {a['ttft p99'] / b['ttft p99']:>8.2f}x"
         )
     print()

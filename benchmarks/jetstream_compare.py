@@ -353,24 +353,19 @@ async def one_jetstream(target: JetStreamTarget, prompt, max_tokens, record) -> 
     record["ttft"].append(times[0] - t0)
     record["itl"].extend(np.diff(times).tolist())
     record["tokens"] += len(times)
+    record["stamps"].extend(times)
+
+
+async def one_of_either(kind: str, target, prompt, max_tokens, record) -> None:
+    if kind == "pxrt":
+        await generation.one("pxrt", target, prompt, max_tokens, record)
+    else:
+        await one_jetstream(target, prompt, max_tokens, record)
 
 
 async def closed(kind: str, target, work, concurrency: int) -> dict:
     """``generation.closed``, for either target."""
-    record = {"ttft": [], "itl": [], "tokens": 0}
-    it = iter(work)
-
-    async def caller():
-        for prompt, m in it:
-            if kind == "pxrt":
-                await generation.one("pxrt", target, prompt, m, record)
-            else:
-                await one_jetstream(target, prompt, m, record)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
-    record["elapsed"] = time.perf_counter() - t0
-    return record
+    return await generation.closed(kind, target, work, concurrency, one=one_of_either)
 
 
 async def pxrt_tokens(dec, prompt: np.ndarray, max_tokens: int) -> list[int]:
@@ -489,21 +484,26 @@ def main() -> None:
         f"closed loop, {args.requests} requests, {args.concurrency} callers, {args.slots} "
         f"slots; medians of {args.repeats}"
     )
-    head = ("tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "steps")
-    print(f"{'':<10}" + "".join(f"{h:>10}" for h in head))
+    head = ("tok/s", "steady tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "steps")
+    widths = [13 if h == "steady tok/s" else 10 for h in head]
+    print(f"{'':<10}" + "".join(f"{h:>{w}}" for h, w in zip(head, widths)))
     med = {}
     for kind, rows in runs.items():
         med[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         m = med[kind]
         print(
-            f"{kind:<10}{m['tok/s']:>10.0f}{m['ttft p50']:>9.1f}m{m['ttft p99']:>9.1f}m"
+            f"{kind:<10}{m['tok/s']:>10.0f}{m['steady tok/s']:>13.0f}"
+            f"{m['ttft p50']:>9.1f}m{m['ttft p99']:>9.1f}m"
             f"{m['itl p50']:>9.2f}m{m['itl p99']:>9.2f}m{m['steps']:>10.0f}"
         )
     if len(med) == 2:
         a, b = med["pxrt"], med["jetstream"]
         print(
             f"{'pxrt/js':<10}"
-            + "".join(f"{a[k] / b[k]:>9.2f}x" if b[k] else f"{'-':>10}" for k in head)
+            + "".join(
+                f"{a[k] / b[k]:>{w - 1}.2f}x" if b[k] else f"{'-':>{w}}"
+                for k, w in zip(head, widths)
+            )
         )
     print()
     print("\n".join(report))

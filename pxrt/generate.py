@@ -65,8 +65,11 @@ STOP, LENGTH, CANCELLED, ERROR = _slots.STOP, _slots.LENGTH, _slots.CANCELLED, _
 _PREFILL, _STEP = 0, 1
 #: What ``Decoder.drain_timings`` returns durations of (seconds).
 TIMINGS = ("step", "prefill", "ttft", "tpot")
-# Columns of the per-prompt int32 and float32 rows of a prefill call.
+# Columns of the per-prompt int32 and float32 rows of a prefill call, and of the state's
+# per-slot rows (the same float columns; ints: the next input token and its position
+# where a prompt has its length and slot).
 _LEN, _SLOT, _TOPK, _SEED = range(4)
+_TOK, _POS = _LEN, _SLOT
 _TEMP, _TOPP = range(2)
 
 
@@ -864,16 +867,12 @@ def load_decoder(
                 for s in specs
             ],
         )
-        vec = {
-            "tokens": jnp.int32,
-            "positions": jnp.int32,
-            "temperature": jnp.float32,
-            "top_k": jnp.int32,
-            "top_p": jnp.float32,
-            "seed": jnp.uint32,
-        }
-        return {"cache": cache} | {
-            k: jax.ShapeDtypeStruct((slots,), dt, sharding=by_slot) for k, dt in vec.items()
+        # Per slot: int32 (next input token, its position, top-k, seed bits) and float32
+        # (temperature, top-p): two arrays, so that an insert is two small scatters.
+        return {
+            "cache": cache,
+            "ints": jax.ShapeDtypeStruct((slots, 4), jnp.int32, sharding=by_slot),
+            "floats": jax.ShapeDtypeStruct((slots, 2), jnp.float32, sharding=by_slot),
         }
 
     shapes = state_specs()
@@ -886,13 +885,14 @@ def load_decoder(
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def step(params: Any, state: dict) -> tuple[dict, jax.Array]:
-        positions = jnp.minimum(state["positions"], last)
-        cache, logits = decode_call(params, state["cache"], state["tokens"], positions)
+        ints, floats = state["ints"], state["floats"]
+        positions = jnp.minimum(ints[:, _POS], last)
+        cache, logits = decode_call(params, state["cache"], ints[:, _TOK], positions)
         following = positions + 1
-        tokens = sample(
-            logits, state["temperature"], state["top_k"], state["top_p"], state["seed"], following
-        )
-        return state | {"cache": cache, "tokens": tokens, "positions": following}, tokens
+        top_k, seed = ints[:, _TOPK], lax.bitcast_convert_type(ints[:, _SEED], jnp.uint32)
+        tokens = sample(logits, floats[:, _TEMP], top_k, floats[:, _TOPP], seed, following)
+        ints = jnp.stack([tokens, following, top_k, ints[:, _SEED]], axis=1)
+        return {"cache": cache, "ints": ints, "floats": floats}, tokens
 
     def prefill_insert(
         params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
@@ -917,17 +917,11 @@ def load_decoder(
             ],
         )
 
-        def put(vec: jax.Array, values: jax.Array) -> jax.Array:
-            return vec.at[slot].set(values.astype(vec.dtype), mode="drop")
-
+        rows_ints = jnp.stack([first, lengths, top_k, ints[:, _SEED]], axis=1)
         return {
             "cache": cache,
-            "tokens": put(state["tokens"], first),
-            "positions": put(state["positions"], lengths),
-            "temperature": put(state["temperature"], temperature),
-            "top_k": put(state["top_k"], top_k),
-            "top_p": put(state["top_p"], top_p),
-            "seed": put(state["seed"], seed),
+            "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
+            "floats": state["floats"].at[slot].set(floats, mode="drop"),
         }, first
 
     cache_dir = _cache_dir(compilation_cache)
