@@ -340,7 +340,9 @@ class Decoder:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._idle = True
-        #: Counters since load: steps, prefills, tokens, and the seconds the loop spent.
+        #: Counters since load: steps, prefills, tokens; the loop's wall seconds in turns
+        #: that dispatched a step, and its thread's CPU seconds in them (the host's own
+        #: work: on the device's side the programs run on the runtime's threads).
         self.counters = {
             "steps": 0,
             "busy_slot_steps": 0,
@@ -348,7 +350,8 @@ class Decoder:
             "prefill_rows": 0,
             "tokens": 0,
             "generations": 0,
-            "step_host_s": 0.0,
+            "step_wall_s": 0.0,
+            "step_host_cpu_s": 0.0,
         }
         #: Outcome -> generations that ended so (stop, length, cancelled, error).
         self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, ERROR), 0)
@@ -521,7 +524,10 @@ class Decoder:
 
     def _start(self) -> None:
         self._thread = threading.Thread(
-            target=self._run, name=f"pxrt-generate-{self.name}", daemon=True
+            target=_serve,
+            args=(weakref.ref(self), self.artifact.x64),
+            name=f"pxrt-generate-{self.name}",
+            daemon=True,
         )
         self._thread.start()
 
@@ -541,46 +547,49 @@ class Decoder:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _run(self) -> None:
+    def _has_work(self) -> bool:
+        return bool(
+            self._cancels or self._table.busy or self._pending or self._waiting or self._closed
+        )
+
+    def _iterate(self) -> bool:
+        """One turn of the loop (see the module docstring); False once closed. Idle, it
+        waits for work for up to a second."""
         table = self._table
         pending = self._pending
-        cond = self._cond
-        with _xla.compile_counter.request_path(self), _xla.x64_scope(self.artifact.x64):
-            while True:
-                with cond:
-                    while (
-                        not self._closed
-                        and not self._cancels
-                        and table.busy == 0
-                        and not pending
-                        and not self._waiting
-                    ):
-                        self._idle = True
-                        cond.wait()
-                    self._idle = False
-                    if self._closed:
-                        return
-                    cancels, self._cancels = self._cancels, []
-                try:
-                    for gen in cancels:
-                        if gen.slot < 0:  # still waiting: it no longer counts
-                            with contextlib.suppress(ValueError):
-                                self._waiting.remove(gen)
-                        table.release(gen)
-                        self.outcomes[CANCELLED] += 1
-                    t0 = time.perf_counter()
-                    batch = self._admit()
-                    if batch:
-                        self._prefill(*batch)
-                    stepped = table.busy > 0
-                    if stepped:
-                        self._dispatch_step()
-                    while len(pending) > stepped:
-                        self._read(pending.popleft())
-                    if stepped:
-                        self.counters["step_host_s"] += time.perf_counter() - t0
-                except Exception as exc:  # noqa: BLE001 - a failed step fails its generations
-                    self._recover(exc)
+        with self._cond:
+            if not self._has_work():
+                self._idle = True
+                self._cond.wait(1.0)
+                if not self._has_work():
+                    return True
+            self._idle = False
+            if self._closed:
+                return False
+            cancels, self._cancels = self._cancels, []
+        with _xla.compile_counter.request_path(self):
+            try:
+                for gen in cancels:
+                    if gen.slot < 0:  # still waiting: it no longer counts
+                        with contextlib.suppress(ValueError):
+                            self._waiting.remove(gen)
+                    table.release(gen)
+                    self.outcomes[CANCELLED] += 1
+                t0, c0 = time.perf_counter(), time.thread_time()
+                batch = self._admit()
+                if batch:
+                    self._prefill(*batch)
+                stepped = table.busy > 0
+                if stepped:
+                    self._dispatch_step()
+                while len(pending) > stepped:
+                    self._read(pending.popleft())
+                if stepped:
+                    self.counters["step_wall_s"] += time.perf_counter() - t0
+                    self.counters["step_host_cpu_s"] += time.thread_time() - c0
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its generations
+                self._recover(exc)
+        return True
 
     def _admit(self) -> tuple[list, int] | None:
         """The next prefill batch: waiting prompts in order, as many as there are free
@@ -786,6 +795,18 @@ class Decoder:
             "cache_bytes": self.cache_bytes,
             "programs": programs,
         }
+
+
+def _serve(ref: weakref.ref, x64: bool) -> None:
+    """A decoder's loop thread: its iterations while it is open. It holds the decoder
+    during an iteration only, so a decoder dropped without ``close`` is collected (its
+    device memory freed) and the thread ends within a second."""
+    with _xla.x64_scope(x64):
+        while True:
+            decoder = ref()
+            if decoder is None or not decoder._iterate():
+                return
+            del decoder
 
 
 def _dtype(name: str) -> np.dtype:

@@ -542,3 +542,15 @@ def test_a_failed_step_fails_its_generations_and_the_next_ones_succeed(lm_path, 
         assert dec.outcomes["error"] == 1
     finally:
         dec.close()
+
+
+def test_a_decoder_dropped_without_close_is_collected(lm_path):
+    import gc
+    import weakref
+
+    dec = pxrt.load(lm_path)
+    dec.generate([1, 2, 3], max_tokens=3)
+    thread, ref = dec._thread, weakref.ref(dec)
+    del dec
+    gc.collect()
+    _wait_for(lambda: ref() is None and not thread.is_alive())
