@@ -50,7 +50,17 @@ def twin(extension: str, pure: str):
     with PXRT_NO_EXTENSIONS=1 or when the extensions are not built, as above."""
     import importlib
 
-    return importlib.import_module(extension if EXTENSIONS else pure)
+    if EXTENSIONS:
+        try:
+            return importlib.import_module(extension)
+        except ImportError as exc:  # a build older than this module
+            warnings.warn(
+                f"pxrt: the Cython module {extension} is not built ({exc}); using its "
+                "pure-Python twin. Rebuild with `pip install -e .` (or `make`).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return importlib.import_module(pure)
 
 
 def using_extensions() -> bool:

@@ -48,10 +48,12 @@ cdef class SlotTable:
         self.free = list(range(slots - 1, -1, -1))
         self.busy = 0
 
-    cpdef Py_ssize_t assign(self, Generation gen):
+    cpdef Py_ssize_t assign(self, Generation gen) except -1:
         """Give ``gen`` a free slot for its prefill (which computes its first token);
         returns it (the caller checked one is free). A generation of one token gives the
         slot back at once: no step will compute for it."""
+        if gen is None:
+            raise TypeError("assign() needs a Generation, not None")
         cdef Py_ssize_t slot = self.free.pop()
         self.owners[slot] = gen
         gen.slot = slot
@@ -63,6 +65,8 @@ cdef class SlotTable:
 
     cpdef release(self, Generation gen):
         """Free ``gen``'s slot if it still holds one."""
+        if gen is None:
+            raise TypeError("release() needs a Generation, not None")
         cdef Py_ssize_t slot = gen.slot
         if slot >= 0 and self.owners[slot] is gen:
             self.owners[slot] = None
@@ -81,13 +85,12 @@ cdef class SlotTable:
         its slot back now, so that a prompt can be inserted before the next step."""
         cdef list owners = list(self.owners)
         cdef Py_ssize_t i, n = PyList_GET_SIZE(owners)
-        cdef PyObject* item
         cdef Generation gen
         for i in range(n):
-            item = PyList_GET_ITEM(owners, i)
-            if <object>item is None:
+            item = <object>PyList_GET_ITEM(owners, i)
+            if item is None:
                 continue
-            gen = <Generation>item
+            gen = <Generation?>item
             gen.dispatched += 1
             if gen.dispatched >= gen.max_tokens:
                 self._vacate(i)
@@ -96,31 +99,38 @@ cdef class SlotTable:
     def route(self, cnp.ndarray tokens, list owners, double now, list woken, list finished):
         """Route one step's sampled tokens (int32, one per slot) to ``owners`` (the
         step's snapshot): generations that got a token go to ``woken`` (once each until
-        their ``woken`` flag is cleared), those that ended to ``finished`` too."""
+        their ``woken`` flag is cleared), those that ended to ``finished`` too. Returns
+        the number of tokens routed."""
         cdef const int[::1] toks = _int32s(tokens)
-        cdef Py_ssize_t i, n = PyList_GET_SIZE(owners)
-        cdef PyObject* item
+        cdef Py_ssize_t i, routed = 0, n = PyList_GET_SIZE(owners)
+        cdef Generation gen
         if toks.shape[0] < n:
             raise ValueError(f"{toks.shape[0]} tokens for {n} slots")
         for i in range(n):
-            item = PyList_GET_ITEM(owners, i)
-            if <object>item is None:
+            item = <object>PyList_GET_ITEM(owners, i)
+            if item is None:
                 continue
-            if (<Generation>item).finish_reason is None:
-                self._emit(<Generation>item, toks[i], now, woken, finished)
+            gen = <Generation?>item
+            if gen.finish_reason is None:
+                self._emit(gen, toks[i], now, woken, finished)
+                routed += 1
+        return routed
 
     def first(self, cnp.ndarray tokens, list gens, double now, list woken, list finished):
-        """Route a prefill's first tokens: row i belongs to ``gens[i]``."""
+        """Route a prefill's first tokens: row i belongs to ``gens[i]``. Returns the
+        number of tokens routed."""
         cdef const int[::1] toks = _int32s(tokens)
-        cdef Py_ssize_t i, n = PyList_GET_SIZE(gens)
+        cdef Py_ssize_t i, routed = 0, n = PyList_GET_SIZE(gens)
         cdef Generation gen
         if toks.shape[0] < n:
             raise ValueError(f"{toks.shape[0]} tokens for {n} generations")
         for i in range(n):
-            gen = <Generation>PyList_GET_ITEM(gens, i)
+            gen = <Generation?><object>PyList_GET_ITEM(gens, i)
             if gen.finish_reason is None:
                 gen.t_first = now
                 self._emit(gen, toks[i], now, woken, finished)
+                routed += 1
+        return routed
 
     cdef inline void _emit(
         self, Generation gen, int token, double now, list woken, list finished

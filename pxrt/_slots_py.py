@@ -98,20 +98,28 @@ class SlotTable:
                     self._vacate(slot)
         return owners
 
-    def route(self, tokens: Any, owners: list, now: float, woken: list, finished: list) -> None:
+    def route(self, tokens: Any, owners: list, now: float, woken: list, finished: list) -> int:
         """Route one step's sampled tokens (int32, one per slot) to ``owners`` (the
         step's snapshot): generations that got a token go to ``woken`` (once each until
-        their ``woken`` flag is cleared), those that ended to ``finished`` too."""
+        their ``woken`` flag is cleared), those that ended to ``finished`` too. Returns
+        the number of tokens routed."""
+        routed = 0
         for slot, gen in enumerate(owners):
             if gen is not None and gen.finish_reason is None:
                 self._emit(gen, int(tokens[slot]), now, woken, finished)
+                routed += 1
+        return routed
 
-    def first(self, tokens: Any, gens: list, now: float, woken: list, finished: list) -> None:
-        """Route a prefill's first tokens: row i belongs to ``gens[i]``."""
+    def first(self, tokens: Any, gens: list, now: float, woken: list, finished: list) -> int:
+        """Route a prefill's first tokens: row i belongs to ``gens[i]``. Returns the
+        number of tokens routed."""
+        routed = 0
         for i, gen in enumerate(gens):
             if gen.finish_reason is None:
                 gen.t_first = now
                 self._emit(gen, int(tokens[i]), now, woken, finished)
+                routed += 1
+        return routed
 
     def _emit(self, gen: Generation, token: int, now: float, woken: list, finished: list) -> None:
         gen.tokens.append(token)

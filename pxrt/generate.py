@@ -63,6 +63,8 @@ else:
 STOP, LENGTH, CANCELLED, ERROR = _slots.STOP, _slots.LENGTH, _slots.CANCELLED, _slots.ERROR
 
 _PREFILL, _STEP = 0, 1
+#: Temperatures below this are greedy (dividing by them would overflow float32).
+MIN_TEMPERATURE = 1e-5
 #: What ``Decoder.drain_timings`` returns durations of (seconds).
 TIMINGS = ("step", "prefill", "ttft", "tpot")
 # Columns of the per-prompt int32 and float32 rows of a prefill call, and of the state's
@@ -97,30 +99,33 @@ def sample(
     position: jax.Array,
 ) -> jax.Array:
     """One token per row of ``logits`` ``[n, vocab]``, each row by its own parameters:
-    ``temperature`` 0 is greedy (argmax); otherwise the logits are divided by it, cut
-    to the ``top_k`` largest (0: all) and to the smallest set whose probability reaches
-    ``top_p``, and drawn with the key ``fold_in(key(seed), position)``. Shapes are fixed
-    (a sort per row), so it compiles once; all-greedy batches skip the draw."""
+    ``temperature`` below ``MIN_TEMPERATURE`` is greedy (argmax); otherwise the logits
+    are divided by it, cut to the ``top_k`` largest (0: all) and to the smallest set
+    whose probability reaches ``top_p`` (1: all), and drawn with the key
+    ``fold_in(key(seed), position)``. Shapes are fixed (a sort per row), so it compiles
+    once; all-greedy batches skip the draw."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
+    sampled = temperature >= MIN_TEMPERATURE
 
     def draw(_: Any) -> jax.Array:
-        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
         desc = -jnp.sort(-scaled, axis=-1)
         k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
         in_k = jnp.arange(vocab)[None, :] < k[:, None]
         probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs
-        kept = jnp.maximum((in_k & (before < top_p[:, None])).sum(axis=-1), 1)
+        in_p = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        kept = jnp.maximum((in_k & in_p).sum(axis=-1), 1)
         cut = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
         masked = jnp.where(scaled >= cut, scaled, -jnp.inf)
         keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
         noise = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
         return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)
 
-    drawn = lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
-    return jnp.where(temperature > 0, drawn, greedy)
+    drawn = lax.cond(jnp.any(sampled), draw, lambda _: greedy, None)
+    return jnp.where(sampled, drawn, greedy)
 
 
 # --------------------------------------------------------------------------- requests
@@ -140,8 +145,9 @@ class Completion:
 
 class Generation(_GenerationBase):
     """A request being generated: iterate it (``for``/``async for``) for its tokens as
-    they come, or wait for all of them (``result``); ``cancel`` frees its slot at the
-    next step. Made by ``Decoder.submit``."""
+    they come, or wait for all of them (``result``, ``wait``); ``cancel`` frees its slot
+    at the next step. Made by ``Decoder.submit``. One reader at a time (any thread, or
+    one event loop)."""
 
     __slots__ = (
         "prompt",
@@ -151,6 +157,7 @@ class Generation(_GenerationBase):
         "seed",
         "bucket",
         "loop",
+        "counted",
         "waiter",
         "event",
         "error",
@@ -172,11 +179,9 @@ class Generation(_GenerationBase):
         self.prompt = prompt
         self.temperature, self.top_k, self.top_p, self.seed = sampling
         self.bucket = bucket  # the prefill length it runs at
-        self.loop: asyncio.AbstractEventLoop | None
-        try:
-            self.loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.loop = None
+        # The event loop of its async reader (set by ``__anext__``): woken there too.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.counted = False  # its outcome is in the decoder's ``outcomes``
         self._decoder = weakref.ref(decoder)
         self._read = 0
         self.error: BaseException | None = None
@@ -190,11 +195,12 @@ class Generation(_GenerationBase):
 
     def cancel(self) -> None:
         """Stop generating (the slot is freed before the next step); no-op when done."""
-        if self.finish_reason is None:
-            self.finish_reason = CANCELLED
-            decoder = self._decoder()
-            if decoder is not None:
-                decoder._cancelled(self)
+        decoder = self._decoder()
+        if decoder is None:
+            if self.finish_reason is None:
+                self.finish_reason = CANCELLED
+            return
+        decoder._cancel(self)
 
     # ------------------------------------------------------------------ sync
 
@@ -239,6 +245,8 @@ class Generation(_GenerationBase):
         return self
 
     async def __anext__(self) -> int:
+        if self.loop is None:  # before reading the tokens: see Decoder._wake
+            self.loop = asyncio.get_running_loop()
         while True:
             if self._read < len(self.tokens):
                 self._read += 1
@@ -416,6 +424,10 @@ class Decoder:
         tokens = self._check_prompt(prompt)
         limit = _int_in("max_tokens", max_tokens, 1, None)
         limit = min(limit, self.max_length - len(tokens))
+        if isinstance(temperature, np.floating):
+            temperature = float(temperature)
+        if isinstance(top_p, np.floating):
+            top_p = float(top_p)
         if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
         if not (math.isfinite(temperature) and temperature >= 0):
@@ -429,8 +441,11 @@ class Decoder:
             seed = secrets.randbits(32)
         seed = _int_in("seed", seed, 0, 2**32 - 1)
         stops = self.stop_ids
-        if stop_ids:
+        try:
             extra = [_int_in("stop_ids", t, 0, self.vocab - 1) for t in stop_ids]
+        except TypeError:
+            raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}") from None
+        if extra:
             stops = stops | frozenset(extra)
         gen = Generation(
             self,
@@ -513,8 +528,11 @@ class Decoder:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab})")
         return arr.astype(np.int32)
 
-    def _cancelled(self, gen: Generation) -> None:
+    def _cancel(self, gen: Generation) -> None:
         with self._cond:
+            if gen.finish_reason is not None:
+                return
+            gen.finish_reason = CANCELLED
             self._cancels.append(gen)
             if self._idle:
                 self._cond.notify()
@@ -567,6 +585,7 @@ class Decoder:
             if self._closed:
                 return False
             cancels, self._cancels = self._cancels, []
+        batch: tuple[list, int] | None = None
         with _xla.compile_counter.request_path(self):
             try:
                 for gen in cancels:
@@ -574,21 +593,25 @@ class Decoder:
                         with contextlib.suppress(ValueError):
                             self._waiting.remove(gen)
                     table.release(gen)
-                    self.outcomes[CANCELLED] += 1
+                    if not gen.counted:
+                        gen.counted = True
+                        self.outcomes[CANCELLED] += 1
                 t0, c0 = time.perf_counter(), time.thread_time()
                 batch = self._admit()
                 if batch:
                     self._prefill(*batch)
+                    batch = None  # in _pending now
                 stepped = table.busy > 0
                 if stepped:
                     self._dispatch_step()
                 while len(pending) > stepped:
-                    self._read(pending.popleft())
+                    self._read(pending[0])
+                    pending.popleft()
                 if stepped:
                     self.counters["step_wall_s"] += time.perf_counter() - t0
                     self.counters["step_host_cpu_s"] += time.thread_time() - c0
             except Exception as exc:  # noqa: BLE001 - a failed step fails its generations
-                self._recover(exc)
+                self._recover(exc, batch[0] if batch else [])
         return True
 
     def _admit(self) -> tuple[list, int] | None:
@@ -656,14 +679,14 @@ class Decoder:
         now = time.perf_counter()
         timings = self._timings
         if kind == _STEP:
-            self._table.route(tokens, owners, now, woken, finished)
+            routed = self._table.route(tokens, owners, now, woken, finished)
             if self._last_step:
                 timings["step"].append(now - self._last_step)
             self._last_step = now
         else:
-            self._table.first(tokens, owners, now, woken, finished)
+            routed = self._table.first(tokens, owners, now, woken, finished)
             timings["prefill"].append(now - t0)
-        self.counters["tokens"] += len(woken)
+        self.counters["tokens"] += routed
         if woken:
             self._wake(woken)
         if finished:
@@ -675,7 +698,10 @@ class Decoder:
         ttft, tpot = self._timings["ttft"], self._timings["tpot"]
         outcomes = self.outcomes
         for gen in gens:
-            outcomes[gen.finish_reason] += 1
+            gen.event.set()  # a sync reader of an async-woken generation (see _wake)
+            if not gen.counted:
+                gen.counted = True
+                outcomes[gen.finish_reason] += 1
             ttft.append(gen.t_first - gen.t_submit)
             n = len(gen.tokens)
             if n > 1:
@@ -691,30 +717,44 @@ class Decoder:
         return out
 
     def _wake(self, gens: list) -> None:
+        """Wake the readers of ``gens``: the event (sync readers) always, and on the
+        event loop of an async reader, once per loop for all its generations. An async
+        reader records its loop before it first looks at the tokens, and the tokens are
+        appended before this reads ``gen.loop``: one of the two sees the other."""
         by_loop: dict[Any, list] = {}
         for gen in gens:
+            gen.event.set()
             loop = gen.loop
             if loop is None:
                 gen.woken = False
-                gen.event.set()
             else:
                 by_loop.setdefault(loop, []).append(gen)
         for loop, group in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_wake_async, group)
-            except RuntimeError:  # the loop was closed: nobody is waiting there
-                pass
+            except RuntimeError:  # the loop was closed: nobody waits there
+                for gen in group:
+                    gen.woken = False
 
-    def _recover(self, exc: BaseException) -> None:
-        """A device call failed: fail every generation in a slot or in flight, and start
-        again from a fresh state (the old one may have been donated)."""
+    def _in_flight(self) -> list:
+        """Every generation that may still get a token: in a slot, or in a step or
+        prefill not read yet (a slot is given back when its last token is dispatched)."""
+        gens = [g for g in self._table.owners if g is not None]
+        for _, _, who, _ in self._pending:
+            gens.extend(g for g in who if g is not None)
+        return gens
+
+    def _recover(self, exc: BaseException, batch: list) -> None:
+        """A device call failed: fail every generation in a slot or in flight (and the
+        prefill batch being dispatched), and start again from a fresh state (the old one
+        may have been donated)."""
         error = RuntimeError(f"decoder {self.name!r}: generation failed: {exc!r}")
         error.__cause__ = exc
-        victims = [g for g in self._table.owners if g is not None]
-        for _, _, who, _ in self._pending:
-            victims.extend(g for g in who if g is not None)
+        victims = self._in_flight() + list(batch)
         self._pending.clear()
+        self._last_step = 0.0
         self._finish_with(victims, error)
+        self._state = None  # before allocating another (after an out-of-memory error)
         try:
             self._state = self._make_state()
         except Exception as again:  # noqa: BLE001 - nothing more can run
@@ -723,21 +763,28 @@ class Decoder:
             self._fail(RuntimeError(f"decoder {self.name!r} cannot recover: {again!r}"))
 
     def _fail(self, error: BaseException) -> None:
-        victims = [g for g in self._table.owners if g is not None]
+        """End everything with ``error``: in flight and waiting (the loop has stopped)."""
+        victims = self._in_flight()
+        self._pending.clear()
         while self._waiting:
             victims.append(self._waiting.popleft())
+        victims.extend(self._cancels)
+        self._cancels = []
         self._finish_with(victims, error)
 
     def _finish_with(self, gens: list, error: BaseException) -> None:
         done = []
         for gen in dict.fromkeys(gens):
             self._table.release(gen)
-            if gen.finish_reason is None or gen.finish_reason == CANCELLED:
-                if gen.finish_reason is None:
-                    gen.error = error
-                    gen.finish_reason = ERROR
-                    self.outcomes[ERROR] += 1
-                done.append(gen)
+            if gen.finish_reason is None:
+                # Its own error (one traceback per reader), caused by the shared one.
+                gen.error = type(error)(*error.args)
+                gen.error.__cause__ = error.__cause__ or error
+                gen.finish_reason = ERROR
+            if not gen.counted:
+                gen.counted = True
+                self.outcomes[gen.finish_reason] += 1
+            done.append(gen)
         self._wake(done)
 
     # ------------------------------------------------------------------ introspection
@@ -798,14 +845,26 @@ class Decoder:
 
 
 def _serve(ref: weakref.ref, x64: bool) -> None:
-    """A decoder's loop thread: its iterations while it is open. It holds the decoder
-    during an iteration only, so a decoder dropped without ``close`` is collected (its
-    device memory freed) and the thread ends within a second."""
+    """A decoder's loop thread: its turns while it is open. It holds the decoder while
+    there is work and lets go when idle, so a decoder dropped without ``close`` is
+    collected (its device memory freed) once its generations are done, and the thread
+    ends within a second."""
     with _xla.x64_scope(x64):
         while True:
             decoder = ref()
-            if decoder is None or not decoder._iterate():
+            if decoder is None:
                 return
+            try:
+                while decoder._iterate():
+                    if not decoder._has_work():
+                        break
+                else:
+                    return
+            except BaseException as exc:  # the loop itself broke: end what it served
+                with decoder._cond:
+                    decoder._closed = True
+                decoder._fail(RuntimeError(f"decoder {decoder.name!r}: its loop failed: {exc!r}"))
+                raise
             del decoder
 
 
@@ -858,11 +917,15 @@ def load_decoder(
     if not devices:
         raise ValueError("no devices to load on")
     n_dev = len(devices)
-    slots = sizes("slots", [slots if slots is not None else config["slots"]])[0]
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    slots = sizes("slots", [given(slots, config["slots"])])[0]
     slots = -(-slots // n_dev) * n_dev
-    max_length = sizes("max_length", [max_length or config["max_length"]])[0]
-    lengths = sizes("prefill_lengths", prefill_lengths or config["prefill_lengths"])
-    batches = sizes("prefill_batches", prefill_batches or config["prefill_batches"])
+    max_length = sizes("max_length", [given(max_length, config["max_length"])])[0]
+    lengths = sizes("prefill_lengths", given(prefill_lengths, config["prefill_lengths"]))
+    batches = sizes("prefill_batches", given(prefill_batches, config["prefill_batches"]))
     if lengths[-1] >= max_length:
         raise ValueError(
             f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "

@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import functools
 import gc
+import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,8 @@ class Server:
         options = BatchingOptions.from_mapping(changes, options)
         if self._closed:
             raise ServerClosed("the server is closed")
+        if name in self._decoders:
+            raise ValueError(f"a decoder named {name!r} is already being served")
         if model.version in self._versions.get(name, {}):
             raise ValueError(f"version {model.version!r} of model {name!r} is already being served")
         batcher = Batcher(name, model, self.metrics, options)
@@ -145,11 +148,22 @@ class Server:
         Raises ValueError naming what is wrong with a bad request, ``Overloaded`` when
         the decoder's waiting queue is full, ``DeadlineExceeded`` when ``timeout_s``
         passes before the generation ends (the tokens before it were delivered),
-        ``ServerClosed`` when the server closes, ``UnknownModel`` for a name not served.
+        ``ServerClosed`` once the server is closed or closing (an open generation ends
+        with it when ``close`` closes the decoders), ``UnknownModel`` for a name not
+        served.
         """
         from pxrt.generate import DecoderClosed, QueueFull
 
+        if self._closed:
+            raise ServerClosed("the server is closed")
         decoder = self.decoder(name)
+        if timeout_s is not None and not (
+            isinstance(timeout_s, (int, float))
+            and not isinstance(timeout_s, bool)
+            and math.isfinite(timeout_s)
+            and timeout_s >= 0
+        ):
+            raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         try:
             gen = decoder.submit(prompt, **options)
         except QueueFull as exc:
@@ -160,13 +174,14 @@ class Server:
 
         def expire() -> None:
             nonlocal expired
-            expired = True
-            gen.cancel()
+            if not gen.done:
+                expired = True
+                gen.cancel()
 
         timer = None
-        if timeout_s is not None:
-            timer = asyncio.get_running_loop().call_later(timeout_s, expire)
         try:
+            if timeout_s is not None:
+                timer = asyncio.get_running_loop().call_later(timeout_s, expire)
             async for token in gen:
                 yield token
         except DecoderClosed as exc:
@@ -430,7 +445,8 @@ class Server:
         return self.metrics.snapshot()
 
     async def close(self) -> None:
-        """Stop accepting requests, answer every accepted one, stop the pipelines."""
+        """Stop accepting requests, answer every accepted inference request, stop the
+        pipelines; then close the decoders (open generations end with ``ServerClosed``)."""
         self._closed = True
         self.draining = True
         batchers = [b for versions in self._versions.values() for b in versions.values()]

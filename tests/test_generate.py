@@ -554,3 +554,83 @@ def test_a_decoder_dropped_without_close_is_collected(lm_path):
     del dec
     gc.collect()
     _wait_for(lambda: ref() is None and not thread.is_alive())
+
+
+def test_sync_and_async_readers_mix(lm, reference, run):
+    """A generation submitted in a coroutine and waited for on a thread, and blocking
+    calls made while an event loop runs (as in a notebook), finish."""
+    p = prompts(1, seed=40)[0]
+
+    async def main():
+        gen = lm.submit(p, max_tokens=6)
+        done = await asyncio.to_thread(gen.result, 30)
+        blocking = lm.generate(p, max_tokens=6)  # on the loop's thread, loop running
+        gen2 = await asyncio.to_thread(lm.submit, p, max_tokens=6)
+        streamed = [t async for t in gen2]
+        return done.tokens, blocking.tokens, streamed
+
+    want = reference(p, 6)
+    assert run(main) == (want, want, want)
+
+
+def test_close_ends_generations_whose_last_token_is_in_flight(lm_path):
+    dec = pxrt.load(lm_path)
+    gens = [dec.submit(p, max_tokens=1 + i % 3) for i, p in enumerate(prompts(12, seed=41))]
+    dec.close()
+    for g in gens:
+        try:
+            g.result(timeout=30)
+        except generate.DecoderClosed:
+            pass
+        assert g.done
+
+
+def test_a_failed_read_fails_generations_only_in_flight(lm_path, reference):
+    """A device error that surfaces when a step's tokens are read fails the generations
+    of that step, including one whose slot was given back at dispatch (its last token)."""
+    dec = pxrt.load(lm_path)
+    try:
+        real = dec._step
+        broken = threading.Event()
+
+        class Unreadable:
+            def copy_to_host_async(self):
+                pass
+
+            def __array__(self, *args, **kwargs):
+                raise RuntimeError("injected read failure")
+
+        def step(params, state):
+            state, tokens = real(params, state)
+            if not broken.is_set():
+                broken.set()
+                return state, Unreadable()
+            return state, tokens
+
+        dec._step = step
+        victim = dec.submit(prompts(1, seed=42)[0], max_tokens=2)  # given back at dispatch
+        with pytest.raises(RuntimeError, match="injected read failure"):
+            victim.result(timeout=30)
+        p = prompts(1, seed=43)[0]
+        assert dec.generate(p, max_tokens=5).tokens == reference(p, 5)
+        assert sum(dec.outcomes.values()) == 2 and dec.outcomes["error"] == 1
+    finally:
+        dec.close()
+
+
+def test_a_dropped_decoder_finishes_what_it_started(lm_path, reference):
+    p = prompts(1, seed=44)[0]
+    gen = pxrt.load(lm_path).submit(p, max_tokens=8)
+    assert gen.result(timeout=30).tokens == reference(p, 8)
+
+
+def test_tokens_are_counted_when_readers_lag(lm, run):
+    before = lm.counters["tokens"]
+
+    async def main():
+        gens = [lm.submit(p, max_tokens=12) for p in prompts(6, seed=45)]
+        await asyncio.sleep(0.3)  # nobody reads meanwhile: wake-ups pile up
+        return sum([len([t async for t in g]) for g in gens])
+
+    read = run(main)
+    assert lm.counters["tokens"] - before == read > 0
