@@ -717,16 +717,18 @@ class Decoder:
         return out
 
     def _wake(self, gens: list) -> None:
-        """Wake the readers of ``gens``: the event (sync readers) always, and on the
-        event loop of an async reader, once per loop for all its generations. An async
-        reader records its loop before it first looks at the tokens, and the tokens are
-        appended before this reads ``gen.loop``: one of the two sees the other."""
+        """Wake the readers of ``gens``: on the event loop of an async reader, once per
+        loop for all its generations; otherwise the event (a sync reader; ``_finished``
+        sets it for every generation that ends, so ``result`` works whoever reads). An
+        async reader records its loop before it first looks at the tokens, and the
+        tokens are appended before this reads ``gen.loop``: one of the two sees the
+        other."""
         by_loop: dict[Any, list] = {}
         for gen in gens:
-            gen.event.set()
             loop = gen.loop
             if loop is None:
                 gen.woken = False
+                gen.event.set()
             else:
                 by_loop.setdefault(loop, []).append(gen)
         for loop, group in by_loop.items():
