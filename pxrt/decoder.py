@@ -64,6 +64,7 @@ from .manifest import (
     needs,
 )
 from .specs import DTYPES, MAX_BUCKET, TensorSpec
+from .tokenizer import BYTES, TOKENIZER_FILE, TOKENIZERS, TokenizersTokenizer
 
 KIND = "decoder"
 PREFILL_FILE = "prefill.jaxexport"
@@ -147,6 +148,7 @@ def export_decoder(
     prefill_batches: Sequence[int] = (1, 4),
     eos_id: int | None = None,
     stop_ids: Sequence[int] = (),
+    tokenizer: str | os.PathLike | None = None,
     name: str | None = None,
     version: str = "1",
     x64: bool | None = None,
@@ -169,6 +171,9 @@ def export_decoder(
       prefill_batches: prompts prefilled together (batch buckets of prefill).
       eos_id: the end-of-sequence token: generation stops after emitting it.
       stop_ids: more tokens that stop every generation (requests may add their own).
+      tokenizer: ``"bytes"`` (built in: token i < 256 is byte i) or the path of a
+        ``tokenizer.json`` for the ``tokenizers`` library (copied into the artifact):
+        what ``pxrt serve`` turns text into tokens and back with. None: token ids only.
       name, version, x64, overwrite: as for ``pxrt.export``.
 
     The vocabulary size is read from the logits. Returns the artifact path.
@@ -188,6 +193,16 @@ def export_decoder(
     if x64 is None:
         x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
     stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
+    files: dict[str, bytes] = {}
+    tok_config: dict | None = None
+    if tokenizer is not None:
+        if tokenizer == BYTES:
+            tok_config = {"kind": BYTES}
+        else:
+            with open(os.fspath(tokenizer), "rb") as f:
+                files[TOKENIZER_FILE] = f.read()
+            TokenizersTokenizer(os.fspath(tokenizer))  # it must load
+            tok_config = {"kind": TOKENIZERS}
 
     cache_tree = jax.tree.structure(cache, is_leaf=_is_spec)
     specs = jax.tree.leaves(cache, is_leaf=_is_spec)
@@ -235,6 +250,7 @@ def export_decoder(
                 "prefill_batches": list(batches),
                 "stop_ids": stops,
                 "eos_id": None if eos_id is None else int(eos_id),
+                "tokenizer": tok_config,
             },
         }
         prefill_name, decode_name = program_names(manifest)
@@ -259,7 +275,7 @@ def export_decoder(
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {},
     }
-    write_directory(path, manifest, programs, leaves, overwrite)
+    write_directory(path, manifest, programs | files, leaves, overwrite)
     return path
 
 
@@ -365,6 +381,15 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
     )
     eos = d.get("eos_id")
     need(eos is None or (is_int(eos) and eos < d["vocab"]), "decoder.eos_id", "must be a token id")
+    tok = d.get("tokenizer")
+    need(
+        tok is None
+        or tok == {"kind": BYTES}
+        or (tok == {"kind": TOKENIZERS} and TOKENIZER_FILE in (m.get("files") or {})),
+        "decoder.tokenizer",
+        f'must be null, {{"kind": "{BYTES}"}} or {{"kind": "{TOKENIZERS}"}} with '
+        f"{TOKENIZER_FILE} among the files",
+    )
     cache: Any = d.get("cache")
     need(isinstance(cache, list) and bool(cache), "decoder.cache", "must be a non-empty list")
     for i, e in enumerate(cache):

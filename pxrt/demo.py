@@ -368,6 +368,7 @@ def export_lm(
         prefill_lengths=prefill_lengths,
         prefill_batches=prefill_batches,
         eos_id=LM_EOS,
+        tokenizer="bytes",
         name="lm",
         overwrite=overwrite,
     )

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from . import _ext, _xla
+from . import tokenizer as _tokenizer
 from .artifact import BATCH_AXIS
 from .decoder import LENGTH_DIM, DecoderArtifact, sizes
 from .decoder import read as read_decoder
@@ -327,6 +328,8 @@ class Decoder:
         self.max_length = max_length
         self.stop_ids = frozenset(config["stop_ids"])
         self.eos_id: int | None = config["eos_id"]
+        #: The artifact's tokenizer (``pxrt.tokenizer``), or None: token ids only.
+        self.tokenizer = _tokenizer.load(config.get("tokenizer"), art.path)
         self.prefill_lengths = tuple(sorted({c.length for c in cells}))
         self.prefill_batches = tuple(sorted({c.batch for c in cells}))
         self.max_prompt = self.prefill_lengths[-1]

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from . import codec, core, documents
+from . import codec, core, documents, generation
 from .access import Restrictions
 from .codec import ProtocolError
 from .core import BodiesFull, BodyBudget, InferRequest, TooLarge
@@ -506,6 +506,35 @@ def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
         future.cancel()
 
 
+@_endpoint
+async def _generate(request: Request) -> Response:
+    return await generation.kserve_generate(request, _serving(request), stream=False)
+
+
+@_endpoint
+async def _generate_stream(request: Request) -> Response:
+    return await generation.kserve_generate(request, _serving(request), stream=True)
+
+
+@_endpoint
+async def _openai_completions(request: Request) -> Response:
+    return await generation.openai_completions(request, _serving(request))
+
+
+@_endpoint
+async def _openai_models(request: Request) -> Response:
+    return await generation.openai_models(request, _state(request).server)
+
+
+def _serving(request: Request) -> Server:
+    """The server, if it takes inference requests now (else ``NotServing``)."""
+    server = _state(request).server
+    why = server.not_serving()
+    if why is not None:
+        raise core.NotServing(why)
+    return server
+
+
 def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
     r = functools.partial(_restricted, restrictions)
     routes = [
@@ -526,8 +555,14 @@ def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
             methods=["POST"],
         ),
     ]
+    routes += [
+        Route("/v1/completions", r("inference", _openai_completions), methods=["POST"]),
+        Route("/v1/models", r("metadata", _openai_models)),
+    ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         routes += [
+            Route(prefix + "/generate", r("inference", _generate), methods=["POST"]),
+            Route(prefix + "/generate_stream", r("inference", _generate_stream), methods=["POST"]),
             Route(prefix, r("metadata", model_metadata)),
             Route(prefix + "/ready", r("health", model_ready)),
             Route(prefix + "/config", r("metadata", model_config)),

@@ -92,6 +92,15 @@ class _Setup:
         try:
             for name, path, options in self.specs:
                 model = await asyncio.to_thread(pxrt.load, path)
+                if isinstance(model, pxrt.Decoder):
+                    server.add_decoder(name or model.name, model)
+                    print(
+                        f"pxrt serve: {name or model.name} ready (a decoder: {model.slots} "
+                        f"slots, {model.max_length} positions, prefill lengths "
+                        f"{model.prefill_lengths}, {len(model.devices)} device(s))",
+                        file=sys.stderr,
+                    )
+                    continue
                 server.add_model(name or model.name, model, options)
                 dims = "".join(f", {d} {v}" for d, v in model.dim_buckets.items())
                 print(

@@ -30,7 +30,7 @@ from .batcher import Batcher
 from .errors import DeadlineExceeded, Overloaded, ServerClosed, no_model, no_version
 
 if TYPE_CHECKING:
-    from pxrt.generate import Decoder
+    from pxrt.generate import Decoder, Generation
 from .loops import new_event_loop
 from .metrics import Metrics
 from .options import BatchingOptions
@@ -131,6 +131,24 @@ class Server:
             raise no_model(name, list(self._decoders))
         return decoder
 
+    def start_generation(
+        self, name: str, prompt: Sequence[int] | Any, **options: Any
+    ) -> Generation:
+        """Submit one generation to the decoder ``name`` and return its handle
+        (``pxrt.Generation``: iterate it, cancel it); the front ends' entry. Errors as
+        for ``generate``, raised here."""
+        from pxrt.generate import DecoderClosed, QueueFull
+
+        if self._closed:
+            raise ServerClosed("the server is closed")
+        decoder = self.decoder(name)
+        try:
+            return decoder.submit(prompt, **options)
+        except QueueFull as exc:
+            raise Overloaded(str(exc), exc.retry_after_s) from None
+        except DecoderClosed as exc:
+            raise ServerClosed(str(exc)) from None
+
     async def generate(
         self,
         name: str,
@@ -152,11 +170,8 @@ class Server:
         with it when ``close`` closes the decoders), ``UnknownModel`` for a name not
         served.
         """
-        from pxrt.generate import DecoderClosed, QueueFull
+        from pxrt.generate import DecoderClosed
 
-        if self._closed:
-            raise ServerClosed("the server is closed")
-        decoder = self.decoder(name)
         if timeout_s is not None and not (
             isinstance(timeout_s, (int, float))
             and not isinstance(timeout_s, bool)
@@ -164,12 +179,7 @@ class Server:
             and timeout_s >= 0
         ):
             raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
-        try:
-            gen = decoder.submit(prompt, **options)
-        except QueueFull as exc:
-            raise Overloaded(str(exc), exc.retry_after_s) from None
-        except DecoderClosed as exc:
-            raise ServerClosed(str(exc)) from None
+        gen = self.start_generation(name, prompt, **options)
         expired = False
 
         def expire() -> None:

@@ -1,0 +1,321 @@
+"""Generation over HTTP: KServe's (Triton's) generate extension and an OpenAI-compatible
+completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
+
+- ``POST /v2/models/{m}[/versions/{v}]/generate``: one JSON answer;
+  ``.../generate_stream``: server-sent events, one per token, then a final one with the
+  finish reason and the token counts. The prompt is ``text_input`` (text, through the
+  artifact's tokenizer) or ``input_ids`` (token ids); options at the top level or under
+  ``parameters``: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+  ``stop`` (strings), ``stop_ids``.
+- ``POST /v1/completions`` (``stream`` for server-sent events ending in ``data:
+  [DONE]``) and ``GET /v1/models``, as OpenAI's client expects them.
+
+A bad request is a 400 JSON error naming what is wrong; a full queue a 429 with
+Retry-After; once a stream has started, an error is its last event. A client that hangs
+up cancels its generation: its slot is free for the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from . import core
+from .errors import ExecutionFailed, ServerClosed, ServingError, UnknownModel
+
+if TYPE_CHECKING:
+    from pxrt.generate import Decoder, Generation
+
+    from .server import Server
+
+OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
+SSE = "text/event-stream"
+
+
+class Prompt:
+    """A parsed generation request: the token ids, the decoder's options, stop strings."""
+
+    def __init__(self, ids: list[int], options: dict, stop: list[str], text: bool) -> None:
+        self.ids = ids
+        self.options = options
+        self.stop = stop
+        self.text = text  # answer with text (the prompt was text or a tokenizer exists)
+
+
+def _bad(message: str) -> core.InvalidRequest:
+    return core.InvalidRequest(message)
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise _bad(f"stop must be a string or a list of strings, got {value!r}")
+
+
+def _ids(value: Any, field: str) -> list[int]:
+    if not (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        raise _bad(f"{field} must be a non-empty list of token ids, got {value!r:.80}")
+    return value
+
+
+def _encode(decoder: Decoder, text: Any, field: str) -> list[int]:
+    if not isinstance(text, str):
+        raise _bad(f"{field} must be a string, got {type(text).__name__}")
+    if decoder.tokenizer is None:
+        raise _bad(
+            f"model {decoder.name!r} has no tokenizer: send token ids (input_ids / a "
+            "prompt of token ids) instead of text"
+        )
+    return decoder.tokenizer.encode(text)
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise core.ProtocolError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise core.ProtocolError("the request body must be a JSON object")
+    return body
+
+
+def _options(source: Mapping[str, Any]) -> dict:
+    return {k: source[k] for k in OPTIONS if source.get(k) is not None}
+
+
+def parse_kserve(decoder: Decoder, body: dict) -> Prompt:
+    """The generate extension's request: ``text_input`` or ``input_ids``, options at the
+    top level or under ``parameters`` (these win)."""
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise _bad("parameters must be an object")
+    merged = {**body, **params}
+    if ("text_input" in body) == ("input_ids" in body):
+        raise _bad("give the prompt as exactly one of text_input (text) or input_ids")
+    if "text_input" in body:
+        ids, text = _encode(decoder, body["text_input"], "text_input"), True
+    else:
+        ids, text = _ids(body["input_ids"], "input_ids"), decoder.tokenizer is not None
+    return Prompt(ids, _options(merged), _stop_strings(merged.get("stop")), text)
+
+
+def parse_openai(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
+    """``/v1/completions``: the prompt (text, or token ids), OpenAI's defaults
+    (``max_tokens`` 16, ``temperature`` 1), and whether to stream."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = _encode(decoder, prompt, "prompt")
+    elif isinstance(prompt, list):
+        ids = _ids(prompt, "prompt")
+    else:
+        raise _bad("prompt must be a string or a list of token ids (one prompt per request)")
+    n = body.get("n", 1)
+    if n != 1:
+        raise _bad(f"n must be 1 (one completion per request), got {n!r}")
+    options = {"max_tokens": 16, "temperature": 1.0} | _options(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad(f"stream must be true or false, got {stream!r}")
+    return Prompt(ids, options, _stop_strings(body.get("stop")), True), stream
+
+
+def start(server: Server, name: str, prompt: Prompt) -> Generation:
+    """Submit; a bad option is a 400 naming it."""
+    try:
+        return server.start_generation(name, prompt.ids, **prompt.options)
+    except ServingError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise _bad(str(exc)) from None
+
+
+class Piece:
+    """One step of a generation as the protocols see it."""
+
+    __slots__ = ("ids", "text")
+
+    def __init__(self, ids: list[int], text: str) -> None:
+        self.ids = ids
+        self.text = text
+
+
+async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIterator[Piece]:
+    """The generation's tokens with their text (``TextStream``: whole UTF-8 characters,
+    cut at a stop string, which ends the generation with reason ``stop``). Leaving early
+    cancels the generation."""
+    from pxrt.tokenizer import TextStream
+
+    text = TextStream(decoder.tokenizer, prompt.stop) if decoder.tokenizer is not None else None
+    try:
+        async for token in gen:
+            piece = text.push(token) if text is not None else ""
+            if text is not None and text.stopped:
+                gen.cancel()
+                gen.finish_reason = "stop"
+                if piece:
+                    yield Piece([], piece)
+                return
+            yield Piece([token], piece)
+        if text is not None:
+            rest = text.flush()
+            if rest:
+                yield Piece([], rest)
+    finally:
+        gen.cancel()
+
+
+def usage(gen: Generation) -> dict:
+    n = len(gen.tokens)
+    return {
+        "prompt_tokens": len(gen.prompt),
+        "completion_tokens": n,
+        "total_tokens": len(gen.prompt) + n,
+    }
+
+
+def _event(doc: Any) -> bytes:
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error_event(exc: BaseException) -> bytes:
+    return _event({"error": core.status_of(exc).message})
+
+
+# --------------------------------------------------------------------------- KServe
+
+
+async def kserve_generate(request: Request, server: Server, stream: bool) -> Response:
+    name = request.path_params["model"]
+    decoder = server.decoder(name)
+    version = request.path_params.get("version")
+    if version is not None and version != decoder.version:
+        raise UnknownModel(
+            f"model {name!r} has no version {version!r}; serving version {decoder.version}"
+        )
+    prompt = parse_kserve(decoder, await _body(request))
+    gen = start(server, name, prompt)
+    head = {"model_name": name, "model_version": decoder.version}
+    if not stream:
+        ids: list[int] = []
+        text: list[str] = []
+        async for piece in pieces(decoder, gen, prompt):
+            ids += piece.ids
+            text.append(piece.text)
+        _raise_error(gen)
+        doc = head | {"output_ids": ids, "finish_reason": gen.finish_reason, "usage": usage(gen)}
+        if prompt.text:
+            doc["text_output"] = "".join(text)
+        return JSONResponse(doc)
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for piece in pieces(decoder, gen, prompt):
+                doc = head | {"output_ids": piece.ids}
+                if prompt.text:
+                    doc["text_output"] = piece.text
+                yield _event(doc)
+            _raise_error(gen)
+            final = head | {"output_ids": [], "finish_reason": gen.finish_reason}
+            if prompt.text:
+                final["text_output"] = ""
+            yield _event(final | {"usage": usage(gen)})
+        except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
+            yield _error_event(exc)
+
+    return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
+
+
+def _raise_error(gen: Generation) -> None:
+    if gen.error is not None:
+        from pxrt.generate import DecoderClosed
+
+        if isinstance(gen.error, DecoderClosed):
+            raise ServerClosed(str(gen.error))
+        raise ExecutionFailed(str(gen.error))
+
+
+# --------------------------------------------------------------------------- OpenAI
+
+
+def openai_error(exc: BaseException) -> Response | None:
+    """A known error as OpenAI's clients read one (``{"error": {"message", "type",
+    "code"}}``, with the status it has everywhere); None for an unexpected one."""
+    if not core.is_known(exc):
+        return None
+    status = core.status_of(exc)
+    kind = "invalid_request_error" if status.http < 500 else "server_error"
+    doc = {"error": {"message": status.message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(doc, status.http, status.headers)
+
+
+async def openai_completions(request: Request, server: Server) -> Response:
+    try:
+        return await _completions(request, server)
+    except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape when known
+        answer = openai_error(exc)
+        if answer is None:
+            raise
+        return answer
+
+
+async def _completions(request: Request, server: Server) -> Response:
+    body = await _body(request)
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise _bad("model must be the name of a model served (GET /v1/models)")
+    decoder = server.decoder(name)
+    prompt, stream = parse_openai(decoder, body)
+    gen = start(server, name, prompt)
+    ident = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    head = {"id": ident, "object": "text_completion", "created": created, "model": name}
+
+    def choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    if not stream:
+        text = []
+        async for piece in pieces(decoder, gen, prompt):
+            text.append(piece.text)
+        _raise_error(gen)
+        return JSONResponse(
+            head | {"choices": [choice("".join(text), gen.finish_reason)], "usage": usage(gen)}
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for piece in pieces(decoder, gen, prompt):
+                if piece.text:
+                    yield _event(head | {"choices": [choice(piece.text, None)]})
+            _raise_error(gen)
+            yield _event(head | {"choices": [choice("", gen.finish_reason)], "usage": usage(gen)})
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
+            yield _error_event(exc)
+
+    return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
+
+
+async def openai_models(request: Request, server: Server) -> Response:
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "pxrt"}
+        for name in server.decoders
+    ]
+    return JSONResponse({"object": "list", "data": data})

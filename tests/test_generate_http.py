@@ -1,0 +1,218 @@
+"""Generation over HTTP, against `pxrt serve`: KServe's generate extension (JSON and
+server-sent events) and the OpenAI-compatible API through OpenAI's own client. Every
+answer is held to the tokens the engine's in-process API gives for the same request."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from servers import ServeProcess
+
+import pxrt
+from pxrt import demo
+from pxrt.tokenizer import ByteTokenizer, TextStream
+
+# One `pxrt serve` for the module; nothing here depends on the handlers' build.
+pytestmark = pytest.mark.once
+
+MAX_LENGTH = 2048  # long enough that a stream outlives the hang-up test
+SIZES = {"dim": 32, "heads": 2, "layers": 2}
+PROMPTS = ["Hello, world", "pxrt serves JAX", "é€ utf-8 ✓"]
+
+
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory):
+    return demo.export_lm(
+        str(tmp_path_factory.mktemp("lm") / "lm"),
+        slots=4,
+        max_length=MAX_LENGTH,
+        prefill_lengths=(8, 16, 32),
+        prefill_batches=(1, 2),
+        **SIZES,
+    )
+
+
+@pytest.fixture(scope="module")
+def local(lm_path):
+    dec = pxrt.load(lm_path)
+    yield dec
+    dec.close()
+
+
+@pytest.fixture(scope="module")
+def served(lm_path, artifacts):
+    proc = ServeProcess([lm_path, str(artifacts["mlp"])])
+    yield proc
+    proc.stop()
+
+
+def expected(local, text, **options):
+    """The in-process tokens and text for ``text``: what every protocol must give."""
+    ids = ByteTokenizer().encode(text)
+    out = local.generate(ids, **options)
+    stream = TextStream(ByteTokenizer(), options.get("stop", ()))
+    return out, "".join(stream.push(t) for t in out.tokens) + stream.flush()
+
+
+def sse(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_generate_json_equals_the_engine(served, local):
+    for text in PROMPTS:
+        want, want_text = expected(local, text, max_tokens=12, seed=3)
+        r = httpx.post(
+            f"{served.url}/v2/models/lm/generate",
+            json={"text_input": text, "parameters": {"max_tokens": 12, "seed": 3}},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["output_ids"] == want.tokens
+        assert doc["text_output"] == want_text
+        assert doc["finish_reason"] == want.finish_reason
+        assert doc["model_name"] == "lm" and doc["model_version"] == "1"
+        assert doc["usage"] == {
+            "prompt_tokens": len(text.encode()),
+            "completion_tokens": len(want.tokens),
+            "total_tokens": len(text.encode()) + len(want.tokens),
+        }
+
+
+def test_generate_stream_sends_each_token_then_the_end(served, local):
+    options = {"max_tokens": 20, "temperature": 4.0, "top_k": 50, "seed": 11}
+    want, want_text = expected(local, PROMPTS[0], **options)
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v2/models/lm/versions/1/generate_stream",
+        json={"text_input": PROMPTS[0], **options},
+        timeout=30,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r)
+    *tokens, final = events
+    assert [t for e in tokens for t in e["output_ids"]] == want.tokens
+    assert "".join(e["text_output"] for e in events) == want_text
+    assert final["finish_reason"] == want.finish_reason and final["output_ids"] == []
+    assert final["usage"]["completion_tokens"] == len(want.tokens)
+
+
+def test_token_ids_in_and_out(served, local):
+    ids = [72, 105, 33]
+    want = local.generate(ids, max_tokens=7, seed=1)
+    r = httpx.post(
+        f"{served.url}/v2/models/lm/generate",
+        json={"input_ids": ids, "max_tokens": 7, "seed": 1},
+        timeout=30,
+    )
+    assert r.json()["output_ids"] == want.tokens
+
+
+def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
+    want, full = expected(local, PROMPTS[1], max_tokens=30, seed=5)
+    stop = full[3:5]
+    assert stop and stop in full
+    r = httpx.post(
+        f"{served.url}/v2/models/lm/generate",
+        json={"text_input": PROMPTS[1], "max_tokens": 30, "seed": 5, "stop": [stop]},
+        timeout=30,
+    )
+    doc = r.json()
+    assert doc["text_output"] == full[: full.index(stop)]
+    assert doc["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be an int >= 1"),
+        ({"text_input": "hi", "temperature": -1}, "temperature"),
+        ({"text_input": "x" * 40}, "longer than the longest prefill length"),
+        ({"input_ids": [1, 999]}, "token id 999 is outside the vocabulary"),
+        ({}, "exactly one of text_input"),
+        ({"text_input": "hi", "stop": 3}, "stop must be a string"),
+    ],
+)
+def test_bad_requests_are_400s_naming_the_problem(served, body, words):
+    r = httpx.post(f"{served.url}/v2/models/lm/generate", json=body, timeout=30)
+    assert r.status_code == 400 and words in r.json()["error"], r.text
+
+
+def test_unknown_models_and_one_shot_models_are_404s(served):
+    r = httpx.post(f"{served.url}/v2/models/nope/generate", json={"text_input": "a"})
+    assert r.status_code == 404 and "no model named 'nope'" in r.json()["error"]
+    r = httpx.post(f"{served.url}/v2/models/mlp/generate", json={"text_input": "a"})
+    assert r.status_code == 404
+    # The one-shot model is served beside the decoder.
+    assert httpx.get(f"{served.url}/v2/models/mlp/ready").status_code == 200
+
+
+def _busy(served) -> float:
+    text = httpx.get(f"{served.url}/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("pxrt_slots_busy{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_client_that_hangs_up_frees_its_slot(served):
+    long = {"input_ids": [1, 2], "max_tokens": 10_000, "stop_ids": []}
+    with httpx.stream(
+        "POST", f"{served.url}/v2/models/lm/generate_stream", json=long, timeout=30
+    ) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert _busy(served) == 1
+    deadline = time.monotonic() + 10
+    while _busy(served) != 0:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- OpenAI
+
+
+def test_openai_client_completions(served, local):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["lm"]
+    want, want_text = expected(local, PROMPTS[2], max_tokens=10, temperature=0.0)
+    out = client.completions.create(model="lm", prompt=PROMPTS[2], max_tokens=10, temperature=0)
+    assert out.choices[0].text == want_text
+    assert out.choices[0].finish_reason == want.finish_reason
+    assert out.usage.completion_tokens == len(want.tokens)
+    assert out.usage.prompt_tokens == len(PROMPTS[2].encode())
+
+    want, want_text = expected(local, PROMPTS[0], max_tokens=16, temperature=1.0, seed=9)
+    chunks = list(
+        client.completions.create(
+            model="lm", prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=9, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == want_text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="lm", prompt="x", temperature=-2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+
+
+def test_openai_stream_ends_with_done(served):
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v1/completions",
+        json={"model": "lm", "prompt": [72, 105], "max_tokens": 5, "stream": True},
+        timeout=30,
+    ) as r:
+        events = sse(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert events[-2]["usage"]["prompt_tokens"] == 2
+    assert all(e["object"] == "text_completion" for e in events[:-1])

@@ -1,0 +1,116 @@
+"""Tokenizers of decoder artifacts: text from tokens one at a time (never half a UTF-8
+character), stop strings, and a ``tokenizer.json`` carried by an artifact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import pxrt
+from pxrt import demo
+from pxrt.tokenizer import ByteTokenizer, TextStream, TokenizersTokenizer
+
+pytestmark = pytest.mark.once
+
+TEXTS = ["plain ascii", "é€ and ✓ and 😀", "日本語のテキスト", ""]
+
+
+def stream_all(tokenizer, tokens, stop=()):
+    out = TextStream(tokenizer, stop)
+    pieces = [out.push(t) for t in tokens]
+    pieces.append(out.flush())
+    return pieces, out
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_bytes_never_emit_half_a_character(text):
+    tok = ByteTokenizer()
+    pieces, out = stream_all(tok, tok.encode(text))
+    assert "".join(pieces) == text == out.text
+    assert all("\ufffd" not in p for p in pieces)
+    # A multi-byte character comes out whole, in the piece of its last byte.
+    assert sum(1 for p in pieces if p) == len(text)
+
+
+def test_special_tokens_have_no_text_and_bad_bytes_are_replaced():
+    tok = ByteTokenizer()
+    pieces, _ = stream_all(tok, [72, demo.LM_EOS, 0xC3, 105])  # 0xC3 then ASCII: broken
+    assert "".join(pieces) == "H\ufffdi"
+
+
+@pytest.mark.parametrize(
+    "text, stop, want",
+    [
+        ("hello world", ["wor"], "hello "),
+        ("hello world", ["xyz"], "hello world"),
+        ("hello world", ["o w", "ll"], "he"),  # the first stop in the text wins
+        ("abcabc", ["ca"], "ab"),
+        ("é€✓", ["€"], "é"),
+    ],
+)
+def test_stop_strings_cut_the_text_even_across_tokens(text, stop, want):
+    tok = ByteTokenizer()
+    pieces, out = stream_all(tok, tok.encode(text), stop)
+    assert "".join(pieces) == want == out.text
+    assert out.stopped == (want != text)
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
+    tok = ByteTokenizer()
+    out = TextStream(tok, ["world"])
+    assert [out.push(t) for t in tok.encode("hello wo")] == list("hello ") + ["", ""]
+    assert out.push(ord("x")) == "wox"  # no longer a prefix of "world": released
+
+
+def _bpe(tmp_path, vocab: int) -> str:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(["hello world, hello pxrt", "é€✓ 日本語"] * 20, trainer)
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    return path
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizers_stream_equals_the_whole_decode(tmp_path, text):
+    tok = TokenizersTokenizer(_bpe(tmp_path, 300))
+    ids = tok.encode(text)
+    pieces, out = stream_all(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_an_artifact_carries_its_tokenizer_json(tmp_path):
+    path = _bpe(tmp_path, demo.LM_VOCAB)
+    art = pxrt.export_decoder(
+        demo.lm_prefill,
+        demo.lm_decode,
+        demo.make_lm_params(dim=32, heads=2, layers=1),
+        tmp_path / "lm",
+        cache=demo.lm_cache_spec(1, 2, 32),
+        max_length=32,
+        prefill_lengths=(16,),
+        prefill_batches=(1,),
+        tokenizer=path,
+    )
+    manifest = json.loads((tmp_path / "lm" / "manifest.json").read_text())
+    assert manifest["decoder"]["tokenizer"] == {"kind": "tokenizers"}
+    assert "tokenizer.json" in manifest["files"]
+    dec = pxrt.load(art)
+    try:
+        assert isinstance(dec.tokenizer, TokenizersTokenizer)
+        assert dec.tokenizer.encode("hello") == TokenizersTokenizer(path).encode("hello")
+    finally:
+        dec.close()
+    # Its bytes are checked like every file's.
+    (tmp_path / "lm" / "tokenizer.json").write_text("{}")
+    with pytest.raises(pxrt.ArtifactError, match="tokenizer.json does not match its sha256"):
+        pxrt.load(art)
