@@ -39,8 +39,9 @@ demo: $(STAMP)
 # Modules marked `once` (nothing in them depends on the device count or the handlers'
 # build) run in the 4-device set-up only. --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=5
-GRPC := tests/test_grpc.py tests/test_grpc_native.py
-SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py --ignore=tests/test_ray.py
+GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
+SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
+	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py
 TESTS := $(PYTEST) -m "not once" $(SUITE) && $(PYTEST) $(GRPC)
 
 test: lint

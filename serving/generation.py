@@ -48,7 +48,7 @@ class Prompt:
         self.text = text  # answer with text (the prompt was text or a tokenizer exists)
 
 
-def _bad(message: str) -> core.InvalidRequest:
+def invalid(message: str) -> core.InvalidRequest:
     return core.InvalidRequest(message)
 
 
@@ -59,7 +59,7 @@ def _stop_strings(value: Any) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return value
-    raise _bad(f"stop must be a string or a list of strings, got {value!r}")
+    raise invalid(f"stop must be a string or a list of strings, got {value!r}")
 
 
 def _ids(value: Any, field: str) -> list[int]:
@@ -68,15 +68,15 @@ def _ids(value: Any, field: str) -> list[int]:
         and value
         and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     ):
-        raise _bad(f"{field} must be a non-empty list of token ids, got {value!r:.80}")
+        raise invalid(f"{field} must be a non-empty list of token ids, got {value!r:.80}")
     return value
 
 
 def _encode(decoder: Decoder, text: Any, field: str) -> list[int]:
     if not isinstance(text, str):
-        raise _bad(f"{field} must be a string, got {type(text).__name__}")
+        raise invalid(f"{field} must be a string, got {type(text).__name__}")
     if decoder.tokenizer is None:
-        raise _bad(
+        raise invalid(
             f"model {decoder.name!r} has no tokenizer: send token ids (input_ids / a "
             "prompt of token ids) instead of text"
         )
@@ -103,10 +103,10 @@ def parse_kserve(decoder: Decoder, body: dict) -> Prompt:
     top level or under ``parameters`` (these win)."""
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
-        raise _bad("parameters must be an object")
+        raise invalid("parameters must be an object")
     merged = {**body, **params}
     if ("text_input" in body) == ("input_ids" in body):
-        raise _bad("give the prompt as exactly one of text_input (text) or input_ids")
+        raise invalid("give the prompt as exactly one of text_input (text) or input_ids")
     if "text_input" in body:
         ids, text = _encode(decoder, body["text_input"], "text_input"), True
     else:
@@ -125,14 +125,14 @@ def parse_openai(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
     elif isinstance(prompt, list):
         ids = _ids(prompt, "prompt")
     else:
-        raise _bad("prompt must be a string or a list of token ids (one prompt per request)")
+        raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
     n = body.get("n", 1)
     if n != 1:
-        raise _bad(f"n must be 1 (one completion per request), got {n!r}")
+        raise invalid(f"n must be 1 (one completion per request), got {n!r}")
     options = {"max_tokens": 16, "temperature": 1.0} | _options(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad(f"stream must be true or false, got {stream!r}")
+        raise invalid(f"stream must be true or false, got {stream!r}")
     return Prompt(ids, options, _stop_strings(body.get("stop")), True), stream
 
 
@@ -143,7 +143,7 @@ def start(server: Server, name: str, prompt: Prompt) -> Generation:
     except ServingError:
         raise
     except (TypeError, ValueError) as exc:
-        raise _bad(str(exc)) from None
+        raise invalid(str(exc)) from None
 
 
 class Piece:
@@ -218,7 +218,7 @@ async def kserve_generate(request: Request, server: Server, stream: bool) -> Res
         async for piece in pieces(decoder, gen, prompt):
             ids += piece.ids
             text.append(piece.text)
-        _raise_error(gen)
+        raise_error(gen)
         doc = head | {"output_ids": ids, "finish_reason": gen.finish_reason, "usage": usage(gen)}
         if prompt.text:
             doc["text_output"] = "".join(text)
@@ -231,7 +231,7 @@ async def kserve_generate(request: Request, server: Server, stream: bool) -> Res
                 if prompt.text:
                     doc["text_output"] = piece.text
                 yield _event(doc)
-            _raise_error(gen)
+            raise_error(gen)
             final = head | {"output_ids": [], "finish_reason": gen.finish_reason}
             if prompt.text:
                 final["text_output"] = ""
@@ -242,7 +242,7 @@ async def kserve_generate(request: Request, server: Server, stream: bool) -> Res
     return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
-def _raise_error(gen: Generation) -> None:
+def raise_error(gen: Generation) -> None:
     if gen.error is not None:
         from pxrt.generate import DecoderClosed
 
@@ -279,7 +279,7 @@ async def _completions(request: Request, server: Server) -> Response:
     body = await _body(request)
     name = body.get("model")
     if not isinstance(name, str):
-        raise _bad("model must be the name of a model served (GET /v1/models)")
+        raise invalid("model must be the name of a model served (GET /v1/models)")
     decoder = server.decoder(name)
     prompt, stream = parse_openai(decoder, body)
     gen = start(server, name, prompt)
@@ -294,7 +294,7 @@ async def _completions(request: Request, server: Server) -> Response:
         text = []
         async for piece in pieces(decoder, gen, prompt):
             text.append(piece.text)
-        _raise_error(gen)
+        raise_error(gen)
         return JSONResponse(
             head | {"choices": [choice("".join(text), gen.finish_reason)], "usage": usage(gen)}
         )
@@ -304,7 +304,7 @@ async def _completions(request: Request, server: Server) -> Response:
             async for piece in pieces(decoder, gen, prompt):
                 if piece.text:
                     yield _event(head | {"choices": [choice(piece.text, None)]})
-            _raise_error(gen)
+            raise_error(gen)
             yield _event(head | {"choices": [choice("", gen.finish_reason)], "usage": usage(gen)})
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event

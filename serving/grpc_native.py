@@ -549,9 +549,13 @@ class GrpcProtocol(h2.H2Protocol):
     # ------------------------------------------------------------------ ModelStreamInfer
 
     def _stream_request(self, call: Call, data: Any, held: int) -> None:
-        """Take one request of a stream: queued, or answered at once with its error."""
+        """Take one request of a stream: queued, or answered at once with its error. A
+        request to a decoder generates (``serving.generation_grpc``)."""
         try:
             name, version, decode = _decoder(data, None)
+            if self.server.is_decoder(name):
+                self._generate(call, data, held)
+                return
             model, request, future = core.start(self.server, name, version or None, decode)
         except Exception as exc:  # noqa: BLE001 - this request's answer
             error = _malformed_first(exc, data)
@@ -590,6 +594,37 @@ class GrpcProtocol(h2.H2Protocol):
                 parts = [b"\x12" + codec.encode_varint(sum(map(len, inner))), *inner]
         self._stream_send(call, parts, held)
         self._pump(call)
+
+    def _generate(self, call: Call, data: Any, held: int) -> None:
+        call.inflight += 1
+        task = self.loop.create_task(self._generation(call, data, held))
+        call.pending.add(task)
+
+    async def _generation(self, call: Call, data: Any, held: int) -> None:
+        """One decoupled request: a response per token, then the final one (or its
+        error). The stream's reset cancels it, and with it the generation."""
+        from .generation_grpc import responses
+
+        try:
+            async for response in responses(self.server, _parse(data)):
+                if call.ending:
+                    return
+                payload = response.SerializeToString()
+                self.send_data(call, [_PREFIX.pack(0, len(payload)), payload])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this request's answer
+            if not call.ending:
+                error = _stream_error(_parsed(data), _status(_malformed_first(exc, data)).message)
+                self.send_data(call, [_PREFIX.pack(0, len(error)), error])
+        finally:
+            call.inflight -= 1
+            task = asyncio.current_task()
+            if task is not None:
+                call.pending.discard(task)
+            self._give(call, held)
+            if not call.ending:
+                self._pump(call)
 
     def _stream_send(self, call: Call, parts: list, held: int) -> None:
         """Write one answer of a stream (a ModelStreamInferResponse's buffers) and give

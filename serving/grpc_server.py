@@ -250,6 +250,9 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
+                if self.server.is_decoder(request.model_name):
+                    await generate(request)
+                    return
                 response = await self._infer(request, None)
                 done.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except asyncio.CancelledError as exc:
@@ -263,6 +266,17 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
                 if not core.is_known(exc):
                     exc = core.internal_error("ModelStreamInfer", exc)
                 done.put_nowait(_stream_error(request, core.status_of(exc).message))
+
+        async def generate(request: pb.ModelInferRequest) -> None:
+            """A decoupled request: a response per token, then the final one; only the
+            last one counts as the request's answer."""
+            from .generation_grpc import FINAL, responses
+
+            async for response in responses(self.server, request):
+                if response.infer_response.parameters[FINAL].bool_param:
+                    done.put_nowait(response)
+                else:
+                    done.put_nowait((response, False))
 
         tasks: set[asyncio.Task] = set()
 
@@ -291,6 +305,9 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
             while reading or pending:
                 item = await done.get()
                 if item is None:
+                    continue
+                if isinstance(item, tuple):  # one of a decoupled request's responses
+                    yield item[0]
                     continue
                 pending -= 1
                 yield item

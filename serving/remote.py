@@ -95,6 +95,11 @@ class RemoteServer:
     def not_serving(self) -> str | None:
         return self._why
 
+    def is_decoder(self, name: str) -> bool:
+        """Decoders are not served through workers yet: their requests are answered as
+        for a name this worker does not know."""
+        return False
+
     @property
     def draining(self) -> bool:
         return self._draining.is_set()

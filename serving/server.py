@@ -124,6 +124,10 @@ class Server:
         self.metrics.add_decoder(name, decoder, decoder.version)
         self._changed()
 
+    def is_decoder(self, name: str) -> bool:
+        """Whether ``name`` is a decoder served (``add_decoder``)."""
+        return name in self._decoders
+
     def decoder(self, name: str) -> Decoder:
         """The decoder served as ``name``; ``UnknownModel`` when there is none."""
         decoder = self._decoders.get(name)

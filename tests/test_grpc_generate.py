@@ -1,0 +1,123 @@
+"""Generation over gRPC: ``ModelStreamInfer`` in Triton's decoupled mode, driven by the
+unmodified ``tritonclient.grpc`` stream API against both gRPC servers. Every token is
+held to the engine's in-process API for the same request and seed."""
+
+from __future__ import annotations
+
+import queue
+import sys
+
+import pytest
+
+if "kserve" in sys.modules:  # its protobufs claim the same names as tritonclient.grpc's
+    pytest.skip("run the gRPC tests in their own pytest", allow_module_level=True)
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from servers import ServeProcess
+
+import pxrt
+from pxrt import demo
+from pxrt.tokenizer import ByteTokenizer, TextStream
+
+
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory):
+    return demo.export_lm(
+        str(tmp_path_factory.mktemp("lm") / "lm"),
+        slots=4,
+        max_length=512,
+        prefill_lengths=(8, 16, 32),
+        prefill_batches=(1, 2),
+        dim=32,
+        heads=2,
+        layers=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def local(lm_path):
+    dec = pxrt.load(lm_path)
+    yield dec
+    dec.close()
+
+
+@pytest.fixture(scope="module", params=["native", "grpcio"])
+def served(request, lm_path):
+    extra = [] if request.param == "native" else ["--no-native-grpc"]
+    proc = ServeProcess([lm_path, *extra], grpc=True)
+    yield proc
+    assert proc.stop() == 0
+
+
+def _text_input(text: str):
+    inp = grpcclient.InferInput("text_input", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([text.encode()], dtype=object))
+    return inp
+
+
+def _stream(served, requests):
+    """Send ``requests`` (kwargs of async_stream_infer) on one stream; collect every
+    response per request id until each has its final one."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i, kwargs in enumerate(requests):
+            client.async_stream_infer(
+                "lm", request_id=str(i), enable_empty_final_response=True, **kwargs
+            )
+        got: dict = {str(i): [] for i in range(len(requests))}
+        finals: dict = {}
+        errors: dict = {}
+        while len(finals) + len(errors) < len(requests):
+            result, error = results.get(timeout=60)
+            if error is not None:
+                errors[len(errors)] = str(error)
+                continue
+            response = result.get_response()
+            params = response.parameters
+            if params["triton_final_response"].bool_param:
+                finals[response.id] = {k: v for k, v in params.items()}
+            else:
+                got[response.id].append(result)
+        return got, finals, errors
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_decoupled_streams_give_the_engines_tokens(served, local):
+    texts = ["Hello, world", "é€ ✓", "pxrt"]
+    options = [
+        dict(max_tokens=9, seed=1),
+        dict(max_tokens=14, temperature=3.0, top_k=40, seed=2),
+        dict(max_tokens=5),
+    ]
+    requests = [{"inputs": [_text_input(t)], "parameters": o} for t, o in zip(texts, options)]
+    got, finals, errors = _stream(served, requests)
+    assert not errors
+    for i, (text, o) in enumerate(zip(texts, options)):
+        want = local.generate(ByteTokenizer().encode(text), **o)
+        responses = got[str(i)]
+        ids = [int(t) for r in responses for t in r.as_numpy("output_ids")]
+        assert ids == want.tokens
+        stream = TextStream(ByteTokenizer())
+        want_text = "".join(stream.push(t) for t in want.tokens) + stream.flush()
+        text_out = b"".join(r.as_numpy("text_output")[0] for r in responses).decode()
+        assert text_out == want_text
+        final = finals[str(i)]
+        assert final["finish_reason"].string_param == want.finish_reason
+        assert final["completion_tokens"].int64_param == len(want.tokens)
+
+
+def test_a_bad_request_fails_alone_on_its_stream(served, local):
+    ids = grpcclient.InferInput("input_ids", [2], "INT32")
+    ids.set_data_from_numpy(np.array([72, 999], np.int32))
+    good = {"inputs": [_text_input("ok")], "parameters": {"max_tokens": 4, "seed": 3}}
+    got, finals, errors = _stream(served, [{"inputs": [ids]}, good])
+    assert len(errors) == 1
+    assert "token id 999 is outside the vocabulary" in errors[0]
+    want = local.generate(ByteTokenizer().encode("ok"), max_tokens=4, seed=3)
+    assert [int(t) for r in got["1"] for t in r.as_numpy("output_ids")] == want.tokens
+    assert "1" in finals
