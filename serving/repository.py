@@ -299,7 +299,8 @@ class Repository:
             return
         del self._states[key]
         self._ours.add(name)
-        log.info("pxrt: %r version %s ready (%d cells)", name, version, len(model.cells))
+        cells = getattr(model, "cells", None)  # (a decoder has programs, not cells)
+        log.info("pxrt: %r version %s ready (%s cells)", name, version, len(cells or ()) or "-")
 
     async def _unload(self, name: str, version: str) -> None:
         key = (name, version)

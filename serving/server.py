@@ -40,6 +40,15 @@ async def _raise(exc: BaseException) -> Any:
     raise exc
 
 
+async def _retire(decoder: Decoder, grace_s: float = 30.0) -> None:
+    """Close a decoder no longer served once its generations are done (at most
+    ``grace_s`` seconds: what is still running then ends with ``ServerClosed``)."""
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while (decoder.busy_slots or decoder.waiting) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.to_thread(decoder.close)
+
+
 def version_order(version: str) -> tuple:
     """How versions sort: numbers numerically (2 < 10), before any other name."""
     return (0, int(version), "") if version.isdigit() else (1, 0, version)
@@ -237,7 +246,7 @@ class Server:
         load_options: dict | None = None,
         options: BatchingOptions | None = None,
         **changes: Any,
-    ) -> Model:
+    ) -> Model | Decoder:
         """Load the artifact at ``path`` (compiling every bucket on a worker thread while
         everything served keeps serving) and serve it as a version of ``name``: its
         manifest's version (or ``version``), which must be new. Once it is compiled and
@@ -254,6 +263,16 @@ class Server:
         model = await asyncio.to_thread(pxrt.load, path, **(load_options or {}))
         if version is not None:
             model.version = str(version)
+        if isinstance(model, pxrt.Decoder):
+            old = self._decoders.pop(name, None)
+            if old is not None:  # replaced: new generations go to the new one at once
+                self.metrics.remove_decoder(name, old.version)
+            self.add_decoder(name, model)
+            if old is not None:
+                await _retire(old)
+            if self.on_models_changed is not None:
+                self.on_models_changed()
+            return model
         self.add_model(name, model, options)
         if self.on_models_changed is not None:
             self.on_models_changed()
@@ -264,6 +283,13 @@ class Server:
         it are refused (unversioned ones go to the newest version left) at once; every
         request it accepted is answered; then its pipeline stops and its model (device
         memory included) is released, unless the caller holds it."""
+        decoder = self._decoders.get(name)
+        if decoder is not None and version in (None, decoder.version):
+            del self._decoders[name]
+            self.metrics.remove_decoder(name, decoder.version)
+            self._changed()
+            await _retire(decoder)
+            return
         versions = self._versions.get(name)
         if not versions:
             raise no_model(name, self._batchers)

@@ -634,3 +634,27 @@ def test_tokens_are_counted_when_readers_lag(lm, run):
 
     read = run(main)
     assert lm.counters["tokens"] - before == read > 0
+
+
+def test_a_server_loads_replaces_and_unloads_a_decoder(lm_path, reference, run):
+    from serving import Server
+    from serving.errors import UnknownModel
+
+    p = prompts(1, seed=50)[0]
+
+    async def main():
+        async with Server() as server:
+            first = await server.load_model("lm", lm_path)
+            assert isinstance(first, pxrt.Decoder) and server.is_decoder("lm")
+            running = server.start_generation("lm", p, max_tokens=20)
+            second = await server.load_model("lm", lm_path, version="2")
+            # the first finished what it had started, then closed
+            assert (await running.wait()).tokens == reference(p, 20)
+            assert server.decoder("lm") is second and first._closed
+            assert [t async for t in server.generate("lm", p, max_tokens=5)] == reference(p, 5)
+            await server.unload_model("lm")
+            assert second._closed and not server.is_decoder("lm")
+            with pytest.raises(UnknownModel):
+                server.start_generation("lm", p)
+
+    run(main)

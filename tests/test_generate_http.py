@@ -216,3 +216,32 @@ def test_openai_stream_ends_with_done(served):
     assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert events[-2]["usage"]["prompt_tokens"] == 2
     assert all(e["object"] == "text_completion" for e in events[:-1])
+
+
+def test_sigterm_finishes_open_streams(lm_path):
+    import signal
+
+    proc = ServeProcess([lm_path])
+    try:
+        body = {"input_ids": [1, 2], "max_tokens": 400}
+        with httpx.stream(
+            "POST", f"{proc.url}/v2/models/lm/generate_stream", json=body, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            try:  # a new request: the listener is closed, or the answer is a 503
+                refused = httpx.post(
+                    f"{proc.url}/v2/models/lm/generate", json={"input_ids": [1]}, timeout=10
+                ).status_code
+            except httpx.ConnectError:
+                refused = 503
+            events = [json.loads(first[6:])] + [
+                json.loads(line[6:]) for line in lines if line.startswith("data: ")
+            ]
+        assert refused == 503
+        assert events[-1]["finish_reason"] == "length"
+        assert sum(len(e["output_ids"]) for e in events) == 400
+    finally:
+        assert proc.stop() == 0

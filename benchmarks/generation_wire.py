@@ -1,0 +1,133 @@
+"""What the wire adds to generation: server-sent events from `pxrt serve` against the
+in-process API on the same model, side by side.
+
+The demo decoder (32 slots) is served by `pxrt serve`; the same artifact is loaded in
+this process. Prompts and output lengths are long-tailed (as in ``generation.py``);
+greedy. First the in-process closed-loop rate (64 callers) sets the saturated rate; then
+Poisson arrivals at ``--fraction`` of it (default half), alternated ``--repeats`` times:
+
+- in-process: ``Decoder.agenerate``;
+- SSE: ``POST /v2/models/lm/generate_stream`` with ``input_ids``, read with httpx's
+  async client, one connection per request (tokens timed as their events arrive).
+
+Reported: time to first token and inter-token latency, p50 and p99, and the ratios wire
+/ in-process. The client runs in this process on the same 2 cores as the server, so
+the ratios include the client's own cost.
+
+    python benchmarks/generation_wire.py [--requests 256] [--repeats 3] [--fraction 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
+
+import generation  # noqa: E402
+from servers import ServeProcess  # noqa: E402
+
+import pxrt  # noqa: E402
+from pxrt import demo  # noqa: E402
+
+
+async def sse_one(
+    client: httpx.AsyncClient, url: str, prompt, max_tokens: int, record: dict
+) -> None:
+    t0 = time.perf_counter()
+    times = []
+    body = {"input_ids": [int(t) for t in prompt], "max_tokens": max_tokens}
+    async with client.stream("POST", url, json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                doc = json.loads(line[6:])
+                now = time.perf_counter()
+                times.extend([now] * len(doc.get("output_ids", ())))
+    record["ttft"].append(times[0] - t0)
+    record["itl"].extend(np.diff(times).tolist())
+    record["tokens"] += len(times)
+
+
+async def poisson(one, work, rate: float, seed: int) -> dict:
+    record: dict = {"ttft": [], "itl": [], "tokens": 0, "stamps": []}
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(work))
+    t0 = at = time.perf_counter()
+    tasks = []
+    for (prompt, m), gap in zip(work, gaps):
+        at += gap
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(prompt, m, record)))
+    await asyncio.gather(*tasks)
+    record["elapsed"] = time.perf_counter() - t0
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fraction", type=float, default=0.5)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pxrt-wire-") as tmp:
+        path = demo.export_lm(os.path.join(tmp, "lm"), slots=32)
+        dec = pxrt.load(path)
+        served = ServeProcess([path])
+        url = f"{served.url}/v2/models/lm/generate_stream"
+        work = generation.workload(args.requests, 0, 64, 192)
+        try:
+
+            async def bench() -> dict:
+                closed = await generation.closed("pxrt", dec, work, 64)
+                mean_out = np.mean([m for _, m in work])
+                rate = args.fraction * closed["tokens"] / closed["elapsed"] / mean_out
+                print(
+                    f"saturated in process: {closed['tokens'] / closed['elapsed']:,.0f} tok/s; "
+                    f"Poisson at {rate:.1f} requests/s"
+                )
+                runs: dict = {"in-process": [], "sse": []}
+                limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+                async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+                    async def local(prompt, m, record):
+                        await generation.one("pxrt", dec, prompt, m, record)
+
+                    async def wire(prompt, m, record):
+                        await sse_one(client, url, prompt, m, record)
+
+                    await poisson(wire, work[:16], rate, 99)  # warm the connections
+                    for rep in range(args.repeats):
+                        order = [("in-process", local), ("sse", wire)]
+                        for kind, one in order if rep % 2 == 0 else order[::-1]:
+                            r = await poisson(one, work, rate, rep)
+                            runs[kind].append(generation.summary(r))
+                return runs
+
+            runs = asyncio.run(bench())
+        finally:
+            served.stop()
+            dec.close()
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+    cols = ("tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99")
+    print(f"{'':<12}" + "".join(f"{c:>10}" for c in cols))
+    for kind, m in med.items():
+        print(f"{kind:<12}" + "".join(f"{m[c]:>10.2f}" for c in cols))
+    a, b = med["sse"], med["in-process"]
+    print(f"{'sse / local':<12}" + "".join(f"{a[c] / b[c]:>9.2f}x" for c in cols))
+
+
+if __name__ == "__main__":
+    main()
