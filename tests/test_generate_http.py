@@ -49,6 +49,99 @@ def served(lm_path, artifacts):
     proc.stop()
 
 
+# The documented shapes: Triton's generate extension (plus pxrt's output_ids, finish
+# reason and usage) and OpenAI's completions API.
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        k: {"type": "integer", "minimum": 0}
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
+GENERATE = {
+    "type": "object",
+    "required": ["model_name", "model_version", "output_ids"],
+    "properties": {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "text_output": {"type": "string"},
+        "output_ids": {"type": "array", "items": {"type": "integer"}},
+        "finish_reason": {"enum": ["stop", "length", "cancelled"]},
+        "usage": _USAGE,
+    },
+}
+COMPLETION = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "text_completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["index", "text", "finish_reason"],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "text": {"type": "string"},
+                    "finish_reason": {"enum": ["stop", "length", None]},
+                },
+            },
+        },
+        "usage": _USAGE,
+    },
+}
+MODELS = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {"type": "object", "required": ["id", "object", "created", "owned_by"]},
+        },
+    },
+}
+
+
+def test_answers_have_the_documented_shapes(served):
+    import jsonschema
+
+    url = served.url
+    jsonschema.validate(
+        httpx.post(
+            f"{url}/v2/models/lm/generate", json={"text_input": "hi", "max_tokens": 3}
+        ).json(),
+        GENERATE,
+    )
+    with httpx.stream(
+        "POST", f"{url}/v2/models/lm/generate_stream", json={"text_input": "hi", "max_tokens": 3}
+    ) as r:
+        for event in sse(r):
+            jsonschema.validate(event, GENERATE)
+    body = {"model": "lm", "prompt": "hi", "max_tokens": 3}
+    jsonschema.validate(httpx.post(f"{url}/v1/completions", json=body).json(), COMPLETION)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as r:
+        *chunks, done = sse(r)
+    assert done == "[DONE]"
+    for chunk in chunks:
+        jsonschema.validate(chunk, COMPLETION)
+    jsonschema.validate(httpx.get(f"{url}/v1/models").json(), MODELS)
+    error = httpx.post(f"{url}/v1/completions", json=body | {"max_tokens": 0}).json()
+    jsonschema.validate(
+        error,
+        {
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {"type": "object", "required": ["message", "type"]}},
+        },
+    )
+
+
 def expected(local, text, **options):
     """The in-process tokens and text for ``text``: what every protocol must give."""
     ids = ByteTokenizer().encode(text)
