@@ -17,12 +17,12 @@ up cancels its generation: its slot is free for the next step.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -86,8 +86,8 @@ def _encode(decoder: Decoder, text: Any, field: str) -> list[int]:
 async def _body(request: Request) -> dict:
     raw = await request.body()
     try:
-        body = json.loads(raw)
-    except ValueError as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise core.ProtocolError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise core.ProtocolError("the request body must be a JSON object")
@@ -191,7 +191,7 @@ def usage(gen: Generation) -> dict:
 
 
 def _event(doc: Any) -> bytes:
-    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
 def _error_event(exc: BaseException) -> bytes:
