@@ -7,12 +7,14 @@ greedy. First the in-process closed-loop rate (64 callers) sets the saturated ra
 Poisson arrivals at ``--fraction`` of it (default half), alternated ``--repeats`` times:
 
 - in-process: ``Decoder.agenerate``;
-- SSE: ``POST /v2/models/lm/generate_stream`` with ``input_ids``, read with httpx's
-  async client, one connection per request (tokens timed as their events arrive).
+- SSE: ``POST /v2/models/lm/generate_stream`` with ``input_ids``, one connection per
+  request, read by a minimal client (asyncio streams, orjson: ``--client raw``, the
+  default) or by httpx's async client (``--client httpx``); tokens are timed as their
+  events arrive.
 
 Reported: time to first token and inter-token latency, p50 and p99, and the ratios wire
-/ in-process. The client runs in this process on the same 2 cores as the server, so
-the ratios include the client's own cost.
+/ in-process. The client runs in this process on the same cores as the server, so the
+ratios include the client's own cost (the minimal client keeps it small).
 
     python benchmarks/generation_wire.py [--requests 256] [--repeats 3] [--fraction 0.5]
 """
@@ -30,6 +32,7 @@ import time
 
 import httpx
 import numpy as np
+import orjson
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(
@@ -60,6 +63,41 @@ async def sse_one(
     record["tokens"] += len(times)
 
 
+async def sse_raw(host: str, port: int, path: str, prompt, max_tokens: int, record: dict) -> None:
+    """The same request from a minimal client (asyncio streams, HTTP/1.1 chunks, orjson):
+    far less CPU per event than httpx, so that the server's cost is what is measured."""
+    t0 = time.perf_counter()
+    body = orjson.dumps({"input_ids": [int(t) for t in prompt], "max_tokens": max_tokens})
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+        % (path.encode(), host.encode(), len(body))
+        + body
+    )
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(head.decode(errors="replace"))
+    times: list[float] = []
+    buffer = b""
+    while True:
+        size = int((await reader.readline()).strip(), 16)
+        if size == 0:
+            break
+        buffer += (await reader.readexactly(size + 2))[:-2]
+        now = time.perf_counter()
+        while b"\n\n" in buffer:
+            event, _, buffer = buffer.partition(b"\n\n")
+            if event.startswith(b"data: "):
+                times.extend([now] * len(orjson.loads(event[6:]).get("output_ids", ())))
+    writer.close()
+    if not times:
+        raise RuntimeError("a stream without tokens")
+    record["ttft"].append(times[0] - t0)
+    record["itl"].extend(np.diff(times).tolist())
+    record["tokens"] += len(times)
+
+
 async def poisson(one, work, rate: float, seed: int) -> dict:
     record: dict = {"ttft": [], "itl": [], "tokens": 0, "stamps": []}
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(work))
@@ -81,6 +119,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fraction", type=float, default=0.5)
+    p.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="the SSE client: a minimal one (default), or httpx",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="pxrt-wire-") as tmp:
         path = demo.export_lm(os.path.join(tmp, "lm"), slots=32)
@@ -105,8 +149,14 @@ def main() -> None:
                     async def local(prompt, m, record):
                         await generation.one("pxrt", dec, prompt, m, record)
 
+                    host, port = "127.0.0.1", served.port
+                    path = "/v2/models/lm/generate_stream"
+
                     async def wire(prompt, m, record):
-                        await sse_one(client, url, prompt, m, record)
+                        if args.client == "raw":
+                            await sse_raw(host, port, path, prompt, m, record)
+                        else:
+                            await sse_one(client, url, prompt, m, record)
 
                     await poisson(wire, work[:16], rate, 99)  # warm the connections
                     for rep in range(args.repeats):

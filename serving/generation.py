@@ -84,14 +84,7 @@ def _encode(decoder: Decoder, text: Any, field: str) -> list[int]:
 
 
 async def _body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise core.ProtocolError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise core.ProtocolError("the request body must be a JSON object")
-    return body
+    return body_of(await request.body())
 
 
 def _options(source: Mapping[str, Any]) -> dict:
@@ -201,45 +194,80 @@ def _error_event(exc: BaseException) -> bytes:
 # --------------------------------------------------------------------------- KServe
 
 
-async def kserve_generate(request: Request, server: Server, stream: bool) -> Response:
-    name = request.path_params["model"]
-    decoder = server.decoder(name)
-    version = request.path_params.get("version")
-    if version is not None and version != decoder.version:
-        raise UnknownModel(
-            f"model {name!r} has no version {version!r}; serving version {decoder.version}"
-        )
-    prompt = parse_kserve(decoder, await _body(request))
-    gen = start(server, name, prompt)
-    head = {"model_name": name, "model_version": decoder.version}
-    if not stream:
+class KServeCall:
+    """One generate-extension request, validated and submitted: ``json`` answers it
+    whole, ``events`` streams it (server-sent events)."""
+
+    def __init__(self, server: Server, params: Mapping[str, Any], body: dict) -> None:
+        name = params["model"]
+        decoder = server.decoder(name)
+        version = params.get("version")
+        if version is not None and version != decoder.version:
+            raise UnknownModel(
+                f"model {name!r} has no version {version!r}; serving version {decoder.version}"
+            )
+        self.decoder = decoder
+        self.prompt = parse_kserve(decoder, body)
+        self.gen = start(server, name, self.prompt)
+        self.head = {"model_name": name, "model_version": decoder.version}
+
+    async def json(self) -> dict:
         ids: list[int] = []
         text: list[str] = []
-        async for piece in pieces(decoder, gen, prompt):
+        async for piece in pieces(self.decoder, self.gen, self.prompt):
             ids += piece.ids
             text.append(piece.text)
+        gen = self.gen
         raise_error(gen)
-        doc = head | {"output_ids": ids, "finish_reason": gen.finish_reason, "usage": usage(gen)}
-        if prompt.text:
+        doc = self.head | {
+            "output_ids": ids,
+            "finish_reason": gen.finish_reason,
+            "usage": usage(gen),
+        }
+        if self.prompt.text:
             doc["text_output"] = "".join(text)
-        return JSONResponse(doc)
+        return doc
 
-    async def events() -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncIterator[bytes]:
+        """An event per token, then the final one (an error is the last event)."""
+        head, text, gen = self.head, self.prompt.text, self.gen
         try:
-            async for piece in pieces(decoder, gen, prompt):
+            async for piece in pieces(self.decoder, gen, self.prompt):
                 doc = head | {"output_ids": piece.ids}
-                if prompt.text:
+                if text:
                     doc["text_output"] = piece.text
                 yield _event(doc)
             raise_error(gen)
             final = head | {"output_ids": [], "finish_reason": gen.finish_reason}
-            if prompt.text:
+            if text:
                 final["text_output"] = ""
             yield _event(final | {"usage": usage(gen)})
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
             yield _error_event(exc)
 
-    return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
+
+async def kserve_generate(request: Request, server: Server) -> Response:
+    """``POST .../generate``: one JSON answer."""
+    call = KServeCall(server, request.path_params, await _body(request))
+    return JSONResponse(await call.json())
+
+
+async def kserve_stream(request: Request, server: Server) -> Response:
+    """``POST .../generate_stream``: server-sent events (Starlette cancels the stream,
+    and with it the generation, when the client hangs up)."""
+    call = KServeCall(server, request.path_params, await _body(request))
+    return StreamingResponse(call.events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
+
+
+def body_of(raw: bytes) -> dict:
+    """A request body as a JSON object (``ProtocolError`` otherwise)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise core.ProtocolError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise core.ProtocolError("the request body must be a JSON object")
+    return body
 
 
 def raise_error(gen: Generation) -> None:

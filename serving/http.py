@@ -508,12 +508,12 @@ def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
 
 @_endpoint
 async def _generate(request: Request) -> Response:
-    return await generation.kserve_generate(request, _serving(request), stream=False)
+    return await generation.kserve_generate(request, _serving(request))
 
 
 @_endpoint
 async def _generate_stream(request: Request) -> Response:
-    return await generation.kserve_generate(request, _serving(request), stream=True)
+    return await generation.kserve_stream(request, _serving(request))
 
 
 @_endpoint
