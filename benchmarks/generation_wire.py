@@ -12,8 +12,9 @@ Poisson arrivals at ``--fraction`` of it (default half), alternated ``--repeats`
   default) or by httpx's async client (``--client httpx``); tokens are timed as their
   events arrive.
 
-Reported: time to first token and inter-token latency, p50 and p99, and the ratios wire
-/ in-process. The client runs in this process on the same cores as the server, so the
+Reported: time to first token and inter-token latency, p50 and p99, the decoder's mean
+interval between steps (the serving process's, from its ``/metrics``), and the ratios
+wire / in-process. The client runs in this process on the same cores as the server, so the
 ratios include the client's own cost (the minimal client keeps it small).
 
     python benchmarks/generation_wire.py [--requests 256] [--repeats 3] [--fraction 0.5]
@@ -158,12 +159,34 @@ def main() -> None:
                         else:
                             await sse_one(client, url, prompt, m, record)
 
+                    async def step_sum() -> tuple[float, float]:
+                        """The serving decoder's step intervals so far: (sum us, count)."""
+                        text = (await client.get(f"{served.url}/metrics")).text
+                        sums = [
+                            x
+                            for x in text.splitlines()
+                            if x.startswith("pxrt_decode_step_duration_us_")
+                        ]
+                        get = lambda k: float(
+                            next(x for x in sums if x.startswith(k)).rsplit(" ", 1)[1]
+                        )  # noqa: E731
+                        return get("pxrt_decode_step_duration_us_sum"), get(
+                            "pxrt_decode_step_duration_us_count"
+                        )
+
                     await poisson(wire, work[:16], rate, 99)  # warm the connections
                     for rep in range(args.repeats):
                         order = [("in-process", local), ("sse", wire)]
                         for kind, one in order if rep % 2 == 0 else order[::-1]:
+                            dec.drain_timings()
+                            before = await step_sum()
                             r = await poisson(one, work, rate, rep)
-                            runs[kind].append(generation.summary(r))
+                            if kind == "sse":
+                                after = await step_sum()
+                                step = (after[0] - before[0]) / max(after[1] - before[1], 1) / 1e3
+                            else:
+                                step = 1e3 * float(np.mean(dec.drain_timings()["step"]))
+                            runs[kind].append(generation.summary(r) | {"step ms": step})
                 return runs
 
             runs = asyncio.run(bench())
@@ -171,7 +194,7 @@ def main() -> None:
             served.stop()
             dec.close()
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
-    cols = ("tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99")
+    cols = ("tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "step ms")
     print(f"{'':<12}" + "".join(f"{c:>10}" for c in cols))
     for kind, m in med.items():
         print(f"{kind:<12}" + "".join(f"{m[c]:>10.2f}" for c in cols))
