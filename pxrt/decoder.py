@@ -149,6 +149,7 @@ def export_decoder(
     eos_id: int | None = None,
     stop_ids: Sequence[int] = (),
     tokenizer: str | os.PathLike | None = None,
+    chat_template: str | None = None,
     name: str | None = None,
     version: str = "1",
     x64: bool | None = None,
@@ -174,6 +175,9 @@ def export_decoder(
       tokenizer: ``"bytes"`` (built in: token i < 256 is byte i) or the path of a
         ``tokenizer.json`` for the ``tokenizers`` library (copied into the artifact):
         what ``pxrt serve`` turns text into tokens and back with. None: token ids only.
+      chat_template: a Jinja template (as Hugging Face's ``chat_template``) that renders
+        ``messages`` (and ``add_generation_prompt``) to the prompt's text:
+        ``/v1/chat/completions`` needs it (and a tokenizer).
       name, version, x64, overwrite: as for ``pxrt.export``.
 
     The vocabulary size is read from the logits. Returns the artifact path.
@@ -193,6 +197,16 @@ def export_decoder(
     if x64 is None:
         x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
     stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
+    if chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("a chat_template needs a tokenizer (to turn its text into tokens)")
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            ImmutableSandboxedEnvironment().parse(chat_template)
+        except TemplateSyntaxError as exc:
+            raise ValueError(f"chat_template is not a valid Jinja template: {exc}") from None
     files: dict[str, bytes] = {}
     tok_config: dict | None = None
     if tokenizer is not None:
@@ -251,6 +265,7 @@ def export_decoder(
                 "stop_ids": stops,
                 "eos_id": None if eos_id is None else int(eos_id),
                 "tokenizer": tok_config,
+                "chat_template": chat_template,
             },
         }
         prefill_name, decode_name = program_names(manifest)
@@ -381,6 +396,8 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
     )
     eos = d.get("eos_id")
     need(eos is None or (is_int(eos) and eos < d["vocab"]), "decoder.eos_id", "must be a token id")
+    chat = d.get("chat_template")
+    need(chat is None or isinstance(chat, str), "decoder.chat_template", "must be null or a string")
     tok = d.get("tokenizer")
     need(
         tok is None

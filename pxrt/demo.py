@@ -237,6 +237,11 @@ LM_MAX_LENGTH = 256
 LM_SLOTS = 8
 LM_PREFILL_LENGTHS = (16, 32, 64, 128)
 LM_PREFILL_BATCHES = (1, 4)
+# Messages as "<|role|>content" lines; the assistant's turn opened at the end.
+LM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def lm_cache_spec(layers: int = LM_LAYERS, heads: int = LM_HEADS, dim: int = LM_DIM) -> dict:
@@ -369,6 +374,7 @@ def export_lm(
         prefill_batches=prefill_batches,
         eos_id=LM_EOS,
         tokenizer="bytes",
+        chat_template=LM_CHAT_TEMPLATE,
         name="lm",
         overwrite=overwrite,
     )

@@ -330,6 +330,8 @@ class Decoder:
         self.eos_id: int | None = config["eos_id"]
         #: The artifact's tokenizer (``pxrt.tokenizer``), or None: token ids only.
         self.tokenizer = _tokenizer.load(config.get("tokenizer"), art.path)
+        #: The artifact's chat template (Jinja), or None.
+        self.chat_template: str | None = config.get("chat_template")
         self.prefill_lengths = tuple(sorted({c.length for c in cells}))
         self.prefill_batches = tuple(sorted({c.batch for c in cells}))
         self.max_prompt = self.prefill_lengths[-1]

@@ -172,3 +172,13 @@ def load(config: dict | None, directory: str) -> Any:
     if config.get("kind") == TOKENIZERS:
         return TokenizersTokenizer(os.path.join(directory, TOKENIZER_FILE))
     raise ValueError(f"unknown tokenizer kind {config.get('kind')!r}")
+
+
+def render_chat(template: str, messages: list, **extra: Any) -> str:
+    """A chat template (Jinja, as Hugging Face's ``chat_template``) rendered for
+    ``messages`` with ``add_generation_prompt`` true, in a sandbox: a template cannot
+    reach Python objects beyond what it is given."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **extra)

@@ -7,7 +7,8 @@ completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
   artifact's tokenizer) or ``input_ids`` (token ids); options at the top level or under
   ``parameters``: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
   ``stop`` (strings), ``stop_ids``.
-- ``POST /v1/completions`` (``stream`` for server-sent events ending in ``data:
+- ``POST /v1/completions`` and ``/v1/chat/completions`` (``messages`` rendered by the
+  artifact's chat template; ``stream`` for server-sent events ending in ``data:
   [DONE]``) and ``GET /v1/models``, as OpenAI's client expects them.
 
 A bad request is a 400 JSON error naming what is wrong; a full queue a 429 with
@@ -334,6 +335,88 @@ async def _completions(request: Request, server: Server) -> Response:
                     yield _event(head | {"choices": [choice(piece.text, None)]})
             raise_error(gen)
             yield _event(head | {"choices": [choice("", gen.finish_reason)], "usage": usage(gen)})
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
+            yield _error_event(exc)
+
+    return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
+
+
+def parse_chat(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
+    """``/v1/chat/completions``: ``messages`` rendered by the artifact's chat template,
+    then the options as for ``/v1/completions``."""
+    from pxrt.tokenizer import render_chat
+
+    if decoder.chat_template is None or decoder.tokenizer is None:
+        raise invalid(f"model {decoder.name!r} has no chat template: use /v1/completions")
+    messages = body.get("messages")
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise invalid(
+            "messages must be a non-empty list of {role, content} objects with text content"
+        )
+    try:
+        text = render_chat(decoder.chat_template, messages)
+    except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
+        raise invalid(f"the chat template failed on these messages: {exc}") from None
+    prompt, stream = parse_openai(decoder, {**body, "prompt": text})
+    return prompt, stream
+
+
+async def openai_chat(request: Request, server: Server) -> Response:
+    try:
+        return await _chat(request, server)
+    except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape when known
+        answer = openai_error(exc)
+        if answer is None:
+            raise
+        return answer
+
+
+async def _chat(request: Request, server: Server) -> Response:
+    body = await _body(request)
+    name = body.get("model")
+    if not isinstance(name, str):
+        raise invalid("model must be the name of a model served (GET /v1/models)")
+    decoder = server.decoder(name)
+    prompt, stream = parse_chat(decoder, body)
+    gen = start(server, name, prompt)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
+
+    if not stream:
+        text = [piece.text async for piece in pieces(decoder, gen, prompt)]
+        raise_error(gen)
+        message = {"role": "assistant", "content": "".join(text)}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": gen.finish_reason,
+        }
+        return JSONResponse(
+            head | {"object": "chat.completion", "choices": [choice], "usage": usage(gen)}
+        )
+
+    def chunk(delta: dict, finish: str | None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _event(head | {"object": "chat.completion.chunk", "choices": [choice]})
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            yield chunk({"role": "assistant", "content": ""}, None)
+            async for piece in pieces(decoder, gen, prompt):
+                if piece.text:
+                    yield chunk({"content": piece.text}, None)
+            raise_error(gen)
+            yield chunk({}, gen.finish_reason)
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
             yield _error_event(exc)

@@ -522,6 +522,11 @@ async def _openai_completions(request: Request) -> Response:
 
 
 @_endpoint
+async def _openai_chat(request: Request) -> Response:
+    return await generation.openai_chat(request, _serving(request))
+
+
+@_endpoint
 async def _openai_models(request: Request) -> Response:
     return await generation.openai_models(request, _state(request).server)
 
@@ -557,6 +562,7 @@ def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
     ]
     routes += [
         Route("/v1/completions", r("inference", _openai_completions), methods=["POST"]),
+        Route("/v1/chat/completions", r("inference", _openai_chat), methods=["POST"]),
         Route("/v1/models", r("metadata", _openai_models)),
     ]
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):

@@ -29,7 +29,7 @@ def lm_path(tmp_path_factory):
         str(tmp_path_factory.mktemp("lm") / "lm"),
         slots=4,
         max_length=MAX_LENGTH,
-        prefill_lengths=(8, 16, 32),
+        prefill_lengths=(8, 16, 32, 64),
         prefill_batches=(1, 2),
         **SIZES,
     )
@@ -229,7 +229,7 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
     [
         ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be an int >= 1"),
         ({"text_input": "hi", "temperature": -1}, "temperature"),
-        ({"text_input": "x" * 40}, "longer than the longest prefill length"),
+        ({"text_input": "x" * 70}, "longer than the longest prefill length"),
         ({"input_ids": [1, 999]}, "token id 999 is outside the vocabulary"),
         ({}, "exactly one of text_input"),
         ({"text_input": "hi", "stop": 3}, "stop must be a string"),
@@ -338,3 +338,37 @@ def test_sigterm_finishes_open_streams(lm_path):
         assert sum(len(e["output_ids"]) for e in events) == 400
     finally:
         assert proc.stop() == 0
+
+
+def test_openai_client_chat_completions(served, local):
+    openai = pytest.importorskip("openai")
+    from pxrt.tokenizer import render_chat
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi ✓"},
+    ]
+    prompt = render_chat(demo.LM_CHAT_TEMPLATE, messages)
+    assert prompt == "<|system|>Be brief.\n<|user|>Hi ✓\n<|assistant|>"
+    want, want_text = expected(local, prompt, max_tokens=12, temperature=0.0)
+    out = client.chat.completions.create(
+        model="lm", messages=messages, max_tokens=12, temperature=0
+    )
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == want_text
+    assert out.choices[0].finish_reason == want.finish_reason
+    assert out.usage.prompt_tokens == len(prompt.encode())
+
+    want, want_text = expected(local, prompt, max_tokens=15, temperature=1.0, seed=4)
+    chunks = list(
+        client.chat.completions.create(
+            model="lm", messages=messages, max_tokens=15, temperature=1.0, seed=4, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    with pytest.raises(openai.BadRequestError, match="messages must be"):
+        client.chat.completions.create(model="lm", messages=[])

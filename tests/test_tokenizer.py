@@ -114,3 +114,32 @@ def test_an_artifact_carries_its_tokenizer_json(tmp_path):
     (tmp_path / "lm" / "tokenizer.json").write_text("{}")
     with pytest.raises(pxrt.ArtifactError, match="tokenizer.json does not match its sha256"):
         pxrt.load(art)
+
+
+def test_chat_templates_are_checked_at_export(tmp_path):
+    common = dict(
+        cache=demo.lm_cache_spec(1, 2, 32),
+        max_length=32,
+        prefill_lengths=(16,),
+        prefill_batches=(1,),
+    )
+    params = demo.make_lm_params(dim=32, heads=2, layers=1)
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        pxrt.export_decoder(
+            demo.lm_prefill, demo.lm_decode, params, tmp_path / "a",
+            tokenizer="bytes", chat_template="{% for %}", **common,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        pxrt.export_decoder(
+            demo.lm_prefill, demo.lm_decode, params, tmp_path / "b",
+            chat_template=demo.LM_CHAT_TEMPLATE, **common,
+        )  # fmt: skip
+
+
+def test_chat_templates_render_in_a_sandbox():
+    from jinja2.exceptions import SecurityError
+
+    from pxrt.tokenizer import render_chat
+
+    with pytest.raises(SecurityError):
+        render_chat("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}", [])
