@@ -58,6 +58,7 @@ from .manifest import (
     MANIFEST,
     PARAMS_FILE,
     ArtifactError,
+    check_common,
     check_jax_version,
     check_params,
     is_int,
@@ -362,16 +363,7 @@ def _check_logits(fn: str, logits: Any, rows: Any) -> int:
 def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
     """A decoder manifest's structure, field by field (values are untrusted JSON)."""
     need = needs(where)
-    need(isinstance(m.get("name"), str) and bool(m["name"]), "'name'", "must be a non-empty string")
-    need(isinstance(m.get("version"), str), "'version'", "must be a string")
-    need(isinstance(m.get("x64"), bool), "'x64'", "must be true or false")
-    files: Any = m.get("files")
-    need(
-        isinstance(files, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()),
-        "'files'",
-        "must map file names to sha256 strings",
-    )
+    check_common(m, where)
     check_params(m, where)
     d: Any = m.get("decoder")
     need(isinstance(d, dict), "'decoder'", "must be an object")

@@ -65,15 +65,13 @@ def is_int(v: Any, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def check_manifest(m: dict[str, Any], where: str) -> None:
-    """The manifest's structure, field by field: a malformed one is an ArtifactError that
-    names the field, never a KeyError or an allocation sized by a typo. (Its values are
-    untrusted JSON, ``Any`` until checked.)"""
+def check_common(m: dict[str, Any], where: str) -> None:
+    """The fields every kind of manifest has: name, version, x64, files (the params are
+    ``check_params``)."""
     need = needs(where)
     need(isinstance(m.get("name"), str) and bool(m["name"]), "'name'", "must be a non-empty string")
     need(isinstance(m.get("version"), str), "'version'", "must be a string")
     need(isinstance(m.get("x64"), bool), "'x64'", "must be true or false")
-    need(isinstance(m.get("mesh"), dict), "'mesh'", "must be an object")
     files: Any = m.get("files")
     need(
         isinstance(files, dict)
@@ -81,6 +79,15 @@ def check_manifest(m: dict[str, Any], where: str) -> None:
         "'files'",
         "must map file names to sha256 strings",
     )
+
+
+def check_manifest(m: dict[str, Any], where: str) -> None:
+    """The manifest's structure, field by field: a malformed one is an ArtifactError that
+    names the field, never a KeyError or an allocation sized by a typo. (Its values are
+    untrusted JSON, ``Any`` until checked.)"""
+    need = needs(where)
+    check_common(m, where)
+    need(isinstance(m.get("mesh"), dict), "'mesh'", "must be an object")
     v3 = m["format_version"] >= 3
     dim_buckets: Any = m.get("dim_buckets") if v3 else {}
     need(

@@ -18,9 +18,10 @@ up cancels its generation: its slot is free for the next step.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -294,22 +295,31 @@ def openai_error(exc: BaseException) -> Response | None:
     return JSONResponse(doc, status.http, status.headers)
 
 
-async def openai_completions(request: Request, server: Server) -> Response:
-    try:
-        return await _completions(request, server)
-    except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape when known
-        answer = openai_error(exc)
-        if answer is None:
-            raise
-        return answer
+def openai_endpoint(
+    handler: Callable[[Server, str, Decoder, dict], Awaitable[Response]],
+) -> Callable[[Request, Server], Awaitable[Response]]:
+    """An OpenAI endpoint: the body read, its ``model`` looked up among the decoders,
+    and known errors answered in OpenAI's shape."""
+
+    @functools.wraps(handler)
+    async def endpoint(request: Request, server: Server) -> Response:
+        try:
+            body = await _body(request)
+            name = body.get("model")
+            if not isinstance(name, str):
+                raise invalid("model must be the name of a model served (GET /v1/models)")
+            return await handler(server, name, server.decoder(name), body)
+        except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape when known
+            answer = openai_error(exc)
+            if answer is None:
+                raise
+            return answer
+
+    return endpoint
 
 
-async def _completions(request: Request, server: Server) -> Response:
-    body = await _body(request)
-    name = body.get("model")
-    if not isinstance(name, str):
-        raise invalid("model must be the name of a model served (GET /v1/models)")
-    decoder = server.decoder(name)
+@openai_endpoint
+async def openai_completions(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
     prompt, stream = parse_openai(decoder, body)
     gen = start(server, name, prompt)
     ident = f"cmpl-{uuid.uuid4().hex}"
@@ -371,22 +381,8 @@ def parse_chat(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
     return prompt, stream
 
 
-async def openai_chat(request: Request, server: Server) -> Response:
-    try:
-        return await _chat(request, server)
-    except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape when known
-        answer = openai_error(exc)
-        if answer is None:
-            raise
-        return answer
-
-
-async def _chat(request: Request, server: Server) -> Response:
-    body = await _body(request)
-    name = body.get("model")
-    if not isinstance(name, str):
-        raise invalid("model must be the name of a model served (GET /v1/models)")
-    decoder = server.decoder(name)
+@openai_endpoint
+async def openai_chat(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
     prompt, stream = parse_chat(decoder, body)
     gen = start(server, name, prompt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
