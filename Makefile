@@ -1,5 +1,5 @@
-# make demo   - the demo models (an MLP; a transformer encoder on variable-length inputs):
-#               export, load, run, timing; then a short pxrt bench
+# make demo   - the demo models (an MLP; a transformer encoder on variable-length inputs;
+#               a decoder, generating): export, load, run, timing; then a short pxrt bench
 # make test   - make lint, then the tests: 1 device, 4 virtual devices, pure-Python handlers;
 #               then the Ray Serve tests once
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparisons
