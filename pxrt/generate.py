@@ -194,14 +194,16 @@ class Generation(_GenerationBase):
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def cancel(self) -> None:
-        """Stop generating (the slot is freed before the next step); no-op when done."""
+    def cancel(self, reason: str = CANCELLED) -> None:
+        """Stop generating (the slot is freed before the next step); no-op when done.
+        ``reason`` is the finish reason it ends with (a front end that found a stop
+        string ends it with ``"stop"``)."""
         decoder = self._decoder()
         if decoder is None:
             if self.finish_reason is None:
-                self.finish_reason = CANCELLED
+                self.finish_reason = reason
             return
-        decoder._cancel(self)
+        decoder._cancel(self, reason)
 
     # ------------------------------------------------------------------ sync
 
@@ -533,11 +535,11 @@ class Decoder:
             raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab})")
         return arr.astype(np.int32)
 
-    def _cancel(self, gen: Generation) -> None:
+    def _cancel(self, gen: Generation, reason: str) -> None:
         with self._cond:
             if gen.finish_reason is not None:
                 return
-            gen.finish_reason = CANCELLED
+            gen.finish_reason = reason
             self._cancels.append(gen)
             if self._idle:
                 self._cond.notify()
@@ -600,7 +602,7 @@ class Decoder:
                     table.release(gen)
                     if not gen.counted:
                         gen.counted = True
-                        self.outcomes[CANCELLED] += 1
+                        self.outcomes[gen.finish_reason] += 1
                 t0, c0 = time.perf_counter(), time.thread_time()
                 batch = self._admit()
                 if batch:

@@ -155,6 +155,7 @@ async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIter
     """The generation's tokens with their text (``TextStream``: whole UTF-8 characters,
     cut at a stop string, which ends the generation with reason ``stop``). Leaving early
     cancels the generation."""
+    from pxrt.generate import STOP
     from pxrt.tokenizer import TextStream
 
     text = TextStream(decoder.tokenizer, prompt.stop) if decoder.tokenizer is not None else None
@@ -162,8 +163,7 @@ async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIter
         async for token in gen:
             piece = text.push(token) if text is not None else ""
             if text is not None and text.stopped:
-                gen.cancel()
-                gen.finish_reason = "stop"
+                gen.cancel(STOP)
                 if piece:
                     yield Piece([], piece)
                 return

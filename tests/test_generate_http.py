@@ -210,7 +210,14 @@ def test_token_ids_in_and_out(served, local):
     assert r.json()["output_ids"] == want.tokens
 
 
+def _count(served, reason: str) -> float:
+    prefix = f'pxrt_generations_total{{model="lm",reason="{reason}",version="1"}} '
+    text = httpx.get(f"{served.url}/metrics").text
+    return float(next(x for x in text.splitlines() if x.startswith(prefix))[len(prefix) :])
+
+
 def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
+    stops, cancels = _count(served, "stop"), _count(served, "cancelled")
     want, full = expected(local, PROMPTS[1], max_tokens=30, seed=5)
     stop = full[3:5]
     assert stop and stop in full
@@ -222,6 +229,8 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
     doc = r.json()
     assert doc["text_output"] == full[: full.index(stop)]
     assert doc["finish_reason"] == "stop"
+    # counted as a stop, not a cancellation
+    assert (_count(served, "stop"), _count(served, "cancelled")) == (stops + 1, cancels)
 
 
 @pytest.mark.parametrize(
