@@ -194,6 +194,11 @@ class Generation(_GenerationBase):
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def delivered(self) -> int:
+        """Tokens its reader has taken (of ``tokens``)."""
+        return self._read
+
     def cancel(self, reason: str = CANCELLED) -> None:
         """Stop generating (the slot is freed before the next step); no-op when done.
         ``reason`` is the finish reason it ends with (a front end that found a stop

@@ -164,8 +164,7 @@ async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIter
             piece = text.push(token) if text is not None else ""
             if text is not None and text.stopped:
                 gen.cancel(STOP)
-                if piece:
-                    yield Piece([], piece)
+                yield Piece([token], piece)  # the token that completed the stop string
                 return
             yield Piece([token], piece)
         if text is not None:
@@ -177,7 +176,7 @@ async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIter
 
 
 def usage(gen: Generation) -> dict:
-    n = len(gen.tokens)
+    n = gen.delivered  # (a stop string may end it before tokens generated after it)
     return {
         "prompt_tokens": len(gen.prompt),
         "completion_tokens": n,

@@ -229,6 +229,8 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
     doc = r.json()
     assert doc["text_output"] == full[: full.index(stop)]
     assert doc["finish_reason"] == "stop"
+    assert doc["output_ids"] == want.tokens[: len(doc["output_ids"])]
+    assert doc["usage"]["completion_tokens"] == len(doc["output_ids"])
     # counted as a stop, not a cancellation
     assert (_count(served, "stop"), _count(served, "cancelled")) == (stops + 1, cancels)
 
