@@ -247,9 +247,14 @@ class KServeCall:
             yield _error_event(exc)
 
 
-async def kserve_generate(request: Request, server: Server) -> Response:
-    """``POST .../generate``: one JSON answer."""
+async def kserve_generate(
+    request: Request, server: Server, on_disconnect: Callable | None = None
+) -> Response:
+    """``POST .../generate``: one JSON answer. ``on_disconnect`` (``pxrt serve``'s scope
+    extension) takes a callback for a client that hangs up: its generation is cancelled."""
     call = KServeCall(server, request.path_params, await _body(request))
+    if on_disconnect is not None:
+        on_disconnect(call.gen.cancel)
     return JSONResponse(await call.json())
 
 

@@ -508,7 +508,8 @@ def _on_hangup(receive: asyncio.Future, future: asyncio.Future) -> None:
 
 @_endpoint
 async def _generate(request: Request) -> Response:
-    return await generation.kserve_generate(request, _serving(request))
+    on_disconnect = request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+    return await generation.kserve_generate(request, _serving(request), on_disconnect)
 
 
 @_endpoint

@@ -280,6 +280,16 @@ def test_a_client_that_hangs_up_frees_its_slot(served):
         time.sleep(0.01)
 
 
+def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_slot(served):
+    long = {"input_ids": [1, 2], "max_tokens": MAX_LENGTH - 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v2/models/lm/generate", json=long, timeout=0.3)
+    deadline = time.monotonic() + 1.0  # its generation would run for seconds
+    while _busy(served) != 0:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.01)
+
+
 # --------------------------------------------------------------------------- OpenAI
 
 
