@@ -113,7 +113,7 @@ def program_names(manifest: Mapping[str, Any]) -> tuple[str, str]:
 
 def cache_entries(cache: Any) -> list[dict]:
     """The manifest's ``cache`` entries: per leaf its path, dtype and per-slot shape."""
-    flat = jax.tree_util.tree_flatten_with_path(cache, is_leaf=_is_spec)[0]
+    flat = jax.tree_util.tree_flatten_with_path(cache, is_leaf=is_spec)[0]
     if not flat:
         raise ValueError("cache must be a pytree of pxrt.TensorSpec with at least one leaf")
     entries = []
@@ -132,7 +132,8 @@ def cache_entries(cache: Any) -> list[dict]:
     return entries
 
 
-def _is_spec(x: Any) -> bool:
+def is_spec(x: Any) -> bool:
+    """A leaf of a cache spec (``jax.tree``'s ``is_leaf``: a TensorSpec is a leaf)."""
     return isinstance(x, TensorSpec)
 
 
@@ -219,8 +220,8 @@ def export_decoder(
             TokenizersTokenizer(os.fspath(tokenizer))  # it must load
             tok_config = {"kind": TOKENIZERS}
 
-    cache_tree = jax.tree.structure(cache, is_leaf=_is_spec)
-    specs = jax.tree.leaves(cache, is_leaf=_is_spec)
+    cache_tree = jax.tree.structure(cache, is_leaf=is_spec)
+    specs = jax.tree.leaves(cache, is_leaf=is_spec)
     with _xla.x64_scope(x64):
         param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
         b, seq, n_slots, length = jax_export.symbolic_shape(f"b, seq, slots, {LENGTH_DIM}")

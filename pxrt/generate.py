@@ -52,7 +52,7 @@ from tqdm.auto import tqdm
 from . import _ext, _xla
 from . import tokenizer as _tokenizer
 from .artifact import BATCH_AXIS
-from .decoder import LENGTH_DIM, DecoderArtifact, sizes
+from .decoder import LENGTH_DIM, DecoderArtifact, is_spec, sizes
 from .decoder import read as read_decoder
 from .executable import _cache_dir
 
@@ -806,11 +806,9 @@ class Decoder:
     @property
     def cache_bytes(self) -> int:
         """Device memory of the cache (all slots, all devices together)."""
-        total = 0
-        for e in self.artifact.config["cache"]:
-            shape = [self.max_length if d == LENGTH_DIM else d for d in e["shape"]]
-            total += self.slots * math.prod(shape) * np.dtype(_dtype(e["dtype"])).itemsize
-        return total
+        at = {LENGTH_DIM: self.max_length}
+        specs = jax.tree.leaves(self.artifact.cache, is_leaf=is_spec)
+        return self.slots * sum(spec.nbytes_at(at) for spec in specs)
 
     def describe(self) -> dict:
         """The manifest, the compiled programs (compile time, XLA's memory analysis) and
@@ -882,12 +880,6 @@ def _serve(ref: weakref.ref, x64: bool) -> None:
             del decoder
 
 
-def _dtype(name: str) -> np.dtype:
-    from .specs import as_dtype
-
-    return as_dtype(name)
-
-
 def _int_in(name: str, value: Any, low: int, high: int | None) -> int:
     if isinstance(value, np.integer):
         value = int(value)
@@ -951,8 +943,8 @@ def load_decoder(
     mesh = Mesh(np.array(devices), (BATCH_AXIS,))
     replicated = NamedSharding(mesh, P())
     by_slot = NamedSharding(mesh, P(BATCH_AXIS))
-    specs = jax.tree.leaves(art.cache, is_leaf=lambda x: hasattr(x, "dtype") and hasattr(x, "dims"))
-    cache_tree = jax.tree.structure(art.cache, is_leaf=lambda x: hasattr(x, "dims"))
+    specs = jax.tree.leaves(art.cache, is_leaf=is_spec)
+    cache_tree = jax.tree.structure(art.cache, is_leaf=is_spec)
     length_axes = [s.shape.index(LENGTH_DIM) + 1 if LENGTH_DIM in s.shape else None for s in specs]
 
     def state_specs() -> dict:
