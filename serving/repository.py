@@ -209,10 +209,20 @@ class Repository:
         return self._locks.setdefault(name, asyncio.Lock())
 
     def _served(self, name: str) -> list[str]:
+        if self.server.is_decoder(name):
+            return [self.server.decoder(name).version]
         try:
             return self.server.versions(name)
         except UnknownModel:
             return []
+
+    def _decoder_dir(self, name: str, version: str) -> bool:
+        """Whether that version directory holds a decoder (generation) artifact."""
+        try:
+            with open(os.path.join(self.root, name, version, "manifest.json")) as f:
+                return json.load(f).get("kind") == "decoder"
+        except (OSError, ValueError, AttributeError):
+            return False  # the load reports what is wrong with it
 
     async def start(self, load: list[str] | None = None) -> None:
         """What the mode serves at start: every model (none, poll), or ``load`` only."""
@@ -232,6 +242,9 @@ class Repository:
                     raise RepositoryError(f"no model {name!r} in the repository {self.root}")
                 available = []
             want = self.wanted(name, available)
+            if len(want) > 1 and self._decoder_dir(name, want[-1]):
+                # A decoder serves one version (a load replaces it): its newest wanted.
+                want = want[-1:]
             for version in want:
                 if version in self._served(name):
                     continue
@@ -386,7 +399,7 @@ class Repository:
                     "state": "UNAVAILABLE",
                     "reason": "not loaded",
                 }
-        for name in self.server.models:
+        for name in [*self.server.models, *self.server.decoders]:
             for version in self._served(name):
                 rows[(name, version)] = {
                     "name": name,

@@ -345,3 +345,42 @@ def test_names_from_the_directory_cannot_forge_log_lines(tmp_path, built, run, c
         assert proc.stop() == 0
     assert "evil\\npxrt: forged line version 1: UNAVAILABLE" in output
     assert not any(line.startswith("pxrt: forged line") for line in output.splitlines())
+
+
+def test_decoders_in_the_repository(tmp_path, run):
+    """A decoder artifact is a model like any other here: loaded by its policy (its newest
+    wanted version: a decoder serves one at a time), READY in the index, left alone by
+    later polls (not reloaded on every scan), replaced by a new version, unloaded."""
+    from pxrt import demo
+
+    built = demo.export_lm(
+        str(tmp_path / "lm"), slots=2, max_length=32, prefill_lengths=(8,),
+        prefill_batches=(1,), dim=16, heads=2, layers=1,
+    )  # fmt: skip
+    root = tmp_path / "repo"
+    for v in (1, 2):
+        shutil.copytree(built, root / "lm" / str(v))
+    prompt = [5, 6, 7]
+
+    async def main():
+        async with Server() as server:
+            repo = Repository(str(root), server, mode="poll", policies={"lm": "all"})
+            await repo.start()
+            assert await repo.sync("lm") == ["2"]
+            first = server.decoder("lm")
+            await repo.poll_once()
+            await repo.poll_once()
+            assert server.decoder("lm") is first  # not reloaded by the scans
+            states = {r["version"]: r["state"] for r in repo.index() if r["name"] == "lm"}
+            assert states == {"1": "UNAVAILABLE", "2": "READY"}
+            want = first.generate(prompt, max_tokens=4).tokens
+            got = [t async for t in server.generate("lm", prompt, max_tokens=4)]
+            assert got == want
+            shutil.copytree(built, root / "lm" / "3")
+            await repo.poll_once()
+            assert server.decoder("lm").version == "3" and server.decoder("lm") is not first
+            shutil.rmtree(root / "lm")
+            await repo.poll_once()
+            assert not server.is_decoder("lm") and repo.index() == []
+
+    run(main)
