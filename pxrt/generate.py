@@ -62,6 +62,9 @@ if TYPE_CHECKING:  # both builds have the twin's API
 else:
     _GenerationBase = _slots.Generation
 STOP, LENGTH, CANCELLED, ERROR = _slots.STOP, _slots.LENGTH, _slots.CANCELLED, _slots.ERROR
+#: The finish reason of a generation cancelled because its deadline passed (front ends
+#: cancel with it; they answer it as a deadline error).
+DEADLINE = "deadline"
 
 _PREFILL, _STEP = 0, 1
 #: Temperatures below this are greedy (dividing by them would overflow float32).
@@ -373,8 +376,8 @@ class Decoder:
             "step_wall_s": 0.0,
             "step_host_cpu_s": 0.0,
         }
-        #: Outcome -> generations that ended so (stop, length, cancelled, error).
-        self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, ERROR), 0)
+        #: Outcome -> generations that ended so (stop, length, cancelled, deadline, error).
+        self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, DEADLINE, ERROR), 0)
         # Durations in seconds since the last ``drain_timings``: one entry per step read
         # (the interval between steps, which every busy slot sees between two tokens),
         # per prefill (dispatch -> its first tokens on the host), per finished

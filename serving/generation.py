@@ -6,7 +6,9 @@ completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
   finish reason and the token counts. The prompt is ``text_input`` (text, through the
   artifact's tokenizer) or ``input_ids`` (token ids); options at the top level or under
   ``parameters``: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-  ``stop`` (strings), ``stop_ids``.
+  ``stop`` (strings), ``stop_ids``, ``timeout`` (the generation's deadline in
+  microseconds from arrival, as for inference: when it passes, the generation is
+  cancelled and answered as a 504 / a last error event, the tokens before it sent).
 - ``POST /v1/completions`` and ``/v1/chat/completions`` (``messages`` rendered by the
   artifact's chat template; ``stream`` for server-sent events ending in ``data:
   [DONE]``) and ``GET /v1/models``, as OpenAI's client expects them.
@@ -18,6 +20,7 @@ up cancels its generation: its slot is free for the next step.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -29,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from . import core
-from .errors import ExecutionFailed, ServerClosed, ServingError, UnknownModel
+from .errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError, UnknownModel
 
 if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
@@ -43,11 +46,28 @@ SSE = "text/event-stream"
 class Prompt:
     """A parsed generation request: the token ids, the decoder's options, stop strings."""
 
-    def __init__(self, ids: list[int], options: dict, stop: list[str], text: bool) -> None:
+    def __init__(
+        self,
+        ids: list[int],
+        options: dict,
+        stop: list[str],
+        text: bool,
+        timeout_s: float | None = None,
+    ) -> None:
         self.ids = ids
         self.options = options
         self.stop = stop
         self.text = text  # answer with text (the prompt was text or a tokenizer exists)
+        self.timeout_s = timeout_s  # its deadline, from arrival (None: none)
+        self.timer: Any = None  # the deadline's timer once started
+
+
+def _timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise invalid(f"timeout must be a positive number of microseconds, got {value!r:.40}")
+    return value * 1e-6
 
 
 def invalid(message: str) -> core.InvalidRequest:
@@ -106,7 +126,8 @@ def parse_kserve(decoder: Decoder, body: dict) -> Prompt:
         ids, text = _encode(decoder, body["text_input"], "text_input"), True
     else:
         ids, text = _ids(body["input_ids"], "input_ids"), decoder.tokenizer is not None
-    return Prompt(ids, _options(merged), _stop_strings(merged.get("stop")), text)
+    stop = _stop_strings(merged.get("stop"))
+    return Prompt(ids, _options(merged), stop, text, _timeout(merged.get("timeout")))
 
 
 def parse_openai(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
@@ -132,13 +153,19 @@ def parse_openai(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
 
 
 def start(server: Server, name: str, prompt: Prompt) -> Generation:
-    """Submit; a bad option is a 400 naming it."""
+    """Submit, with the prompt's deadline armed; a bad option is a 400 naming it."""
     try:
-        return server.start_generation(name, prompt.ids, **prompt.options)
+        gen = server.start_generation(name, prompt.ids, **prompt.options)
     except ServingError:
         raise
     except (TypeError, ValueError) as exc:
         raise invalid(str(exc)) from None
+    if prompt.timeout_s is not None:
+        from pxrt.generate import DEADLINE
+
+        loop = asyncio.get_running_loop()
+        prompt.timer = loop.call_later(prompt.timeout_s, gen.cancel, DEADLINE)
+    return gen
 
 
 class Piece:
@@ -172,6 +199,8 @@ async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIter
             if rest:
                 yield Piece([], rest)
     finally:
+        if prompt.timer is not None:
+            prompt.timer.cancel()
         gen.cancel()
 
 
@@ -277,6 +306,15 @@ def body_of(raw: bytes) -> dict:
 
 
 def raise_error(gen: Generation) -> None:
+    """The generation's failure as the front ends answer it: a deadline that passed,
+    the decoder closed under it, its step failed."""
+    from pxrt.generate import DEADLINE
+
+    if gen.finish_reason == DEADLINE:
+        raise DeadlineExceeded(
+            f"the generation did not end before its deadline ({gen.delivered} tokens "
+            "were sent)"
+        )
     if gen.error is not None:
         from pxrt.generate import DecoderClosed
 

@@ -183,7 +183,7 @@ class Server:
         with it when ``close`` closes the decoders), ``UnknownModel`` for a name not
         served.
         """
-        from pxrt.generate import DecoderClosed
+        from pxrt.generate import DEADLINE, DecoderClosed
 
         if timeout_s is not None and not (
             isinstance(timeout_s, (int, float))
@@ -193,18 +193,10 @@ class Server:
         ):
             raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         gen = self.start_generation(name, prompt, **options)
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            if not gen.done:
-                expired = True
-                gen.cancel()
-
         timer = None
         try:
             if timeout_s is not None:
-                timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+                timer = asyncio.get_running_loop().call_later(timeout_s, gen.cancel, DEADLINE)
             async for token in gen:
                 yield token
         except DecoderClosed as exc:
@@ -213,7 +205,7 @@ class Server:
             if timer is not None:
                 timer.cancel()
             gen.cancel()
-        if expired:
+        if gen.finish_reason == DEADLINE:
             raise DeadlineExceeded(
                 f"model {name!r}: the generation did not end within {timeout_s} s "
                 f"({len(gen.tokens)} tokens were generated)"

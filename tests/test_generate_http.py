@@ -290,6 +290,37 @@ def test_a_client_that_hangs_up_on_a_whole_answer_frees_its_slot(served):
         time.sleep(0.01)
 
 
+def test_a_deadline_ends_a_generation_with_a_504_and_frees_its_slot(served):
+    """``parameters.timeout`` (microseconds, as for inference) bounds a generation: the
+    whole answer is a 504 naming the deadline; a stream sends its tokens, then the error
+    as its last event; either way the slot is free at once and the end is counted as a
+    deadline."""
+    before = _count(served, "deadline")
+    long = {"input_ids": [1, 2], "max_tokens": MAX_LENGTH - 2, "stop_ids": []}
+    r = httpx.post(
+        f"{served.url}/v2/models/lm/generate",
+        json=long | {"parameters": {"timeout": 200_000}},
+        timeout=30,
+    )
+    assert r.status_code == 504 and "deadline" in r.json()["error"], r.text
+    assert _busy(served) == 0
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v2/models/lm/generate_stream",
+        json=long | {"timeout": 200_000},
+        timeout=30,
+    ) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ")]
+    assert all("output_ids" in e for e in events[:-1]) and len(events) > 1
+    assert "deadline" in events[-1]["error"], events[-1]
+    assert _busy(served) == 0
+    assert _count(served, "deadline") == before + 2
+    bad = httpx.post(
+        f"{served.url}/v2/models/lm/generate", json={"input_ids": [1], "timeout": -5}, timeout=30
+    )
+    assert bad.status_code == 400 and "timeout must be a positive number" in bad.text
+
+
 # --------------------------------------------------------------------------- OpenAI
 
 

@@ -121,3 +121,15 @@ def test_a_bad_request_fails_alone_on_its_stream(served, local):
     want = local.generate(ByteTokenizer().encode("ok"), max_tokens=4, seed=3)
     assert [int(t) for r in got["1"] for t in r.as_numpy("output_ids")] == want.tokens
     assert "1" in finals
+
+
+def test_a_deadline_ends_a_stream_with_an_error_after_its_tokens(served):
+    ids = grpcclient.InferInput("input_ids", [2], "INT32")
+    ids.set_data_from_numpy(np.array([1, 2], np.int32))
+    no_stops = grpcclient.InferInput("stop_ids", [0], "INT32")
+    no_stops.set_data_from_numpy(np.zeros(0, np.int32))
+    # 510 tokens take over a second: the deadline passes first
+    request = {"inputs": [ids, no_stops], "parameters": {"max_tokens": 510}, "timeout": 100_000}
+    got, finals, errors = _stream(served, [request])
+    assert len(errors) == 1 and "deadline" in errors[0], errors
+    assert got["0"] and not finals
