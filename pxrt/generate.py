@@ -55,16 +55,13 @@ from .artifact import BATCH_AXIS
 from .decoder import LENGTH_DIM, DecoderArtifact, is_spec, sizes
 from .decoder import read as read_decoder
 from .executable import _cache_dir
+from .finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
 
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
 if TYPE_CHECKING:  # both builds have the twin's API
     from ._slots_py import Generation as _GenerationBase
 else:
     _GenerationBase = _slots.Generation
-STOP, LENGTH, CANCELLED, ERROR = _slots.STOP, _slots.LENGTH, _slots.CANCELLED, _slots.ERROR
-#: The finish reason of a generation cancelled because its deadline passed (front ends
-#: cancel with it; they answer it as a deadline error).
-DEADLINE = "deadline"
 
 _PREFILL, _STEP = 0, 1
 #: Temperatures below this are greedy (dividing by them would overflow float32).
@@ -610,7 +607,7 @@ class Decoder:
                     table.release(gen)
                     if not gen.counted:
                         gen.counted = True
-                        self.outcomes[gen.finish_reason] += 1
+                        self.outcomes[gen.finish_reason or CANCELLED] += 1  # (set: cancelled)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 batch = self._admit()
                 if batch:

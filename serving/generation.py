@@ -31,6 +31,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pxrt.finish import DEADLINE, STOP
+
 from . import core
 from .errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError, UnknownModel
 
@@ -152,17 +154,16 @@ def parse_openai(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
     return Prompt(ids, options, _stop_strings(body.get("stop")), True), stream
 
 
-def start(server: Server, name: str, prompt: Prompt) -> Generation:
-    """Submit, with the prompt's deadline armed; a bad option is a 400 naming it."""
+async def start(server: Server, name: str, prompt: Prompt) -> Generation:
+    """Submit (``open_generation``: a worker's waits for the device process to accept
+    it), with the prompt's deadline armed; a bad option is a 400 naming it."""
     try:
-        gen = server.start_generation(name, prompt.ids, **prompt.options)
+        gen = await server.open_generation(name, prompt.ids, **prompt.options)
     except ServingError:
         raise
     except (TypeError, ValueError) as exc:
         raise invalid(str(exc)) from None
     if prompt.timeout_s is not None:
-        from pxrt.generate import DEADLINE
-
         loop = asyncio.get_running_loop()
         prompt.timer = loop.call_later(prompt.timeout_s, gen.cancel, DEADLINE)
     return gen
@@ -182,7 +183,6 @@ async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIter
     """The generation's tokens with their text (``TextStream``: whole UTF-8 characters,
     cut at a stop string, which ends the generation with reason ``stop``). Leaving early
     cancels the generation."""
-    from pxrt.generate import STOP
     from pxrt.tokenizer import TextStream
 
     text = TextStream(decoder.tokenizer, prompt.stop) if decoder.tokenizer is not None else None
@@ -225,10 +225,17 @@ def _error_event(exc: BaseException) -> bytes:
 
 
 class KServeCall:
-    """One generate-extension request, validated and submitted: ``json`` answers it
-    whole, ``events`` streams it (server-sent events)."""
+    """One generate-extension request, validated and submitted (``open``): ``json``
+    answers it whole, ``events`` streams it (server-sent events)."""
 
-    def __init__(self, server: Server, params: Mapping[str, Any], body: dict) -> None:
+    def __init__(self, name: str, decoder: Decoder, prompt: Prompt, gen: Generation) -> None:
+        self.decoder = decoder
+        self.prompt = prompt
+        self.gen = gen
+        self.head = {"model_name": name, "model_version": decoder.version}
+
+    @classmethod
+    async def open(cls, server: Server, params: Mapping[str, Any], body: dict) -> KServeCall:
         name = params["model"]
         decoder = server.decoder(name)
         version = params.get("version")
@@ -236,10 +243,8 @@ class KServeCall:
             raise UnknownModel(
                 f"model {name!r} has no version {version!r}; serving version {decoder.version}"
             )
-        self.decoder = decoder
-        self.prompt = parse_kserve(decoder, body)
-        self.gen = start(server, name, self.prompt)
-        self.head = {"model_name": name, "model_version": decoder.version}
+        prompt = parse_kserve(decoder, body)
+        return cls(name, decoder, prompt, await start(server, name, prompt))
 
     async def json(self) -> dict:
         ids: list[int] = []
@@ -268,7 +273,7 @@ class KServeCall:
                     doc["text_output"] = piece.text
                 yield _event(doc)
             raise_error(gen)
-            final = head | {"output_ids": [], "finish_reason": gen.finish_reason}
+            final: dict[str, Any] = head | {"output_ids": [], "finish_reason": gen.finish_reason}
             if text:
                 final["text_output"] = ""
             yield _event(final | {"usage": usage(gen)})
@@ -281,7 +286,7 @@ async def kserve_generate(
 ) -> Response:
     """``POST .../generate``: one JSON answer. ``on_disconnect`` (``pxrt serve``'s scope
     extension) takes a callback for a client that hangs up: its generation is cancelled."""
-    call = KServeCall(server, request.path_params, await _body(request))
+    call = await KServeCall.open(server, request.path_params, await _body(request))
     if on_disconnect is not None:
         on_disconnect(call.gen.cancel)
     return JSONResponse(await call.json())
@@ -290,7 +295,7 @@ async def kserve_generate(
 async def kserve_stream(request: Request, server: Server) -> Response:
     """``POST .../generate_stream``: server-sent events (Starlette cancels the stream,
     and with it the generation, when the client hangs up)."""
-    call = KServeCall(server, request.path_params, await _body(request))
+    call = await KServeCall.open(server, request.path_params, await _body(request))
     return StreamingResponse(call.events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
@@ -308,13 +313,12 @@ def body_of(raw: bytes) -> dict:
 def raise_error(gen: Generation) -> None:
     """The generation's failure as the front ends answer it: a deadline that passed,
     the decoder closed under it, its step failed."""
-    from pxrt.generate import DEADLINE
-
     if gen.finish_reason == DEADLINE:
         raise DeadlineExceeded(
-            f"the generation did not end before its deadline ({gen.delivered} tokens "
-            "were sent)"
+            f"the generation did not end before its deadline ({gen.delivered} tokens were sent)"
         )
+    if isinstance(gen.error, ServingError):  # (a worker's: raised as it came)
+        raise gen.error
     if gen.error is not None:
         from pxrt.generate import DecoderClosed
 
@@ -363,7 +367,7 @@ def openai_endpoint(
 @openai_endpoint
 async def openai_completions(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
     prompt, stream = parse_openai(decoder, body)
-    gen = start(server, name, prompt)
+    gen = await start(server, name, prompt)
     ident = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     head = {"id": ident, "object": "text_completion", "created": created, "model": name}
@@ -426,7 +430,7 @@ def parse_chat(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
 @openai_endpoint
 async def openai_chat(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
     prompt, stream = parse_chat(decoder, body)
-    gen = start(server, name, prompt)
+    gen = await start(server, name, prompt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
 
     if not stream:

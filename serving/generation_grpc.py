@@ -137,7 +137,7 @@ async def responses(server: Server, message: Any) -> AsyncIterator[Any]:
             f"{decoder.version}"
         )
     prompt = parse(decoder, message)
-    gen = generation.start(server, name, prompt)
+    gen = await generation.start(server, name, prompt)
     async for piece in generation.pieces(decoder, gen, prompt):
         yield _response(name, decoder.version, message.id, piece, prompt.text)
     generation.raise_error(gen)

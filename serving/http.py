@@ -31,7 +31,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
 from . import codec, core, documents, generation
 from .access import Restrictions
@@ -83,17 +83,31 @@ def create_app(
     the protocol's (``serving.http_limits.guarded_protocol``). ``restrictions``: the API
     groups that answer only requests carrying their key (``serving.access``).
     """
-    handlers: dict[Any, Callable] = {HTTPException: _routing_error}
-    handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
     state = AppState(
         server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions
     )
     infer = InferEndpoint(state)
     app = Starlette(
-        routes=_routes(restrictions, infer), lifespan=lifespan, exception_handlers=handlers
+        routes=_routes(restrictions, infer), lifespan=lifespan, exception_handlers=_handlers()
     )
     app.state.pxrt = state
     return KServeApp(app, infer)
+
+
+def generation_app(state: AppState, fallback: Any) -> Starlette:
+    """The generation endpoints (generate extension, OpenAI completions) over
+    ``state.server``, and ``fallback`` (an ASGI app) for every other request: a
+    ``--workers`` worker's app, which streams its generations itself."""
+    routes = [*_generation_routes(state.restrictions), Mount("", app=fallback)]
+    app = Starlette(routes=routes, exception_handlers=_handlers())
+    app.state.pxrt = state
+    return app
+
+
+def _handlers() -> dict[Any, Callable]:
+    handlers: dict[Any, Callable] = {HTTPException: _routing_error}
+    handlers.update({kind: _error_response for kind, _, _ in core.ERRORS})
+    return handlers
 
 
 # --------------------------------------------------------------------------- fast routes
@@ -541,6 +555,23 @@ def _serving(request: Request) -> Server:
     return server
 
 
+_PREFIXES = ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")
+
+
+def _generation_routes(restrictions: Restrictions) -> list[Route]:
+    r = functools.partial(_restricted, restrictions)
+    routes = [
+        Route("/v1/completions", r("inference", _openai_completions), methods=["POST"]),
+        Route("/v1/chat/completions", r("inference", _openai_chat), methods=["POST"]),
+    ]
+    for prefix in _PREFIXES:
+        routes += [
+            Route(prefix + "/generate", r("inference", _generate), methods=["POST"]),
+            Route(prefix + "/generate_stream", r("inference", _generate_stream), methods=["POST"]),
+        ]
+    return routes
+
+
 def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
     r = functools.partial(_restricted, restrictions)
     routes = [
@@ -561,15 +592,10 @@ def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
             methods=["POST"],
         ),
     ]
-    routes += [
-        Route("/v1/completions", r("inference", _openai_completions), methods=["POST"]),
-        Route("/v1/chat/completions", r("inference", _openai_chat), methods=["POST"]),
-        Route("/v1/models", r("metadata", _openai_models)),
-    ]
-    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+    routes += _generation_routes(restrictions)
+    routes.append(Route("/v1/models", r("metadata", _openai_models)))
+    for prefix in _PREFIXES:
         routes += [
-            Route(prefix + "/generate", r("inference", _generate), methods=["POST"]),
-            Route(prefix + "/generate_stream", r("inference", _generate_stream), methods=["POST"]),
             Route(prefix, r("metadata", model_metadata)),
             Route(prefix + "/ready", r("health", model_ready)),
             Route(prefix + "/config", r("metadata", model_config)),
@@ -591,6 +617,7 @@ __all__ = [
     "create_app",
     "error_reply",
     "fast_route",
+    "generation_app",
     "readiness",
     "request_decoder",
 ]

@@ -15,9 +15,12 @@ Nothing is pickled.
 Worker -> device: ``Hello`` (once), ``Infer``, ``Cancel`` (the client hung up),
 ``Count`` (a request the front end answered itself), ``Call`` (any other HTTP request,
 or gRPC method, answered by the device process's own front end: one view of models,
-statistics, metrics and the repository for all workers), ``Free``.
-Device -> worker: ``State`` (readiness, draining and the models served, whenever they
-change), ``Result``, ``Reply``.
+statistics, metrics and the repository for all workers), ``Free``, ``Generate`` (a
+generation for a decoder), ``Stop`` (end one: the client hung up, a stop string, a
+deadline).
+Device -> worker: ``State`` (readiness, draining and the models and decoders served,
+whenever they change), ``Result``, ``Reply``, ``Tokens`` (a generation's acceptance or
+refusal, then its tokens as they come, then its end).
 """
 
 from __future__ import annotations
@@ -123,7 +126,29 @@ class Free(msgspec.Struct, tag=6, array_like=True):
     offsets: list[int]
 
 
+class Generate(msgspec.Struct, tag=7, array_like=True):
+    gid: int
+    model: str
+    ids: list[int]
+    options: dict[str, Any]  # as for ``Decoder.submit`` (checked there)
+
+
+class Stop(msgspec.Struct, tag=8, array_like=True):
+    gid: int
+    reason: str  # the finish reason it ends with
+
+
 # ----------------------------------------------------------------- device -> worker
+
+
+class DecoderInfo(msgspec.Struct, array_like=True):
+    """A decoder served, as a worker's front ends need it: to tokenize and render."""
+
+    name: str
+    version: str
+    path: str  # its artifact directory (a tokenizer file is read from there)
+    tokenizer: dict[str, Any] | None
+    chat_template: str | None
 
 
 class State(msgspec.Struct, tag=11, array_like=True):
@@ -131,6 +156,7 @@ class State(msgspec.Struct, tag=11, array_like=True):
     draining: bool
     models: list[Served]
     arena: str  # the device's shared memory for this worker's answers
+    decoders: list[DecoderInfo] = []
 
 
 class Result(msgspec.Struct, tag=12, array_like=True):
@@ -150,8 +176,18 @@ class Reply(msgspec.Struct, tag=13, array_like=True):
     message: str = ""
 
 
-ToDevice = Hello | Infer | Cancel | Count | Call | Free
-ToWorker = State | Result | Reply
+class Tokens(msgspec.Struct, tag=14, array_like=True):
+    """A generation's news: none yet and no end (accepted), ``error`` without an end
+    (refused), tokens, or its end (``finish_reason``, with ``error`` if it failed)."""
+
+    gid: int
+    tokens: list[int]
+    finish_reason: str | None = None
+    error: Error | None = None
+
+
+ToDevice = Hello | Infer | Cancel | Count | Call | Free | Generate | Stop
+ToWorker = State | Result | Reply | Tokens
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -347,9 +383,11 @@ __all__ = [
     "Call",
     "Cancel",
     "Count",
+    "DecoderInfo",
     "Error",
     "FrameWriter",
     "Free",
+    "Generate",
     "Hello",
     "Infer",
     "Reader",
@@ -358,7 +396,9 @@ __all__ = [
     "Served",
     "Spec",
     "State",
+    "Stop",
     "Tensor",
+    "Tokens",
     "ToDevice",
     "ToWorker",
     "Version",

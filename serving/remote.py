@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from pxrt.finish import CANCELLED, ERROR
+
 from . import core, ipc
 from .errors import (
     DeadlineExceeded,
@@ -59,6 +61,117 @@ class DeviceGone(ServerClosed):
     """The device process is gone (this worker stops)."""
 
 
+class RemoteDecoder:
+    """A decoder as a worker knows it: what its front ends need to tokenize prompts,
+    render chats and detokenize what comes back (the generation runs in the device
+    process)."""
+
+    def __init__(self, info: ipc.DecoderInfo) -> None:
+        from pxrt import tokenizer
+
+        self.name = info.name
+        self.version = info.version
+        self.tokenizer = tokenizer.load(info.tokenizer, info.path)
+        self.chat_template = info.chat_template
+        self.described = info
+
+    def __repr__(self) -> str:
+        return f"RemoteDecoder({self.name!r}, version {self.version!r})"
+
+
+class RemoteGeneration:
+    """A generation running in the device process, as ``pxrt.Generation`` looks to the
+    front ends: ``async for`` its tokens, ``cancel``, then ``finish_reason``, ``error``,
+    ``prompt`` and ``delivered``."""
+
+    __slots__ = ("gid", "prompt", "tokens", "finish_reason", "error", "delivered", "_link",
+                 "_waiter", "_accepted")  # fmt: skip
+
+    def __init__(self, gid: int, prompt: list[int], link: DeviceLink) -> None:
+        self.gid = gid
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.delivered = 0  # tokens its reader has taken
+        self._link: DeviceLink | None = link
+        self._waiter: asyncio.Future | None = None
+        self._accepted = link.loop.create_future()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self, reason: str = CANCELLED) -> None:
+        """End it with ``reason`` (no-op when it ended): the device process frees its
+        slot; tokens still on their way are dropped."""
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = reason
+        if self._link is not None:
+            self._link.send(ipc.Stop(self.gid, reason))
+        self._end()
+
+    def _end(self) -> None:
+        self._link = None
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def on_tokens(self, message: ipc.Tokens) -> bool:
+        """News from the device process; True once it has ended."""
+        if not self._accepted.done():
+            if message.error is not None and message.finish_reason is None:
+                self._accepted.set_exception(_error(message.error))
+                return True
+            self._accepted.set_result(None)
+        if self.finish_reason is not None:  # cancelled here: what still came is dropped
+            return message.finish_reason is not None
+        self.tokens += message.tokens
+        if message.finish_reason is not None:
+            self.finish_reason = message.finish_reason
+            if message.error is not None:
+                self.error = _error(message.error)
+            self._end()
+            return True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return False
+
+    def fail(self, exc: BaseException) -> None:
+        """The device process is gone."""
+        if not self._accepted.done():
+            self._accepted.set_exception(exc)
+        if self.finish_reason is None:
+            self.finish_reason, self.error = ERROR, exc
+        self._end()
+
+    async def accepted(self) -> None:
+        await self._accepted
+
+    def __aiter__(self) -> RemoteGeneration:
+        return self
+
+    async def __anext__(self) -> int:
+        while True:
+            if self.delivered < len(self.tokens):
+                self.delivered += 1
+                return self.tokens[self.delivered - 1]
+            if self.finish_reason is not None:
+                if self.error is not None:
+                    raise self.error
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self._waiter = None
+
+
 def _error(error: ipc.Error) -> BaseException:
     """An error from the device process, as ``Server.submit``'s future would raise it."""
     kind, message = error.kind, error.message
@@ -85,6 +198,8 @@ class RemoteServer:
         self._newest: dict[str, str] = {}
         self._pending: dict[int, tuple[asyncio.Future, list[int]]] = {}  # rid -> (future, shm)
         self._calls: dict[int, asyncio.Future] = {}
+        self._generations: dict[int, RemoteGeneration] = {}
+        self._decoders: dict[str, RemoteDecoder] = {}
         self._next = 0
         self.arena = ipc.Arena(ARENA_BYTES)  # request tensors
         self.theirs: ipc.Arena | None = None  # the device's: answers
@@ -96,9 +211,38 @@ class RemoteServer:
         return self._why
 
     def is_decoder(self, name: str) -> bool:
-        """Decoders are not served through workers yet: their requests are answered as
-        for a name this worker does not know."""
-        return False
+        return name in self._decoders
+
+    @property
+    def decoders(self) -> dict[str, RemoteDecoder]:
+        return dict(self._decoders)
+
+    def decoder(self, name: str) -> RemoteDecoder:
+        decoder = self._decoders.get(name)
+        if decoder is None:
+            raise no_model(name, list(self._decoders))
+        return decoder
+
+    async def open_generation(
+        self, name: str, prompt: list[int], **options: Any
+    ) -> RemoteGeneration:
+        """Start a generation in the device process once it has accepted it (its
+        refusal raised here, as ``Server.start_generation`` raises it)."""
+        link = self.link
+        if link is None:
+            raise DeviceGone("the device process is gone")
+        self.decoder(name)  # UnknownModel here
+        gid = self._next = self._next + 1
+        gen = RemoteGeneration(gid, list(prompt), link)
+        self._generations[gid] = gen
+        link.send(ipc.Generate(gid, name, gen.prompt, options))
+        try:
+            await gen.accepted()
+        except BaseException:
+            self._generations.pop(gid, None)
+            gen.cancel()
+            raise
+        return gen
 
     @property
     def draining(self) -> bool:
@@ -181,6 +325,12 @@ class RemoteServer:
             models[served.name] = versions
         self._models = models
         self._newest = {s.name: s.newest for s in state.models}
+        decoders: dict[str, RemoteDecoder] = {}
+        for info in state.decoders:
+            had = self._decoders.get(info.name)  # (its tokenizer is loaded once)
+            same = had is not None and had.described == info
+            decoders[info.name] = had if same and had is not None else RemoteDecoder(info)
+        self._decoders = decoders
         self._why = state.not_serving
         if state.draining:
             self._draining.set()
@@ -218,6 +368,11 @@ class RemoteServer:
             self.link.send(ipc.Free(theirs))
         future.set_result(outputs)
 
+    def on_tokens(self, message: ipc.Tokens) -> None:
+        gen = self._generations.get(message.gid)
+        if gen is not None and gen.on_tokens(message):
+            del self._generations[message.gid]
+
     def on_reply(self, reply: ipc.Reply) -> None:
         future = self._calls.pop(reply.cid, None)
         if future is not None and not future.done():
@@ -236,6 +391,9 @@ class RemoteServer:
             if not call.done():
                 call.set_exception(gone)
         self._calls.clear()
+        for gen in self._generations.values():
+            gen.fail(gone)
+        self._generations.clear()
         self._draining.set()
 
     def close(self) -> None:
@@ -307,6 +465,8 @@ class DeviceLink(ipc.FrameWriter, asyncio.Protocol):
             kind = type(message)
             if kind is ipc.Result:
                 remote.on_result(message)
+            elif kind is ipc.Tokens:
+                remote.on_tokens(message)
             elif kind is ipc.Reply:
                 remote.on_reply(message)
             elif kind is ipc.State:
@@ -369,4 +529,12 @@ async def _reply(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["DeviceGone", "DeviceLink", "ForwardApp", "RemoteModel", "RemoteServer"]
+__all__ = [
+    "DeviceGone",
+    "DeviceLink",
+    "ForwardApp",
+    "RemoteDecoder",
+    "RemoteGeneration",
+    "RemoteModel",
+    "RemoteServer",
+]

@@ -309,9 +309,11 @@ def _run_workers(setup: _Setup) -> int:
         server.drain()  # the workers are told; what they send from now on gets 503
         loader.cancel()
         setup.stop_polling()
-        await supervisor.stop(grace_s=35.0)  # each answers what it accepted, then exits
+        # No new worker will need the listening sockets: once the workers close theirs,
+        # new connections are refused instead of waiting in a backlog nobody accepts.
         for sock in sockets.values():
             sock.close()
+        await supervisor.stop(grace_s=35.0)  # each answers what it accepted, then exits
         await server.close()
 
     _serve_until_done(new_event_loop(), run())

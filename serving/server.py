@@ -162,6 +162,13 @@ class Server:
         except DecoderClosed as exc:
             raise ServerClosed(str(exc)) from None
 
+    async def open_generation(
+        self, name: str, prompt: Sequence[int] | Any, **options: Any
+    ) -> Generation:
+        """``start_generation`` as the front ends call it (the same call on a
+        ``--workers`` worker's ``RemoteServer`` waits for the device process)."""
+        return self.start_generation(name, prompt, **options)
+
     async def generate(
         self,
         name: str,

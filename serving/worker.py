@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from .core import BodyBudget
     from .grpc_native import GrpcServer
     from .grpc_server import GrpcLimits
-    from .http import AppState, InferEndpoint, KServeApp
+    from .http import AppState, InferEndpoint, KServeApp, generation_app
     from .http_limits import guarded_protocol
     from .loops import new_event_loop
     from .remote import DeviceLink, ForwardApp, RemoteServer
@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         None,
         restrictions,
     )
-    app = KServeApp(ForwardApp(remote, limits.max_body_bytes), InferEndpoint(state))
+    forward = ForwardApp(remote, limits.max_body_bytes)
+    # Inference and generation are answered here (over the device process's queue and
+    # decoders); everything else is forwarded.
+    app = KServeApp(generation_app(state, forward), InferEndpoint(state))
     config = uvicorn.Config(
         app,
         http=guarded_protocol(limits, remote, native=state if opts.native_http else None),

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from . import ipc
-from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed, UnknownModel
+from .errors import (
+    DeadlineExceeded,
+    ExecutionFailed,
+    Overloaded,
+    ServerClosed,
+    ServingError,
+    UnknownModel,
+)
 
 if TYPE_CHECKING:
     from .grpc_native import Method
@@ -61,7 +68,17 @@ def model_state(server: Server, arena: str) -> ipc.State:
                 )
             )
         served.append(ipc.Served(name, server.model(name).version, versions))
-    return ipc.State(server.not_serving(), server.draining, served, arena)
+    decoders = [
+        ipc.DecoderInfo(
+            name,
+            decoder.version,
+            decoder.artifact.path,
+            decoder.artifact.config.get("tokenizer"),
+            decoder.chat_template,
+        )
+        for name, decoder in server.decoders.items()
+    ]
+    return ipc.State(server.not_serving(), server.draining, served, arena, decoders)
 
 
 def _spec(name: str, spec: Any) -> ipc.Spec:
@@ -96,6 +113,7 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
         self.index = index
         self.reader = ipc.Reader(ipc.ToDevice)
         self.pending: dict[int, asyncio.Future] = {}  # rid -> its future in the queue
+        self.generations: dict[int, Any] = {}  # gid -> its pxrt.Generation
         self.tasks: set[asyncio.Task] = set()
         self.theirs: ipc.Arena | None = None  # the worker's: request tensors
         self.ours = ipc.Arena(ARENA_BYTES)  # this side's: answers to this worker
@@ -116,6 +134,9 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
         for future in list(self.pending.values()):
             future.cancel()  # out of the queue if not dispatched: nobody reads the answer
         self.pending.clear()
+        for gen in list(self.generations.values()):
+            gen.cancel()  # nobody reads its tokens: its slot is free for the next step
+        self.generations.clear()
         for task in list(self.tasks):
             task.cancel()
         if self.theirs is not None:
@@ -138,6 +159,12 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
                 future = self.pending.get(message.rid)
                 if future is not None:
                     future.cancel()
+            elif kind is ipc.Generate:
+                self._generate(message)
+            elif kind is ipc.Stop:
+                gen = self.generations.get(message.gid)
+                if gen is not None:
+                    gen.cancel(message.reason)
             elif kind is ipc.Free:
                 for offset in message.offsets:
                     self.ours.free(offset)
@@ -185,6 +212,43 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
             return
         outputs = [ipc.to_tensor(name, arr, self.ours) for name, arr in future.result().items()]
         self.send(ipc.Result(rid, outputs))
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, message: ipc.Generate) -> None:
+        gid = message.gid
+        try:
+            gen = self.server.start_generation(message.model, message.ids, **message.options)
+        except Exception as exc:  # noqa: BLE001 - this generation's refusal
+            self.send(ipc.Tokens(gid, [], None, error_of(exc)))
+            return
+        self.generations[gid] = gen
+        self.send(ipc.Tokens(gid, []))  # accepted
+        task = asyncio.ensure_future(self._relay(gid, gen))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _relay(self, gid: int, gen: Any) -> None:
+        """A generation's tokens to the worker as they come (those of one step go out
+        in one write with everything else sent in that turn), then its end."""
+        error = None
+        try:
+            async for token in gen:
+                self.send(ipc.Tokens(gid, [token]))
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - its step failed, its decoder closed
+            from pxrt.generate import DecoderClosed
+
+            if isinstance(exc, DecoderClosed):  # (as serving.generation answers them)
+                exc = ServerClosed(str(exc))
+            elif not isinstance(exc, ServingError):
+                exc = ExecutionFailed(str(exc))
+            error = error_of(exc)
+        finally:
+            self.generations.pop(gid, None)
+        self.send(ipc.Tokens(gid, [], gen.finish_reason, error))
 
     # ------------------------------------------------------------------ forwarded calls
 

@@ -42,9 +42,12 @@ def local(lm_path):
     dec.close()
 
 
-@pytest.fixture(scope="module")
-def served(lm_path, artifacts):
-    proc = ServeProcess([lm_path, str(artifacts["mlp"])])
+@pytest.fixture(scope="module", params=["one", "workers"])
+def served(request, lm_path, artifacts):
+    """`pxrt serve` of the decoder beside a one-shot model; and the same with two
+    front-end workers, which stream generations running in the device process."""
+    extra = ["--workers", "2"] if request.param == "workers" else []
+    proc = ServeProcess([lm_path, str(artifacts["mlp"]), *extra])
     yield proc
     proc.stop()
 
@@ -363,10 +366,11 @@ def test_openai_stream_ends_with_done(served):
     assert all(e["object"] == "text_completion" for e in events[:-1])
 
 
-def test_sigterm_finishes_open_streams(lm_path):
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+def test_sigterm_finishes_open_streams(lm_path, workers):
     import signal
 
-    proc = ServeProcess([lm_path])
+    proc = ServeProcess([lm_path, *workers])
     try:
         body = {"input_ids": [1, 2], "max_tokens": 400}
         with httpx.stream(
@@ -380,8 +384,8 @@ def test_sigterm_finishes_open_streams(lm_path):
                 refused = httpx.post(
                     f"{proc.url}/v2/models/lm/generate", json={"input_ids": [1]}, timeout=10
                 ).status_code
-            except httpx.ConnectError:
-                refused = 503
+            except httpx.TransportError:  # (ReadError: a worker that took the connection
+                refused = 503  # as it shut down closes it unread, as uvicorn does)
             events = [json.loads(first[6:])] + [
                 json.loads(line[6:]) for line in lines if line.startswith("data: ")
             ]
@@ -424,3 +428,28 @@ def test_openai_client_chat_completions(served, local):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
     with pytest.raises(openai.BadRequestError, match="messages must be"):
         client.chat.completions.create(model="lm", messages=[])
+
+
+def test_workers_stream_without_jax(served, local):
+    """Through `--workers`, a worker tokenizes, streams and detokenizes itself (the
+    generation runs in the device process) without importing jax."""
+    from servers import children
+
+    if "--workers" not in served.proc.args:
+        pytest.skip("one process")
+    want, want_text = expected(local, PROMPTS[0], max_tokens=6, temperature=0.0)
+    r = httpx.post(
+        f"{served.url}/v2/models/lm/generate",
+        json={"text_input": PROMPTS[0], "max_tokens": 6, "temperature": 0.0},
+        timeout=30,
+    )
+    assert r.json()["output_ids"] == want.tokens and r.json()["text_output"] == want_text
+    workers = []
+    for pid in children(served.proc.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"serving.worker" in f.read():
+                workers.append(pid)
+    assert len(workers) == 2
+    for pid in workers:
+        with open(f"/proc/{pid}/maps") as f:
+            assert "jaxlib" not in f.read()

@@ -42,9 +42,11 @@ def local(lm_path):
     dec.close()
 
 
-@pytest.fixture(scope="module", params=["native", "grpcio"])
+@pytest.fixture(scope="module", params=["native", "grpcio", "workers"])
 def served(request, lm_path):
-    extra = [] if request.param == "native" else ["--no-native-grpc"]
+    extra = {"native": [], "grpcio": ["--no-native-grpc"], "workers": ["--workers", "2"]}[
+        request.param
+    ]
     proc = ServeProcess([lm_path, *extra], grpc=True)
     yield proc
     assert proc.stop() == 0

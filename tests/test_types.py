@@ -117,3 +117,16 @@ def test_each_twin_has_its_stubs_api(stub):
         # Names, kinds and which have defaults agree (stubtest holds the Cython module
         # to the same stub).
         assert params == want, f"{TWINS[stub]}.{name}: {params}"
+
+
+@pytest.mark.parametrize("module", ["pxrt._slots_py", "pxrt._slots"])
+def test_the_slot_tables_finish_reasons_are_the_engines(module):
+    """The engine's finish reasons (``pxrt.finish``, which front ends without jax
+    compare against) are the strings the slot table sets, in both builds."""
+    from pxrt import finish
+
+    slots = (
+        pytest.importorskip(module) if module == "pxrt._slots" else importlib.import_module(module)
+    )
+    for name in ("STOP", "LENGTH", "CANCELLED", "ERROR"):
+        assert getattr(slots, name) == getattr(finish, name)

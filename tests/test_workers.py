@@ -126,6 +126,68 @@ def test_a_lost_device_fails_what_waits_on_it(models, run):
     run(main)
 
 
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory):
+    from pxrt import demo
+
+    return demo.export_lm(
+        str(tmp_path_factory.mktemp("lm") / "lm"), slots=2, max_length=1024,
+        prefill_lengths=(8, 16), prefill_batches=(1, 2), dim=16, heads=2, layers=1,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def lm(lm_path):
+    import pxrt
+
+    dec = pxrt.load(lm_path)  # (closed by the server it is added to)
+    yield dec
+    dec.close()
+
+
+def test_a_worker_generates_through_the_device_process(lm, run):
+    """A worker's generations run in the device process: the engine's tokens and finish
+    reason, a refusal raised as the engine raises it, a cancel (a client that hung up)
+    frees the slot, a lost device ends what streams."""
+
+    async def main():
+        async with Server() as server:
+            server.add_decoder("lm", lm)
+            remote, device = await _linked(server)
+            decoder = remote.decoder("lm")
+            assert remote.is_decoder("lm") and not remote.is_decoder("nope")
+            assert decoder.version == lm.version and decoder.tokenizer.encode("A") == [65]
+            cases = [
+                ([1, 2, 3], {"max_tokens": 7}),
+                ([9] * 12, {"max_tokens": 20, "temperature": 2.0, "seed": 4}),
+            ]
+            for prompt, options in cases:
+                want = lm.generate(prompt, **options)
+                gen = await remote.open_generation("lm", prompt, **options)
+                assert [t async for t in gen] == want.tokens
+                assert gen.finish_reason == want.finish_reason and gen.delivered == len(want.tokens)
+            with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
+                await remote.open_generation("lm", [999])
+            with pytest.raises(KeyError, match="no model named 'nope'"):
+                await remote.open_generation("nope", [1])
+            long = await remote.open_generation("lm", [1, 2], max_tokens=1000, stop_ids=[])
+            async for _ in long:
+                break
+            assert lm.busy_slots == 1
+            long.cancel("stop")
+            await until(lambda: lm.busy_slots == 0 and not device.generations)
+            assert long.finish_reason == "stop" and not remote._generations
+            gone = await remote.open_generation("lm", [1, 2], max_tokens=1000, stop_ids=[])
+            device.transport.close()  # the device process is gone
+            with pytest.raises(Exception, match="device process is gone"):
+                async for _ in gone:
+                    pass
+            await until(lambda: lm.busy_slots == 0)  # its generation was cancelled there
+            remote.close()
+
+    run(main)
+
+
 def test_messages_round_trip_and_arena_allocation():
     arena = ipc.Arena(1 << 20)
     try:
