@@ -17,7 +17,19 @@ interval between steps (the serving process's, from its ``/metrics``), and the r
 wire / in-process. The client runs in this process on the same cores as the server, so the
 ratios include the client's own cost (the minimal client keeps it small).
 
+The serving side's CPU per token is read too: the `pxrt serve` process tree's (workers
+included) against this process's own for the in-process API (both include the decode
+steps' compute), and its front end's alone (``loop``: the main thread, where the event
+loop runs, plus any workers; in process: the callers' loop); the SSE client's CPU per
+token beside it. ``--configs`` picks the `pxrt serve` set-ups streamed from, alternated
+with the in-process API: ``one`` (one process, streams on its native HTTP path),
+``asgi`` (``--no-native-http``: through the Starlette app), ``workers2`` (two front-end
+workers). ``--burn 0.2`` adds the control: the in-process API beside a process spinning
+that share of a core, which is what the wire's CPU alone costs the decode steps when the
+server, the client and XLA share the cores.
+
     python benchmarks/generation_wire.py [--requests 256] [--repeats 3] [--fraction 0.5]
+                                         [--configs one,asgi,workers2] [--burn 0.2]
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -115,6 +128,45 @@ async def poisson(one, work, rate: float, seed: int) -> dict:
     return record
 
 
+CONFIGS = {"one": [], "asgi": ["--no-native-http"], "workers2": ["--workers", "2"]}
+
+
+def _stat_cpu_s(path: str) -> float:
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int, with_children: bool = True) -> tuple[float, float]:
+    """CPU seconds (user + system) of ``pid`` and its children (``--workers``), and of
+    their front ends alone: ``pid``'s main thread (its event loop) and the children."""
+    from servers import children
+
+    kids = sum(_stat_cpu_s(f"/proc/{p}/stat") for p in children(pid)) if with_children else 0.0
+    return _stat_cpu_s(f"/proc/{pid}/stat") + kids, _stat_cpu_s(
+        f"/proc/{pid}/task/{pid}/stat"
+    ) + kids
+
+
+_BURN = """
+import sys, time
+duty, period = float(sys.argv[1]), 0.002
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < duty * period:
+        pass
+    time.sleep(period * (1 - duty))
+"""
+
+
+def _burner(share: float) -> subprocess.Popen:
+    """A process spinning ``share`` of a core (2 ms periods)."""
+    return subprocess.Popen([sys.executable, "-c", _BURN, str(share)])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=256)
@@ -126,12 +178,27 @@ def main() -> None:
         default="raw",
         help="the SSE client: a minimal one (default), or httpx",
     )
+    p.add_argument(
+        "--burn",
+        type=float,
+        default=0.0,
+        help="also run in process beside a process spinning this share of a core (the "
+        "control: what the wire's CPU alone would cost, e.g. 0.2)",
+    )
+    p.add_argument(
+        "--configs",
+        default="one",
+        help=f"comma-separated pxrt serve set-ups to stream from, of {sorted(CONFIGS)}",
+    )
     args = p.parse_args()
+    configs = args.configs.split(",")
+    for name in configs:
+        if name not in CONFIGS:
+            p.error(f"unknown config {name!r}; expected one of {sorted(CONFIGS)}")
     with tempfile.TemporaryDirectory(prefix="pxrt-wire-") as tmp:
         path = demo.export_lm(os.path.join(tmp, "lm"), slots=32)
         dec = pxrt.load(path)
-        served = ServeProcess([path])
-        url = f"{served.url}/v2/models/lm/generate_stream"
+        served = {name: ServeProcess([path, *CONFIGS[name]]) for name in configs}
         work = generation.workload(args.requests, 0, 64, 192)
         try:
 
@@ -143,63 +210,98 @@ def main() -> None:
                     f"saturated in process: {closed['tokens'] / closed['elapsed']:,.0f} tok/s; "
                     f"Poisson at {rate:.1f} requests/s"
                 )
-                runs: dict = {"in-process": [], "sse": []}
+                runs: dict = {"in-process": [], **{f"sse {n}": [] for n in configs}}
+                if args.burn:
+                    runs["in-process+burn"] = []
                 limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
                 async with httpx.AsyncClient(timeout=120, limits=limits) as client:
 
                     async def local(prompt, m, record):
                         await generation.one("pxrt", dec, prompt, m, record)
 
-                    host, port = "127.0.0.1", served.port
                     path = "/v2/models/lm/generate_stream"
 
-                    async def wire(prompt, m, record):
-                        if args.client == "raw":
-                            await sse_raw(host, port, path, prompt, m, record)
-                        else:
-                            await sse_one(client, url, prompt, m, record)
+                    def wire(proc):
+                        async def one(prompt, m, record):
+                            if args.client == "raw":
+                                await sse_raw("127.0.0.1", proc.port, path, prompt, m, record)
+                            else:
+                                await sse_one(client, proc.url + path, prompt, m, record)
 
-                    async def step_sum() -> tuple[float, float]:
+                        return one
+
+                    async def step_sum(proc) -> tuple[float, float]:
                         """The serving decoder's step intervals so far: (sum us, count)."""
-                        text = (await client.get(f"{served.url}/metrics")).text
+                        text = (await client.get(f"{proc.url}/metrics")).text
                         sums = [
                             x
                             for x in text.splitlines()
                             if x.startswith("pxrt_decode_step_duration_us_")
                         ]
-                        get = lambda k: float(
-                            next(x for x in sums if x.startswith(k)).rsplit(" ", 1)[1]
-                        )  # noqa: E731
-                        return get("pxrt_decode_step_duration_us_sum"), get(
-                            "pxrt_decode_step_duration_us_count"
+
+                        def get(key: str) -> float:
+                            return float(next(x for x in sums if x.startswith(key)).split()[-1])
+
+                        return (
+                            get("pxrt_decode_step_duration_us_sum"),
+                            get("pxrt_decode_step_duration_us_count"),
                         )
 
-                    await poisson(wire, work[:16], rate, 99)  # warm the connections
+                    for proc in served.values():
+                        await poisson(wire(proc), work[:16], rate, 99)  # warm the connections
+                    order = ["in-process", *configs] + (["in-process+burn"] if args.burn else [])
                     for rep in range(args.repeats):
-                        order = [("in-process", local), ("sse", wire)]
-                        for kind, one in order if rep % 2 == 0 else order[::-1]:
+                        for kind in order if rep % 2 == 0 else order[::-1]:
+                            proc = served.get(kind)
                             dec.drain_timings()
-                            before = await step_sum()
-                            r = await poisson(one, work, rate, rep)
-                            if kind == "sse":
-                                after = await step_sum()
-                                step = (after[0] - before[0]) / max(after[1] - before[1], 1) / 1e3
-                            else:
+                            burner = _burner(args.burn) if kind == "in-process+burn" else None
+                            if proc is None:
+                                (cpu0, loop0), client0 = _cpu_s(os.getpid(), False), 0.0
+                                r = await poisson(local, work, rate, rep)
+                                cpu1, loop1 = _cpu_s(os.getpid(), False)
                                 step = 1e3 * float(np.mean(dec.drain_timings()["step"]))
-                            runs[kind].append(generation.summary(r) | {"step ms": step})
+                                client_cpu = 0.0
+                            else:
+                                before = await step_sum(proc)
+                                (cpu0, loop0), client0 = _cpu_s(proc.proc.pid), time.process_time()
+                                r = await poisson(wire(proc), work, rate, rep)
+                                cpu1, loop1 = _cpu_s(proc.proc.pid)
+                                client_cpu = time.process_time() - client0
+                                after = await step_sum(proc)
+                                step = (after[0] - before[0]) / max(after[1] - before[1], 1) / 1e3
+                            if burner is not None:
+                                burner.kill()
+                                burner.wait()
+                            runs[kind if proc is None else f"sse {kind}"].append(
+                                generation.summary(r)
+                                | {
+                                    "step ms": step,
+                                    # the serving side's CPU (in process: all of it)
+                                    "cpu us/tok": 1e6 * (cpu1 - cpu0) / r["tokens"],
+                                    # its event loop's (in process: the callers')
+                                    "loop us/tok": 1e6 * (loop1 - loop0) / r["tokens"],
+                                    "client us/tok": 1e6 * client_cpu / r["tokens"],
+                                }
+                            )
                 return runs
 
             runs = asyncio.run(bench())
         finally:
-            served.stop()
+            for proc in served.values():
+                proc.stop()
             dec.close()
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
-    cols = ("tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "step ms")
-    print(f"{'':<12}" + "".join(f"{c:>10}" for c in cols))
+    cols = ("tok/s", "ttft p50", "itl p50", "itl p99", "step ms", "cpu us/tok", "loop us/tok")
+    print(f"{'':<16}" + "".join(f"{c:>12}" for c in cols) + f"{'client us/tok':>15}")
     for kind, m in med.items():
-        print(f"{kind:<12}" + "".join(f"{m[c]:>10.2f}" for c in cols))
-    a, b = med["sse"], med["in-process"]
-    print(f"{'sse / local':<12}" + "".join(f"{a[c] / b[c]:>9.2f}x" for c in cols))
+        print(
+            f"{kind:<16}" + "".join(f"{m[c]:>12.2f}" for c in cols) + f"{m['client us/tok']:>15.1f}"
+        )
+    base = med["in-process"]
+    for kind in [f"sse {c}" for c in configs] + (["in-process+burn"] if args.burn else []):
+        a = med[kind]
+        label = kind.removeprefix("sse ").replace("in-process+", "") + " / local"
+        print(f"{label:<16}" + "".join(f"{a[c] / base[c]:>11.2f}x" for c in cols))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import secrets
@@ -62,6 +63,8 @@ if TYPE_CHECKING:  # both builds have the twin's API
     from ._slots_py import Generation as _GenerationBase
 else:
     _GenerationBase = _slots.Generation
+
+log = logging.getLogger("pxrt")
 
 _PREFILL, _STEP = 0, 1
 #: Temperatures below this are greedy (dividing by them would overflow float32).
@@ -165,6 +168,7 @@ class Generation(_GenerationBase):
         "t_submit",
         "_decoder",
         "_read",
+        "listener",
     )
 
     def __init__(
@@ -187,6 +191,7 @@ class Generation(_GenerationBase):
         self._read = 0
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
+        self.listener: Any = None  # see ``listen``
         self.event = threading.Event()
         self.t_submit = time.perf_counter()
 
@@ -278,14 +283,43 @@ class Generation(_GenerationBase):
             pass
         return self._completion()
 
+    # ------------------------------------------------------------------ callbacks
+
+    def listen(self, callback: Any) -> None:
+        """Instead of iterating: ``callback(self)`` is called on the running event loop
+        after each step that gave it tokens and once it has ended (and soon after this
+        call if either already happened); it reads them with ``take``. What a front end
+        that writes each step's tokens from a callback uses: no task or future per
+        token. Exceptions of the callback are logged."""
+        self.listener = callback
+        self.loop = asyncio.get_running_loop()  # (after the listener: see _wake_async)
+        if self._read < len(self.tokens) or self.finish_reason is not None:
+            self.loop.call_soon(_listen_once, self)
+
+    def take(self) -> list[int]:
+        """The tokens not taken yet (by ``take`` or iteration), now taken."""
+        tokens = self.tokens[self._read :]
+        self._read += len(tokens)
+        return tokens
+
 
 def _wake_async(gens: list) -> None:
-    """On an event loop: resume the generations' readers."""
+    """On an event loop: resume the generations' readers (or call their listener)."""
     for gen in gens:
         gen.woken = False
+        if gen.listener is not None:
+            _listen_once(gen)
+            continue
         waiter = gen.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+def _listen_once(gen: Generation) -> None:
+    try:
+        gen.listener(gen)
+    except Exception:  # noqa: BLE001 - one reader's bug: the others are woken
+        log.exception("pxrt: a generation's listener failed")
 
 
 # --------------------------------------------------------------------------- decoder

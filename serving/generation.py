@@ -179,29 +179,59 @@ class Piece:
         self.text = text
 
 
-async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIterator[Piece]:
-    """The generation's tokens with their text (``TextStream``: whole UTF-8 characters,
-    cut at a stop string, which ends the generation with reason ``stop``). Leaving early
-    cancels the generation."""
-    from pxrt.tokenizer import TextStream
+class Pieces:
+    """A generation's tokens as pieces with their text (``TextStream``: whole UTF-8
+    characters, cut at a stop string, which ends the generation with reason ``stop``),
+    one token at a time, whoever reads them (``pieces``, or a callback)."""
 
-    text = TextStream(decoder.tokenizer, prompt.stop) if decoder.tokenizer is not None else None
+    __slots__ = ("gen", "prompt", "text", "stopped")
+
+    def __init__(self, decoder: Decoder, gen: Generation, prompt: Prompt) -> None:
+        from pxrt.tokenizer import TextStream
+
+        self.gen = gen
+        self.prompt = prompt
+        self.text = (
+            TextStream(decoder.tokenizer, prompt.stop) if decoder.tokenizer is not None else None
+        )
+        self.stopped = False  # a stop string came: take no more tokens
+
+    def piece(self, token: int) -> Piece:
+        text = self.text
+        if text is None:
+            return Piece([token], "")
+        piece = Piece([token], text.push(token))
+        if text.stopped:
+            self.stopped = True
+            self.gen.cancel(STOP)  # (the piece holds the token that completed it)
+        return piece
+
+    def rest(self) -> Piece | None:
+        """What the text held back, once the generation has ended."""
+        rest = self.text.flush() if self.text is not None and not self.stopped else ""
+        return Piece([], rest) if rest else None
+
+    def close(self) -> None:
+        """The reader is done: the deadline is disarmed, the generation ended."""
+        if self.prompt.timer is not None:
+            self.prompt.timer.cancel()
+        self.gen.cancel()
+
+
+async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIterator[Piece]:
+    """The generation's pieces (``Pieces``) as they come. Leaving early cancels the
+    generation."""
+    maker = Pieces(decoder, gen, prompt)
     try:
         async for token in gen:
-            piece = text.push(token) if text is not None else ""
-            if text is not None and text.stopped:
-                gen.cancel(STOP)
-                yield Piece([token], piece)  # the token that completed the stop string
+            yield maker.piece(token)
+            if maker.stopped:
                 return
-            yield Piece([token], piece)
-        if text is not None:
-            rest = text.flush()
-            if rest:
-                yield Piece([], rest)
+        rest = maker.rest()
+        if rest is not None:
+            yield rest
     finally:
-        if prompt.timer is not None:
-            prompt.timer.cancel()
-        gen.cancel()
+        maker.close()
 
 
 def usage(gen: Generation) -> dict:
@@ -263,22 +293,36 @@ class KServeCall:
             doc["text_output"] = "".join(text)
         return doc
 
+    def event(self, piece: Piece) -> bytes:
+        """A token's event (server-sent)."""
+        doc = self.head | {"output_ids": piece.ids}
+        if self.prompt.text:
+            doc["text_output"] = piece.text
+        return _event(doc)
+
+    def last_event(self) -> bytes:
+        """The final event once the generation has ended: its finish reason and usage,
+        or its error."""
+        gen = self.gen
+        try:
+            raise_error(gen)
+        except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
+            return _error_event(exc)
+        final: dict[str, Any] = self.head | {"output_ids": [], "finish_reason": gen.finish_reason}
+        if self.prompt.text:
+            final["text_output"] = ""
+        return _event(final | {"usage": usage(gen)})
+
     async def events(self) -> AsyncIterator[bytes]:
         """An event per token, then the final one (an error is the last event)."""
-        head, text, gen = self.head, self.prompt.text, self.gen
         try:
-            async for piece in pieces(self.decoder, gen, self.prompt):
-                doc = head | {"output_ids": piece.ids}
-                if text:
-                    doc["text_output"] = piece.text
-                yield _event(doc)
-            raise_error(gen)
-            final: dict[str, Any] = head | {"output_ids": [], "finish_reason": gen.finish_reason}
-            if text:
-                final["text_output"] = ""
-            yield _event(final | {"usage": usage(gen)})
+            async for piece in pieces(self.decoder, self.gen, self.prompt):
+                yield self.event(piece)
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
-            yield _error_event(exc)
+            if exc is not self.gen.error:  # (its own is answered as last_event does)
+                yield _error_event(exc)
+                return
+        yield self.last_event()
 
 
 async def kserve_generate(

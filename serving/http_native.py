@@ -16,6 +16,12 @@ connection has no other request in progress:
   (``serving.core.start``), and the future's callback writes the reply with
   ``writelines`` (status line and headers, the JSON header, each output's bytes: never
   joined). No task or coroutine per request.
+- ``POST /v2/models/{model}[/versions/{version}]/generate_stream`` (generation, as
+  server-sent events): checked and gathered the same way, submitted (one task, until the
+  decoder accepts it), then each step's tokens are written as one chunk from the
+  generation's listener (``pxrt.Generation.listen``): no task, future or async
+  generator per token. The events are those of the ASGI path (``serving.generation``'s
+  ``KServeCall``); a client that hangs up cancels the generation.
 - ``GET /v2/health/live`` and ``/v2/health/ready``.
 
 Everything else (metadata, config, statistics, repository, metrics, and a request sent
@@ -64,7 +70,12 @@ _CLOSE = b"connection: close\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LENGTH_HEADER = HEADER_LENGTH.encode()
 
-_INFER, _LIVE, _READY = "inference", "live", "ready"
+_INFER, _LIVE, _READY, _STREAM = "inference", "live", "ready", "generate_stream"
+_STREAM_SUFFIX = "/generate_stream"
+_SSE_HEAD = (
+    b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n"
+)
 
 
 ROUTES_CACHED = 1024  # (method, URL) -> route, remembered (least recently used go)
@@ -85,6 +96,9 @@ def _route(method: bytes, url: bytes) -> tuple[str, str, str | None] | None:
         return None
     if "%" in path:
         path = unquote(path)
+    if method == b"POST" and path.endswith(_STREAM_SUFFIX):
+        found = fast_route("POST", path[: -len(_STREAM_SUFFIX)] + "/infer")
+        return None if found is None else (_STREAM, found[1], found[2])
     return fast_route(method.decode("latin-1"), path)
 
 
@@ -153,9 +167,9 @@ class NativeCycle:
         proto = self.proto
         headers = proto.headers
         try:
-            group = _INFER if self.kind == _INFER else "health"
+            group = _INFER if self.kind in (_INFER, _STREAM) else "health"
             state.restrictions.check(group, header_getter(headers))
-            if self.kind != _INFER:
+            if self.kind not in (_INFER, _STREAM):
                 return
             length = None
             for name, value in headers:
@@ -163,7 +177,13 @@ class NativeCycle:
                     length = value
                 elif name == _LENGTH_HEADER:
                     self.header_length = value.decode("latin-1")
-            core.resolve(state.server, self.name, self.version)  # before the body
+            if self.kind == _STREAM:
+                why = state.server.not_serving()
+                if why:
+                    raise core.NotServing(why)
+                state.server.decoder(self.name)  # before the body
+            else:
+                core.resolve(state.server, self.name, self.version)  # before the body
             self.upload = Upload(state, length)
         except TooLarge as exc:
             self.fail(exc, early=True)
@@ -198,6 +218,10 @@ class NativeCycle:
             return
         upload = self.upload
         assert upload is not None
+        if self.kind == _STREAM:
+            self.proto.native_stream = stream = Stream(self)
+            stream.open(state, upload.body())
+            return
         try:
             decode = request_decoder(upload.body(), self.header_length, state.limits)
             # The version that answers is the one served now (resolved again).
@@ -232,6 +256,9 @@ class NativeCycle:
     def lost(self) -> None:
         """The connection closed before the reply."""
         self.disconnected = True
+        stream = self.proto.native_stream
+        if stream is not None and stream.cycle is self:
+            stream.lost()
         if self.future is not None:
             self.future.cancel()  # out of the queue if not dispatched; done() releases
         elif self.upload is not None:
@@ -262,9 +289,30 @@ class NativeCycle:
     def reply_json(self, status: int, doc: Any, extra: bytes = b"") -> None:
         self.reply(status, [orjson.dumps(doc)], _JSON + extra)
 
+    def head(self, status: int, headers: bytes) -> bytes:
+        """A response's status line and headers (``headers``: those of this response)."""
+        head = [_STATUS[status]]
+        for name, value in self.proto.server_state.default_headers:  # date, server
+            head += [name, b": ", value, b"\r\n"]
+        head.append(headers)
+        if not self.keep_alive:
+            head.append(_CLOSE)
+        head.append(b"\r\n")
+        return b"".join(head)
+
     def reply(self, status: int, parts: list, headers: bytes = b"") -> None:
         """Write the response (``parts``: the body's buffers), then go on as uvicorn
         does after a response: the next request, or close without keep-alive."""
+        if self.response_complete:
+            return
+        length = sum(map(len, parts))  # bytes, and 1-D uint8 views
+        self.complete(
+            status, [self.head(status, headers + b"content-length: %d\r\n" % length), *parts]
+        )
+
+    def complete(self, status: int, parts: list) -> None:
+        """Write the last of the response (``parts``), then go on as uvicorn does after
+        a response: the next request, or close without keep-alive."""
         if self.response_complete:
             return
         self.response_complete = True
@@ -273,19 +321,12 @@ class NativeCycle:
         proto = self.proto
         if proto.native is self:
             proto.native = None
+        if proto.native_stream is not None and proto.native_stream.cycle is self:
+            proto.native_stream = None
         transport = proto.transport
         if self.disconnected or not proto.can_reply():
             return
-        head = [_STATUS[status]]
-        for name, value in proto.server_state.default_headers:  # date, server
-            head += [name, b": ", value, b"\r\n"]
-        length = sum(map(len, parts))  # bytes, and 1-D uint8 views
-        head.append(headers)
-        head.append(b"content-length: %d\r\n" % length)
-        if not self.keep_alive:
-            head.append(_CLOSE)
-        head.append(b"\r\n")
-        transport.writelines([b"".join(head), *parts])
+        transport.writelines(parts)
         if proto.access_log and proto.access_logger.isEnabledFor(logging.INFO):
             proto.access_logger.info(
                 '%s - "%s %s HTTP/1.1" %d', _client(proto), proto.scope.get("method"),
@@ -296,6 +337,86 @@ class NativeCycle:
         proto.on_response_complete()  # counts it; the next request, or the keep-alive timer
         if proto.flow.write_paused:
             proto.flow.pause_reading()  # a client that does not read: read no more of it
+
+
+class Stream:
+    """A ``generate_stream`` request on the native path, once its body is in: opened
+    (``KServeCall.open``, a task: a ``--workers`` worker waits for the device process),
+    then written from the generation's listener, one chunk per step (see the module)."""
+
+    __slots__ = ("cycle", "call", "pieces", "task")
+
+    def __init__(self, cycle: NativeCycle) -> None:
+        self.cycle = cycle
+        self.call: Any = None  # serving.generation.KServeCall, once open
+        self.pieces: Any = None  # serving.generation.Pieces
+        self.task: asyncio.Task | None = None
+
+    def open(self, state: AppState, body: Any) -> None:
+        from .generation import KServeCall, body_of
+
+        cycle = self.cycle
+        params = {"model": cycle.name, "version": cycle.version}
+        try:
+            doc = body_of(bytes(body))
+        except Exception as exc:  # noqa: BLE001 - answered by the error table
+            cycle.fail(exc)
+            return
+        self.task = asyncio.ensure_future(KServeCall.open(state.server, params, doc))
+        self.task.add_done_callback(self._opened)
+
+    def _opened(self, task: asyncio.Task) -> None:
+        from .generation import Pieces
+
+        self.task = None
+        cycle = self.cycle
+        if task.cancelled():
+            return  # the client hung up meanwhile
+        exc = task.exception()
+        if exc is not None:
+            cycle.fail(exc)
+            return
+        call = self.call = task.result()
+        if cycle.disconnected or not cycle.proto.can_reply():
+            call.gen.cancel()
+            return
+        self.pieces = Pieces(call.decoder, call.gen, call.prompt)
+        cycle.proto.transport.write(cycle.head(200, _SSE_HEAD))
+        call.gen.listen(self._wake)
+
+    def _wake(self, gen: Any) -> None:
+        """The generation's news: this step's tokens as one chunk of events, and at
+        its end the final event and the end of the response."""
+        cycle = self.cycle
+        if cycle.response_complete:
+            return
+        done = gen.finish_reason is not None  # (read first: its tokens are all in then)
+        call, pieces = self.call, self.pieces
+        events = []
+        for token in gen.take():
+            events.append(call.event(pieces.piece(token)))
+            if pieces.stopped:
+                done = True
+                break
+        if done:
+            rest = pieces.rest()
+            if rest is not None:
+                events.append(call.event(rest))
+            events.append(call.last_event())
+            pieces.close()
+        data = b"".join(events)
+        parts = [b"%x\r\n" % len(data), data, b"\r\n"] if data else []
+        if done:
+            cycle.complete(200, [*parts, b"0\r\n\r\n"])
+        elif parts and not cycle.disconnected:
+            cycle.proto.transport.writelines(parts)
+
+    def lost(self) -> None:
+        """The client hung up: the generation is cancelled (its slot freed)."""
+        if self.task is not None:
+            self.task.cancel()
+        if self.pieces is not None:
+            self.pieces.close()
 
 
 def _encode(
@@ -315,6 +436,7 @@ class NativeInferProtocol(HttpToolsProtocol):
 
     native_state: AppState | None = None
     native: NativeCycle | None = None  # the native request in progress (not yet answered)
+    native_stream: Stream | None = None  # a generation it streams (not yet ended)
 
     def can_reply(self) -> bool:
         """Whether a reply may still be written on this connection."""

@@ -85,7 +85,7 @@ class RemoteGeneration:
     ``prompt`` and ``delivered``."""
 
     __slots__ = ("gid", "prompt", "tokens", "finish_reason", "error", "delivered", "_link",
-                 "_waiter", "_accepted")  # fmt: skip
+                 "_waiter", "_accepted", "_loop", "listener")  # fmt: skip
 
     def __init__(self, gid: int, prompt: list[int], link: DeviceLink) -> None:
         self.gid = gid
@@ -96,7 +96,9 @@ class RemoteGeneration:
         self.delivered = 0  # tokens its reader has taken
         self._link: DeviceLink | None = link
         self._waiter: asyncio.Future | None = None
+        self._loop = link.loop
         self._accepted = link.loop.create_future()
+        self.listener: Any = None
 
     @property
     def done(self) -> bool:
@@ -110,13 +112,34 @@ class RemoteGeneration:
         self.finish_reason = reason
         if self._link is not None:
             self._link.send(ipc.Stop(self.gid, reason))
-        self._end()
+        self._link = None
+        self._loop.call_soon(self._wake)  # (not from inside a listener that cancels)
 
     def _end(self) -> None:
         self._link = None
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.listener is not None:
+            try:
+                self.listener(self)
+            except Exception:  # noqa: BLE001 - one reader's bug: the others go on
+                log.exception("pxrt: a generation's listener failed")
+            return
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def listen(self, callback: Any) -> None:
+        """As ``pxrt.Generation.listen``: ``callback(self)`` on each news."""
+        self.listener = callback
+        if self.delivered < len(self.tokens) or self.finish_reason is not None:
+            asyncio.get_running_loop().call_soon(self._wake)
+
+    def take(self) -> list[int]:
+        tokens = self.tokens[self.delivered :]
+        self.delivered += len(tokens)
+        return tokens
 
     def on_tokens(self, message: ipc.Tokens) -> bool:
         """News from the device process; True once it has ended."""
@@ -134,9 +157,7 @@ class RemoteGeneration:
                 self.error = _error(message.error)
             self._end()
             return True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
         return False
 
     def fail(self, exc: BaseException) -> None:

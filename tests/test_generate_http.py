@@ -42,11 +42,14 @@ def local(lm_path):
     dec.close()
 
 
-@pytest.fixture(scope="module", params=["one", "workers"])
+@pytest.fixture(scope="module", params=["one", "asgi", "workers"])
 def served(request, lm_path, artifacts):
-    """`pxrt serve` of the decoder beside a one-shot model; and the same with two
-    front-end workers, which stream generations running in the device process."""
-    extra = ["--workers", "2"] if request.param == "workers" else []
+    """`pxrt serve` of the decoder beside a one-shot model (streams on its native HTTP
+    path); the same with every request through the ASGI app; and with two front-end
+    workers, which stream generations running in the device process."""
+    extra = {"one": [], "asgi": ["--no-native-http"], "workers": ["--workers", "2"]}[
+        request.param
+    ]
     proc = ServeProcess([lm_path, str(artifacts["mlp"]), *extra])
     yield proc
     proc.stop()
