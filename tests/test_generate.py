@@ -125,6 +125,43 @@ def test_async_streams_under_each_loop(lm, reference, run):
     assert got == [reference(p, m) for p, m in cases]
 
 
+def test_listeners_take_each_steps_tokens(lm, reference, run, caplog):
+    """``listen``: the callback runs on the loop after steps that gave tokens and once
+    at the end; ``take`` gives each token once, in order: the engine's tokens. A listener
+    that raises is logged and the others go on."""
+    cases = [(p, 6 + i) for i, p in enumerate(prompts(4, seed=5))]
+
+    async def main():
+        got = [[] for _ in cases]
+        ended = [asyncio.Event() for _ in cases]
+        calls = [0] * len(cases)
+
+        def listener(i):
+            def on(gen):
+                done = gen.finish_reason is not None
+                calls[i] += 1
+                got[i].extend(gen.take())
+                if done:
+                    ended[i].set()
+                if i == 0:
+                    raise RuntimeError("a broken listener")
+
+            return on
+
+        gens = [lm.submit(p, max_tokens=m) for p, m in cases]
+        await asyncio.sleep(0.05)  # some tokens before listening: delivered at once
+        for i, gen in enumerate(gens):
+            gen.listen(listener(i))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in ended)), 30)
+        return got, calls, gens
+
+    got, calls, gens = run(main)
+    assert got == [reference(p, m) for p, m in cases]
+    assert all(g.delivered == len(g.tokens) for g in gens)
+    assert all(c <= len(t) + 1 for c, t in zip(calls, got))  # per step, not per poll
+    assert "a broken listener" in caplog.text
+
+
 def test_stop_ids_end_a_generation_with_the_stop_token(lm, reference):
     prompt = prompts(1, seed=4)[0]
     full = reference(prompt, 20)
