@@ -43,6 +43,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "uniform:LOW:HIGH or fixed:N; these run grid vs oldest-first vs padded vs jit per "
         "shape at 64 callers, then Poisson arrivals at half the saturated rate",
     )
+    load = p.add_argument_group("open loop, stability, goodput, output")
+    load.add_argument(
+        "--request-rate",
+        default="",
+        help="open-loop rates (req/s), comma-separated (default: half the best closed-loop rate)",
+    )
+    load.add_argument(
+        "--arrival",
+        default="poisson",
+        help="open-loop arrivals: poisson, constant, gamma::B (burstiness B: < 1 burstier, "
+        "1 Poisson), ramp:FROM:TO (req/s over the run), trace:FILE (JSON lines with "
+        "timestamp in ms and optional rows, or perf_analyzer's intervals file, in us)",
+    )
+    load.add_argument(
+        "--stability",
+        action="store_true",
+        help="--url: measure each closed-loop run in windows of --duration until the last "
+        "3 agree within --stability-threshold (as perf_analyzer does)",
+    )
+    load.add_argument("--stability-threshold", type=float, default=0.10)
+    load.add_argument("--max-windows", type=int, default=10)
+    load.add_argument(
+        "--goodput-p99-ms",
+        type=float,
+        default=None,
+        help="--url: also search the highest rate whose p99 stays within this many ms",
+    )
+    load.add_argument("--csv", help="write the runs as perf_analyzer's CSV (latencies in us)")
+    load.add_argument("--records", help="write every open-loop request as a JSON line")
+    load.add_argument(
+        "--compare",
+        metavar="URL_B",
+        help="--url A --compare B: both servers at each concurrency, alternated "
+        "--repeats times, as ratios B/A with 95%% intervals",
+    )
+    load.add_argument("--repeats", type=int, default=3, help="alternated repeats of --compare")
     p.add_argument("--width", type=int, default=None, help="demo model width (no model_dir)")
     p.add_argument("--layers", type=int, default=None, help="demo model depth (no model_dir)")
 
@@ -51,25 +87,57 @@ def main(args: argparse.Namespace) -> int:
     import pxrt
     from pxrt import demo
 
+    from .schedule import plans
+
     if args.quick:
         args.duration = min(args.duration, 1.0)
         args.concurrency = "1,64,256"
+    try:
+        rates = [float(r) for r in args.request_rate.split(",") if r]
+        if any(not r > 0 for r in rates):
+            raise ValueError("--request-rate: rates must be > 0")
+        plans(args.arrival, rates, 1.0)  # a bad spec fails before any run
+    except ValueError as exc:
+        print(f"pxrt bench: error: {exc}", file=sys.stderr)
+        return 2
+    if args.compare and not args.url:
+        print("pxrt bench: error: --compare URL_B needs --url URL_A", file=sys.stderr)
+        return 2
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if args.url:
         try:
-            from .http import bench_url
+            from .http import bench_url, compare_urls
         except ImportError as exc:
             raise SystemExit(
                 f"pxrt bench --url needs aiohttp ({exc}): pip install 'pxrt[bench]'"
             ) from None
 
+        if args.compare:
+            compare_urls(
+                (args.url, args.compare),
+                args.model,
+                concurrency=concurrency,
+                rows=args.rows,
+                duration=args.duration,
+                binary=not args.json,
+                repeats=args.repeats,
+                out_dir=args.out,
+            )
+            return 0
         bench_url(
             args.url,
             args.model,
             rows=args.rows,
             duration=args.duration,
-            concurrency=[int(c) for c in args.concurrency.split(",") if c],
+            concurrency=concurrency,
             binary=not args.json,
             out_dir=args.out,
+            arrival=args.arrival,
+            rates=rates or None,
+            stability=(args.stability_threshold, args.max_windows) if args.stability else None,
+            goodput_ms=args.goodput_p99_ms,
+            csv_path=args.csv,
+            records_path=args.records,
         )
         return 0
 
@@ -97,12 +165,16 @@ def main(args: argparse.Namespace) -> int:
 
         report = bench(
             model,
-            concurrency=[int(c) for c in args.concurrency.split(",") if c],
+            concurrency=concurrency,
             naive_concurrency=[int(c) for c in args.naive_concurrency.split(",") if c],
             rows=args.rows,
             duration=args.duration,
             options=options,
             out_dir=args.out,
+            arrival=args.arrival,
+            rates=rates or None,
+            csv_path=args.csv,
+            records_path=args.records,
         )
     if report["hung"]:
         # Threads stuck inside jax would block the interpreter's exit.

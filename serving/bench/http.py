@@ -2,13 +2,19 @@
 KServe v2 server (pxrt serve, or any other), with binary tensors (``--json`` for JSON).
 
 The server-side stage breakdown comes from the model's statistics endpoint, as deltas
-over each run.
+over each run. Beyond the concurrency sweep (``bench_url``): open-loop runs on any
+arrival schedule (``serving.bench.schedule``: rates, bursts, ramps, traces), closed-loop
+runs measured until stable, the goodput search under a latency objective, and
+``compare_urls``: two servers alternated with repeats, as ratios with intervals
+(``serving.bench.method``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from typing import Any
 
 import aiohttp
@@ -16,8 +22,10 @@ import numpy as np
 
 from .. import codec
 from ..server import new_event_loop
-from .loadgen import closed_loop, open_loop, run_result
-from .report import print_table, write_report
+from . import method
+from .loadgen import Records, closed_loop, run_result, scheduled_run
+from .report import print_table, write_csv, write_records, write_report
+from .schedule import Schedule, plans
 
 
 class Target:
@@ -31,6 +39,8 @@ class Target:
         self.infer_url = f"{self.url}/v2/models/{model}/infer"
         self.body = b""
         self.headers: dict[str, str] = {}
+        self.meta: dict = {}
+        self._bodies: dict[int, tuple[bytes, dict[str, str]]] = {}
 
     async def prepare(self, session: aiohttp.ClientSession) -> None:
         async with session.get(f"{self.url}/v2/models/{self.model}") as r:
@@ -39,13 +49,18 @@ class Target:
                     f"pxrt bench: {self.url} has no model {self.model!r} "
                     f"({r.status}: {await r.text()})"
                 )
-            meta = await r.json()
-        rng = np.random.default_rng(0)
+            self.meta = await r.json()
+        self.body, self.headers = self._make(self.rows)
+
+    def _make(self, rows: int) -> tuple[bytes, dict[str, str]]:
+        """A request body of ``rows`` rows (random values) and its headers."""
+        meta = self.meta
+        rng = np.random.default_rng(rows)
         inputs = []
         blobs = []
         for spec in meta["inputs"]:
             dtype = codec.DATATYPES[spec["datatype"]]
-            shape = [self.rows, *spec["shape"][1:]]
+            shape = [rows, *spec["shape"][1:]]
             if dtype.kind == "f" or spec["datatype"] == "BF16":
                 x = rng.standard_normal(shape).astype(dtype)
             elif dtype.kind == "b":
@@ -67,15 +82,20 @@ class Target:
         if self.binary:
             doc["parameters"] = {"binary_data_output": True}
         header = json.dumps(doc).encode()
-        self.body = header + b"".join(blobs)
-        self.headers = {
+        headers = {
             "Content-Type": "application/octet-stream" if self.binary else "application/json"
         }
         if self.binary:
-            self.headers["Inference-Header-Content-Length"] = str(len(header))
+            headers["Inference-Header-Content-Length"] = str(len(header))
+        return header + b"".join(blobs), headers
 
-    async def call(self, session: aiohttp.ClientSession) -> None:
-        async with session.post(self.infer_url, data=self.body, headers=self.headers) as r:
+    async def call(self, session: aiohttp.ClientSession, rows: int | None = None) -> None:
+        body, headers = self.body, self.headers
+        if rows is not None and rows != self.rows:
+            if rows not in self._bodies:
+                self._bodies[rows] = self._make(rows)
+            body, headers = self._bodies[rows]
+        async with session.post(self.infer_url, data=body, headers=headers) as r:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}")
@@ -147,25 +167,110 @@ async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
     )
 
 
-async def run_open(target: Target, rate: float, duration: float, concurrency: int) -> dict:
-    (latencies, errors), stages = await _measured(
-        target,
-        concurrency,
-        lambda session: open_loop(
-            lambda _: asyncio.ensure_future(target.call(session)), None, rate, duration
-        ),
-    )
+async def run_scheduled(
+    target: Target, plan: Schedule, duration: float, connections: int, seed: int = 0
+) -> tuple[dict, Records]:
+    """Open loop: a request at each time of ``plan`` (latency from its scheduled send);
+    the run's row and its per-request records."""
+    times = plan.times(duration, seed)
+    rows = plan.rows[: len(times)] if plan.rows else None
+
+    async def drive(session: aiohttp.ClientSession) -> tuple[Records, float]:
+        if rows is None:
+            return await scheduled_run(lambda _: target.call(session), None, times)
+        sizes = iter(rows)
+        return await scheduled_run(
+            lambda _: target.call(session, next(sizes)), None, times, rows=rows
+        )
+
+    (records, elapsed), stages = await _measured(target, connections, drive)
     kind = "binary" if target.binary else "JSON"
-    return run_result(
+    span = max(float(times[-1]) if len(times) else 0.0, 1e-9)
+    result = run_result(
         "http-open",
-        f"HTTP {kind}: Poisson at {rate:,.0f} req/s",
-        latencies,
+        f"HTTP {kind}: {plan.label}",
+        records.latencies(),
         target.rows,
-        duration,
-        offered_per_s=rate,
-        errors=errors,
+        max(elapsed, span),
+        offered_per_s=len(times) / span,
+        errors=len(records.errors),
+        late_share=records.late_share(),
         **stages,
     )
+    if rows is not None:  # (a trace's own sizes)
+        result["rows_per_s"] = float(np.sum(np.asarray(rows)[records.ok])) / max(elapsed, span)
+    return result, records
+
+
+async def run_open(target: Target, rate: float, duration: float, concurrency: int) -> dict:
+    """Poisson arrivals at ``rate``."""
+    result, _ = await run_scheduled(target, Schedule("poisson", rate), duration, concurrency)
+    return result
+
+
+def run_stable(
+    loop: asyncio.AbstractEventLoop,
+    target: Target,
+    concurrency: int,
+    duration: float,
+    threshold: float,
+    max_windows: int,
+) -> dict:
+    """A closed-loop run measured in windows of ``duration`` until the last three agree
+    within ``threshold`` (throughput and mean latency), as perf_analyzer does; the
+    result merges those three and says whether they agreed (``stable``)."""
+    windows, ok = method.stable(
+        lambda: loop.run_until_complete(run_closed(target, concurrency, duration)),
+        threshold=threshold,
+        max_windows=max_windows,
+    )
+    return merge_windows(windows) | {"stable": ok}
+
+
+def merge_windows(windows: list[dict]) -> dict:
+    """Runs of the same kind as one: rates averaged, percentiles over every latency
+    sample kept, the stage breakdown of the last."""
+    merged = dict(windows[-1])
+    merged["requests_per_s"] = float(np.mean([w["requests_per_s"] for w in windows]))
+    merged["rows_per_s"] = float(np.mean([w["rows_per_s"] for w in windows]))
+    samples = [v / 1e3 for w in windows for v in w["latencies_ms"]]
+    stats = run_result("", "", samples, 1, 1.0)
+    for key in stats:
+        if key.endswith("_ms") and key != "latencies_ms":
+            merged[key] = stats[key]
+    merged["windows"] = len(windows)
+    return merged
+
+
+def search_goodput(
+    loop: asyncio.AbstractEventLoop,
+    target: Target,
+    plan: Schedule,
+    objective_ms: float,
+    high: float,
+    duration: float,
+    connections: int,
+    percentile: str = "p99_ms",
+) -> dict:
+    """The highest rate (of ``plan``'s shape) whose ``percentile`` latency is within
+    ``objective_ms`` (``method.goodput``: bisection between ``high`` / 64 and ``high``)."""
+    rows: list[dict] = []
+
+    def probe(rate: float) -> float:
+        result, _ = loop.run_until_complete(
+            run_scheduled(target, plan.at(rate), duration, connections)
+        )
+        rows.append(result)
+        return result[percentile] if not result["errors"] else float("inf")
+
+    best, probed = method.goodput(probe, objective_ms, high / 64, high)
+    return {
+        "objective_ms": objective_ms,
+        "percentile": percentile,
+        "goodput_per_s": best,
+        "probes": [{"rate": r, percentile: v} for r, v in probed],
+        "runs": rows,
+    }
 
 
 def bench_url(
@@ -177,12 +282,24 @@ def bench_url(
     duration: float,
     binary: bool,
     out_dir: str | None,
+    arrival: str = "poisson",
+    rates: list[float] | None = None,
+    stability: tuple[float, int] | None = None,
+    goodput_ms: float | None = None,
+    csv_path: str | None = None,
+    records_path: str | None = None,
 ) -> dict:
-    """The closed-loop sweep, then open loop at half the best closed-loop rate."""
+    """The closed-loop sweep (each until stable with ``stability``: (threshold, max
+    windows)), then open loop on ``arrival``'s shape at each of ``rates`` (default: half
+    the best closed-loop rate; a trace at its own), then the goodput search under
+    ``goodput_ms`` (p99)."""
     from tqdm.auto import tqdm
 
+    plans(arrival, rates, 1.0)  # a bad spec fails before any run
     loop = new_event_loop()
     results: list[dict] = []
+    recorded: list[tuple[str, Records]] = []
+    search = None
     try:
         target = Target(url, model, rows, binary)
 
@@ -191,17 +308,41 @@ def bench_url(
                 await target.prepare(session)
 
         loop.run_until_complete(prepare())
-        with tqdm(total=len(concurrency) + 1, desc="pxrt bench", unit="run", leave=False) as bar:
+        steps = len(concurrency) + len(rates or [None]) + (1 if goodput_ms else 0)
+        with tqdm(total=steps, desc="pxrt bench", unit="run", leave=False) as bar:
             for c in concurrency:
                 bar.set_postfix_str(f"HTTP x{c}")
-                results.append(loop.run_until_complete(run_closed(target, c, duration)))
+                if stability is not None:
+                    results.append(run_stable(loop, target, c, duration, *stability))
+                else:
+                    results.append(loop.run_until_complete(run_closed(target, c, duration)))
                 bar.update()
-            best = max(r["requests_per_s"] for r in results)
-            bar.set_postfix_str("open loop")
-            results.append(
-                loop.run_until_complete(run_open(target, best / 2, duration, max(concurrency)))
-            )
-            bar.update()
+            best = max((r["requests_per_s"] for r in results), default=0.0)
+            runs = plans(arrival, rates, best / 2 if best else 100.0)
+            connections = max(concurrency, default=64)
+            for plan in runs:
+                bar.set_postfix_str(plan.label)
+                result, records = loop.run_until_complete(
+                    run_scheduled(target, plan, duration, connections)
+                )
+                results.append(result)
+                recorded.append((result["label"], records))
+                if result["late_share"] > 0.05:
+                    print(
+                        f"pxrt bench: warning: {result['late_share']:.0%} of the requests of "
+                        f"{plan.label} were sent over 2 ms late: the load generator could "
+                        "not keep up, so this rate was not offered",
+                        file=sys.stderr,
+                    )
+                bar.update()
+            if goodput_ms:
+                bar.set_postfix_str(f"goodput under p99 {goodput_ms:g} ms")
+                high = 1.5 * (best or max(p.rate for p in runs))
+                shape = runs[0] if runs[0].kind != "trace" else Schedule("poisson", 1.0)
+                search = search_goodput(
+                    loop, target, shape, goodput_ms, high, duration, connections
+                )
+                bar.update()
     finally:
         loop.close()
     report = {
@@ -212,10 +353,89 @@ def bench_url(
         "duration_s": duration,
         "results": results,
     }
+    if search is not None:
+        report["goodput"] = search
     print(
         f"\n{url} model {model!r}, {rows}-row requests, "
         f"{'binary' if binary else 'JSON'} tensors, {duration:g} s per run"
     )
     print_table(results)
+    for r in results:
+        if r.get("stable") is False:
+            print(f"unstable: {r['label']} (the last 3 of {r['windows']} windows disagree)")
+        if r.get("late_share"):
+            print(f"sent late (over 2 ms): {r['late_share']:.1%} of {r['label']}")
+    if search is not None:
+        print(
+            f"goodput: {search['goodput_per_s']:,.0f} req/s keep p99 within "
+            f"{goodput_ms:g} ms ({len(search['probes'])} probes)"
+        )
     write_report(report, results, out_dir)
+    if csv_path:
+        write_csv(csv_path, results)
+        print(f"wrote {csv_path}")
+    if records_path:
+        write_records(records_path, recorded)
+        print(f"wrote {records_path}")
+    return report
+
+
+def compare_urls(
+    urls: tuple[str, str],
+    model: str,
+    *,
+    concurrency: list[int],
+    rows: int,
+    duration: float,
+    binary: bool,
+    repeats: int,
+    out_dir: str | None,
+) -> dict:
+    """Two servers (the same model) at each concurrency, alternated ``repeats`` times
+    (A B, B A, ...); each pair gives a ratio B / A of throughput and of p50 and p99, and
+    the report gives their geometric means with 95% intervals."""
+    from tqdm.auto import tqdm
+
+    loop = new_event_loop()
+    rows_out: list[dict] = []
+    try:
+        targets = [Target(u, model, rows, binary) for u in urls]
+
+        async def prepare() -> None:
+            async with _session(1) as session:
+                for t in targets:
+                    await t.prepare(session)
+
+        loop.run_until_complete(prepare())
+        with tqdm(total=len(concurrency) * repeats * 2, desc="pxrt bench --compare",
+                  unit="run", leave=False) as bar:  # fmt: skip
+            for c in concurrency:
+                runs: list[list[dict]] = [[], []]
+                for rep in range(repeats):
+                    order = (0, 1) if rep % 2 == 0 else (1, 0)
+                    for i in order:
+                        runs[i].append(loop.run_until_complete(run_closed(targets[i], c, duration)))
+                        bar.update()
+                row: dict[str, Any] = {"concurrency": c}
+                for key in ("requests_per_s", "p50_ms", "p99_ms"):
+                    a = [r[key] for r in runs[0]]
+                    b = [r[key] for r in runs[1]]
+                    row[key] = {"a": a, "b": b, **method.ratio_interval(a, b)}
+                rows_out.append(row)
+    finally:
+        loop.close()
+    print(f"\nB / A, {repeats} alternated repeats, 95% intervals\n  A: {urls[0]}\n  B: {urls[1]}")
+    print(f"{'clients':>8} {'req/s B/A':>24} {'p50 B/A':>24} {'p99 B/A':>24}")
+    for row in rows_out:
+        cells = [
+            f"{row[k]['ratio']:.3f}x [{row[k]['low']:.3f}, {row[k]['high']:.3f}]"
+            for k in ("requests_per_s", "p50_ms", "p99_ms")
+        ]
+        print(f"{row['concurrency']:>8} " + " ".join(f"{c:>24}" for c in cells))
+    report = {"urls": list(urls), "model": model, "repeats": repeats, "compare": rows_out}
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "compare.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {out_dir}/compare.json")
     return report

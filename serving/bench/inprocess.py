@@ -18,6 +18,7 @@ import pxrt
 
 from ..server import Server, new_event_loop
 from . import baselines, loadgen, report
+from .schedule import Schedule, plans
 
 
 def _server_stats(snap: dict) -> dict:
@@ -91,27 +92,36 @@ async def run_plain(
 
 
 async def run_open(
-    model: pxrt.Model, options: dict, rate: float, rows: int, duration: float
-) -> dict:
-    """pxrt under Poisson arrivals at ``rate``, latency from each scheduled arrival."""
-    request = pxrt.example_inputs(model.inputs, rows, seed=3)
-    (latencies, errors), stats = await _on_server(
+    model: pxrt.Model, options: dict, plan: Schedule, rows: int, duration: float
+) -> tuple[dict, loadgen.Records]:
+    """pxrt under ``plan``'s arrivals (latency from each scheduled arrival): the run's
+    row and its per-request records."""
+    times = plan.times(duration, seed=4)
+    sizes = plan.rows[: len(times)] if plan.rows else None
+    if sizes is None:
+        request: Any = pxrt.example_inputs(model.inputs, rows, seed=3)
+    else:  # a trace's own sizes, in order
+        request = [pxrt.example_inputs(model.inputs, n, seed=3) for n in sizes]
+    (records, elapsed), stats = await _on_server(
         model,
         options,
-        lambda server: loadgen.open_loop(
-            functools.partial(server.submit, "bench"), request, rate, duration
+        lambda server: loadgen.scheduled_run(
+            functools.partial(server.submit, "bench"), request, times, rows=sizes
         ),
     )
-    return loadgen.run_result(
+    span = max(float(times[-1]) if len(times) else 0.0, 1e-9)
+    result = loadgen.run_result(
         "pxrt-open",
-        f"pxrt: Poisson arrivals at {rate:,.0f} req/s",
-        latencies,
+        f"pxrt: {plan.label}",
+        records.latencies(),
         rows,
-        duration,
-        offered_per_s=rate,
-        errors=errors,
+        max(elapsed, span),
+        offered_per_s=len(times) / span,
+        errors=len(records.errors),
+        late_share=records.late_share(),
         **stats,
     )
+    return result, records
 
 
 def bench(
@@ -123,10 +133,18 @@ def bench(
     duration: float,
     options: dict,
     out_dir: str | None,
+    arrival: str = "poisson",
+    rates: list[float] | None = None,
+    csv_path: str | None = None,
+    records_path: str | None = None,
 ) -> dict:
-    """Every run, the table, the summary, and the report files."""
-    steps = 1 + 2 * len(concurrency) + 1 + len(naive_concurrency)
+    """Every run, the table, the summary, and the report files. The open-loop runs
+    follow ``arrival``'s shape (``serving.bench.schedule``) at each of ``rates``
+    (default: half the saturated rate)."""
+    plans(arrival, rates, 1.0)  # a bad spec fails before any run
+    steps = 1 + 2 * len(concurrency) + len(rates or [None]) + len(naive_concurrency)
     results: list[dict] = []
+    recorded: list[tuple[str, loadgen.Records]] = []
     with tqdm(total=steps, desc="pxrt bench", unit="run", leave=False) as bar:
         bar.set_postfix_str("ceiling")
         results.append(
@@ -140,12 +158,17 @@ def bench(
                     bar.set_postfix_str(f"{kind} x{c}")
                     results.append(loop.run_until_complete(fn(model, options, c, rows, duration)))
                     bar.update()
-            saturated = max(r["requests_per_s"] for r in results if r["mode"] == "pxrt-closed")
-            bar.set_postfix_str("open loop")
-            results.append(
-                loop.run_until_complete(run_open(model, options, saturated / 2, rows, duration))
+            saturated = max(
+                (r["requests_per_s"] for r in results if r["mode"] == "pxrt-closed"), default=0.0
             )
-            bar.update()
+            for plan in plans(arrival, rates, saturated / 2 or 100.0):
+                bar.set_postfix_str(plan.label)
+                result, records = loop.run_until_complete(
+                    run_open(model, options, plan, rows, duration)
+                )
+                results.append(result)
+                recorded.append((result["label"], records))
+                bar.update()
         finally:
             loop.close()
         for c in naive_concurrency:
@@ -169,8 +192,20 @@ def bench(
         f"{rows}-row requests, {duration:g} s per run, options {options}"
     )
     report.print_table(results)
+    for r in results:
+        if r.get("late_share", 0) > 0.05:
+            print(
+                f"warning: {r['late_share']:.0%} of {r['label']} were sent over 2 ms late: "
+                "the load generator could not keep up, so this rate was not offered"
+            )
     print()
     report.print_summary(summary)
     report.write_report(out, results, out_dir)
+    if csv_path:
+        report.write_csv(csv_path, results)
+        print(f"wrote {csv_path}")
+    if records_path:
+        report.write_records(records_path, recorded)
+        print(f"wrote {records_path}")
     out["hung"] = any(r.get("hung_threads") for r in results)
     return out

@@ -151,3 +151,68 @@ def write_report(report: dict, results: list[dict], out_dir: str | None) -> None
         print(f"wrote {out_dir}/bench.json and {out_dir}/bench.png")
     else:
         print(f"wrote {out_dir}/bench.json (no plot: pip install 'pxrt[bench]' for matplotlib)")
+
+
+# perf_analyzer's CSV (``-f``): its columns, latencies and times in microseconds.
+CSV_COLUMNS = (
+    "Inferences/Second", "Client Send", "Network+Server Send/Recv", "Server Queue",
+    "Server Compute Input", "Server Compute Infer", "Server Compute Output", "Client Recv",
+    "p50 latency", "p90 latency", "p95 latency", "p99 latency", "Avg latency",
+)  # fmt: skip
+
+
+def csv_rows(results: list[dict]) -> tuple[str, list[list[Any]]]:
+    """The load column's name (``Concurrency`` or ``Request Rate``) and a row per run
+    that has one, in perf_analyzer's columns. The client's send and receive times are
+    not separated from the rest here: they are 0 and in ``Network+Server Send/Recv``
+    (the mean latency less the server's stages, when the server reports them)."""
+    runs = [r for r in results if "concurrency" in r or "offered_per_s" in r]
+    rate_mode = any("offered_per_s" in r for r in runs) and not any(
+        "concurrency" in r for r in runs
+    )
+    rows = []
+    for r in runs:
+        load = r.get("offered_per_s") if rate_mode else r.get("concurrency")
+        if load is None:
+            continue
+        stages = r.get("stages_us") or {}
+        mean_us = r["mean_ms"] * 1e3
+        server: list[Any] = [""] * 4
+        network: Any = ""
+        if stages:
+            server = [round(stages[k]) for k in ("queue", "compute_input", "compute_infer",
+                                                 "compute_output")]  # fmt: skip
+            network = round(mean_us - sum(stages.values()))
+        rows.append(
+            [
+                round(load, 3),
+                round(r["requests_per_s"], 3),
+                0,
+                network,
+                *server,
+                0,
+                *(round(r[f"p{p}_ms"] * 1e3) for p in (50, 90, 95, 99)),
+                round(mean_us),
+            ]
+        )
+    return ("Request Rate" if rate_mode else "Concurrency"), rows
+
+
+def write_csv(path: str, results: list[dict]) -> None:
+    """``results`` as perf_analyzer's CSV (``csv_rows``)."""
+    import csv
+
+    load, rows = csv_rows(results)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([load, *CSV_COLUMNS])
+        writer.writerows(rows)
+
+
+def write_records(path: str, runs: list[tuple[str, Any]]) -> None:
+    """Per-request records as JSON lines: one per request of each open-loop run
+    (``runs``: (label, ``loadgen.Records``)), tagged with its run."""
+    with open(path, "w") as f:
+        for label, records in runs:
+            for row in records.rows_of():
+                f.write(json.dumps({"run": label, **row}) + "\n")
