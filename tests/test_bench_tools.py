@@ -162,6 +162,57 @@ def test_a_generator_that_falls_behind_says_so(run):
     assert max(records.latencies()) > 0.05
 
 
+def test_the_raw_client_reuses_connections_within_its_limit(run):
+    """A server that closes every third connection after answering, 2 connections
+    allowed, 12 requests at once: every answer arrives, never over 2 connections open."""
+    from serving.bench.wire import RawClient, request_bytes
+
+    async def main():
+        open_now = peak = answered = 0
+
+        async def handle(reader, writer):
+            nonlocal open_now, peak, answered
+            open_now += 1
+            peak = max(peak, open_now)
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                    await reader.readexactly(length)
+                    answered += 1
+                    close = answered % 3 == 0
+                    status = b"200 OK" if answered != 5 else b"503 Service Unavailable"
+                    writer.write(
+                        b"HTTP/1.1 " + status + b"\r\nContent-Length: 2\r\n"
+                        + (b"Connection: close\r\n" if close else b"") + b"\r\nok"
+                    )  # fmt: skip
+                    await writer.drain()
+                    if close:
+                        break
+            except asyncio.IncompleteReadError:
+                pass
+            finally:
+                open_now -= 1
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = RawClient("127.0.0.1", port, 2)
+        data = request_bytes(f"http://127.0.0.1:{port}/v2/models/m/infer", b"{}", {})
+        statuses = await asyncio.gather(*(client.send(data) for _ in range(12)))
+        await client.close()
+        for _ in range(200):  # the handlers see their connections close
+            if not open_now:
+                break
+            await asyncio.sleep(0.005)
+        server.close()
+        await server.wait_closed()
+        return statuses, peak
+
+    statuses, peak = run(main)
+    assert sorted(statuses) == [200] * 11 + [503] and peak <= 2
+
+
 # --------------------------------------------------------------------------- method
 
 
@@ -275,18 +326,22 @@ def test_bench_url_with_schedules_stability_goodput_and_files(served, tmp_path):
     replay = _bench(
         "--url", served.url, "--model", "mlp", "--duration", "5", "--concurrency", "",
         "--arrival", f"trace:{trace}", "--records", str(tmp_path / "t.jsonl"),
-        "--out", str(out),
+        "--client-procs", "2", "--out", str(out),
     )  # fmt: skip
     assert replay.returncode == 0, replay.stderr[-3000:]
+    # (sent by two processes, every other request each, merged in the trace's order)
     rows = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert [r["rows"] for r in rows] == [1 + i % 3 for i in range(30)]
     assert [r["scheduled_s"] for r in rows] == pytest.approx([0.01 * i for i in range(30)])
+    assert all("latency_ms" in r for r in rows)
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["results"][0]["client_procs"] == 2 and doc["results"][0]["client_cpu_us"] > 0
 
 
 def test_bench_compare_alternates_two_servers(served, tmp_path):
     result = _bench(
         "--url", served.url, "--compare", served.url, "--model", "mlp", "--duration", "0.3",
-        "--concurrency", "2", "--repeats", "2", "--out", str(tmp_path),
+        "--concurrency", "2", "--repeats", "2", "--client-procs", "2", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "B / A, 2 alternated repeats" in result.stdout

@@ -79,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeats times, as ratios B/A with 95%% intervals",
     )
     load.add_argument("--repeats", type=int, default=3, help="alternated repeats of --compare")
+    load.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="--url: generate the load from this many processes (a Python client then "
+        "is not what is measured); the client's CPU per request is in the report",
+    )
     p.add_argument("--width", type=int, default=None, help="demo model width (no model_dir)")
     p.add_argument("--layers", type=int, default=None, help="demo model depth (no model_dir)")
 
@@ -99,6 +106,9 @@ def main(args: argparse.Namespace) -> int:
         plans(args.arrival, rates, 1.0)  # a bad spec fails before any run
     except ValueError as exc:
         print(f"pxrt bench: error: {exc}", file=sys.stderr)
+        return 2
+    if args.client_procs < 1:
+        print("pxrt bench: error: --client-procs must be >= 1", file=sys.stderr)
         return 2
     if args.compare and not args.url:
         print("pxrt bench: error: --compare URL_B needs --url URL_A", file=sys.stderr)
@@ -122,6 +132,7 @@ def main(args: argparse.Namespace) -> int:
                 binary=not args.json,
                 repeats=args.repeats,
                 out_dir=args.out,
+                client_procs=args.client_procs,
             )
             return 0
         bench_url(
@@ -138,6 +149,7 @@ def main(args: argparse.Namespace) -> int:
             goodput_ms=args.goodput_p99_ms,
             csv_path=args.csv,
             records_path=args.records,
+            client_procs=args.client_procs,
         )
         return 0
 

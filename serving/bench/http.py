@@ -15,17 +15,20 @@ import asyncio
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import aiohttp
 import numpy as np
 
 from .. import codec
-from ..server import new_event_loop
+from ..loops import new_event_loop
 from . import method
 from .loadgen import Records, closed_loop, run_result, scheduled_run
+from .procs import ClientPool
 from .report import print_table, write_csv, write_records, write_report
 from .schedule import Schedule, plans
+from .wire import RawClient, make_client, request_bytes
 
 
 class Target:
@@ -41,6 +44,7 @@ class Target:
         self.headers: dict[str, str] = {}
         self.meta: dict = {}
         self._bodies: dict[int, tuple[bytes, dict[str, str]]] = {}
+        self._wire: dict[int, bytes] = {}  # rows -> the whole request, for RawClient
 
     async def prepare(self, session: aiohttp.ClientSession) -> None:
         async with session.get(f"{self.url}/v2/models/{self.model}") as r:
@@ -89,16 +93,27 @@ class Target:
             headers["Inference-Header-Content-Length"] = str(len(header))
         return header + b"".join(blobs), headers
 
-    async def call(self, session: aiohttp.ClientSession, rows: int | None = None) -> None:
-        body, headers = self.body, self.headers
-        if rows is not None and rows != self.rows:
-            if rows not in self._bodies:
-                self._bodies[rows] = self._make(rows)
-            body, headers = self._bodies[rows]
-        async with session.post(self.infer_url, data=body, headers=headers) as r:
-            await r.read()
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}")
+    def _request(self, rows: int | None) -> tuple[bytes, dict[str, str]]:
+        if rows is None or rows == self.rows:
+            return self.body, self.headers
+        if rows not in self._bodies:
+            self._bodies[rows] = self._make(rows)
+        return self._bodies[rows]
+
+    async def call(self, client: Any, rows: int | None = None) -> None:
+        """One inference request through ``client`` (``serving.bench.wire``); an
+        answer other than 200 raises."""
+        if isinstance(client, RawClient):
+            data = self._wire.get(rows or self.rows)
+            if data is None:
+                data = self._wire[rows or self.rows] = request_bytes(
+                    self.infer_url, *self._request(rows)
+                )
+            status = await client.send(data)
+        else:
+            status = await client.post(self.infer_url, *self._request(rows))
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
 
     async def stats(self, session: aiohttp.ClientSession) -> dict | None:
         try:
@@ -136,23 +151,45 @@ def _session(concurrency: int) -> aiohttp.ClientSession:
 
 
 async def _measured(target: Target, connections: int, drive: Any) -> tuple[Any, dict]:
-    """``await drive(session)`` over a warm connection pool; returns its result and the
-    server's stage breakdown over the run (from its statistics endpoint)."""
-    async with _session(connections) as session:
-        await target.call(session)  # warm the connection path
-        before = await target.stats(session)
-        out = await drive(session)
-        after = await target.stats(session)
+    """``await drive(client)`` (``serving.bench.wire``: up to ``connections``
+    connections) with the connection path warm; returns its result and the server's
+    stage breakdown over the run (from its statistics endpoint)."""
+    client = make_client(target.url, connections)
+    try:
+        async with _session(1) as session:
+            await target.call(client)  # warm the connection path
+            before = await target.stats(session)
+            out = await drive(client)
+            after = await target.stats(session)
+    finally:
+        await client.close()
     return out, _stage_delta(before, after)
 
 
-async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
-    (latencies, elapsed, errors), stages = await _measured(
-        target,
-        concurrency,
-        lambda session: closed_loop(
-            lambda _: target.call(session), None, concurrency, duration, count_errors=True
-        ),
+def _client(cpu_s: float, requests: int, pool: ClientPool | None) -> dict:
+    """What the client cost: its processes and CPU microseconds per request."""
+    return {
+        "client_procs": pool.procs if pool is not None else 1,
+        "client_cpu_us": 1e6 * cpu_s / max(requests, 1),
+    }
+
+
+async def run_closed(
+    target: Target, concurrency: int, duration: float, pool: ClientPool | None = None
+) -> dict:
+    """``concurrency`` clients back to back (split over ``pool``'s processes if given)."""
+
+    async def drive(client: Any) -> tuple[list[float], float, int, float]:
+        if pool is not None:
+            return await pool.closed(target, concurrency, duration)
+        cpu0 = time.process_time()
+        latencies, elapsed, errors = await closed_loop(
+            lambda _: target.call(client), None, concurrency, duration, count_errors=True
+        )
+        return latencies, elapsed, errors, time.process_time() - cpu0
+
+    (latencies, elapsed, errors, cpu), stages = await _measured(
+        target, concurrency if pool is None else 1, drive
     )
     kind = "binary" if target.binary else "JSON"
     return run_result(
@@ -164,26 +201,40 @@ async def run_closed(target: Target, concurrency: int, duration: float) -> dict:
         concurrency=concurrency,
         errors=errors,
         **stages,
+        **_client(cpu, len(latencies) + errors, pool),
     )
 
 
 async def run_scheduled(
-    target: Target, plan: Schedule, duration: float, connections: int, seed: int = 0
+    target: Target,
+    plan: Schedule,
+    duration: float,
+    connections: int,
+    seed: int = 0,
+    pool: ClientPool | None = None,
 ) -> tuple[dict, Records]:
-    """Open loop: a request at each time of ``plan`` (latency from its scheduled send);
-    the run's row and its per-request records."""
+    """Open loop: a request at each time of ``plan`` (latency from its scheduled send;
+    the sends dealt over ``pool``'s processes if given); the run's row and its
+    per-request records."""
     times = plan.times(duration, seed)
     rows = plan.rows[: len(times)] if plan.rows else None
 
-    async def drive(session: aiohttp.ClientSession) -> tuple[Records, float]:
+    async def drive(client: Any) -> tuple[Records, float, float]:
+        if pool is not None:
+            return await pool.open(target, times, rows)
+        cpu0 = time.process_time()
         if rows is None:
-            return await scheduled_run(lambda _: target.call(session), None, times)
-        sizes = iter(rows)
-        return await scheduled_run(
-            lambda _: target.call(session, next(sizes)), None, times, rows=rows
-        )
+            out = await scheduled_run(lambda _: target.call(client), None, times)
+        else:
+            sizes = iter(rows)
+            out = await scheduled_run(
+                lambda _: target.call(client, next(sizes)), None, times, rows=rows
+            )
+        return (*out, time.process_time() - cpu0)
 
-    (records, elapsed), stages = await _measured(target, connections, drive)
+    (records, elapsed, cpu), stages = await _measured(
+        target, connections if pool is None else 1, drive
+    )
     kind = "binary" if target.binary else "JSON"
     span = max(float(times[-1]) if len(times) else 0.0, 1e-9)
     result = run_result(
@@ -196,6 +247,7 @@ async def run_scheduled(
         errors=len(records.errors),
         late_share=records.late_share(),
         **stages,
+        **_client(cpu, len(times), pool),
     )
     if rows is not None:  # (a trace's own sizes)
         result["rows_per_s"] = float(np.sum(np.asarray(rows)[records.ok])) / max(elapsed, span)
@@ -215,12 +267,13 @@ def run_stable(
     duration: float,
     threshold: float,
     max_windows: int,
+    pool: ClientPool | None = None,
 ) -> dict:
     """A closed-loop run measured in windows of ``duration`` until the last three agree
     within ``threshold`` (throughput and mean latency), as perf_analyzer does; the
     result merges those three and says whether they agreed (``stable``)."""
     windows, ok = method.stable(
-        lambda: loop.run_until_complete(run_closed(target, concurrency, duration)),
+        lambda: loop.run_until_complete(run_closed(target, concurrency, duration, pool)),
         threshold=threshold,
         max_windows=max_windows,
     )
@@ -251,6 +304,7 @@ def search_goodput(
     duration: float,
     connections: int,
     percentile: str = "p99_ms",
+    pool: ClientPool | None = None,
 ) -> dict:
     """The highest rate (of ``plan``'s shape) whose ``percentile`` latency is within
     ``objective_ms`` (``method.goodput``: bisection between ``high`` / 64 and ``high``)."""
@@ -258,7 +312,7 @@ def search_goodput(
 
     def probe(rate: float) -> float:
         result, _ = loop.run_until_complete(
-            run_scheduled(target, plan.at(rate), duration, connections)
+            run_scheduled(target, plan.at(rate), duration, connections, pool=pool)
         )
         rows.append(result)
         return result[percentile] if not result["errors"] else float("inf")
@@ -288,15 +342,18 @@ def bench_url(
     goodput_ms: float | None = None,
     csv_path: str | None = None,
     records_path: str | None = None,
+    client_procs: int = 1,
 ) -> dict:
     """The closed-loop sweep (each until stable with ``stability``: (threshold, max
     windows)), then open loop on ``arrival``'s shape at each of ``rates`` (default: half
     the best closed-loop rate; a trace at its own), then the goodput search under
-    ``goodput_ms`` (p99)."""
+    ``goodput_ms`` (p99). ``client_procs`` > 1: the load comes from that many processes
+    (``serving.bench.procs``)."""
     from tqdm.auto import tqdm
 
     plans(arrival, rates, 1.0)  # a bad spec fails before any run
     loop = new_event_loop()
+    pool = ClientPool(client_procs) if client_procs > 1 else None
     results: list[dict] = []
     recorded: list[tuple[str, Records]] = []
     search = None
@@ -313,9 +370,9 @@ def bench_url(
             for c in concurrency:
                 bar.set_postfix_str(f"HTTP x{c}")
                 if stability is not None:
-                    results.append(run_stable(loop, target, c, duration, *stability))
+                    results.append(run_stable(loop, target, c, duration, *stability, pool=pool))
                 else:
-                    results.append(loop.run_until_complete(run_closed(target, c, duration)))
+                    results.append(loop.run_until_complete(run_closed(target, c, duration, pool)))
                 bar.update()
             best = max((r["requests_per_s"] for r in results), default=0.0)
             runs = plans(arrival, rates, best / 2 if best else 100.0)
@@ -323,7 +380,7 @@ def bench_url(
             for plan in runs:
                 bar.set_postfix_str(plan.label)
                 result, records = loop.run_until_complete(
-                    run_scheduled(target, plan, duration, connections)
+                    run_scheduled(target, plan, duration, connections, pool=pool)
                 )
                 results.append(result)
                 recorded.append((result["label"], records))
@@ -340,11 +397,13 @@ def bench_url(
                 high = 1.5 * (best or max(p.rate for p in runs))
                 shape = runs[0] if runs[0].kind != "trace" else Schedule("poisson", 1.0)
                 search = search_goodput(
-                    loop, target, shape, goodput_ms, high, duration, connections
+                    loop, target, shape, goodput_ms, high, duration, connections, pool=pool
                 )
                 bar.update()
     finally:
         loop.close()
+        if pool is not None:
+            pool.close()
     report = {
         "url": url,
         "model": model,
@@ -360,6 +419,11 @@ def bench_url(
         f"{'binary' if binary else 'JSON'} tensors, {duration:g} s per run"
     )
     print_table(results)
+    costs = ", ".join(f"{r['client_cpu_us']:.0f}" for r in results if "client_cpu_us" in r)
+    print(
+        f"client: {client_procs} process(es), CPU per request by run: {costs} us "
+        "(a client near its cores' limit measures itself: raise --client-procs)"
+    )
     for r in results:
         if r.get("stable") is False:
             print(f"unstable: {r['label']} (the last 3 of {r['windows']} windows disagree)")
@@ -390,6 +454,7 @@ def compare_urls(
     binary: bool,
     repeats: int,
     out_dir: str | None,
+    client_procs: int = 1,
 ) -> dict:
     """Two servers (the same model) at each concurrency, alternated ``repeats`` times
     (A B, B A, ...); each pair gives a ratio B / A of throughput and of p50 and p99, and
@@ -397,6 +462,7 @@ def compare_urls(
     from tqdm.auto import tqdm
 
     loop = new_event_loop()
+    pool = ClientPool(client_procs) if client_procs > 1 else None
     rows_out: list[dict] = []
     try:
         targets = [Target(u, model, rows, binary) for u in urls]
@@ -414,7 +480,9 @@ def compare_urls(
                 for rep in range(repeats):
                     order = (0, 1) if rep % 2 == 0 else (1, 0)
                     for i in order:
-                        runs[i].append(loop.run_until_complete(run_closed(targets[i], c, duration)))
+                        runs[i].append(
+                            loop.run_until_complete(run_closed(targets[i], c, duration, pool))
+                        )
                         bar.update()
                 row: dict[str, Any] = {"concurrency": c}
                 for key in ("requests_per_s", "p50_ms", "p99_ms"):
@@ -424,6 +492,8 @@ def compare_urls(
                 rows_out.append(row)
     finally:
         loop.close()
+        if pool is not None:
+            pool.close()
     print(f"\nB / A, {repeats} alternated repeats, 95% intervals\n  A: {urls[0]}\n  B: {urls[1]}")
     print(f"{'clients':>8} {'req/s B/A':>24} {'p50 B/A':>24} {'p99 B/A':>24}")
     for row in rows_out:
