@@ -237,6 +237,28 @@ def resolve(server: Server, name: str, version: str | None = None) -> Model:
     return server.model(name, version)
 
 
+def resolve_decoder(server: Server, name: str, version: str | None = None) -> Any:
+    """The decoder ``name`` serves (``UnknownModel`` without one), if ``version`` (None
+    or empty: any) is its version: a decoder serves one version at a time."""
+    decoder = server.decoder(name)
+    if version and version != decoder.version:
+        raise UnknownModel(
+            f"model {name!r} has no version {version!r}; serving version {decoder.version}"
+        )
+    return decoder
+
+
+def no_decoder_stats(server: Server, name: str) -> None:
+    """``UnknownModel`` saying where a decoder's statistics are, for the statistics
+    endpoints (Triton's statistics describe batched requests, not generations)."""
+    if server.is_decoder(name):
+        raise UnknownModel(
+            f"model {name!r} is a decoder: its statistics are in /metrics "
+            "(pxrt_generations, pxrt_generated_tokens, pxrt_time_to_first_token_us, "
+            "pxrt_time_per_output_token_us, ...)"
+        )
+
+
 def start(
     server: Server,
     name: str,

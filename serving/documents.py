@@ -79,6 +79,69 @@ def model_config(name: str, model: Model, options: BatchingOptions, max_batch_si
     }
 
 
+def _decoder_tensors(decoder: Any, shape_key: str, type_of: Any) -> tuple[list, list]:
+    """A decoder's inputs and outputs as its generate requests carry them (the prompt,
+    then the options, each optional but one prompt) and its responses."""
+    text = decoder.tokenizer is not None
+    inputs = [("input_ids", "INT32", [-1])]
+    if text:
+        inputs.insert(0, ("text_input", "BYTES", [1]))
+    inputs += [("max_tokens", "INT32", [1]), ("temperature", "FP32", [1]),
+               ("top_k", "INT32", [1]), ("top_p", "FP32", [1]), ("seed", "INT64", [1]),
+               ("stop_ids", "INT32", [-1])]  # fmt: skip
+    if text:
+        inputs.append(("stop", "BYTES", [-1]))
+    outputs = [("output_ids", "INT32", [-1])]
+    if text:
+        outputs.append(("text_output", "BYTES", [1]))
+    return (
+        [{"name": n, **type_of(t), shape_key: shape} for n, t, shape in inputs],
+        [{"name": n, **type_of(t), shape_key: shape} for n, t, shape in outputs],
+    )
+
+
+def decoder_metadata(name: str, decoder: Any) -> dict:
+    """A decoder's KServe v2 metadata: the tensors of its generate requests (over gRPC:
+    a decoupled ``ModelStreamInfer``; over HTTP: the generate extension)."""
+    inputs, outputs = _decoder_tensors(decoder, "shape", lambda t: {"datatype": t})
+    return {
+        "name": name,
+        "versions": [decoder.version],
+        "platform": "pxrt_jax_decoder",
+        "inputs": inputs,
+        "outputs": outputs,
+    }
+
+
+def decoder_config(name: str, decoder: Any) -> dict:
+    """A decoder's configuration in Triton's shape: decoupled (many responses per
+    request), no batch dimension of its own (the decode slots batch it), and its sizes as
+    parameters."""
+    inputs, outputs = _decoder_tensors(
+        decoder, "dims", lambda t: {"data_type": "TYPE_STRING" if t == "BYTES" else "TYPE_" + t}
+    )  # (Triton's config names BYTES "STRING")
+    for tensor in inputs:
+        tensor["optional"] = True
+    sizes = {
+        "slots": decoder.slots,
+        "max_length": decoder.max_length,
+        "vocab": decoder.vocab,
+        "prefill_lengths": ",".join(map(str, decoder.prefill_lengths)),
+        "max_waiting": decoder.max_waiting,
+    }
+    return {
+        "name": name,
+        "platform": "pxrt_jax_decoder",
+        "backend": "pxrt",
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": 0,
+        "input": inputs,
+        "output": outputs,
+        "model_transaction_policy": {"decoupled": True},
+        "parameters": {k: {"string_value": str(v)} for k, v in sizes.items()},
+    }
+
+
 def model_stats(name: str, version: str, snap: dict) -> dict:
     """One model version's statistics, in Triton's shape, from its metrics snapshot."""
 

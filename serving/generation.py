@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pxrt.finish import DEADLINE, STOP
 
 from . import core
-from .errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError, UnknownModel
+from .errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError
 
 if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
@@ -267,12 +267,7 @@ class KServeCall:
     @classmethod
     async def open(cls, server: Server, params: Mapping[str, Any], body: dict) -> KServeCall:
         name = params["model"]
-        decoder = server.decoder(name)
-        version = params.get("version")
-        if version is not None and version != decoder.version:
-            raise UnknownModel(
-                f"model {name!r} has no version {version!r}; serving version {decoder.version}"
-            )
+        decoder = core.resolve_decoder(server, name, params.get("version"))
         prompt = parse_kserve(decoder, body)
         return cls(name, decoder, prompt, await start(server, name, prompt))
 

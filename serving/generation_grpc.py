@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from . import generation
-from .errors import UnknownModel
+from . import core, generation
 
 if TYPE_CHECKING:
     from .server import Server
@@ -130,12 +129,7 @@ async def responses(server: Server, message: Any) -> AsyncIterator[Any]:
     """The responses of one decoupled request (``ModelStreamInferResponse``s). A bad
     request raises before the first (the caller answers it with its error)."""
     name = message.model_name
-    decoder = server.decoder(name)
-    if message.model_version and message.model_version != decoder.version:
-        raise UnknownModel(
-            f"model {name!r} has no version {message.model_version!r}; serving version "
-            f"{decoder.version}"
-        )
+    decoder = core.resolve_decoder(server, name, message.model_version)
     prompt = parse(decoder, message)
     gen = await generation.start(server, name, prompt)
     async for piece in generation.pieces(decoder, gen, prompt):

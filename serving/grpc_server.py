@@ -131,7 +131,10 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         try:
-            self.server.model(request.name, request.version or None)
+            if self.server.is_decoder(request.name):
+                core.resolve_decoder(self.server, request.name, request.version or None)
+            else:
+                self.server.model(request.name, request.version or None)
         except UnknownModel:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self.server.not_serving() is None)
@@ -141,6 +144,10 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         try:
+            if self.server.is_decoder(request.name):
+                decoder = core.resolve_decoder(self.server, request.name, request.version or None)
+                doc = documents.decoder_metadata(request.name, decoder)
+                return json_format.ParseDict(doc, pb.ModelMetadataResponse())
             model = self.server.model(request.name, request.version or None)
             versions = self.server.versions(request.name)
             doc = documents.model_metadata(request.name, model, versions)
@@ -151,6 +158,11 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         try:
             name, version = request.name, request.version or None
+            if self.server.is_decoder(name):
+                decoder = core.resolve_decoder(self.server, name, version)
+                doc = documents.decoder_config(name, decoder)
+                config = json_format.ParseDict(doc, model_config_pb2.ModelConfig())
+                return pb.ModelConfigResponse(config=config)
             model = self.server.model(name, version)
             doc = documents.model_config(
                 name,
@@ -169,6 +181,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         try:
             server = self.server
             if request.name:
+                core.no_decoder_stats(server, request.name)
                 model = server.model(request.name, request.version or None)
                 snap = server.stats(request.name, model.version)
                 stats = [documents.model_stats(request.name, model.version, snap)]

@@ -249,6 +249,16 @@ def _state(request: Request) -> AppState:
     return request.app.state.pxrt
 
 
+def _decoder(request: Request) -> tuple[str, Any] | None:
+    """``(name, decoder)`` when the request's model is a decoder (its version must be the
+    one served), else None."""
+    server = _state(request).server
+    name = request.path_params["model"]
+    if not server.is_decoder(name):
+        return None
+    return name, core.resolve_decoder(server, name, request.path_params.get("version"))
+
+
 def _model(request: Request) -> tuple[str, Model]:
     name = request.path_params["model"]
     return name, _state(request).server.model(name, request.path_params.get("version"))
@@ -275,7 +285,7 @@ async def ready(request: Request) -> Response:
 
 @_endpoint
 async def model_ready(request: Request) -> Response:
-    name, _ = _model(request)
+    name, _ = _decoder(request) or _model(request)
     why = _state(request).server.not_serving()
     if why:
         return _json({"name": name, "ready": False, "error": why}, 503)
@@ -284,6 +294,9 @@ async def model_ready(request: Request) -> Response:
 
 @_endpoint
 async def model_metadata(request: Request) -> Response:
+    decoder = _decoder(request)
+    if decoder is not None:
+        return _json(documents.decoder_metadata(*decoder))
     name, model = _model(request)
     return _json(documents.model_metadata(name, model, _state(request).server.versions(name)))
 
@@ -291,6 +304,9 @@ async def model_metadata(request: Request) -> Response:
 @_endpoint
 async def model_config(request: Request) -> Response:
     server = _state(request).server
+    decoder = _decoder(request)
+    if decoder is not None:
+        return _json(documents.decoder_config(*decoder))
     name, model = _model(request)
     return _json(
         documents.model_config(
@@ -304,6 +320,7 @@ async def model_config(request: Request) -> Response:
 
 @_endpoint
 async def model_stats(request: Request) -> Response:
+    core.no_decoder_stats(_state(request).server, request.path_params["model"])
     name, model = _model(request)
     snap = _state(request).server.stats(name, model.version)
     return _json({"model_stats": [documents.model_stats(name, model.version, snap)]})

@@ -73,8 +73,7 @@ _LENGTH_HEADER = HEADER_LENGTH.encode()
 _INFER, _LIVE, _READY, _STREAM = "inference", "live", "ready", "generate_stream"
 _STREAM_SUFFIX = "/generate_stream"
 _SSE_HEAD = (
-    b"content-type: text/event-stream\r\ncache-control: no-cache\r\n"
-    b"transfer-encoding: chunked\r\n"
+    b"content-type: text/event-stream\r\ncache-control: no-cache\r\ntransfer-encoding: chunked\r\n"
 )
 
 

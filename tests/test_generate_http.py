@@ -47,9 +47,7 @@ def served(request, lm_path, artifacts):
     """`pxrt serve` of the decoder beside a one-shot model (streams on its native HTTP
     path); the same with every request through the ASGI app; and with two front-end
     workers, which stream generations running in the device process."""
-    extra = {"one": [], "asgi": ["--no-native-http"], "workers": ["--workers", "2"]}[
-        request.param
-    ]
+    extra = {"one": [], "asgi": ["--no-native-http"], "workers": ["--workers", "2"]}[request.param]
     proc = ServeProcess([lm_path, str(artifacts["mlp"]), *extra])
     yield proc
     proc.stop()
@@ -456,3 +454,30 @@ def test_workers_stream_without_jax(served, local):
     for pid in workers:
         with open(f"/proc/{pid}/maps") as f:
             assert "jaxlib" not in f.read()
+
+
+def test_a_decoder_has_readiness_metadata_and_config(served):
+    """KServe's model endpoints know the decoder: ready, its generate tensors, a
+    decoupled config with its sizes; a version it does not serve is a 404, and its
+    statistics point to /metrics."""
+    import tritonclient.http as th
+
+    client = th.InferenceServerClient(served.url[len("http://") :])
+    try:
+        assert client.is_model_ready("lm") and client.is_model_ready("lm", "1")
+        assert not client.is_model_ready("lm", "7")
+        meta = client.get_model_metadata("lm")
+        assert meta["platform"] == "pxrt_jax_decoder" and meta["versions"] == ["1"]
+        names = [t["name"] for t in meta["inputs"]]
+        assert names[:2] == ["text_input", "input_ids"] and "max_tokens" in names
+        assert [t["name"] for t in meta["outputs"]] == ["output_ids", "text_output"]
+        config = client.get_model_config("lm")
+        assert config["model_transaction_policy"] == {"decoupled": True}
+        assert config["parameters"]["slots"]["string_value"] == "4"
+        assert config["parameters"]["max_length"]["string_value"] == str(MAX_LENGTH)
+    finally:
+        client.close()
+    r = httpx.get(f"{served.url}/v2/models/lm/versions/7", timeout=10)
+    assert r.status_code == 404 and "serving version 1" in r.json()["error"]
+    r = httpx.get(f"{served.url}/v2/models/lm/stats", timeout=10)
+    assert r.status_code == 404 and "its statistics are in /metrics" in r.json()["error"]

@@ -135,3 +135,17 @@ def test_a_deadline_ends_a_stream_with_an_error_after_its_tokens(served):
     got, finals, errors = _stream(served, [request])
     assert len(errors) == 1 and "deadline" in errors[0], errors
     assert got["0"] and not finals
+
+
+def test_a_decoder_has_readiness_metadata_and_config(served):
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        assert client.is_model_ready("lm") and not client.is_model_ready("lm", "7")
+        meta = client.get_model_metadata("lm")
+        assert meta.platform == "pxrt_jax_decoder" and list(meta.versions) == ["1"]
+        assert [t.name for t in meta.outputs] == ["output_ids", "text_output"]
+        config = client.get_model_config("lm").config
+        assert config.model_transaction_policy.decoupled
+        assert config.parameters["max_length"].string_value == "512"
+    finally:
+        client.close()
