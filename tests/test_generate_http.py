@@ -481,3 +481,34 @@ def test_a_decoder_has_readiness_metadata_and_config(served):
     assert r.status_code == 404 and "serving version 1" in r.json()["error"]
     r = httpx.get(f"{served.url}/v2/models/lm/stats", timeout=10)
     assert r.status_code == 404 and "its statistics are in /metrics" in r.json()["error"]
+
+
+def test_pxrt_bench_measures_generation(served, tmp_path):
+    """`pxrt bench --url` knows a decoder by its metadata and measures its streams: time
+    to first token, inter-token latency, time per output token, output tokens/s, a
+    goodput search on TTFT, and a record per request."""
+    import subprocess
+    import sys
+
+    if "--workers" in served.proc.args or "--no-native-http" in served.proc.args:
+        pytest.skip("the native path is enough")
+    result = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "bench", "--url", served.url, "--model", "lm",
+         "--concurrency", "2", "--duration", "0.5", "--request-rate", "10",
+         "--prompt-tokens", "fixed:8", "--output-tokens", "fixed:12",
+         "--goodput-p99-ms", "10000", "--records", str(tmp_path / "g.jsonl"),
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "generate: 2 streams" in result.stdout and "TTFT p50" in result.stdout
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    closed, opened = doc["results"]
+    for r in (closed, opened):
+        assert r["errors"] == 0 and r["output_tokens_per_s"] > 0
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["itl_p50_ms"]
+    assert doc["goodput"]["at_least"]  # a generous objective: met at the top of the search
+    records = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
+    # (greedy, no stop token: each stream gives the 12 tokens it asked for, or stops at
+    # the end-of-sequence token)
+    assert records and all(1 <= r["tokens"] <= 12 and r["ttft_ms"] > 0 for r in records)

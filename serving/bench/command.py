@@ -86,6 +86,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--url: generate the load from this many processes (a Python client then "
         "is not what is measured); the client's CPU per request is in the report",
     )
+    gen = p.add_argument_group("a decoder (--url, found by its metadata): generation")
+    gen.add_argument("--prompt-tokens", default="pareto:4:64", help="prompt lengths (as --lengths)")
+    gen.add_argument("--output-tokens", default="uniform:16:128", help="max_tokens of each request")
+    gen.add_argument(
+        "--goodput-metric",
+        choices=("ttft", "itl", "tpot"),
+        default="ttft",
+        help="what --goodput-p99-ms bounds for a decoder (default: time to first token)",
+    )
     p.add_argument("--width", type=int, default=None, help="demo model width (no model_dir)")
     p.add_argument("--layers", type=int, default=None, help="demo model depth (no model_dir)")
 
@@ -122,6 +131,28 @@ def main(args: argparse.Namespace) -> int:
                 f"pxrt bench --url needs aiohttp ({exc}): pip install 'pxrt[bench]'"
             ) from None
 
+        from .generate import bench_generate, is_decoder
+
+        if is_decoder(args.url, args.model):
+            try:
+                bench_generate(
+                    args.url,
+                    args.model,
+                    concurrency=concurrency,
+                    duration=args.duration,
+                    prompt_tokens=args.prompt_tokens,
+                    output_tokens=args.output_tokens,
+                    arrival=args.arrival,
+                    rates=rates or None,
+                    goodput_ms=args.goodput_p99_ms,
+                    goodput_metric=args.goodput_metric,
+                    records_path=args.records,
+                    out_dir=args.out,
+                )
+            except ValueError as exc:
+                print(f"pxrt bench: error: {exc}", file=sys.stderr)
+                return 2
+            return 0
         if args.compare:
             compare_urls(
                 (args.url, args.compare),

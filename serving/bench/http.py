@@ -322,6 +322,7 @@ def search_goodput(
         "objective_ms": objective_ms,
         "percentile": percentile,
         "goodput_per_s": best,
+        "at_least": best >= high,  # met at the highest rate searched
         "probes": [{"rate": r, percentile: v} for r, v in probed],
         "runs": rows,
     }
@@ -431,7 +432,8 @@ def bench_url(
             print(f"sent late (over 2 ms): {r['late_share']:.1%} of {r['label']}")
     if search is not None:
         print(
-            f"goodput: {search['goodput_per_s']:,.0f} req/s keep p99 within "
+            f"goodput: {'at least ' if search['at_least'] else ''}"
+            f"{search['goodput_per_s']:,.0f} req/s keep p99 within "
             f"{goodput_ms:g} ms ({len(search['probes'])} probes)"
         )
     write_report(report, results, out_dir)

@@ -26,32 +26,11 @@ import jax
 import numpy as np
 
 import pxrt
-from pxrt import demo
 
 from ..server import new_event_loop
 from . import loadgen, report
 from .inprocess import _on_server
-
-
-def parse_lengths(spec: str, top: int):
-    """``"pareto:LOW:HIGH"`` (long-tailed), ``"uniform:LOW:HIGH"`` or ``"fixed:N"`` ->
-    ``draw(n, seed)`` giving ``n`` lengths, clipped to ``top`` (the longest served)."""
-    kind, _, rest = spec.partition(":")
-    try:
-        values = [int(v) for v in rest.split(":")] if rest else []
-    except ValueError:
-        values = []
-    if kind == "fixed" and len(values) == 1 and values[0] >= 1:
-        return lambda n, seed: np.full(n, min(values[0], top), np.int64)
-    if kind in ("pareto", "uniform") and len(values) == 2 and 1 <= values[0] <= values[1]:
-        low, high = min(values[0], top), min(values[1], top)
-        if kind == "uniform":
-            return lambda n, seed: np.random.default_rng(seed).integers(low, high, n, endpoint=True)
-        return lambda n, seed: demo.token_lengths(n, low, high, seed)
-    raise ValueError(
-        f"--lengths {spec!r}: expected pareto:LOW:HIGH, uniform:LOW:HIGH or fixed:N "
-        "(positive ints, LOW <= HIGH)"
-    )
+from .schedule import parse_lengths
 
 
 def make_requests(model: pxrt.Model, lengths: np.ndarray, rows: int, seed: int) -> list[dict]:

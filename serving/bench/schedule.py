@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -155,6 +156,33 @@ def plans(spec: str, rates: list[float] | None, default_rate: float) -> list[Sch
     return [shape if named else shape.at(default_rate)]
 
 
+def parse_lengths(spec: str, top: int, what: str = "--lengths") -> Any:
+    """``"pareto:LOW:HIGH"`` (long-tailed, as text lengths are: most short, a few
+    long), ``"uniform:LOW:HIGH"`` or ``"fixed:N"`` -> ``draw(n, seed)`` giving ``n``
+    lengths, clipped to ``top``."""
+    kind, _, rest = spec.partition(":")
+    try:
+        values = [int(v) for v in rest.split(":")] if rest else []
+    except ValueError:
+        values = []
+    if kind == "fixed" and len(values) == 1 and values[0] >= 1:
+        return lambda n, seed: np.full(n, min(values[0], top), np.int64)
+    if kind in ("pareto", "uniform") and len(values) == 2 and 1 <= values[0] <= values[1]:
+        low, high = min(values[0], top), min(values[1], top)
+        if kind == "uniform":
+            return lambda n, seed: np.random.default_rng(seed).integers(low, high, n, endpoint=True)
+
+        def pareto(n: int, seed: int) -> np.ndarray:
+            draws = low * (1.0 + np.random.default_rng(seed).pareto(1.2, n))
+            return np.clip(np.round(draws), low, high).astype(np.int64)
+
+        return pareto
+    raise ValueError(
+        f"{what} {spec!r}: expected pareto:LOW:HIGH, uniform:LOW:HIGH or fixed:N "
+        "(positive ints, LOW <= HIGH)"
+    )
+
+
 def read_trace(path: str) -> Schedule:
     """A trace file (see the module) as a schedule; ValueError naming the bad line."""
     times: list[float] = []
@@ -193,4 +221,4 @@ def read_trace(path: str) -> Schedule:
     return Schedule("trace", rate, trace=tuple(times), rows=tuple(rows), source=path)
 
 
-__all__ = ["KINDS", "Schedule", "parse", "plans", "read_trace", "with_rate"]
+__all__ = ["KINDS", "Schedule", "parse", "parse_lengths", "plans", "read_trace", "with_rate"]

@@ -26,6 +26,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.transport: Any = None
         self.waiter: asyncio.Future | None = None
+        self.sink: Any = None  # called with each piece of the body as it arrives
         self.status = 0
         self.keep = True
         self.lost = False
@@ -44,7 +45,12 @@ class _Connection(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.keep = self.parser.should_keep_alive()
 
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.sink(body)
+
     def on_message_complete(self) -> None:
+        self.sink = None
         waiter, self.waiter = self.waiter, None
         if not self.keep:
             self.lost = True
@@ -110,10 +116,13 @@ class RawClient:
                 return
         self.idle.append(conn)
 
-    async def send(self, data: bytes) -> int:
+    async def send(self, data: bytes, sink: Any = None) -> int:
+        """Write ``data`` (a whole request) and wait for the whole response; its body
+        goes to ``sink(piece)`` as it arrives (else it is dropped). Returns the status."""
         conn = await self._acquire()
         waiter = asyncio.get_running_loop().create_future()
         conn.waiter = waiter
+        conn.sink = sink
         conn.transport.write(data)
         try:
             return await waiter
