@@ -353,3 +353,23 @@ def test_bench_compare_alternates_two_servers(served, tmp_path):
     assert bad.returncode == 2 and "--compare URL_B needs --url URL_A" in bad.stderr
     bad = _bench("--url", served.url, "--arrival", "zipf:2")
     assert bad.returncode == 2 and "expected one of constant" in bad.stderr
+
+
+def test_bench_over_grpc(served, tmp_path):
+    """`--url grpc://HOST:PORT`: the same runs over KServe's gRPC, with the server's
+    breakdown from ModelStatistics."""
+    result = _bench(
+        "--url", f"grpc://{served.grpc_url}", "--model", "mlp", "--duration", "0.4",
+        "--concurrency", "1,4", "--request-rate", "50", "--csv", str(tmp_path / "g.csv"),
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gRPC: 4 clients" in result.stdout
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["mode"] for r in doc["results"]] == ["grpc-closed", "grpc-closed", "grpc-open"]
+    assert all(r["errors"] == 0 and r["requests_per_s"] > 0 for r in doc["results"])
+    assert doc["results"][1]["stages_us"]["compute_infer"] > 0
+    rows = list(csv.reader((tmp_path / "g.csv").open()))
+    assert [r[0] for r in rows[1:]] == ["1", "4"]
+    bad = _bench("--url", f"grpc://{served.grpc_url}", "--model", "nope", "--duration", "0.2")
+    assert bad.returncode != 0 and "no model 'nope'" in bad.stderr

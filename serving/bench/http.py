@@ -46,6 +46,19 @@ class Target:
         self._bodies: dict[int, tuple[bytes, dict[str, str]]] = {}
         self._wire: dict[int, bytes] = {}  # rows -> the whole request, for RawClient
 
+    mode = "http"
+
+    @property
+    def kind(self) -> str:
+        return "HTTP binary" if self.binary else "HTTP JSON"
+
+    def client(self, connections: int) -> Any:
+        """The load's client (``serving.bench.wire``): up to ``connections``."""
+        return make_client(self.url, connections)
+
+    async def aclose(self) -> None:
+        pass
+
     async def prepare(self, session: aiohttp.ClientSession) -> None:
         async with session.get(f"{self.url}/v2/models/{self.model}") as r:
             if r.status != 200:
@@ -125,6 +138,15 @@ class Target:
             return None
 
 
+def make_target(url: str, model: str, rows: int, binary: bool) -> Any:
+    """``Target`` for ``http(s)://``, ``serving.bench.grpc.GrpcTarget`` for ``grpc://``."""
+    if url.startswith("grpc://"):
+        from .grpc import GrpcTarget
+
+        return GrpcTarget(url, model, rows)
+    return Target(url, model, rows, binary)
+
+
 def _stage_delta(before: dict | None, after: dict | None) -> dict:
     if not before or not after:
         return {}
@@ -150,11 +172,11 @@ def _session(concurrency: int) -> aiohttp.ClientSession:
     )
 
 
-async def _measured(target: Target, connections: int, drive: Any) -> tuple[Any, dict]:
+async def _measured(target: Any, connections: int, drive: Any) -> tuple[Any, dict]:
     """``await drive(client)`` (``serving.bench.wire``: up to ``connections``
     connections) with the connection path warm; returns its result and the server's
     stage breakdown over the run (from its statistics endpoint)."""
-    client = make_client(target.url, connections)
+    client = target.client(connections)
     try:
         async with _session(1) as session:
             await target.call(client)  # warm the connection path
@@ -191,10 +213,9 @@ async def run_closed(
     (latencies, elapsed, errors, cpu), stages = await _measured(
         target, concurrency if pool is None else 1, drive
     )
-    kind = "binary" if target.binary else "JSON"
     return run_result(
-        "http-closed",
-        f"HTTP {kind}: {concurrency} clients",
+        f"{target.mode}-closed",
+        f"{target.kind}: {concurrency} clients",
         latencies,
         target.rows,
         elapsed,
@@ -235,11 +256,10 @@ async def run_scheduled(
     (records, elapsed, cpu), stages = await _measured(
         target, connections if pool is None else 1, drive
     )
-    kind = "binary" if target.binary else "JSON"
     span = max(float(times[-1]) if len(times) else 0.0, 1e-9)
     result = run_result(
-        "http-open",
-        f"HTTP {kind}: {plan.label}",
+        f"{target.mode}-open",
+        f"{target.kind}: {plan.label}",
         records.latencies(),
         target.rows,
         max(elapsed, span),
@@ -359,7 +379,9 @@ def bench_url(
     recorded: list[tuple[str, Records]] = []
     search = None
     try:
-        target = Target(url, model, rows, binary)
+        target = make_target(url, model, rows, binary)
+        if pool is not None and target.mode == "grpc":
+            raise SystemExit("pxrt bench: --client-procs is not available for grpc:// yet")
 
         async def prepare() -> None:
             async with _session(1) as session:
@@ -402,6 +424,8 @@ def bench_url(
                 )
                 bar.update()
     finally:
+        if "target" in locals():
+            loop.run_until_complete(target.aclose())
         loop.close()
         if pool is not None:
             pool.close()
@@ -417,7 +441,8 @@ def bench_url(
         report["goodput"] = search
     print(
         f"\n{url} model {model!r}, {rows}-row requests, "
-        f"{'binary' if binary else 'JSON'} tensors, {duration:g} s per run"
+        f"{'binary' if binary or url.startswith('grpc://') else 'JSON'} tensors, "
+        f"{duration:g} s per run"
     )
     print_table(results)
     costs = ", ".join(f"{r['client_cpu_us']:.0f}" for r in results if "client_cpu_us" in r)
@@ -467,7 +492,9 @@ def compare_urls(
     pool = ClientPool(client_procs) if client_procs > 1 else None
     rows_out: list[dict] = []
     try:
-        targets = [Target(u, model, rows, binary) for u in urls]
+        targets = [make_target(u, model, rows, binary) for u in urls]
+        if pool is not None and any(t.mode == "grpc" for t in targets):
+            raise SystemExit("pxrt bench: --client-procs is not available for grpc:// yet")
 
         async def prepare() -> None:
             async with _session(1) as session:
@@ -493,6 +520,9 @@ def compare_urls(
                     row[key] = {"a": a, "b": b, **method.ratio_interval(a, b)}
                 rows_out.append(row)
     finally:
+        if "targets" in locals():
+            for t in targets:
+                loop.run_until_complete(t.aclose())
         loop.close()
         if pool is not None:
             pool.close()

@@ -95,6 +95,7 @@ def plot(results: list[dict], path: str) -> bool:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     modes: tuple[tuple[str, str], ...]
     modes = (("pxrt-closed", "o"), ("plain", "D"), ("http-closed", "^"), ("naive", "s"))
+    modes += (("grpc-closed", "v"),)
     modes += (("grid", "o"), ("oldest", "D"), ("padded", "s"))  # variable-length runs
     for mode, marker in modes:
         # In order of offered load (callers), so the curve reads left to right as it rises.
@@ -113,7 +114,7 @@ def plot(results: list[dict], path: str) -> bool:
                 xytext=(3, 4),
             )
     for r in results:
-        if r["mode"] in ("pxrt-open", "http-open", "grid-open", "oldest-open"):
+        if r["mode"] in ("pxrt-open", "http-open", "grpc-open", "grid-open", "oldest-open"):
             ax1.plot(
                 [r["rows_per_s"]], [r["p99_ms"]], "r*", markersize=12, label=f"{r['mode']} p99"
             )

@@ -1,0 +1,150 @@
+"""``pxrt bench --url grpc://HOST:PORT``: the same runs over KServe v2's gRPC protocol
+(``ModelInfer``), against pxrt serve or any other server that speaks it (Triton).
+
+The request is a ``ModelInferRequest`` with its tensors as raw contents, serialized
+once; calls go through one grpcio channel (HTTP/2 multiplexes the concurrent calls)
+with bytes in and out, so no message is built or parsed per call. The server's stage
+breakdown comes from ``ModelStatistics``, as over HTTP. Needs the ``grpc`` extra
+(grpcio, tritonclient's protos).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from .. import codec
+
+SERVICE = "/inference.GRPCInferenceService/"
+MAX_MESSAGE = 256 << 20
+
+
+class GrpcClient:
+    """One channel to the server; ``infer(bytes)`` is one ``ModelInfer`` call."""
+
+    def __init__(self, address: str) -> None:
+        import grpc
+
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ]
+        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.infer: Any = self.channel.unary_unary(SERVICE + "ModelInfer")
+        self.metadata: Any = self.channel.unary_unary(SERVICE + "ModelMetadata")
+        self.statistics: Any = self.channel.unary_unary(SERVICE + "ModelStatistics")
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class GrpcTarget:
+    """A model on a running gRPC server, and one prepared request for it (the same
+    interface as ``serving.bench.http.Target``)."""
+
+    mode = "grpc"
+    kind = "gRPC"
+    binary = True
+
+    def __init__(self, url: str, model: str, rows: int) -> None:
+        parts = urlsplit(url)
+        self.url = url
+        self.address = f"{parts.hostname or '127.0.0.1'}:{parts.port or 8001}"
+        self.model = model
+        self.rows = rows
+        self.meta: dict = {}
+        self._requests: dict[int, bytes] = {}
+        self._stats_client: GrpcClient | None = None
+
+    def client(self, connections: int) -> GrpcClient:
+        return GrpcClient(self.address)
+
+    async def aclose(self) -> None:
+        if self._stats_client is not None:
+            await self._stats_client.close()
+            self._stats_client = None
+
+    async def prepare(self, session: Any = None) -> None:
+        import grpc
+        from google.protobuf import json_format
+        from tritonclient.grpc import service_pb2 as pb
+
+        client = GrpcClient(self.address)
+        try:
+            raw = await client.metadata(
+                pb.ModelMetadataRequest(name=self.model).SerializeToString()
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise SystemExit(
+                f"pxrt bench: {self.url} has no model {self.model!r} ({exc.details()})"
+            ) from None
+        finally:
+            await client.close()
+        self.meta = json_format.MessageToDict(pb.ModelMetadataResponse.FromString(raw))
+        if self.meta.get("platform") == "pxrt_jax_decoder":
+            raise SystemExit(
+                f"pxrt bench: {self.model!r} is a decoder: generation is measured over HTTP "
+                "for now (--url http://HOST:PORT)"
+            )
+        self._requests[self.rows] = self._make(self.rows)
+
+    def _make(self, rows: int) -> bytes:
+        from tritonclient.grpc import service_pb2 as pb
+
+        rng = np.random.default_rng(rows)
+        request = pb.ModelInferRequest(model_name=self.model)
+        for spec in self.meta["inputs"]:
+            dtype = codec.DATATYPES[spec["datatype"]]
+            shape = [rows, *(int(d) for d in spec["shape"][1:])]
+            if dtype.kind == "f" or spec["datatype"] == "BF16":
+                x = rng.standard_normal(shape).astype(dtype)
+            elif dtype.kind == "b":
+                x = rng.random(shape) < 0.5
+            else:
+                x = rng.integers(0, 10, shape).astype(dtype)
+            request.inputs.add(name=spec["name"], datatype=spec["datatype"], shape=shape)
+            request.raw_input_contents.append(x.tobytes())
+        return request.SerializeToString()
+
+    async def call(self, client: GrpcClient, rows: int | None = None) -> None:
+        n = rows or self.rows
+        data = self._requests.get(n)
+        if data is None:
+            data = self._requests[n] = self._make(n)
+        await client.infer(data)  # (an error status raises)
+
+    async def stats(self, session: Any = None) -> dict | None:
+        """This model's statistics in the HTTP endpoint's shape (numbers as ints)."""
+        from google.protobuf import json_format
+        from tritonclient.grpc import service_pb2 as pb
+
+        if self._stats_client is None:
+            self._stats_client = GrpcClient(self.address)
+        try:
+            raw = await self._stats_client.statistics(
+                pb.ModelStatisticsRequest(name=self.model).SerializeToString()
+            )
+        except Exception:  # noqa: BLE001 - no breakdown, the run still counts
+            return None
+        doc = json_format.MessageToDict(
+            pb.ModelStatisticsResponse.FromString(raw), preserving_proto_field_name=True
+        )
+        stats = (doc.get("model_stats") or [None])[0]
+        if stats is None:
+            return None
+        inference = {
+            k: {"count": int(v.get("count", 0)), "ns": int(v.get("ns", 0))}
+            for k, v in stats.get("inference_stats", {}).items()
+        }
+        for k in ("queue", "compute_input", "compute_infer", "compute_output"):
+            inference.setdefault(k, {"count": 0, "ns": 0})
+        return {
+            "inference_stats": inference,
+            "execution_count": int(stats.get("execution_count", 0)),
+            "inference_count": int(stats.get("inference_count", 0)),
+        }
+
+
+__all__ = ["GrpcClient", "GrpcTarget"]
