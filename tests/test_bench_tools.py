@@ -373,3 +373,68 @@ def test_bench_over_grpc(served, tmp_path):
     assert [r[0] for r in rows[1:]] == ["1", "4"]
     bad = _bench("--url", f"grpc://{served.grpc_url}", "--model", "nope", "--duration", "0.2")
     assert bad.returncode != 0 and "no model 'nope'" in bad.stderr
+
+
+# --------------------------------------------------------------------------- inputs
+
+MLP_META = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}]}
+
+
+def test_input_data_files_in_perf_analyzers_format(tmp_path):
+    import base64
+
+    from serving.bench.inputs import parse_shapes, read_input_data
+
+    row = np.arange(32, dtype=np.float32)
+    path = tmp_path / "data.json"
+    path.write_text(
+        json.dumps(
+            {
+                "data": [
+                    {"x": row.tolist()},  # one row, flat
+                    {"x": {"content": np.ones(64).tolist(), "shape": [2, 32]}},  # a batch
+                    {"x": {"b64": base64.b64encode(row.tobytes()).decode(), "shape": [32]}},
+                ]
+            }
+        )
+    )
+    a, b, c = read_input_data(str(path), MLP_META, rows=3)
+    assert a["x"].shape == (3, 32) and np.array_equal(a["x"][2], row)  # repeated to --rows
+    assert b["x"].shape == (2, 32) and b["x"].dtype == np.float32
+    assert np.array_equal(c["x"], np.repeat(row[None], 3, 0))
+    for doc, words in [
+        ({"data": [{}]}, "step 0: missing inputs ['x']"),
+        ({"data": [{"x": row.tolist(), "y": [1]}]}, "the model has no inputs ['y']"),
+        ({"data": [{"x": {"content": [1, 2, 3], "shape": [2, 32]}}]}, "3 values do not make"),
+        ({"rows": []}, 'expected {"data"'),
+    ]:
+        path.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            read_input_data(str(path), MLP_META, rows=1)
+    assert parse_shapes(["tokens:16", "mask:2,8"]) == {"tokens": [16], "mask": [2, 8]}
+    with pytest.raises(ValueError, match="expected NAME:D1"):
+        parse_shapes(["tokens"])
+
+
+def test_bench_sends_input_data_and_named_shapes(served, tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps({"data": [{"x": [0.5] * 32}, {"x": [1.5] * 32}]}))
+    for url in (served.url, f"grpc://{served.grpc_url}"):
+        result = _bench(
+            "--url", url, "--model", "mlp", "--duration", "0.3", "--concurrency", "2",
+            "--request-rate", "20", "--input-data", str(path), "--out", str(tmp_path),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        doc = json.loads((tmp_path / "bench.json").read_text())
+        assert all(r["errors"] == 0 and r["requests_per_s"] > 0 for r in doc["results"])
+    # an input with named dimensions needs its shape; then it is measured
+    bad = _bench("--url", served.url, "--model", "encoder", "--duration", "0.2")
+    assert bad.returncode == 2 and "--shape tokens:" in bad.stderr
+    good = _bench(
+        "--url", served.url, "--model", "encoder", "--duration", "0.3", "--concurrency", "2",
+        "--request-rate", "20", "--shape", "tokens:12", "--shape", "mask:12",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert good.returncode == 0, good.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert all(r["errors"] == 0 for r in doc["results"])

@@ -70,6 +70,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="--url: also search the highest rate whose p99 stays within this many ms",
     )
+    load.add_argument(
+        "--input-data",
+        help="--url: send the requests of this file (perf_analyzer's JSON input format: "
+        '{"data": [{INPUT: values | {"content": [...], "shape": [...]} | {"b64": ...}}]}), '
+        "round robin",
+    )
+    load.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME:D1,D2",
+        help="--url: the dims (without the batch) of an input with named (-1) dimensions, "
+        "for the random requests (repeat for several inputs)",
+    )
     load.add_argument("--csv", help="write the runs as perf_analyzer's CSV (latencies in us)")
     load.add_argument("--records", help="write every open-loop request as a JSON line")
     load.add_argument(
@@ -108,7 +122,10 @@ def main(args: argparse.Namespace) -> int:
     if args.quick:
         args.duration = min(args.duration, 1.0)
         args.concurrency = "1,64,256"
+    from .inputs import parse_shapes
+
     try:
+        shapes = parse_shapes(args.shape)
         rates = [float(r) for r in args.request_rate.split(",") if r]
         if any(not r > 0 for r in rates):
             raise ValueError("--request-rate: rates must be > 0")
@@ -153,35 +170,43 @@ def main(args: argparse.Namespace) -> int:
                 print(f"pxrt bench: error: {exc}", file=sys.stderr)
                 return 2
             return 0
-        if args.compare:
-            compare_urls(
-                (args.url, args.compare),
+        try:
+            if args.compare:
+                compare_urls(
+                    (args.url, args.compare),
+                    args.model,
+                    concurrency=concurrency,
+                    rows=args.rows,
+                    duration=args.duration,
+                    binary=not args.json,
+                    repeats=args.repeats,
+                    out_dir=args.out,
+                    client_procs=args.client_procs,
+                    shapes=shapes,
+                    input_data=args.input_data,
+                )
+                return 0
+            bench_url(
+                args.url,
                 args.model,
-                concurrency=concurrency,
                 rows=args.rows,
                 duration=args.duration,
+                concurrency=concurrency,
                 binary=not args.json,
-                repeats=args.repeats,
                 out_dir=args.out,
+                arrival=args.arrival,
+                rates=rates or None,
+                stability=(args.stability_threshold, args.max_windows) if args.stability else None,
+                goodput_ms=args.goodput_p99_ms,
+                csv_path=args.csv,
+                records_path=args.records,
                 client_procs=args.client_procs,
+                shapes=shapes,
+                input_data=args.input_data,
             )
-            return 0
-        bench_url(
-            args.url,
-            args.model,
-            rows=args.rows,
-            duration=args.duration,
-            concurrency=concurrency,
-            binary=not args.json,
-            out_dir=args.out,
-            arrival=args.arrival,
-            rates=rates or None,
-            stability=(args.stability_threshold, args.max_windows) if args.stability else None,
-            goodput_ms=args.goodput_p99_ms,
-            csv_path=args.csv,
-            records_path=args.records,
-            client_procs=args.client_procs,
-        )
+        except ValueError as exc:  # the input data or the shapes: named in the message
+            print(f"pxrt bench: error: {exc}", file=sys.stderr)
+            return 2
         return 0
 
     with tempfile.TemporaryDirectory(prefix="pxrt-bench-") as tmp:

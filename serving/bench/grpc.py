@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .. import codec
+from .inputs import random_inputs, read_input_data
 
 SERVICE = "/inference.GRPCInferenceService/"
 MAX_MESSAGE = 256 << 20
@@ -48,8 +48,19 @@ class GrpcTarget:
     kind = "gRPC"
     binary = True
 
-    def __init__(self, url: str, model: str, rows: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        rows: int,
+        shapes: dict[str, list[int]] | None = None,
+        input_data: str | None = None,
+    ) -> None:
         parts = urlsplit(url)
+        self.shapes = shapes or {}
+        self.input_data = input_data
+        self._data: list[bytes] = []
+        self._next = 0
         self.url = url
         self.address = f"{parts.hostname or '127.0.0.1'}:{parts.port or 8001}"
         self.model = model
@@ -88,32 +99,43 @@ class GrpcTarget:
                 f"pxrt bench: {self.model!r} is a decoder: generation is measured over HTTP "
                 "for now (--url http://HOST:PORT)"
             )
-        self._requests[self.rows] = self._make(self.rows)
+        if self.input_data:
+            meta = {"inputs": [s | {"shape": [int(d) for d in s["shape"]]}
+                               for s in self.meta["inputs"]]}  # fmt: skip
+            self._data = [
+                self._encode(r) for r in read_input_data(self.input_data, meta, self.rows)
+            ]
+        else:
+            self._requests[self.rows] = self._make(self.rows)
 
     def _make(self, rows: int) -> bytes:
+        meta = {
+            "inputs": [s | {"shape": [int(d) for d in s["shape"]]} for s in self.meta["inputs"]]
+        }
+        return self._encode(random_inputs(meta, rows, self.shapes, seed=rows))
+
+    def _encode(self, values: dict[str, np.ndarray]) -> bytes:
+        """A serialized ModelInferRequest carrying ``values`` as raw contents."""
         from tritonclient.grpc import service_pb2 as pb
 
-        rng = np.random.default_rng(rows)
         request = pb.ModelInferRequest(model_name=self.model)
         for spec in self.meta["inputs"]:
-            dtype = codec.DATATYPES[spec["datatype"]]
-            shape = [rows, *(int(d) for d in spec["shape"][1:])]
-            if dtype.kind == "f" or spec["datatype"] == "BF16":
-                x = rng.standard_normal(shape).astype(dtype)
-            elif dtype.kind == "b":
-                x = rng.random(shape) < 0.5
-            else:
-                x = rng.integers(0, 10, shape).astype(dtype)
-            request.inputs.add(name=spec["name"], datatype=spec["datatype"], shape=shape)
+            x = np.ascontiguousarray(values[spec["name"]])
+            request.inputs.add(name=spec["name"], datatype=spec["datatype"], shape=x.shape)
             request.raw_input_contents.append(x.tobytes())
         return request.SerializeToString()
 
     async def call(self, client: GrpcClient, rows: int | None = None) -> None:
+        if self._data:  # an input-data file's requests, in turn
+            data = self._data[self._next % len(self._data)]
+            self._next += 1
+            await client.infer(data)
+            return
         n = rows or self.rows
-        data = self._requests.get(n)
-        if data is None:
-            data = self._requests[n] = self._make(n)
-        await client.infer(data)  # (an error status raises)
+        request = self._requests.get(n)
+        if request is None:
+            request = self._requests[n] = self._make(n)
+        await client.infer(request)  # (an error status raises)
 
     async def stats(self, session: Any = None) -> dict | None:
         """This model's statistics in the HTTP endpoint's shape (numbers as ints)."""

@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from .. import codec
 from ..loops import new_event_loop
 from . import method
+from .inputs import random_inputs, read_input_data
 from .loadgen import Records, closed_loop, run_result, scheduled_run
 from .procs import ClientPool
 from .report import print_table, write_csv, write_records, write_report
@@ -32,19 +32,33 @@ from .wire import RawClient, make_client, request_bytes
 
 
 class Target:
-    """A model on a running server, and one prepared request body for it."""
+    """A model on a running server, and its prepared request bodies: random ones of
+    ``rows`` rows (``shapes``: named dimensions' lengths), or those of an input-data
+    file (``serving.bench.inputs``), sent round robin."""
 
-    def __init__(self, url: str, model: str, rows: int, binary: bool) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        rows: int,
+        binary: bool,
+        shapes: dict[str, list[int]] | None = None,
+        input_data: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.rows = rows
         self.binary = binary
+        self.shapes = shapes or {}
+        self.input_data = input_data
         self.infer_url = f"{self.url}/v2/models/{model}/infer"
         self.body = b""
         self.headers: dict[str, str] = {}
         self.meta: dict = {}
         self._bodies: dict[int, tuple[bytes, dict[str, str]]] = {}
         self._wire: dict[int, bytes] = {}  # rows -> the whole request, for RawClient
+        self._data: list[tuple[bytes, dict[str, str], bytes]] = []  # an input-data file's
+        self._next = 0
 
     mode = "http"
 
@@ -67,23 +81,30 @@ class Target:
                     f"({r.status}: {await r.text()})"
                 )
             self.meta = await r.json()
-        self.body, self.headers = self._make(self.rows)
+        self.load_bodies()
+
+    def load_bodies(self) -> None:
+        """Build the request bodies once the metadata is in."""
+        if self.input_data:
+            for request in read_input_data(self.input_data, self.meta, self.rows):
+                body, headers = self._encode(request)
+                self._data.append((body, headers, request_bytes(self.infer_url, body, headers)))
+            self.body, self.headers, _ = self._data[0]
+        else:
+            self.body, self.headers = self._make(self.rows)
 
     def _make(self, rows: int) -> tuple[bytes, dict[str, str]]:
         """A request body of ``rows`` rows (random values) and its headers."""
-        meta = self.meta
-        rng = np.random.default_rng(rows)
+        return self._encode(random_inputs(self.meta, rows, self.shapes, seed=rows))
+
+    def _encode(self, values: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+        """A request body carrying ``values`` (binary tensors, or JSON) and its headers."""
         inputs = []
         blobs = []
-        for spec in meta["inputs"]:
-            dtype = codec.DATATYPES[spec["datatype"]]
-            shape = [rows, *spec["shape"][1:]]
-            if dtype.kind == "f" or spec["datatype"] == "BF16":
-                x = rng.standard_normal(shape).astype(dtype)
-            elif dtype.kind == "b":
-                x = rng.random(shape) < 0.5
-            else:
-                x = rng.integers(0, 10, shape).astype(dtype)
+        for spec in self.meta["inputs"]:
+            x = values[spec["name"]]
+            dtype = x.dtype
+            shape = list(x.shape)
             entry = {"name": spec["name"], "datatype": spec["datatype"], "shape": shape}
             if self.binary:
                 entry["parameters"] = {"binary_data_size": x.nbytes}
@@ -116,13 +137,23 @@ class Target:
     async def call(self, client: Any, rows: int | None = None) -> None:
         """One inference request through ``client`` (``serving.bench.wire``); an
         answer other than 200 raises."""
+        if self._data:  # an input-data file's requests, in turn
+            body, headers, data = self._data[self._next % len(self._data)]
+            self._next += 1
+            if isinstance(client, RawClient):
+                status = await client.send(data)
+            else:
+                status = await client.post(self.infer_url, body, headers)
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}")
+            return
         if isinstance(client, RawClient):
-            data = self._wire.get(rows or self.rows)
-            if data is None:
-                data = self._wire[rows or self.rows] = request_bytes(
+            wire = self._wire.get(rows or self.rows)
+            if wire is None:
+                wire = self._wire[rows or self.rows] = request_bytes(
                     self.infer_url, *self._request(rows)
                 )
-            status = await client.send(data)
+            status = await client.send(wire)
         else:
             status = await client.post(self.infer_url, *self._request(rows))
         if status != 200:
@@ -138,13 +169,20 @@ class Target:
             return None
 
 
-def make_target(url: str, model: str, rows: int, binary: bool) -> Any:
+def make_target(
+    url: str,
+    model: str,
+    rows: int,
+    binary: bool = True,
+    shapes: dict[str, list[int]] | None = None,
+    input_data: str | None = None,
+) -> Any:
     """``Target`` for ``http(s)://``, ``serving.bench.grpc.GrpcTarget`` for ``grpc://``."""
     if url.startswith("grpc://"):
         from .grpc import GrpcTarget
 
-        return GrpcTarget(url, model, rows)
-    return Target(url, model, rows, binary)
+        return GrpcTarget(url, model, rows, shapes, input_data)
+    return Target(url, model, rows, binary, shapes, input_data)
 
 
 def _stage_delta(before: dict | None, after: dict | None) -> dict:
@@ -364,6 +402,8 @@ def bench_url(
     csv_path: str | None = None,
     records_path: str | None = None,
     client_procs: int = 1,
+    shapes: dict[str, list[int]] | None = None,
+    input_data: str | None = None,
 ) -> dict:
     """The closed-loop sweep (each until stable with ``stability``: (threshold, max
     windows)), then open loop on ``arrival``'s shape at each of ``rates`` (default: half
@@ -379,7 +419,7 @@ def bench_url(
     recorded: list[tuple[str, Records]] = []
     search = None
     try:
-        target = make_target(url, model, rows, binary)
+        target = make_target(url, model, rows, binary, shapes, input_data)
         if pool is not None and target.mode == "grpc":
             raise SystemExit("pxrt bench: --client-procs is not available for grpc:// yet")
 
@@ -482,6 +522,8 @@ def compare_urls(
     repeats: int,
     out_dir: str | None,
     client_procs: int = 1,
+    shapes: dict[str, list[int]] | None = None,
+    input_data: str | None = None,
 ) -> dict:
     """Two servers (the same model) at each concurrency, alternated ``repeats`` times
     (A B, B A, ...); each pair gives a ratio B / A of throughput and of p50 and p99, and
@@ -492,7 +534,7 @@ def compare_urls(
     pool = ClientPool(client_procs) if client_procs > 1 else None
     rows_out: list[dict] = []
     try:
-        targets = [make_target(u, model, rows, binary) for u in urls]
+        targets = [make_target(u, model, rows, binary, shapes, input_data) for u in urls]
         if pool is not None and any(t.mode == "grpc" for t in targets):
             raise SystemExit("pxrt bench: --client-procs is not available for grpc:// yet")
 

@@ -26,8 +26,12 @@ START_DELAY_S = 0.3  # every process is up and waiting by then
 def _target(spec: dict) -> Any:
     from .http import Target
 
-    target = Target(spec["url"], spec["model"], spec["rows"], spec["binary"])
-    target.meta, target.body, target.headers = spec["meta"], spec["body"], spec["headers"]
+    target = Target(
+        spec["url"], spec["model"], spec["rows"], spec["binary"], spec["shapes"],
+        spec["input_data"],
+    )  # fmt: skip
+    target.meta = spec["meta"]
+    target.load_bodies()
     return target
 
 
@@ -111,8 +115,8 @@ class ClientPool:
             "rows": target.rows,
             "binary": target.binary,
             "meta": target.meta,
-            "body": target.body,
-            "headers": target.headers,
+            "shapes": target.shapes,
+            "input_data": target.input_data,
         }
 
     async def closed(
