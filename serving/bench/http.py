@@ -283,7 +283,7 @@ async def run_scheduled(
             return await pool.open(target, times, rows)
         cpu0 = time.process_time()
         if rows is None:
-            out = await scheduled_run(lambda _: target.call(client), None, times)
+            out = await scheduled_run(lambda _: target.call(client), None, times, rows=target.rows)
         else:
             sizes = iter(rows)
             out = await scheduled_run(

@@ -172,10 +172,16 @@ class Records:
     def ok(self) -> np.ndarray:
         return ~np.isnan(self.done)
 
+    def start(self) -> np.ndarray:
+        """When each request's latency is timed from: its scheduled send, or its actual
+        send if the loop's timer (1 ms ticks on uvloop) let it go a little early."""
+        return np.fmax(self.scheduled, self.sent)
+
     def latencies(self) -> list[float]:
-        """Seconds from each successful request's scheduled send to its answer."""
+        """Seconds from each successful request's scheduled send (``start``) to its
+        answer."""
         ok = self.ok
-        return (self.done[ok] - self.scheduled[ok]).tolist()
+        return (self.done[ok] - self.start()[ok]).tolist()
 
     def late_share(self) -> float:
         """The share of requests sent over ``LATE_S`` after their scheduled time: the
@@ -188,6 +194,7 @@ class Records:
     def rows_of(self) -> list[dict]:
         """One dict per request (the JSON lines of ``--records``)."""
         out = []
+        start = self.start()
         for i in range(len(self.scheduled)):
             row: dict[str, Any] = {
                 "scheduled_s": round(float(self.scheduled[i]), 6),
@@ -198,7 +205,7 @@ class Records:
                 row["error"] = self.errors[i]
             else:
                 row["done_s"] = round(float(self.done[i]), 6)
-                row["latency_ms"] = round(float(self.done[i] - self.scheduled[i]) * 1e3, 4)
+                row["latency_ms"] = round(float(self.done[i] - start[i]) * 1e3, 4)
             out.append(row)
         return out
 
@@ -210,8 +217,9 @@ async def scheduled_run(
     from now; the next of a list of requests each time) and wait for every answer.
     Latency is timed from the scheduled send, so a generator that falls behind shows
     up in the latencies and in ``Records.late_share``, not as a lighter load. One
-    callback per request (a coroutine gets a task). Returns the records and the time
-    from the start to the last answer."""
+    callback per request (a coroutine gets a task). ``rows``: each request's rows, or
+    one count for all (for the records). Returns the records and the time from the
+    start to the last answer."""
     n = len(times)
     records = Records(n)
     if rows is not None:

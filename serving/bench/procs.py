@@ -81,7 +81,9 @@ def _open(spec: dict, times: list, rows: list | None, start_at: float) -> dict:
         submit = (lambda _: target.call(session, next(sizes))) if rows else (
             lambda _: target.call(session)
         )  # fmt: skip
-        return await scheduled_run(submit, None, np.asarray(times), rows=rows)
+        return await scheduled_run(
+            submit, None, np.asarray(times), rows=rows if rows else spec["rows"]
+        )
 
     (records, elapsed), cpu = _run(spec | {"connections": 256}, start_at, drive)
     return {
