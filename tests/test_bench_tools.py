@@ -438,3 +438,19 @@ def test_bench_sends_input_data_and_named_shapes(served, tmp_path):
     assert good.returncode == 0, good.stderr[-3000:]
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert all(r["errors"] == 0 for r in doc["results"])
+
+
+def test_bench_compares_two_artifacts_in_process(artifacts, tmp_path):
+    """In process, --compare B takes a second artifact: both on fresh servers,
+    alternated, as ratios with intervals (the same model twice: near 1)."""
+    result = _bench(
+        str(artifacts["mlp"]), "--compare", str(artifacts["mlp"]), "--concurrency", "4",
+        "--duration", "0.3", "--repeats", "3", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "compare.json").read_text())["compare"]
+    ratio = row["requests_per_s"]
+    assert len(ratio["a"]) == 3 and ratio["low"] <= ratio["ratio"] <= ratio["high"]
+    assert 0.5 < ratio["ratio"] < 2.0
+    bad = _bench(str(artifacts["mlp"]), "--compare", str(tmp_path / "nowhere"))
+    assert bad.returncode == 2 and "not a directory" in bad.stderr

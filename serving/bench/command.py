@@ -88,9 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--records", help="write every open-loop request as a JSON line")
     load.add_argument(
         "--compare",
-        metavar="URL_B",
-        help="--url A --compare B: both servers at each concurrency, alternated "
-        "--repeats times, as ratios B/A with 95%% intervals",
+        metavar="B",
+        help="--url A --compare URL_B: both servers at each concurrency, alternated "
+        "--repeats times, as ratios B/A with 95%% intervals; in process, B is a second "
+        "artifact directory (A: model_dir, or the demo model)",
     )
     load.add_argument("--repeats", type=int, default=3, help="alternated repeats of --compare")
     load.add_argument(
@@ -136,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     if args.client_procs < 1:
         print("pxrt bench: error: --client-procs must be >= 1", file=sys.stderr)
         return 2
-    if args.compare and not args.url:
+    if args.compare and not args.url and "://" in args.compare:
         print("pxrt bench: error: --compare URL_B needs --url URL_A", file=sys.stderr)
         return 2
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -217,6 +218,8 @@ def main(args: argparse.Namespace) -> int:
                 path, width=args.width or demo.WIDTH, layers=args.layers or demo.LAYERS
             )
         model = pxrt.load(path, progress=True)
+        if args.compare:
+            return _compare_in_process(args, model, path, concurrency)
         if model.dim_names:
             return _bench_lengths(args, path, model)
         # Everything alive now (jax's many objects included) leaves the collector's
@@ -249,6 +252,35 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    return 0
+
+
+def _compare_in_process(args: argparse.Namespace, model, path: str, concurrency: list) -> int:
+    import pxrt
+
+    from .inprocess import compare
+
+    if not os.path.isdir(args.compare):
+        print(f"pxrt bench: error: --compare {args.compare}: not a directory", file=sys.stderr)
+        return 2
+    other = pxrt.load(args.compare, progress=True)
+    gc.collect()
+    gc.freeze()
+    compare(
+        (model, other),
+        (path if args.model_dir else "the demo model", args.compare),
+        concurrency=concurrency,
+        rows=args.rows,
+        duration=args.duration,
+        options={
+            "max_batch_size": args.max_batch_size or None,
+            "max_delay_us": args.max_delay_us,
+            "max_queue": 1 << 20,
+            "max_inflight": args.max_inflight,
+        },
+        repeats=args.repeats,
+        out_dir=args.out,
+    )
     return 0
 
 

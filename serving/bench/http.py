@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -26,7 +25,7 @@ from . import method
 from .inputs import random_inputs, read_input_data
 from .loadgen import Records, closed_loop, run_result, scheduled_run
 from .procs import ClientPool
-from .report import print_table, write_csv, write_records, write_report
+from .report import print_table, write_compare, write_csv, write_records, write_report
 from .schedule import Schedule, plans
 from .wire import RawClient, make_client, request_bytes
 
@@ -555,12 +554,7 @@ def compare_urls(
                             loop.run_until_complete(run_closed(targets[i], c, duration, pool))
                         )
                         bar.update()
-                row: dict[str, Any] = {"concurrency": c}
-                for key in ("requests_per_s", "p50_ms", "p99_ms"):
-                    a = [r[key] for r in runs[0]]
-                    b = [r[key] for r in runs[1]]
-                    row[key] = {"a": a, "b": b, **method.ratio_interval(a, b)}
-                rows_out.append(row)
+                rows_out.append(method.compare_row(c, runs[0], runs[1]))
     finally:
         if "targets" in locals():
             for t in targets:
@@ -568,18 +562,7 @@ def compare_urls(
         loop.close()
         if pool is not None:
             pool.close()
-    print(f"\nB / A, {repeats} alternated repeats, 95% intervals\n  A: {urls[0]}\n  B: {urls[1]}")
-    print(f"{'clients':>8} {'req/s B/A':>24} {'p50 B/A':>24} {'p99 B/A':>24}")
-    for row in rows_out:
-        cells = [
-            f"{row[k]['ratio']:.3f}x [{row[k]['low']:.3f}, {row[k]['high']:.3f}]"
-            for k in ("requests_per_s", "p50_ms", "p99_ms")
-        ]
-        print(f"{row['concurrency']:>8} " + " ".join(f"{c:>24}" for c in cells))
     report = {"urls": list(urls), "model": model, "repeats": repeats, "compare": rows_out}
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "compare.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {out_dir}/compare.json")
+    method.print_compare(urls, repeats, rows_out)
+    write_compare(report, out_dir)
     return report

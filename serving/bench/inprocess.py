@@ -214,3 +214,43 @@ def bench(
         print(f"wrote {records_path}")
     out["hung"] = any(r.get("hung_threads") for r in results)
     return out
+
+
+def compare(
+    models: tuple[pxrt.Model, pxrt.Model],
+    labels: tuple[str, str],
+    *,
+    concurrency: list[int],
+    rows: int,
+    duration: float,
+    options: dict,
+    repeats: int,
+    out_dir: str | None,
+) -> dict:
+    """Two models (two artifacts, or one loaded two ways) on fresh servers at each
+    concurrency, alternated ``repeats`` times, as ratios B / A with intervals
+    (``serving.bench.method``)."""
+    from . import method
+
+    rows_out: list[dict] = []
+    loop = new_event_loop()
+    try:
+        with tqdm(total=len(concurrency) * repeats * 2, desc="pxrt bench --compare",
+                  unit="run", leave=False) as bar:  # fmt: skip
+            for c in concurrency:
+                runs: list[list[dict]] = [[], []]
+                for rep in range(repeats):
+                    for i in (0, 1) if rep % 2 == 0 else (1, 0):
+                        runs[i].append(
+                            loop.run_until_complete(
+                                run_closed(models[i], options, c, rows, duration)
+                            )
+                        )
+                        bar.update()
+                rows_out.append(method.compare_row(c, runs[0], runs[1]))
+    finally:
+        loop.close()
+    out = {"models": list(labels), "repeats": repeats, "options": options, "compare": rows_out}
+    method.print_compare(labels, repeats, rows_out)
+    report.write_compare(out, out_dir)
+    return out

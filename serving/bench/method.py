@@ -113,4 +113,38 @@ def ratio_interval(a: list[float], b: list[float]) -> dict[str, Any]:
     }
 
 
-__all__ = ["agree", "goodput", "ratio_interval", "stable", "t95"]
+COMPARED = ("requests_per_s", "p50_ms", "p99_ms")
+
+
+def compare_row(concurrency: int, a: list[dict], b: list[dict]) -> dict[str, Any]:
+    """One concurrency's paired runs of A and B (in the order they alternated) as
+    ratios B / A with intervals, for each of ``COMPARED``."""
+    row: dict[str, Any] = {"concurrency": concurrency}
+    for key in COMPARED:
+        xs, ys = [r[key] for r in a], [r[key] for r in b]
+        row[key] = {"a": xs, "b": ys, **ratio_interval(xs, ys)}
+    return row
+
+
+def print_compare(labels: tuple[str, str] | list[str], repeats: int, rows: list[dict]) -> None:
+    print(
+        f"\nB / A, {repeats} alternated repeats, 95% intervals\n  A: {labels[0]}\n  B: {labels[1]}"
+    )
+    print(f"{'clients':>8} {'req/s B/A':>24} {'p50 B/A':>24} {'p99 B/A':>24}")
+    for row in rows:
+        cells = [
+            f"{row[k]['ratio']:.3f}x [{row[k]['low']:.3f}, {row[k]['high']:.3f}]" for k in COMPARED
+        ]
+        print(f"{row['concurrency']:>8} " + " ".join(f"{c:>24}" for c in cells))
+
+
+__all__ = [
+    "COMPARED",
+    "agree",
+    "compare_row",
+    "goodput",
+    "print_compare",
+    "ratio_interval",
+    "stable",
+    "t95",
+]

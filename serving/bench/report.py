@@ -217,3 +217,13 @@ def write_records(path: str, runs: list[tuple[str, Any]]) -> None:
         for label, records in runs:
             for row in records.rows_of():
                 f.write(json.dumps({"run": label, **row}) + "\n")
+
+
+def write_compare(report: dict, out_dir: str | None) -> None:
+    """compare.json into ``out_dir``."""
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "compare.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {out_dir}/compare.json")
