@@ -149,3 +149,23 @@ def test_a_decoder_has_readiness_metadata_and_config(served):
         assert config.parameters["max_length"].string_value == "512"
     finally:
         client.close()
+
+
+def test_pxrt_bench_measures_generation_over_grpc(served, tmp_path):
+    """`pxrt bench --url grpc://...` knows the decoder and times its decoupled streams."""
+    import json
+    import subprocess
+    import sys
+
+    if "--no-native-grpc" in served.proc.args or "--workers" in served.proc.args:
+        pytest.skip("one server is enough")
+    result = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "bench", "--url", f"grpc://{served.grpc_url}",
+         "--model", "lm", "--concurrency", "2", "--duration", "0.5", "--request-rate", "10",
+         "--prompt-tokens", "fixed:8", "--output-tokens", "fixed:10", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    closed, opened = json.loads((tmp_path / "bench.json").read_text())["results"]
+    for r in (closed, opened):
+        assert r["errors"] == 0 and r["output_tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0

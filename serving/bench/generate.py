@@ -61,7 +61,8 @@ class _Stream:
 
 
 class GenTarget:
-    """A decoder on a running server and the requests drawn for it."""
+    """A decoder on a running server and the requests drawn for it (over HTTP's
+    generate extension, or ``grpc://``: decoupled ``ModelStreamInfer``)."""
 
     def __init__(
         self, url: str, model: str, prompt_tokens: str, output_tokens: str, n: int = 512
@@ -72,20 +73,53 @@ class GenTarget:
         self.output_tokens = output_tokens
         self.n = n
         self.stream_url = f"{self.url}/v2/models/{model}/generate_stream"
+        self.grpc = self.url.startswith("grpc://")
         self.wire: list[bytes] = []
         self.bodies: list[tuple[bytes, dict]] = []
+        self.messages: list[bytes] = []  # gRPC: serialized ModelInferRequests
         self.config: dict = {}
+
+    def client(self, connections: int) -> Any:
+        if self.grpc:
+            from .grpc import GrpcClient, GrpcTarget
+
+            return GrpcClient(GrpcTarget(self.url, self.model, 1).address)
+        return make_client(self.url, connections)
+
+    async def _grpc_config(self) -> dict:
+        from google.protobuf import json_format
+        from tritonclient.grpc import service_pb2 as pb
+
+        from .grpc import SERVICE
+
+        client = self.client(1)
+        try:
+            call = client.channel.unary_unary(SERVICE + "ModelConfig")
+            raw = await call(pb.ModelConfigRequest(name=self.model).SerializeToString())
+        except Exception as exc:  # noqa: BLE001 - said as the HTTP path says it
+            raise SystemExit(
+                f"pxrt bench: {self.url} has no model {self.model!r} ({exc})"
+            ) from None
+        finally:
+            await client.close()
+        doc = json_format.MessageToDict(
+            pb.ModelConfigResponse.FromString(raw), preserving_proto_field_name=True
+        )
+        return doc.get("config", {})
 
     async def prepare(self, session: Any) -> None:
         """Read the decoder's config (vocabulary, prefill lengths, cache length) and
         draw the requests: prompts within the longest prefill, outputs within the cache."""
-        async with session.get(f"{self.url}/v2/models/{self.model}/config") as r:
-            if r.status != 200:
-                raise SystemExit(
-                    f"pxrt bench: {self.url} has no model {self.model!r} ({r.status}: "
-                    f"{await r.text()})"
-                )
-            self.config = await r.json()
+        if self.grpc:
+            self.config = await self._grpc_config()
+        else:
+            async with session.get(f"{self.url}/v2/models/{self.model}/config") as r:
+                if r.status != 200:
+                    raise SystemExit(
+                        f"pxrt bench: {self.url} has no model {self.model!r} ({r.status}: "
+                        f"{await r.text()})"
+                    )
+                self.config = await r.json()
         params = {
             k: v.get("string_value", "") for k, v in self.config.get("parameters", {}).items()
         }
@@ -97,13 +131,13 @@ class GenTarget:
         rng = np.random.default_rng(3)
         headers = {"Content-Type": "application/json"}
         for p, o in zip(prompts, outputs):
-            body = orjson.dumps(
-                {
-                    "input_ids": rng.integers(0, min(vocab, 256), int(p)).tolist(),
-                    "max_tokens": int(max(1, min(o, max_length - p))),
-                    "temperature": 0.0,
-                }
-            )
+            ids = rng.integers(0, min(vocab, 256), int(p))
+            max_tokens = int(max(1, min(o, max_length - p)))
+            if self.grpc:
+                self.messages.append(_stream_request(self.model, ids, max_tokens))
+                continue
+            body = orjson.dumps({"input_ids": ids.tolist(), "max_tokens": max_tokens,
+                                 "temperature": 0.0})  # fmt: skip
             self.bodies.append((body, headers))
             self.wire.append(request_bytes(self.stream_url, body, headers))
 
@@ -111,7 +145,10 @@ class GenTarget:
         """Stream request ``i`` (of the drawn ones, in turn); its record goes to ``out``."""
         stream = _Stream()
         try:
-            if hasattr(client, "send"):
+            if self.grpc:
+                await _grpc_stream(client, self.messages[i % self.n], stream)
+                status = 200
+            elif hasattr(client, "send"):
                 status = await client.send(self.wire[i % self.n], stream)
             else:  # https: aiohttp, read whole (tokens timed as the body arrives)
                 body, headers = self.bodies[i % self.n]
@@ -127,6 +164,40 @@ class GenTarget:
         out.append(stream)
         if stream.error is not None:
             raise RuntimeError(stream.error)
+
+
+def _stream_request(model: str, ids: np.ndarray, max_tokens: int) -> bytes:
+    """A decoupled generate request: ``input_ids`` (INT32), greedy, ``max_tokens``."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="input_ids", datatype="INT32", shape=[len(ids)])
+    request.raw_input_contents.append(ids.astype(np.int32).tobytes())
+    request.parameters["max_tokens"].int64_param = max_tokens
+    request.parameters["temperature"].double_param = 0.0
+    return request.SerializeToString()
+
+
+async def _grpc_stream(client: Any, message: bytes, stream: _Stream) -> None:
+    """One request on its own ``ModelStreamInfer`` stream; each response's tokens are
+    timed as it arrives, until the final one (or an error)."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    from .grpc import SERVICE
+
+    call = client.channel.stream_stream(SERVICE + "ModelStreamInfer")(iter([message]))
+    async for raw in call:
+        now = clock()
+        response = pb.ModelStreamInferResponse.FromString(raw)
+        if response.error_message:
+            stream.error = response.error_message
+            break
+        infer = response.infer_response
+        if infer.raw_output_contents:
+            stream.times.extend([now] * (len(infer.raw_output_contents[0]) // 4))
+        if infer.parameters["triton_final_response"].bool_param:
+            break
+    call.cancel()
 
 
 def summarize(mode: str, label: str, streams: list, elapsed: float, **extra: Any) -> dict:
@@ -154,7 +225,7 @@ def summarize(mode: str, label: str, streams: list, elapsed: float, **extra: Any
 
 async def run_closed(target: GenTarget, concurrency: int, duration: float) -> dict:
     streams: list = []
-    client = make_client(target.url, concurrency)
+    client = target.client(concurrency)
     counter = iter(range(1 << 62))
     try:
         _, elapsed, _ = await closed_loop(
@@ -179,7 +250,7 @@ async def run_open(
     target: GenTarget, plan: Schedule, duration: float, connections: int
 ) -> tuple[dict, list]:
     streams: list = []
-    client = make_client(target.url, connections)
+    client = target.client(connections)
     times = plan.times(duration)
     counter = iter(range(len(times)))
     try:
@@ -220,11 +291,28 @@ def is_decoder(url: str, model: str) -> bool:
     """Whether ``model`` on ``url`` is a decoder (its metadata says so)."""
     import urllib.request
 
+    if url.startswith("grpc://"):
+        return _grpc_is_decoder(url, model)
+
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/v2/models/{model}", timeout=10) as r:
             return json.loads(r.read()).get("platform") == PLATFORM
     except Exception:  # noqa: BLE001 - not reachable or not a decoder: the infer bench says
         return False
+
+
+def _grpc_is_decoder(url: str, model: str) -> bool:
+    from .grpc import GrpcTarget
+
+    target = GrpcTarget(url, model, 1)
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(target.prepare())
+    except SystemExit as exc:
+        return "is a decoder" in str(exc)
+    finally:
+        loop.close()
+    return False
 
 
 def bench_generate(

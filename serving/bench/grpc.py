@@ -95,9 +95,9 @@ class GrpcTarget:
             await client.close()
         self.meta = json_format.MessageToDict(pb.ModelMetadataResponse.FromString(raw))
         if self.meta.get("platform") == "pxrt_jax_decoder":
-            raise SystemExit(
-                f"pxrt bench: {self.model!r} is a decoder: generation is measured over HTTP "
-                "for now (--url http://HOST:PORT)"
+            raise SystemExit(  # (pxrt bench measures it with serving.bench.generate)
+                f"pxrt bench: {self.model!r} is a decoder: --compare and --client-procs "
+                "measure one-shot models"
             )
         if self.input_data:
             meta = {"inputs": [s | {"shape": [int(d) for d in s["shape"]]}
