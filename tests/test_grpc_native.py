@@ -980,3 +980,37 @@ def test_request_bytes_are_budgeted_inflated_and_unary_calls_time_out(models, ru
             await grpc_server.stop(1)
 
     run(main)
+
+
+def test_the_lean_grpc_client_against_pxrt_serve(served, run):
+    """serving.bench.h2client: concurrent unary calls on one HTTP/2 connection give the
+    answers grpcio would; an error status is raised and the connection goes on."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    from serving.bench.h2client import GrpcError, connect
+
+    x = np.arange(64, dtype=np.float32).reshape(2, 32)
+    request = pb.ModelInferRequest(model_name="mlp")
+    request.inputs.add(name="x", datatype="FP32", shape=[2, 32])
+    request.raw_input_contents.append(x.tobytes())
+    good = request.SerializeToString()
+    bad = pb.ModelInferRequest(model_name="nope").SerializeToString()
+    path = b"/inference.GRPCInferenceService/ModelInfer"
+
+    async def main():
+        host, _, port = served.grpc_url.rpartition(":")
+        conn = await connect(host, int(port))
+        try:
+            answers = await asyncio.gather(*(conn.unary(path, good) for _ in range(150)))
+            with pytest.raises(GrpcError, match="no model named 'nope'") as caught:
+                await conn.unary(path, bad)
+            again = await conn.unary(path, good)
+        finally:
+            conn.close()
+        return answers, caught.value.status, again
+
+    answers, status, again = run(main)
+    outs = [pb.ModelInferResponse.FromString(a) for a in [*answers, again]]
+    assert status == 5  # NOT_FOUND
+    want = outs[0].raw_output_contents[0]
+    assert all(o.model_name == "mlp" and o.raw_output_contents[0] == want for o in outs)

@@ -10,6 +10,7 @@ breakdown comes from ``ModelStatistics``, as over HTTP. Needs the ``grpc`` extra
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,7 +23,9 @@ MAX_MESSAGE = 256 << 20
 
 
 class GrpcClient:
-    """One channel to the server; ``infer(bytes)`` is one ``ModelInfer`` call."""
+    """A target's calls: ``infer(bytes)`` is one ``ModelInfer`` call, on a lean HTTP/2
+    connection (``serving.bench.h2client``; grpcio for requests over its first flow
+    window), ``metadata`` and ``statistics`` through grpcio."""
 
     def __init__(self, address: str) -> None:
         import grpc
@@ -31,13 +34,39 @@ class GrpcClient:
             ("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
         ]
+        self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=options)
-        self.infer: Any = self.channel.unary_unary(SERVICE + "ModelInfer")
+        self._infer: Any = self.channel.unary_unary(SERVICE + "ModelInfer")
         self.metadata: Any = self.channel.unary_unary(SERVICE + "ModelMetadata")
         self.statistics: Any = self.channel.unary_unary(SERVICE + "ModelStatistics")
+        self._conn: Any = None
+        self._connecting: asyncio.Lock | None = None
+
+    async def _connection(self) -> Any:
+        from .h2client import connect
+
+        if self._conn is None or self._conn.lost is not None:
+            if self._connecting is None:
+                self._connecting = asyncio.Lock()
+            async with self._connecting:
+                if self._conn is None or self._conn.lost is not None:
+                    host, _, port = self.address.rpartition(":")
+                    self._conn = await connect(host, int(port))
+        return self._conn
+
+    async def infer(self, data: bytes) -> bytes:
+        conn = await self._connection()
+        if len(data) + 5 > conn.peer_window:
+            return await self._infer(data)
+        return await conn.unary(_INFER, data)
 
     async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
         await self.channel.close()
+
+
+_INFER = (SERVICE + "ModelInfer").encode()
 
 
 class GrpcTarget:
