@@ -454,3 +454,16 @@ def test_bench_compares_two_artifacts_in_process(artifacts, tmp_path):
     assert 0.5 < ratio["ratio"] < 2.0
     bad = _bench(str(artifacts["mlp"]), "--compare", str(tmp_path / "nowhere"))
     assert bad.returncode == 2 and "not a directory" in bad.stderr
+
+
+def test_bench_in_process_has_stability_and_goodput(artifacts, tmp_path):
+    result = _bench(
+        str(artifacts["mlp"]), "--concurrency", "2", "--naive-concurrency", "",
+        "--duration", "0.2", "--stability", "--max-windows", "3",
+        "--goodput-p99-ms", "10000", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    (closed,) = [r for r in doc["results"] if r["mode"] == "pxrt-closed"]
+    assert closed["windows"] == 3 and isinstance(closed["stable"], bool)
+    assert doc["goodput"]["at_least"] and "goodput: at least" in result.stdout

@@ -59,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--stability",
         action="store_true",
-        help="--url: measure each closed-loop run in windows of --duration until the last "
-        "3 agree within --stability-threshold (as perf_analyzer does)",
+        help="measure each closed-loop run in windows of --duration until the last 3 agree "
+        "within --stability-threshold (as perf_analyzer does)",
     )
     load.add_argument("--stability-threshold", type=float, default=0.10)
     load.add_argument("--max-windows", type=int, default=10)
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--goodput-p99-ms",
         type=float,
         default=None,
-        help="--url: also search the highest rate whose p99 stays within this many ms",
+        help="also search the highest rate whose p99 stays within this many ms",
     )
     load.add_argument(
         "--input-data",
@@ -246,6 +246,8 @@ def main(args: argparse.Namespace) -> int:
             rates=rates or None,
             csv_path=args.csv,
             records_path=args.records,
+            stability=(args.stability_threshold, args.max_windows) if args.stability else None,
+            goodput_ms=args.goodput_p99_ms,
         )
     if report["hung"]:
         # Threads stuck inside jax would block the interpreter's exit.

@@ -23,7 +23,7 @@ import numpy as np
 from ..loops import new_event_loop
 from . import method
 from .inputs import random_inputs, read_input_data
-from .loadgen import Records, closed_loop, run_result, scheduled_run
+from .loadgen import Records, closed_loop, merge_windows, run_result, scheduled_run
 from .procs import ClientPool
 from .report import print_table, write_compare, write_csv, write_records, write_report
 from .schedule import Schedule, plans
@@ -335,21 +335,6 @@ def run_stable(
         max_windows=max_windows,
     )
     return merge_windows(windows) | {"stable": ok}
-
-
-def merge_windows(windows: list[dict]) -> dict:
-    """Runs of the same kind as one: rates averaged, percentiles over every latency
-    sample kept, the stage breakdown of the last."""
-    merged = dict(windows[-1])
-    merged["requests_per_s"] = float(np.mean([w["requests_per_s"] for w in windows]))
-    merged["rows_per_s"] = float(np.mean([w["rows_per_s"] for w in windows]))
-    samples = [v / 1e3 for w in windows for v in w["latencies_ms"]]
-    stats = run_result("", "", samples, 1, 1.0)
-    for key in stats:
-        if key.endswith("_ms") and key != "latencies_ms":
-            merged[key] = stats[key]
-    merged["windows"] = len(windows)
-    return merged
 
 
 def search_goodput(

@@ -140,14 +140,22 @@ def bench(
     rates: list[float] | None = None,
     csv_path: str | None = None,
     records_path: str | None = None,
+    stability: tuple[float, int] | None = None,
+    goodput_ms: float | None = None,
 ) -> dict:
     """Every run, the table, the summary, and the report files. The open-loop runs
     follow ``arrival``'s shape (``serving.bench.schedule``) at each of ``rates``
-    (default: half the saturated rate)."""
+    (default: half the saturated rate). ``stability`` (threshold, max windows): pxrt's
+    closed-loop runs are measured until stable; ``goodput_ms``: then the highest rate
+    whose p99 stays within it."""
+    from . import method
+
     plans(arrival, rates, 1.0)  # a bad spec fails before any run
     steps = 1 + 2 * len(concurrency) + len(rates or [None]) + len(naive_concurrency)
+    steps += 1 if goodput_ms else 0
     results: list[dict] = []
     recorded: list[tuple[str, loadgen.Records]] = []
+    search: dict[str, Any] | None = None
     with tqdm(total=steps, desc="pxrt bench", unit="run", leave=False) as bar:
         bar.set_postfix_str("ceiling")
         results.append(
@@ -159,7 +167,21 @@ def bench(
             for c in concurrency:
                 for kind, fn in (("pxrt", run_closed), ("plain", run_plain)):
                     bar.set_postfix_str(f"{kind} x{c}")
-                    results.append(loop.run_until_complete(fn(model, options, c, rows, duration)))
+                    if kind == "pxrt" and stability is not None:
+
+                        def window(c: int = c) -> dict:
+                            return loop.run_until_complete(
+                                run_closed(model, options, c, rows, duration)
+                            )
+
+                        windows, ok = method.stable(
+                            window, threshold=stability[0], max_windows=stability[1]
+                        )
+                        results.append(loadgen.merge_windows(windows) | {"stable": ok})
+                    else:
+                        results.append(
+                            loop.run_until_complete(fn(model, options, c, rows, duration))
+                        )
                     bar.update()
             saturated = max(
                 (r["requests_per_s"] for r in results if r["mode"] == "pxrt-closed"), default=0.0
@@ -172,6 +194,26 @@ def bench(
                 results.append(result)
                 recorded.append((result["label"], records))
                 bar.update()
+            if goodput_ms:
+                bar.set_postfix_str(f"goodput under p99 {goodput_ms:g} ms")
+                shape = plans(arrival, None, 1.0)[0]
+                if shape.kind == "trace":
+                    shape = Schedule("poisson", 1.0)
+
+                def probe(rate: float) -> float:
+                    row, _ = loop.run_until_complete(
+                        run_open(model, options, shape.at(rate), rows, duration)
+                    )
+                    return row["p99_ms"] if not row["errors"] else float("inf")
+
+                high = 1.5 * (saturated or 1000.0)
+                best, probed = method.goodput(probe, goodput_ms, high / 64, high)
+                search = {
+                    "objective_ms": goodput_ms,
+                    "goodput_per_s": best,
+                    "at_least": best >= high,
+                    "probes": [{"rate": r, "p99_ms": v} for r, v in probed],
+                }
         finally:
             loop.close()
         for c in naive_concurrency:
@@ -194,13 +236,23 @@ def bench(
         f"\nmodel {model.name!r} on {len(model.devices)} device(s), buckets {model.buckets}, "
         f"{rows}-row requests, {duration:g} s per run, options {options}"
     )
+    if search is not None:
+        out["goodput"] = search
     report.print_table(results)
     for r in results:
+        if r.get("stable") is False:
+            print(f"unstable: {r['label']} (the last 3 of {r['windows']} windows disagree)")
         if r.get("late_share", 0) > 0.05:
             print(
                 f"warning: {r['late_share']:.0%} of {r['label']} were sent over 2 ms late: "
                 "the load generator could not keep up, so this rate was not offered"
             )
+    if search is not None:
+        print(
+            f"goodput: {'at least ' if search['at_least'] else ''}"
+            f"{search['goodput_per_s']:,.0f} req/s keep p99 within {goodput_ms:g} ms "
+            f"({len(search['probes'])} probes)"
+        )
     print()
     report.print_summary(summary)
     report.write_report(out, results, out_dir)

@@ -47,6 +47,21 @@ def run_result(
     }
 
 
+def merge_windows(windows: list[dict]) -> dict:
+    """Runs of the same kind as one: rates averaged, percentiles over every latency
+    sample kept, the stage breakdown of the last."""
+    merged = dict(windows[-1])
+    merged["requests_per_s"] = float(np.mean([w["requests_per_s"] for w in windows]))
+    merged["rows_per_s"] = float(np.mean([w["rows_per_s"] for w in windows]))
+    samples = [v / 1e3 for w in windows for v in w["latencies_ms"]]
+    stats = run_result("", "", samples, 1, 1.0)
+    for key in stats:
+        if key.endswith("_ms") and key != "latencies_ms":
+            merged[key] = stats[key]
+    merged["windows"] = len(windows)
+    return merged
+
+
 def p99_ms(samples: list[float]) -> float:
     return float(np.percentile(samples, 99) * 1e3) if samples else float("nan")
 
