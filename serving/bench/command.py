@@ -226,12 +226,7 @@ def main(args: argparse.Namespace) -> int:
         # view: its full passes otherwise stall the loop for tens of ms (p99 x10 here).
         gc.collect()
         gc.freeze()
-        options = {
-            "max_batch_size": args.max_batch_size or None,
-            "max_delay_us": args.max_delay_us,
-            "max_queue": 1 << 20,
-            "max_inflight": args.max_inflight,
-        }
+        options = _serving_options(args)
         from .inprocess import bench
 
         report = bench(
@@ -257,6 +252,16 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serving_options(args: argparse.Namespace) -> dict:
+    """pxrt's batching options of an in-process run (its queue never the limit)."""
+    return {
+        "max_batch_size": args.max_batch_size or None,
+        "max_delay_us": args.max_delay_us,
+        "max_queue": 1 << 20,
+        "max_inflight": args.max_inflight,
+    }
+
+
 def _compare_in_process(args: argparse.Namespace, model, path: str, concurrency: list) -> int:
     import pxrt
 
@@ -274,12 +279,7 @@ def _compare_in_process(args: argparse.Namespace, model, path: str, concurrency:
         concurrency=concurrency,
         rows=args.rows,
         duration=args.duration,
-        options={
-            "max_batch_size": args.max_batch_size or None,
-            "max_delay_us": args.max_delay_us,
-            "max_queue": 1 << 20,
-            "max_inflight": args.max_inflight,
-        },
+        options=_serving_options(args),
         repeats=args.repeats,
         out_dir=args.out,
     )
@@ -306,12 +306,7 @@ def _bench_lengths(args: argparse.Namespace, path: str, model) -> int:
         lengths=args.lengths,
         concurrency=64,
         duration=args.duration,
-        options={
-            "max_batch_size": args.max_batch_size or None,
-            "max_delay_us": args.max_delay_us,
-            "max_queue": 1 << 20,
-            "max_inflight": args.max_inflight,
-        },
+        options=_serving_options(args),
         repeats=1 if args.quick else 2,
         fn=lengths.exported_fn(model),
         out_dir=args.out,

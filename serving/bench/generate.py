@@ -113,13 +113,9 @@ class GenTarget:
         if self.grpc:
             self.config = await self._grpc_config()
         else:
-            async with session.get(f"{self.url}/v2/models/{self.model}/config") as r:
-                if r.status != 200:
-                    raise SystemExit(
-                        f"pxrt bench: {self.url} has no model {self.model!r} ({r.status}: "
-                        f"{await r.text()})"
-                    )
-                self.config = await r.json()
+            from .http import get_model_doc
+
+            self.config = await get_model_doc(session, self.url, self.model, "/config")
         params = {
             k: v.get("string_value", "") for k, v in self.config.get("parameters", {}).items()
         }

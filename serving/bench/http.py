@@ -73,13 +73,7 @@ class Target:
         pass
 
     async def prepare(self, session: aiohttp.ClientSession) -> None:
-        async with session.get(f"{self.url}/v2/models/{self.model}") as r:
-            if r.status != 200:
-                raise SystemExit(
-                    f"pxrt bench: {self.url} has no model {self.model!r} "
-                    f"({r.status}: {await r.text()})"
-                )
-            self.meta = await r.json()
+        self.meta = await get_model_doc(session, self.url, self.model, "")
         self.load_bodies()
 
     def load_bodies(self) -> None:
@@ -166,6 +160,17 @@ class Target:
                 return (await r.json())["model_stats"][0]
         except (aiohttp.ClientError, KeyError, IndexError):
             return None
+
+
+async def get_model_doc(session: Any, url: str, model: str, what: str) -> dict:
+    """``GET {url}/v2/models/{model}{what}`` as JSON; exits naming the model if the
+    server has none by that name."""
+    async with session.get(f"{url}/v2/models/{model}{what}") as r:
+        if r.status != 200:
+            raise SystemExit(
+                f"pxrt bench: {url} has no model {model!r} ({r.status}: {await r.text()})"
+            )
+        return await r.json()
 
 
 def make_target(
