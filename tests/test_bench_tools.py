@@ -363,6 +363,14 @@ def test_bench_over_grpc(served, tmp_path):
         "--concurrency", "1,4", "--request-rate", "50", "--csv", str(tmp_path / "g.csv"),
         "--out", str(tmp_path),
     )  # fmt: skip
+    procs = _bench(
+        "--url", f"grpc://{served.grpc_url}", "--model", "mlp", "--duration", "0.4",
+        "--concurrency", "4", "--request-rate", "50", "--client-procs", "2",
+        "--out", str(tmp_path / "procs"),
+    )  # fmt: skip
+    assert procs.returncode == 0, procs.stderr[-3000:]
+    runs = json.loads((tmp_path / "procs" / "bench.json").read_text())["results"]
+    assert all(r["client_procs"] == 2 and r["errors"] == 0 for r in runs)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gRPC: 4 clients" in result.stdout
     doc = json.loads((tmp_path / "bench.json").read_text())

@@ -128,6 +128,10 @@ class GrpcTarget:
                 f"pxrt bench: {self.model!r} is a decoder: --compare and --client-procs "
                 "measure one-shot models"
             )
+        self.load_bodies()
+
+    def load_bodies(self) -> None:
+        """Build the requests once the metadata is in."""
         if self.input_data:
             meta = {"inputs": [s | {"shape": [int(d) for d in s["shape"]]}
                                for s in self.meta["inputs"]]}  # fmt: skip

@@ -409,8 +409,6 @@ def bench_url(
     search = None
     try:
         target = make_target(url, model, rows, binary, shapes, input_data)
-        if pool is not None and target.mode == "grpc":
-            raise SystemExit("pxrt bench: --client-procs is not available for grpc:// yet")
 
         async def prepare() -> None:
             async with _session(1) as session:
@@ -524,8 +522,6 @@ def compare_urls(
     rows_out: list[dict] = []
     try:
         targets = [make_target(u, model, rows, binary, shapes, input_data) for u in urls]
-        if pool is not None and any(t.mode == "grpc" for t in targets):
-            raise SystemExit("pxrt bench: --client-procs is not available for grpc:// yet")
 
         async def prepare() -> None:
             async with _session(1) as session:

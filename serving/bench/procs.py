@@ -24,9 +24,9 @@ START_DELAY_S = 0.3  # every process is up and waiting by then
 
 
 def _target(spec: dict) -> Any:
-    from .http import Target
+    from .http import make_target
 
-    target = Target(
+    target = make_target(
         spec["url"], spec["model"], spec["rows"], spec["binary"], spec["shapes"],
         spec["input_data"],
     )  # fmt: skip
@@ -37,15 +37,14 @@ def _target(spec: dict) -> Any:
 
 def _run(spec: dict, start_at: float, drive: Any) -> Any:
     from ..loops import new_event_loop
-    from .wire import make_client
 
     loop = new_event_loop()
     try:
 
         async def main() -> Any:
-            client = make_client(spec["url"], spec["connections"])
+            target = _target(spec)
+            client = target.client(spec["connections"])
             try:
-                target = _target(spec)
                 await target.call(client)  # a warm connection
                 delay = start_at - time.monotonic()
                 if delay > 0:
