@@ -475,3 +475,21 @@ def test_bench_in_process_has_stability_and_goodput(artifacts, tmp_path):
     (closed,) = [r for r in doc["results"] if r["mode"] == "pxrt-closed"]
     assert closed["windows"] == 3 and isinstance(closed["stable"], bool)
     assert doc["goodput"]["at_least"] and "goodput: at least" in result.stdout
+
+
+def test_bench_measures_a_decoder_in_process(tmp_path):
+    from pxrt import demo
+
+    path = demo.export_lm(
+        str(tmp_path / "lm"), slots=2, max_length=64, prefill_lengths=(8,),
+        prefill_batches=(1,), dim=16, heads=2, layers=1,
+    )  # fmt: skip
+    result = _bench(
+        path, "--concurrency", "2", "--duration", "0.3", "--request-rate", "5",
+        "--prompt-tokens", "fixed:4", "--output-tokens", "fixed:6", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "in process: 2 streams" in result.stdout
+    closed, opened = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert closed["errors"] == 0 and closed["output_tokens_per_s"] > 0
+    assert opened["offered_per_s"] > 0 and opened["ttft_p50_ms"] > 0

@@ -218,6 +218,26 @@ def main(args: argparse.Namespace) -> int:
                 path, width=args.width or demo.WIDTH, layers=args.layers or demo.LAYERS
             )
         model = pxrt.load(path, progress=True)
+        if isinstance(model, pxrt.Decoder):
+            from .generate import bench_local
+
+            try:
+                bench_local(
+                    model,
+                    concurrency=concurrency,
+                    duration=args.duration,
+                    prompt_tokens=args.prompt_tokens,
+                    output_tokens=args.output_tokens,
+                    arrival=args.arrival,
+                    rates=rates or None,
+                    out_dir=args.out,
+                )
+            except ValueError as exc:
+                print(f"pxrt bench: error: {exc}", file=sys.stderr)
+                return 2
+            finally:
+                model.close()
+            return 0
         if args.compare:
             return _compare_in_process(args, model, path, concurrency)
         if model.dim_names:

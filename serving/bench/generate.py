@@ -426,4 +426,99 @@ def bench_generate(
     return report
 
 
-__all__ = ["METRICS", "GenTarget", "bench_generate", "is_decoder", "summarize"]
+class LocalTarget:
+    """A decoder loaded in this process (``pxrt.load``), driven through its async API
+    (``Decoder.agenerate``) with requests drawn as ``GenTarget`` draws them."""
+
+    def __init__(self, decoder: Any, prompt_tokens: str, output_tokens: str, n: int = 512):
+        self.decoder = decoder
+        self.n = n
+        prompts = parse_lengths(prompt_tokens, decoder.max_prompt, "--prompt-tokens")(n, 1)
+        outputs = parse_lengths(output_tokens, decoder.max_length, "--output-tokens")(n, 2)
+        rng = np.random.default_rng(3)
+        self.requests = [
+            (
+                rng.integers(0, min(decoder.vocab, 256), int(p)).astype(np.int32),
+                int(max(1, min(o, decoder.max_length - p))),
+            )
+            for p, o in zip(prompts, outputs)
+        ]
+
+    async def call(self, _client: Any, i: int, out: list) -> None:
+        stream = _Stream()
+        ids, max_tokens = self.requests[i % self.n]
+        try:
+            async for _ in self.decoder.agenerate(ids, max_tokens=max_tokens, temperature=0.0):
+                stream.times.append(clock())
+        except Exception as exc:  # noqa: BLE001 - counted
+            stream.error = f"{type(exc).__name__}: {exc}"
+        out.append(stream)
+        if stream.error is not None:
+            raise RuntimeError(stream.error)
+
+
+def bench_local(
+    decoder: Any,
+    *,
+    concurrency: list[int],
+    duration: float,
+    prompt_tokens: str,
+    output_tokens: str,
+    arrival: str = "poisson",
+    rates: list[float] | None = None,
+    out_dir: str | None = None,
+) -> dict:
+    """``pxrt bench models/lm``: the decoder in this process, the same runs and table as
+    over the wire (what the wire adds is the difference)."""
+    plans(arrival, rates, 1.0)  # a bad spec fails before any run
+    target = LocalTarget(decoder, prompt_tokens, output_tokens)
+    loop = new_event_loop()
+    results: list[dict] = []
+
+    async def closed(c: int) -> dict:
+        streams: list = []
+        counter = iter(range(1 << 62))
+        _, elapsed, _ = await closed_loop(
+            lambda _: target.call(None, next(counter), streams), None, c, duration,
+            count_errors=True,
+        )  # fmt: skip
+        return summarize("generate-closed", f"in process: {c} streams", streams, elapsed,
+                         concurrency=c)  # fmt: skip
+
+    async def opened(plan: Schedule) -> dict:
+        streams: list = []
+        times = plan.times(duration)
+        counter = iter(range(len(times)))
+        records, elapsed = await scheduled_run(
+            lambda _: target.call(None, next(counter), streams), None, times
+        )
+        span = max(float(times[-1]) if len(times) else 0.0, 1e-9)
+        return summarize("generate-open", f"in process: {plan.label}", streams,
+                         max(elapsed, span), offered_per_s=len(times) / span,
+                         late_share=records.late_share())  # fmt: skip
+
+    try:
+        for c in concurrency:
+            results.append(loop.run_until_complete(closed(c)))
+        best = max((r["requests_per_s"] for r in results), default=0.0)
+        for plan in plans(arrival, rates, best / 2 if best else 1.0):
+            results.append(loop.run_until_complete(opened(plan)))
+    finally:
+        loop.close()
+    print(
+        f"\ndecoder {decoder.name!r} in process ({decoder.slots} slots): prompts "
+        f"{prompt_tokens} tokens, outputs {output_tokens} tokens (greedy), {duration:g} s "
+        "per run; times in ms"
+    )
+    print_table(results)
+    report = {"model": decoder.name, "slots": decoder.slots, "results": results}
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {out_dir}/bench.json")
+    return report
+
+
+__all__ = ["METRICS", "GenTarget", "LocalTarget", "bench_generate", "bench_local", "is_decoder",
+           "summarize"]  # fmt: skip
