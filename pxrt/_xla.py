@@ -131,14 +131,26 @@ def persistent_cache(path: str | None) -> Iterator[None]:
     with _persistent_cache_lock:
         _cc.reset_cache()
         try:
-            with (
-                _config.enable_compilation_cache(True),
-                _config.compilation_cache_dir(path),
-                _config.persistent_cache_min_compile_time_secs(0.0),
-            ):
+            with cache_settings(path):
                 yield
         finally:
             _cc.reset_cache()
+
+
+@contextlib.contextmanager
+def cache_settings(path: str | None) -> Iterator[None]:
+    """jax's settings for ``path`` as the compilation cache, on this thread: what a
+    thread compiling for a load inside ``persistent_cache`` needs (jax's settings are
+    per thread; the cache object they reach is the process's, bound by it)."""
+    if path is None:
+        yield
+        return
+    with (
+        _config.enable_compilation_cache(True),
+        _config.compilation_cache_dir(path),
+        _config.persistent_cache_min_compile_time_secs(0.0),
+    ):
+        yield
 
 
 # --------------------------------------------------------------------------- staging

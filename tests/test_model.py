@@ -232,3 +232,16 @@ def test_every_output_is_read_only_unless_copied(models):
     for rows in (1, model.max_batch, 3 * model.max_batch + 1):
         assert not model.run({"x": x[:rows]})["y"].flags.writeable
         assert model.run({"x": x[:rows]}, copy=True)["y"].flags.writeable
+
+
+def test_cells_compiled_one_at_a_time_or_in_parallel_serve_alike(artifacts, models):
+    """``compile_workers``: the cells compile on a pool (default: a thread per core);
+    one at a time gives the same model."""
+    one = pxrt.load(artifacts["two_io"], compile_workers=1)
+    assert one.buckets == models["two_io"].buckets
+    rng = np.random.default_rng(8)
+    for n in (1, 3, 7):
+        request = random_request(one.inputs, n, rng)
+        assert_matches(one.run(request), models["two_io"].run(request), f"n={n}")
+    with pytest.raises(ValueError, match="compile_workers must be an int >= 1"):
+        pxrt.load(artifacts["two_io"], compile_workers=0)
