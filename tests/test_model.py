@@ -245,3 +245,38 @@ def test_cells_compiled_one_at_a_time_or_in_parallel_serve_alike(artifacts, mode
         assert_matches(one.run(request), models["two_io"].run(request), f"n={n}")
     with pytest.raises(ValueError, match="compile_workers must be an int >= 1"):
         pxrt.load(artifacts["two_io"], compile_workers=0)
+
+
+def test_warm_loads_reuse_measured_cell_times_and_refuse_bad_entries(
+    artifacts, tmp_path, monkeypatch
+):
+    """A cell's execution time is measured once per machine, program and cell and
+    stored beside the compiled executables: a warm load reads it (no timing runs); an
+    entry whose bytes do not check out is measured again and rewritten."""
+    import json
+
+    from pxrt import _xla
+
+    cache = tmp_path / "cache"
+    first = pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
+    entries = sorted((cache / "timings").glob("*.json"))
+    assert len(entries) == len(first.engine.buckets)
+    real = _xla.time_program
+    timed = []
+
+    def counting(*args, **kwargs):
+        timed.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_xla, "time_program", counting)
+    warm = pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
+    assert not timed
+    assert [b.exec_s for b in warm.engine.buckets] == [b.exec_s for b in first.engine.buckets]
+    doc = json.loads(entries[0].read_text())
+    entries[0].write_text(json.dumps(doc | {"exec_s": doc["exec_s"] * 100}))  # tampered
+    pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
+    assert len(timed) == 1
+    again = json.loads(entries[0].read_text())
+    assert again["exec_s"] != doc["exec_s"] * 100  # measured again, rewritten soundly
+    x = np.ones((3, 32), np.float32)
+    assert_matches(warm.run({"x": x}), reference("mlp", {"x": x}))
