@@ -404,6 +404,8 @@ def load(
             values = example_inputs(art.inputs, size, seed=size, lengths=at).values()
             for buf, value in zip(example, values):
                 buf[...] = value
+            proof = _timing_key(art, devices, size, lengths, f"proof:{fast_path}", zero_copy)
+            proven = _stored_path(cache_dir, proof)
             program = _xla.make_program(
                 compiled,
                 params_dev,
@@ -413,7 +415,10 @@ def load(
                 example,
                 fast_path=fast_path,
                 zero_copy=zero_copy,
+                proven=proven,
             )
+            if proven != program.path:
+                _write_entry(cache_dir, proof, {"path": program.path})
             compile_s += time.perf_counter() - tc  # (and its check against the public path)
             ring = StagingRing(
                 [s.dtype for s in in_specs],
@@ -426,7 +431,7 @@ def load(
             exec_s = _stored_time(cache_dir, key)
             if exec_s is None:  # measured once per machine, program and cell
                 exec_s = _xla.time_program(program, _xla.StagingSlot(example, program.row_slices))
-                _store_time(cache_dir, key, exec_s)
+                _write_entry(cache_dir, key, {"exec_s": exec_s})
             compiled_buckets.append(
                 Bucket(size, program, ring, compiled, compile_s, exec_s, tuple(lengths))
             )
@@ -434,10 +439,12 @@ def load(
 
 
 # --------------------------------------------------------------------------- stored timings
-# A cell's execution time (what the serving policy's cell choice compares) is measured
-# once per machine, program and cell, and kept beside the compiled executables: a warm
-# load reads it instead of running the cell back to back. The key holds everything
-# that could change the time; an entry whose bytes do not check out is measured again.
+# A cell's execution time (what the serving policy's cell choice compares) and the path
+# its fast-path check proved are found once per machine, program and cell, and kept
+# beside the compiled executables: a warm load reads them instead of running the cell
+# back to back and against the public path (it still runs it once, to warm it up). The
+# key holds everything that could change them; an entry whose bytes do not check out
+# is found again.
 
 TIMINGS = "timings"
 
@@ -470,24 +477,23 @@ def _timing_key(
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
-def _stored_time(cache_dir: str | None, key: str) -> float | None:
-    """The execution time stored under ``key`` (None: none, or not a sound entry)."""
+def _read_entry(cache_dir: str | None, key: str) -> dict | None:
+    """What is stored under ``key`` (None: nothing, or an entry that does not check out:
+    it is measured or proven again and rewritten)."""
     if cache_dir is None:
         return None
     try:
         with open(os.path.join(cache_dir, TIMINGS, key + ".json")) as f:
             doc = json.load(f)
-        exec_s = doc["exec_s"]
-        if doc["key"] != key or doc["check"] != _check(key, exec_s):
+        value = doc["value"]
+        if doc["key"] != key or doc["check"] != _check(key, value):
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not isinstance(exec_s, float) or not 0 < exec_s < 3600:
-        return None
-    return exec_s
+    return value if isinstance(value, dict) else None
 
 
-def _store_time(cache_dir: str | None, key: str, exec_s: float) -> None:
+def _write_entry(cache_dir: str | None, key: str, value: dict) -> None:
     if cache_dir is None:
         return
     folder = os.path.join(cache_dir, TIMINGS)
@@ -495,16 +501,30 @@ def _store_time(cache_dir: str | None, key: str, exec_s: float) -> None:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         tmp = os.path.join(folder, f".{key}.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
-            json.dump({"key": key, "exec_s": exec_s, "check": _check(key, exec_s)}, f)
+            json.dump({"key": key, "value": value, "check": _check(key, value)}, f)
         os.replace(tmp, os.path.join(folder, key + ".json"))
     except OSError:
         pass  # measured again next time
 
 
-def _check(key: str, exec_s: float) -> str:
+def _check(key: str, value: dict) -> str:
     import hashlib
 
-    return hashlib.sha256(f"{key}:{exec_s!r}".encode()).hexdigest()
+    return hashlib.sha256(f"{key}:{json.dumps(value, sort_keys=True)}".encode()).hexdigest()
+
+
+def _stored_time(cache_dir: str | None, key: str) -> float | None:
+    value = _read_entry(cache_dir, key)
+    exec_s = None if value is None else value.get("exec_s")
+    if not isinstance(exec_s, float) or not 0 < exec_s < 3600:
+        return None
+    return exec_s
+
+
+def _stored_path(cache_dir: str | None, key: str) -> str | None:
+    value = _read_entry(cache_dir, key)
+    path = None if value is None else value.get("path")
+    return path if path in ("call", "raw", "public") else None
 
 
 def _grid(

@@ -250,33 +250,45 @@ def test_cells_compiled_one_at_a_time_or_in_parallel_serve_alike(artifacts, mode
 def test_warm_loads_reuse_measured_cell_times_and_refuse_bad_entries(
     artifacts, tmp_path, monkeypatch
 ):
-    """A cell's execution time is measured once per machine, program and cell and
-    stored beside the compiled executables: a warm load reads it (no timing runs); an
-    entry whose bytes do not check out is measured again and rewritten."""
+    """A cell's execution time and the path its fast-path check proved are found once
+    per machine, program and cell and stored beside the compiled executables: a warm
+    load reads them (no timing runs, no comparison with the public path: one warm-up
+    run per cell); an entry whose bytes do not check out is found again and rewritten."""
     import json
 
     from pxrt import _xla
 
     cache = tmp_path / "cache"
     first = pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
-    entries = sorted((cache / "timings").glob("*.json"))
-    assert len(entries) == len(first.engine.buckets)
-    real = _xla.time_program
-    timed = []
-
-    def counting(*args, **kwargs):
-        timed.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_xla, "time_program", counting)
+    n = len(first.engine.buckets)
+    entries = {
+        kind: sorted(
+            p
+            for p in (cache / "timings").glob("*.json")
+            if kind in json.loads(p.read_text())["value"]
+        )
+        for kind in ("exec_s", "path")
+    }
+    assert len(entries["exec_s"]) == len(entries["path"]) == n
+    runs, timed = [], []
+    real_run, real_time = _xla.run_program, _xla.time_program
+    monkeypatch.setattr(_xla, "run_program", lambda *a: runs.append(1) or real_run(*a))
+    monkeypatch.setattr(_xla, "time_program", lambda *a: timed.append(1) or real_time(*a))
     warm = pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
-    assert not timed
+    assert not timed and len(runs) == n  # one warm-up run per cell
     assert [b.exec_s for b in warm.engine.buckets] == [b.exec_s for b in first.engine.buckets]
-    doc = json.loads(entries[0].read_text())
-    entries[0].write_text(json.dumps(doc | {"exec_s": doc["exec_s"] * 100}))  # tampered
+    assert [b.program.path for b in warm.engine.buckets] == [
+        b.program.path for b in first.engine.buckets
+    ]
+    tampered = {}
+    for kind, change in (("exec_s", lambda v: v * 100), ("path", lambda v: "raw!")):
+        doc = json.loads(entries[kind][0].read_text())
+        doc["value"][kind] = tampered[kind] = change(doc["value"][kind])  # its check fails
+        entries[kind][0].write_text(json.dumps(doc))
+    runs.clear()
     pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
-    assert len(timed) == 1
-    again = json.loads(entries[0].read_text())
-    assert again["exec_s"] != doc["exec_s"] * 100  # measured again, rewritten soundly
+    assert len(timed) == 1 and len(runs) > n  # measured and proven again
+    for kind in ("exec_s", "path"):  # and rewritten soundly
+        assert json.loads(entries[kind][0].read_text())["value"][kind] != tampered[kind]
     x = np.ones((3, 32), np.float32)
     assert_matches(warm.run({"x": x}), reference("mlp", {"x": x}))
