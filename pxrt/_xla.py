@@ -41,6 +41,7 @@ RAW_PATH_AVAILABLE = _EXT_VERSION in RAW_PATH_EXTENSION_VERSIONS
 STAGING_ALIGNMENT = 64
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 # --------------------------------------------------------------------------- compiles
@@ -66,6 +67,7 @@ class _CompileCounter:
         with self._lock:
             if not self._registered:
                 jax.monitoring.register_event_duration_secs_listener(self._on_event)
+                jax.monitoring.register_event_listener(self._on_plain_event)
                 self._registered = True
 
     def request_path(self, owner: object) -> _RequestPath:
@@ -73,10 +75,22 @@ class _CompileCounter:
         meanwhile count against ``model``."""
         return _RequestPath(self._local, owner)
 
+    def on_this_thread(self) -> int:
+        """XLA compiles so far on the calling thread that jax's persistent cache did not
+        answer (jax reports a fetch from it as a compile too, and as a cache hit)."""
+        local = self._local
+        return getattr(local, "compiles", 0) - getattr(local, "cache_hits", 0)
+
+    def _on_plain_event(self, event: str, **kwargs: Any) -> None:
+        if event == _CACHE_HIT_EVENT:
+            self._local.cache_hits = getattr(self._local, "cache_hits", 0) + 1
+
     def _on_event(self, event: str, duration_secs: float, **kwargs: Any) -> None:
         if event != _BACKEND_COMPILE_EVENT:
             return
-        owner = getattr(self._local, "owner", None)
+        local = self._local
+        local.compiles = getattr(local, "compiles", 0) + 1
+        owner = getattr(local, "owner", None)
         with self._lock:
             self.total += 1
             if owner is not None:
@@ -151,6 +165,12 @@ def cache_settings(path: str | None) -> Iterator[None]:
         _config.persistent_cache_min_compile_time_secs(0.0),
     ):
         yield
+
+
+def no_persistent_cache() -> contextlib.AbstractContextManager:
+    """Compile afresh on this thread, neither reading nor writing jax's persistent cache
+    (an executable fetched from it cannot be stored again by ``pxrt.stored``)."""
+    return _config.enable_compilation_cache(False)
 
 
 # --------------------------------------------------------------------------- staging
@@ -368,13 +388,11 @@ def make_program(
     up, without the comparison (any failure, and the whole check runs as usual).
     """
     if proven is not None:
-        program = _proven(proven, compiled, params_dev, n_inputs, x64, bucket, zero_copy)
+        program = proven_program(
+            proven, compiled, params_dev, n_inputs, x64, bucket, example, zero_copy
+        )
         if program is not None:
-            try:
-                run_program(program, StagingSlot(example, program.row_slices))
-                return program
-            except Exception:  # noqa: BLE001 - prove it again below
-                pass
+            return program
     public = PublicProgram(compiled, params_dev, x64, bucket)
     expected = _concat(run_program(public, StagingSlot(example, public.row_slices)))
     if not (fast_path and RAW_PATH_AVAILABLE):
@@ -416,7 +434,30 @@ def make_program(
     return public
 
 
-def _proven(
+def proven_program(
+    path: str,
+    compiled: Any,
+    params_dev: Any,
+    n_inputs: int,
+    x64: bool,
+    bucket: int,
+    example: list[np.ndarray],
+    zero_copy: bool = True,
+) -> Any:
+    """The program of the path ``path`` an earlier check proved for this very program
+    and cell, run once on ``example`` to warm it up (None: not a path this build can
+    make, or the run failed)."""
+    program = _path_program(path, compiled, params_dev, n_inputs, x64, bucket, zero_copy)
+    if program is None:
+        return None
+    try:
+        run_program(program, StagingSlot(example, program.row_slices))
+    except Exception:  # noqa: BLE001 - the caller proves or compiles it again
+        return None
+    return program
+
+
+def _path_program(
     path: str,
     compiled: Any,
     params_dev: Any,
@@ -425,7 +466,6 @@ def _proven(
     bucket: int,
     zero_copy: bool,
 ) -> Any:
-    """The program of a path proven before (None: not one this build can make)."""
     try:
         if path == "public":
             return PublicProgram(compiled, params_dev, x64, bucket)
@@ -446,12 +486,13 @@ def run_program(program: Any, slot: StagingSlot) -> list[list[np.ndarray]]:
 
 
 def time_program(
-    program: Any, slot: StagingSlot, runs: int = 5, budget_s: float = 0.05, most: int = 50
+    program: Any, slot: StagingSlot, runs: int = 3, budget_s: float = 0.05, most: int = 50
 ) -> float:
     """Median seconds of one execution of ``program`` on ``slot``, back to back (after
     the conformance check has warmed it up): at least ``runs`` runs, more (up to
     ``most``) while they fit in ``budget_s``, so that cheap cells, whose times the
-    serving policy compares with each other, are not decided by one noisy sample."""
+    serving policy compares with each other, are not decided by one noisy sample (a
+    10 ms cell runs 5 times, a 1 ms one 50; a cell slower than the budget, 3)."""
     times: list[float] = []
     spent = 0.0
     while len(times) < runs or (spent < budget_s and len(times) < most):

@@ -120,11 +120,12 @@ class StagingRing:
         return self._free.qsize()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(eq=False, slots=True)
 class Bucket:
     """One compiled cell: a batch size (and, for named dimensions, their lengths), its
-    program, its staging ring, and what load measured (compile seconds; seconds per
-    execution, from back-to-back runs)."""
+    program, its staging ring, and what load measured (seconds to get its executable;
+    seconds per execution, from back-to-back runs: only ``Model.remeasure`` changes
+    them after load)."""
 
     size: int
     program: Program
@@ -133,6 +134,12 @@ class Bucket:
     compile_s: float
     exec_s: float
     lengths: tuple[int, ...] = ()  # per named dimension, in the model's order
+    #: Where its executable came from: "compiled", "cache" (jax's persistent cache) or
+    #: "stored" (pxrt's stored executable).
+    source: str = "compiled"
+    #: Where ``exec_s`` came from: "measured" by this load (or since), or "stored" by an
+    #: earlier one (``Model.remeasure`` refreshes it).
+    timed: str = "measured"
 
     @property
     def fast_path(self) -> bool:

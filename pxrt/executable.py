@@ -8,13 +8,16 @@ shared by every bucket. Each bucket's fast path is checked against jax's own
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import itertools
-import json
+import logging
+import math
 import os
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,8 +26,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from . import _ext, _xla, artifact
+from . import _ext, _xla, artifact, stored
 from .dispatch import Bucket, Engine, StagingRing, lane_key, lane_table
+
+log = logging.getLogger("pxrt")
+
+_SOURCE_WORDS = {
+    "compiled": "compiled",
+    "cache": "from jax's persistent cache",
+    "stored": "stored executables",
+}
 
 
 class Model:
@@ -52,6 +63,13 @@ class Model:
         self.devices = devices
         self.params_dev = params_dev
         self.load_s = load_s
+        #: Where ``load_s`` went, in seconds: read (the artifact and its hashes), params
+        #: (placed on the devices), compile (the pool's wall time: compiling, fetching
+        #: from jax's persistent cache or loading stored executables; cold cells' fast-path
+        #: checks, warm cells' warm-up runs), time (cold cells' timing runs).
+        self.load_phases: dict[str, float] = {}
+        self._timing_key: Callable[[Bucket], str] | None = None
+        self._cache_dir: str | None = None
         #: XLA compiles on this model's request path (counted by ``_xla.compile_counter``).
         self.request_path_compiles = 0
         #: Named dimensions, in order (empty for fixed shapes).
@@ -87,6 +105,14 @@ class Model:
             f"Model({self.name!r}, version={self.version!r}, buckets={self.buckets}{dims}, "
             f"devices={len(self.devices)})"
         )
+
+    def load_summary(self) -> str:
+        """One line on where this model's load went (for logs): the phases of
+        ``load_phases`` and where each cell's executable came from."""
+        sources = collections.Counter(b.source for b in self.engine.buckets)
+        got = ", ".join(f"{n} {_SOURCE_WORDS[s]}" for s, n in sorted(sources.items()))
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in self.load_phases.items())
+        return f"loaded in {self.load_s:.2f} s ({phases}; cells: {got})"
 
     @property
     def cells(self) -> list[tuple[int, dict[str, int]]]:
@@ -176,6 +202,29 @@ class Model:
         return self.engine.bucket_for(rows).size
 
     @property
+    def stale_cells(self) -> list[Bucket]:
+        """The buckets whose execution time an earlier load measured (``remeasure``)."""
+        return [b for b in self.engine.buckets if b.timed == "stored"]
+
+    def remeasure(self, idle: Callable[[], bool] = lambda: True, most: int | None = None) -> int:
+        """Time again the buckets whose execution time came from an earlier load, as the
+        cold load times them, and store the new times. Meant for a background thread
+        while the model serves: before each bucket it asks ``idle()`` and stops when
+        that is False (the caller tries again later). ``most``: buckets to time at most.
+        Returns how many were timed. The serving loop's batcher does this on its own."""
+        done = 0
+        for b in self.stale_cells:
+            if (most is not None and done >= most) or not idle():
+                break
+            example = _staged_example(self.inputs, b.size, dict(zip(self.dim_names, b.lengths)))
+            b.exec_s = _xla.time_program(b.program, _xla.StagingSlot(example, b.program.row_slices))
+            b.timed = "measured"
+            if self._timing_key is not None:
+                stored.write_entry(self._cache_dir, self._timing_key(b), {"exec_s": b.exec_s})
+            done += 1
+        return done
+
+    @property
     def compiles_after_load(self) -> int:
         """XLA compiles that happened while serving this model's requests (must be 0)."""
         return self.request_path_compiles
@@ -190,6 +239,7 @@ class Model:
                 "bucket": size,
                 "lengths": dict(zip(self.dim_names, b.lengths)),
                 "compile_s": round(b.compile_s, 4),
+                "source": b.source,
                 "exec_ms": round(b.exec_s * 1e3, 4),
                 "fast_path": b.fast_path,
                 "path": b.program.path,
@@ -219,6 +269,7 @@ class Model:
             "manifest": self.artifact.manifest,
             "devices": [str(d) for d in self.devices],
             "load_s": round(self.load_s, 4),
+            "load_phases": dict(self.load_phases),
             "extensions": _ext.using_extensions(),
             "buckets": per_bucket,
         }
@@ -250,6 +301,19 @@ def example_inputs(
             ).astype(dt)
         else:
             out[name] = rng.standard_normal(shape).astype(dt)
+    return out
+
+
+def _staged_example(
+    specs: Mapping[str, artifact.TensorSpec], size: int, at: dict[str, int]
+) -> list[np.ndarray]:
+    """``example_inputs`` for a whole cell, in staging-aligned buffers (one per input,
+    in order), as a program runs them."""
+    out = []
+    for spec, value in zip(specs.values(), example_inputs(specs, size, size, at).values()):
+        buf = _xla.aligned_empty(value.shape, spec.dtype)
+        buf[...] = value
+        out.append(buf)
     return out
 
 
@@ -352,8 +416,11 @@ def load(
                 "smaller buckets=..."
             )
 
+    phases = {"read": time.perf_counter() - t0}
+    check_memory(art, cells, devices, staging_depth)
     compiled_buckets: list[Bucket] = []
     with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
+        tp = time.perf_counter()
         params_sh = jax.tree.map(lambda _: replicated, art.params)
         params_dev = jax.device_put(art.params, params_sh)
         param_specs = jax.tree.map(
@@ -365,6 +432,7 @@ def load(
             out_shardings=(rows,) * n_out,
             keep_unused=True,
         )
+        phases["params"] = time.perf_counter() - tp
         bar = tqdm(
             total=len(cells),
             desc=f"pxrt: compiling {art.name}",
@@ -373,158 +441,203 @@ def load(
             leave=False,
         )
 
-        def compile_cell(cell: tuple[int, tuple[int, ...]]) -> tuple[Any, float]:
-            # Lowering holds the GIL; XLA's compile releases it, so cells compile in
-            # parallel on the pool's threads.
-            size, lengths = cell
-            tc = time.perf_counter()
+        def compile_cell(
+            size: int, lengths: tuple[int, ...], afresh: bool = False
+        ) -> tuple[Any, str]:
+            """Lower and compile one cell: (compiled, "compiled", or "cache" when jax's
+            persistent cache had it; ``afresh``: not from that cache, so that the
+            executable can be stored)."""
             at = dict(zip(dim_names, lengths))
             x_specs = [
                 jax.ShapeDtypeStruct((size,) + s.at(at), s.dtype, sharding=rows) for s in in_specs
             ]
+            before = _xla.compile_counter.on_this_thread()
             try:
-                with _xla.x64_scope(art.x64), _xla.cache_settings(cache_dir):
+                with (
+                    _xla.x64_scope(art.x64),
+                    _xla.cache_settings(cache_dir),
+                    _xla.no_persistent_cache() if afresh else contextlib.nullcontext(),
+                ):
                     compiled = jitted.lower(param_specs, *x_specs).compile()
             except Exception as exc:
                 where = f" at {at}" if at else ""
                 raise ValueError(
                     f"{art.name!r}: bucket {size}{where} does not compile: {exc}"
                 ) from exc
-            bar.update()
-            return compiled, time.perf_counter() - tc
+            fresh = _xla.compile_counter.on_this_thread() > before
+            return compiled, "compiled" if fresh else "cache"
 
-        workers = max(1, min(compile_workers or os.cpu_count() or 1, len(cells)))
-        with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            compiled_cells = list(pool.map(compile_cell, cells))
-        for (size, lengths), (compiled, compile_s) in zip(cells, compiled_cells):
+        def key(cell: _Cell, what: str) -> str:
+            return stored.key(art, devices, cell.size, cell.lengths, what, zero_copy)
+
+        def prepare_cell(size_lengths: tuple[int, tuple[int, ...]]) -> _Cell:
+            # On the pool's threads: lowering holds the GIL; XLA's compile, loading a
+            # stored executable and running one release it.
             tc = time.perf_counter()
-            at = dict(zip(dim_names, lengths))
-            shapes = [s.at(at) for s in in_specs]
-            example = [_xla.aligned_empty((size,) + sh, s.dtype) for sh, s in zip(shapes, in_specs)]
-            values = example_inputs(art.inputs, size, seed=size, lengths=at).values()
-            for buf, value in zip(example, values):
-                buf[...] = value
-            proof = _timing_key(art, devices, size, lengths, f"proof:{fast_path}", zero_copy)
-            proven = _stored_path(cache_dir, proof)
-            program = _xla.make_program(
-                compiled,
-                params_dev,
-                n_in,
-                art.x64,
-                size,
-                example,
-                fast_path=fast_path,
-                zero_copy=zero_copy,
-                proven=proven,
+            cell = _Cell(*size_lengths)
+            exe_key = key(cell, "executable")
+            cell.compiled, refused = stored.load_executable(cache_dir, exe_key, devices)
+            if cell.compiled is None:
+                # Compiled afresh, to be stored (an executable fetched from jax's cache
+                # cannot be), unless jax cannot serialize it: then through that cache.
+                afresh = refused or not stored.unstorable(cache_dir, exe_key)
+                cell.compiled, cell.source = compile_cell(cell.size, cell.lengths, afresh)
+                if afresh and cell.source == "compiled":
+                    stored.store_executable(cache_dir, exe_key, cell.compiled)
+            cell.obtain_s = time.perf_counter() - tc
+            cell.example = _staged_example(
+                art.inputs, cell.size, dict(zip(dim_names, cell.lengths))
             )
-            if proven != program.path:
-                _write_entry(cache_dir, proof, {"path": program.path})
-            compile_s += time.perf_counter() - tc  # (and its check against the public path)
+            cell.proven = stored.stored_path(cache_dir, key(cell, f"proof:{fast_path}"))
+            if cell.proven is not None:
+                cell.exec_s = stored.stored_time(cache_dir, key(cell, cell.proven))
+            if cell.exec_s is not None:  # a warm cell: its one warm-up run, here
+                cell.program = _warm_program(cell, art, params_dev, zero_copy)
+                if cell.program is None and cell.source == "stored":
+                    # The stored executable does not run: compile it afresh, store it.
+                    cell.compiled, cell.source = _recompile(cell, compile_cell, cache_dir, key)
+                    cell.program = _warm_program(cell, art, params_dev, zero_copy)
+            if cell.program is None:  # a cold cell: its fast path checked, here too
+                cell.program = _checked_program(
+                    cell, compile_cell, art, params_dev, fast_path, zero_copy, cache_dir, key
+                )
+                if cell.proven != cell.program.path:
+                    stored.write_entry(
+                        cache_dir, key(cell, f"proof:{fast_path}"), {"path": cell.program.path}
+                    )
+                cell.exec_s = stored.stored_time(cache_dir, key(cell, cell.program.path))
+            bar.update()
+            return cell
+
+        tp = time.perf_counter()
+        workers = max(1, min(compile_workers or os.cpu_count() or 1, len(cells)))
+        # The costliest cells first, so that the pool does not end on one of them alone.
+        order = sorted(
+            range(len(cells)),
+            key=lambda i: -cells[i][0] * math.prod(cells[i][1]),
+        )
+        with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            done = dict(zip(order, pool.map(prepare_cell, [cells[i] for i in order])))
+        prepared = [done[i] for i in range(len(cells))]
+        phases["compile"] = time.perf_counter() - tp
+        phases["time"] = 0.0
+        # Cold cells are timed one at a time on this thread, with nothing else running.
+        for cell in prepared:
+            program = cell.program
+            cell.timed_before = cell.exec_s is not None
+            if cell.exec_s is None:  # measured once per machine, program and cell
+                tt = time.perf_counter()
+                cell.exec_s = _xla.time_program(
+                    program, _xla.StagingSlot(cell.example, program.row_slices)
+                )
+                stored.write_entry(cache_dir, key(cell, program.path), {"exec_s": cell.exec_s})
+                phases["time"] += time.perf_counter() - tt
+            shapes = [s.at(dict(zip(dim_names, cell.lengths))) for s in in_specs]
             ring = StagingRing(
                 [s.dtype for s in in_specs],
                 shapes,
-                size,
+                cell.size,
                 program.row_slices,
                 depth=staging_depth,
             )
-            key = _timing_key(art, devices, size, lengths, program.path, zero_copy)
-            exec_s = _stored_time(cache_dir, key)
-            if exec_s is None:  # measured once per machine, program and cell
-                exec_s = _xla.time_program(program, _xla.StagingSlot(example, program.row_slices))
-                _write_entry(cache_dir, key, {"exec_s": exec_s})
             compiled_buckets.append(
-                Bucket(size, program, ring, compiled, compile_s, exec_s, tuple(lengths))
+                Bucket(
+                    cell.size,
+                    program,
+                    ring,
+                    cell.compiled,
+                    cell.obtain_s,
+                    cell.exec_s,
+                    cell.lengths,
+                    cell.source,
+                    "stored" if cell.timed_before else "measured",
+                )
             )
-    return Model(art, devices, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes)
+    model = Model(art, devices, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes)
+    model.load_phases = {k: round(v, 4) for k, v in phases.items()}
+    model._timing_key = lambda b: stored.key(
+        art, devices, b.size, b.lengths, b.program.path, zero_copy
+    )
+    model._cache_dir = cache_dir
+    log.info("pxrt: %s version %s %s", art.name, model.version, model.load_summary())
+    return model
 
 
-# --------------------------------------------------------------------------- stored timings
-# A cell's execution time (what the serving policy's cell choice compares) and the path
-# its fast-path check proved are found once per machine, program and cell, and kept
-# beside the compiled executables: a warm load reads them instead of running the cell
-# back to back and against the public path (it still runs it once, to warm it up). The
-# key holds everything that could change them; an entry whose bytes do not check out
-# is found again.
+class _Cell:
+    """One cell on its way to a ``Bucket``: what ``load``'s pool prepared."""
 
-TIMINGS = "timings"
+    def __init__(self, size: int, lengths: tuple[int, ...]) -> None:
+        self.size = size
+        self.lengths = tuple(lengths)
+        self.compiled: Any = None
+        #: "stored" (a stored executable), "cache" (jax's persistent cache) or "compiled"
+        self.source = "stored"
+        self.obtain_s = 0.0  # seconds to get the executable
+        self.example: list[np.ndarray] = []  # full (size, ...) inputs, one per input
+        self.proven: str | None = None  # the path an earlier load proved
+        self.exec_s: float | None = None
+        self.timed_before = False  # exec_s is an earlier load's
+        self.program: Any = None
 
 
-def _timing_key(
+def _warm_program(cell: _Cell, art: artifact.Artifact, params_dev: Any, zero_copy: bool) -> Any:
+    assert cell.proven is not None
+    return _xla.proven_program(
+        cell.proven,
+        cell.compiled,
+        params_dev,
+        len(art.inputs),
+        art.x64,
+        cell.size,
+        cell.example,
+        zero_copy,
+    )
+
+
+def _checked_program(
+    cell: _Cell,
+    compile_cell: Any,
     art: artifact.Artifact,
-    devices: list,
-    size: int,
-    lengths: tuple[int, ...],
-    path: str,
+    params_dev: Any,
+    fast_path: bool,
     zero_copy: bool,
-) -> str:
-    import hashlib
+    cache_dir: str | None,
+    key: Any,
+) -> Any:
+    """A cold cell's program, its fast path checked against the public one. A stored
+    executable that fails to run is compiled again."""
 
-    import jaxlib
+    def make() -> Any:
+        return _xla.make_program(
+            cell.compiled,
+            params_dev,
+            len(art.inputs),
+            art.x64,
+            cell.size,
+            cell.example,
+            fast_path=fast_path,
+            zero_copy=zero_copy,
+            proven=cell.proven,
+        )
 
-    from . import __version__
-
-    fields = {
-        "program": art.manifest.get("files", {}).get(artifact.PROGRAM_FILE, ""),
-        "params": art.manifest.get("files", {}).get(artifact.PARAMS_FILE, ""),
-        "cell": [size, list(lengths)],
-        "devices": [[d.platform, getattr(d, "device_kind", ""), d.id] for d in devices],
-        "versions": [jax.__version__, jaxlib.__version__, __version__],
-        "path": path,
-        "zero_copy": zero_copy,
-        "x64": art.x64,
-        "flags": os.environ.get("XLA_FLAGS", ""),
-    }
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def _read_entry(cache_dir: str | None, key: str) -> dict | None:
-    """What is stored under ``key`` (None: nothing, or an entry that does not check out:
-    it is measured or proven again and rewritten)."""
-    if cache_dir is None:
-        return None
     try:
-        with open(os.path.join(cache_dir, TIMINGS, key + ".json")) as f:
-            doc = json.load(f)
-        value = doc["value"]
-        if doc["key"] != key or doc["check"] != _check(key, value):
-            return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, dict) else None
+        return make()
+    except Exception:
+        if cell.source != "stored":
+            raise
+    cell.compiled, cell.source = _recompile(cell, compile_cell, cache_dir, key)
+    return make()
 
 
-def _write_entry(cache_dir: str | None, key: str, value: dict) -> None:
-    if cache_dir is None:
-        return
-    folder = os.path.join(cache_dir, TIMINGS)
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        tmp = os.path.join(folder, f".{key}.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"key": key, "value": value, "check": _check(key, value)}, f)
-        os.replace(tmp, os.path.join(folder, key + ".json"))
-    except OSError:
-        pass  # measured again next time
-
-
-def _check(key: str, value: dict) -> str:
-    import hashlib
-
-    return hashlib.sha256(f"{key}:{json.dumps(value, sort_keys=True)}".encode()).hexdigest()
-
-
-def _stored_time(cache_dir: str | None, key: str) -> float | None:
-    value = _read_entry(cache_dir, key)
-    exec_s = None if value is None else value.get("exec_s")
-    if not isinstance(exec_s, float) or not 0 < exec_s < 3600:
-        return None
-    return exec_s
-
-
-def _stored_path(cache_dir: str | None, key: str) -> str | None:
-    value = _read_entry(cache_dir, key)
-    path = None if value is None else value.get("path")
-    return path if path in ("call", "raw", "public") else None
+def _recompile(cell: _Cell, compile_cell: Any, cache_dir: str | None, key: Any) -> tuple[Any, str]:
+    """A stored executable that loaded but does not run: compile the cell afresh and
+    store that instead."""
+    exe_key = key(cell, "executable")
+    stored.discard_executable(cache_dir, exe_key)
+    compiled, source = compile_cell(cell.size, cell.lengths, True)
+    if source == "compiled":
+        stored.store_executable(cache_dir, exe_key, compiled)
+    return compiled, source
 
 
 def _grid(
@@ -565,6 +678,71 @@ def _grid(
             for lengths in itertools.product(*(dims[d] for d in names)):
                 cells.add((-(-size // n_dev) * n_dev, tuple(lengths)))
     return sorted(cells, key=lambda c: (lane_key(c[1]), c[0]))
+
+
+def check_memory(
+    art: artifact.Artifact,
+    cells: Sequence[tuple[int, tuple[int, ...]]],
+    devices: list,
+    staging_depth: int,
+) -> None:
+    """Refuse a load, before anything is placed or compiled, whose resident memory would
+    not fit: params on every device and each cell's staging slots (inputs and outputs,
+    ``staging_depth`` of each) against the host's available memory, and per device
+    against what its backend reports free (CPU devices live in host memory)."""
+    dims = tuple(art.dim_buckets)
+    params = sum(int(a.nbytes) for a in jax.tree.leaves(art.params))
+    staging = 0
+    for size, lengths in cells:
+        at = dict(zip(dims, lengths))
+        per_row = sum(s.nbytes_at(at) for s in art.inputs.values())
+        per_row += sum(s.nbytes_at(at) for s in art.outputs.values())
+        staging += staging_depth * size * per_row
+    on_host = [d for d in devices if d.platform == "cpu"]
+    need = params * (1 + len(on_host)) + staging * (2 if on_host else 1)
+    advice = "load fewer or smaller buckets=..., dim_buckets=..., or a smaller staging_depth"
+    free = available_host_bytes()
+    if free is not None and need > free:
+        where = f"on the host and each of {len(on_host)} CPU devices" if on_host else "on the host"
+        raise ValueError(
+            f"{art.name!r} needs about {_size(need)} of host memory (params {_size(params)} "
+            f"{where}; staging {_size(staging)} for {len(cells)} cells x {staging_depth} "
+            f"slots) and {_size(free)} is available: {advice}"
+        )
+    per_device = params + staging // max(1, len(devices))
+    for d in devices:
+        if d.platform == "cpu":
+            continue
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a backend that does not report memory
+            continue
+        limit = stats.get("bytes_limit")
+        if not limit:
+            continue
+        left = limit - stats.get("bytes_in_use", 0)
+        if per_device > left:
+            raise ValueError(
+                f"{art.name!r} needs about {_size(per_device)} on {d} (params {_size(params)} "
+                f"and its share of the staging) and {_size(left)} is free there: {advice}"
+            )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available to a new allocation (Linux's MemAvailable), or None
+    where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 # Staging for the largest bucket, per slot: beyond this a bucket is a mistake.

@@ -31,6 +31,7 @@ dispatched removes it. Metrics are updated once per batch.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 
@@ -51,6 +52,12 @@ NEVER = 1 << 62  # a kick_rows no queue reaches
 # virtual machine, several late. Each batcher widens its own margin to twice the
 # lateness its delay timers show (at most MAX_TIMER_SLACK_S), narrowing it slowly again.
 TIMER_SLACK_S = 10e-3
+# A warm load's stored cell times are measured again this long after the model starts
+# serving, while it is idle (polled this often while it is not).
+REMEASURE_AFTER_S = 30.0
+REMEASURE_POLL_S = 1.0
+
+log = logging.getLogger("pxrt")
 MAX_TIMER_SLACK_S = 0.1
 
 
@@ -106,6 +113,19 @@ class Batcher:
         # (the costliest lane's, for named dimensions).
         #: Per lane: the rows of its most efficient bucket (least time per row) within
         #: its cap: the cost policy's batches go no bigger.
+        self._derive_from_times()
+
+        self._metrics = metrics.add_model(name, self, model.version)
+        self.pipeline = engine.pipeline(
+            self._on_done_threadsafe, workers=max_inflight, copy=copy, name=name
+        )
+        # Cell times an earlier load measured are timed again once the model is idle.
+        self._remeasure_task: asyncio.Task | None = None
+        if getattr(model, "stale_cells", None):
+            self._remeasure_task = self._loop.create_task(self._remeasure())
+
+    def _derive_from_times(self) -> None:
+        """What the policy derives from the buckets' execution times."""
         self._efficient_caps = [
             efficient_cap(lane.buckets, cap, lane.bucket_for(cap).size)
             for lane, cap in zip(self.lanes, self.lane_caps)
@@ -114,10 +134,25 @@ class Batcher:
         self._row_seconds = max(b.exec_s / b.size for b in full)
         self._full_exec_s = max(b.exec_s for b in full)
 
-        self._metrics = metrics.add_model(name, self, model.version)
-        self.pipeline = engine.pipeline(
-            self._on_done_threadsafe, workers=max_inflight, copy=copy, name=name
-        )
+    def _idle(self) -> bool:
+        return self.inflight == 0 and self.queue.queued_rows == 0 and not self.queue.closed
+
+    async def _remeasure(self) -> None:
+        """Time again, in the background, the cells whose times a warm load read from an
+        earlier one (``Model.remeasure``): one cell at a time on a worker thread, only
+        while no request waits or runs; never before ``REMEASURE_AFTER_S``."""
+        await asyncio.sleep(REMEASURE_AFTER_S)
+        model = self.model
+        while model.stale_cells and not self.queue.closed:
+            if not self._idle():
+                await asyncio.sleep(REMEASURE_POLL_S)
+                continue
+            try:
+                await asyncio.to_thread(model.remeasure, self._idle, 1)
+            except Exception as exc:  # noqa: BLE001 - the stored times stay
+                log.warning("pxrt: %r: re-measuring its cells failed: %r", self.name, exc)
+                return
+            self._derive_from_times()
 
     # ------------------------------------------------------------------ policy
 
@@ -183,6 +218,9 @@ class Batcher:
 
     def compiles(self) -> int:
         return self.model.compiles_after_load
+
+    def load_phases(self) -> dict[str, float]:
+        return {"total": self.model.load_s, **getattr(self.model, "load_phases", {})}
 
     def drain_timings(self) -> None:
         stages = self._metrics.stages
@@ -364,6 +402,8 @@ class Batcher:
 
     async def _close(self) -> None:
         self.queue.closed = True
+        if self._remeasure_task is not None:
+            self._remeasure_task.cancel()
         self._flush()
         await self._drained.wait()
         for timer in (self._delay_timer, self._sweep_timer):

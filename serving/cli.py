@@ -266,6 +266,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"devices: {len(info['devices'])} ({', '.join(info['devices'])}); loaded in "
         f"{info['load_s']:.2f} s"
     )
+    phases = info.get("load_phases") or {}
+    if phases:
+        print("load: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
     dims = list(m.get("dim_buckets") or {})
     if dims:
         print(
@@ -277,8 +280,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         )
     print(
         f"{'bucket':>7} " + "".join(f"{d:>7} " for d in dims) + f"{'per dev':>8} {'path':>6} "
-        f"{'compile':>9} {'exec':>9} {'GFLOP':>9} {'MB moved':>9} {'args MB':>8} {'out MB':>7} "
-        f"{'temp MB':>8}"
+        f"{'from':>8} {'compile':>9} {'exec':>9} {'GFLOP':>9} {'MB moved':>9} {'args MB':>8} "
+        f"{'out MB':>7} {'temp MB':>8}"
     )
     for b in info["buckets"]:
         mem = b.get("memory", {})
@@ -287,7 +290,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             f"{b['bucket']:>7} "
             + "".join(f"{b['lengths'][d]:>7} " for d in dims)
             + f"{b['rows_per_device']:>8} "
-            f"{b['path']:>6} {b['compile_s'] * 1e3:>7.0f}ms {b['exec_ms']:>7.2f}ms "
+            f"{b['path']:>6} {b['source']:>8} {b['compile_s'] * 1e3:>7.0f}ms "
+            f"{b['exec_ms']:>7.2f}ms "
             f"{b.get('flops', 0) / 1e9:>9.4f} {b.get('bytes_accessed', 0) / 1e6:>9.2f} "
             f"{mb('argument_bytes'):>8} {mb('output_bytes'):>7} {mb('temp_bytes'):>8}"
         )

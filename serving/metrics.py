@@ -116,6 +116,8 @@ class ModelSource(Protocol):
 
     def compiles(self) -> int: ...
 
+    def load_phases(self) -> dict[str, float]: ...  # phase ("total" too) -> seconds
+
     def drain_timings(self) -> None: ...  # move logged durations into the histograms
 
 
@@ -168,6 +170,8 @@ class DecoderSource(Protocol):
 
     @property
     def compiles_after_load(self) -> int: ...
+
+    load_s: float
 
     def drain_timings(self) -> dict[str, list[float]]: ...
 
@@ -283,6 +287,12 @@ class _Collector:
             "XLA compiles on the request path after load (stays 0)",
             labels=["model", "version"],
         )
+        load = GaugeMetricFamily(
+            "pxrt_model_load_seconds",
+            "Seconds the model's load took, in total and by phase (read, params, compile, "
+            "verify, time)",
+            labels=["model", "version", "phase"],
+        )
         for (name, version), m in models:
             m.source.drain_timings()
             for outcome, n in m.requests.items():
@@ -290,7 +300,11 @@ class _Collector:
             batches.add_metric([name, version], m.batches)
             queued.add_metric([name, version], m.source.queued_rows())
             compiles.add_metric([name, version], m.source.compiles())
-        yield from (requests, batches, queued, compiles)
+            for phase, seconds in m.source.load_phases().items():
+                load.add_metric([name, version, phase], seconds)
+        for (name, version), d in self._metrics.decoders.items():
+            load.add_metric([name, version, "total"], d.source.load_s)
+        yield from (requests, batches, queued, compiles, load)
         yield from self._generation_families()
         families: list[tuple[str, str, Callable[[ModelMetrics], Histogram]]] = [
             (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", _stage_of(stage))

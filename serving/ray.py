@@ -26,6 +26,7 @@ Ray wraps them in a ``RayTaskError`` that is also an instance of the original ty
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,8 @@ except ImportError as exc:  # pragma: no cover - depends on what is installed
 
 from .options import BatchingOptions
 from .server import Server
+
+log = logging.getLogger("pxrt.ray")
 
 
 @serve.deployment(
@@ -78,6 +81,7 @@ class PxrtDeployment:
         # loop keeps answering Ray; the replica takes traffic only once this returns.
         model = await asyncio.to_thread(pxrt.load, path, **dict(load_options or {}))
         self.name = name or model.name
+        log.info("pxrt: replica of %r %s", self.name, model.load_summary())
         self.server.add_model(self.name, model, options, **changes)
         # One small request through the whole path: the replica is warm when Ray
         # first routes to it.

@@ -312,8 +312,13 @@ class Repository:
             return
         del self._states[key]
         self._ours.add(name)
-        cells = getattr(model, "cells", None)  # (a decoder has programs, not cells)
-        log.info("pxrt: %r version %s ready (%s cells)", name, version, len(cells or ()) or "-")
+        summary = getattr(model, "load_summary", None)  # (a decoder has programs, not cells)
+        log.info(
+            "pxrt: %r version %s ready: %s",
+            name,
+            version,
+            summary() if summary else f"loaded in {model.load_s:.2f} s",
+        )
 
     async def _unload(self, name: str, version: str) -> None:
         key = (name, version)

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import os
 import signal
 import sys
 import tempfile
@@ -105,7 +106,7 @@ class _Setup:
                 dims = "".join(f", {d} {v}" for d, v in model.dim_buckets.items())
                 print(
                     f"pxrt serve: {name or model.name} ready (buckets {model.buckets}"
-                    f"{dims}, {len(model.devices)} device(s))",
+                    f"{dims}, {len(model.devices)} device(s)); {model.load_summary()}",
                     file=sys.stderr,
                 )
             if repository is not None:
@@ -124,8 +125,10 @@ class _Setup:
             server.ready = True
             scheme = "https" if self.tls else "http"
             workers = f" ({args.workers} workers)" if args.workers > 1 else ""
+            started = process_age_s()
             print(
-                f"pxrt serve: ready on {scheme}://{args.host}:{args.port}{workers}",
+                f"pxrt serve: ready on {scheme}://{args.host}:{args.port}{workers}"
+                + (f", {started:.2f} s after the process started" if started else ""),
                 file=sys.stderr,
             )
         except asyncio.CancelledError:
@@ -331,3 +334,16 @@ def _serve_until_done(loop: asyncio.AbstractEventLoop, main: Any) -> None:
         # leaves ignored signals ignored.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): what a user
+    waits from the command to ready, imports included."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -128,19 +128,53 @@ def test_public_path_gives_the_same_results(artifacts, models):
         assert_matches(slow.run(request), models["two_io"].run(request), f"n={n}")
 
 
-def test_second_load_uses_the_compilation_cache(artifacts, models):
+def test_second_load_compiles_nothing(artifacts, models):
+    """A second load runs the executables the first one stored: nothing is lowered,
+    compiled or fetched."""
+    from pxrt import _xla
+
     cache = pathlib.Path(pxrt.executable.default_cache_dir())
     assert cache.is_dir() and any(cache.iterdir()), "the first load wrote no cache entries"
+    compiles = _xla.compile_counter.total
+    model = pxrt.load(artifacts["mlp"])
+    assert {b.source for b in model.engine.buckets} == {"stored"}
+    assert _xla.compile_counter.total == compiles  # (jax counts a cache fetch as one)
+    x = np.ones((3, 32), np.float32)
+    assert_matches(model.run({"x": x}), reference("mlp", {"x": x}))
+
+
+def test_executables_jax_cannot_store_come_from_its_persistent_cache(tmp_path, monkeypatch):
+    """An executable jax cannot serialize (pretended here) is marked so; later loads
+    compile it through jax's persistent cache and then fetch it from there."""
+    from models import mlp, mlp_params
+
+    from pxrt import stored
+
+    path = pxrt.export(
+        mlp,
+        mlp_params(width=20, seed=6),
+        tmp_path / "mlp20",
+        inputs={"x": pxrt.TensorSpec((20,), np.float32)},
+        batch_buckets=(4, 8),
+    )
+    cache = str(tmp_path / "cache")
+    monkeypatch.setattr(stored, "serializable", lambda compiled: False)
+    first = pxrt.load(path, compilation_cache=cache)
+    assert {b.source for b in first.engine.buckets} == {"compiled"}
+    assert not list((tmp_path / "cache").glob(f"{stored.EXECUTABLES}/*"))
+    pxrt.load(path, compilation_cache=cache)  # through jax's cache: written
     hits = []
     listener = lambda event, **kw: hits.append(event)  # noqa: E731
     jax.monitoring.register_event_listener(listener)
     try:
-        model = pxrt.load(artifacts["mlp"])
+        model = pxrt.load(path, compilation_cache=cache)
     finally:
         jax.monitoring.unregister_event_listener(listener)
     assert hits.count("/jax/compilation_cache/cache_hits") == len(model.buckets)
-    x = np.ones((3, 32), np.float32)
-    assert_matches(model.run({"x": x}), reference("mlp", {"x": x}))
+    assert {b.source for b in model.engine.buckets} == {"cache"}
+    x = np.ones((5, 20), np.float32)
+    want = {"y": np.asarray(jax.jit(mlp)(mlp_params(width=20, seed=6), x)["y"])}
+    assert_matches(model.run({"x": x}), want)
 
 
 def test_load_leaves_the_global_compilation_cache_alone(artifacts):
@@ -290,5 +324,123 @@ def test_warm_loads_reuse_measured_cell_times_and_refuse_bad_entries(
     assert len(timed) == 1 and len(runs) > n  # measured and proven again
     for kind in ("exec_s", "path"):  # and rewritten soundly
         assert json.loads(entries[kind][0].read_text())["value"][kind] != tampered[kind]
+    x = np.ones((3, 32), np.float32)
+    assert_matches(warm.run({"x": x}), reference("mlp", {"x": x}))
+
+
+def test_warm_loads_run_stored_executables_and_refuse_bad_ones(tmp_path, monkeypatch):
+    """The executables a load compiles are stored; a warm load loads them without
+    lowering, compiling or fetching from jax's persistent cache. One whose bytes do not
+    check out, or that was stored under another key, is refused and compiled afresh
+    (and stored again). The fast-path check runs on the cold load only."""
+    from models import mlp, mlp_params
+
+    from pxrt import _xla
+
+    # A program of this test's own, so that its first load really compiles.
+    path = pxrt.export(
+        mlp,
+        mlp_params(width=24, seed=5),
+        tmp_path / "mlp24",
+        inputs={"x": pxrt.TensorSpec((24,), np.float32)},
+        batch_buckets=(1, 4, 8, 16),  # 3 cells on 4 devices
+    )
+    cache = tmp_path / "cache"
+    checks = []
+    real_make = _xla.make_program
+    monkeypatch.setattr(
+        _xla, "make_program", lambda *a, **k: checks.append(1) or real_make(*a, **k)
+    )
+    compiles = _xla.compile_counter.total
+    cold = pxrt.load(path, compilation_cache=str(cache))
+    assert {b.source for b in cold.engine.buckets} == {"compiled"}
+    assert _xla.compile_counter.total - compiles == len(cold.engine.buckets)
+    assert len(checks) == len(cold.engine.buckets) and cold.load_phases["time"] > 0
+    stored_files = sorted((cache / "executables").glob("*.bin"))
+    assert len(stored_files) == len(cold.engine.buckets)
+
+    compiles = _xla.compile_counter.total
+    warm = pxrt.load(path, compilation_cache=str(cache))
+    assert {b.source for b in warm.engine.buckets} == {"stored"}
+    assert _xla.compile_counter.total == compiles
+    assert len(checks) == len(cold.engine.buckets) and warm.load_phases["time"] == 0
+    assert [b.program.path for b in warm.engine.buckets] == [
+        b.program.path for b in cold.engine.buckets
+    ]
+    rng = np.random.default_rng(3)
+    for n in (1, 3, 8, 11):
+        x = rng.standard_normal((n, 24)).astype(np.float32)
+        want = {"y": np.asarray(jax.jit(mlp)(mlp_params(width=24, seed=5), x)["y"])}
+        assert_matches(warm.run({"x": x}), want, f"n={n}")
+    assert warm.compiles_after_load == 0
+
+    # One flipped byte; one entry swapped for another cell's (a foreign entry).
+    flipped = bytearray(stored_files[0].read_bytes())
+    flipped[-100] ^= 0xFF
+    stored_files[0].write_bytes(bytes(flipped))
+    stored_files[1].write_bytes(stored_files[2].read_bytes())
+    compiles = _xla.compile_counter.total
+    again = pxrt.load(path, compilation_cache=str(cache))
+    sources = [b.source for b in again.engine.buckets]
+    assert sources.count("compiled") == 2 and sources.count("stored") == len(sources) - 2
+    assert _xla.compile_counter.total - compiles == 2
+    x = rng.standard_normal((5, 24)).astype(np.float32)
+    want = {"y": np.asarray(jax.jit(mlp)(mlp_params(width=24, seed=5), x)["y"])}
+    assert_matches(again.run({"x": x}), want)
+    assert {b.source for b in pxrt.load(path, compilation_cache=str(cache)).engine.buckets} == {
+        "stored"
+    }  # stored again
+
+    # Executables that load but do not run (one fetched from jax's persistent cache
+    # serializes without its native code): compiled afresh, and stored again.
+    import shutil
+
+    from pxrt import stored
+
+    shutil.rmtree(cache / stored.EXECUTABLES)
+    with pytest.MonkeyPatch.context() as patch:  # take jax's cached ones as they are
+        patch.setattr(stored, "unstorable", lambda cache_dir, k: True)
+        pxrt.load(path, compilation_cache=str(cache))  # (fills jax's cache)
+        fetched = pxrt.load(path, compilation_cache=str(cache))
+    assert {b.source for b in fetched.engine.buckets} == {"cache"}
+    art = pxrt.read_artifact(path)
+    for b in fetched.engine.buckets:
+        k = stored.key(art, fetched.devices, b.size, b.lengths, "executable", True)
+        assert stored.store_executable(str(cache), k, b.compiled)
+    healed = pxrt.load(path, compilation_cache=str(cache))
+    assert {b.source for b in healed.engine.buckets} == {"compiled"}
+    assert_matches(healed.run({"x": x}), want)
+
+
+def test_a_load_that_would_not_fit_in_memory_is_refused_before_compiling(artifacts, monkeypatch):
+    from pxrt import _xla, executable
+
+    monkeypatch.setattr(executable, "available_host_bytes", lambda: 4 << 10)
+    compiles = _xla.compile_counter.total
+    with pytest.raises(ValueError, match=r"'mlp' needs about .* MiB of host memory .* cells x 3"):
+        pxrt.load(artifacts["mlp"])
+    assert _xla.compile_counter.total == compiles
+    monkeypatch.setattr(executable, "available_host_bytes", lambda: None)  # unknown: load
+    assert pxrt.load(artifacts["mlp"], buckets=(4,)).buckets
+
+
+def test_remeasure_times_again_what_an_earlier_load_measured(artifacts, tmp_path):
+    """A warm load's cell times are an earlier load's; ``remeasure`` times them again
+    (when ``idle()`` allows), and stores the new times."""
+    from pxrt import stored
+
+    cache = str(tmp_path / "cache")
+    cold = pxrt.load(artifacts["mlp"], compilation_cache=cache)
+    assert not cold.stale_cells
+    warm = pxrt.load(artifacts["mlp"], compilation_cache=cache)
+    assert len(warm.stale_cells) == len(warm.engine.buckets)
+    assert warm.remeasure(idle=lambda: False) == 0
+    assert len(warm.stale_cells) == len(warm.engine.buckets)
+    first = warm.stale_cells[0]
+    before = first.exec_s
+    assert warm.remeasure(most=1) == 1 and first.timed == "measured"
+    assert stored.stored_time(cache, warm._timing_key(first)) == first.exec_s
+    assert first.exec_s != before  # (a median of fresh runs; equal to the ns is chance)
+    assert warm.remeasure() == len(warm.engine.buckets) - 1 and not warm.stale_cells
     x = np.ones((3, 32), np.float32)
     assert_matches(warm.run({"x": x}), reference("mlp", {"x": x}))

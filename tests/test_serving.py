@@ -440,6 +440,13 @@ def test_metrics_page_counts_what_happened(run, models):
     assert samples[("pxrt_request_duration_us_count", mv)] == 7
     assert samples[("pxrt_batch_rows_sum", mv)] == 21
     assert samples[("pxrt_compiles_after_load", mv)] == 0
+    load = {
+        dict(labels)["phase"]: v
+        for (name, labels), v in samples.items()
+        if name == "pxrt_model_load_seconds"
+    }
+    assert load["total"] == model.load_s and set(load) == {"total", *model.load_phases}
+    assert sum(model.load_phases.values()) <= model.load_s
     assert snap["mlp"]["requests"]["success"] == 7 and snap["mlp"]["batch_rows"]["count"] >= 1
 
 
@@ -530,3 +537,36 @@ def test_small_requests_are_not_held_behind_a_large_one(run, models):
 
     run(main)
     assert order[-1] == "big", order  # every small one finished before the big one
+
+
+def test_a_warm_model_has_its_cell_times_measured_again_while_idle(
+    run, artifacts, tmp_path, monkeypatch
+):
+    """Cell times a warm load read from an earlier one are timed again in the
+    background, only while the model is idle; requests meanwhile are answered right."""
+    from serving import batcher
+
+    monkeypatch.setattr(batcher, "REMEASURE_AFTER_S", 0.0)
+    monkeypatch.setattr(batcher, "REMEASURE_POLL_S", 0.005)
+    cache = str(tmp_path / "cache")
+    pxrt.load(artifacts["mlp"], compilation_cache=cache)
+    model = pxrt.load(artifacts["mlp"], compilation_cache=cache)
+    assert model.stale_cells
+    rng = np.random.default_rng(4)
+    requests = [{"x": rng.standard_normal((n, 32)).astype(np.float32)} for n in (1, 5, 9) * 20]
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", model, max_delay_us=100)
+            got = await asyncio.gather(*(server.infer("mlp", r) for r in requests))
+            for _ in range(2000):
+                if not model.stale_cells:
+                    break
+                await asyncio.sleep(0.01)
+            got += [await server.infer("mlp", requests[0])]
+            return got
+
+    got = run(main)
+    assert not model.stale_cells
+    for g, r in zip(got, requests + requests[:1]):
+        assert_matches(g, reference("mlp", r))
