@@ -495,9 +495,7 @@ def time_program(
     0.5 ms cell runs 50 times, a 5 ms one 5, a 50 ms one 3; one over 100 ms, twice)."""
     times: list[float] = []
     spent = 0.0
-    while (len(times) < runs and spent < 8 * budget_s) or (
-        spent < budget_s and len(times) < most
-    ):
+    while (len(times) < runs and spent < 8 * budget_s) or (spent < budget_s and len(times) < most):
         t0 = time.perf_counter()
         run_program(program, slot)
         times.append(time.perf_counter() - t0)

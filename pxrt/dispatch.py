@@ -140,6 +140,16 @@ class Bucket:
     #: Where ``exec_s`` came from: "measured" by this load (or since), or "stored" by an
     #: earlier one (``Model.remeasure`` refreshes it).
     timed: str = "measured"
+    #: Per instance of a model loaded as several (``pxrt.load(placement="replicated")``):
+    #: its program and staging ring, each on its own devices. ``program`` and ``ring``
+    #: are the first instance's; empty means that one only.
+    programs: tuple[Program, ...] = ()
+    rings: tuple[StagingRing, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.programs:
+            self.programs = (self.program,)
+            self.rings = (self.ring,)
 
     @property
     def fast_path(self) -> bool:
@@ -239,6 +249,16 @@ class Engine:
         )
         self.prepare = input_handler.prepare
         self.lane_of = input_handler.lane_of
+        #: Instances of the model (each bucket has a program per instance).
+        self.instances: int = len(self.buckets[0].programs)
+        if any(len(b.programs) != self.instances for b in self.buckets):
+            raise ValueError("every bucket needs a program per instance")
+        #: Per instance: seconds of work handed to it and not yet done (by the buckets'
+        #: measured times), and batches run so far.
+        self.instance_work = [0.0] * self.instances
+        self.instance_batches = [0] * self.instances
+        self._instance_lock = threading.Lock()
+        self._next_instance = 0
 
     def bucket_for(self, rows: int, lane: int = 0) -> Bucket:
         """The bucket a batch of ``rows`` rows runs in in ``lane``: the smallest that
@@ -253,9 +273,32 @@ class Engine:
 
     def replace_programs(self, wrap: Callable[[Program], Program]) -> Engine:
         """A new engine whose buckets run ``wrap(program)`` instead (same rings and
-        handlers): for tracing, fault injection and tests."""
-        buckets = [dataclasses.replace(b, program=wrap(b.program)) for b in self.buckets]
+        handlers; every instance's): for tracing, fault injection and tests."""
+        buckets = []
+        for b in self.buckets:
+            programs = tuple(wrap(p) for p in b.programs)
+            buckets.append(dataclasses.replace(b, program=programs[0], programs=programs))
         return Engine(self.name, self.input_handler, self.result_handler, buckets, self.owner)
+
+    # ------------------------------------------------------------------ instances
+
+    def _pick(self, cost: float) -> int:
+        """The instance that will finish a batch of ``cost`` seconds first: the least
+        outstanding work (ties: the next in turn). Its work grows by ``cost`` until
+        ``_done``."""
+        with self._instance_lock:
+            work = self.instance_work
+            n = len(work)
+            start = self._next_instance
+            best = min(range(start, start + n), key=lambda k: work[k % n]) % n
+            self._next_instance = (best + 1) % n
+            work[best] += cost
+            self.instance_batches[best] += 1
+            return best
+
+    def _done(self, instance: int, cost: float) -> None:
+        with self._instance_lock:
+            self.instance_work[instance] = max(0.0, self.instance_work[instance] - cost)
 
     def queue(
         self,
@@ -276,7 +319,12 @@ class Engine:
         and ``batch.outputs`` (per piece, output name -> rows), or raises."""
         bucket = self.bucket_for(batch.rows, batch.lane)
         batch.bucket = bucket
-        program, ring = bucket.program, bucket.ring
+        if self.instances == 1:
+            instance = -1
+            program, ring = bucket.program, bucket.ring
+        else:
+            instance = self._pick(bucket.exec_s)
+            program, ring = bucket.programs[instance], bucket.rings[instance]
         slot = ring.acquire()
         try:
             batch.t_start = _clock()
@@ -289,6 +337,8 @@ class Engine:
             # The outputs are on the host: the slot's device buffers are done with it.
             handle = None
             ring.release(slot)
+            if instance >= 0:
+                self._done(instance, bucket.exec_s)
         lengths = None
         if self.dim_names:
             lengths_of = self.input_handler.lengths_of

@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -63,11 +64,17 @@ class Model:
         self.devices = devices
         self.params_dev = params_dev
         self.load_s = load_s
-        #: Where ``load_s`` went, in seconds: read (the artifact and its hashes), params
+        #: Where ``load_s`` went, in seconds: read (the artifact and its hashes),
+        #: placement (``placement="auto"``'s measurement, when it ran), params
         #: (placed on the devices), compile (the pool's wall time: compiling, fetching
         #: from jax's persistent cache or loading stored executables; cold cells' fast-path
         #: checks, warm cells' warm-up runs), time (cold cells' timing runs).
         self.load_phases: dict[str, float] = {}
+        #: The device group of each instance (one: the model is sharded over them all).
+        self.instances: list[list] = [list(devices)]
+        #: "sharded" or "replicated", and why (``pxrt.load(placement=...)``).
+        self.placement = "sharded"
+        self.placement_reason = ""
         self._timing_key: Callable[[Bucket], str] | None = None
         self._cache_dir: str | None = None
         #: XLA compiles on this model's request path (counted by ``_xla.compile_counter``).
@@ -101,9 +108,10 @@ class Model:
 
     def __repr__(self) -> str:
         dims = "".join(f", {k}={v}" for k, v in self.dim_buckets.items())
+        inst = f", instances={len(self.instances)}" if len(self.instances) > 1 else ""
         return (
             f"Model({self.name!r}, version={self.version!r}, buckets={self.buckets}{dims}, "
-            f"devices={len(self.devices)})"
+            f"devices={len(self.devices)}{inst})"
         )
 
     def load_summary(self) -> str:
@@ -112,7 +120,8 @@ class Model:
         sources = collections.Counter(b.source for b in self.engine.buckets)
         got = ", ".join(f"{n} {_SOURCE_WORDS[s]}" for s, n in sorted(sources.items()))
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in self.load_phases.items())
-        return f"loaded in {self.load_s:.2f} s ({phases}; cells: {got})"
+        each = f" for each of {len(self.instances)} instances" if len(self.instances) > 1 else ""
+        return f"loaded in {self.load_s:.2f} s ({phases}; cells{each}: {got})"
 
     @property
     def cells(self) -> list[tuple[int, dict[str, int]]]:
@@ -243,7 +252,7 @@ class Model:
                 "exec_ms": round(b.exec_s * 1e3, 4),
                 "fast_path": b.fast_path,
                 "path": b.program.path,
-                "rows_per_device": size // len(self.devices),
+                "rows_per_device": size // len(self.instances[0]),
             }
             try:
                 cost = b.compiled.cost_analysis() or {}
@@ -270,6 +279,9 @@ class Model:
             "devices": [str(d) for d in self.devices],
             "load_s": round(self.load_s, 4),
             "load_phases": dict(self.load_phases),
+            "placement": self.placement,
+            "placement_reason": self.placement_reason,
+            "instances": [[str(d) for d in group] for group in self.instances],
             "extensions": _ext.using_extensions(),
             "buckets": per_bucket,
         }
@@ -330,6 +342,9 @@ def load(
     staging_depth: int = 3,
     max_routes: int = 256,
     compile_workers: int | None = None,
+    placement: str = "sharded",
+    instances: int | None = None,
+    devices_per_instance: int | None = None,
     **decoder_options: Any,
 ) -> Any:
     """Load an artifact directory and compile every bucket; returns a ``Model``, or for
@@ -367,9 +382,26 @@ def load(
       max_routes: bound of the request-signature route cache.
       compile_workers: threads compiling cells at once (default: one per CPU core; XLA's
         compile releases the GIL).
+      placement: how the model uses ``devices``. ``"sharded"``: one program with the
+        batch split over all of them. ``"replicated"``: ``instances`` copies of the
+        model, each on its own ``devices_per_instance`` devices (default: one per
+        device), each running whole batches; a batch goes to the instance that will
+        finish it first. ``"auto"``: measures both at load (the throughput of the
+        largest batch bucket, every instance busy) and takes the faster one; the
+        choice is stored with the executables, and ``placement_reason`` says why.
+      instances, devices_per_instance: for ``"replicated"`` and ``"auto"``; either one
+        gives the other.
     """
     if artifact.kind(artifact.read_manifest(os.fspath(path))) == "decoder":
         from .generate import load_decoder
+
+        if placement != "sharded" or instances or devices_per_instance:
+            warnings.warn(
+                f"pxrt: {path}: a decoder runs one program over its devices; "
+                f"placement={placement!r}, instances and devices_per_instance are ignored",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
         return load_decoder(
             path,
@@ -393,18 +425,194 @@ def load(
     devices = list(devices) if devices is not None else jax.local_devices()
     if not devices:
         raise ValueError("no devices to load on")
-    n_dev = len(devices)
-    cells = _grid(art, buckets, dim_buckets, n_dev)
-    dim_names = tuple(art.dim_buckets)
-
-    _xla.compile_counter.ensure_registered()
-    mesh = Mesh(np.array(devices), (artifact.BATCH_AXIS,))
-    replicated = NamedSharding(mesh, P())
-    rows = NamedSharding(mesh, P(artifact.BATCH_AXIS))
-    n_in = len(art.inputs)
-    n_out = len(art.outputs)
-    in_specs = list(art.inputs.values())
     cache_dir = _cache_dir(compilation_cache)
+    _xla.compile_counter.ensure_registered()
+    settings = _Settings(
+        art, cache_dir, fast_path, zero_copy, staging_depth, compile_workers, progress
+    )
+    groups = _groups(devices, placement, instances, devices_per_instance)
+    reason = {
+        "sharded": f"placement='sharded': one program over {len(devices)} device(s)",
+        "replicated": f"placement='replicated': {len(groups)} instance(s) of "
+        f"{len(groups[0])} device(s)",
+    }.get(placement, "")
+    phases = {"read": time.perf_counter() - t0}
+    if placement == "auto":
+        tp = time.perf_counter()
+        groups, reason = _choose_placement(settings, devices, groups, buckets, dim_buckets)
+        phases["placement"] = time.perf_counter() - tp
+    cells = _grid(art, buckets, dim_buckets, len(groups[0]))
+    model = _load_on(settings, groups, cells, phases, max_routes, t0)
+    model.placement = "sharded" if len(groups) == 1 else "replicated"
+    model.placement_reason = reason
+    log.info("pxrt: %s version %s %s", art.name, model.version, model.load_summary())
+    return model
+
+
+PLACEMENTS = ("sharded", "replicated", "auto")
+
+
+class _Settings:
+    """What ``load`` was asked for, beyond the devices and cells."""
+
+    def __init__(
+        self,
+        art: artifact.Artifact,
+        cache_dir: str | None,
+        fast_path: bool,
+        zero_copy: bool,
+        staging_depth: int,
+        compile_workers: int | None,
+        progress: bool | None,
+    ) -> None:
+        self.art = art
+        self.cache_dir = cache_dir
+        self.fast_path = fast_path
+        self.zero_copy = zero_copy
+        self.staging_depth = staging_depth
+        self.compile_workers = compile_workers
+        self.progress = progress
+
+
+def _choose_placement(
+    settings: _Settings,
+    devices: list,
+    groups: list[list],
+    buckets: Sequence[Any] | None,
+    dim_buckets: Mapping[str, Sequence[int]] | None,
+) -> tuple[list[list], str]:
+    """``placement="auto"``: one program sharded over ``devices``, or the instances of
+    ``groups``, whichever runs more rows per second with the same rows in flight: the
+    largest batch bucket (in the cheapest lane) on the one program, its share (rounded
+    up to a bucket) on each instance, in batches of one-row requests with every
+    instance kept busy with two batches in flight, as serving keeps it. Instances must
+    win by ``REPLICATED_MARGIN``. Measured once per machine, program and devices, and
+    stored."""
+    if len(devices) == 1 or len(groups) == 1:
+        return [list(devices)], "placement='auto': one instance is all the devices allow"
+    art = settings.art
+    per = len(groups[0])
+    cells_sh = _grid(art, buckets, dim_buckets, len(devices))
+    cells_rep = _grid(art, buckets, dim_buckets, per)
+    # The same rows in flight for both: the largest batch on one program, or the
+    # smallest bucket that holds its share on each instance (what serving gives each
+    # instance when the demand fills the sharded program's batches).
+    lane = min((c[1] for c in cells_sh), key=lane_key)
+    probe_sh = max(c for c in cells_sh if c[1] == lane)
+    share = -(-probe_sh[0] // len(groups))
+    size = min((c[0] for c in cells_rep if c[1] == lane and c[0] >= share), default=None)
+    if size is None:
+        size = max(c[0] for c in cells_rep if c[1] == lane)
+    probe_rep = (size, lane)
+    lengths = dict(zip(art.dim_buckets, lane))
+    at = f" at {lengths}" if lengths else ""
+    what = f"placement:{len(groups)}x{per}:{probe_sh}:{probe_rep}"
+    k = stored.key(art, devices, size, lane, what, settings.zero_copy)
+    found = stored.read_entry(settings.cache_dir, k)
+    if found and found.get("placement") in ("sharded", "replicated"):
+        sharded_rps, replicated_rps = found["sharded_rows_s"], found["replicated_rows_s"]
+        how = "stored"
+    else:
+        sharded = _load_on(settings, [list(devices)], [probe_sh], {}, 8, time.perf_counter())
+        replicated = _load_on(settings, groups, [probe_rep], {}, 8, time.perf_counter())
+        rates: dict[str, list[float]] = {"sharded": [], "replicated": []}
+        for _ in range(2):  # alternated
+            rates["sharded"].append(_throughput(sharded, PLACEMENT_PROBE_S))
+            rates["replicated"].append(_throughput(replicated, PLACEMENT_PROBE_S))
+        sharded_rps, replicated_rps = max(rates["sharded"]), max(rates["replicated"])
+        how = "measured"
+    # Instances cost a compile and the params on each: they must win by a margin.
+    choice = "replicated" if replicated_rps > REPLICATED_MARGIN * sharded_rps else "sharded"
+    stored.write_entry(
+        settings.cache_dir,
+        k,
+        {"placement": choice, "sharded_rows_s": sharded_rps, "replicated_rows_s": replicated_rps},
+    )
+    reason = (
+        f"placement='auto' chose {choice}: {len(groups)} instance(s) of {per} device(s) ran "
+        f"{replicated_rps:,.0f} rows/s at batch {probe_rep[0]}{at}, one program over "
+        f"{len(devices)} devices {sharded_rps:,.0f} rows/s at batch {probe_sh[0]} ({how})"
+    )
+    return (groups if choice == "replicated" else [list(devices)]), reason
+
+
+# Seconds each placement runs for, twice, when ``placement="auto"`` measures them; how
+# much faster instances must be to be chosen.
+PLACEMENT_PROBE_S = 0.25
+REPLICATED_MARGIN = 1.05
+
+
+def _throughput(model: Model, seconds: float) -> float:
+    """Rows per second of ``model``'s (one) bucket, served as serving serves it: full
+    batches of one-row requests through ``run_batch`` (validation, assembly, execution,
+    splitting), two threads per instance, each instance taking the batches it would
+    finish first."""
+    bucket = model.engine.buckets[0]
+    at = dict(zip(model.dim_names, bucket.lengths))
+    request = example_inputs(model.inputs, 1, 0, at)
+    batch = [request] * bucket.size
+    stop = time.perf_counter() + seconds
+    counts: list[int] = []
+
+    def work() -> None:
+        n = 0
+        while time.perf_counter() < stop:
+            model.run_batch(batch)
+            n += 1
+        counts.append(n)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=work) for _ in range(2 * len(bucket.programs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) * bucket.size / (time.perf_counter() - t0)
+
+
+def _groups(
+    devices: list, placement: str, instances: int | None, per_instance: int | None
+) -> list[list]:
+    """The device group of each instance: all the devices for ``sharded``; for
+    ``replicated`` (and as ``auto``'s replicated candidate), ``instances`` groups of
+    ``per_instance`` devices (one each by default; either one gives the other)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    for name, value in (("instances", instances), ("devices_per_instance", per_instance)):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"{name} must be an int >= 1 (or None), got {value!r}")
+    if placement == "sharded":
+        if (instances or 1) > 1 or (per_instance is not None and per_instance != len(devices)):
+            raise ValueError(
+                "placement='sharded' runs one instance over all the devices; give "
+                "placement='replicated' (or 'auto') for instances or devices_per_instance"
+            )
+        return [list(devices)]
+    if per_instance is None:
+        per_instance = max(1, len(devices) // instances) if instances else 1
+    count = instances or max(1, len(devices) // per_instance)
+    if count * per_instance > len(devices):
+        raise ValueError(
+            f"{count} instance(s) of {per_instance} device(s) need {count * per_instance} "
+            f"devices; {len(devices)} given"
+        )
+    return [devices[i * per_instance : (i + 1) * per_instance] for i in range(count)]
+
+
+def _load_on(
+    settings: _Settings,
+    groups: list[list],
+    cells: list[tuple[int, tuple[int, ...]]],
+    phases: dict[str, float],
+    max_routes: int,
+    t0: float,
+) -> Model:
+    """Compile ``cells`` for each device group (an instance each) and make the Model."""
+    art = settings.art
+    dim_names = tuple(art.dim_buckets)
+    in_specs = list(art.inputs.values())
     for size, lengths in cells:
         at = dict(zip(dim_names, lengths))
         staging = size * sum(s.nbytes_at(at) for s in in_specs)
@@ -415,114 +623,41 @@ def load(
                 f"staging per slot (over {MAX_STAGING_BYTES / 2**30:.0f} GiB); load it with "
                 "smaller buckets=..."
             )
-
-    phases = {"read": time.perf_counter() - t0}
-    check_memory(art, cells, devices, staging_depth)
-    compiled_buckets: list[Bucket] = []
-    with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
+    check_memory(art, cells, [d for g in groups for d in g], settings.staging_depth, len(groups))
+    with _xla.x64_scope(art.x64), _xla.persistent_cache(settings.cache_dir):
         tp = time.perf_counter()
-        params_sh = jax.tree.map(lambda _: replicated, art.params)
-        params_dev = jax.device_put(art.params, params_sh)
-        param_specs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
-        )
-        jitted = jax.jit(
-            art.exported.call,
-            in_shardings=(params_sh,) + (rows,) * n_in,
-            out_shardings=(rows,) * n_out,
-            keep_unused=True,
-        )
+        instances = [_Instance(settings, group) for group in groups]
         phases["params"] = time.perf_counter() - tp
+        todo = [(cell, inst) for cell in cells for inst in instances]
         bar = tqdm(
-            total=len(cells),
-            desc=f"pxrt: compiling {art.name}",
+            total=len(todo),
+            desc=f"pxrt: compiling {art.name}"
+            + (f" ({len(instances)} instances)" if len(instances) > 1 else ""),
             unit="bucket",
-            disable=False if progress else (None if progress is None else True),
+            disable=False if settings.progress else (None if settings.progress is None else True),
             leave=False,
         )
 
-        def compile_cell(
-            size: int, lengths: tuple[int, ...], afresh: bool = False
-        ) -> tuple[Any, str]:
-            """Lower and compile one cell: (compiled, "compiled", or "cache" when jax's
-            persistent cache had it; ``afresh``: not from that cache, so that the
-            executable can be stored)."""
-            at = dict(zip(dim_names, lengths))
-            x_specs = [
-                jax.ShapeDtypeStruct((size,) + s.at(at), s.dtype, sharding=rows) for s in in_specs
-            ]
-            before = _xla.compile_counter.on_this_thread()
-            try:
-                with (
-                    _xla.x64_scope(art.x64),
-                    _xla.cache_settings(cache_dir),
-                    _xla.no_persistent_cache() if afresh else contextlib.nullcontext(),
-                ):
-                    compiled = jitted.lower(param_specs, *x_specs).compile()
-            except Exception as exc:
-                where = f" at {at}" if at else ""
-                raise ValueError(
-                    f"{art.name!r}: bucket {size}{where} does not compile: {exc}"
-                ) from exc
-            fresh = _xla.compile_counter.on_this_thread() > before
-            return compiled, "compiled" if fresh else "cache"
-
-        def key(cell: _Cell, what: str) -> str:
-            return stored.key(art, devices, cell.size, cell.lengths, what, zero_copy)
-
-        def prepare_cell(size_lengths: tuple[int, tuple[int, ...]]) -> _Cell:
-            # On the pool's threads: lowering holds the GIL; XLA's compile, loading a
-            # stored executable and running one release it.
-            tc = time.perf_counter()
-            cell = _Cell(*size_lengths)
-            exe_key = key(cell, "executable")
-            cell.compiled, refused = stored.load_executable(cache_dir, exe_key, devices)
-            if cell.compiled is None:
-                # Compiled afresh, to be stored (an executable fetched from jax's cache
-                # cannot be), unless jax cannot serialize it: then through that cache.
-                afresh = refused or not stored.unstorable(cache_dir, exe_key)
-                cell.compiled, cell.source = compile_cell(cell.size, cell.lengths, afresh)
-                if afresh and cell.source == "compiled":
-                    stored.store_executable(cache_dir, exe_key, cell.compiled)
-            cell.obtain_s = time.perf_counter() - tc
-            cell.example = _staged_example(
-                art.inputs, cell.size, dict(zip(dim_names, cell.lengths))
-            )
-            cell.proven = stored.stored_path(cache_dir, key(cell, f"proof:{fast_path}"))
-            if cell.proven is not None:
-                cell.exec_s = stored.stored_time(cache_dir, key(cell, cell.proven))
-            if cell.exec_s is not None:  # a warm cell: its one warm-up run, here
-                cell.program = _warm_program(cell, art, params_dev, zero_copy)
-                if cell.program is None and cell.source == "stored":
-                    # The stored executable does not run: compile it afresh, store it.
-                    cell.compiled, cell.source = _recompile(cell, compile_cell, cache_dir, key)
-                    cell.program = _warm_program(cell, art, params_dev, zero_copy)
-            if cell.program is None:  # a cold cell: its fast path checked, here too
-                cell.program = _checked_program(
-                    cell, compile_cell, art, params_dev, fast_path, zero_copy, cache_dir, key
-                )
-                if cell.proven != cell.program.path:
-                    stored.write_entry(
-                        cache_dir, key(cell, f"proof:{fast_path}"), {"path": cell.program.path}
-                    )
-                cell.exec_s = stored.stored_time(cache_dir, key(cell, cell.program.path))
+        def prepare(job: tuple[tuple[int, tuple[int, ...]], _Instance]) -> _Cell:
+            cell = job[1].prepare(*job[0], timed=job[1] is instances[0])
             bar.update()
             return cell
 
         tp = time.perf_counter()
-        workers = max(1, min(compile_workers or os.cpu_count() or 1, len(cells)))
+        workers = max(1, min(settings.compile_workers or os.cpu_count() or 1, len(todo)))
         # The costliest cells first, so that the pool does not end on one of them alone.
-        order = sorted(
-            range(len(cells)),
-            key=lambda i: -cells[i][0] * math.prod(cells[i][1]),
-        )
+        order = sorted(range(len(todo)), key=lambda i: -todo[i][0][0] * math.prod(todo[i][0][1]))
         with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            done = dict(zip(order, pool.map(prepare_cell, [cells[i] for i in order])))
-        prepared = [done[i] for i in range(len(cells))]
+            done = dict(zip(order, pool.map(prepare, [todo[i] for i in order])))
         phases["compile"] = time.perf_counter() - tp
         phases["time"] = 0.0
-        # Cold cells are timed one at a time on this thread, with nothing else running.
-        for cell in prepared:
+        first = instances[0]
+        compiled_buckets: list[Bucket] = []
+        # Cold cells are timed one at a time on this thread, with nothing else running
+        # (on the first instance: the others run the same program on devices alike).
+        for c in range(len(cells)):
+            per_instance = [done[c * len(instances) + i] for i in range(len(instances))]
+            cell = per_instance[0]
             program = cell.program
             cell.timed_before = cell.exec_s is not None
             if cell.exec_s is None:  # measured once per machine, program and cell
@@ -530,41 +665,196 @@ def load(
                 cell.exec_s = _xla.time_program(
                     program, _xla.StagingSlot(cell.example, program.row_slices)
                 )
-                stored.write_entry(cache_dir, key(cell, program.path), {"exec_s": cell.exec_s})
+                stored.write_entry(
+                    settings.cache_dir, first.key(cell, program.path), {"exec_s": cell.exec_s}
+                )
                 phases["time"] += time.perf_counter() - tt
             shapes = [s.at(dict(zip(dim_names, cell.lengths))) for s in in_specs]
-            ring = StagingRing(
-                [s.dtype for s in in_specs],
-                shapes,
-                cell.size,
-                program.row_slices,
-                depth=staging_depth,
+            rings = tuple(
+                StagingRing(
+                    [s.dtype for s in in_specs],
+                    shapes,
+                    cell.size,
+                    each.program.row_slices,
+                    depth=settings.staging_depth,
+                )
+                for each in per_instance
             )
             compiled_buckets.append(
                 Bucket(
                     cell.size,
                     program,
-                    ring,
+                    rings[0],
                     cell.compiled,
                     cell.obtain_s,
                     cell.exec_s,
                     cell.lengths,
                     cell.source,
                     "stored" if cell.timed_before else "measured",
+                    tuple(each.program for each in per_instance),
+                    rings,
                 )
             )
-    model = Model(art, devices, compiled_buckets, params_dev, time.perf_counter() - t0, max_routes)
-    model.load_phases = {k: round(v, 4) for k, v in phases.items()}
-    model._timing_key = lambda b: stored.key(
-        art, devices, b.size, b.lengths, b.program.path, zero_copy
+    all_devices = [d for g in groups for d in g]
+    model = Model(
+        art, all_devices, compiled_buckets, first.params_dev, time.perf_counter() - t0, max_routes
     )
-    model._cache_dir = cache_dir
-    log.info("pxrt: %s version %s %s", art.name, model.version, model.load_summary())
+    model.instances = [list(g) for g in groups]
+    model.load_phases = {k: round(v, 4) for k, v in phases.items()}
+    model._timing_key = lambda b: first.key(b, b.program.path)
+    model._cache_dir = settings.cache_dir
     return model
 
 
+class _Instance:
+    """One device group of a load: its mesh, params and jitted program; compiles,
+    checks and warms cells for it."""
+
+    def __init__(self, settings: _Settings, devices: list) -> None:
+        art = settings.art
+        self.settings = settings
+        self.devices = devices
+        mesh = Mesh(np.array(devices), (artifact.BATCH_AXIS,))
+        replicated = NamedSharding(mesh, P())
+        self.rows = NamedSharding(mesh, P(artifact.BATCH_AXIS))
+        params_sh = jax.tree.map(lambda _: replicated, art.params)
+        self.params_dev = jax.device_put(art.params, params_sh)
+        self.param_specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
+        )
+        self.jitted = jax.jit(
+            art.exported.call,
+            in_shardings=(params_sh,) + (self.rows,) * len(art.inputs),
+            out_shardings=(self.rows,) * len(art.outputs),
+            keep_unused=True,
+        )
+
+    def key(self, cell: Any, what: str) -> str:
+        """The stored key of ``what`` about ``cell`` (a ``_Cell`` or ``Bucket``) here."""
+        return stored.key(
+            self.settings.art, self.devices, cell.size, cell.lengths, what, self.settings.zero_copy
+        )
+
+    def compile_cell(
+        self, size: int, lengths: tuple[int, ...], afresh: bool = False
+    ) -> tuple[Any, str]:
+        """Lower and compile one cell: (compiled, "compiled", or "cache" when jax's
+        persistent cache had it; ``afresh``: not from that cache, so that the executable
+        can be stored)."""
+        art, cache_dir = self.settings.art, self.settings.cache_dir
+        at = dict(zip(art.dim_buckets, lengths))
+        x_specs = [
+            jax.ShapeDtypeStruct((size,) + s.at(at), s.dtype, sharding=self.rows)
+            for s in art.inputs.values()
+        ]
+        before = _xla.compile_counter.on_this_thread()
+        try:
+            with (
+                _xla.x64_scope(art.x64),
+                _xla.cache_settings(cache_dir),
+                _xla.no_persistent_cache() if afresh else contextlib.nullcontext(),
+            ):
+                compiled = self.jitted.lower(self.param_specs, *x_specs).compile()
+        except Exception as exc:
+            where = f" at {at}" if at else ""
+            raise ValueError(f"{art.name!r}: bucket {size}{where} does not compile: {exc}") from exc
+        fresh = _xla.compile_counter.on_this_thread() > before
+        return compiled, "compiled" if fresh else "cache"
+
+    def prepare(self, size: int, lengths: tuple[int, ...], timed: bool) -> _Cell:
+        """One cell, on the pool's threads: its executable (stored, or compiled), and its
+        program: proven before and warmed up (a warm cell), or checked against the
+        public path (a cold one). ``timed``: read its stored time (the instance whose
+        cells are timed). Lowering holds the GIL; XLA's compile, loading a stored
+        executable and running one release it."""
+        settings = self.settings
+        art, cache_dir, fast_path = settings.art, settings.cache_dir, settings.fast_path
+        tc = time.perf_counter()
+        cell = _Cell(size, lengths)
+        exe_key = self.key(cell, "executable")
+        cell.compiled, refused = stored.load_executable(cache_dir, exe_key, self.devices)
+        if cell.compiled is None:
+            # Compiled afresh, to be stored (an executable fetched from jax's cache
+            # cannot be), unless jax cannot serialize it: then through that cache.
+            afresh = refused or not stored.unstorable(cache_dir, exe_key)
+            cell.compiled, cell.source = self.compile_cell(size, cell.lengths, afresh)
+            if afresh and cell.source == "compiled":
+                stored.store_executable(cache_dir, exe_key, cell.compiled)
+        cell.obtain_s = time.perf_counter() - tc
+        cell.example = _staged_example(art.inputs, size, dict(zip(art.dim_buckets, lengths)))
+        cell.proven = stored.stored_path(cache_dir, self.key(cell, f"proof:{fast_path}"))
+        if cell.proven is not None and timed:
+            cell.exec_s = stored.stored_time(cache_dir, self.key(cell, cell.proven))
+        if cell.proven is not None and (cell.exec_s is not None or not timed):
+            cell.program = self._warm(cell)  # a warm cell: its one warm-up run, here
+            if cell.program is None and cell.source == "stored":
+                # The stored executable does not run: compile it afresh, store it.
+                self._recompile(cell)
+                cell.program = self._warm(cell)
+        if cell.program is None:  # a cold cell: its fast path checked, here too
+            cell.program = self._checked(cell)
+            if cell.proven != cell.program.path:
+                stored.write_entry(
+                    cache_dir, self.key(cell, f"proof:{fast_path}"), {"path": cell.program.path}
+                )
+            if timed:
+                cell.exec_s = stored.stored_time(cache_dir, self.key(cell, cell.program.path))
+        return cell
+
+    def _warm(self, cell: _Cell) -> Any:
+        assert cell.proven is not None
+        art = self.settings.art
+        return _xla.proven_program(
+            cell.proven,
+            cell.compiled,
+            self.params_dev,
+            len(art.inputs),
+            art.x64,
+            cell.size,
+            cell.example,
+            self.settings.zero_copy,
+        )
+
+    def _checked(self, cell: _Cell) -> Any:
+        """A cold cell's program, its fast path checked against the public one. A stored
+        executable that fails to run is compiled again."""
+        art = self.settings.art
+
+        def make() -> Any:
+            return _xla.make_program(
+                cell.compiled,
+                self.params_dev,
+                len(art.inputs),
+                art.x64,
+                cell.size,
+                cell.example,
+                fast_path=self.settings.fast_path,
+                zero_copy=self.settings.zero_copy,
+                proven=cell.proven,
+            )
+
+        try:
+            return make()
+        except Exception:
+            if cell.source != "stored":
+                raise
+        self._recompile(cell)
+        return make()
+
+    def _recompile(self, cell: _Cell) -> None:
+        """A stored executable that loaded but does not run: compile the cell afresh and
+        store that instead."""
+        cache_dir = self.settings.cache_dir
+        exe_key = self.key(cell, "executable")
+        stored.discard_executable(cache_dir, exe_key)
+        cell.compiled, cell.source = self.compile_cell(cell.size, cell.lengths, True)
+        if cell.source == "compiled":
+            stored.store_executable(cache_dir, exe_key, cell.compiled)
+
+
 class _Cell:
-    """One cell on its way to a ``Bucket``: what ``load``'s pool prepared."""
+    """One cell of one instance on its way to a ``Bucket``: what ``load``'s pool
+    prepared."""
 
     def __init__(self, size: int, lengths: tuple[int, ...]) -> None:
         self.size = size
@@ -578,66 +868,6 @@ class _Cell:
         self.exec_s: float | None = None
         self.timed_before = False  # exec_s is an earlier load's
         self.program: Any = None
-
-
-def _warm_program(cell: _Cell, art: artifact.Artifact, params_dev: Any, zero_copy: bool) -> Any:
-    assert cell.proven is not None
-    return _xla.proven_program(
-        cell.proven,
-        cell.compiled,
-        params_dev,
-        len(art.inputs),
-        art.x64,
-        cell.size,
-        cell.example,
-        zero_copy,
-    )
-
-
-def _checked_program(
-    cell: _Cell,
-    compile_cell: Any,
-    art: artifact.Artifact,
-    params_dev: Any,
-    fast_path: bool,
-    zero_copy: bool,
-    cache_dir: str | None,
-    key: Any,
-) -> Any:
-    """A cold cell's program, its fast path checked against the public one. A stored
-    executable that fails to run is compiled again."""
-
-    def make() -> Any:
-        return _xla.make_program(
-            cell.compiled,
-            params_dev,
-            len(art.inputs),
-            art.x64,
-            cell.size,
-            cell.example,
-            fast_path=fast_path,
-            zero_copy=zero_copy,
-            proven=cell.proven,
-        )
-
-    try:
-        return make()
-    except Exception:
-        if cell.source != "stored":
-            raise
-    cell.compiled, cell.source = _recompile(cell, compile_cell, cache_dir, key)
-    return make()
-
-
-def _recompile(cell: _Cell, compile_cell: Any, cache_dir: str | None, key: Any) -> tuple[Any, str]:
-    """A stored executable that loaded but does not run: compile the cell afresh and
-    store that instead."""
-    exe_key = key(cell, "executable")
-    stored.discard_executable(cache_dir, exe_key)
-    compiled, source = compile_cell(cell.size, cell.lengths, True)
-    if source == "compiled":
-        stored.store_executable(cache_dir, exe_key, compiled)
-    return compiled, source
 
 
 def _grid(
@@ -685,11 +915,13 @@ def check_memory(
     cells: Sequence[tuple[int, tuple[int, ...]]],
     devices: list,
     staging_depth: int,
+    instances: int = 1,
 ) -> None:
     """Refuse a load, before anything is placed or compiled, whose resident memory would
     not fit: params on every device and each cell's staging slots (inputs and outputs,
-    ``staging_depth`` of each) against the host's available memory, and per device
-    against what its backend reports free (CPU devices live in host memory)."""
+    ``staging_depth`` of each, per instance) against the host's available memory, and
+    per device against what its backend reports free (CPU devices live in host
+    memory)."""
     dims = tuple(art.dim_buckets)
     params = sum(int(a.nbytes) for a in jax.tree.leaves(art.params))
     staging = 0
@@ -697,7 +929,7 @@ def check_memory(
         at = dict(zip(dims, lengths))
         per_row = sum(s.nbytes_at(at) for s in art.inputs.values())
         per_row += sum(s.nbytes_at(at) for s in art.outputs.values())
-        staging += staging_depth * size * per_row
+        staging += staging_depth * size * per_row * instances
     on_host = [d for d in devices if d.platform == "cpu"]
     need = params * (1 + len(on_host)) + staging * (2 if on_host else 1)
     advice = "load fewer or smaller buckets=..., dim_buckets=..., or a smaller staging_depth"
@@ -707,7 +939,8 @@ def check_memory(
         raise ValueError(
             f"{art.name!r} needs about {_size(need)} of host memory (params {_size(params)} "
             f"{where}; staging {_size(staging)} for {len(cells)} cells x {staging_depth} "
-            f"slots) and {_size(free)} is available: {advice}"
+            f"slots{f' x {instances} instances' if instances > 1 else ''}) and "
+            f"{_size(free)} is available: {advice}"
         )
     per_device = params + staging // max(1, len(devices))
     for d in devices:

@@ -88,7 +88,10 @@ class Batcher:
         self.max_batch_size = min(max_batch_size or engine.max_rows, engine.max_rows)
         self.max_delay = options.max_delay_us * 1e-6
         self.max_queue = max_queue = options.max_queue
-        self.max_inflight = max_inflight = options.max_inflight
+        # With several instances, each keeps max_inflight batches in flight; the model
+        # is idle (a request goes at once) while one of them is.
+        self.instances = instances = engine.instances
+        self.max_inflight = max_inflight = options.max_inflight * instances
         self.default_timeout_s = default_timeout_s = options.default_timeout_s
         self.copy = copy = options.copy
         self._loop = asyncio.get_running_loop()
@@ -219,6 +222,9 @@ class Batcher:
     def compiles(self) -> int:
         return self.model.compiles_after_load
 
+    def instance_batches(self) -> list[int]:
+        return list(self.model.engine.instance_batches)
+
     def load_phases(self) -> dict[str, float]:
         return {"total": self.model.load_s, **getattr(self.model, "load_phases", {})}
 
@@ -244,9 +250,9 @@ class Batcher:
                 # Go early enough that the request with the earliest deadline is taken
                 # (and could run) before it: loop timers fire up to ~1 ms off.
                 due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
-                if not self.inflight and self.max_delay:
+                if self.inflight < self.instances and self.max_delay:
                     due = min(due, queue.oldest + self.max_delay)
-                elif not self.inflight:
+                elif self.inflight < self.instances:
                     due = now
                 if due > now:
                     if due < INF:
@@ -259,7 +265,7 @@ class Batcher:
             self._dispatch(batch)
         if self.inflight < self.max_inflight:
             # Idle: the next request goes at once; busy: the next full batch does.
-            queue.kick_rows = self.max_batch_size if self.inflight else 1
+            queue.kick_rows = self.max_batch_size if self.inflight >= self.instances else 1
         if queue.closed and not self.inflight and not queue.queued_rows:
             self._drained.set()
 
@@ -270,7 +276,8 @@ class Batcher:
         queue.kick_rows = NEVER
         while self.inflight < self.max_inflight and queue.queued_rows:
             now = _clock()
-            if not self.inflight and queue.queued_rows < self.max_batch_size and not queue.closed:
+            idle = self.inflight < self.instances
+            if idle and queue.queued_rows < self.max_batch_size and not queue.closed:
                 due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
                 due = min(due, queue.oldest + self.max_delay) if self.max_delay else now
                 if due > now:
@@ -280,7 +287,7 @@ class Batcher:
                     return
             # Busy: only a full batch goes, unless a queued deadline is due.
             due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
-            full_only = self.inflight > 0 and not queue.closed and due > now
+            full_only = self.inflight >= self.instances and not queue.closed and due > now
             choice = self._choose(now, full_only)
             if choice is None:
                 break
@@ -292,10 +299,9 @@ class Batcher:
         if self.inflight < self.max_inflight:
             # Idle: the next request goes at once; busy: look again as rows arrive, for
             # a lane that fills a batch, and when the earliest deadline comes due.
-            queue.kick_rows = (
-                max(min(self.lane_caps), queue.queued_rows + 1) if self.inflight else 1
-            )
-            if self.inflight and queue.queued_rows:
+            busy = self.inflight >= self.instances
+            queue.kick_rows = max(min(self.lane_caps), queue.queued_rows + 1) if busy else 1
+            if busy and queue.queued_rows:
                 due = queue.earliest_deadline - self._full_exec_s - self._timer_slack
                 if due < INF:
                     self._arm_delay(max(due - _clock(), 0.0))

@@ -238,7 +238,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import pxrt
 
-    model = pxrt.load(args.path, progress=not args.json)
+    place = {
+        k: getattr(args, k)
+        for k in ("placement", "instances", "devices_per_instance")
+        if getattr(args, k) is not None
+    }
+    model = pxrt.load(args.path, progress=not args.json, **place)
     info = model.describe()
     if args.json:
         json.dump(info, sys.stdout, indent=2)
@@ -269,6 +274,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     phases = info.get("load_phases") or {}
     if phases:
         print("load: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+    groups = info.get("instances") or []
+    if len(groups) > 1:
+        print(f"placement: {len(groups)} instances: " + "; ".join(", ".join(g) for g in groups))
+    if info.get("placement_reason"):
+        print(f"  {info['placement_reason']}")
     dims = list(m.get("dim_buckets") or {})
     if dims:
         print(
@@ -374,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("inspect", help="load an artifact; print its manifest and buckets")
     p.add_argument("path", help="an artifact directory written by pxrt.export")
     p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.add_argument(
+        "--placement", choices=("sharded", "replicated", "auto"),
+        help="load it so (auto: and say what it chose, and why)",
+    )  # fmt: skip
+    p.add_argument("--instances", type=int, help="replicated / auto: instances")
+    p.add_argument("--devices-per-instance", type=int, help="replicated / auto: their size")
     p.set_defaults(func=_cmd_inspect)
 
     args = parser.parse_args(argv)

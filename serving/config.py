@@ -28,7 +28,7 @@ import os
 import tomllib
 from typing import Any
 
-from .options import BatchingOptions, HttpLimits, OptionError, number
+from .options import BatchingOptions, HttpLimits, OptionError, Placement, number
 
 MB = 1 << 20
 KB = 1 << 10
@@ -130,6 +130,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         batching.add_argument(
             "--" + key.replace("_", "-"), type=_arg(check), default=None,
             help=f"{check.expects} (default {getattr(BatchingOptions(), key)})",
+        )  # fmt: skip
+    place = p.add_argument_group(
+        "placement (every model; a TOML file sets them per model, Triton's instance_group "
+        "spelling too)"
+    )
+    place.add_argument(
+        "--placement", type=_arg(Placement.CHECKS["placement"]), default=None,
+        help="sharded: one program with each batch split over all devices; replicated: "
+        "an instance of the model on each device (group), each running whole batches; "
+        "auto: whichever runs faster, measured at load (default sharded)",
+    )  # fmt: skip
+    for key in ("instances", "devices_per_instance"):
+        place.add_argument(
+            "--" + key.replace("_", "-"), type=_arg(Placement.CHECKS[key]), default=None,
+            help="replicated / auto: " + ("instances of the model" if key == "instances"
+                                          else "devices of each instance")
+            + " (default: from the other, else one device each)",
         )  # fmt: skip
     limits = HttpLimits()
     raise_fd_limit()  # before the connection budget is sized from it
@@ -255,10 +272,10 @@ def http_limits(args: argparse.Namespace, max_connections: int) -> HttpLimits:
 
 def model_specs(
     args: argparse.Namespace, demo_dir: str
-) -> list[tuple[str | None, str, BatchingOptions]]:
-    """(name or None for the manifest's, path, options) per model to serve."""
-    defaults, sections = _config(args)
-    specs: list[tuple[str | None, str, BatchingOptions]] = []
+) -> list[tuple[str | None, str, BatchingOptions, Placement]]:
+    """(name or None for the manifest's, path, options, placement) per model to serve."""
+    defaults, place, sections = _config(args)
+    specs: list[tuple[str | None, str, BatchingOptions, Placement]] = []
     for name, section in sections.items():
         if "path" not in section:
             if args.model_repository:
@@ -270,25 +287,28 @@ def model_specs(
                 "--model-repository"
             )
         extra = {k: v for k, v in section.items() if k != "path"}
-        specs.append((name, section["path"], _options(extra, f"[models.{name}]", defaults)))
-    specs += [(None, path, defaults) for path in args.model_dirs]
+        specs.append((name, section["path"], *_options(extra, f"[models.{name}]", defaults, place)))
+    specs += [(None, path, defaults, place) for path in args.model_dirs]
     if not specs and not args.model_repository:
         from pxrt import demo
 
-        specs.append((None, demo.export_demo(os.path.join(demo_dir, "mlp")), defaults))
+        specs.append((None, demo.export_demo(os.path.join(demo_dir, "mlp")), defaults, place))
     return specs
 
 
 def repository_config(
     args: argparse.Namespace,
-) -> tuple[BatchingOptions, dict[str, BatchingOptions], dict[str, str], set[str]]:
+) -> tuple[
+    BatchingOptions, dict[str, BatchingOptions], dict[str, str], set[str], dict[str, Placement]
+]:
     """(the options of every repository model, name -> its own options, name -> its
     version policy, the models whose new versions may change their inputs or outputs
-    (``"*"``: all)), from the flags and the TOML's ``[defaults]`` and path-less
-    ``[models.NAME]`` sections."""
+    (``"*"``: all), name -> its placement (``""``: every model's)), from the flags and
+    the TOML's ``[defaults]`` and path-less ``[models.NAME]`` sections."""
     from .repository import parse_policy
 
-    defaults, sections = _config(args)
+    defaults, place, sections = _config(args)
+    placements: dict[str, Placement] = {"": place}
     options: dict[str, BatchingOptions] = {}
     policies: dict[str, str] = {}
     may_change = {"*"} if args.allow_signature_change else set()
@@ -297,7 +317,7 @@ def repository_config(
             continue
         own = ("version_policy", "allow_signature_change")
         extra = {k: v for k, v in section.items() if k not in own}
-        options[name] = _options(extra, f"[models.{name}]", defaults)
+        options[name], placements[name] = _options(extra, f"[models.{name}]", defaults, place)
         if "version_policy" in section:
             try:
                 parse_policy(section["version_policy"])
@@ -312,35 +332,59 @@ def repository_config(
             )
         if allow:
             may_change.add(name)
-    return defaults, options, policies, may_change
+    return defaults, options, policies, may_change, placements
 
 
-def _config(args: argparse.Namespace) -> tuple[BatchingOptions, dict]:
-    """(the options every model gets: the flags, then the TOML's ``[defaults]``; the
-    TOML's ``[models.NAME]`` sections)."""
+def _config(args: argparse.Namespace) -> tuple[BatchingOptions, Placement, dict]:
+    """(the options and placement every model gets: the flags, then the TOML's
+    ``[defaults]``; the TOML's ``[models.NAME]`` sections)."""
     flags = {k: getattr(args, k) for k in SERVE_OPTIONS if getattr(args, k) is not None}
     defaults = BatchingOptions(**flags)
+    place = Placement(
+        **_implied(
+            {k: getattr(args, k) for k in Placement.CHECKS if getattr(args, k, None) is not None}
+        )
+    )
     if not args.config:
-        return defaults, {}
+        return defaults, place, {}
     with open(args.config, "rb") as f:
         conf = tomllib.load(f)
-    return _options(conf.get("defaults", {}), "[defaults]", defaults), conf.get("models", {})
+    defaults, place = _options(conf.get("defaults", {}), "[defaults]", defaults, place)
+    return defaults, place, conf.get("models", {})
 
 
-def _options(section: dict, where: str, base: BatchingOptions) -> BatchingOptions:
-    """``base`` with a TOML section's options over it, each checked."""
-    unknown = sorted(set(section) - set(SERVE_OPTIONS))
+TOML_KEYS = (*SERVE_OPTIONS, *Placement.CHECKS, "instance_group")
+
+
+def _options(
+    section: dict, where: str, base: BatchingOptions, place: Placement
+) -> tuple[BatchingOptions, Placement]:
+    """``base`` and ``place`` with a TOML section's options over them, each checked
+    (``instance_group`` in Triton's spelling, where it maps)."""
+    unknown = sorted(set(section) - set(TOML_KEYS))
     if unknown:
         raise SystemExit(
-            f"pxrt serve: unknown option(s) {unknown} in {where}; known: {', '.join(SERVE_OPTIONS)}"
+            f"pxrt serve: unknown option(s) {unknown} in {where}; known: {', '.join(TOML_KEYS)}"
         )
-    checked = {}
+    checked, placed = {}, {}
     for key, value in section.items():
         try:
-            checked[key] = BatchingOptions.check(key, value)
+            if key == "instance_group":
+                placed.update(Placement.from_instance_group(value))
+            elif key in Placement.CHECKS:
+                placed[key] = Placement.check(key, value)
+            else:
+                checked[key] = BatchingOptions.check(key, value)
         except OptionError as exc:
             raise SystemExit(f"pxrt serve: {key} in {where}: {exc}") from None
-    return base.replace(**checked)
+    return base.replace(**checked), place.replace(**_implied(placed))
+
+
+def _implied(placed: dict) -> dict:
+    """Instances without a placement mean ``replicated``."""
+    if "placement" not in placed and placed.keys() & {"instances", "devices_per_instance"}:
+        return {**placed, "placement": "replicated"}
+    return placed
 
 
 __all__ = [

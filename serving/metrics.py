@@ -118,6 +118,8 @@ class ModelSource(Protocol):
 
     def load_phases(self) -> dict[str, float]: ...  # phase ("total" too) -> seconds
 
+    def instance_batches(self) -> list[int]: ...  # per instance (several): batches run
+
     def drain_timings(self) -> None: ...  # move logged durations into the histograms
 
 
@@ -293,6 +295,11 @@ class _Collector:
             "verify, time)",
             labels=["model", "version", "phase"],
         )
+        instance_batches = CounterMetricFamily(
+            "pxrt_instance_batches",
+            "Batches run per instance of a model loaded as several (placement replicated)",
+            labels=["model", "version", "instance"],
+        )
         for (name, version), m in models:
             m.source.drain_timings()
             for outcome, n in m.requests.items():
@@ -302,9 +309,13 @@ class _Collector:
             compiles.add_metric([name, version], m.source.compiles())
             for phase, seconds in m.source.load_phases().items():
                 load.add_metric([name, version, phase], seconds)
+            per_instance = m.source.instance_batches()
+            if len(per_instance) > 1:
+                for i, n in enumerate(per_instance):
+                    instance_batches.add_metric([name, version, str(i)], n)
         for (name, version), d in self._metrics.decoders.items():
             load.add_metric([name, version, "total"], d.source.load_s)
-        yield from (requests, batches, queued, compiles, load)
+        yield from (requests, batches, queued, compiles, load, instance_batches)
         yield from self._generation_families()
         families: list[tuple[str, str, Callable[[ModelMetrics], Histogram]]] = [
             (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", _stage_of(stage))

@@ -162,6 +162,68 @@ class BatchingOptions(_Checked):
     }
 
 
+PLACEMENTS = ("sharded", "replicated", "auto")
+# Triton's instance_group kinds: accepted; the devices pxrt.load is given decide.
+_TRITON_KINDS = ("KIND_AUTO", "KIND_GPU", "KIND_CPU", "KIND_MODEL")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement(_Checked):
+    """How one model is laid out on the devices (``pxrt.load``'s options of the same
+    names): one program sharded over all of them, or ``instances`` of it, each on its
+    own ``devices_per_instance`` devices, or ``auto``: whichever runs faster, measured
+    at load."""
+
+    placement: str = "sharded"
+    instances: int | None = None
+    devices_per_instance: int | None = None
+
+    CHECKS: ClassVar[dict[str, Any]] = {
+        "placement": choice(*PLACEMENTS),
+        "instances": number(int, 1, none=True),
+        "devices_per_instance": number(int, 1, none=True),
+    }
+
+    def load_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``pxrt.load``: the ones that differ from its defaults."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v != getattr(Placement, k)}
+
+    @staticmethod
+    def from_instance_group(groups: Any) -> dict[str, Any]:
+        """Triton's ``instance_group`` (``[{count = 1, kind = "KIND_GPU"}]``) where it
+        maps: ``KIND_GPU``, ``KIND_CPU`` or ``KIND_AUTO`` with count 1 is an instance on
+        each device (``replicated``); ``KIND_MODEL`` (the model places itself) is one
+        program over them all (``sharded``). Triton's count of several instances on one
+        device is ``max_inflight`` here; which devices (``gpus``) is what ``pxrt.load``
+        is given."""
+        if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], Mapping):
+            raise OptionError(
+                'instance_group takes one group, [{count = 1, kind = "KIND_GPU"}], '
+                f"got {groups!r}"
+            )
+        group = dict(groups[0])
+        unknown = sorted(set(group) - {"count", "kind", "name"})
+        if unknown:
+            raise OptionError(
+                f"instance_group: pxrt maps count and kind, not {unknown} (the devices are "
+                "pxrt serve's; devices_per_instance sets the size of each instance)"
+            )
+        kind = group.get("kind", "KIND_AUTO")
+        if kind not in _TRITON_KINDS:
+            raise OptionError(
+                f"instance_group kind {kind!r} is not one of {', '.join(_TRITON_KINDS)}"
+            )
+        if kind == "KIND_MODEL":
+            return {"placement": "sharded"}
+        count = _checked(number(int, 1), group.get("count", 1))
+        if count != 1:
+            raise OptionError(
+                f"instance_group count {count}: pxrt runs one instance per device (or "
+                "device group); more batches at once on each is max_inflight"
+            )
+        return {"placement": "replicated"}
+
+
 # --------------------------------------------------------------------------- HTTP
 
 
@@ -208,4 +270,11 @@ class HttpLimits(_Checked):
     }
 
 
-__all__ = ["CELL_POLICIES", "BatchingOptions", "HttpLimits", "OptionError"]
+__all__ = [
+    "CELL_POLICIES",
+    "PLACEMENTS",
+    "BatchingOptions",
+    "HttpLimits",
+    "OptionError",
+    "Placement",
+]

@@ -132,6 +132,7 @@ class Repository:
         defaults: BatchingOptions | Mapping[str, Any] | None = None,
         options: Mapping[str, BatchingOptions | Mapping[str, Any]] | None = None,
         load_options: dict | None = None,
+        model_load_options: Mapping[str, dict] | None = None,
         allow_signature_change: Collection[str] = (),
     ) -> None:
         if mode not in MODES:
@@ -151,6 +152,8 @@ class Repository:
             for name, o in (options or {}).items()
         }
         self.load_options = load_options or {}
+        #: name -> its own options of ``pxrt.load`` (placement), instead of load_options.
+        self.model_load_options = dict(model_load_options or {})
         self.allow_signature_change = frozenset(allow_signature_change)
         # (name, version) -> (state, reason) of versions loading, failed or unloading.
         self._states: dict[tuple[str, str], tuple[str, str]] = {}
@@ -301,7 +304,7 @@ class Repository:
             model = await self.server.load_model(
                 name,
                 path,
-                load_options=self.load_options,
+                load_options=self.model_load_options.get(name, self.load_options),
                 version=version,
                 options=self.options.get(name, self.defaults),
             )

@@ -62,7 +62,7 @@ class _Setup:
         if args.model_repository:
             from .repository import Repository
 
-            defaults, repo_options, policies, may_change = repository_config(args)
+            defaults, repo_options, policies, may_change, placements = repository_config(args)
             self.repository = Repository(
                 args.model_repository,
                 self.server,
@@ -71,6 +71,10 @@ class _Setup:
                 defaults=defaults,
                 options=repo_options,
                 allow_signature_change=may_change,
+                load_options=placements[""].load_options(),
+                model_load_options={
+                    name: p.load_options() for name, p in placements.items() if name
+                },
             )
         elif args.load_model or args.model_control_mode != "none":
             raise OptionError("--model-control-mode and --load-model need --model-repository")
@@ -91,8 +95,8 @@ class _Setup:
 
         args, server, repository = self.args, self.server, self.repository
         try:
-            for name, path, options in self.specs:
-                model = await asyncio.to_thread(pxrt.load, path)
+            for name, path, options, place in self.specs:
+                model = await asyncio.to_thread(pxrt.load, path, **place.load_options())
                 if isinstance(model, pxrt.Decoder):
                     server.add_decoder(name or model.name, model)
                     print(

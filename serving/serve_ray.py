@@ -83,7 +83,7 @@ def main_ray(args: argparse.Namespace) -> int:
         if len(specs) != 1:
             print(f"pxrt serve: error: --ray serves one model, got {len(specs)}", file=sys.stderr)
             return 2
-        name, path, options = specs[0]
+        name, path, options, place = specs[0]
         import pxrt
 
         try:  # a bad artifact is reported here, not as a replica that fails to start
@@ -120,6 +120,7 @@ def main_ray(args: argparse.Namespace) -> int:
                         "num_gpus": args.replica_gpus,
                     },
                     options=options,
+                    load_options=place.load_options(),
                     draining=draining,
                 )
 

@@ -533,6 +533,24 @@ class BlockingServer:
 
         self._call(add())
 
+    def load_model(
+        self,
+        name: str,
+        path: str,
+        *,
+        load_options: dict | None = None,
+        version: str | None = None,
+        options: BatchingOptions | None = None,
+        **changes: Any,
+    ) -> Model:
+        """As ``Server.load_model``: load an artifact (``load_options`` go to
+        ``pxrt.load``: ``placement``, ``instances``...) and serve it; returns the model."""
+        return self._call(
+            self._server.load_model(
+                name, path, load_options=load_options, version=version, options=options, **changes
+            )
+        )
+
     def infer(self, name: str, request: Mapping[str, Any], *, timeout_s: float | None = None):
         """As ``Server.infer``, blocking the calling thread until the result is in."""
 

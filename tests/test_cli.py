@@ -134,6 +134,15 @@ def test_serve_refuses_bad_flags_at_start_up(args, words):
         ("[defaults]\nmax_queue = -3\n", "max_queue in [defaults]: -3 is not an integer >= 1"),
         ("[models.m]\npath = 'x'\nmax_delay_us = true\n", "max_delay_us in [models.m]: True"),
         ("[defaults]\nmax_batch = 8\n", "unknown option(s) ['max_batch']"),
+        (
+            "[defaults]\ninstance_group = [{count = 2, kind = 'KIND_GPU'}]\n",
+            "instance_group in [defaults]: instance_group count 2: pxrt runs one instance",
+        ),
+        (
+            "[models.m]\npath = 'x'\ninstance_group = [{kind = 'KIND_TPU'}]\n",
+            "instance_group kind 'KIND_TPU' is not one of",
+        ),
+        ("[defaults]\ninstances = 0\n", "instances in [defaults]: 0 is not an integer >= 1"),
     ],
 )
 def test_serve_refuses_bad_config_at_start_up(tmp_path, toml, words):
@@ -151,6 +160,13 @@ def test_inspect_shows_the_grid(var_artifacts):
     assert "grid: batch [1, 4] x seq [8, 16, 32] =" in out
     header = next(line for line in out.splitlines() if line.lstrip().startswith("bucket"))
     assert header.split()[:2] == ["bucket", "seq"] and "exec" in header
+
+
+def test_serve_refuses_an_unknown_placement():
+    result = _pxrt("serve", "--placement", "spread", timeout=60)
+    assert result.returncode == 2 and "'spread' is not one of sharded, replicated, auto" in (
+        result.stderr
+    )
 
 
 def test_serve_refuses_an_unknown_cell_policy():
