@@ -64,6 +64,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/generation.py
 	$(PY) benchmarks/ray_compare.py
 	$(PY) benchmarks/ray_compare.py --model encoder
+	$(PY) benchmarks/load_times.py --ray
+	$(FOUR) $(PY) benchmarks/placement.py
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py
