@@ -29,13 +29,16 @@ a seed gets the same tokens whatever else shares the batch.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import math
 import os
 import secrets
+import sys
 import threading
 import time
 import weakref
@@ -50,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from . import _ext, _xla
+from . import _ext, _xla, stored
 from . import tokenizer as _tokenizer
 from .artifact import BATCH_AXIS
 from .decoder import LENGTH_DIM, DecoderArtifact, is_spec, sizes
@@ -378,6 +381,7 @@ class Decoder:
         self.max_prompt = self.prefill_lengths[-1]
         self.max_waiting = max_waiting
         self.load_s = load_s
+        self.program_sources: dict[str, int] = {}
         self.step_compile_s = step_compile_s
         #: XLA compiles on this decoder's loop (counted by ``_xla.compile_counter``).
         self.request_path_compiles = 0
@@ -587,6 +591,7 @@ class Decoder:
     # ------------------------------------------------------------------ the loop
 
     def _start(self) -> None:
+        _LIVE.add(self)
         self._thread = threading.Thread(
             target=_serve,
             args=(weakref.ref(self), self.artifact.x64),
@@ -928,6 +933,18 @@ def _int_in(name: str, value: Any, low: int, high: int | None) -> int:
     return value
 
 
+# Decoders whose loop runs: closed at interpreter exit, before jax tears its backends
+# down under a loop thread that still holds their executables (a C++ abort otherwise).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    for decoder in list(_LIVE):
+        with contextlib.suppress(Exception):
+            decoder.close()
+
+
 # --------------------------------------------------------------------------- load
 
 
@@ -1055,66 +1072,114 @@ def load_decoder(
         param_specs = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
         )
-        todo = [("step", 0, 0)] + [("prefill", b, n) for n in lengths for b in batches]
+        todo = [("state", 0, 0), ("step", 0, 0)]
+        todo += [("prefill", b, n) for n in lengths for b in batches]
         bar = tqdm(
-            todo,
+            total=len(todo),
             desc=f"pxrt: compiling {art.name}",
             unit="program",
             disable=False if progress else (None if progress is None else True),
             leave=False,
         )
-        make_state_c = jax.jit(make_state, out_shardings=state_sharding).lower().compile()
-        step_c = None
-        step_s = 0.0
-        for what, b, n in bar:
-            tc = time.perf_counter()
-            try:
-                if what == "step":
-                    step_c = (
-                        jax.jit(
-                            step,
-                            donate_argnums=(1,),
-                            out_shardings=(state_sharding, replicated),
-                        )
-                        .lower(param_specs, shapes)
-                        .compile()
-                    )
-                    step_s = time.perf_counter() - tc
-                    continue
-                args = (
-                    jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=replicated),
-                    jax.ShapeDtypeStruct((b, 4), jnp.int32, sharding=replicated),
-                    jax.ShapeDtypeStruct((b, 2), jnp.float32, sharding=replicated),
-                )
-                compiled = (
-                    jax.jit(
-                        prefill_insert,
-                        donate_argnums=(1,),
-                        out_shardings=(state_sharding, replicated),
-                    )
-                    .lower(param_specs, shapes, *args)
-                    .compile()
-                )
-            except Exception as exc:
-                where = "the decode step" if what == "step" else f"prefill {b} x {n}"
-                raise ValueError(f"{art.name!r}: {where} does not compile: {exc}") from exc
-            cells.append(PrefillCell(b, n, compiled, time.perf_counter() - tc))
-        state = make_state_c()
-        # One run of each program (on the zero state: no slot is busy) so that the first
-        # request does not pay for first-run work.
-        for cell in cells:
-            ints = np.zeros((cell.batch, 4), np.int32)
-            ints[:, _LEN] = 1
-            ints[:, _SLOT] = slots
-            floats = np.ones((cell.batch, 2), np.float32)
-            state, first = cell.compiled(
-                params_dev, state, np.zeros((cell.batch, cell.length), np.int32), ints, floats
+        state_jit = jax.jit(make_state, out_shardings=state_sharding)
+        step_jit = jax.jit(step, donate_argnums=(1,), out_shardings=(state_sharding, replicated))
+        prefill_jit = jax.jit(
+            prefill_insert, donate_argnums=(1,), out_shardings=(state_sharding, replicated)
+        )
+
+        def lower(what: str, b: int, n: int) -> Any:
+            if what == "state":
+                return state_jit.lower()
+            if what == "step":
+                return step_jit.lower(param_specs, shapes)
+            args = (
+                jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=replicated),
+                jax.ShapeDtypeStruct((b, 4), jnp.int32, sharding=replicated),
+                jax.ShapeDtypeStruct((b, 2), jnp.float32, sharding=replicated),
             )
-        assert step_c is not None
-        state, first = step_c(params_dev, state)
-        np.asarray(first)
+            return prefill_jit.lower(param_specs, shapes, *args)
+
+        def key(what: str, b: int, n: int) -> str:
+            return stored.key_of(
+                {
+                    "decoder": art.manifest.get("files", {}),
+                    "program": [what, b, n, slots, max_length],
+                    "devices": stored.device_fields(devices),
+                    "x64": art.x64,
+                },
+                code=(sys.modules[__name__],),
+            )
+
+        def obtain(job: tuple[str, int, int], afresh: bool = False) -> tuple[Any, float, str]:
+            """One program: its stored executable, else compiled (afresh, to be stored,
+            unless jax cannot serialize it)."""
+            tc = time.perf_counter()
+            k = key(*job)
+            compiled, refused = (
+                (None, True) if afresh else stored.load_executable(cache_dir, k, devices)
+            )
+            source = "stored"
+            if compiled is None:
+                afresh = refused or not stored.unstorable(cache_dir, k)
+                before = _xla.compile_counter.on_this_thread()
+                try:
+                    with (
+                        _xla.x64_scope(art.x64),
+                        _xla.cache_settings(cache_dir),
+                        _xla.no_persistent_cache() if afresh else contextlib.nullcontext(),
+                    ):
+                        compiled = lower(*job).compile()
+                except Exception as exc:
+                    what, b, n = job
+                    where = {"state": "the empty state", "step": "the decode step"}.get(
+                        what, f"prefill {b} x {n}"
+                    )
+                    raise ValueError(f"{art.name!r}: {where} does not compile: {exc}") from exc
+                source = "compiled" if _xla.compile_counter.on_this_thread() > before else "cache"
+                if afresh and source == "compiled":
+                    stored.store_executable(cache_dir, k, compiled)
+            bar.update()
+            return compiled, time.perf_counter() - tc, source
+
+        workers = max(1, min(os.cpu_count() or 1, len(todo)))
+        with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            got = list(pool.map(obtain, todo))
+        make_state_c, step_c, step_s = got[0][0], got[1][0], got[1][1]
+        for (_, b, n), (compiled, compile_s, _) in zip(todo[2:], got[2:]):
+            cells.append(PrefillCell(b, n, compiled, compile_s))
+        sources = collections.Counter(source for _, _, source in got)
+
+        def warm_up() -> tuple[Any, Any]:
+            """One run of each program (on the zero state: no slot is busy) so that the
+            first request does not pay for first-run work."""
+            state = make_state_c()
+            for cell in cells:
+                ints = np.zeros((cell.batch, 4), np.int32)
+                ints[:, _LEN] = 1
+                ints[:, _SLOT] = slots
+                floats = np.ones((cell.batch, 2), np.float32)
+                state, first = cell.compiled(
+                    params_dev, state, np.zeros((cell.batch, cell.length), np.int32), ints, floats
+                )
+            state, first = step_c(params_dev, state)
+            return state, np.asarray(first)
+
+        try:
+            warm_up()
+        except Exception:
+            if not sources.get("stored"):
+                raise
+            # A stored executable that does not run: every program compiled afresh.
+            got = [obtain(job, afresh=True) for job in todo]
+            make_state_c, step_c, step_s = got[0][0], got[1][0], got[1][1]
+            cells[:] = [
+                PrefillCell(b, n, compiled, compile_s)
+                for (_, b, n), (compiled, compile_s, _) in zip(todo[2:], got[2:])
+            ]
+            sources = collections.Counter(source for _, _, source in got)
+            warm_up()
         state = make_state_c()
-    return Decoder(
+    decoder = Decoder(
         art,
         devices,
         params_dev,
@@ -1128,3 +1193,14 @@ def load_decoder(
         step_compile_s=step_s,
         load_s=time.perf_counter() - t0,
     )
+    #: Where each program came from: "compiled", "cache" (jax's persistent cache) or
+    #: "stored" (pxrt's stored executables) -> how many.
+    decoder.program_sources = dict(sources)
+    log.info(
+        "pxrt: %s version %s loaded in %.2f s (programs: %s)",
+        art.name,
+        decoder.version,
+        decoder.load_s,
+        ", ".join(f"{n} {k}" for k, n in sorted(sources.items())),
+    )
+    return decoder

@@ -43,25 +43,61 @@ def key(
     zero_copy: bool,
 ) -> str:
     """The key of one stored fact ``what`` about one cell of ``art`` on ``devices``."""
+    files = art.manifest.get("files", {})
+    return key_of(
+        {
+            "program": files.get(artifact.PROGRAM_FILE, ""),
+            "params": files.get(artifact.PARAMS_FILE, ""),
+            "cell": [size, list(lengths)],
+            "devices": device_fields(devices),
+            "what": what,
+            "zero_copy": zero_copy,
+            "x64": art.x64,
+        }
+    )
+
+
+def key_of(fields: dict, code: tuple = ()) -> str:
+    """A key of ``fields`` plus what holds for everything stored here: the process's
+    devices, this host, the versions, a hash of pxrt's execution paths (and of the
+    modules in ``code``: the pxrt code a stored program was traced from) and
+    ``XLA_FLAGS``."""
     import jaxlib
 
     from . import __version__
 
-    files = art.manifest.get("files", {})
     fields = {
-        "program": files.get(artifact.PROGRAM_FILE, ""),
-        "params": files.get(artifact.PARAMS_FILE, ""),
-        "cell": [size, list(lengths)],
-        "devices": [[d.platform, getattr(d, "device_kind", ""), d.id] for d in devices],
+        **fields,
         "process": [jax.process_index(), jax.device_count(), jax.local_device_count()],
         "host": host_fingerprint(),
-        "versions": [jax.__version__, jaxlib.__version__, __version__],
-        "what": what,
-        "zero_copy": zero_copy,
-        "x64": art.x64,
+        "versions": [jax.__version__, jaxlib.__version__, __version__, code_fingerprint(code)],
         "flags": os.environ.get("XLA_FLAGS", ""),
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def device_fields(devices: list) -> list:
+    """The devices as a key holds them: platform, kind and id, in order."""
+    return [[d.platform, getattr(d, "device_kind", ""), d.id] for d in devices]
+
+
+@functools.cache
+def code_fingerprint(modules: tuple = ()) -> str:
+    """pxrt's own code that a stored fact depends on (the execution paths a proof
+    covers, and ``modules``): a development tree edited under the same version number
+    finds nothing stored by the code before the edit."""
+    from . import _xla
+
+    h = hashlib.sha256()
+    for module in (_xla, *modules):
+        path = getattr(module, "__file__", None)
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    h.update(f.read())
+            except OSError:
+                pass
+    return h.hexdigest()
 
 
 @functools.cache

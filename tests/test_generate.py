@@ -695,3 +695,29 @@ def test_a_server_loads_replaces_and_unloads_a_decoder(lm_path, reference, run):
                 server.start_generation("lm", p)
 
     run(main)
+
+
+def test_a_warm_load_runs_the_stored_programs(lm_path, reference, tmp_path):
+    """The step and the prefill cells are stored when compiled; a second load runs the
+    stored executables and compiles nothing; a corrupted one is compiled afresh."""
+    from pxrt import _xla
+
+    cache = tmp_path / "cache"
+    with pxrt.load(lm_path, compilation_cache=str(cache)) as cold:
+        assert set(cold.program_sources) <= {"compiled", "cache"}
+        programs = sum(cold.program_sources.values())
+        want = [cold.generate(p, max_tokens=8).tokens for p in prompts(3, seed=4)]
+    files = sorted((cache / "executables").glob("*.bin"))
+    assert len(files) == cold.program_sources.get("compiled", 0) > 0
+    compiles = _xla.compile_counter.total
+    with pxrt.load(lm_path, compilation_cache=str(cache)) as warm:
+        assert warm.program_sources.get("stored") == len(files)
+        assert [warm.generate(p, max_tokens=8).tokens for p in prompts(3, seed=4)] == want
+    assert _xla.compile_counter.total == compiles + programs - len(files) == compiles
+    data = bytearray(files[0].read_bytes())
+    data[-50] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    with pxrt.load(lm_path, compilation_cache=str(cache)) as healed:
+        assert healed.program_sources.get("compiled") == 1
+        assert [healed.generate(p, max_tokens=8).tokens for p in prompts(3, seed=4)] == want
+    assert want[0] == reference(prompts(3, seed=4)[0], 8)
