@@ -22,7 +22,7 @@ import contextlib
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -165,6 +165,23 @@ def cache_settings(path: str | None) -> Iterator[None]:
         _config.persistent_cache_min_compile_time_secs(0.0),
     ):
         yield
+
+
+def compile_here(
+    lower: Callable[[], Any], x64: bool, cache_dir: str | None, afresh: bool = False
+) -> tuple[Any, str]:
+    """``lower().compile()`` on this thread with pxrt's settings: x64 as the artifact's,
+    jax's persistent cache in ``cache_dir`` (bypassed with ``afresh``, so that the
+    executable is XLA's own and can be stored). Returns (compiled, "compiled" or "cache":
+    what the persistent cache or jax's memory answered)."""
+    before = compile_counter.on_this_thread()
+    with (
+        x64_scope(x64),
+        cache_settings(cache_dir),
+        no_persistent_cache() if afresh else contextlib.nullcontext(),
+    ):
+        compiled = lower().compile()
+    return compiled, "compiled" if compile_counter.on_this_thread() > before else "cache"
 
 
 def no_persistent_cache() -> contextlib.AbstractContextManager:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import math
@@ -747,19 +746,13 @@ class _Instance:
             jax.ShapeDtypeStruct((size,) + s.at(at), s.dtype, sharding=self.rows)
             for s in art.inputs.values()
         ]
-        before = _xla.compile_counter.on_this_thread()
         try:
-            with (
-                _xla.x64_scope(art.x64),
-                _xla.cache_settings(cache_dir),
-                _xla.no_persistent_cache() if afresh else contextlib.nullcontext(),
-            ):
-                compiled = self.jitted.lower(self.param_specs, *x_specs).compile()
+            return _xla.compile_here(
+                lambda: self.jitted.lower(self.param_specs, *x_specs), art.x64, cache_dir, afresh
+            )
         except Exception as exc:
             where = f" at {at}" if at else ""
             raise ValueError(f"{art.name!r}: bucket {size}{where} does not compile: {exc}") from exc
-        fresh = _xla.compile_counter.on_this_thread() > before
-        return compiled, "compiled" if fresh else "cache"
 
     def prepare(self, size: int, lengths: tuple[int, ...], timed: bool) -> _Cell:
         """One cell, on the pool's threads: its executable (stored, or compiled), and its

@@ -1121,21 +1121,16 @@ def load_decoder(
             source = "stored"
             if compiled is None:
                 afresh = refused or not stored.unstorable(cache_dir, k)
-                before = _xla.compile_counter.on_this_thread()
                 try:
-                    with (
-                        _xla.x64_scope(art.x64),
-                        _xla.cache_settings(cache_dir),
-                        _xla.no_persistent_cache() if afresh else contextlib.nullcontext(),
-                    ):
-                        compiled = lower(*job).compile()
+                    compiled, source = _xla.compile_here(
+                        lambda: lower(*job), art.x64, cache_dir, afresh
+                    )
                 except Exception as exc:
                     what, b, n = job
                     where = {"state": "the empty state", "step": "the decode step"}.get(
                         what, f"prefill {b} x {n}"
                     )
                     raise ValueError(f"{art.name!r}: {where} does not compile: {exc}") from exc
-                source = "compiled" if _xla.compile_counter.on_this_thread() > before else "cache"
                 if afresh and source == "compiled":
                     stored.store_executable(cache_dir, k, compiled)
             bar.update()
