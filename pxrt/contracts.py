@@ -12,6 +12,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+#: How ``pxrt.load`` lays a model out on its devices (named here, without jax, for the
+#: serving options that check them before anything loads).
+PLACEMENTS = ("sharded", "replicated", "auto")
+
 
 class InputHandling(Protocol):
     """Validates requests against a model's inputs and assembles batches."""

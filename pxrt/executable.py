@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import math
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from . import _ext, _xla, artifact, stored
+from .contracts import PLACEMENTS
 from .dispatch import Bucket, Engine, StagingRing, lane_key, lane_table
 
 log = logging.getLogger("pxrt")
@@ -448,29 +450,17 @@ def load(
     return model
 
 
-PLACEMENTS = ("sharded", "replicated", "auto")
-
-
+@dataclasses.dataclass(frozen=True)
 class _Settings:
     """What ``load`` was asked for, beyond the devices and cells."""
 
-    def __init__(
-        self,
-        art: artifact.Artifact,
-        cache_dir: str | None,
-        fast_path: bool,
-        zero_copy: bool,
-        staging_depth: int,
-        compile_workers: int | None,
-        progress: bool | None,
-    ) -> None:
-        self.art = art
-        self.cache_dir = cache_dir
-        self.fast_path = fast_path
-        self.zero_copy = zero_copy
-        self.staging_depth = staging_depth
-        self.compile_workers = compile_workers
-        self.progress = progress
+    art: artifact.Artifact
+    cache_dir: str | None
+    fast_path: bool
+    zero_copy: bool
+    staging_depth: int
+    compile_workers: int | None
+    progress: bool | None
 
 
 def _choose_placement(
@@ -522,11 +512,16 @@ def _choose_placement(
         how = "measured"
     # Instances cost a compile and the params on each: they must win by a margin.
     choice = "replicated" if replicated_rps > REPLICATED_MARGIN * sharded_rps else "sharded"
-    stored.write_entry(
-        settings.cache_dir,
-        k,
-        {"placement": choice, "sharded_rows_s": sharded_rps, "replicated_rows_s": replicated_rps},
-    )
+    if how == "measured":
+        stored.write_entry(
+            settings.cache_dir,
+            k,
+            {
+                "placement": choice,
+                "sharded_rows_s": sharded_rps,
+                "replicated_rows_s": replicated_rps,
+            },
+        )
     reason = (
         f"placement='auto' chose {choice}: {len(groups)} instance(s) of {per} device(s) ran "
         f"{replicated_rps:,.0f} rows/s at batch {probe_rep[0]}{at}, one program over "
@@ -622,7 +617,8 @@ def _load_on(
                 f"staging per slot (over {MAX_STAGING_BYTES / 2**30:.0f} GiB); load it with "
                 "smaller buckets=..."
             )
-    check_memory(art, cells, [d for g in groups for d in g], settings.staging_depth, len(groups))
+    all_devices = [d for g in groups for d in g]
+    check_memory(art, cells, all_devices, settings.staging_depth, len(groups))
     with _xla.x64_scope(art.x64), _xla.persistent_cache(settings.cache_dir):
         tp = time.perf_counter()
         instances = [_Instance(settings, group) for group in groups]
@@ -658,7 +654,7 @@ def _load_on(
             per_instance = [done[c * len(instances) + i] for i in range(len(instances))]
             cell = per_instance[0]
             program = cell.program
-            cell.timed_before = cell.exec_s is not None
+            timed = "measured" if cell.exec_s is None else "stored"  # (an earlier load's)
             if cell.exec_s is None:  # measured once per machine, program and cell
                 tt = time.perf_counter()
                 cell.exec_s = _xla.time_program(
@@ -689,12 +685,11 @@ def _load_on(
                     cell.exec_s,
                     cell.lengths,
                     cell.source,
-                    "stored" if cell.timed_before else "measured",
+                    timed,
                     tuple(each.program for each in per_instance),
                     rings,
                 )
             )
-    all_devices = [d for g in groups for d in g]
     model = Model(
         art, all_devices, compiled_buckets, first.params_dev, time.perf_counter() - t0, max_routes
     )
@@ -859,7 +854,6 @@ class _Cell:
         self.example: list[np.ndarray] = []  # full (size, ...) inputs, one per input
         self.proven: str | None = None  # the path an earlier load proved
         self.exec_s: float | None = None
-        self.timed_before = False  # exec_s is an earlier load's
         self.program: Any = None
 
 

@@ -52,13 +52,13 @@ NEVER = 1 << 62  # a kick_rows no queue reaches
 # virtual machine, several late. Each batcher widens its own margin to twice the
 # lateness its delay timers show (at most MAX_TIMER_SLACK_S), narrowing it slowly again.
 TIMER_SLACK_S = 10e-3
+MAX_TIMER_SLACK_S = 0.1
 # A warm load's stored cell times are measured again this long after the model starts
 # serving, while it is idle (polled this often while it is not).
 REMEASURE_AFTER_S = 30.0
 REMEASURE_POLL_S = 1.0
 
 log = logging.getLogger("pxrt")
-MAX_TIMER_SLACK_S = 0.1
 
 
 class RequestTooLarge(ValueError):

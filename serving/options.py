@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
+from pxrt.contracts import PLACEMENTS
+
 
 class OptionError(ValueError):
     """An option with a value it does not take (or an option that does not exist)."""
@@ -162,7 +164,6 @@ class BatchingOptions(_Checked):
     }
 
 
-PLACEMENTS = ("sharded", "replicated", "auto")
 # Triton's instance_group kinds: accepted; the devices pxrt.load is given decide.
 _TRITON_KINDS = ("KIND_AUTO", "KIND_GPU", "KIND_CPU", "KIND_MODEL")
 
