@@ -76,6 +76,8 @@ class Model:
         #: "sharded" or "replicated", and why (``pxrt.load(placement=...)``).
         self.placement = "sharded"
         self.placement_reason = ""
+        #: A multi-host load's ``pxrt.multihost.Group`` (its followers), else None.
+        self.group: Any = None
         self._timing_key: Callable[[Bucket], str] | None = None
         self._cache_dir: str | None = None
         #: XLA compiles on this model's request path (counted by ``_xla.compile_counter``).
@@ -123,6 +125,18 @@ class Model:
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in self.load_phases.items())
         each = f" for each of {len(self.instances)} instances" if len(self.instances) > 1 else ""
         return f"loaded in {self.load_s:.2f} s ({phases}; cells{each}: {got})"
+
+    def check_alive(self) -> None:
+        """Raise ``pxrt.multihost.GroupBroken`` if this model cannot run batches any more
+        (a multi-host group whose follower went away)."""
+        if self.group is not None:
+            self.group.check()
+
+    def close(self) -> None:
+        """Release what outlives the model's objects: a multi-host group's followers are
+        told to stop. Idempotent."""
+        if self.group is not None:
+            self.group.close()
 
     @property
     def cells(self) -> list[tuple[int, dict[str, int]]]:
@@ -346,6 +360,7 @@ def load(
     placement: str = "sharded",
     instances: int | None = None,
     devices_per_instance: int | None = None,
+    distributed: Any = None,
     **decoder_options: Any,
 ) -> Any:
     """Load an artifact directory and compile every bucket; returns a ``Model``, or for
@@ -392,6 +407,11 @@ def load(
         choice is stored with the executables, and ``placement_reason`` says why.
       instances, devices_per_instance: for ``"replicated"`` and ``"auto"``; either one
         gives the other.
+      distributed: a ``pxrt.multihost.Distributed`` (coordinator, num_processes,
+        process_id): load as one process of a multi-host group, the batch sharded over
+        every process's devices. Process 0 gets the ``Model`` (its batches run in
+        lockstep on the whole group); the others get a ``pxrt.multihost.Follower``,
+        whose ``follow()`` runs them (``docs/multihost.md``).
     """
     if artifact.kind(artifact.read_manifest(os.fspath(path))) == "decoder":
         from .generate import load_decoder
@@ -410,6 +430,29 @@ def load(
             progress=progress,
             compilation_cache=compilation_cache,
             **decoder_options,
+        )
+    if distributed is not None:
+        from . import multihost
+
+        if devices is not None or placement != "sharded" or instances or devices_per_instance:
+            raise ValueError(
+                "distributed: a multi-host load runs one program over every process's "
+                "devices; devices, placement, instances and devices_per_instance do not apply"
+            )
+        if decoder_options:
+            raise TypeError(
+                f"load() got options {sorted(decoder_options)} that only decoder artifacts take"
+            )
+        return multihost.load(
+            path,
+            distributed,
+            buckets=buckets,
+            dim_buckets=dim_buckets,
+            progress=progress,
+            compilation_cache=compilation_cache,
+            staging_depth=staging_depth,
+            max_routes=max_routes,
+            compile_workers=compile_workers,
         )
     if decoder_options:
         raise TypeError(

@@ -203,7 +203,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "served version's (default: refused, the old version keeps serving; per model: "
         "allow_signature_change = true in its [models.NAME] section)",
     )  # fmt: skip
+    group = p.add_argument_group(
+        "multi-host (one program over several processes' devices: docs/multihost.md)"
+    )
+    group.add_argument(
+        "--coordinator", metavar="HOST:PORT",
+        help="jax's coordination service, run by process 0 (the leader, which serves); "
+        "every process of the group gives the same one",
+    )  # fmt: skip
+    group.add_argument("--num-processes", type=_arg(number(int, 1)), help="processes in the group")
+    group.add_argument(
+        "--process-id", type=_arg(number(int, 0)),
+        help="this process's index: 0 leads and serves; the others follow it and answer "
+        "only /v2/health/* on --port",
+    )  # fmt: skip
+    group.add_argument(
+        "--control-port", type=port,
+        help="the leader's lockstep port on the coordinator's host (default: its port + 1)",
+    )  # fmt: skip
+    group.add_argument(
+        "--step-timeout-s", type=positive, default=30.0,
+        help="a follower that does not answer a batch in this time breaks the group "
+        "(default 30)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
+
+
+def distributed_config(args: argparse.Namespace, models: int) -> Any:
+    """The ``pxrt.multihost.Distributed`` the multi-host flags ask for (None without
+    them), checked against the rest of the command line (``models``: how many models
+    it serves)."""
+    given = [
+        f for f in ("coordinator", "num_processes", "process_id") if getattr(args, f) is not None
+    ]
+    if not given:
+        if args.control_port is not None:
+            raise OptionError("--control-port is for a multi-host group (--coordinator ...)")
+        return None
+    if len(given) < 3:
+        raise OptionError(
+            "a multi-host group needs --coordinator, --num-processes and --process-id"
+        )
+    for flag, on in (
+        ("--workers", args.workers > 1),
+        ("--ray", args.ray),
+        ("--model-repository", bool(args.model_repository)),
+    ):
+        if on:
+            raise OptionError(f"{flag} does not go with a multi-host group (--coordinator)")
+    if models != 1:
+        raise OptionError(f"a multi-host group serves one model; {models} given")
+    from pxrt.multihost import Distributed
+
+    try:
+        return Distributed(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            control_port=args.control_port,
+            step_timeout_s=args.step_timeout_s,
+        )
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
 
 
 def raise_fd_limit(want: int = 65536) -> None:
@@ -390,6 +451,7 @@ def _implied(placed: dict) -> dict:
 __all__ = [
     "add_arguments",
     "connection_shares",
+    "distributed_config",
     "fd_budget",
     "http_limits",
     "model_specs",

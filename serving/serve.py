@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -25,7 +26,14 @@ import tempfile
 from typing import Any
 
 from .access import Restrictions, TlsFiles
-from .config import add_arguments, connection_shares, http_limits, model_specs, repository_config
+from .config import (
+    add_arguments,
+    connection_shares,
+    distributed_config,
+    http_limits,
+    model_specs,
+    repository_config,
+)
 from .logs import printable
 from .options import OptionError
 
@@ -55,6 +63,10 @@ class _Setup:
         self.tls = TlsFiles.from_args(args)
         self.limits = http_limits(args, self.http_connections)
         self.specs = model_specs(args, demo_dir)
+        #: A multi-host group's place (``pxrt.multihost.Distributed``), else None.
+        self.distributed = distributed_config(args, len(self.specs))
+        #: Models to ``close`` at exit (a multi-host leader's: its followers stop).
+        self.closing: list[Any] = []
         self.server = Server(ready=False, on_models_changed=refreeze_gc)
         self.repository: Any = None
         self.poller: list[asyncio.Future] = []
@@ -96,7 +108,10 @@ class _Setup:
         args, server, repository = self.args, self.server, self.repository
         try:
             for name, path, options, place in self.specs:
-                model = await asyncio.to_thread(pxrt.load, path, **place.load_options())
+                load_options = place.load_options()
+                if self.distributed is not None:
+                    load_options["distributed"] = self.distributed
+                model = await asyncio.to_thread(pxrt.load, path, **load_options)
                 if isinstance(model, pxrt.Decoder):
                     server.add_decoder(name or model.name, model)
                     print(
@@ -107,6 +122,11 @@ class _Setup:
                     )
                     continue
                 server.add_model(name or model.name, model, options)
+                if model.group is not None:
+                    self.closing.append(model)
+                    model.group.on_broken(
+                        functools.partial(_on_broken, asyncio.get_running_loop(), server)
+                    )
                 dims = "".join(f", {d} {v}" for d, v in model.dim_buckets.items())
                 print(
                     f"pxrt serve: {name or model.name} ready (buckets {model.buckets}"
@@ -146,6 +166,11 @@ class _Setup:
             task.cancel()
 
 
+def _on_broken(loop: asyncio.AbstractEventLoop, server: Any, why: str) -> None:
+    """A multi-host group broke (on its reader's thread): the server refuses inference."""
+    loop.call_soon_threadsafe(server.fail, why)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.ray:
         if args.workers > 1:
@@ -177,6 +202,10 @@ def main(args: argparse.Namespace) -> int:
         except (OptionError, OSError, ValueError) as exc:
             print(f"pxrt serve: error: {exc}", file=sys.stderr)
             return 2
+        if setup.distributed is not None and not setup.distributed.leader:
+            from .follower import run_follower
+
+            return run_follower(setup.distributed, setup.specs[0][1], args)
         run = _run_workers if args.workers > 1 else _run_one
         code = run(setup)
         if setup.loading_error:
@@ -231,6 +260,8 @@ def _run_one(setup: _Setup) -> int:
         if grpc_server is not None:
             await grpc_server.stop(grace=5.0)  # in-flight calls finish, then it closes
         await server.close()
+        for model in setup.closing:
+            model.close()
 
     kserve = create_app(
         server,

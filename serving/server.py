@@ -74,6 +74,7 @@ class Server:
         self, *, ready: bool = True, on_models_changed: Callable[[], None] | None = None
     ) -> None:
         self._ready = ready
+        self._failed: str | None = None
         self._draining = asyncio.Event()  # set by drain(): streams end on it
         self._watchers: list[Callable[[], None]] = []
         self.on_models_changed = on_models_changed
@@ -360,6 +361,7 @@ class Server:
         if batcher.queue.closed:
             raise RuntimeError(f"model {name!r} is closed")
         batcher.pipeline.check_alive()
+        batcher.model.check_alive()
 
     def count(self, name: str, version: str, outcome: str) -> None:
         """A request of ``version`` of ``name`` that a front end answered itself:
@@ -373,6 +375,8 @@ class Server:
 
     def not_serving(self) -> str | None:
         """Why inference requests are refused now (loading, draining), or None."""
+        if self._failed is not None:
+            return self._failed
         if self.draining:
             return "the server is draining; not accepting inference requests"
         if not self.ready:
@@ -388,6 +392,13 @@ class Server:
     def ready(self, value: bool) -> None:
         self._ready = value
         self._changed()
+
+    def fail(self, reason: str) -> None:
+        """Refuse inference for good, saying ``reason`` (not ready from now on): what a
+        multi-host leader does when its group breaks."""
+        if self._failed is None:
+            self._failed = reason
+            self._changed()
 
     @property
     def draining(self) -> bool:

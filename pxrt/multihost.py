@@ -1,0 +1,859 @@
+"""Multi-host serving: one SPMD program over the devices of several processes.
+
+``pxrt.load(path, distributed=Distributed(coordinator, num_processes, process_id))`` in
+every process of a group: each joins jax's distributed runtime (``jax.distributed``;
+gloo collectives on CPU), loads the same artifact onto the global mesh (the batch
+sharded over every process's devices, params replicated on each) and compiles every
+cell. Process 0, the **leader**, gets a ``Model`` whose batches run in lockstep on the
+whole group; every other process, a **follower**, gets a ``Follower`` whose ``follow()``
+replays the leader's batches until the leader stops.
+
+Lockstep (one TCP connection from each follower to the leader, ``control_port``):
+
+- For each batch the leader sends each follower a fixed header (magic, sequence number,
+  cell, payload bytes) and the rows of the batch that follower's devices hold, then
+  starts the same executable on its own rows. Headers go out and local executions start
+  under one lock, so every process runs the same programs in the same order (jax's
+  multi-controller rule), whatever the number of batches in flight.
+- A follower checks the sequence number (one more than the last) and the payload size of
+  every step, runs the cell, and answers with the same sequence number and the rows of
+  every output its devices computed. The leader puts the batch's outputs together from
+  its own shards and the answers. Outputs stay sharded by rows: no collective in the
+  program unless the model has one (``docs/multihost.md`` has the measurements that chose
+  this over a replicated output or Saxml's leader data plus zeros).
+- A follower that goes away (its connection closes), answers out of order, reports an
+  error or does not answer within ``step_timeout_s`` breaks the group: every batch in
+  flight fails with ``GroupBroken``, the model reports it (``Model.check_alive``, and
+  ``pxrt serve`` turns not-ready and refuses inference), and nothing runs on the group
+  again. Restart every process of the group to serve again.
+- A follower whose leader goes away stops with ``LeaderGone`` (``pxrt serve`` exits 3)
+  instead of waiting for jax's heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+log = logging.getLogger("pxrt")
+
+#: leader -> follower, before each step: magic, sequence number, cell, payload bytes.
+HEADER = struct.Struct("<4sQIQ")
+#: follower -> leader, after each step: magic, sequence number, status, payload bytes.
+REPLY = struct.Struct("<4sQBQ")
+#: either way, at connection: magic, bytes of the JSON that follows.
+HELLO = struct.Struct("<4sI")
+_STEP, _ANSWER, _HELLO = b"PXST", b"PXRE", b"PXHI"
+#: the cell of the header that tells followers the group stops.
+STOP = 0xFFFFFFFF
+_OK, _FAILED = 0, 1
+
+
+class GroupBroken(RuntimeError):
+    """The group cannot run batches any more: a follower went away, stalled, failed or
+    answered out of order. Restart every process of the group."""
+
+
+class LeaderGone(RuntimeError):
+    """A follower's leader went away (or sent something a leader would not)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+    """Where a process stands in a multi-host group (``pxrt.load(distributed=...)``).
+
+    Args:
+      coordinator: ``host:port`` of jax's coordination service, which process 0 runs;
+        every process gives the same one.
+      num_processes: processes in the group.
+      process_id: this process's index; 0 is the leader.
+      control_port: the leader's lockstep port on the coordinator's host (default: the
+        coordinator's port + 1).
+      connect_timeout_s: how long the leader waits for every follower to connect, and a
+        follower for the leader, after each has compiled.
+      step_timeout_s: how long the leader waits for a follower's answer to one batch
+        before it breaks the group (a stalled follower).
+    """
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+    control_port: int | None = None
+    connect_timeout_s: float = 300.0
+    step_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        host, _, port = self.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"distributed: coordinator must be host:port, got {self.coordinator!r}"
+            )
+        for name in ("num_processes", "process_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"distributed: {name} must be an int >= 0, got {value!r}")
+        if self.num_processes < 1 or self.process_id >= self.num_processes:
+            raise ValueError(
+                f"distributed: process_id must be in [0, num_processes), got process_id "
+                f"{self.process_id} of num_processes {self.num_processes}"
+            )
+        if self.control_port is not None and not 0 < self.control_port < 65536:
+            raise ValueError(f"distributed: control_port must be a port, got {self.control_port}")
+        for name in ("connect_timeout_s", "step_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"distributed: {name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def leader(self) -> bool:
+        return self.process_id == 0
+
+    @property
+    def control_address(self) -> tuple[str, int]:
+        host, _, port = self.coordinator.rpartition(":")
+        host = host.strip("[]")
+        return host, self.control_port or int(port) + 1
+
+
+def initialize(cfg: Distributed) -> None:
+    """Join jax's distributed runtime as ``cfg`` says (once per process, before jax
+    touches a device). On CPU, collectives go over gloo. Recoverable tasks: a follower
+    that dies does not take the leader down (the leader reports it instead). jax's
+    preemption service is off: SIGTERM stays the process's own (``pxrt serve`` drains
+    on it)."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        if (jax.process_count(), jax.process_index()) != (cfg.num_processes, cfg.process_id):
+            raise RuntimeError(
+                f"distributed: jax already runs as process {jax.process_index()} of "
+                f"{jax.process_count()}; asked for {cfg.process_id} of {cfg.num_processes}"
+            )
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_recoverability", True)
+    # Its SIGTERM handler would swallow the signal pxrt serve drains on.
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        jax.distributed.initialize(
+            cfg.coordinator,
+            cfg.num_processes,
+            cfg.process_id,
+            initialization_timeout=max(1, int(cfg.connect_timeout_s)),
+            shutdown_timeout_seconds=10,
+        )
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"distributed: process {cfg.process_id} of {cfg.num_processes} could not join "
+            f"the group at {cfg.coordinator}: {exc} (jax.distributed must start before "
+            "anything uses a jax device in this process)"
+        ) from exc
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which rows of a cell's batch each process's devices hold (the batch is sharded
+    over the global mesh; each process's rows are contiguous)."""
+
+    size: int
+    #: process index -> its rows
+    rows: dict[int, slice]
+    #: this process's devices and their rows, in row order
+    local: tuple[tuple[Any, slice], ...]
+    #: rows per device
+    per_device: int
+
+    @classmethod
+    def of(cls, sharding: Any, size: int, process: int) -> Layout:
+        index = sharding.devices_indices_map((size,))
+        spans: dict[int, list[slice]] = {}
+        local = []
+        for device, (rows,) in index.items():
+            rows = slice(*rows.indices(size)[:2])
+            spans.setdefault(device.process_index, []).append(rows)
+            if device.process_index == process:
+                local.append((device, rows))
+        merged = {}
+        for p, slices in spans.items():
+            slices.sort(key=lambda s: s.start)
+            if any(a.stop != b.start for a, b in zip(slices, slices[1:])):
+                raise ValueError(f"process {p}'s rows of the batch are not contiguous: {slices}")
+            merged[p] = slice(slices[0].start, slices[-1].stop)
+        return cls(
+            size,
+            merged,
+            tuple(sorted(local, key=lambda d: d[1].start)),
+            size // len(index),
+        )
+
+
+def _global_arrays(buffers: Sequence[np.ndarray], layout: Layout, base: int, sharding: Any) -> list:
+    """This process's rows of each input (``buffers``, starting at row ``base`` of the
+    batch) as global jax arrays of the whole batch."""
+    import jax
+
+    devices = [d for d, _ in layout.local]
+    out = []
+    for buf in buffers:
+        pieces = [buf[r.start - base : r.stop - base] for _, r in layout.local]
+        shards = jax.device_put(pieces, devices)
+        out.append(
+            jax.make_array_from_single_device_arrays(
+                (layout.size,) + buf.shape[1:], sharding, shards
+            )
+        )
+    return out
+
+
+def _local_rows(out: Any) -> list[np.ndarray]:
+    """This process's shards of one row-sharded output, in row order, on the host."""
+    shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return [np.asarray(s.data) for s in shards]
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed")
+        got += k
+    return buf
+
+
+def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
+    """Send every buffer of ``parts``, in order, in as few system calls as it takes."""
+    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent and views:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def _nbytes(parts: Sequence[Any]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def _send_json(sock: socket.socket, doc: dict) -> None:
+    body = msgspec.json.encode(doc)
+    _send(sock, [HELLO.pack(_HELLO, len(body)), body])
+
+
+def _recv_json(sock: socket.socket) -> dict:
+    magic, n = HELLO.unpack(_recv_exact(sock, HELLO.size))
+    if magic != _HELLO or n > 1 << 24:
+        raise ConnectionError("not a pxrt group hello")
+    return msgspec.json.decode(bytes(_recv_exact(sock, n)))
+
+
+def _nodelay(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def fingerprint(manifest: dict, cells: Sequence[tuple[int, tuple[int, ...]]], devices: int) -> str:
+    """What every process of a group must agree on: the artifact, the cells and the
+    global device count."""
+    doc = msgspec.json.encode({"manifest": manifest, "cells": cells, "devices": devices})
+    return hashlib.sha256(doc).hexdigest()
+
+
+# --------------------------------------------------------------------------- the leader
+
+
+class _Step:
+    __slots__ = ("seq", "done", "replies", "left", "t_sent")
+
+    def __init__(self, seq: int, followers: int) -> None:
+        self.seq = seq
+        self.done = threading.Event()
+        self.replies: list[Any] = [None] * followers
+        self.left = followers
+        self.t_sent = time.perf_counter()
+
+
+class _Peer:
+    def __init__(self, process: int, sock: socket.socket) -> None:
+        self.process = process
+        self.sock = sock
+        self.next_reply = 1
+        self.reader: threading.Thread | None = None
+
+
+class Group:
+    """The leader's side of the lockstep: its followers' connections, the sequence
+    numbers, the steps in flight and whether the group is broken."""
+
+    def __init__(self, cfg: Distributed) -> None:
+        self.cfg = cfg
+        host, port = cfg.control_address
+        self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self.peers: list[_Peer] = []
+        #: Held while a step's headers go out and its local execution starts.
+        self.lock = threading.Lock()
+        self._state = threading.Lock()
+        self._seq = 0
+        self._pending: dict[int, _Step] = {}
+        #: Why the group is broken (None while it is whole).
+        self.broken: str | None = None
+        self._on_broken: list[Callable[[str], None]] = []
+        self._closed = False
+        #: Steps run, and seconds from sending a step to its last answer (summed).
+        self.steps = 0
+
+    def accept(self, fingerprint: str) -> None:
+        """Wait for every follower to connect and agree on ``fingerprint``."""
+        want = set(range(1, self.cfg.num_processes))
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while want:
+            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                raise GroupBroken(
+                    f"distributed: process(es) {sorted(want)} did not connect to the leader at "
+                    f"{self.cfg.control_address[0]}:{self.cfg.control_address[1]} within "
+                    f"{self.cfg.connect_timeout_s:g} s"
+                ) from None
+            sock.settimeout(self.cfg.connect_timeout_s)
+            _nodelay(sock)
+            try:
+                hello = _recv_json(sock)
+            except (OSError, ValueError, msgspec.DecodeError):
+                sock.close()
+                continue  # not a follower: ignore it
+            process: Any = hello.get("process_id")
+            why = None
+            if process not in want:
+                why = f"process {process!r} is not expected (waiting for {sorted(want)})"
+            elif hello.get("fingerprint") != fingerprint:
+                why = (
+                    f"process {process} loaded a different artifact, cells or device count "
+                    "than the leader"
+                )
+            _send_json(sock, {"ok": why is None, "error": why or ""})
+            if why is not None:
+                sock.close()
+                raise GroupBroken(f"distributed: {why}")
+            sock.settimeout(None)
+            want.discard(process)
+            self.peers.append(_Peer(process, sock))
+        self.peers.sort(key=lambda p: p.process)
+        self._listener.close()
+        for i, peer in enumerate(self.peers):
+            peer.reader = threading.Thread(
+                target=self._read, args=(i, peer), name=f"pxrt-group-{peer.process}", daemon=True
+            )
+            peer.reader.start()
+
+    def on_broken(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` (on whichever thread finds it) when the group breaks;
+        at once if it is broken already."""
+        self._on_broken.append(callback)
+        if self.broken is not None:
+            callback(self.broken)
+
+    def check(self) -> None:
+        """Raise ``GroupBroken`` if the group is broken."""
+        if self.broken is not None:
+            raise GroupBroken(self.broken)
+
+    def send(self, cell: int, payloads: Sequence[Sequence[Any]]) -> _Step:
+        """Send one step (the caller holds ``lock``): ``payloads[i]`` to follower ``i``."""
+        self.check()
+        with self._state:
+            self._seq += 1
+            step = _Step(self._seq, len(self.peers))
+            self._pending[step.seq] = step
+        for peer, payload in zip(self.peers, payloads):
+            nbytes = _nbytes(payload)
+            try:
+                _send(peer.sock, [HEADER.pack(_STEP, step.seq, cell, nbytes), *payload])
+            except OSError as exc:
+                self.fail(f"process {peer.process} went away ({exc})")
+                raise GroupBroken(self.broken) from exc
+        return step
+
+    def wait(self, step: _Step) -> list[bytearray]:
+        """The followers' answers to ``step`` (in follower order), or ``GroupBroken``."""
+        if not step.done.wait(self.cfg.step_timeout_s):
+            late = [p.process for p, r in zip(self.peers, step.replies) if r is None]
+            self.fail(
+                f"process(es) {late} did not answer batch {step.seq} within "
+                f"{self.cfg.step_timeout_s:g} s"
+            )
+        with self._state:
+            self._pending.pop(step.seq, None)
+        self.check()
+        self.steps += 1
+        return step.replies
+
+    def _read(self, index: int, peer: _Peer) -> None:
+        sock = peer.sock
+        try:
+            while True:
+                magic, seq, status, n = REPLY.unpack(_recv_exact(sock, REPLY.size))
+                body = _recv_exact(sock, n)
+                if magic != _ANSWER or seq != peer.next_reply:
+                    self.fail(
+                        f"process {peer.process} answered batch {seq} (magic {magic!r}) when "
+                        f"batch {peer.next_reply} was due: the group diverged"
+                    )
+                    return
+                if status != _OK:
+                    self.fail(
+                        f"process {peer.process} failed batch {seq}: "
+                        f"{body.decode('utf-8', 'replace')}"
+                    )
+                    return
+                peer.next_reply += 1
+                with self._state:
+                    step = self._pending.get(seq)
+                if step is None:
+                    continue  # its waiter gave up already
+                step.replies[index] = body
+                with self._state:
+                    step.left -= 1
+                    finished = step.left == 0
+                if finished:
+                    step.done.set()
+        except (OSError, ConnectionError) as exc:
+            if not self._closed:
+                self.fail(f"process {peer.process} went away ({exc})")
+
+    def fail(self, reason: str) -> None:
+        """Break the group: every step in flight and every later one fails."""
+        with self._state:
+            if self.broken is not None:
+                return
+            self.broken = (
+                f"the multi-host group is broken: {reason}; restart every process of the group"
+            )
+            pending = list(self._pending.values())
+        log.error("pxrt: %s", self.broken)
+        for step in pending:
+            step.done.set()
+        for peer in self.peers:
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for callback in self._on_broken:
+            try:
+                callback(self.broken)
+            except Exception:  # noqa: BLE001 - a reporter must not stop the others
+                log.exception("pxrt: a group-broken callback failed")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tell the followers to stop and wait (up to ``timeout_s``) until each has left
+        jax's distributed runtime, whose service this process runs, and hung up; they
+        return from ``follow``."""
+        if self._closed:
+            return
+        with self.lock:
+            self._closed = True
+            with self._state:
+                seq = self._seq + 1
+            for peer in self.peers:
+                if self.broken is None:
+                    try:
+                        _send(peer.sock, [HEADER.pack(_STEP, seq, STOP, 0)])
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + timeout_s
+            for peer in self.peers:
+                if peer.reader is not None and self.broken is None:
+                    peer.reader.join(max(0.0, deadline - time.monotonic()))
+                peer.sock.close()
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+
+
+class LockstepProgram:
+    """The leader's program for one cell (``pxrt.dispatch.Program``): whole staging
+    buffers in; each follower's rows out to it, the leader's rows onto its devices, the
+    same executable everywhere; the outputs back together as per-device shards."""
+
+    path = "lockstep"
+
+    def __init__(
+        self,
+        group: Group,
+        cell: int,
+        compiled: Any,
+        params_dev: Any,
+        x64: bool,
+        layout: Layout,
+        sharding: Any,
+    ) -> None:
+        import jax
+
+        self.group = group
+        self.cell = cell
+        self.compiled = compiled
+        self.params_dev = params_dev
+        self.x64 = x64
+        self.layout = layout
+        self.sharding = sharding
+        self.row_slices = [slice(0, layout.size)]
+        self.out_shard_rows = layout.per_device
+        self._peer_rows = [layout.rows[p.process] for p in group.peers]
+        outs = jax.tree.leaves(compiled.out_info)
+        self._out_specs = [(np.dtype(o.dtype), tuple(o.shape[1:])) for o in outs]
+        # Where each process's shards go, in row order: None for the leader's own.
+        self._order = sorted(
+            [(layout.rows[0].start, None)] + [(r.start, i) for i, r in enumerate(self._peer_rows)],
+            key=lambda t: t[0],
+        )
+
+    def dispatch(self, slot: Any) -> Any:
+        from . import _xla
+
+        buffers = slot.buffers
+        payloads = [[b[r] for b in buffers] for r in self._peer_rows]
+        group = self.group
+        with group.lock:
+            step = group.send(self.cell, payloads)
+            arrays = _global_arrays(buffers, self.layout, 0, self.sharding)
+            with _xla.x64_scope(self.x64):
+                outs = self.compiled(self.params_dev, *arrays)
+        return step, outs
+
+    def fetch(self, handle: Any) -> list[list[np.ndarray]]:
+        step, outs = handle
+        mine = [_local_rows(o) for o in outs]
+        replies = self.group.wait(step)
+        per_output: list[list[np.ndarray]] = [[] for _ in outs]
+        per_device = self.layout.per_device
+        parsed = [
+            _parse_rows(body, self._out_specs, r.stop - r.start)
+            for body, r in zip(replies, self._peer_rows)
+        ]
+        for _, who in self._order:
+            for k in range(len(outs)):
+                if who is None:
+                    per_output[k].extend(mine[k])
+                else:
+                    rows = parsed[who][k]
+                    per_output[k].extend(
+                        rows[i : i + per_device] for i in range(0, len(rows), per_device)
+                    )
+        return per_output
+
+
+def _parse_rows(
+    body: bytearray, specs: Sequence[tuple[np.dtype, tuple[int, ...]]], rows: int
+) -> list[np.ndarray]:
+    """A follower's answer: ``rows`` rows of each output, one after the other."""
+    out, offset = [], 0
+    for dtype, shape in specs:
+        count = rows * math.prod(shape)
+        out.append(np.frombuffer(body, dtype, count, offset).reshape((rows,) + shape))
+        offset += count * dtype.itemsize
+    if offset != len(body):
+        raise GroupBroken(f"a follower answered {len(body)} bytes where {offset} were due")
+    return out
+
+
+# --------------------------------------------------------------------------- followers
+
+
+@dataclasses.dataclass(frozen=True)
+class _FollowerCell:
+    compiled: Any
+    layout: Layout
+    in_specs: tuple[tuple[np.dtype, tuple[int, ...]], ...]  # per input: dtype, row shape
+
+    @property
+    def payload_bytes(self) -> int:
+        r = self.layout.rows[self.layout.local[0][0].process_index]
+        rows = r.stop - r.start
+        return sum(rows * math.prod(s) * d.itemsize for d, s in self.in_specs)
+
+
+class Follower:
+    """A follower process of a multi-host group, loaded: ``follow()`` connects to the
+    leader and runs its batches until the leader stops the group (it returns, having
+    left jax's distributed runtime) or goes away (``LeaderGone``: leave the process
+    with ``os._exit``, as jax's exit hook would wait for the gone leader). ``state``:
+    "loaded", "connecting", "following", "stopped" or "leader gone"."""
+
+    def __init__(
+        self,
+        cfg: Distributed,
+        name: str,
+        cells: list[_FollowerCell],
+        params_dev: Any,
+        x64: bool,
+        sharding: Any,
+        fingerprint: str,
+        load_s: float,
+    ) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.cells = cells
+        self.params_dev = params_dev
+        self.x64 = x64
+        self.sharding = sharding
+        self.fingerprint = fingerprint
+        self.load_s = load_s
+        self.state = "loaded"
+        #: Batches run so far.
+        self.steps = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Follower({self.name!r}, process {self.cfg.process_id} of "
+            f"{self.cfg.num_processes}, {len(self.cells)} cells, {self.state})"
+        )
+
+    def _connect(self) -> socket.socket:
+        host, port = self.cfg.control_address
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=5)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise LeaderGone(
+                        f"distributed: process {self.cfg.process_id} could not reach the leader "
+                        f"at {host}:{port} within {self.cfg.connect_timeout_s:g} s ({exc})"
+                    ) from exc
+                time.sleep(0.05)
+        _nodelay(sock)
+        sock.settimeout(self.cfg.connect_timeout_s)
+        _send_json(sock, {"process_id": self.cfg.process_id, "fingerprint": self.fingerprint})
+        answer = _recv_json(sock)
+        if not answer.get("ok"):
+            sock.close()
+            raise LeaderGone(f"distributed: the leader refused this process: {answer.get('error')}")
+        sock.settimeout(None)
+        return sock
+
+    def follow(self) -> None:
+        """Run the leader's batches, in its order, until it stops the group."""
+        from . import _xla
+
+        self.state = "connecting"
+        sock = self._connect()
+        self.state = "following"
+        last = 0
+        try:
+            while True:
+                try:
+                    magic, seq, cell, n = HEADER.unpack(_recv_exact(sock, HEADER.size))
+                except (OSError, ConnectionError) as exc:
+                    raise LeaderGone(
+                        f"distributed: the leader went away after batch {last} ({exc}); "
+                        f"process {self.cfg.process_id} stops"
+                    ) from exc
+                if magic != _STEP or seq != last + 1:
+                    raise LeaderGone(
+                        f"distributed: the leader sent batch {seq} (magic {magic!r}) when "
+                        f"batch {last + 1} was due: the group diverged"
+                    )
+                last = seq
+                if cell == STOP:
+                    self.state = "stopped"
+                    _leave_group()
+                    return
+                if cell >= len(self.cells) or n != self.cells[cell].payload_bytes:
+                    raise LeaderGone(
+                        f"distributed: batch {seq} names cell {cell} with {n} bytes; this "
+                        f"process has {len(self.cells)} cells"
+                    )
+                body = _recv_exact(sock, n)
+                parts: list[Any]
+                try:
+                    parts = self._run(self.cells[cell], body, _xla)
+                    status = _OK
+                except Exception as exc:  # noqa: BLE001 - reported to the leader
+                    parts, status = [repr(exc).encode()], _FAILED
+                nbytes = _nbytes(parts)
+                _send(sock, [REPLY.pack(_ANSWER, seq, status, nbytes), *parts])
+                self.steps += 1
+        except LeaderGone:
+            self.state = "leader gone"
+            raise
+        finally:
+            sock.close()
+
+    def _run(self, cell: _FollowerCell, body: bytearray, _xla: Any) -> list[np.ndarray]:
+        layout = cell.layout
+        mine = layout.rows[layout.local[0][0].process_index]
+        rows = mine.stop - mine.start
+        buffers, offset = [], 0
+        for dtype, shape in cell.in_specs:
+            count = rows * math.prod(shape)
+            buffers.append(np.frombuffer(body, dtype, count, offset).reshape((rows,) + shape))
+            offset += count * dtype.itemsize
+        arrays = _global_arrays(buffers, layout, mine.start, self.sharding)
+        with _xla.x64_scope(self.x64):
+            outs = cell.compiled(self.params_dev, *arrays)
+        return [shard for o in outs for shard in _local_rows(o)]
+
+
+def _leave_group() -> None:
+    """Leave jax's distributed runtime while the leader, which runs its service, waits
+    for it (at exit it would be too late: the leader may be gone)."""
+    import jax
+
+    try:
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - leaving anyway
+        log.exception("pxrt: leaving jax's distributed runtime failed")
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load(
+    path: Any,
+    cfg: Distributed,
+    *,
+    buckets: Any = None,
+    dim_buckets: Any = None,
+    progress: bool | None = None,
+    compilation_cache: Any = True,
+    staging_depth: int = 3,
+    max_routes: int = 256,
+    compile_workers: int | None = None,
+) -> Any:
+    """``pxrt.load(path, distributed=cfg)``: the leader's ``Model`` or a ``Follower``."""
+    import concurrent.futures
+    import os
+
+    from tqdm.auto import tqdm
+
+    from . import _xla, artifact, executable
+    from .dispatch import Bucket, StagingRing
+
+    t0 = time.perf_counter()
+    initialize(cfg)
+    import jax
+
+    group = Group(cfg) if cfg.leader else None  # listening before the compiles: followers
+    try:  # that finish first wait in its backlog
+        art = artifact.read(path)
+        devices = jax.devices()
+        cache_dir = executable._cache_dir(compilation_cache)
+        _xla.compile_counter.ensure_registered()
+        settings = executable._Settings(
+            art, cache_dir, False, False, staging_depth, compile_workers, progress
+        )
+        cells = executable._grid(art, buckets, dim_buckets, len(devices))
+        phases = {"read": time.perf_counter() - t0}
+        with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
+            tp = time.perf_counter()
+            inst = executable._Instance(settings, devices)
+            phases["params"] = time.perf_counter() - tp
+            tp = time.perf_counter()
+            bar = tqdm(
+                total=len(cells),
+                desc=f"pxrt: compiling {art.name} (process {cfg.process_id})",
+                unit="bucket",
+                disable=False if progress else (None if progress is None else True),
+                leave=False,
+            )
+
+            def compile_one(cell: tuple[int, tuple[int, ...]]) -> tuple[Any, str, float]:
+                tc = time.perf_counter()
+                compiled, source = inst.compile_cell(*cell)
+                bar.update()
+                return compiled, source, time.perf_counter() - tc
+
+            workers = max(1, min(compile_workers or os.cpu_count() or 1, len(cells)))
+            with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                compiled = list(pool.map(compile_one, cells))
+            phases["compile"] = time.perf_counter() - tp
+            process = jax.process_index()
+            layouts = [Layout.of(inst.rows, size, process) for size, _ in cells]
+            fp = fingerprint(art.manifest, cells, len(devices))
+            if group is None:
+                dims = tuple(art.dim_buckets)
+                follower_cells = [
+                    _FollowerCell(
+                        c[0],
+                        layout,
+                        tuple(
+                            (np.dtype(s.dtype), s.at(dict(zip(dims, lengths))))
+                            for s in art.inputs.values()
+                        ),
+                    )
+                    for c, layout, (_, lengths) in zip(compiled, layouts, cells)
+                ]
+                return Follower(
+                    cfg,
+                    art.name,
+                    follower_cells,
+                    inst.params_dev,
+                    art.x64,
+                    inst.rows,
+                    fp,
+                    time.perf_counter() - t0,
+                )
+            tp = time.perf_counter()
+            group.accept(fp)
+            phases["connect"] = time.perf_counter() - tp
+            tp = time.perf_counter()
+            built = []
+            in_specs = list(art.inputs.values())
+            for i, ((size, lengths), (exe, source, obtain_s), layout) in enumerate(
+                zip(cells, compiled, layouts)
+            ):
+                program = LockstepProgram(
+                    group, i, exe, inst.params_dev, art.x64, layout, inst.rows
+                )
+                at = dict(zip(art.dim_buckets, lengths))
+                example = executable._staged_example(art.inputs, size, at)
+                slot = _xla.StagingSlot(example, program.row_slices)
+                _xla.run_program(program, slot)  # warm-up, on every process
+                exec_s = _xla.time_program(program, slot)
+                ring = StagingRing(
+                    [s.dtype for s in in_specs],
+                    [s.at(at) for s in in_specs],
+                    size,
+                    program.row_slices,
+                    depth=staging_depth,
+                )
+                built.append(Bucket(size, program, ring, exe, obtain_s, exec_s, lengths, source))
+            phases["time"] = time.perf_counter() - tp
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+    model = executable.Model(
+        art, devices, built, inst.params_dev, time.perf_counter() - t0, max_routes
+    )
+    model.group = group
+    model.load_phases = {k: round(v, 4) for k, v in phases.items()}
+    model.placement_reason = (
+        f"multi-host: one program over {len(devices)} device(s) of {cfg.num_processes} "
+        "processes, batches in lockstep"
+    )
+    log.info("pxrt: %s version %s %s", art.name, model.version, model.load_summary())
+    return model

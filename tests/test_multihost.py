@@ -1,0 +1,493 @@
+"""Multi-host serving (pxrt.multihost) on loopback: groups of 2 processes x 2 virtual CPU
+devices over jax.distributed with gloo, against plain JAX and a one-process load; the
+lockstep protocol's checks against fake peers; pxrt serve's leader and followers, a
+follower killed or stalled mid-traffic, a leader killed, a group restarted."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+from models import MODELS, RAGGED, assert_matches, ragged_reference, random_request, reference
+from servers import ROOT, free_ports
+
+from pxrt import multihost
+from pxrt.multihost import HEADER, REPLY, Distributed, GroupBroken, LeaderGone
+
+pytestmark = pytest.mark.once
+
+GROUP_ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+GROUP_ENV.pop("PXRT_NO_EXTENSIONS", None)
+
+
+def _ports() -> tuple[str, int]:
+    coordinator, control = free_ports(2)
+    return f"127.0.0.1:{coordinator}", control
+
+
+def _run_group(artifact, requests, tmp_path, processes=2):
+    """Run ``requests`` on a group loading ``artifact``: the leader's outputs."""
+    coordinator, control = _ports()
+    np.savez(
+        tmp_path / "requests.npz",
+        **{f"{i}/{k}": v for i, r in enumerate(requests) for k, v in r.items()},
+    )
+    procs = []
+    for pid in range(processes):
+        spec = dict(
+            coordinator=coordinator,
+            num_processes=processes,
+            process_id=pid,
+            control_port=control,
+            artifact=str(artifact),
+            requests=str(tmp_path / "requests.npz"),
+            out=str(tmp_path / "out.npz"),
+        )
+        (tmp_path / f"spec{pid}.json").write_text(json.dumps(spec))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "tests/multihost_group.py", str(tmp_path / f"spec{pid}.json")],
+                cwd=ROOT,
+                env=GROUP_ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=180)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    for pid, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"process {pid} exited {proc.returncode}:\n{log[-3000:]}"
+    with np.load(tmp_path / "out.npz") as data:
+        out = {k: data[k] for k in data.files}
+    errors = dict(json.loads(str(out.pop("errors"))))
+    per = {"batch": {}, "alone": {}}
+    for key, value in out.items():
+        how, i, name = key.split("/")
+        per[how].setdefault(int(i), {})[name] = value
+    return per, errors
+
+
+def _single_process(model, request):
+    """The same request on a one-process load over 4 devices: the same program per
+    device, so the same bits (None when this run has another device count)."""
+    if len(jax.devices()) != 4:
+        return None
+    return model.run(request)
+
+
+def test_group_matches_plain_jax_and_one_process(artifacts, models, tmp_path):
+    name = "two_io"
+    rng = np.random.default_rng(7)
+    sizes = [1, 3, 4, 8, 13, 2]  # buckets 4, 8: 13 rows is split over two batches
+    requests = [random_request(MODELS[name]["inputs"], n, rng) for n in sizes]
+    bad = dict(requests[1], features=requests[1]["features"].astype(np.float32))
+    requests.insert(2, bad)
+    got, errors = _run_group(artifacts[name], requests, tmp_path)
+    assert list(errors) == [2], errors
+    assert "features" in errors[2] and "float16" in errors[2], errors[2]
+    for i, request in enumerate(requests):
+        if i == 2:
+            continue
+        want = reference(name, request)
+        assert_matches(got["batch"][i], want, f"{name} batch {i}")
+        assert_matches(got["alone"][i], want, f"{name} alone {i}")
+        one = _single_process(models[name], request)
+        if one is not None:
+            for k in want:
+                np.testing.assert_array_equal(got["alone"][i][k], one[k])
+
+
+def test_group_runs_a_variable_length_model(var_artifacts, tmp_path):
+    rng = np.random.default_rng(3)
+    cases = [(1, 3), (4, 8), (3, 5), (6, 2)]  # rows, length (buckets 1, 4; seq 4, 8)
+    requests = [
+        {
+            "x": rng.uniform(-10, 10, (rows, 3, length)).astype(np.float32),
+            "w": rng.integers(-50, 50, (rows, length)).astype(np.int32),
+        }
+        for rows, length in cases
+    ]
+    got, errors = _run_group(var_artifacts["ragged"], requests, tmp_path)
+    assert not errors, errors
+    for i, request in enumerate(requests):
+        want = ragged_reference(request)
+        assert_matches(got["batch"][i], want, f"ragged batch {i}")
+        assert_matches(got["alone"][i], want, f"ragged alone {i}")
+    assert RAGGED["dim_buckets"]["seq"] == (4, 8)
+
+
+# --------------------------------------------------------------------------- pxrt serve
+
+
+class Group:
+    """``pxrt serve`` as a multi-host group: process 0 serves on ``url``."""
+
+    def __init__(self, artifact, *extra: str, processes: int = 2, ports=None) -> None:
+        self.artifact = artifact
+        self.extra = extra
+        self.coordinator, self.control = _ports()
+        self.http = ports or free_ports(processes)
+        self.url = f"http://127.0.0.1:{self.http[0]}"
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        self.start()
+
+    def start(self) -> None:
+        self.procs, self.logs = [], []
+        for pid, port in enumerate(self.http):
+            # A file, not a pipe: nobody reads a pipe while the test runs.
+            log = tempfile.TemporaryFile("w+")
+            self.logs.append(log)
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "serving.cli",
+                        "serve",
+                        str(self.artifact),
+                        "--port",
+                        str(port),
+                        "--coordinator",
+                        self.coordinator,
+                        "--num-processes",
+                        str(len(self.http)),
+                        "--process-id",
+                        str(pid),
+                        "--control-port",
+                        str(self.control),
+                        *self.extra,
+                    ],
+                    cwd=ROOT,
+                    env=GROUP_ENV,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            )
+        deadline = time.time() + 120
+        while not (self.ready(0) and all(self.ready(i) for i in range(1, len(self.http)))):
+            for pid, proc in enumerate(self.procs):
+                assert proc.poll() is None, f"process {pid} exited: {self.output(pid)}"
+            assert time.time() < deadline, f"the group did not get ready: {self.output(0)}"
+            time.sleep(0.1)
+
+    def get(self, pid: int, path: str, timeout: float = 5.0) -> httpx.Response:
+        return httpx.get(f"http://127.0.0.1:{self.http[pid]}{path}", timeout=timeout)
+
+    def ready(self, pid: int) -> bool:
+        try:
+            return self.get(pid, "/v2/health/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def infer(self, x: np.ndarray, timeout: float = 60.0) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                            "data": x.ravel().tolist()}]}  # fmt: skip
+        return httpx.post(f"{self.url}/v2/models/mlp/infer", json=body, timeout=timeout)
+
+    def output(self, pid: int) -> str:
+        self.logs[pid].flush()
+        self.logs[pid].seek(0)
+        return self.logs[pid].read()[-4000:]
+
+    def wait(self, pid: int, timeout: float) -> int:
+        return self.procs[pid].wait(timeout)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait(10)
+        for log in self.logs:
+            log.close()
+
+
+def _y(x: np.ndarray) -> np.ndarray:
+    return reference("mlp", {"x": x})["y"]
+
+
+def _check(response: httpx.Response, x: np.ndarray) -> None:
+    assert response.status_code == 200, response.text
+    out = response.json()["outputs"][0]
+    got = np.array(out["data"], np.float32).reshape(out["shape"])
+    np.testing.assert_allclose(got, _y(x), rtol=1e-5, atol=1e-5)
+
+
+def test_serve_follower_killed_mid_traffic_then_the_group_restarts(artifacts):
+    group = Group(artifacts["mlp"])
+    try:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((5, 32)).astype(np.float32)
+        _check(group.infer(x), x)
+        # A follower answers health only, and says where requests go.
+        state = group.get(1, "/v2/health/ready").json()
+        assert state["role"] == "follower" and state["state"] == "following", state
+        refused = group.get(1, "/v2/models/mlp")
+        assert refused.status_code == 503 and "leader" in refused.json()["error"]
+
+        answers: list[int] = []
+        stop = threading.Event()
+
+        def caller(seed: int) -> None:
+            local = np.random.default_rng(seed)
+            while not stop.is_set():
+                xi = local.standard_normal((int(local.integers(1, 9)), 32)).astype(np.float32)
+                r = group.infer(xi)
+                if r.status_code == 200:
+                    _check(r, xi)
+                else:
+                    assert r.status_code in (500, 503), r.text
+                    assert "group is broken" in r.json()["error"], r.text
+                answers.append(r.status_code)
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            calls = [pool.submit(caller, s) for s in range(6)]
+            deadline = time.time() + 30
+            while answers.count(200) < 30:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            group.procs[1].kill()
+            killed = time.time()
+            while group.ready(0):  # not ready within a bound: the connection closing
+                assert time.time() - killed < 5, "the leader still says ready"
+                time.sleep(0.02)
+            failed_at = len(answers)
+            while len(answers) < failed_at + 12:
+                time.sleep(0.01)
+            stop.set()
+            for call in calls:
+                call.result(timeout=60)  # every request answered, none hangs
+        assert answers[-12:] == [503] * 12, answers[-12:]
+        why = group.get(0, "/v2/health/ready").json()["error"]
+        assert "process 1 went away" in why and "restart" in why, why
+        assert group.get(0, "/v2/models/mlp/ready").status_code == 503
+        group.procs[0].send_signal(signal.SIGTERM)
+        assert group.wait(0, 30) == 0, group.output(0)
+        # Restarted, on the same ports: it serves again.
+        group.start()
+        _check(group.infer(x), x)
+    finally:
+        group.stop()
+
+
+def test_serve_stalled_follower_then_leader_killed(artifacts):
+    group = Group(artifacts["mlp"], "--step-timeout-s", "1")
+    try:
+        x = np.ones((2, 32), np.float32)
+        _check(group.infer(x), x)
+        group.procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        r = group.infer(x)
+        assert r.status_code in (500, 503), r.text
+        assert "did not answer batch" in r.json()["error"], r.text
+        assert time.time() - t0 < 10
+        assert not group.ready(0)
+        group.procs[1].send_signal(signal.SIGCONT)
+        # A leader that dies: its followers stop at once, saying why (exit 3), unless
+        # jax's own watchdog, which notices the same instant, aborts the process first.
+        group.procs[0].kill()
+        code = group.wait(1, 30)
+        said = group.output(1)
+        if code == 3:
+            assert "the leader went away after batch" in said, said
+        else:
+            assert code == -signal.SIGABRT, said
+            assert "JAX distributed service detected fatal errors" in said, said
+    finally:
+        group.stop()
+
+
+def test_serve_leader_stops_its_followers(artifacts):
+    group = Group(artifacts["mlp"])
+    try:
+        x = np.ones((3, 32), np.float32)
+        _check(group.infer(x), x)
+        group.procs[0].send_signal(signal.SIGTERM)
+        assert group.wait(0, 30) == 0, group.output(0)
+        assert group.wait(1, 30) == 0, group.output(1)
+        assert "the leader stopped the group" in group.output(1)
+    finally:
+        group.stop()
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def _fake_leader(answer: dict):
+    """A listening socket playing the leader: (cfg for a follower, accept())."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    cfg = Distributed("127.0.0.1:1", 2, 1, control_port=port, connect_timeout_s=10)
+
+    def accept():
+        sock, _ = server.accept()
+        server.close()
+        multihost._recv_json(sock)
+        multihost._send_json(sock, answer)
+        return sock
+
+    return cfg, accept
+
+
+def _follower(cfg):
+    return multihost.Follower(cfg, "m", [], None, False, None, "fp", 0.0)
+
+
+def test_follower_refuses_a_step_out_of_sequence():
+    cfg, accept = _fake_leader({"ok": True})
+    follower = _follower(cfg)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(accept)
+        following = pool.submit(follower.follow)
+        sock = leader.result(timeout=10)
+        sock.sendall(HEADER.pack(b"PXST", 2, 0, 0))  # batch 1 is due
+        with pytest.raises(LeaderGone, match="batch 2 .* when batch 1 was due: the group diverged"):
+            following.result(timeout=10)
+        sock.close()
+    assert follower.state == "leader gone"
+
+
+def test_follower_refused_by_its_leader_says_why():
+    cfg, accept = _fake_leader({"ok": False, "error": "process 1 loaded a different artifact"})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(accept)
+        with pytest.raises(LeaderGone, match="refused this process: process 1 loaded a different"):
+            _follower(cfg).follow()
+
+
+def _leader_group(fake):
+    """A leader's Group with one fake follower (``fake(sock)`` plays it)."""
+    port = free_ports(1)[0]
+    cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=10,
+                      step_timeout_s=5)  # fmt: skip
+    group = multihost.Group(cfg)
+
+    def follower():
+        sock = socket.create_connection(("127.0.0.1", port))
+        multihost._send_json(sock, {"process_id": 1, "fingerprint": "fp"})
+        assert multihost._recv_json(sock)["ok"]
+        fake(sock)
+
+    t = threading.Thread(target=follower, daemon=True)
+    t.start()
+    group.accept("fp")
+    return group, t
+
+
+def test_group_breaks_on_an_answer_out_of_sequence():
+    def fake(sock):
+        multihost._recv_exact(sock, HEADER.size)
+        sock.sendall(REPLY.pack(b"PXRE", 7, 0, 0))
+
+    group, _ = _leader_group(fake)
+    step = group.send(0, [[]])
+    with pytest.raises(
+        GroupBroken, match="answered batch 7 .* when batch 1 was due: the group diverged"
+    ):
+        group.wait(step)
+    with pytest.raises(GroupBroken):  # and for good
+        group.send(0, [[]])
+    group.close()
+
+
+def test_group_breaks_when_a_follower_goes_away_or_fails():
+    def gone(sock):
+        multihost._recv_exact(sock, HEADER.size)
+        sock.close()
+
+    group, _ = _leader_group(gone)
+    seen = []
+    group.on_broken(seen.append)
+    with pytest.raises(GroupBroken, match="process 1 went away"):
+        group.wait(group.send(0, [[]]))
+    deadline = time.time() + 10  # the callbacks run after the waiters are woken
+    while not seen:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert "restart every process of the group" in seen[0]
+    group.close()
+
+    def failing(sock):
+        multihost._recv_exact(sock, HEADER.size)
+        message = b"RuntimeError('device lost')"
+        sock.sendall(REPLY.pack(b"PXRE", 1, 1, len(message)) + message)
+
+    group, _ = _leader_group(failing)
+    with pytest.raises(
+        GroupBroken, match="process 1 failed batch 1: RuntimeError\\('device lost'\\)"
+    ):
+        group.wait(group.send(0, [[]]))
+    group.close()
+
+
+def test_group_refuses_a_follower_with_another_artifact():
+    port = free_ports(1)[0]
+    cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=10)
+    group = multihost.Group(cfg)
+    answers = []
+
+    def follower():
+        sock = socket.create_connection(("127.0.0.1", port))
+        multihost._send_json(sock, {"process_id": 1, "fingerprint": "other"})
+        answers.append(multihost._recv_json(sock))
+
+    t = threading.Thread(target=follower)
+    t.start()
+    with pytest.raises(GroupBroken, match="process 1 loaded a different artifact"):
+        group.accept("fp")
+    t.join(10)
+    assert answers[0]["ok"] is False
+    group.close()
+
+
+def test_distributed_options_are_checked():
+    with pytest.raises(ValueError, match="coordinator must be host:port"):
+        Distributed("nohost", 2, 0)
+    with pytest.raises(ValueError, match="process_id must be in"):
+        Distributed("h:1", 2, 2)
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
+        Distributed("h:1", 2, 0, step_timeout_s=0)
+    assert Distributed("[::1]:8470", 2, 1).control_address == ("::1", 8471)
+
+
+def test_serve_multihost_flags_are_checked():
+    from serving.config import add_arguments, distributed_config
+    from serving.options import OptionError
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def config(*argv, models=1):
+        return distributed_config(parser.parse_args(list(argv)), models)
+
+    assert config() is None
+    with pytest.raises(OptionError, match="needs --coordinator, --num-processes and --process-id"):
+        config("--coordinator", "h:1")
+    group = ("--coordinator", "h:1", "--num-processes", "2", "--process-id", "1")
+    assert config(*group).process_id == 1
+    with pytest.raises(OptionError, match="--workers does not go with a multi-host group"):
+        config(*group, "--workers", "2")
+    with pytest.raises(OptionError, match="serves one model; 2 given"):
+        config(*group, models=2)
+    with pytest.raises(OptionError, match="process_id must be in"):
+        config("--coordinator", "h:1", "--num-processes", "2", "--process-id", "2")
