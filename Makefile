@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ray_compare.py --model encoder
 	$(PY) benchmarks/load_times.py --ray
 	$(FOUR) $(PY) benchmarks/placement.py
+	$(PY) benchmarks/multihost.py
 
 soak: $(STAMP)
 	$(PY) benchmarks/soak.py

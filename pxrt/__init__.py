@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .decoder import export_decoder
     from .executable import Model, example_inputs, load
     from .generate import Completion, Decoder, Generation
+    from .multihost import Distributed
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ _LAZY = {
     "Decoder": (".generate", "Decoder"),
     "Generation": (".generate", "Generation"),
     "Completion": (".generate", "Completion"),
+    "Distributed": (".multihost", "Distributed"),
 }
 
 
@@ -62,6 +64,7 @@ __all__ = [
     "ArtifactError",
     "Completion",
     "Decoder",
+    "Distributed",
     "Generation",
     "Model",
     "TensorSpec",

@@ -429,6 +429,7 @@ def load(
             devices=devices,
             progress=progress,
             compilation_cache=compilation_cache,
+            distributed=distributed,
             **decoder_options,
         )
     if distributed is not None:

@@ -334,6 +334,7 @@ class PrefillCell:
     length: int
     compiled: Any
     compile_s: float
+    index: int = 0  # in the decoder's programs: what a multi-host leader's header names
 
 
 class Decoder:
@@ -419,6 +420,9 @@ class Decoder:
         # generation (time to first token; time per output token after the first).
         self._timings: dict[str, list[float]] = {k: [] for k in TIMINGS}
         self._last_step = 0.0
+        #: A multi-host load's ``pxrt.multihost.Group`` (its followers run every program
+        #: this decoder runs, in the same order), else None.
+        self.group: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -609,6 +613,8 @@ class Decoder:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         self._fail(DecoderClosed(f"decoder {self.name!r} was closed"))
+        if self.group is not None:
+            self.group.close()  # its followers stop
 
     def __enter__(self) -> Decoder:
         return self
@@ -708,23 +714,41 @@ class Decoder:
             floats[i, _TEMP] = gen.temperature
             floats[i, _TOPP] = gen.top_p
         t0 = time.perf_counter()
-        self._state, first = cell.compiled(self._params, self._state, tokens, ints, floats)
+        (self._state, first), sync = self._launch(
+            cell.index, cell.compiled, self._params, self._state, tokens, ints, floats
+        )
         first.copy_to_host_async()
-        self._pending.append((_PREFILL, first, batch, t0))
+        self._pending.append((_PREFILL, first, batch, t0, sync))
         self.counters["prefills"] += 1
         self.counters["prefill_rows"] += n
 
     def _dispatch_step(self) -> None:
         busy = self._table.busy
-        self._state, tokens = self._step(self._params, self._state)
+        (self._state, tokens), sync = self._launch(
+            len(self._cells), self._step, self._params, self._state
+        )
         tokens.copy_to_host_async()
-        self._pending.append((_STEP, tokens, self._table.dispatch(), 0.0))
+        self._pending.append((_STEP, tokens, self._table.dispatch(), 0.0, sync))
         self.counters["steps"] += 1
         self.counters["busy_slot_steps"] += busy
 
+    def _launch(self, index: int, program: Any, *args: Any) -> tuple[Any, Any]:
+        """Start ``program(*args)``: (its outputs, the group's step or None). A
+        multi-host leader sends program ``index`` and its host inputs (the numpy
+        arrays of ``args``) to the followers first, under the group's lock."""
+        group = self.group
+        if group is None:
+            return program(*args), None
+        host = [a for a in args if isinstance(a, np.ndarray)]
+        with group.lock:
+            sync = group.send(index, [host] * len(group.peers))
+            return program(*args), sync
+
     def _read(self, entry: tuple) -> None:
-        kind, array, owners, t0 = entry
-        tokens = np.asarray(array)
+        kind, array, owners, t0, sync = entry
+        if sync is not None:
+            self.group.wait(sync)  # every follower ran it: nothing diverged
+        tokens = np.asarray(array.addressable_data(0))
         woken: list = []
         finished: list = []
         now = time.perf_counter()
@@ -793,7 +817,7 @@ class Decoder:
         """Every generation that may still get a token: in a slot, or in a step or
         prefill not read yet (a slot is given back when its last token is dispatched)."""
         gens = [g for g in self._table.owners if g is not None]
-        for _, _, who, _ in self._pending:
+        for _, _, who, _, _ in self._pending:
             gens.extend(g for g in who if g is not None)
         return gens
 
@@ -809,7 +833,9 @@ class Decoder:
         self._finish_with(victims, error)
         self._state = None  # before allocating another (after an out-of-memory error)
         try:
-            self._state = self._make_state()
+            if self.group is not None:
+                self.group.check()  # a broken group runs nothing more
+            self._state, _ = self._launch(len(self._cells) + 1, self._make_state)
         except Exception as again:  # noqa: BLE001 - nothing more can run
             with self._cond:
                 self._closed = True
@@ -959,15 +985,28 @@ def load_decoder(
     max_waiting: int = 1024,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
-) -> Decoder:
+    distributed: Any = None,
+) -> Any:
     """Load a decoder artifact (``pxrt.load`` calls this for one): the step and every
     prefill cell compiled, the params and the cache on the devices.
 
     ``slots`` (rounded up to a multiple of the device count: the cache is sharded over
     the devices by slot), ``max_length``, ``prefill_lengths`` and ``prefill_batches``
     default to the artifact's. ``max_waiting`` bounds the prompts waiting for a slot.
+
+    ``distributed`` (a ``pxrt.multihost.Distributed``): one process of a multi-host
+    group, the cache sharded over every process's devices; process 0 gets the
+    ``Decoder`` (every program it runs, the followers run too, in the same order), the
+    others a ``pxrt.multihost.Follower`` (``docs/multihost.md``).
     """
     t0 = time.perf_counter()
+    if distributed is not None:
+        from . import multihost
+
+        if devices is not None:
+            raise ValueError("distributed: a multi-host load uses every process's devices")
+        multihost.initialize(distributed)
+        devices = jax.devices()
     art = read_decoder(path)
     config = art.config
     devices = list(devices) if devices is not None else jax.local_devices()
@@ -1115,12 +1154,13 @@ def load_decoder(
             unless jax cannot serialize it)."""
             tc = time.perf_counter()
             k = key(*job)
-            compiled, refused = (
-                (None, True) if afresh else stored.load_executable(cache_dir, k, devices)
-            )
+            if afresh or distributed is not None:  # (a group's processes compile alike)
+                compiled, refused = None, afresh
+            else:
+                compiled, refused = stored.load_executable(cache_dir, k, devices)
             source = "stored"
             if compiled is None:
-                afresh = refused or not stored.unstorable(cache_dir, k)
+                afresh = distributed is None and (refused or not stored.unstorable(cache_dir, k))
                 try:
                     compiled, source = _xla.compile_here(
                         lambda: lower(*job), art.x64, cache_dir, afresh
@@ -1140,8 +1180,8 @@ def load_decoder(
         with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
             got = list(pool.map(obtain, todo))
         make_state_c, step_c, step_s = got[0][0], got[1][0], got[1][1]
-        for (_, b, n), (compiled, compile_s, _) in zip(todo[2:], got[2:]):
-            cells.append(PrefillCell(b, n, compiled, compile_s))
+        for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(zip(todo[2:], got[2:])):
+            cells.append(PrefillCell(b, n, compiled, compile_s, i))
         sources = collections.Counter(source for _, _, source in got)
 
         def warm_up() -> tuple[Any, Any]:
@@ -1157,7 +1197,7 @@ def load_decoder(
                     params_dev, state, np.zeros((cell.batch, cell.length), np.int32), ints, floats
                 )
             state, first = step_c(params_dev, state)
-            return state, np.asarray(first)
+            return state, np.asarray(first.addressable_data(0))
 
         try:
             warm_up()
@@ -1168,12 +1208,32 @@ def load_decoder(
             got = [obtain(job, afresh=True) for job in todo]
             make_state_c, step_c, step_s = got[0][0], got[1][0], got[1][1]
             cells[:] = [
-                PrefillCell(b, n, compiled, compile_s)
-                for (_, b, n), (compiled, compile_s, _) in zip(todo[2:], got[2:])
+                PrefillCell(b, n, compiled, compile_s, i)
+                for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(zip(todo[2:], got[2:]))
             ]
             sources = collections.Counter(source for _, _, source in got)
             warm_up()
         state = make_state_c()
+    if distributed is not None:
+        fp = multihost.fingerprint(
+            art.manifest, [list(job) for job in todo] + [[slots, max_length]], len(devices)
+        )
+        if not distributed.leader:
+            holder = _FollowerState(params_dev, state, art.x64)
+            programs: list[Any] = [
+                _FollowerProgram(holder, c.compiled, c.batch, c.length) for c in cells
+            ]
+            programs += [
+                _FollowerProgram(holder, step_c, 0, 0),
+                _FollowerProgram(holder, make_state_c, -1, 0),
+            ]
+            return multihost.Follower(distributed, art.name, programs, fp, time.perf_counter() - t0)
+        group = multihost.Group(distributed)
+        try:
+            group.accept(fp)
+        except BaseException:
+            group.close()
+            raise
     decoder = Decoder(
         art,
         devices,
@@ -1191,6 +1251,8 @@ def load_decoder(
     #: Where each program came from: "compiled", "cache" (jax's persistent cache) or
     #: "stored" (pxrt's stored executables) -> how many.
     decoder.program_sources = dict(sources)
+    if distributed is not None:
+        decoder.group = group
     log.info(
         "pxrt: %s version %s loaded in %.2f s (programs: %s)",
         art.name,
@@ -1199,3 +1261,44 @@ def load_decoder(
         ", ".join(f"{n} {k}" for k, n in sorted(sources.items())),
     )
     return decoder
+
+
+class _FollowerState:
+    """A multi-host follower's decoder: the params and the cache state (its shards)."""
+
+    def __init__(self, params: Any, state: Any, x64: bool) -> None:
+        self.params = params
+        self.state = state
+        self.x64 = x64
+
+
+class _FollowerProgram:
+    """A follower's part of one decoder program (``pxrt.multihost.Follower``): a
+    prefill cell (``batch`` > 0: the leader sends its tokens, ints and floats), the
+    step (0: no inputs) or the empty state (-1, after a failed step)."""
+
+    def __init__(self, holder: _FollowerState, compiled: Any, batch: int, length: int) -> None:
+        self.holder = holder
+        self.compiled = compiled
+        self.batch = batch
+        self.specs = (
+            (np.dtype(np.int32), (length,)),
+            (np.dtype(np.int32), (4,)),
+            (np.dtype(np.float32), (2,)),
+        )
+        self.payload_bytes = max(0, batch) * (length * 4 + 16 + 8)
+
+    def run(self, body: bytearray) -> list:
+        from .multihost import _split_rows
+
+        h = self.holder
+        with _xla.x64_scope(h.x64):
+            if self.batch > 0:
+                inputs = _split_rows(body, self.specs, self.batch)
+                h.state, out = self.compiled(h.params, h.state, *inputs)
+            elif self.batch == 0:
+                h.state, out = self.compiled(h.params, h.state)
+            else:
+                h.state = out = self.compiled()
+        jax.block_until_ready(out)  # answered once done: the leader reads it then
+        return []

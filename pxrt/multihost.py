@@ -200,22 +200,16 @@ class Layout:
         )
 
 
-def _global_arrays(buffers: Sequence[np.ndarray], layout: Layout, base: int, sharding: Any) -> list:
-    """This process's rows of each input (``buffers``, starting at row ``base`` of the
-    batch) as global jax arrays of the whole batch."""
+def _global_arrays(local: Sequence[np.ndarray], size: int, sharding: Any) -> list:
+    """This process's rows of each input (``local``) as global jax arrays of the whole
+    ``size``-row batch (jax's public way; 2.4x faster here than a ``device_put`` per
+    device and ``make_array_from_single_device_arrays``)."""
     import jax
 
-    devices = [d for d, _ in layout.local]
-    out = []
-    for buf in buffers:
-        pieces = [buf[r.start - base : r.stop - base] for _, r in layout.local]
-        shards = jax.device_put(pieces, devices)
-        out.append(
-            jax.make_array_from_single_device_arrays(
-                (layout.size,) + buf.shape[1:], sharding, shards
-            )
-        )
-    return out
+    return [
+        jax.make_array_from_process_local_data(sharding, buf, (size,) + buf.shape[1:])
+        for buf in local
+    ]
 
 
 def _local_rows(out: Any) -> list[np.ndarray]:
@@ -272,7 +266,7 @@ def _nodelay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def fingerprint(manifest: dict, cells: Sequence[tuple[int, tuple[int, ...]]], devices: int) -> str:
+def fingerprint(manifest: dict, cells: Sequence[Any], devices: int) -> str:
     """What every process of a group must agree on: the artifact, the cells and the
     global device count."""
     doc = msgspec.json.encode({"manifest": manifest, "cells": cells, "devices": devices})
@@ -521,6 +515,7 @@ class LockstepProgram:
         self.row_slices = [slice(0, layout.size)]
         self.out_shard_rows = layout.per_device
         self._peer_rows = [layout.rows[p.process] for p in group.peers]
+        self._mine = layout.rows[0]
         outs = jax.tree.leaves(compiled.out_info)
         self._out_specs = [(np.dtype(o.dtype), tuple(o.shape[1:])) for o in outs]
         # Where each process's shards go, in row order: None for the leader's own.
@@ -537,7 +532,9 @@ class LockstepProgram:
         group = self.group
         with group.lock:
             step = group.send(self.cell, payloads)
-            arrays = _global_arrays(buffers, self.layout, 0, self.sharding)
+            arrays = _global_arrays(
+                [b[self._mine] for b in buffers], self.layout.size, self.sharding
+            )
             with _xla.x64_scope(self.x64):
                 outs = self.compiled(self.params_dev, *arrays)
         return step, outs
@@ -548,10 +545,14 @@ class LockstepProgram:
         replies = self.group.wait(step)
         per_output: list[list[np.ndarray]] = [[] for _ in outs]
         per_device = self.layout.per_device
-        parsed = [
-            _parse_rows(body, self._out_specs, r.stop - r.start)
-            for body, r in zip(replies, self._peer_rows)
-        ]
+        try:
+            parsed = [
+                _split_rows(body, self._out_specs, r.stop - r.start)
+                for body, r in zip(replies, self._peer_rows)
+            ]
+        except ValueError as exc:
+            self.group.fail(f"a follower's answer to batch {step.seq} has {exc}")
+            raise GroupBroken(self.group.broken) from exc
         for _, who in self._order:
             for k in range(len(outs)):
                 if who is None:
@@ -564,34 +565,52 @@ class LockstepProgram:
         return per_output
 
 
-def _parse_rows(
+# --------------------------------------------------------------------------- followers
+
+
+def _split_rows(
     body: bytearray, specs: Sequence[tuple[np.dtype, tuple[int, ...]]], rows: int
 ) -> list[np.ndarray]:
-    """A follower's answer: ``rows`` rows of each output, one after the other."""
+    """``rows`` rows of each array of ``specs`` (dtype, row shape), one after the other
+    in ``body`` (views, no copy)."""
     out, offset = [], 0
     for dtype, shape in specs:
         count = rows * math.prod(shape)
         out.append(np.frombuffer(body, dtype, count, offset).reshape((rows,) + shape))
         offset += count * dtype.itemsize
     if offset != len(body):
-        raise GroupBroken(f"a follower answered {len(body)} bytes where {offset} were due")
+        raise ValueError(f"{len(body)} bytes where {offset} were due")
     return out
 
 
-# --------------------------------------------------------------------------- followers
-
-
 @dataclasses.dataclass(frozen=True)
-class _FollowerCell:
+class FollowerCell:
+    """A follower's part of one cell of a model: its rows in, its output rows out."""
+
     compiled: Any
     layout: Layout
     in_specs: tuple[tuple[np.dtype, tuple[int, ...]], ...]  # per input: dtype, row shape
+    params_dev: Any
+    sharding: Any
+    x64: bool
+
+    @property
+    def _rows(self) -> int:
+        r = self.layout.rows[self.layout.local[0][0].process_index]
+        return r.stop - r.start
 
     @property
     def payload_bytes(self) -> int:
-        r = self.layout.rows[self.layout.local[0][0].process_index]
-        rows = r.stop - r.start
-        return sum(rows * math.prod(s) * d.itemsize for d, s in self.in_specs)
+        return sum(self._rows * math.prod(s) * d.itemsize for d, s in self.in_specs)
+
+    def run(self, body: bytearray) -> list[Any]:
+        from . import _xla
+
+        buffers = _split_rows(body, self.in_specs, self._rows)
+        arrays = _global_arrays(buffers, self.layout.size, self.sharding)
+        with _xla.x64_scope(self.x64):
+            outs = self.compiled(self.params_dev, *arrays)
+        return [shard for o in outs for shard in _local_rows(o)]
 
 
 class Follower:
@@ -602,22 +621,13 @@ class Follower:
     "loaded", "connecting", "following", "stopped" or "leader gone"."""
 
     def __init__(
-        self,
-        cfg: Distributed,
-        name: str,
-        cells: list[_FollowerCell],
-        params_dev: Any,
-        x64: bool,
-        sharding: Any,
-        fingerprint: str,
-        load_s: float,
+        self, cfg: Distributed, name: str, programs: list[Any], fingerprint: str, load_s: float
     ) -> None:
         self.cfg = cfg
         self.name = name
-        self.cells = cells
-        self.params_dev = params_dev
-        self.x64 = x64
-        self.sharding = sharding
+        #: What the leader's headers index: each has ``payload_bytes`` (what its step
+        #: sends) and ``run(body)`` (runs it; returns the buffers to answer with).
+        self.programs = programs
         self.fingerprint = fingerprint
         self.load_s = load_s
         self.state = "loaded"
@@ -627,7 +637,7 @@ class Follower:
     def __repr__(self) -> str:
         return (
             f"Follower({self.name!r}, process {self.cfg.process_id} of "
-            f"{self.cfg.num_processes}, {len(self.cells)} cells, {self.state})"
+            f"{self.cfg.num_processes}, {len(self.programs)} programs, {self.state})"
         )
 
     def _connect(self) -> socket.socket:
@@ -656,8 +666,6 @@ class Follower:
 
     def follow(self) -> None:
         """Run the leader's batches, in its order, until it stops the group."""
-        from . import _xla
-
         self.state = "connecting"
         sock = self._connect()
         self.state = "following"
@@ -681,15 +689,15 @@ class Follower:
                     self.state = "stopped"
                     _leave_group()
                     return
-                if cell >= len(self.cells) or n != self.cells[cell].payload_bytes:
+                if cell >= len(self.programs) or n != self.programs[cell].payload_bytes:
                     raise LeaderGone(
-                        f"distributed: batch {seq} names cell {cell} with {n} bytes; this "
-                        f"process has {len(self.cells)} cells"
+                        f"distributed: batch {seq} names program {cell} with {n} bytes; "
+                        f"this process has {len(self.programs)} programs"
                     )
                 body = _recv_exact(sock, n)
                 parts: list[Any]
                 try:
-                    parts = self._run(self.cells[cell], body, _xla)
+                    parts = self.programs[cell].run(body)
                     status = _OK
                 except Exception as exc:  # noqa: BLE001 - reported to the leader
                     parts, status = [repr(exc).encode()], _FAILED
@@ -701,20 +709,6 @@ class Follower:
             raise
         finally:
             sock.close()
-
-    def _run(self, cell: _FollowerCell, body: bytearray, _xla: Any) -> list[np.ndarray]:
-        layout = cell.layout
-        mine = layout.rows[layout.local[0][0].process_index]
-        rows = mine.stop - mine.start
-        buffers, offset = [], 0
-        for dtype, shape in cell.in_specs:
-            count = rows * math.prod(shape)
-            buffers.append(np.frombuffer(body, dtype, count, offset).reshape((rows,) + shape))
-            offset += count * dtype.itemsize
-        arrays = _global_arrays(buffers, layout, mine.start, self.sharding)
-        with _xla.x64_scope(self.x64):
-            outs = cell.compiled(self.params_dev, *arrays)
-        return [shard for o in outs for shard in _local_rows(o)]
 
 
 def _leave_group() -> None:
@@ -796,26 +790,20 @@ def load(
             if group is None:
                 dims = tuple(art.dim_buckets)
                 follower_cells = [
-                    _FollowerCell(
+                    FollowerCell(
                         c[0],
                         layout,
                         tuple(
                             (np.dtype(s.dtype), s.at(dict(zip(dims, lengths))))
                             for s in art.inputs.values()
                         ),
+                        inst.params_dev,
+                        inst.rows,
+                        art.x64,
                     )
                     for c, layout, (_, lengths) in zip(compiled, layouts, cells)
                 ]
-                return Follower(
-                    cfg,
-                    art.name,
-                    follower_cells,
-                    inst.params_dev,
-                    art.x64,
-                    inst.rows,
-                    fp,
-                    time.perf_counter() - t0,
-                )
+                return Follower(cfg, art.name, follower_cells, fp, time.perf_counter() - t0)
             tp = time.perf_counter()
             group.accept(fp)
             phases["connect"] = time.perf_counter() - tp

@@ -112,6 +112,11 @@ class _Setup:
                 if self.distributed is not None:
                     load_options["distributed"] = self.distributed
                 model = await asyncio.to_thread(pxrt.load, path, **load_options)
+                if getattr(model, "group", None) is not None:  # a multi-host leader
+                    self.closing.append(model)
+                    model.group.on_broken(
+                        functools.partial(_on_broken, asyncio.get_running_loop(), server)
+                    )
                 if isinstance(model, pxrt.Decoder):
                     server.add_decoder(name or model.name, model)
                     print(
@@ -122,11 +127,6 @@ class _Setup:
                     )
                     continue
                 server.add_model(name or model.name, model, options)
-                if model.group is not None:
-                    self.closing.append(model)
-                    model.group.on_broken(
-                        functools.partial(_on_broken, asyncio.get_running_loop(), server)
-                    )
                 dims = "".join(f", {d} {v}" for d, v in model.dim_buckets.items())
                 print(
                     f"pxrt serve: {name or model.name} ready (buckets {model.buckets}"

@@ -4,8 +4,9 @@ its own XLA_FLAGS): ``python tests/multihost_group.py SPEC.json``.
 SPEC: coordinator, num_processes, process_id, control_port, artifact, and for the
 leader ``requests`` (an .npz of ``"{i}/{input}"`` arrays) and ``out`` (an .npz to write:
 ``"batch/{i}/{output}"`` from one ``run_batch`` of them all, ``"alone/{i}/{output}"``
-from ``run`` of each, and ``"errors"``: a JSON list of [i, message]). The leader closes
-the group when done; a follower follows until then.
+from ``run`` of each, and ``"errors"``: a JSON list of [i, message]); for a decoder,
+``prompts`` and ``max_tokens`` instead, and ``out`` gets the JSON list of each prompt's
+tokens. The leader closes the group when done; a follower follows until then.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def main(path: str) -> int:
     loaded = pxrt.load(spec["artifact"], distributed=cfg, progress=False)
     if isinstance(loaded, Follower):
         loaded.follow()
+        return 0
+    if "prompts" in spec:  # a decoder: every prompt at once, batched continuously
+        gens = [loaded.submit(p, max_tokens=spec["max_tokens"]) for p in spec["prompts"]]
+        tokens = [g.result(120).tokens for g in gens]
+        with open(spec["out"], "w") as f:
+            json.dump(tokens, f)
+        loaded.close()
         return 0
     with np.load(spec["requests"]) as data:
         requests: dict[int, dict[str, np.ndarray]] = {}

@@ -38,13 +38,10 @@ def _ports() -> tuple[str, int]:
     return f"127.0.0.1:{coordinator}", control
 
 
-def _run_group(artifact, requests, tmp_path, processes=2):
-    """Run ``requests`` on a group loading ``artifact``: the leader's outputs."""
+def _start_group(artifact, tmp_path, processes=2, **leader):
+    """A group loading ``artifact`` (tests/multihost_group.py, ``leader``: what the
+    leader runs), run to its end: every process exits 0."""
     coordinator, control = _ports()
-    np.savez(
-        tmp_path / "requests.npz",
-        **{f"{i}/{k}": v for i, r in enumerate(requests) for k, v in r.items()},
-    )
     procs = []
     for pid in range(processes):
         spec = dict(
@@ -53,8 +50,7 @@ def _run_group(artifact, requests, tmp_path, processes=2):
             process_id=pid,
             control_port=control,
             artifact=str(artifact),
-            requests=str(tmp_path / "requests.npz"),
-            out=str(tmp_path / "out.npz"),
+            **leader,
         )
         (tmp_path / f"spec{pid}.json").write_text(json.dumps(spec))
         procs.append(
@@ -76,7 +72,17 @@ def _run_group(artifact, requests, tmp_path, processes=2):
             raise
     for pid, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"process {pid} exited {proc.returncode}:\n{log[-3000:]}"
-    with np.load(tmp_path / "out.npz") as data:
+
+
+def _run_group(artifact, requests, tmp_path):
+    """Run ``requests`` on a group loading ``artifact``: the leader's outputs."""
+    np.savez(
+        tmp_path / "requests.npz",
+        **{f"{i}/{k}": v for i, r in enumerate(requests) for k, v in r.items()},
+    )
+    out_path = tmp_path / "out.npz"
+    _start_group(artifact, tmp_path, requests=str(tmp_path / "requests.npz"), out=str(out_path))
+    with np.load(out_path) as data:
         out = {k: data[k] for k in data.files}
     errors = dict(json.loads(str(out.pop("errors"))))
     per = {"batch": {}, "alone": {}}
@@ -133,6 +139,27 @@ def test_group_runs_a_variable_length_model(var_artifacts, tmp_path):
         assert_matches(got["batch"][i], want, f"ragged batch {i}")
         assert_matches(got["alone"][i], want, f"ragged alone {i}")
     assert RAGGED["dim_buckets"]["seq"] == (4, 8)
+
+
+def test_group_generates_like_plain_jax(tmp_path):
+    """A decoder in lockstep: every prefill and decode step on both processes, the
+    cache sharded by slot over the 4 devices; continuous batching over more prompts
+    than slots; greedy tokens equal plain JAX one prompt at a time."""
+    from pxrt import demo
+
+    sizes = dict(dim=32, heads=2, layers=2)
+    path = demo.export_lm(
+        str(tmp_path / "lm"), slots=4, max_length=64, prefill_lengths=(8, 16, 32),
+        prefill_batches=(1, 2, 4), **sizes,
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, int(k)).tolist() for k in rng.integers(1, 33, 7)]
+    out = tmp_path / "tokens.json"
+    _start_group(path, tmp_path, prompts=prompts, max_tokens=9, out=str(out))
+    got = json.loads(out.read_text())
+    params = demo.make_lm_params(**sizes)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == demo.lm_reference(np.array(prompt, np.int32), 9, params, 64)
 
 
 # --------------------------------------------------------------------------- pxrt serve
@@ -350,7 +377,7 @@ def _fake_leader(answer: dict):
 
 
 def _follower(cfg):
-    return multihost.Follower(cfg, "m", [], None, False, None, "fp", 0.0)
+    return multihost.Follower(cfg, "m", [], "fp", 0.0)
 
 
 def test_follower_refuses_a_step_out_of_sequence():
