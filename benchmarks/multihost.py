@@ -7,7 +7,8 @@ measured as raw jax programs on the same group: outputs kept sharded by rows (px
 outputs replicated by the program (an all-gather over gloo), and Saxml's leader data
 plus zeros summed in the program (an all-reduce).
 
-Model: an MLP 256 -> 1024 -> 1024 -> 256 (gelu), buckets 8 and 256, full batches.
+Models: a near-empty one (x * 2: the lockstep alone) and an MLP 256 -> 1024 -> 1024 ->
+256 (gelu), buckets 8 and 256, full batches; then the demo decoder's decode steps.
 
     python benchmarks/multihost.py [--rounds 5] [--iters 200] [--sizes 8,256]
 """
@@ -86,11 +87,27 @@ def _timed(model, rows: int, iters: int) -> dict:
     }
 
 
+def _decode_steps(decoder, slots: int, tokens: int) -> dict:
+    """Median seconds between decode steps, every slot busy for ``tokens`` steps."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, 6).astype(np.int32) for _ in range(slots)]
+    for g in [decoder.submit(p, max_tokens=8) for p in prompts]:  # warm
+        g.result(120)
+    decoder.drain_timings()
+    for g in [decoder.submit(p, max_tokens=tokens) for p in prompts]:
+        g.result(300)
+    steps = decoder.drain_timings()["step"]
+    return {"median_us": statistics.median(steps) * 1e6, "send_us": 0.0, "wait_us": 0.0}
+
+
 def _serve_commands(model) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         _, rows, iters = line.split()
-        print(json.dumps(_timed(model, int(rows), int(iters))), flush=True)
+        if hasattr(model, "drain_timings"):  # a decoder: rows are its slots
+            print(json.dumps(_decode_steps(model, int(rows), int(iters))), flush=True)
+        else:
+            print(json.dumps(_timed(model, int(rows), int(iters))), flush=True)
     model.close()
 
 
@@ -204,8 +221,12 @@ def _ask(proc: subprocess.Popen, rows: int, iters: int) -> dict:
     raise SystemExit("a process stopped answering (PXRT_BENCH_VERBOSE=1 shows why)")
 
 
-def _measure(artifact: str, args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
+def _measure(
+    artifact: str, args: argparse.Namespace, sizes: list[int] | None = None, iters: int = 0
+) -> dict[tuple[str, int], list[dict]]:
     """A group and one process loading ``artifact``, asked in turn, round by round."""
+    sizes = sizes or args.sizes
+    iters = iters or args.iters
     coordinator, control = _free_ports(2)
     group = [
         _spawn(role, 2, "--artifact", artifact, "--coordinator", f"127.0.0.1:{coordinator}",
@@ -222,10 +243,10 @@ def _measure(artifact: str, args: argparse.Namespace) -> dict[tuple[str, int], l
             raise SystemExit("a process did not load (PXRT_BENCH_VERBOSE=1 shows why)")
     got: dict[tuple[str, int], list[dict]] = {}
     for r in range(args.rounds):
-        for rows in args.sizes:
+        for rows in sizes:
             order = [("group", group[0]), ("one process", single)]
             for name, proc in order if r % 2 == 0 else order[::-1]:
-                got.setdefault((name, rows), []).append(_ask(proc, rows, args.iters))
+                got.setdefault((name, rows), []).append(_ask(proc, rows, iters))
     for proc in (group[0], single):
         assert proc.stdin is not None
         proc.stdin.close()
@@ -284,6 +305,20 @@ def main() -> None:
                 wait = statistics.median(g["wait_us"] for g in got[("group", rows)])
                 print(f"{rows:>6} {one:>10.0f}us {grp:>7.0f}us {grp / one:>5.2f}x "
                       f"{grp - one:>7.0f}us {send:>5.0f}us {wait:>5.0f}us")  # fmt: skip
+
+        from pxrt import demo
+
+        lm = demo.export_lm(
+            os.path.join(tmp, "lm"), slots=4, max_length=160, prefill_lengths=(8,),
+            prefill_batches=(4,), dim=64, heads=2, layers=2,
+        )  # fmt: skip
+        got = _measure(lm, args, sizes=[4], iters=128)
+        one = statistics.median(g["median_us"] for g in got[("one process", 4)])
+        grp = statistics.median(g["median_us"] for g in got[("group", 4)])
+        print(f"\nDecode steps (demo decoder, dim 64, 2 layers, 4 slots all busy, 128 tokens "
+              f"each), median interval between steps: one process {one:.0f}us, group "
+              f"{grp:.0f}us, {grp / one:.2f}x (each device steps its own slots; the group's "
+              "followers send the leader their slots' tokens)")  # fmt: skip
 
         coordinator, control = _free_ports(2)
         sizes = ",".join(map(str, args.sizes))

@@ -423,6 +423,7 @@ class Decoder:
         #: A multi-host load's ``pxrt.multihost.Group`` (its followers run every program
         #: this decoder runs, in the same order), else None.
         self.group: Any = None
+        self._gather: Any = None  # (multi-host) a step's tokens, whole: a RowGather
 
     def __repr__(self) -> str:
         return (
@@ -746,9 +747,14 @@ class Decoder:
 
     def _read(self, entry: tuple) -> None:
         kind, array, owners, t0, sync = entry
-        if sync is not None:
-            self.group.wait(sync)  # every follower ran it: nothing diverged
-        tokens = np.asarray(array.addressable_data(0))
+        if sync is None:
+            tokens = np.asarray(array)
+        else:
+            replies = self.group.wait(sync)  # every follower ran it: nothing diverged
+            if kind == _STEP:  # sharded by slot: the followers sent their slots' tokens
+                tokens = self._gather(array, replies)
+            else:
+                tokens = np.asarray(array.addressable_data(0))
         woken: list = []
         finished: list = []
         now = time.perf_counter()
@@ -1121,7 +1127,25 @@ def load_decoder(
             leave=False,
         )
         state_jit = jax.jit(make_state, out_shardings=state_sharding)
-        step_jit = jax.jit(step, donate_argnums=(1,), out_shardings=(state_sharding, replicated))
+        # Slots are independent: each device steps its own (shard_map), with no
+        # collective; partitioned by jax instead, the step gathers the cache between
+        # devices (21 all-gathers in the demo decoder's), which in a multi-host group
+        # cross processes (milliseconds a step over gloo on CPU: docs/multihost.md).
+        by_slot_specs = jax.tree.map(lambda _: P(BATCH_AXIS), shapes)
+        local_step = jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), by_slot_specs),
+            out_specs=(by_slot_specs, P(BATCH_AXIS)),
+            check_vma=False,
+        )
+        # The tokens: on every device in one process; sharded by slot in a group, each
+        # follower sending the leader its slots'.
+        step_jit = jax.jit(
+            local_step,
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, replicated if distributed is None else by_slot),
+        )
         prefill_jit = jax.jit(
             prefill_insert, donate_argnums=(1,), out_shardings=(state_sharding, replicated)
         )
@@ -1197,7 +1221,7 @@ def load_decoder(
                     params_dev, state, np.zeros((cell.batch, cell.length), np.int32), ints, floats
                 )
             state, first = step_c(params_dev, state)
-            return state, np.asarray(first.addressable_data(0))
+            return state, np.asarray(first.addressable_data(0))  # (the group's: a shard)
 
         try:
             warm_up()
@@ -1253,6 +1277,9 @@ def load_decoder(
     decoder.program_sources = dict(sources)
     if distributed is not None:
         decoder.group = group
+        decoder._gather = multihost.RowGather(
+            group, multihost.Layout.of(by_slot, slots, jax.process_index())
+        )
     log.info(
         "pxrt: %s version %s loaded in %.2f s (programs: %s)",
         art.name,
@@ -1289,15 +1316,16 @@ class _FollowerProgram:
         self.payload_bytes = max(0, batch) * (length * 4 + 16 + 8)
 
     def run(self, body: bytearray) -> list:
-        from .multihost import _split_rows
+        from .multihost import _local_rows, _split_rows
 
         h = self.holder
         with _xla.x64_scope(h.x64):
             if self.batch > 0:
                 inputs = _split_rows(body, self.specs, self.batch)
                 h.state, out = self.compiled(h.params, h.state, *inputs)
-            elif self.batch == 0:
+            elif self.batch == 0:  # the step: its slots' tokens go to the leader
                 h.state, out = self.compiled(h.params, h.state)
+                return _local_rows(out)
             else:
                 h.state = out = self.compiled()
         jax.block_until_ready(out)  # answered once done: the leader reads it then

@@ -565,6 +565,34 @@ class LockstepProgram:
         return per_output
 
 
+class RowGather:
+    """A row-sharded output on the leader, whole: its own shards and each follower's
+    answer (that follower's rows), in row order."""
+
+    def __init__(self, group: Group, layout: Layout) -> None:
+        self.group = group
+        self._peer_rows = [layout.rows[p.process] for p in group.peers]
+        self._order = sorted(
+            [(layout.rows[0].start, -1)] + [(r.start, i) for i, r in enumerate(self._peer_rows)]
+        )
+
+    def __call__(self, array: Any, replies: Sequence[bytearray]) -> np.ndarray:
+        mine = np.concatenate(_local_rows(array))
+        spec = [(mine.dtype, mine.shape[1:])]
+        pieces = []
+        for _, who in self._order:
+            if who < 0:
+                pieces.append(mine)
+                continue
+            r = self._peer_rows[who]
+            try:
+                pieces.extend(_split_rows(replies[who], spec, r.stop - r.start))
+            except ValueError as exc:
+                self.group.fail(f"process {self.group.peers[who].process}'s answer has {exc}")
+                raise GroupBroken(self.group.broken) from exc
+        return np.concatenate(pieces)
+
+
 # --------------------------------------------------------------------------- followers
 
 
