@@ -46,33 +46,31 @@ def _free_ports(n: int) -> list[int]:
 # --------------------------------------------------------------------------- roles
 
 
+def _clocked(fn, spent: dict, key: str):
+    """``fn``, adding the seconds each call takes to ``spent[key]``."""
+
+    def call(*args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            spent[key] += time.perf_counter() - t
+
+    return call
+
+
 def _timed(model, rows: int, iters: int) -> dict:
     """Median microseconds of ``model.run`` of a full ``rows``-row batch, and of the
     group's send and wait per batch (0 in one process)."""
     group = model.group
     spent = {"send": 0.0, "wait": 0.0}
     if group is not None:
-        send, wait = group.send, group.wait
-
-        def timed_send(*a):
-            t = time.perf_counter()
-            try:
-                return send(*a)
-            finally:
-                spent["send"] += time.perf_counter() - t
-
-        def timed_wait(*a):
-            t = time.perf_counter()
-            try:
-                return wait(*a)
-            finally:
-                spent["wait"] += time.perf_counter() - t
-
-        group.send, group.wait = timed_send, timed_wait
+        group.send = _clocked(group.send, spent, "send")
+        group.wait = _clocked(group.wait, spent, "wait")
     x = np.random.default_rng(rows).standard_normal((rows, 256)).astype(np.float32)
     for _ in range(10):
         model.run({"x": x})
-    spent = dict.fromkeys(spent, 0.0)
+    spent.update(send=0.0, wait=0.0)  # (in place: the clocks hold this dict)
     times = []
     for _ in range(iters):
         t = time.perf_counter()

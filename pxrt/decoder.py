@@ -9,8 +9,10 @@ The user writes the model math only, as two pure JAX functions over a KV cache:
 - ``decode(params, cache, tokens, positions) -> (cache, logits)``: one step for every
   slot: ``tokens`` int32 ``[slots]`` at ``positions`` int32 ``[slots]``; it writes their
   keys and values into ``cache`` at those positions and returns the updated cache and
-  ``[slots, vocab]`` logits. Slots are independent of each other; a slot attends to its
-  own positions ``<= position`` only (stale entries beyond are masked, never cleared).
+  ``[slots, vocab]`` logits. Slots are independent of each other (pxrt steps each
+  device's slots on their own, ``shard_map``: nothing may mix slots, such as batch-wide
+  statistics or a capacity shared by the batch); a slot attends to its own positions
+  ``<= position`` only (stale entries beyond are masked, never cleared).
 
 The cache is described per slot by a pytree of ``TensorSpec`` whose shapes name the
 sequence axis ``"length"`` (``{"k": TensorSpec((layers, "length", heads, hd),

@@ -668,13 +668,12 @@ def _load_on(
         instances = [_Instance(settings, group) for group in groups]
         phases["params"] = time.perf_counter() - tp
         todo = [(cell, inst) for cell in cells for inst in instances]
-        bar = tqdm(
-            total=len(todo),
-            desc=f"pxrt: compiling {art.name}"
+        bar = progress_bar(
+            len(todo),
+            f"pxrt: compiling {art.name}"
             + (f" ({len(instances)} instances)" if len(instances) > 1 else ""),
-            unit="bucket",
-            disable=False if settings.progress else (None if settings.progress is None else True),
-            leave=False,
+            "bucket",
+            settings.progress,
         )
 
         def prepare(job: tuple[tuple[int, tuple[int, ...]], _Instance]) -> _Cell:
@@ -939,6 +938,18 @@ def _grid(
             for lengths in itertools.product(*(dims[d] for d in names)):
                 cells.add((-(-size // n_dev) * n_dev, tuple(lengths)))
     return sorted(cells, key=lambda c: (lane_key(c[1]), c[0]))
+
+
+def progress_bar(total: int, desc: str, unit: str, progress: bool | None) -> Any:
+    """A load's progress bar (``progress``: shown, hidden, or None: when stderr is a
+    terminal); it disappears when done."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=False if progress else (None if progress is None else True),
+        leave=False,
+    )
 
 
 def check_memory(

@@ -51,14 +51,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
 from . import _ext, _xla, stored
 from . import tokenizer as _tokenizer
 from .artifact import BATCH_AXIS
 from .decoder import LENGTH_DIM, DecoderArtifact, is_spec, sizes
 from .decoder import read as read_decoder
-from .executable import _cache_dir
+from .executable import _cache_dir, progress_bar
 from .finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
 
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
@@ -743,7 +742,7 @@ class Decoder:
         host = [a for a in args if isinstance(a, np.ndarray)]
         with group.lock:
             sync = group.send(index, [host] * len(group.peers))
-            return program(*args), sync
+            return group.launched(sync, lambda: program(*args)), sync
 
     def _read(self, entry: tuple) -> None:
         kind, array, owners, t0, sync = entry
@@ -834,14 +833,16 @@ class Decoder:
         error = RuntimeError(f"decoder {self.name!r}: generation failed: {exc!r}")
         error.__cause__ = exc
         victims = self._in_flight() + list(batch)
-        self._pending.clear()
+        self._drop_pending()
         self._last_step = 0.0
         self._finish_with(victims, error)
         self._state = None  # before allocating another (after an out-of-memory error)
         try:
             if self.group is not None:
                 self.group.check()  # a broken group runs nothing more
-            self._state, _ = self._launch(len(self._cells) + 1, self._make_state)
+            self._state, sync = self._launch(len(self._cells) + 1, self._make_state)
+            if sync is not None:
+                self.group.wait(sync)
         except Exception as again:  # noqa: BLE001 - nothing more can run
             with self._cond:
                 self._closed = True
@@ -850,12 +851,19 @@ class Decoder:
     def _fail(self, error: BaseException) -> None:
         """End everything with ``error``: in flight and waiting (the loop has stopped)."""
         victims = self._in_flight()
-        self._pending.clear()
+        self._drop_pending()
         while self._waiting:
             victims.append(self._waiting.popleft())
         victims.extend(self._cancels)
         self._cancels = []
         self._finish_with(victims, error)
+
+    def _drop_pending(self) -> None:
+        """Forget the programs in flight (a multi-host group: their answers too)."""
+        if self.group is not None:
+            for entry in self._pending:
+                self.group.forget(entry[-1])
+        self._pending.clear()
 
     def _finish_with(self, gens: list, error: BaseException) -> None:
         done = []
@@ -1119,13 +1127,7 @@ def load_decoder(
         )
         todo = [("state", 0, 0), ("step", 0, 0)]
         todo += [("prefill", b, n) for n in lengths for b in batches]
-        bar = tqdm(
-            total=len(todo),
-            desc=f"pxrt: compiling {art.name}",
-            unit="program",
-            disable=False if progress else (None if progress is None else True),
-            leave=False,
-        )
+        bar = progress_bar(len(todo), f"pxrt: compiling {art.name}", "program", progress)
         state_jit = jax.jit(make_state, out_shardings=state_sharding)
         # Slots are independent: each device steps its own (shard_map), with no
         # collective; partitioned by jax instead, the step gathers the cache between

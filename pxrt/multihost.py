@@ -58,6 +58,8 @@ _STEP, _ANSWER, _HELLO = b"PXST", b"PXRE", b"PXHI"
 #: the cell of the header that tells followers the group stops.
 STOP = 0xFFFFFFFF
 _OK, _FAILED = 0, 1
+#: The largest answer a leader reads (a follower's rows of every output of a batch).
+_MOST_ANSWER = 1 << 36
 
 
 class GroupBroken(RuntimeError):
@@ -233,11 +235,22 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def _bytes_of(part: Any) -> memoryview:
+    """A flat byte view of ``part``: bytes, or a C-contiguous numpy array of any dtype
+    (ml_dtypes' bfloat16 and float8 do not export the buffer protocol: viewed as uint8)."""
+    if isinstance(part, np.ndarray):
+        part = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+    return memoryview(part).cast("B")
+
+
+_MOST_BUFFERS = 512  # per sendmsg (IOV_MAX is 1024 on Linux)
+
+
 def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
     """Send every buffer of ``parts``, in order, in as few system calls as it takes."""
-    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
+    views = [v for v in map(_bytes_of, parts) if len(v)]
     while views:
-        sent = sock.sendmsg(views)
+        sent = sock.sendmsg(views[:_MOST_BUFFERS])
         while sent and views:
             if sent >= len(views[0]):
                 sent -= len(views.pop(0))
@@ -247,7 +260,7 @@ def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
 
 
 def _nbytes(parts: Sequence[Any]) -> int:
-    return sum(memoryview(p).nbytes for p in parts)
+    return sum(len(_bytes_of(p)) for p in parts)
 
 
 def _send_json(sock: socket.socket, doc: dict) -> None:
@@ -264,6 +277,18 @@ def _recv_json(sock: socket.socket) -> dict:
 
 def _nodelay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _send_timeout(sock: socket.socket, seconds: float) -> None:
+    """Bound how long one send may block (a peer that stopped reading: its socket's
+    buffers full) without bounding receives: the kernel's ``SO_SNDTIMEO``; a send that
+    runs out raises ``BlockingIOError``."""
+    whole = int(seconds)
+    sock.setsockopt(
+        socket.SOL_SOCKET,
+        socket.SO_SNDTIMEO,
+        struct.pack("ll", whole, int((seconds - whole) * 1e6)),
+    )
 
 
 def fingerprint(manifest: dict, cells: Sequence[Any], devices: int) -> str:
@@ -330,7 +355,7 @@ class Group:
                     f"{self.cfg.control_address[0]}:{self.cfg.control_address[1]} within "
                     f"{self.cfg.connect_timeout_s:g} s"
                 ) from None
-            sock.settimeout(self.cfg.connect_timeout_s)
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
             _nodelay(sock)
             try:
                 hello = _recv_json(sock)
@@ -351,6 +376,7 @@ class Group:
                 sock.close()
                 raise GroupBroken(f"distributed: {why}")
             sock.settimeout(None)
+            _send_timeout(sock, self.cfg.step_timeout_s)
             want.discard(process)
             self.peers.append(_Peer(process, sock))
         self.peers.sort(key=lambda p: p.process)
@@ -375,23 +401,51 @@ class Group:
 
     def send(self, cell: int, payloads: Sequence[Sequence[Any]]) -> _Step:
         """Send one step (the caller holds ``lock``): ``payloads[i]`` to follower ``i``."""
-        self.check()
         with self._state:
+            if self._closed:
+                raise GroupBroken("the multi-host group was closed")
+            if self.broken is not None:
+                raise GroupBroken(self.broken)
             self._seq += 1
             step = _Step(self._seq, len(self.peers))
             self._pending[step.seq] = step
         for peer, payload in zip(self.peers, payloads):
-            nbytes = _nbytes(payload)
             try:
+                nbytes = _nbytes(payload)
                 _send(peer.sock, [HEADER.pack(_STEP, step.seq, cell, nbytes), *payload])
+            except BlockingIOError as exc:  # SO_SNDTIMEO: it stopped reading
+                self.fail(
+                    f"process {peer.process} did not take batch {step.seq} within "
+                    f"{self.cfg.step_timeout_s:g} s"
+                )
+                raise GroupBroken(self.broken) from exc
             except OSError as exc:
                 self.fail(f"process {peer.process} went away ({exc})")
                 raise GroupBroken(self.broken) from exc
+            except BaseException as exc:  # its number is spent: the followers may differ
+                self.fail(f"batch {step.seq} could not be sent: {exc!r}")
+                raise
         return step
+
+    def forget(self, step: _Step | None) -> None:
+        """Drop a step whose answers nobody will wait for (a batch abandoned after a
+        failure elsewhere)."""
+        if step is not None:
+            with self._state:
+                self._pending.pop(step.seq, None)
+
+    def launched(self, step: _Step, launch: Callable[[], Any]) -> Any:
+        """``launch()``, the leader's own part of ``step`` (sent already): if it fails,
+        the followers ran what the leader did not, so the group breaks."""
+        try:
+            return launch()
+        except BaseException as exc:
+            self.fail(f"the leader's own part of batch {step.seq} failed: {exc!r}")
+            raise
 
     def wait(self, step: _Step) -> list[bytearray]:
         """The followers' answers to ``step`` (in follower order), or ``GroupBroken``."""
-        if not step.done.wait(self.cfg.step_timeout_s):
+        if self.broken is None and not step.done.wait(self.cfg.step_timeout_s):
             late = [p.process for p, r in zip(self.peers, step.replies) if r is None]
             self.fail(
                 f"process(es) {late} did not answer batch {step.seq} within "
@@ -408,13 +462,13 @@ class Group:
         try:
             while True:
                 magic, seq, status, n = REPLY.unpack(_recv_exact(sock, REPLY.size))
-                body = _recv_exact(sock, n)
-                if magic != _ANSWER or seq != peer.next_reply:
+                if magic != _ANSWER or seq != peer.next_reply or n > _MOST_ANSWER:
                     self.fail(
-                        f"process {peer.process} answered batch {seq} (magic {magic!r}) when "
-                        f"batch {peer.next_reply} was due: the group diverged"
+                        f"process {peer.process} answered batch {seq} (magic {magic!r}, "
+                        f"{n} bytes) when batch {peer.next_reply} was due: the group diverged"
                     )
                     return
+                body = _recv_exact(sock, n)
                 if status != _OK:
                     self.fail(
                         f"process {peer.process} failed batch {seq}: "
@@ -435,6 +489,8 @@ class Group:
         except (OSError, ConnectionError) as exc:
             if not self._closed:
                 self.fail(f"process {peer.process} went away ({exc})")
+        except BaseException as exc:  # noqa: BLE001 - (a reader must not end unheard)
+            self.fail(f"reading process {peer.process}'s answers failed: {exc!r}")
 
     def fail(self, reason: str) -> None:
         """Break the group: every step in flight and every later one fails."""
@@ -459,26 +515,31 @@ class Group:
             except Exception:  # noqa: BLE001 - a reporter must not stop the others
                 log.exception("pxrt: a group-broken callback failed")
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0, abort: bool = False) -> None:
         """Tell the followers to stop and wait (up to ``timeout_s``) until each has left
         jax's distributed runtime, whose service this process runs, and hung up; they
-        return from ``follow``."""
+        return from ``follow``. ``abort``: hang up without telling them (a failed load:
+        they stop with ``LeaderGone``)."""
         if self._closed:
             return
         with self.lock:
-            self._closed = True
             with self._state:
+                self._closed = True
                 seq = self._seq + 1
             for peer in self.peers:
-                if self.broken is None:
+                if self.broken is None and not abort:
                     try:
                         _send(peer.sock, [HEADER.pack(_STEP, seq, STOP, 0)])
                     except OSError:
                         pass
             deadline = time.monotonic() + timeout_s
             for peer in self.peers:
-                if peer.reader is not None and self.broken is None:
+                if peer.reader is not None and self.broken is None and not abort:
                     peer.reader.join(max(0.0, deadline - time.monotonic()))
+                try:
+                    peer.sock.shutdown(socket.SHUT_RDWR)  # (wakes its reader)
+                except OSError:
+                    pass
                 peer.sock.close()
             try:
                 self._listener.close()
@@ -525,24 +586,28 @@ class LockstepProgram:
         )
 
     def dispatch(self, slot: Any) -> Any:
-        from . import _xla
-
         buffers = slot.buffers
         payloads = [[b[r] for b in buffers] for r in self._peer_rows]
         group = self.group
         with group.lock:
             step = group.send(self.cell, payloads)
-            arrays = _global_arrays(
-                [b[self._mine] for b in buffers], self.layout.size, self.sharding
-            )
-            with _xla.x64_scope(self.x64):
-                outs = self.compiled(self.params_dev, *arrays)
+            outs = group.launched(step, lambda: self._launch(buffers))
         return step, outs
+
+    def _launch(self, buffers: Sequence[np.ndarray]) -> Any:
+        from . import _xla
+
+        mine = [b[self._mine] for b in buffers]
+        arrays = _global_arrays(mine, self.layout.size, self.sharding)
+        with _xla.x64_scope(self.x64):
+            return self.compiled(self.params_dev, *arrays)
 
     def fetch(self, handle: Any) -> list[list[np.ndarray]]:
         step, outs = handle
-        mine = [_local_rows(o) for o in outs]
+        # The followers' answers first: with a follower gone, the leader's own outputs
+        # may never come (a collective in the model) or be wrong (gloo).
         replies = self.group.wait(step)
+        mine = [_local_rows(o) for o in outs]
         per_output: list[list[np.ndarray]] = [[] for _ in outs]
         per_device = self.layout.per_device
         try:
@@ -683,60 +748,77 @@ class Follower:
                     ) from exc
                 time.sleep(0.05)
         _nodelay(sock)
-        sock.settimeout(self.cfg.connect_timeout_s)
-        _send_json(sock, {"process_id": self.cfg.process_id, "fingerprint": self.fingerprint})
-        answer = _recv_json(sock)
+        try:
+            sock.settimeout(self.cfg.connect_timeout_s)
+            _send_json(sock, {"process_id": self.cfg.process_id, "fingerprint": self.fingerprint})
+            sock.settimeout(None)  # the leader answers once it has compiled too
+            answer = _recv_json(sock)
+        except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as exc:
+            sock.close()
+            raise LeaderGone(
+                f"distributed: process {self.cfg.process_id} could not join the leader at "
+                f"{host}:{port} ({exc})"
+            ) from exc
         if not answer.get("ok"):
             sock.close()
             raise LeaderGone(f"distributed: the leader refused this process: {answer.get('error')}")
-        sock.settimeout(None)
         return sock
 
     def follow(self) -> None:
         """Run the leader's batches, in its order, until it stops the group."""
         self.state = "connecting"
-        sock = self._connect()
+        try:
+            sock = self._connect()
+        except LeaderGone:
+            self.state = "leader gone"
+            raise
         self.state = "following"
         last = 0
         try:
             while True:
                 try:
-                    magic, seq, cell, n = HEADER.unpack(_recv_exact(sock, HEADER.size))
+                    last = self._step(sock, last)
                 except (OSError, ConnectionError) as exc:
                     raise LeaderGone(
-                        f"distributed: the leader went away after batch {last} ({exc}); "
-                        f"process {self.cfg.process_id} stops"
+                        f"distributed: the leader went away after batch {last} ({exc}): it "
+                        f"stopped, or broke the group; process {self.cfg.process_id} stops"
                     ) from exc
-                if magic != _STEP or seq != last + 1:
-                    raise LeaderGone(
-                        f"distributed: the leader sent batch {seq} (magic {magic!r}) when "
-                        f"batch {last + 1} was due: the group diverged"
-                    )
-                last = seq
-                if cell == STOP:
-                    self.state = "stopped"
+                if self.state == "stopped":
                     _leave_group()
                     return
-                if cell >= len(self.programs) or n != self.programs[cell].payload_bytes:
-                    raise LeaderGone(
-                        f"distributed: batch {seq} names program {cell} with {n} bytes; "
-                        f"this process has {len(self.programs)} programs"
-                    )
-                body = _recv_exact(sock, n)
-                parts: list[Any]
-                try:
-                    parts = self.programs[cell].run(body)
-                    status = _OK
-                except Exception as exc:  # noqa: BLE001 - reported to the leader
-                    parts, status = [repr(exc).encode()], _FAILED
-                nbytes = _nbytes(parts)
-                _send(sock, [REPLY.pack(_ANSWER, seq, status, nbytes), *parts])
-                self.steps += 1
         except LeaderGone:
             self.state = "leader gone"
             raise
         finally:
             sock.close()
+
+    def _step(self, sock: socket.socket, last: int) -> int:
+        """Receive, run and answer one batch (the leader's ``STOP``: state "stopped");
+        returns its sequence number."""
+        magic, seq, cell, n = HEADER.unpack(_recv_exact(sock, HEADER.size))
+        if magic != _STEP or seq != last + 1:
+            raise LeaderGone(
+                f"distributed: the leader sent batch {seq} (magic {magic!r}) when "
+                f"batch {last + 1} was due: the group diverged"
+            )
+        if cell == STOP:
+            self.state = "stopped"
+            return seq
+        if cell >= len(self.programs) or n != self.programs[cell].payload_bytes:
+            raise LeaderGone(
+                f"distributed: batch {seq} names program {cell} with {n} bytes; "
+                f"this process has {len(self.programs)} programs"
+            )
+        body = _recv_exact(sock, n)
+        parts: list[Any]
+        try:
+            parts = self.programs[cell].run(body)
+            status = _OK
+        except Exception as exc:  # noqa: BLE001 - reported to the leader
+            parts, status = [repr(exc).encode()], _FAILED
+        _send(sock, [REPLY.pack(_ANSWER, seq, status, _nbytes(parts)), *parts])
+        self.steps += 1
+        return seq
 
 
 def _leave_group() -> None:
@@ -769,8 +851,6 @@ def load(
     import concurrent.futures
     import os
 
-    from tqdm.auto import tqdm
-
     from . import _xla, artifact, executable
     from .dispatch import Bucket, StagingRing
 
@@ -794,12 +874,11 @@ def load(
             inst = executable._Instance(settings, devices)
             phases["params"] = time.perf_counter() - tp
             tp = time.perf_counter()
-            bar = tqdm(
-                total=len(cells),
-                desc=f"pxrt: compiling {art.name} (process {cfg.process_id})",
-                unit="bucket",
-                disable=False if progress else (None if progress is None else True),
-                leave=False,
+            bar = executable.progress_bar(
+                len(cells),
+                f"pxrt: compiling {art.name} (process {cfg.process_id})",
+                "bucket",
+                progress,
             )
 
             def compile_one(cell: tuple[int, tuple[int, ...]]) -> tuple[Any, str, float]:
@@ -860,7 +939,7 @@ def load(
             phases["time"] = time.perf_counter() - tp
     except BaseException:
         if group is not None:
-            group.close()
+            group.close(abort=True)
         raise
     model = executable.Model(
         art, devices, built, inst.params_dev, time.perf_counter() - t0, max_routes

@@ -59,7 +59,8 @@ class _HealthServer(http.server.ThreadingHTTPServer):
 
 
 def run_follower(cfg: Any, path: str, args: argparse.Namespace) -> int:
-    """Load, follow, exit (never returns: see the module's doc for the exit codes)."""
+    """Load, follow, exit (see the module's doc for the exit codes; returns only when
+    its health port cannot be had, before anything else)."""
     import pxrt
     from pxrt.multihost import LeaderGone
 
@@ -76,7 +77,11 @@ def run_follower(cfg: Any, path: str, args: argparse.Namespace) -> int:
             "batches": follower.steps if follower is not None else 0,
         }
 
-    health = _HealthServer((args.host, args.port), state)
+    try:
+        health = _HealthServer((args.host, args.port), state)
+    except OSError as exc:
+        print(f"pxrt serve: error: health on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
     threading.Thread(target=health.serve_forever, name="pxrt-follower-health", daemon=True).start()
     code = 0
     try:

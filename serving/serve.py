@@ -172,6 +172,10 @@ def _on_broken(loop: asyncio.AbstractEventLoop, server: Any, why: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.ray and args.coordinator is not None:
+        print("pxrt serve: error: --ray does not go with a multi-host group (--coordinator)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.ray:
         if args.workers > 1:
             print("pxrt serve: error: --workers is for pxrt's own front end, not --ray "

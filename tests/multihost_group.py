@@ -14,10 +14,26 @@ from __future__ import annotations
 import json
 import sys
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 & co. for np.dtype(name)
 import numpy as np
 
 import pxrt
 from pxrt.multihost import Distributed, Follower
+
+
+def save(path, arrays: dict) -> None:
+    """``np.savez`` that keeps ml_dtypes' dtypes (bfloat16 would come back as void)."""
+    dtypes = {k: v.dtype.name if v.dtype.kind == "V" else v.dtype.str for k, v in arrays.items()}
+    plain = {
+        k: v.view(f"u{v.dtype.itemsize}") if v.dtype.kind == "V" else v for k, v in arrays.items()
+    }
+    np.savez(path, __dtypes__=np.array(json.dumps(dtypes)), **plain)
+
+
+def load(path) -> dict:
+    with np.load(path) as data:
+        dtypes = json.loads(str(data["__dtypes__"]))
+        return {k: data[k].view(np.dtype(dtypes[k])) for k in data.files if k != "__dtypes__"}
 
 
 def main(path: str) -> int:
@@ -41,11 +57,10 @@ def main(path: str) -> int:
             json.dump(tokens, f)
         loaded.close()
         return 0
-    with np.load(spec["requests"]) as data:
-        requests: dict[int, dict[str, np.ndarray]] = {}
-        for key in data.files:
-            i, name = key.split("/")
-            requests.setdefault(int(i), {})[name] = data[key]
+    requests: dict[int, dict[str, np.ndarray]] = {}
+    for key, value in load(spec["requests"]).items():
+        i, name = key.split("/")
+        requests.setdefault(int(i), {})[name] = value
     ordered = [requests[i] for i in sorted(requests)]
     out: dict[str, np.ndarray] = {}
     errors = []
@@ -56,7 +71,7 @@ def main(path: str) -> int:
         out.update({f"batch/{i}/{k}": v for k, v in result.items()})
         out.update({f"alone/{i}/{k}": v for k, v in loaded.run(ordered[i]).items()})
     out["errors"] = np.array(json.dumps(errors))
-    np.savez(spec["out"], **out)
+    save(spec["out"], out)
     loaded.close()
     return 0
 

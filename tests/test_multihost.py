@@ -9,6 +9,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import time
 
 import httpx
 import jax
+import multihost_group
 import numpy as np
 import pytest
 from models import MODELS, RAGGED, assert_matches, ragged_reference, random_request, reference
@@ -76,14 +78,13 @@ def _start_group(artifact, tmp_path, processes=2, **leader):
 
 def _run_group(artifact, requests, tmp_path):
     """Run ``requests`` on a group loading ``artifact``: the leader's outputs."""
-    np.savez(
+    multihost_group.save(
         tmp_path / "requests.npz",
-        **{f"{i}/{k}": v for i, r in enumerate(requests) for k, v in r.items()},
+        {f"{i}/{k}": v for i, r in enumerate(requests) for k, v in r.items()},
     )
     out_path = tmp_path / "out.npz"
     _start_group(artifact, tmp_path, requests=str(tmp_path / "requests.npz"), out=str(out_path))
-    with np.load(out_path) as data:
-        out = {k: data[k] for k in data.files}
+    out = multihost_group.load(out_path)
     errors = dict(json.loads(str(out.pop("errors"))))
     per = {"batch": {}, "alone": {}}
     for key, value in out.items():
@@ -100,16 +101,16 @@ def _single_process(model, request):
     return model.run(request)
 
 
-def test_group_matches_plain_jax_and_one_process(artifacts, models, tmp_path):
-    name = "two_io"
+@pytest.mark.parametrize("name", ["two_io", "bf16"])
+def test_group_matches_plain_jax_and_one_process(artifacts, models, tmp_path, name):
     rng = np.random.default_rng(7)
-    sizes = [1, 3, 4, 8, 13, 2]  # buckets 4, 8: 13 rows is split over two batches
+    sizes = [1, 3, 4, 8, 13, 2]  # largest bucket 8: 13 rows is split over two batches
     requests = [random_request(MODELS[name]["inputs"], n, rng) for n in sizes]
-    bad = dict(requests[1], features=requests[1]["features"].astype(np.float32))
-    requests.insert(2, bad)
+    first = next(iter(MODELS[name]["inputs"]))  # its dtype is float16 or bfloat16
+    requests.insert(2, dict(requests[1], **{first: requests[1][first].astype(np.float32)}))
     got, errors = _run_group(artifacts[name], requests, tmp_path)
     assert list(errors) == [2], errors
-    assert "features" in errors[2] and "float16" in errors[2], errors[2]
+    assert first in errors[2] and "float32" in errors[2], errors[2]
     for i, request in enumerate(requests):
         if i == 2:
             continue
@@ -300,6 +301,9 @@ def test_serve_follower_killed_mid_traffic_then_the_group_restarts(artifacts):
                 time.sleep(0.02)
             failed_at = len(answers)
             while len(answers) < failed_at + 12:
+                assert time.time() - killed < 30 and not any(c.done() for c in calls), [
+                    c.exception() for c in calls if c.done()
+                ]
                 time.sleep(0.01)
             stop.set()
             for call in calls:
@@ -317,7 +321,7 @@ def test_serve_follower_killed_mid_traffic_then_the_group_restarts(artifacts):
         group.stop()
 
 
-def test_serve_stalled_follower_then_leader_killed(artifacts):
+def test_serve_stalled_follower(artifacts):
     group = Group(artifacts["mlp"], "--step-timeout-s", "1")
     try:
         x = np.ones((2, 32), np.float32)
@@ -329,7 +333,15 @@ def test_serve_stalled_follower_then_leader_killed(artifacts):
         assert "did not answer batch" in r.json()["error"], r.text
         assert time.time() - t0 < 10
         assert not group.ready(0)
-        group.procs[1].send_signal(signal.SIGCONT)
+    finally:
+        group.stop()
+
+
+def test_serve_killed_leader_stops_its_followers(artifacts):
+    group = Group(artifacts["mlp"])
+    try:
+        x = np.ones((2, 32), np.float32)
+        _check(group.infer(x), x)
         # A leader that dies: its followers stop at once, saying why (exit 3), unless
         # jax's own watchdog, which notices the same instant, aborts the process first.
         group.procs[0].kill()
@@ -349,9 +361,11 @@ def test_serve_leader_stops_its_followers(artifacts):
     try:
         x = np.ones((3, 32), np.float32)
         _check(group.infer(x), x)
+        t0 = time.time()
         group.procs[0].send_signal(signal.SIGTERM)
         assert group.wait(0, 30) == 0, group.output(0)
         assert group.wait(1, 30) == 0, group.output(1)
+        assert time.time() - t0 < 8, "a clean stop waited on something"
         assert "the leader stopped the group" in group.output(1)
     finally:
         group.stop()
@@ -394,6 +408,34 @@ def test_follower_refuses_a_step_out_of_sequence():
     assert follower.state == "leader gone"
 
 
+@pytest.mark.parametrize(
+    "header, why",
+    [
+        (HEADER.pack(b"PXST", 1, 3, 0), "names program 3 with 0 bytes; this process has 1"),
+        (HEADER.pack(b"PXST", 1, 0, 99), "names program 0 with 99 bytes"),
+        (HEADER.pack(b"XXXX", 1, 0, 0), "magic b'XXXX'"),
+    ],
+)
+def test_follower_refuses_a_step_it_cannot_run(header, why):
+    cfg, accept = _fake_leader({"ok": True})
+
+    class One:
+        payload_bytes = 8
+
+        def run(self, body):
+            raise AssertionError("not run")
+
+    follower = multihost.Follower(cfg, "m", [One()], "fp", 0.0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(accept)
+        following = pool.submit(follower.follow)
+        sock = leader.result(timeout=10)
+        sock.sendall(header)
+        with pytest.raises(LeaderGone, match=re.escape(why)):
+            following.result(timeout=10)
+        sock.close()
+
+
 def test_follower_refused_by_its_leader_says_why():
     cfg, accept = _fake_leader({"ok": False, "error": "process 1 loaded a different artifact"})
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -402,11 +444,11 @@ def test_follower_refused_by_its_leader_says_why():
             _follower(cfg).follow()
 
 
-def _leader_group(fake):
+def _leader_group(fake, step_timeout_s=5):
     """A leader's Group with one fake follower (``fake(sock)`` plays it)."""
     port = free_ports(1)[0]
     cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=10,
-                      step_timeout_s=5)  # fmt: skip
+                      step_timeout_s=step_timeout_s)  # fmt: skip
     group = multihost.Group(cfg)
 
     def follower():
@@ -467,6 +509,20 @@ def test_group_breaks_when_a_follower_goes_away_or_fails():
     group.close()
 
 
+def test_group_breaks_on_a_follower_that_stops_reading():
+    """A stalled follower whose socket's buffers are full: the leader's send gives up
+    after step_timeout_s instead of blocking (under the group's lock) for ever."""
+    stop = threading.Event()
+    group, _ = _leader_group(lambda sock: stop.wait(30), step_timeout_s=1)
+    big = np.zeros(64 << 20, np.uint8)  # more than loopback buffers hold
+    t0 = time.time()
+    with pytest.raises(GroupBroken, match="process 1 did not take batch 1 within 1 s"):
+        group.send(0, [[big]])
+    assert time.time() - t0 < 10
+    stop.set()
+    group.close()
+
+
 def test_group_refuses_a_follower_with_another_artifact():
     port = free_ports(1)[0]
     cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=10)
@@ -514,6 +570,9 @@ def test_serve_multihost_flags_are_checked():
     assert config(*group).process_id == 1
     with pytest.raises(OptionError, match="--workers does not go with a multi-host group"):
         config(*group, "--workers", "2")
+    from serving.serve import main
+
+    assert main(parser.parse_args(["--ray", *group])) == 2  # (before Ray is imported)
     with pytest.raises(OptionError, match="serves one model; 2 given"):
         config(*group, models=2)
     with pytest.raises(OptionError, match="process_id must be in"):
