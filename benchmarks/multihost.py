@@ -8,7 +8,8 @@ outputs replicated by the program (an all-gather over gloo), and Saxml's leader 
 plus zeros summed in the program (an all-reduce).
 
 Models: a near-empty one (x * 2: the lockstep alone) and an MLP 256 -> 1024 -> 1024 ->
-256 (gelu), buckets 8 and 256, full batches; then the demo decoder's decode steps.
+256 (gelu), buckets 8 and 256, full batches; the MLP served to 64 callers
+(``serving.Server``); then the demo decoder's decode steps.
 
     python benchmarks/multihost.py [--rounds 5] [--iters 200] [--sizes 8,256]
 """
@@ -98,14 +99,37 @@ def _decode_steps(decoder, slots: int, tokens: int) -> dict:
     return {"median_us": statistics.median(steps) * 1e6, "send_us": 0.0, "wait_us": 0.0}
 
 
+def _serve_rate(model, callers: int, seconds: float) -> dict:
+    """Requests per second through ``serving.Server`` (dynamic batching), ``callers``
+    closed-loop callers of 1-row requests for ``seconds``."""
+    import asyncio
+    import functools
+
+    from serving import Server
+    from serving.bench.loadgen import closed_loop
+
+    async def go() -> dict:
+        async with Server() as server:
+            server.add_model("m", model)
+            infer = functools.partial(server.infer, "m")
+            x = {"x": np.random.default_rng(1).standard_normal((1, 256)).astype(np.float32)}
+            await closed_loop(infer, x, callers, 0.3)  # warm
+            lat, elapsed, _ = await closed_loop(infer, x, callers, seconds)
+        return {"median_us": len(lat) / elapsed, "p50_ms": statistics.median(lat) * 1e3}
+
+    return asyncio.run(go())
+
+
 def _serve_commands(model) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
-        _, rows, iters = line.split()
-        if hasattr(model, "drain_timings"):  # a decoder: rows are its slots
-            print(json.dumps(_decode_steps(model, int(rows), int(iters))), flush=True)
+        kind, a, b = line.split()
+        if kind == "serve":  # (median_us: req/s here)
+            print(json.dumps(_serve_rate(model, int(a), float(b))), flush=True)
+        elif hasattr(model, "drain_timings"):  # a decoder: a is its slots
+            print(json.dumps(_decode_steps(model, int(a), int(b))), flush=True)
         else:
-            print(json.dumps(_timed(model, int(rows), int(iters))), flush=True)
+            print(json.dumps(_timed(model, int(a), int(b))), flush=True)
     model.close()
 
 
@@ -209,9 +233,9 @@ def _spawn(role: str, devices: int, *extra: str) -> subprocess.Popen:
     )
 
 
-def _ask(proc: subprocess.Popen, rows: int, iters: int) -> dict:
+def _ask(proc: subprocess.Popen, command: str) -> dict:
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(f"run {rows} {iters}\n")
+    proc.stdin.write(command + "\n")
     proc.stdin.flush()
     for line in proc.stdout:
         if line.startswith("{"):
@@ -220,9 +244,15 @@ def _ask(proc: subprocess.Popen, rows: int, iters: int) -> dict:
 
 
 def _measure(
-    artifact: str, args: argparse.Namespace, sizes: list[int] | None = None, iters: int = 0
+    artifact: str,
+    args: argparse.Namespace,
+    sizes: list[int] | None = None,
+    iters: float = 0,
+    command: str = "run",
 ) -> dict[tuple[str, int], list[dict]]:
-    """A group and one process loading ``artifact``, asked in turn, round by round."""
+    """A group and one process loading ``artifact``, asked in turn, round by round:
+    ``command size iters`` for each size (``run``: batches of ``size`` rows, ``iters``
+    times; ``serve``: ``size`` callers for ``iters`` seconds)."""
     sizes = sizes or args.sizes
     iters = iters or args.iters
     coordinator, control = _free_ports(2)
@@ -244,7 +274,7 @@ def _measure(
         for rows in sizes:
             order = [("group", group[0]), ("one process", single)]
             for name, proc in order if r % 2 == 0 else order[::-1]:
-                got.setdefault((name, rows), []).append(_ask(proc, rows, iters))
+                got.setdefault((name, rows), []).append(_ask(proc, f"{command} {rows} {iters}"))
     for proc in (group[0], single):
         assert proc.stdin is not None
         proc.stdin.close()
@@ -281,8 +311,9 @@ def main() -> None:
         }
         print(f"Lockstep overhead: 2 processes x 2 devices vs 1 process x 4 devices, full "
               f"batches, medians of {args.rounds} rounds x {args.iters} runs; send: the "
-              "header and rows to the follower; wait: for its answer once the leader's own "
-              "shards are on the host")  # fmt: skip
+              "header and rows to the follower; wait: from the leader's own launch until "
+              "every follower answered")  # fmt: skip
+        artifact = ""
         for title, (fn, params) in models.items():
             artifact = pxrt.export(
                 fn,
@@ -303,6 +334,13 @@ def main() -> None:
                 wait = statistics.median(g["wait_us"] for g in got[("group", rows)])
                 print(f"{rows:>6} {one:>10.0f}us {grp:>7.0f}us {grp / one:>5.2f}x "
                       f"{grp - one:>7.0f}us {send:>5.0f}us {wait:>5.0f}us")  # fmt: skip
+
+        got = _measure(artifact, args, sizes=[64], iters=3.0, command="serve")
+        one = statistics.median(g["median_us"] for g in got[("one process", 64)])
+        grp = statistics.median(g["median_us"] for g in got[("group", 64)])
+        print(f"\nServing the MLP (serving.Server, 64 closed-loop callers of 1-row requests, "
+              f"3 s): one process {one:.0f} req/s, group {grp:.0f} req/s, "
+              f"{grp / one:.2f}x")  # fmt: skip
 
         from pxrt import demo
 
