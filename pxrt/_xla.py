@@ -294,17 +294,22 @@ class RawProgram:
                 raise _Unsupported("inputs are not all sharded the same way over the batch")
 
         # Output shards come back in the executable's device order; the result
-        # handler wants them in row order, each holding out_shard_rows rows.
+        # handler wants them in row order, each holding out_shard_rows rows. (In a
+        # multi-host group this process's devices hold the rows from ``first_row`` on.)
         out_avals = mesh_exe.out_avals
         out_shardings = mesh_exe._out_shardings
-        self.out_shard_rows = bucket // len(self.devices)
+        self.out_shard_rows = bucket // len(self.in_shardings[0].device_set)
+        self.first_row = min(s.start for s in self.row_slices)
         self.out_order: list[int] | None = None
         for aval, sharding in zip(out_avals, out_shardings):
             m = sharding.addressable_devices_indices_map(aval.shape)
             slices = [_row_slice(m[d], bucket) for d in self.devices]
             order = sorted(range(len(slices)), key=lambda i: slices[i].start)
             want = [
-                slice(i * self.out_shard_rows, (i + 1) * self.out_shard_rows)
+                slice(
+                    self.first_row + i * self.out_shard_rows,
+                    self.first_row + (i + 1) * self.out_shard_rows,
+                )
                 for i in range(len(slices))
             ]
             if [slices[i] for i in order] != want:

@@ -214,6 +214,80 @@ def _global_arrays(local: Sequence[np.ndarray], size: int, sharding: Any) -> lis
     ]
 
 
+class LocalPart:
+    """One process's part of a cell: its rows onto its devices, the launch, its output
+    rows back; through the raw path one process takes (``pxrt._xla.RawProgram``) when
+    it gives this process the same bits as jax's public path on ``example`` (its rows
+    of the example inputs), else through the public path. Every process checks its own
+    part, in the same order."""
+
+    def __init__(
+        self,
+        compiled: Any,
+        params_dev: Any,
+        layout: Layout,
+        sharding: Any,
+        x64: bool,
+        example: Sequence[np.ndarray],
+    ) -> None:
+        from . import _xla
+
+        self.compiled = compiled
+        self.params_dev = params_dev
+        self.size = layout.size
+        self.sharding = sharding
+        self.x64 = x64
+        self.raw: Any = None
+        self.path = "public"
+        want = self.rows(self.launch(example))
+        if not _xla.RAW_PATH_AVAILABLE:
+            return
+        try:
+            raw = _xla.RawProgram(
+                compiled, jax_leaves(params_dev), len(example), x64, layout.size, zero_copy=False
+            )
+            base = raw.first_row
+            self._slices = [slice(r.start - base, r.stop - base) for r in raw.row_slices]
+            self.raw = raw
+            got = self.rows(self.launch(example))
+        except Exception as exc:  # noqa: BLE001 - any failure means: not this path
+            self.raw = None
+            log.info("pxrt: multi-host cell %d uses the public path: %r", layout.size, exc)
+            return
+        if all(
+            len(g) == len(w) and all(_xla._same_bits(a, b) for a, b in zip(g, w))
+            for g, w in zip(got, want)
+        ):
+            self.path = "raw"
+        else:
+            self.raw = None
+            log.warning(
+                "pxrt: multi-host cell %d: the raw path differs; the public one runs", layout.size
+            )
+
+    def launch(self, local: Sequence[np.ndarray]) -> Any:
+        """Start this process's part on its rows of each input (``local``)."""
+        from . import _xla
+
+        if self.raw is not None:
+            return self.raw.dispatch(_xla.StagingSlot(list(local), self._slices))
+        arrays = _global_arrays(local, self.size, self.sharding)
+        with _xla.x64_scope(self.x64):
+            return self.compiled(self.params_dev, *arrays)
+
+    def rows(self, handle: Any) -> list[list[np.ndarray]]:
+        """Per output, this process's shards in row order, on the host."""
+        if self.raw is not None:
+            return self.raw.fetch(handle)
+        return [_local_rows(o) for o in handle]
+
+
+def jax_leaves(tree: Any) -> list:
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
 def _local_rows(out: Any) -> list[np.ndarray]:
     """This process's shards of one row-sharded output, in row order, on the host."""
     shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
@@ -554,30 +628,19 @@ class LockstepProgram:
 
     path = "lockstep"
 
-    def __init__(
-        self,
-        group: Group,
-        cell: int,
-        compiled: Any,
-        params_dev: Any,
-        x64: bool,
-        layout: Layout,
-        sharding: Any,
-    ) -> None:
+    def __init__(self, group: Group, cell: int, part: LocalPart, layout: Layout) -> None:
         import jax
 
         self.group = group
         self.cell = cell
-        self.compiled = compiled
-        self.params_dev = params_dev
-        self.x64 = x64
+        self.part = part
+        self.path = f"lockstep, {part.path}"  # (pxrt inspect; its own part's path)
         self.layout = layout
-        self.sharding = sharding
         self.row_slices = [slice(0, layout.size)]
         self.out_shard_rows = layout.per_device
         self._peer_rows = [layout.rows[p.process] for p in group.peers]
         self._mine = layout.rows[0]
-        outs = jax.tree.leaves(compiled.out_info)
+        outs = jax.tree.leaves(part.compiled.out_info)
         self._out_specs = [(np.dtype(o.dtype), tuple(o.shape[1:])) for o in outs]
         # Where each process's shards go, in row order: None for the leader's own.
         self._order = sorted(
@@ -591,24 +654,16 @@ class LockstepProgram:
         group = self.group
         with group.lock:
             step = group.send(self.cell, payloads)
-            outs = group.launched(step, lambda: self._launch(buffers))
+            outs = group.launched(step, lambda: self.part.launch([b[self._mine] for b in buffers]))
         return step, outs
-
-    def _launch(self, buffers: Sequence[np.ndarray]) -> Any:
-        from . import _xla
-
-        mine = [b[self._mine] for b in buffers]
-        arrays = _global_arrays(mine, self.layout.size, self.sharding)
-        with _xla.x64_scope(self.x64):
-            return self.compiled(self.params_dev, *arrays)
 
     def fetch(self, handle: Any) -> list[list[np.ndarray]]:
         step, outs = handle
         # The followers' answers first: with a follower gone, the leader's own outputs
         # may never come (a collective in the model) or be wrong (gloo).
         replies = self.group.wait(step)
-        mine = [_local_rows(o) for o in outs]
-        per_output: list[list[np.ndarray]] = [[] for _ in outs]
+        mine = self.part.rows(outs)
+        per_output: list[list[np.ndarray]] = [[] for _ in mine]
         per_device = self.layout.per_device
         try:
             parsed = [
@@ -619,7 +674,7 @@ class LockstepProgram:
             self.group.fail(f"a follower's answer to batch {step.seq} has {exc}")
             raise GroupBroken(self.group.broken) from exc
         for _, who in self._order:
-            for k in range(len(outs)):
+            for k in range(len(mine)):
                 if who is None:
                     per_output[k].extend(mine[k])
                 else:
@@ -680,12 +735,9 @@ def _split_rows(
 class FollowerCell:
     """A follower's part of one cell of a model: its rows in, its output rows out."""
 
-    compiled: Any
+    part: LocalPart
     layout: Layout
     in_specs: tuple[tuple[np.dtype, tuple[int, ...]], ...]  # per input: dtype, row shape
-    params_dev: Any
-    sharding: Any
-    x64: bool
 
     @property
     def _rows(self) -> int:
@@ -697,13 +749,9 @@ class FollowerCell:
         return sum(self._rows * math.prod(s) * d.itemsize for d, s in self.in_specs)
 
     def run(self, body: bytearray) -> list[Any]:
-        from . import _xla
-
         buffers = _split_rows(body, self.in_specs, self._rows)
-        arrays = _global_arrays(buffers, self.layout.size, self.sharding)
-        with _xla.x64_scope(self.x64):
-            outs = self.compiled(self.params_dev, *arrays)
-        return [shard for o in outs for shard in _local_rows(o)]
+        part = self.part
+        return [shard for shards in part.rows(part.launch(buffers)) for shard in shards]
 
 
 class Follower:
@@ -894,21 +942,37 @@ def load(
             process = jax.process_index()
             layouts = [Layout.of(inst.rows, size, process) for size, _ in cells]
             fp = fingerprint(art.manifest, cells, len(devices))
+            # Each process's part of each cell, its path checked on its rows of an
+            # example (every process in the same order: a model's collectives pair up).
+            tp = time.perf_counter()
+            dims = tuple(art.dim_buckets)
+            examples = [
+                executable._staged_example(art.inputs, size, dict(zip(dims, lengths)))
+                for size, lengths in cells
+            ]
+            parts = [
+                LocalPart(
+                    c[0],
+                    inst.params_dev,
+                    layout,
+                    inst.rows,
+                    art.x64,
+                    [x[layout.rows[process]] for x in example],
+                )
+                for c, layout, example in zip(compiled, layouts, examples)
+            ]
+            phases["check"] = time.perf_counter() - tp
             if group is None:
-                dims = tuple(art.dim_buckets)
                 follower_cells = [
                     FollowerCell(
-                        c[0],
+                        part,
                         layout,
                         tuple(
                             (np.dtype(s.dtype), s.at(dict(zip(dims, lengths))))
                             for s in art.inputs.values()
                         ),
-                        inst.params_dev,
-                        inst.rows,
-                        art.x64,
                     )
-                    for c, layout, (_, lengths) in zip(compiled, layouts, cells)
+                    for part, layout, (_, lengths) in zip(parts, layouts, cells)
                 ]
                 return Follower(cfg, art.name, follower_cells, fp, time.perf_counter() - t0)
             tp = time.perf_counter()
@@ -917,14 +981,11 @@ def load(
             tp = time.perf_counter()
             built = []
             in_specs = list(art.inputs.values())
-            for i, ((size, lengths), (exe, source, obtain_s), layout) in enumerate(
-                zip(cells, compiled, layouts)
+            for i, ((size, lengths), (exe, source, obtain_s), layout, part, example) in enumerate(
+                zip(cells, compiled, layouts, parts, examples)
             ):
-                program = LockstepProgram(
-                    group, i, exe, inst.params_dev, art.x64, layout, inst.rows
-                )
+                program = LockstepProgram(group, i, part, layout)
                 at = dict(zip(art.dim_buckets, lengths))
-                example = executable._staged_example(art.inputs, size, at)
                 slot = _xla.StagingSlot(example, program.row_slices)
                 _xla.run_program(program, slot)  # warm-up, on every process
                 exec_s = _xla.time_program(program, slot)
