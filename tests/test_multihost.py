@@ -577,3 +577,51 @@ def test_serve_multihost_flags_are_checked():
         config(*group, models=2)
     with pytest.raises(OptionError, match="process_id must be in"):
         config("--coordinator", "h:1", "--num-processes", "2", "--process-id", "2")
+
+
+# --------------------------------------------------------------------------- a process's part
+
+
+def _part(artifacts, size=8):
+    """A LocalPart of the mlp's cell of ``size`` rows in this one process (process 0,
+    every local device), its example rows, and plain JAX's outputs for them."""
+    from pxrt import _xla, artifact, executable
+
+    art = artifact.read(artifacts["mlp"])
+    settings = executable._Settings(art, None, True, False, 1, 1, False)
+    inst = executable._Instance(settings, jax.devices())
+    compiled, _ = inst.compile_cell(size, ())
+    layout = multihost.Layout.of(inst.rows, size, 0)
+    example = executable._staged_example(art.inputs, size, {})
+    want = reference("mlp", {"x": example[0]})["y"]
+    return (compiled, inst.params_dev, layout, inst.rows, False, example), want, _xla
+
+
+def _whole(part, example):
+    return np.concatenate(part.rows(part.launch(example))[0])
+
+
+def test_local_part_takes_the_raw_path_when_it_gives_the_same_bits(artifacts):
+    args, want, _ = _part(artifacts)
+    part = multihost.LocalPart(*args)
+    assert part.path == "raw"
+    assert_matches({"y": _whole(part, args[-1])}, {"y": want})
+
+
+def test_local_part_falls_back_to_the_public_path(artifacts, monkeypatch, caplog):
+    args, want, _xla = _part(artifacts)
+    real = _xla.RawProgram.fetch
+
+    def off_by_one_bit(self, results):
+        out = real(self, results)
+        out[0][0] = out[0][0].copy()
+        out[0][0].view(np.uint32)[0] ^= 1
+        return out
+
+    monkeypatch.setattr(_xla.RawProgram, "fetch", off_by_one_bit)
+    part = multihost.LocalPart(*args)
+    assert part.path == "public" and part.raw is None
+    assert "the raw path differs" in caplog.text
+    assert_matches({"y": _whole(part, args[-1])}, {"y": want})
+    monkeypatch.setattr(_xla, "RAW_PATH_AVAILABLE", False)
+    assert multihost.LocalPart(*args).path == "public"
