@@ -432,6 +432,10 @@ def load(
             distributed=distributed,
             **decoder_options,
         )
+    if decoder_options:
+        raise TypeError(
+            f"load() got options {sorted(decoder_options)} that only decoder artifacts take"
+        )
     if distributed is not None:
         from . import multihost
 
@@ -439,10 +443,6 @@ def load(
             raise ValueError(
                 "distributed: a multi-host load runs one program over every process's "
                 "devices; devices, placement, instances and devices_per_instance do not apply"
-            )
-        if decoder_options:
-            raise TypeError(
-                f"load() got options {sorted(decoder_options)} that only decoder artifacts take"
             )
         return multihost.load(
             path,
@@ -454,10 +454,6 @@ def load(
             staging_depth=staging_depth,
             max_routes=max_routes,
             compile_workers=compile_workers,
-        )
-    if decoder_options:
-        raise TypeError(
-            f"load() got options {sorted(decoder_options)} that only decoder artifacts take"
         )
     if compile_workers is not None and (
         not isinstance(compile_workers, int)

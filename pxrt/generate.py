@@ -1315,7 +1315,7 @@ class _FollowerProgram:
             (np.dtype(np.int32), (4,)),
             (np.dtype(np.float32), (2,)),
         )
-        self.payload_bytes = max(0, batch) * (length * 4 + 16 + 8)
+        self.payload_bytes = max(0, batch) * sum(math.prod(s) * d.itemsize for d, s in self.specs)
 
     def run(self, body: bytearray) -> list:
         from .multihost import _local_rows, _split_rows

@@ -33,6 +33,7 @@ Lockstep (one TCP connection from each follower to the leader, ``control_port``)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -173,8 +174,8 @@ class Layout:
     size: int
     #: process index -> its rows
     rows: dict[int, slice]
-    #: this process's devices and their rows, in row order
-    local: tuple[tuple[Any, slice], ...]
+    #: this process's index
+    process: int
     #: rows per device
     per_device: int
 
@@ -182,24 +183,15 @@ class Layout:
     def of(cls, sharding: Any, size: int, process: int) -> Layout:
         index = sharding.devices_indices_map((size,))
         spans: dict[int, list[slice]] = {}
-        local = []
         for device, (rows,) in index.items():
-            rows = slice(*rows.indices(size)[:2])
-            spans.setdefault(device.process_index, []).append(rows)
-            if device.process_index == process:
-                local.append((device, rows))
+            spans.setdefault(device.process_index, []).append(slice(*rows.indices(size)[:2]))
         merged = {}
         for p, slices in spans.items():
             slices.sort(key=lambda s: s.start)
             if any(a.stop != b.start for a, b in zip(slices, slices[1:])):
                 raise ValueError(f"process {p}'s rows of the batch are not contiguous: {slices}")
             merged[p] = slice(slices[0].start, slices[-1].stop)
-        return cls(
-            size,
-            merged,
-            tuple(sorted(local, key=lambda d: d[1].start)),
-            size // len(index),
-        )
+        return cls(size, merged, process, size // len(index))
 
 
 def _global_arrays(local: Sequence[np.ndarray], size: int, sharding: Any) -> list:
@@ -230,6 +222,8 @@ class LocalPart:
         x64: bool,
         example: Sequence[np.ndarray],
     ) -> None:
+        import jax
+
         from . import _xla
 
         self.compiled = compiled
@@ -244,7 +238,12 @@ class LocalPart:
             return
         try:
             raw = _xla.RawProgram(
-                compiled, jax_leaves(params_dev), len(example), x64, layout.size, zero_copy=False
+                compiled,
+                jax.tree.leaves(params_dev),
+                len(example),
+                x64,
+                layout.size,
+                zero_copy=False,
             )
             base = raw.first_row
             self._slices = [slice(r.start - base, r.stop - base) for r in raw.row_slices]
@@ -282,12 +281,6 @@ class LocalPart:
         return [_local_rows(o) for o in handle]
 
 
-def jax_leaves(tree: Any) -> list:
-    import jax
-
-    return jax.tree.leaves(tree)
-
-
 def _local_rows(out: Any) -> list[np.ndarray]:
     """This process's shards of one row-sharded output, in row order, on the host."""
     shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
@@ -323,6 +316,16 @@ _MOST_BUFFERS = 512  # per sendmsg (IOV_MAX is 1024 on Linux)
 def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
     """Send every buffer of ``parts``, in order, in as few system calls as it takes."""
     views = [v for v in map(_bytes_of, parts) if len(v)]
+    _send_views(sock, views)
+
+
+def _send_framed(sock: socket.socket, header: Callable[[int], bytes], parts: Sequence[Any]) -> None:
+    """Send ``header(n)`` then ``parts``, ``n`` being their bytes (each viewed once)."""
+    views = [v for v in map(_bytes_of, parts) if len(v)]
+    _send_views(sock, [header(sum(map(len, views))), *views])
+
+
+def _send_views(sock: socket.socket, views: list) -> None:
     while views:
         sent = sock.sendmsg(views[:_MOST_BUFFERS])
         while sent and views:
@@ -331,10 +334,6 @@ def _send(sock: socket.socket, parts: Sequence[Any]) -> None:
             else:
                 views[0] = views[0][sent:]
                 sent = 0
-
-
-def _nbytes(parts: Sequence[Any]) -> int:
-    return sum(len(_bytes_of(p)) for p in parts)
 
 
 def _send_json(sock: socket.socket, doc: dict) -> None:
@@ -376,14 +375,13 @@ def fingerprint(manifest: dict, cells: Sequence[Any], devices: int) -> str:
 
 
 class _Step:
-    __slots__ = ("seq", "done", "replies", "left", "t_sent")
+    __slots__ = ("seq", "done", "replies", "left")
 
     def __init__(self, seq: int, followers: int) -> None:
         self.seq = seq
         self.done = threading.Event()
         self.replies: list[Any] = [None] * followers
         self.left = followers
-        self.t_sent = time.perf_counter()
 
 
 class _Peer:
@@ -412,7 +410,7 @@ class Group:
         self.broken: str | None = None
         self._on_broken: list[Callable[[str], None]] = []
         self._closed = False
-        #: Steps run, and seconds from sending a step to its last answer (summed).
+        #: Steps whose answers came back.
         self.steps = 0
 
     def accept(self, fingerprint: str) -> None:
@@ -485,8 +483,9 @@ class Group:
             self._pending[step.seq] = step
         for peer, payload in zip(self.peers, payloads):
             try:
-                nbytes = _nbytes(payload)
-                _send(peer.sock, [HEADER.pack(_STEP, step.seq, cell, nbytes), *payload])
+                _send_framed(
+                    peer.sock, functools.partial(HEADER.pack, _STEP, step.seq, cell), payload
+                )
             except BlockingIOError as exc:  # SO_SNDTIMEO: it stopped reading
                 self.fail(
                     f"process {peer.process} did not take batch {step.seq} within "
@@ -626,8 +625,6 @@ class LockstepProgram:
     buffers in; each follower's rows out to it, the leader's rows onto its devices, the
     same executable everywhere; the outputs back together as per-device shards."""
 
-    path = "lockstep"
-
     def __init__(self, group: Group, cell: int, part: LocalPart, layout: Layout) -> None:
         import jax
 
@@ -642,11 +639,7 @@ class LockstepProgram:
         self._mine = layout.rows[0]
         outs = jax.tree.leaves(part.compiled.out_info)
         self._out_specs = [(np.dtype(o.dtype), tuple(o.shape[1:])) for o in outs]
-        # Where each process's shards go, in row order: None for the leader's own.
-        self._order = sorted(
-            [(layout.rows[0].start, None)] + [(r.start, i) for i, r in enumerate(self._peer_rows)],
-            key=lambda t: t[0],
-        )
+        self._gather = RowGather(group, layout)
 
     def dispatch(self, slot: Any) -> Any:
         buffers = slot.buffers
@@ -662,55 +655,52 @@ class LockstepProgram:
         # The followers' answers first: with a follower gone, the leader's own outputs
         # may never come (a collective in the model) or be wrong (gloo).
         replies = self.group.wait(step)
-        mine = self.part.rows(outs)
-        per_output: list[list[np.ndarray]] = [[] for _ in mine]
-        per_device = self.layout.per_device
-        try:
-            parsed = [
-                _split_rows(body, self._out_specs, r.stop - r.start)
-                for body, r in zip(replies, self._peer_rows)
-            ]
-        except ValueError as exc:
-            self.group.fail(f"a follower's answer to batch {step.seq} has {exc}")
-            raise GroupBroken(self.group.broken) from exc
-        for _, who in self._order:
-            for k in range(len(mine)):
-                if who is None:
-                    per_output[k].extend(mine[k])
-                else:
-                    rows = parsed[who][k]
-                    per_output[k].extend(
-                        rows[i : i + per_device] for i in range(0, len(rows), per_device)
-                    )
-        return per_output
+        return self._gather.shards(self.part.rows(outs), replies, self._out_specs)
 
 
 class RowGather:
-    """A row-sharded output on the leader, whole: its own shards and each follower's
-    answer (that follower's rows), in row order."""
+    """Row-sharded outputs on the leader, whole: its own shards and each follower's
+    answer (that follower's rows of every output), in row order."""
 
     def __init__(self, group: Group, layout: Layout) -> None:
         self.group = group
+        self.per_device = layout.per_device
         self._peer_rows = [layout.rows[p.process] for p in group.peers]
         self._order = sorted(
             [(layout.rows[0].start, -1)] + [(r.start, i) for i, r in enumerate(self._peer_rows)]
         )
 
-    def __call__(self, array: Any, replies: Sequence[bytearray]) -> np.ndarray:
-        mine = np.concatenate(_local_rows(array))
-        spec = [(mine.dtype, mine.shape[1:])]
-        pieces = []
+    def shards(
+        self,
+        mine: list[list[np.ndarray]],
+        replies: Sequence[bytearray],
+        specs: Sequence[tuple[np.dtype, tuple[int, ...]]],
+    ) -> list[list[np.ndarray]]:
+        """Per output, every device's rows in row order: ``mine`` (the leader's shards
+        per output) and each answer (``specs``: each output's dtype and row shape) cut
+        per device."""
+        per_output: list[list[np.ndarray]] = [[] for _ in mine]
+        step = self.per_device
         for _, who in self._order:
             if who < 0:
-                pieces.append(mine)
+                for out, shards in zip(per_output, mine):
+                    out.extend(shards)
                 continue
             r = self._peer_rows[who]
             try:
-                pieces.extend(_split_rows(replies[who], spec, r.stop - r.start))
+                rows = _split_rows(replies[who], specs, r.stop - r.start)
             except ValueError as exc:
                 self.group.fail(f"process {self.group.peers[who].process}'s answer has {exc}")
                 raise GroupBroken(self.group.broken) from exc
-        return np.concatenate(pieces)
+            for out, a in zip(per_output, rows):
+                out.extend(a[i : i + step] for i in range(0, len(a), step))
+        return per_output
+
+    def __call__(self, array: Any, replies: Sequence[bytearray]) -> np.ndarray:
+        """One output (``array``, the leader's), whole."""
+        mine = _local_rows(array)
+        spec = [(mine[0].dtype, mine[0].shape[1:])]
+        return np.concatenate(self.shards([mine], replies, spec)[0])
 
 
 # --------------------------------------------------------------------------- followers
@@ -731,22 +721,20 @@ def _split_rows(
     return out
 
 
-@dataclasses.dataclass(frozen=True)
 class FollowerCell:
     """A follower's part of one cell of a model: its rows in, its output rows out."""
 
-    part: LocalPart
-    layout: Layout
-    in_specs: tuple[tuple[np.dtype, tuple[int, ...]], ...]  # per input: dtype, row shape
-
-    @property
-    def _rows(self) -> int:
-        r = self.layout.rows[self.layout.local[0][0].process_index]
-        return r.stop - r.start
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(self._rows * math.prod(s) * d.itemsize for d, s in self.in_specs)
+    def __init__(
+        self,
+        part: LocalPart,
+        layout: Layout,
+        in_specs: Sequence[tuple[np.dtype, tuple[int, ...]]],  # per input: dtype, row shape
+    ) -> None:
+        self.part = part
+        self.in_specs = tuple(in_specs)
+        mine = layout.rows[layout.process]
+        self._rows = mine.stop - mine.start
+        self.payload_bytes = sum(self._rows * math.prod(s) * d.itemsize for d, s in self.in_specs)
 
     def run(self, body: bytearray) -> list[Any]:
         buffers = _split_rows(body, self.in_specs, self._rows)
@@ -864,7 +852,7 @@ class Follower:
             status = _OK
         except Exception as exc:  # noqa: BLE001 - reported to the leader
             parts, status = [repr(exc).encode()], _FAILED
-        _send(sock, [REPLY.pack(_ANSWER, seq, status, _nbytes(parts)), *parts])
+        _send_framed(sock, functools.partial(REPLY.pack, _ANSWER, seq, status), parts)
         self.steps += 1
         return seq
 
