@@ -17,9 +17,12 @@ BUCKETS = (1, 8, 64)
 
 
 def demo_model(tmp: str | None = None, buckets=BUCKETS) -> pxrt.Model:
+    """The demo MLP as one program over every device: these benchmarks time the
+    engine's own path on one and on several devices (benchmarks/placement.py compares
+    the placements)."""
     path = os.path.join(tmp or tempfile.mkdtemp(prefix="pxrt-bench-"), "mlp")
     demo.export_demo(path, buckets=buckets)
-    return pxrt.load(path)
+    return pxrt.load(path, placement="sharded")
 
 
 def three_input_request(rows: int = 4) -> dict:

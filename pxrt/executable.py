@@ -15,7 +15,7 @@ import itertools
 import logging
 import math
 import os
-import threading
+import queue
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -357,7 +357,7 @@ def load(
     staging_depth: int = 3,
     max_routes: int = 256,
     compile_workers: int | None = None,
-    placement: str = "sharded",
+    placement: str | None = None,
     instances: int | None = None,
     devices_per_instance: int | None = None,
     distributed: Any = None,
@@ -402,9 +402,11 @@ def load(
         batch split over all of them. ``"replicated"``: ``instances`` copies of the
         model, each on its own ``devices_per_instance`` devices (default: one per
         device), each running whole batches; a batch goes to the instance that will
-        finish it first. ``"auto"``: measures both at load (the throughput of the
-        largest batch bucket, every instance busy) and takes the faster one; the
-        choice is stored with the executables, and ``placement_reason`` says why.
+        finish it first. ``"auto"`` (the default; ``$PXRT_PLACEMENT`` sets another):
+        measures at load the one program against instances (one per device, and
+        halving counts down to one; just ``instances`` when given), the same rows in
+        flight on each, and keeps the fastest; the choice is stored with the
+        executables, and ``placement_reason`` says why.
       instances, devices_per_instance: for ``"replicated"`` and ``"auto"``; either one
         gives the other.
       distributed: a ``pxrt.multihost.Distributed`` (coordinator, num_processes,
@@ -416,7 +418,7 @@ def load(
     if artifact.kind(artifact.read_manifest(os.fspath(path))) == "decoder":
         from .generate import load_decoder
 
-        if placement != "sharded" or instances or devices_per_instance:
+        if placement is not None or instances or devices_per_instance:
             warnings.warn(
                 f"pxrt: {path}: a decoder runs one program over its devices; "
                 f"placement={placement!r}, instances and devices_per_instance are ignored",
@@ -439,7 +441,7 @@ def load(
     if distributed is not None:
         from . import multihost
 
-        if devices is not None or placement != "sharded" or instances or devices_per_instance:
+        if devices is not None or placement is not None or instances or devices_per_instance:
             raise ValueError(
                 "distributed: a multi-host load runs one program over every process's "
                 "devices; devices, placement, instances and devices_per_instance do not apply"
@@ -471,6 +473,7 @@ def load(
     settings = _Settings(
         art, cache_dir, fast_path, zero_copy, staging_depth, compile_workers, progress
     )
+    placement = placement or default_placement()
     groups = _groups(devices, placement, instances, devices_per_instance)
     reason = {
         "sharded": f"placement='sharded': one program over {len(devices)} device(s)",
@@ -480,11 +483,15 @@ def load(
     phases = {"read": time.perf_counter() - t0}
     if placement == "auto":
         tp = time.perf_counter()
-        groups, reason = _choose_placement(settings, devices, groups, buckets, dim_buckets)
+        groups, reason = _choose_placement(
+            settings, devices, groups, buckets, dim_buckets, ladder=instances is None
+        )
         phases["placement"] = time.perf_counter() - tp
     cells = _grid(art, buckets, dim_buckets, len(groups[0]))
     model = _load_on(settings, groups, cells, phases, max_routes, t0)
-    model.placement = "sharded" if len(groups) == 1 else "replicated"
+    # One program over every device given, or instances (all of them, or fewer when
+    # ``auto`` found fewer faster).
+    model.placement = "sharded" if groups == [devices] else "replicated"
     model.placement_reason = reason
     log.info("pxrt: %s version %s %s", art.name, model.version, model.load_summary())
     return model
@@ -509,99 +516,146 @@ def _choose_placement(
     groups: list[list],
     buckets: Sequence[Any] | None,
     dim_buckets: Mapping[str, Sequence[int]] | None,
+    ladder: bool,
 ) -> tuple[list[list], str]:
-    """``placement="auto"``: one program sharded over ``devices``, or the instances of
-    ``groups``, whichever runs more rows per second with the same rows in flight: the
-    largest batch bucket (in the cheapest lane) on the one program, its share (rounded
-    up to a bucket) on each instance, in batches of one-row requests with every
-    instance kept busy with two batches in flight, as serving keeps it. Instances must
-    win by ``REPLICATED_MARGIN``. Measured once per machine, program and devices, and
-    stored."""
-    if len(devices) == 1 or len(groups) == 1:
-        return [list(devices)], "placement='auto': one instance is all the devices allow"
+    """``placement="auto"``: one program sharded over ``devices``, or instances of the
+    model (the first k of ``groups``: every count from all of them, halving down to one
+    when ``ladder``, else all of them), whichever serves more rows per second with the
+    same rows in flight (``_throughput``): two batches of the largest bucket (in the
+    cheapest lane) on the one program, two batches of its k-th share (padded to a
+    bucket) on each of k instances. Anything but the one program must win by
+    ``PLACEMENT_MARGIN``, and more instances must beat fewer by it. Measured once per
+    machine, program and devices, and stored. Returns the chosen groups and why."""
+    if len(devices) == 1:
+        return [list(devices)], "placement='auto': one device"
     art = settings.art
     per = len(groups[0])
     cells_sh = _grid(art, buckets, dim_buckets, len(devices))
     cells_rep = _grid(art, buckets, dim_buckets, per)
-    # The same rows in flight for both: the largest batch on one program, or the
-    # smallest bucket that holds its share on each instance (what serving gives each
-    # instance when the demand fills the sharded program's batches).
     lane = min((c[1] for c in cells_sh), key=lane_key)
     probe_sh = max(c for c in cells_sh if c[1] == lane)
-    share = -(-probe_sh[0] // len(groups))
-    size = min((c[0] for c in cells_rep if c[1] == lane and c[0] >= share), default=None)
-    if size is None:
-        size = max(c[0] for c in cells_rep if c[1] == lane)
-    probe_rep = (size, lane)
-    lengths = dict(zip(art.dim_buckets, lane))
-    at = f" at {lengths}" if lengths else ""
-    what = f"placement:{len(groups)}x{per}:{probe_sh}:{probe_rep}"
-    k = stored.key(art, devices, size, lane, what, settings.zero_copy)
-    found = stored.read_entry(settings.cache_dir, k)
-    if found and found.get("placement") in ("sharded", "replicated"):
-        sharded_rps, replicated_rps = found["sharded_rows_s"], found["replicated_rows_s"]
-        how = "stored"
+    counts = [len(groups)]
+    while ladder and counts[-1] > 1:
+        counts.append(counts[-1] // 2)
+    # A candidate: its name, its groups, the cell it runs, the rows of its batches.
+    candidates = [("sharded", [list(devices)], probe_sh, probe_sh[0])]
+    for k in counts:
+        if k == 1 and per == len(devices):
+            continue  # one instance of every device: the sharded program itself
+        sizes = [c[0] for c in cells_rep if c[1] == lane]
+        share = min(-(-probe_sh[0] // k), max(sizes))
+        size = min(s for s in sizes if s >= share)
+        candidates.append((f"{k}x{per}", groups[:k], (size, lane), share))
+    what = "placement:" + ",".join(f"{c[0]}@{c[3]}" for c in candidates) + f":{lane}"
+    key = stored.key(art, devices, probe_sh[0], lane, what, settings.zero_copy)
+    found = stored.read_entry(settings.cache_dir, key)
+    how = "stored"
+    rates: dict[str, float] = {}
+    names = [c[0] for c in candidates]
+    if found and found.get("candidates") == names and found.get("rows_s"):
+        rates = found["rows_s"]  # (those that fitted)
     else:
-        sharded = _load_on(settings, [list(devices)], [probe_sh], {}, 8, time.perf_counter())
-        replicated = _load_on(settings, groups, [probe_rep], {}, 8, time.perf_counter())
-        rates: dict[str, list[float]] = {"sharded": [], "replicated": []}
-        for _ in range(2):  # alternated
-            rates["sharded"].append(_throughput(sharded, PLACEMENT_PROBE_S))
-            rates["replicated"].append(_throughput(replicated, PLACEMENT_PROBE_S))
-        sharded_rps, replicated_rps = max(rates["sharded"]), max(rates["replicated"])
         how = "measured"
-    # Instances cost a compile and the params on each: they must win by a margin.
-    choice = "replicated" if replicated_rps > REPLICATED_MARGIN * sharded_rps else "sharded"
+        models = {}
+        for name, place, cell, rows in candidates:
+            try:
+                models[name] = (
+                    _load_on(settings, place, [cell], {}, 8, time.perf_counter()),
+                    rows,
+                )
+            except ValueError as exc:  # it would not fit (check_memory): not a candidate
+                log.info("pxrt: %s: placement='auto' skips %s: %s", art.name, name, exc)
+        if not models:  # the load itself says why nothing fits
+            return [list(devices)], "placement='auto': no candidate fits to measure"
+        runs: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(2):  # alternated
+            for name, (model, rows) in models.items():
+                runs[name].append(_throughput(model, rows, PLACEMENT_PROBE_S))
+        rates = {name: max(r) for name, r in runs.items()}
+    # The one program is preferred, then fewer instances: each other choice must be
+    # faster by the margin (instances cost a compile each and staging on each).
+    choice = "sharded" if "sharded" in rates else next(iter(rates))
+    for name, *_ in sorted(candidates[1:], key=lambda c: len(c[1])):
+        if name in rates and rates[name] > PLACEMENT_MARGIN * rates[choice]:
+            choice = name
     if how == "measured":
         stored.write_entry(
-            settings.cache_dir,
-            k,
-            {
-                "placement": choice,
-                "sharded_rows_s": sharded_rps,
-                "replicated_rows_s": replicated_rps,
-            },
+            settings.cache_dir, key, {"candidates": names, "rows_s": rates, "choice": choice}
         )
-    reason = (
-        f"placement='auto' chose {choice}: {len(groups)} instance(s) of {per} device(s) ran "
-        f"{replicated_rps:,.0f} rows/s at batch {probe_rep[0]}{at}, one program over "
-        f"{len(devices)} devices {sharded_rps:,.0f} rows/s at batch {probe_sh[0]} ({how})"
+    chosen = next(c for c in candidates if c[0] == choice)
+    at = dict(zip(art.dim_buckets, lane))
+
+    def who(name: str) -> str:
+        if name == "sharded":
+            return f"one program over {len(devices)} devices"
+        n = len(next(c for c in candidates if c[0] == name)[1])
+        return f"{n} instance{'s' if n > 1 else ''} of {per} device{'s' if per > 1 else ''}"
+
+    figures = "; ".join(
+        f"{who(n)} {rates[n]:,.0f} rows/s in batches of {rows}"
+        + (f" (bucket {c[0]})" if c[0] != rows else "")
+        for n, _, c, rows in candidates
+        if n in rates
     )
-    return (groups if choice == "replicated" else [list(devices)]), reason
+    reason = f"placement='auto' chose {who(choice)}: {figures}{f' at {at}' if at else ''} ({how})"
+    return chosen[1], reason
 
 
-# Seconds each placement runs for, twice, when ``placement="auto"`` measures them; how
-# much faster instances must be to be chosen.
+# Seconds each candidate runs for, twice, when ``placement="auto"`` measures them; how
+# much faster a costlier candidate must be to be chosen.
 PLACEMENT_PROBE_S = 0.25
-REPLICATED_MARGIN = 1.05
+PLACEMENT_MARGIN = 1.05
 
 
-def _throughput(model: Model, seconds: float) -> float:
-    """Rows per second of ``model``'s (one) bucket, served as serving serves it: full
-    batches of one-row requests through ``run_batch`` (validation, assembly, execution,
-    splitting), two threads per instance, each instance taking the batches it would
-    finish first."""
-    bucket = model.engine.buckets[0]
-    at = dict(zip(model.dim_names, bucket.lengths))
+def default_placement() -> str:
+    """The placement of a load that names none: ``$PXRT_PLACEMENT`` when set (a
+    deployment that wants every model one way, or a test suite that wants it fixed),
+    else ``"auto"``."""
+    value = os.environ.get("PXRT_PLACEMENT") or "auto"
+    if value not in PLACEMENTS:
+        raise ValueError(f"PXRT_PLACEMENT must be one of {', '.join(PLACEMENTS)}, got {value!r}")
+    return value
+
+
+def _throughput(model: Model, rows: int, seconds: float) -> float:
+    """Rows per second of ``model``'s (one) bucket, served as the serving loop serves
+    it, in miniature: one thread admits one-row requests (validation), plans batches of
+    ``rows`` (padded to the bucket) and answers them (splitting), while the engine's
+    pipeline keeps two batches in flight per instance on its workers (assembly,
+    execution, fetch), each on the instance that will finish it first. A closed loop:
+    each answered request comes back at once."""
+    engine = model.engine
+    at = dict(zip(model.dim_names, engine.buckets[0].lengths))
     request = example_inputs(model.inputs, 1, 0, at)
-    batch = [request] * bucket.size
-    stop = time.perf_counter() + seconds
-    counts: list[int] = []
-
-    def work() -> None:
-        n = 0
-        while time.perf_counter() < stop:
-            model.run_batch(batch)
-            n += 1
-        counts.append(n)
-
+    prepare = engine.prepare
+    plan = engine.queue()
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    most = 2 * engine.instances
+    pipeline = engine.pipeline(done.put, workers=most)
+    for _ in range(rows * most):
+        plan.push(*prepare(request))
+    inflight = answered = 0
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=work) for _ in range(2 * len(bucket.programs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) * bucket.size / (time.perf_counter() - t0)
+    stop = t0 + seconds
+    try:
+        while True:
+            while inflight < most and (batch := plan.take(rows, 0.0)) is not None:
+                pipeline.submit(batch)
+                inflight += 1
+            if not inflight:
+                break
+            batch = done.get()
+            inflight -= 1
+            if batch.error is not None:
+                raise batch.error
+            n = plan.deliver(batch)
+            if time.perf_counter() < stop:
+                answered += n
+                for _ in range(n):
+                    plan.push(*prepare(request))
+    finally:
+        pipeline.close()
+    return answered / seconds
 
 
 def _groups(

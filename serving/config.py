@@ -139,7 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--placement", type=_arg(Placement.CHECKS["placement"]), default=None,
         help="sharded: one program with each batch split over all devices; replicated: "
         "an instance of the model on each device (group), each running whole batches; "
-        "auto: whichever runs faster, measured at load (default sharded)",
+        "auto: whichever runs faster, measured at load (default auto, or "
+        "$PXRT_PLACEMENT)",
     )  # fmt: skip
     for key in ("instances", "devices_per_instance"):
         place.add_argument(
@@ -248,6 +249,9 @@ def distributed_config(args: argparse.Namespace, models: int) -> Any:
         ("--workers", args.workers > 1),
         ("--ray", args.ray),
         ("--model-repository", bool(args.model_repository)),
+        ("--placement", args.placement is not None),
+        ("--instances", args.instances is not None),
+        ("--devices-per-instance", args.devices_per_instance is not None),
     ):
         if on:
             raise OptionError(f"{flag} does not go with a multi-host group (--coordinator)")

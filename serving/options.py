@@ -49,10 +49,12 @@ def number(kind: type, low: float, inclusive: bool = True, none: bool = False):
     return check
 
 
-def choice(*choices: str):
-    text = "one of " + ", ".join(choices)
+def choice(*choices: str, none: bool = False):
+    text = "one of " + ", ".join(choices) + (" (or none)" if none else "")
 
-    def check(value: Any) -> str:
+    def check(value: Any) -> str | None:
+        if value is None and none:
+            return None
         if value not in choices:
             raise OptionError(text)
         return value
@@ -173,14 +175,14 @@ class Placement(_Checked):
     """How one model is laid out on the devices (``pxrt.load``'s options of the same
     names): one program sharded over all of them, or ``instances`` of it, each on its
     own ``devices_per_instance`` devices, or ``auto``: whichever runs faster, measured
-    at load."""
+    at load. None: ``pxrt.load``'s default (``auto``, or ``$PXRT_PLACEMENT``)."""
 
-    placement: str = "sharded"
+    placement: str | None = None
     instances: int | None = None
     devices_per_instance: int | None = None
 
     CHECKS: ClassVar[dict[str, Any]] = {
-        "placement": choice(*PLACEMENTS),
+        "placement": choice(*PLACEMENTS, none=True),
         "instances": number(int, 1, none=True),
         "devices_per_instance": number(int, 1, none=True),
     }

@@ -14,6 +14,10 @@ import warnings
 # The compilation cache of this test session: its own, not the user's (set before any
 # load; the `pxrt serve` processes the tests start inherit it).
 os.environ.setdefault("PXRT_CACHE_DIR", tempfile.mkdtemp(prefix="pxrt-test-cache-"))
+# Loads that name no placement get one program over the devices, not ``auto``'s measured
+# choice: what a test runs on must not depend on this machine's timing (test_placement.py
+# tests ``auto``, and the default with this unset).
+os.environ.setdefault("PXRT_PLACEMENT", "sharded")
 
 import jax
 import pytest

@@ -570,6 +570,8 @@ def test_serve_multihost_flags_are_checked():
     assert config(*group).process_id == 1
     with pytest.raises(OptionError, match="--workers does not go with a multi-host group"):
         config(*group, "--workers", "2")
+    with pytest.raises(OptionError, match="--placement does not go with a multi-host group"):
+        config(*group, "--placement", "auto")
     from serving.serve import main
 
     assert main(parser.parse_args(["--ray", *group])) == 2  # (before Ray is imported)

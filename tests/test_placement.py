@@ -168,21 +168,117 @@ def test_drain_answers_every_request_across_instances(run, placed):
     assert calls[-1].cancelled()
 
 
-def test_auto_measures_both_and_stores_its_choice(artifacts, tmp_path):
+def test_auto_measures_every_candidate_and_stores_its_choice(artifacts, tmp_path):
     cache = str(tmp_path / "cache")
     model = pxrt.load(artifacts["mlp"], placement="auto", compilation_cache=cache)
     x = np.ones((5, 32), np.float32)
     assert_matches(model.run({"x": x}), reference("mlp", {"x": x}))
     if N == 1:
-        assert model.placement == "sharded" and "one instance" in model.placement_reason
+        assert model.placement == "sharded" and "one device" in model.placement_reason
         return
     reason = model.placement_reason
-    assert f"chose {model.placement}" in reason and "rows/s" in reason and "(measured)" in reason
+    assert "rows/s" in reason and "(measured)" in reason
+    # The one program, then instances from one per device halving down to one.
+    counts = [N >> i for i in range(N.bit_length())]
+    assert f"one program over {N} devices " in reason
+    for k in counts:
+        assert f"{k} instance{'s' if k > 1 else ''} of 1 device " in reason
     assert "placement" in model.load_phases
+    chosen = len(model.instances)
+    assert model.placement == ("sharded" if len(model.instances[0]) == N else "replicated")
+    assert reason.startswith(
+        f"placement='auto' chose one program over {N} devices"
+        if model.placement == "sharded"
+        else f"placement='auto' chose {chosen} instance"
+    )
     again = pxrt.load(artifacts["mlp"], placement="auto", compilation_cache=cache)
-    assert again.placement == model.placement and "(stored)" in again.placement_reason
+    assert again.instances == model.instances and "(stored)" in again.placement_reason
     info = again.describe()
     assert info["placement"] == again.placement and len(info["instances"]) == len(again.instances)
+
+
+def _auto_with_rates(artifacts, monkeypatch, rates, **options):
+    """``placement="auto"`` with each candidate's throughput given: ``rates`` maps
+    (instances, devices per instance) -> rows/s. Returns the model and the candidates
+    that were measured."""
+    from pxrt import executable
+
+    seen = []
+
+    def throughput(model, rows, seconds):
+        key = (len(model.instances), len(model.instances[0]))
+        seen.append(key)
+        return rates[key]
+
+    monkeypatch.setattr(executable, "_throughput", throughput)
+    model = pxrt.load(artifacts["mlp"], placement="auto", compilation_cache=False, **options)
+    return model, sorted(set(seen))
+
+
+@pytest.mark.skipif(N < 4, reason="needs four devices")
+def test_auto_prefers_the_one_program_then_fewer_instances_unless_faster_by_the_margin(
+    artifacts, monkeypatch
+):
+    sharded = (1, 4)
+    # Instances within the margin of the one program: the one program.
+    model, seen = _auto_with_rates(
+        artifacts, monkeypatch, {sharded: 100, (4, 1): 104, (2, 1): 90, (1, 1): 50}
+    )
+    assert seen == [(1, 1), (1, 4), (2, 1), (4, 1)]
+    assert model.placement == "sharded" and len(model.instances) == 1
+    assert "chose one program over 4 devices" in model.placement_reason
+    # Fewer instances within the margin of more: the fewer.
+    model, _ = _auto_with_rates(
+        artifacts, monkeypatch, {sharded: 100, (4, 1): 210, (2, 1): 205, (1, 1): 50}
+    )
+    assert model.placement == "replicated"
+    assert [len(g) for g in model.instances] == [1, 1]
+    assert "chose 2 instances of 1 device" in model.placement_reason
+    # One device alone, when it is the fastest by the margin.
+    model, _ = _auto_with_rates(
+        artifacts, monkeypatch, {sharded: 100, (4, 1): 120, (2, 1): 125, (1, 1): 140}
+    )
+    assert model.placement == "replicated" and model.instances == [[jax.devices()[0]]]
+    x = np.ones((3, 32), np.float32)
+    assert_matches(model.run({"x": x}), reference("mlp", {"x": x}))
+    # instances given: just that count against the one program.
+    model, seen = _auto_with_rates(artifacts, monkeypatch, {sharded: 100, (2, 2): 150}, instances=2)
+    assert seen == [(1, 4), (2, 2)]
+    assert model.placement == "replicated" and [len(g) for g in model.instances] == [2, 2]
+
+
+@pytest.mark.skipif(N < 2, reason="needs two devices")
+def test_auto_skips_a_candidate_that_would_not_fit(artifacts, monkeypatch):
+    from pxrt import executable
+
+    real = executable.check_memory
+
+    def check(art, cells, devices, depth, instances=1):
+        if instances > 1:
+            raise ValueError("would not fit")
+        return real(art, cells, devices, depth, instances)
+
+    monkeypatch.setattr(executable, "check_memory", check)
+    rates = {(1, N): 100, (1, 1): 90}
+    model, seen = _auto_with_rates(artifacts, monkeypatch, {**rates, (N, 1): 1e9, (2, 1): 1e9})
+    assert seen == sorted(rates)  # only the candidates that fit were measured
+    assert model.placement == "sharded"
+    assert f"{N} instances" not in model.placement_reason
+
+
+def test_the_default_placement_is_auto_unless_pxrt_placement_says(artifacts, monkeypatch):
+    monkeypatch.delenv("PXRT_PLACEMENT")  # (conftest fixes it for the other tests)
+    model = pxrt.load(artifacts["mlp"], compilation_cache=False)
+    assert model.placement_reason.startswith("placement='auto'")
+    monkeypatch.setenv("PXRT_PLACEMENT", "replicated")
+    model = pxrt.load(artifacts["mlp"])
+    assert len(model.instances) == N and all(len(g) == 1 for g in model.instances)
+    assert model.placement == ("replicated" if N > 1 else "sharded")
+    monkeypatch.setenv("PXRT_PLACEMENT", "spread")
+    with pytest.raises(ValueError, match="PXRT_PLACEMENT must be one of sharded, replicated"):
+        pxrt.load(artifacts["mlp"])
+    # Given, it wins over the environment.
+    assert pxrt.load(artifacts["mlp"], placement="sharded").placement == "sharded"
 
 
 def test_placement_options_are_checked(artifacts):
@@ -274,6 +370,9 @@ def test_serve_flags_and_toml_set_the_placement(tmp_path):
     }
     *_, placements = repository_config(args)
     assert placements == {"": Placement("auto"), "c": Placement("sharded")}
+    # No flag: pxrt.load's own default (auto, or $PXRT_PLACEMENT).
+    [(_, _, _, place)] = model_specs(_serve_args(str(tmp_path / "m")), str(tmp_path))
+    assert place == Placement() and place.load_options() == {}
 
 
 def test_serve_with_instances_answers_like_plain_jax(artifacts):
