@@ -1,8 +1,8 @@
 """Placement side by side: one pxrt program sharded over all devices, instances of the
 model each on one device (replicated), the default load (``placement="auto"``, measured
-afresh in a cache of its own), pxrt on one device, and what a user writes without pxrt:
-a plain asyncio batcher running ``jax.jit``'s compiled buckets on one device
-(``serving.bench.baselines.PlainBatcher``). Closed loop, 1-row requests, alternated
+afresh: every load here is cold, in a cache of its own), pxrt on one device, and what a
+user writes without pxrt: a plain asyncio batcher running ``jax.jit``'s compiled buckets
+on one device (``serving.bench.baselines.PlainBatcher``). Closed loop, 1-row requests, alternated
 rounds, medians.
 
 Models: a held-out-style MLP (256 -> 1024 -> 1024 -> 256, gelu; buckets 1, 8, 64) and
@@ -71,9 +71,15 @@ def export(root: str, which: str) -> tuple[str, dict]:
 
 
 async def measure(path: str, request: dict, callers: int, duration: float, repeats: int) -> None:
-    one = pxrt.load(path, devices=jax.devices()[:1])
-    loaded = {how: pxrt.load(path, placement=how) for how in ("sharded", "replicated")}
+    # Every load cold, in a cache of this run's own: each cell timed at its load with
+    # nothing else running (a warm load's times are an earlier run's, and the server
+    # times them again only while it is quiet: here, while the plain batcher runs).
     with tempfile.TemporaryDirectory() as cache:
+        one = pxrt.load(path, devices=jax.devices()[:1], compilation_cache=cache)
+        loaded = {
+            how: pxrt.load(path, placement=how, compilation_cache=cache)
+            for how in ("sharded", "replicated")
+        }
         loaded["auto"] = pxrt.load(path, compilation_cache=cache)  # the default
     print(f"auto: {loaded['auto'].placement_reason}")
     rates: dict[str, list[float]] = {}

@@ -233,16 +233,19 @@ class Model:
     def remeasure(self, idle: Callable[[], bool] = lambda: True, most: int | None = None) -> int:
         """Time again the buckets whose execution time came from an earlier load, as the
         cold load times them, and store the new times. Meant for a background thread
-        while the model serves: before each bucket it asks ``idle()`` and stops when
-        that is False (the caller tries again later). ``most``: buckets to time at most.
+        while the model serves: before and after timing each bucket it asks ``idle()``
+        and stops when that is False, dropping a time taken while work came (the caller
+        tries again later). ``most``: buckets to time at most.
         Returns how many were timed. The serving loop's batcher does this on its own."""
         done = 0
         for b in self.stale_cells:
             if (most is not None and done >= most) or not idle():
                 break
             example = _staged_example(self.inputs, b.size, dict(zip(self.dim_names, b.lengths)))
-            b.exec_s = _xla.time_program(b.program, _xla.StagingSlot(example, b.program.row_slices))
-            b.timed = "measured"
+            exec_s = _xla.time_program(b.program, _xla.StagingSlot(example, b.program.row_slices))
+            if not idle():  # work came meanwhile: the time is not the cell's alone
+                break
+            b.exec_s, b.timed = exec_s, "measured"
             if self._timing_key is not None:
                 stored.write_entry(self._cache_dir, self._timing_key(b), {"exec_s": b.exec_s})
             done += 1
@@ -508,6 +511,9 @@ class _Settings:
     staging_depth: int
     compile_workers: int | None
     progress: bool | None
+    #: Timing keys of the cells this load timed (``auto``'s probe loads come first):
+    #: their stored times are this load's own, not an earlier one's.
+    timed_here: set = dataclasses.field(default_factory=set)
 
 
 def _choose_placement(
@@ -602,9 +608,10 @@ def _choose_placement(
 
 
 # Seconds each candidate runs for, twice, when ``placement="auto"`` measures them; how
-# much faster a costlier candidate must be to be chosen.
+# much faster a costlier candidate must be to be chosen: above the probe's spread from
+# one load to the next (up to 9% on 2 shared cores).
 PLACEMENT_PROBE_S = 0.25
-PLACEMENT_MARGIN = 1.05
+PLACEMENT_MARGIN = 1.10
 
 
 def default_placement() -> str:
@@ -747,15 +754,17 @@ def _load_on(
             per_instance = [done[c * len(instances) + i] for i in range(len(instances))]
             cell = per_instance[0]
             program = cell.program
-            timed = "measured" if cell.exec_s is None else "stored"  # (an earlier load's)
+            key = first.key(cell, program.path)
+            # A stored time is an earlier load's, unless this load timed it (the probe).
+            fresh = cell.exec_s is None or key in settings.timed_here
+            timed = "measured" if fresh else "stored"
             if cell.exec_s is None:  # measured once per machine, program and cell
                 tt = time.perf_counter()
                 cell.exec_s = _xla.time_program(
                     program, _xla.StagingSlot(cell.example, program.row_slices)
                 )
-                stored.write_entry(
-                    settings.cache_dir, first.key(cell, program.path), {"exec_s": cell.exec_s}
-                )
+                stored.write_entry(settings.cache_dir, key, {"exec_s": cell.exec_s})
+                settings.timed_here.add(key)
                 phases["time"] += time.perf_counter() - tt
             shapes = [s.at(dict(zip(dim_names, cell.lengths))) for s in in_specs]
             rings = tuple(

@@ -34,6 +34,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 
 from pxrt import Model
 from pxrt.dispatch import Batch, Request
@@ -79,8 +80,12 @@ class Batcher:
         model: Model,
         metrics: Metrics,
         options: BatchingOptions = BatchingOptions(),
+        quiet: Callable[[], bool] | None = None,
     ) -> None:
         self.name = name
+        # When re-measuring may run: nothing of this model waits or runs, nor, given
+        # ``quiet`` (the server's), of any other model sharing the devices and cores.
+        self._quiet = quiet or self._idle
         self.model = model
         self.options = options
         engine = model.engine
@@ -143,15 +148,17 @@ class Batcher:
     async def _remeasure(self) -> None:
         """Time again, in the background, the cells whose times a warm load read from an
         earlier one (``Model.remeasure``): one cell at a time on a worker thread, only
-        while no request waits or runs; never before ``REMEASURE_AFTER_S``."""
+        while no request waits or runs, of this model or of any other the server serves
+        (timed beside another model's batches, a cell measured up to 10x its time, and
+        the cost policy's caps followed); never before ``REMEASURE_AFTER_S``."""
         await asyncio.sleep(REMEASURE_AFTER_S)
         model = self.model
         while model.stale_cells and not self.queue.closed:
-            if not self._idle():
+            if not self._quiet():
                 await asyncio.sleep(REMEASURE_POLL_S)
                 continue
             try:
-                await asyncio.to_thread(model.remeasure, self._idle, 1)
+                await asyncio.to_thread(model.remeasure, self._quiet, 1)
             except Exception as exc:  # noqa: BLE001 - the stored times stay
                 log.warning("pxrt: %r: re-measuring its cells failed: %r", self.name, exc)
                 return

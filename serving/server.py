@@ -118,7 +118,7 @@ class Server:
             raise ValueError(f"a decoder named {name!r} is already being served")
         if model.version in self._versions.get(name, {}):
             raise ValueError(f"version {model.version!r} of model {name!r} is already being served")
-        batcher = Batcher(name, model, self.metrics, options)
+        batcher = Batcher(name, model, self.metrics, options, quiet=self._quiet)
         self._versions.setdefault(name, {})[model.version] = batcher
         self._route(name)
 
@@ -218,6 +218,13 @@ class Server:
                 f"model {name!r}: the generation did not end within {timeout_s} s "
                 f"({len(gen.tokens)} tokens were generated)"
             )
+
+    def _quiet(self) -> bool:
+        """Nothing waits or runs on any model or decoder this server serves (a batcher
+        re-measures its cells' times only then)."""
+        return all(
+            b._idle() for versions in self._versions.values() for b in versions.values()
+        ) and not any(d.busy_slots or d.waiting for d in self._decoders.values())
 
     def _route(self, name: str) -> None:
         """Unversioned requests for ``name`` go to its newest version from now on (one

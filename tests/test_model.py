@@ -437,6 +437,10 @@ def test_remeasure_times_again_what_an_earlier_load_measured(artifacts, tmp_path
     assert warm.remeasure(idle=lambda: False) == 0
     assert len(warm.stale_cells) == len(warm.engine.buckets)
     first = warm.stale_cells[0]
+    # Work that came while a cell was being timed: its time is dropped, the cell stays.
+    answers = iter([True, False])
+    assert warm.remeasure(idle=lambda: next(answers)) == 0
+    assert len(warm.stale_cells) == len(warm.engine.buckets) and first.timed == "stored"
     before = first.exec_s
     assert warm.remeasure(most=1) == 1 and first.timed == "measured"
     assert stored.stored_time(cache, warm._timing_key(first)) == first.exec_s

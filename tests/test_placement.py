@@ -191,6 +191,8 @@ def test_auto_measures_every_candidate_and_stores_its_choice(artifacts, tmp_path
         if model.placement == "sharded"
         else f"placement='auto' chose {chosen} instance"
     )
+    # The probe's cell was timed by this load: not a time to measure again.
+    assert not model.stale_cells
     again = pxrt.load(artifacts["mlp"], placement="auto", compilation_cache=cache)
     assert again.instances == model.instances and "(stored)" in again.placement_reason
     info = again.describe()

@@ -570,3 +570,43 @@ def test_a_warm_model_has_its_cell_times_measured_again_while_idle(
     assert not model.stale_cells
     for g, r in zip(got, requests + requests[:1]):
         assert_matches(g, reference("mlp", r))
+
+
+def test_cell_times_are_not_measured_again_while_another_model_serves(
+    run, artifacts, tmp_path, monkeypatch
+):
+    """Timed beside another model's batches, a cell's time is inflated (and the cost
+    policy's caps follow it): a warm model re-measures only while the whole server is
+    quiet."""
+    from serving import batcher
+
+    monkeypatch.setattr(batcher, "REMEASURE_AFTER_S", 0.0)
+    monkeypatch.setattr(batcher, "REMEASURE_POLL_S", 0.005)
+    cache = str(tmp_path / "cache")
+    pxrt.load(artifacts["mlp"], compilation_cache=cache)
+    warm = pxrt.load(artifacts["mlp"], compilation_cache=cache)
+    stale = len(warm.stale_cells)
+    assert stale
+    other = pxrt.load(artifacts["two_io"])
+    x = random_request(other.inputs, 1, np.random.default_rng(0))
+
+    async def main():
+        async with Server() as server:
+            with inject(other, hold=True) as gate:
+                server.add_model("other", other)
+                busy = asyncio.ensure_future(server.infer("other", x))
+                await gate.wait_started()
+                server.add_model("mlp", warm)
+                assert not server._quiet()
+                await asyncio.sleep(0.2)  # 40 polls: the other model still runs
+                assert len(warm.stale_cells) == stale
+                gate.release.set()
+                await busy
+            for _ in range(2000):
+                if not warm.stale_cells:
+                    break
+                await asyncio.sleep(0.01)
+            assert server._quiet()
+
+    run(main)
+    assert not warm.stale_cells

@@ -25,7 +25,7 @@ from models import (
 import pxrt
 from pxrt import _batch_py, _handlers_py, artifact, demo
 from serving import Server
-from serving.policy import choose_cell, efficient_cap
+from serving.policy import BATCH_HOST_S, choose_cell, efficient_cap
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SEQ = ENCODER["dim_buckets"]["seq"]
@@ -403,13 +403,20 @@ def test_cost_policy_caps_a_lane_at_its_most_efficient_bucket(var_models):
             if not fits:  # every bucket is bigger (4 devices: the smallest is 4 rows)
                 assert cap == fallback
                 continue
-            best = min(x.exec_s / x.size for x in fits)
+            best = min((x.exec_s + BATCH_HOST_S) / x.size for x in fits)
             chosen = lane.bucket_for(cap)
-            assert chosen.size == cap and chosen.exec_s / cap == best
+            assert chosen.size == cap and (chosen.exec_s + BATCH_HOST_S) / cap == best
     one = types.SimpleNamespace
     buckets = [one(size=4, exec_s=1.0), one(size=8, exec_s=2.0), one(size=16, exec_s=8.0)]
     assert efficient_cap(buckets, 16, 16) == 8  # a tie: the bigger one
     assert efficient_cap(buckets, 2, 4) == 4  # none that small: the fallback
+    # A few percent per row is within the batch's host work: the bigger bucket.
+    us = 1e-6
+    near = [one(size=8, exec_s=8 * 35 * us), one(size=32, exec_s=32 * 37 * us)]
+    assert efficient_cap(near, 32, 32) == 32
+    # Attention's cost per row, growing with the batch, still caps it.
+    attention = [one(size=8, exec_s=19e-3), one(size=32, exec_s=190e-3)]
+    assert efficient_cap(attention, 32, 32) == 8
 
 
 @pytest.mark.parametrize("policy", ["cost", "oldest"])
