@@ -552,6 +552,8 @@ def _choose_placement(
         share = min(-(-probe_sh[0] // k), max(sizes))
         size = min(s for s in sizes if s >= share)
         candidates.append((f"{k}x{per}", groups[:k], (size, lane), share))
+    if len(candidates) == 1:
+        return [list(devices)], "placement='auto': one instance is all the devices allow"
     what = "placement:" + ",".join(f"{c[0]}@{c[3]}" for c in candidates) + f":{lane}"
     key = stored.key(art, devices, probe_sh[0], lane, what, settings.zero_copy)
     found = stored.read_entry(settings.cache_dir, key)

@@ -247,6 +247,10 @@ def test_auto_prefers_the_one_program_then_fewer_instances_unless_faster_by_the_
     model, seen = _auto_with_rates(artifacts, monkeypatch, {sharded: 100, (2, 2): 150}, instances=2)
     assert seen == [(1, 4), (2, 2)]
     assert model.placement == "replicated" and [len(g) for g in model.instances] == [2, 2]
+    # One instance of every device: nothing to choose, nothing measured.
+    model, seen = _auto_with_rates(artifacts, monkeypatch, {}, devices_per_instance=4)
+    assert seen == [] and model.placement == "sharded"
+    assert "one instance is all the devices allow" in model.placement_reason
 
 
 @pytest.mark.skipif(N < 2, reason="needs two devices")
