@@ -545,10 +545,10 @@ def _choose_placement(
         counts.append(counts[-1] // 2)
     # A candidate: its name, its groups, the cell it runs, the rows of its batches.
     candidates = [("sharded", [list(devices)], probe_sh, probe_sh[0])]
+    sizes = [c[0] for c in cells_rep if c[1] == lane]
     for k in counts:
         if k == 1 and per == len(devices):
             continue  # one instance of every device: the sharded program itself
-        sizes = [c[0] for c in cells_rep if c[1] == lane]
         share = min(-(-probe_sh[0] // k), max(sizes))
         size = min(s for s in sizes if s >= share)
         candidates.append((f"{k}x{per}", groups[:k], (size, lane), share))
@@ -590,13 +590,13 @@ def _choose_placement(
         stored.write_entry(
             settings.cache_dir, key, {"candidates": names, "rows_s": rates, "choice": choice}
         )
-    chosen = next(c for c in candidates if c[0] == choice)
+    groups_of = {c[0]: c[1] for c in candidates}
     at = dict(zip(art.dim_buckets, lane))
 
     def who(name: str) -> str:
         if name == "sharded":
             return f"one program over {len(devices)} devices"
-        n = len(next(c for c in candidates if c[0] == name)[1])
+        n = len(groups_of[name])
         return f"{n} instance{'s' if n > 1 else ''} of {per} device{'s' if per > 1 else ''}"
 
     figures = "; ".join(
@@ -606,7 +606,7 @@ def _choose_placement(
         if n in rates
     )
     reason = f"placement='auto' chose {who(choice)}: {figures}{f' at {at}' if at else ''} ({how})"
-    return chosen[1], reason
+    return groups_of[choice], reason
 
 
 # Seconds each candidate runs for, twice, when ``placement="auto"`` measures them; how
