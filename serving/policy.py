@@ -114,11 +114,11 @@ def efficient_cap(buckets: Iterable[_Bucket], cap: int, fallback: int) -> int:
     on a tie) of at most ``cap`` rows: the cost policy's batches in that lane go no
     bigger. ``fallback`` when none is that small (the bucket a cap runs in).
 
-    A batch's time is its measured execution time plus ``BATCH_HOST_S``. Without the
-    host work, two buckets a few percent apart per row were ranked by the noise of
-    their timing at load: the demo encoder's 8- and 32-row cells at 32 tokens (about
-    45 and 37 us a row on 4 virtual CPU devices) swapped between loads, and 64 callers
-    were then served at 17k or 30k requests a second (alternated in one run)."""
+    A batch's time is its measured execution time plus ``BATCH_HOST_S``, so that two
+    buckets close per row are not ranked by timing noise alone: the demo encoder's 8-
+    and 32-row cells at 32 tokens run about 45 and 37 us a row on 4 virtual CPU
+    devices, and with the cap at 8 instead of 32, 64 callers got 17k instead of 30k
+    requests a second (alternated in one run)."""
     fits = [b for b in buckets if b.size <= cap]
     if not fits:
         return fallback
