@@ -27,7 +27,7 @@ import argparse
 import dataclasses
 import hmac
 import ssl
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -39,6 +39,11 @@ GROUPS = ("health", "metadata", "inference", "statistics", "model-repository")
 
 class Forbidden(ServingError):
     """A request to a restricted API without its key (HTTP 403, gRPC PERMISSION_DENIED)."""
+
+
+class KeyRepeated(ServingError):
+    """A request that sends a restricted API's key header more than once (HTTP 400, gRPC
+    INVALID_ARGUMENT): which one counts would depend on the reader."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,31 +83,32 @@ class Restrictions:
     def __bool__(self) -> bool:
         return bool(self.keys)
 
-    def check(self, group: str, header: Callable[[str], str | bytes | None]) -> None:
-        """Raise ``Forbidden`` unless ``group`` is open or ``header(name)`` (the
-        request's value of a header, None without it) carries its key."""
+    def check(self, group: str, values: Callable[[str], Sequence[str | bytes]]) -> None:
+        """Raise ``Forbidden`` unless ``group`` is open or ``values(name)`` (the
+        request's values of a header: none, one, or more) is its key, once
+        (``KeyRepeated`` if the header comes more than once)."""
         key = self.keys.get(group)
         if key is None:
             return
         name, want = key
-        got = header(name)
-        if isinstance(got, str):
-            got = got.encode("latin-1", "replace")
-        if got is None or not hmac.compare_digest(got, want):
+        got = values(name)
+        if len(got) > 1:
+            raise KeyRepeated(f"the {name!r} header was sent {len(got)} times: send it once")
+        value = got[0] if got else None
+        if isinstance(value, str):
+            value = value.encode("latin-1", "replace")
+        if value is None or not hmac.compare_digest(value, want):
             raise Forbidden(f"the {group} API is restricted: send its key in the {name!r} header")
 
 
-def header_getter(headers: list[tuple[bytes, bytes]]) -> Callable[[str], bytes | None]:
-    """``Restrictions.check``'s ``header`` over a list of (lower-case name, value) pairs."""
+def header_values(headers: Sequence[tuple[bytes, bytes]]) -> Callable[[str], list[bytes]]:
+    """``Restrictions.check``'s ``values`` over a list of (lower-case name, value) pairs."""
 
-    def header(name: str) -> bytes | None:
+    def values(name: str) -> list[bytes]:
         key = name.encode("latin-1")
-        for k, v in headers:
-            if k == key:
-                return v
-        return None
+        return [v for k, v in headers if k == key]
 
-    return header
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,4 +169,4 @@ class TlsFiles:
         )
 
 
-__all__ = ["GROUPS", "Forbidden", "Restrictions", "TlsFiles", "header_getter"]
+__all__ = ["GROUPS", "Forbidden", "KeyRepeated", "Restrictions", "TlsFiles", "header_values"]

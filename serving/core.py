@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from . import codec
-from .access import Forbidden
+from .access import Forbidden, KeyRepeated
 from .codec import ProtocolError
 from .errors import (
     DeadlineExceeded,
@@ -362,6 +362,7 @@ class Status:
 # The codes are Triton's (a full queue is UNAVAILABLE over gRPC, 429 over HTTP).
 ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (Forbidden, 403, "PERMISSION_DENIED"),  # a restricted API without its key
+    (KeyRepeated, 400, "INVALID_ARGUMENT"),  # ... or with it more than once
     (TooLarge, 413, "RESOURCE_EXHAUSTED"),
     (ProtocolError, 400, "INVALID_ARGUMENT"),  # does not follow the protocol
     (InvalidRequest, 400, "INVALID_ARGUMENT"),  # does not fit the model

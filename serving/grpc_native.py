@@ -48,7 +48,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from . import codec, core, h2
-from .access import Forbidden, Restrictions, TlsFiles, header_getter
+from .access import Restrictions, TlsFiles, header_values
 from .core import BodyBudget, InferRequest
 from .grpc_server import GROUPS, GrpcLimits, GRPCService, Malformed, _checked, _parser
 from .repository import Repository
@@ -66,7 +66,7 @@ _CODES = {code.name: code.value[0] for code in grpc.StatusCode}
 _OK, _CANCELLED, _UNIMPLEMENTED = 0, _CODES["CANCELLED"], _CODES["UNIMPLEMENTED"]
 _INTERNAL, _INVALID = _CODES["INTERNAL"], _CODES["INVALID_ARGUMENT"]
 _RESOURCE, _DEADLINE = _CODES["RESOURCE_EXHAUSTED"], _CODES["DEADLINE_EXCEEDED"]
-_PERMISSION, _UNAVAILABLE = _CODES["PERMISSION_DENIED"], _CODES["UNAVAILABLE"]
+_UNAVAILABLE = _CODES["UNAVAILABLE"]
 
 _ACCEPT = (b"grpc-accept-encoding", b"identity,deflate,gzip")
 _HEADERS = h2.encode_headers(
@@ -94,12 +94,17 @@ def trailers(code: int, message: str = "", only: bool = False) -> bytes:
 
 
 def _timeout(value: bytes) -> float | None:
-    """``grpc-timeout`` in seconds (None if it is not one: no deadline)."""
+    """``grpc-timeout`` in seconds (None if it is not one)."""
     unit = _TIMEOUT_UNITS.get(value[-1]) if value else None
     digits = value[:-1]
     if unit is None or not 1 <= len(digits) <= 8 or not digits.isdigit():
         return None
     return int(digits) * unit
+
+
+def _bad_timeout(value: bytes) -> str:
+    shown = value[:40].decode("latin-1")
+    return f"grpc-timeout {shown!r} is not a timeout: 1 to 8 digits, then H, M, S, m, u or n"
 
 
 def infer_response_parts(
@@ -272,8 +277,8 @@ class Call(h2.Stream):
         "task",
     )
 
-    def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
-        super().__init__(stream_id, send_window, recv_window)
+    def __init__(self, stream_id: int, recv_window: int) -> None:
+        super().__init__(stream_id, recv_window)
         self.method: Method | None = None
         self.headers: list = []
         self.deadline: float | None = None  # loop time
@@ -311,6 +316,8 @@ class GrpcProtocol(h2.H2Protocol):
         # Calls waiting for the rest of their request (a unary call until its END_STREAM,
         # a stream while a message is part-way in): the sweep fails those that stall.
         self._waiting: set[Call] = set()
+        # ModelStreamInfer calls open: the sweep ends those idle for too long.
+        self._stream_calls: set[Call] = set()
 
     # ------------------------------------------------------------------ streams in
 
@@ -320,6 +327,7 @@ class GrpcProtocol(h2.H2Protocol):
         call.last_data = self.last_frame
         path = content_type = timeout = None
         method = b""
+        bad_timeout: bytes | None = None
         for name, value in headers:
             if name == b":path":
                 path = value
@@ -329,6 +337,8 @@ class GrpcProtocol(h2.H2Protocol):
                 content_type = value
             elif name == b"grpc-timeout":
                 timeout = _timeout(value)
+                if timeout is None:
+                    bad_timeout = value
             elif name == b"grpc-encoding":
                 call.encoding = value
         if method != b"POST":
@@ -346,17 +356,21 @@ class GrpcProtocol(h2.H2Protocol):
         if call.encoding not in (b"", b"identity", b"gzip", b"deflate"):
             self.finish(call, _UNIMPLEMENTED, f"grpc-encoding {call.encoding!r} is not supported")
             return
+        if bad_timeout is not None:
+            self.finish(call, _INVALID, _bad_timeout(bad_timeout))
+            return
         if timeout is not None:
             call.deadline = self.loop.time() + timeout
         if spec.impl is None and self.owner.restrictions:  # ModelInfer, ModelStreamInfer
             try:
-                self.owner.restrictions.check(spec.group or "", header_getter(headers))
-            except Forbidden as exc:
-                self.finish(call, _PERMISSION, str(exc))
+                self.owner.restrictions.check(spec.group or "", header_values(headers))
+            except Exception as exc:  # noqa: BLE001 - Forbidden, KeyRepeated
+                self.fail_call(call, exc)
                 return
         if spec.name == _STREAM:
             call.pending = set()
             call.backlog = deque()
+            self._stream_calls.add(call)
             self.send_headers(call, _HEADERS)  # a stream answers as it goes
             call.headers_sent = True
             if self.server.draining:
@@ -442,6 +456,9 @@ class GrpcProtocol(h2.H2Protocol):
     def _message(self, call: Call, flag: int, data: Any, held: int) -> None:
         """One whole message of ``call`` (``held``: what it holds of the budget, its
         bytes on the wire: a stream gives them back once it is answered)."""
+        if flag > 1:
+            self.finish(call, _INVALID, f"a message's compressed flag is 0 or 1, got {flag}")
+            return
         if flag:
             inflated = self._decompress(call, data)
             if inflated is None:
@@ -619,6 +636,7 @@ class GrpcProtocol(h2.H2Protocol):
                 self.send_data(call, [_PREFIX.pack(0, len(error)), error])
         finally:
             call.inflight -= 1
+            call.last_data = self.loop.time()
             task = asyncio.current_task()
             if task is not None:
                 call.pending.discard(task)
@@ -630,6 +648,7 @@ class GrpcProtocol(h2.H2Protocol):
         """Write one answer of a stream (a ModelStreamInferResponse's buffers) and give
         back what its request held."""
         length = sum(map(len, parts))
+        call.last_data = self.loop.time()  # (a stream answering is not idle)
         self.send_data(call, [_PREFIX.pack(0, length), *parts])
         self._give(call, held)
 
@@ -727,6 +746,7 @@ class GrpcProtocol(h2.H2Protocol):
         call.taken -= n
 
     def _release(self, call: Call) -> None:
+        self._stream_calls.discard(call)
         if call.taken:
             self.budget.give(call.taken)
             call.taken = 0
@@ -748,13 +768,23 @@ class GrpcProtocol(h2.H2Protocol):
             call.task.cancel()
             call.task = None
 
-    def stalled(self, since: float) -> None:
-        for call in [c for c in self._waiting if c.last_data < since and not c.held]:
-            self.finish(
-                call,
-                _DEADLINE,
-                f"the client sent no part of its request for {self.connections.body_timeout_s:g} s",
-            )
+    def sweep_streams(self, now: float) -> None:
+        body_s = self.connections.body_timeout_s
+        for call in [c for c in self._waiting if c.last_data < now - body_s and not c.held]:
+            self.finish(call, _DEADLINE, f"the client sent no part of its request for {body_s:g} s")
+        idle_s = self.owner.limits.stream_idle_timeout_s
+        for call in [c for c in self._stream_calls if c.last_data < now - idle_s]:
+            if not (call.inflight or call.backlog or call.out or call.ending):
+                self.finish(call, _UNAVAILABLE, f"the stream was idle for {idle_s:g} s")
+
+    def overflow(self, stream: Any) -> None:
+        call: Call = stream
+        self.finish(
+            call,
+            _RESOURCE,
+            f"the client has not read {self.queued_bytes} bytes of answers on this "
+            "connection: no more are queued for it",
+        )
 
 
 _MALFORMED = Malformed("ModelInferRequest")
@@ -860,6 +890,10 @@ class GrpcServer:
             keepalive_timeout_s=limits.keepalive_timeout_s,
             min_client_ping_s=limits.min_client_ping_s,
             body_timeout_s=body_timeout_s,
+            max_control_frames=limits.max_control_frames,
+            max_queued_bytes=limits.max_queued_bytes,
+            send_timeout_s=limits.send_timeout_s,
+            max_streams=limits.max_streams,
         )
         self._listener: asyncio.AbstractServer | None = None
         self._acceptor: Any = None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -42,7 +43,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from . import codec, core, documents
-from .access import Forbidden, Restrictions, TlsFiles
+from .access import Forbidden, KeyRepeated, Restrictions, TlsFiles
 from .core import InferRequest
 from .errors import UnknownModel
 from .repository import Repository, require
@@ -74,6 +75,19 @@ class GrpcLimits:
       answered (answers waiting to be written included); over it the stream is not read
       until an answer is written, so HTTP/2 flow control holds a client that sends
       faster than it reads (pxrt's own, not grpc core's).
+
+    pxrt's own HTTP/2 (``serving.h2.Connections`` says how each is enforced) also has:
+
+    - ``max_streams``: streams open at once over all connections of the process;
+    - ``stream_idle_timeout_s``: a ModelStreamInfer stream with no request in flight
+      and nothing received for this long ends UNAVAILABLE (clients open another);
+    - ``max_queued_bytes``, ``send_timeout_s``: answers a connection's client has not
+      taken (its flow-control windows closed); past the bytes, new calls are refused and
+      answers that would wait end RESOURCE_EXHAUSTED; an answer that does not move for
+      the timeout is dropped (the call reset);
+    - ``max_control_frames``: frames without a request (SETTINGS, WINDOW_UPDATE,
+      PRIORITY, RST_STREAM, empty DATA) a client may send per 10 s beyond what its
+      calls and answers account for; past it the connection is sent away.
     """
 
     max_connections: int = 250
@@ -83,6 +97,11 @@ class GrpcLimits:
     keepalive_timeout_s: float = 20.0
     min_client_ping_s: float = 300.0
     max_stream_inflight: int = 512
+    max_streams: int = 8192
+    stream_idle_timeout_s: float = 600.0
+    max_queued_bytes: int = 32 << 20
+    send_timeout_s: float = 30.0
+    max_control_frames: int = 1000
 
     def options(self) -> list[tuple[str, int]]:
         """grpc channel arguments enforcing these limits."""
@@ -254,7 +273,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         if self.restrictions:
             try:
                 self.restrictions.check("inference", _metadata(context))
-            except Forbidden as exc:
+            except (Forbidden, KeyRepeated) as exc:
                 await self._abort(context, exc, "ModelStreamInfer")
         done: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(self.limits.max_stream_inflight)
@@ -371,9 +390,10 @@ GROUPS = {
 }
 
 
-def _metadata(context: Any) -> Any:
-    """A call's metadata value by (lower-case) key, None without it."""
-    return dict(context.invocation_metadata() or ()).get
+def _metadata(context: Any) -> Callable[[str], list[str]]:
+    """A call's metadata values by (lower-case) key (``Restrictions.check``'s)."""
+    pairs = list(context.invocation_metadata() or ())
+    return lambda name: [v for k, v in pairs if k == name]
 
 
 def _checked(method: Any, group: str | None, restrictions: Restrictions) -> Any:
@@ -386,8 +406,9 @@ def _checked(method: Any, group: str | None, restrictions: Restrictions) -> Any:
             assert group is not None
             try:
                 restrictions.check(group, _metadata(context))
-            except Forbidden as exc:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            except (Forbidden, KeyRepeated) as exc:
+                status = core.status_of(exc)
+                await context.abort(getattr(grpc.StatusCode, status.grpc), status.message)
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         return await method(request, context)

@@ -189,7 +189,10 @@ class Stream:
 
     __slots__ = (
         "id",
-        "send_window",  # what the server may still send on it (the peer's window)
+        # What the server may still send on it (the peer's window) is the connection's
+        # ``peer_initial_window`` plus this: the client's increments less what was sent.
+        # A SETTINGS that changes the initial window changes every stream's at once.
+        "send_credit",
         "recv_window",  # what the client may still send on it
         "unacked",  # received and not yet given back to the client's window
         "held",  # while set, the client's window is not given back (flow control holds it)
@@ -199,11 +202,12 @@ class Stream:
         "out",  # data waiting for the windows: 1-D byte views, in order
         "out_end",  # then END_STREAM (without trailers)
         "trailers",  # then this header block, with END_STREAM
+        "waiting_since",  # when ``out`` last could not move (loop time; 0: it can)
     )
 
-    def __init__(self, stream_id: int, send_window: int, recv_window: int) -> None:
+    def __init__(self, stream_id: int, recv_window: int) -> None:
         self.id = stream_id
-        self.send_window = send_window
+        self.send_credit = 0
         self.recv_window = recv_window
         self.unacked = 0
         self.held = False
@@ -213,6 +217,7 @@ class Stream:
         self.out: list[memoryview] = []
         self.out_end = False
         self.trailers: bytes | None = None
+        self.waiting_since = 0.0
 
 
 def _view(part: Any) -> memoryview:
@@ -239,7 +244,24 @@ class Connections:
       failed by its protocol (``H2Protocol.stalled``);
     - a client that resets more than ``max_client_resets`` open streams within
       ``RESET_WINDOW_S`` is sent GOAWAY (ENHANCE_YOUR_CALM): streams opened only to be
-      reset make the server work for nothing (the 2023 "rapid reset" attack);
+      reset make the server work for nothing (the 2023 "rapid reset" attack). Streams
+      the server resets because of what the client sent (DATA after its END_STREAM, a
+      zero WINDOW_UPDATE, a stream over the limit: the 2025 "MadeYouReset" attack) count
+      the same;
+    - frames that carry no request (SETTINGS, WINDOW_UPDATE, PRIORITY, RST_STREAM, an
+      empty DATA, unknown types) are counted: a client may send ``max_control_frames``
+      of them per ``RESET_WINDOW_S``, plus two per DATA frame the server sent it and one
+      per stream it opened (what a client answering its data sends); past that it is
+      sent GOAWAY (ENHANCE_YOUR_CALM). Each costs O(1): a new initial window applies to
+      every stream at once (``Stream.send_credit``);
+    - answers waiting for a client's flow-control windows are bounded: while a
+      connection holds more than ``max_queued_bytes`` of them, its new streams are
+      refused (REFUSED_STREAM: clients retry), and a stream whose answer has not moved
+      for ``send_timeout_s`` is reset (CANCEL), its answer dropped. A client that
+      advertises a zero window and never opens it holds nothing for long;
+    - at most ``max_streams`` streams are open over all of the listener's connections
+      (the process's), beyond each connection's ``Settings.max_concurrent_streams``;
+      more are refused;
     - a header block's frames count with their headers against
       ``Settings.max_header_block`` (empty CONTINUATION frames cannot go on forever);
     - ``drain``: every connection is sent GOAWAY (streams open finish; new ones are
@@ -263,6 +285,10 @@ class Connections:
         max_ping_strikes: int = 2,
         body_timeout_s: float = 10.0,
         max_client_resets: int = 1000,
+        max_control_frames: int = 1000,
+        max_queued_bytes: int = 16 << 20,
+        send_timeout_s: float = 30.0,
+        max_streams: int = 8192,
     ) -> None:
         self.settings = settings
         self.max_connections = max_connections
@@ -274,6 +300,11 @@ class Connections:
         self.max_ping_strikes = max_ping_strikes
         self.body_timeout_s = body_timeout_s
         self.max_client_resets = max_client_resets
+        self.max_control_frames = max_control_frames
+        self.max_queued_bytes = max_queued_bytes
+        self.send_timeout_s = send_timeout_s
+        self.max_streams = max_streams
+        self.streams = 0  # open over every connection
         self.open: set[H2Protocol] = set()
         self.refusals = RefusalLog(kind="gRPC")
         self.draining = False
@@ -341,14 +372,18 @@ class H2Protocol(asyncio.Protocol):
         # headers: empty CONTINUATION frames count too, so they cannot go on forever).
         self._headers_in: tuple[int, int, list] | None = None
         self._headers_size = 0
-        self._resets = 0  # streams the client reset while open, since _resets_since
+        self._resets = 0  # streams reset by (or because of) the client, since _resets_since
         self._resets_since = 0.0
+        self._control_left = connections.max_control_frames  # (see Connections)
+        self._control_since = 0.0
         self.peer_window = DEFAULT_WINDOW  # what the server may still send, all streams
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = DEFAULT_FRAME
         self.recv_window = settings.connection_window
         self._consumed = 0  # received and not yet given back to the connection's window
         self._blocked: dict[int, Stream] = {}  # streams whose data waits for peer_window
+        self._starved: dict[int, Stream] = {}  # streams whose data waits for their window
+        self.queued_bytes = 0  # of data waiting in the streams' ``out``
         self._out: list[Any] = []  # buffers to write at the end of this turn of the loop
         self._flushing = False
         self._reading = True
@@ -383,8 +418,9 @@ class H2Protocol(asyncio.Protocol):
         self.connections.open.discard(self)
         streams = list(self.streams.values())
         self.streams.clear()
-        self._blocked.clear()
+        self.connections.streams -= len(streams)
         for stream in streams:
+            self._drop_out(stream)
             stream.local_closed = stream.ending = True
             self.stream_reset(stream, CANCEL)
 
@@ -466,36 +502,57 @@ class H2Protocol(asyncio.Protocol):
                     PROTOCOL_ERROR, "a header block interrupted by another frame"
                 )
             if kind == DATA:
+                if not length and not flags & END_STREAM:
+                    self._control_frame()
                 self._data(stream_id, flags, payload)
             elif kind == HEADERS:
                 self._headers(stream_id, flags, payload)
-            elif kind == WINDOW_UPDATE:
-                self._window_update(stream_id, payload)
             elif kind == PING:
                 self._ping(stream_id, flags, payload)
-            elif kind == SETTINGS:
-                self._settings(stream_id, flags, payload)
-            elif kind == RST_STREAM:
-                self._rst_stream(stream_id, payload)
             elif kind == CONTINUATION:
                 self._continuation(stream_id, flags, payload)
-            elif kind == GOAWAY:
-                if stream_id:
-                    raise ConnectionFailed(PROTOCOL_ERROR, "GOAWAY on a stream")
-                if length < 8:
-                    raise ConnectionFailed(FRAME_SIZE_ERROR, "a GOAWAY frame under 8 bytes")
-                self.going_away = True  # the client leaves: no new streams, then close
-                self._maybe_done()
-            elif kind == PRIORITY:
-                if not stream_id:
-                    raise ConnectionFailed(PROTOCOL_ERROR, "PRIORITY on stream 0")
-                if length != 5:
-                    raise ConnectionFailed(FRAME_SIZE_ERROR, "a PRIORITY frame is 5 bytes")
-            elif kind == PUSH_PROMISE:
-                raise ConnectionFailed(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-            # other types are ignored (RFC 9113 4.1)
+            else:
+                self._control_frame()
+                self._other(kind, stream_id, flags, length, payload)
         self._need = 9
         return pos
+
+    def _other(
+        self, kind: int, stream_id: int, flags: int, length: int, payload: memoryview
+    ) -> None:
+        """A frame that carries no request (counted as one by ``_frames``)."""
+        if kind == WINDOW_UPDATE:
+            self._window_update(stream_id, payload)
+        elif kind == SETTINGS:
+            self._settings(stream_id, flags, payload)
+        elif kind == RST_STREAM:
+            self._rst_stream(stream_id, payload)
+        elif kind == GOAWAY:
+            if stream_id:
+                raise ConnectionFailed(PROTOCOL_ERROR, "GOAWAY on a stream")
+            if length < 8:
+                raise ConnectionFailed(FRAME_SIZE_ERROR, "a GOAWAY frame under 8 bytes")
+            self.going_away = True  # the client leaves: no new streams, then close
+            self._maybe_done()
+        elif kind == PRIORITY:
+            if not stream_id:
+                raise ConnectionFailed(PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if length != 5:
+                raise ConnectionFailed(FRAME_SIZE_ERROR, "a PRIORITY frame is 5 bytes")
+        elif kind == PUSH_PROMISE:
+            raise ConnectionFailed(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        # other types are ignored (RFC 9113 4.1)
+
+    def _control_frame(self) -> None:
+        """Count a frame that carries no request against the client's allowance
+        (``Connections``): past it, the connection is sent away."""
+        now = self.last_frame
+        if now - self._control_since > RESET_WINDOW_S:
+            self._control_since = now
+            self._control_left = self.connections.max_control_frames
+        self._control_left -= 1
+        if self._control_left < 0:
+            raise ConnectionFailed(ENHANCE_YOUR_CALM, "too many control frames")
 
     @staticmethod
     def _unpad(flags: int, payload: memoryview, what: str) -> memoryview:
@@ -609,14 +666,20 @@ class H2Protocol(asyncio.Protocol):
             raise ConnectionFailed(PROTOCOL_ERROR, f"a client opened even stream {stream_id}")
         self.last_stream_id = stream_id
         self._quiet = False
-        if self.going_away or len(self.streams) >= self.settings.max_concurrent_streams:
+        conns = self.connections
+        if (
+            self.going_away
+            or len(self.streams) >= self.settings.max_concurrent_streams
+            or conns.streams >= conns.max_streams
+            or self.queued_bytes > conns.max_queued_bytes  # (a client not reading its answers)
+        ):
             self.reset(stream_id, REFUSED_STREAM)  # clients retry these elsewhere
             return
-        stream = self.stream_class(
-            stream_id, self.peer_initial_window, self.settings.initial_window
-        )
+        stream = self.stream_class(stream_id, self.settings.initial_window)
         stream.remote_closed = end
         self.streams[stream_id] = stream
+        conns.streams += 1
+        self._control_left += 1  # (its RST_STREAM, PRIORITY or WINDOW_UPDATE are fair)
         self.open_stream(stream, headers)
 
     def _window_update(self, stream_id: int, payload: memoryview) -> None:
@@ -630,9 +693,8 @@ class H2Protocol(asyncio.Protocol):
             if self.peer_window > MAX_WINDOW:
                 raise ConnectionFailed(FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
             while self._blocked and self.peer_window > 0:
-                waiting = self._blocked.pop(next(iter(self._blocked)))
-                self._send_queued(waiting)  # (blocked again if the window runs out)
-            return
+                self._send_queued(next(iter(self._blocked.values())))  # (blocked again if
+            return  # the window runs out)
         stream = self.streams.get(stream_id)
         if stream is None:
             if stream_id > self.last_stream_id:
@@ -641,8 +703,8 @@ class H2Protocol(asyncio.Protocol):
         if not increment:
             self.reset(stream_id, PROTOCOL_ERROR)
             return
-        stream.send_window += increment
-        if stream.send_window > MAX_WINDOW:
+        stream.send_credit += increment
+        if self.peer_initial_window + stream.send_credit > MAX_WINDOW:
             self.reset(stream_id, FLOW_CONTROL_ERROR)
             return
         if stream.out or stream.trailers is not None:
@@ -685,13 +747,13 @@ class H2Protocol(asyncio.Protocol):
                 raise ConnectionFailed(
                     FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1"
                 )
-            delta = window - self.peer_initial_window
+            # Every stream's window moves with it (``Stream.send_credit``): O(1), but for
+            # the streams whose data waited for their windows, which may now go on. (A
+            # stream's window over 2^31-1 is caught at its next WINDOW_UPDATE.)
+            grew = window > self.peer_initial_window
             self.peer_initial_window = window
-            for stream in list(self.streams.values()):
-                stream.send_window += delta
-                if stream.send_window > MAX_WINDOW:
-                    raise ConnectionFailed(FLOW_CONTROL_ERROR, "a stream's window over 2^31-1")
-                if delta > 0 and (stream.out or stream.trailers is not None):
+            if grew:
+                for stream in list(self._starved.values()):
                     self._send_queued(stream)
         frame = values.get(MAX_FRAME_SIZE)
         if frame is not None:
@@ -720,18 +782,21 @@ class H2Protocol(asyncio.Protocol):
             if stream_id > self.last_stream_id:
                 raise ConnectionFailed(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
             return
-        stream.local_closed = stream.remote_closed = stream.ending = True
-        self._blocked.pop(stream_id, None)
+        self._gone(stream)
         self._closed_one()
         self.stream_reset(stream, _U32.unpack(payload)[0])
-        # A client that opens streams only to reset them makes the server work for
-        # nothing (the "rapid reset" attack): past the limit in a window, it is sent away.
-        now = self.loop.time()
+        self._count_reset()
+
+    def _count_reset(self) -> None:
+        """A stream reset by the client, or by the server for what the client sent: a
+        client that makes the server work for streams only to reset them (the "rapid
+        reset" and "MadeYouReset" attacks) is sent away past the limit in a window."""
+        now = self.last_frame
         if now - self._resets_since > RESET_WINDOW_S:
             self._resets, self._resets_since = 0, now
         self._resets += 1
         if self._resets > self.connections.max_client_resets:
-            raise ConnectionFailed(ENHANCE_YOUR_CALM, "too many streams reset")
+            self.fail(ENHANCE_YOUR_CALM, "too many streams reset")
 
     # ------------------------------------------------------------------ frames out
 
@@ -799,7 +864,7 @@ class H2Protocol(asyncio.Protocol):
             stream.out
             or self._table_update
             or length > self.peer_window
-            or length > stream.send_window
+            or length > self.peer_initial_window + stream.send_credit
             or length > self.peer_max_frame
             or len(headers) > self.peer_max_frame
             or len(trailers) > self.peer_max_frame
@@ -811,7 +876,8 @@ class H2Protocol(asyncio.Protocol):
         self._quiet = False
         stream.ending = True
         self.peer_window -= length
-        stream.send_window -= length
+        stream.send_credit -= length
+        self._control_left += 2
         pack = _HEAD.pack
         self._write(
             pack(len(headers) << 8 | HEADERS, END_HEADERS, sid), headers,
@@ -823,39 +889,56 @@ class H2Protocol(asyncio.Protocol):
     def send_data(self, stream: Stream, parts: Sequence[Any], end_stream: bool = False) -> None:
         """Send ``parts`` (bytes-like) as DATA on ``stream``: at once as far as the
         peer's windows and frame size allow, the rest queued until they open
-        (``stream.out``; ``stream_drained`` is called once it has all gone)."""
+        (``stream.out``; ``stream_drained`` is called once it has all gone). Data that
+        would wait while the connection already holds ``max_queued_bytes`` waiting is
+        not queued: ``overflow`` ends the stream instead."""
         if stream.ending:
             return
         self._quiet = False
-        if end_stream:
-            stream.ending = True
         length = sum(map(len, parts)) if len(parts) != 1 else len(parts[0])
         if (
             not stream.out
             and length <= self.peer_window
-            and length <= stream.send_window
+            and length <= self.peer_initial_window + stream.send_credit
             and length <= self.peer_max_frame
         ):
+            if end_stream:
+                stream.ending = True
             self.peer_window -= length
-            stream.send_window -= length
+            stream.send_credit -= length
+            self._control_left += 2
             self._write(
                 frame_head(DATA, END_STREAM if end_stream else 0, stream.id, length), *parts
             )
             if end_stream:
                 self._end_local(stream)
             return
-        stream.out.extend(_view(p) for p in parts if len(p))
+        if self.queued_bytes > self.connections.max_queued_bytes:
+            self.overflow(stream)
+            return
+        if end_stream:
+            stream.ending = True
+        views = [_view(p) for p in parts if len(p)]
+        stream.out.extend(views)
+        self.queued_bytes += sum(map(len, views))
         stream.out_end = stream.out_end or end_stream
         self._send_queued(stream)
 
     def _send_queued(self, stream: Stream) -> None:
-        """Send what ``stream`` has queued, as far as the windows allow."""
+        """Send what ``stream`` has queued, as far as the windows allow (else it waits
+        in ``_blocked`` for the connection's window or ``_starved`` for its own)."""
+        self._blocked.pop(stream.id, None)
+        self._starved.pop(stream.id, None)
         out = stream.out
+        moved = False
         while out:
-            room = min(self.peer_window, stream.send_window, self.peer_max_frame)
+            window = self.peer_initial_window + stream.send_credit
+            room = min(self.peer_window, window, self.peer_max_frame)
             if room <= 0:
-                if self.peer_window <= 0:
-                    self._blocked[stream.id] = stream
+                waiting = self._blocked if self.peer_window <= 0 else self._starved
+                waiting[stream.id] = stream
+                if moved or not stream.waiting_since:
+                    stream.waiting_since = self.loop.time()
                 return
             parts: list[memoryview] = []
             size = 0
@@ -870,12 +953,17 @@ class H2Protocol(asyncio.Protocol):
                     out[0] = part[room - size :]
                     size = room
             self.peer_window -= size
-            stream.send_window -= size
+            stream.send_credit -= size
+            self.queued_bytes -= size
+            self._control_left += 2
+            moved = True
             last = not out and stream.out_end and stream.trailers is None
             self._write(frame_head(DATA, END_STREAM if last else 0, stream.id, size), *parts)
             if last:
+                stream.waiting_since = 0.0
                 self._end_local(stream)
                 return
+        stream.waiting_since = 0.0
         if stream.trailers is not None:
             trailers, stream.trailers = stream.trailers, None
             self._headers_out(stream, trailers, end_stream=True)
@@ -888,14 +976,32 @@ class H2Protocol(asyncio.Protocol):
 
     def reset(self, stream_id: int, code: int) -> None:
         """RST_STREAM: the server is done with the stream (``stream_reset`` is called
-        for it, as for one the client resets)."""
+        for it, as for one the client resets). A reset for what the client sent (any
+        code but NO_ERROR and CANCEL) counts as the client's (``_count_reset``)."""
         self._write(frame_head(RST_STREAM, 0, stream_id, 4), _U32.pack(code))
         stream = self.streams.pop(stream_id, None)
         if stream is not None:
-            stream.local_closed = stream.remote_closed = stream.ending = True
-            self._blocked.pop(stream_id, None)
+            self._gone(stream)
             self.stream_reset(stream, code)
             self._closed_one()
+        if code not in (NO_ERROR, CANCEL):
+            self._count_reset()
+
+    def _gone(self, stream: Stream) -> None:
+        """``stream`` (just taken out of ``streams``) is over: nothing more either way,
+        and what it had queued is dropped."""
+        stream.local_closed = stream.remote_closed = stream.ending = True
+        self.connections.streams -= 1
+        self._drop_out(stream)
+
+    def _drop_out(self, stream: Stream) -> None:
+        if stream.out:
+            self.queued_bytes -= sum(map(len, stream.out))
+            stream.out.clear()
+        stream.trailers = None
+        stream.out_end = False
+        self._blocked.pop(stream.id, None)
+        self._starved.pop(stream.id, None)
 
     def release(self, stream: Stream) -> None:
         """Stop holding ``stream``: give the client back the window it used."""
@@ -914,6 +1020,7 @@ class H2Protocol(asyncio.Protocol):
     def _maybe_closed(self, stream: Stream) -> None:
         if stream.local_closed and stream.remote_closed:
             if self.streams.pop(stream.id, None) is not None:
+                self.connections.streams -= 1
                 self._closed_one()
 
     def _closed_one(self) -> None:
@@ -992,11 +1099,16 @@ class H2Protocol(asyncio.Protocol):
         elif now - self.last_frame > conns.keepalive_s:
             self._ping_sent = now
             self._write(frame_head(PING, 0, 0, 8), b"pxrtkeep")
+        if self._blocked or self._starved:
+            since = now - conns.send_timeout_s
+            for stream in [*self._blocked.values(), *self._starved.values()]:
+                if stream.waiting_since < since:
+                    self.reset(stream.id, CANCEL)  # its answer did not move: dropped
         if not self.streams:
             if now - self.idle_since > conns.idle_timeout_s:
                 self.go_away(NO_ERROR, b"idle")
             return
-        self.stalled(now - conns.body_timeout_s)
+        self.sweep_streams(now)
 
     # ------------------------------------------------------------------ subclass
 
@@ -1023,8 +1135,15 @@ class H2Protocol(asyncio.Protocol):
     def stream_drained(self, stream: Any) -> None:
         """What ``stream`` had queued for the peer's windows has all been sent."""
 
-    def stalled(self, since: float) -> None:
-        """Fail the streams holding part of a message received before ``since``."""
+    def overflow(self, stream: Any) -> None:
+        """Data for ``stream`` would wait for the client's windows while the connection
+        already holds ``Connections.max_queued_bytes`` waiting: end the stream instead
+        (here with RST_STREAM CANCEL; a subclass answers with its protocol's error)."""
+        self.reset(stream.id, CANCEL)
+
+    def sweep_streams(self, now: float) -> None:
+        """The sweep's turn for the streams (``Connections.body_timeout_s``: fail those
+        holding part of a message that stopped coming)."""
 
 
 __all__ = [

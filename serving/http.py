@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 
     from .server import Server
 
+
+log = logging.getLogger("pxrt.http")
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -90,6 +93,9 @@ def create_app(
     app = Starlette(
         routes=_routes(restrictions, infer), lifespan=lifespan, exception_handlers=_handlers()
     )
+    # Starlette answers a path with a trailing slash by a redirect built from the
+    # request's Host header (an open redirect); the API's paths have none: a 404.
+    app.router.redirect_slashes = False
     app.state.pxrt = state
     return KServeApp(app, infer)
 
@@ -100,6 +106,7 @@ def generation_app(state: AppState, fallback: Any) -> Starlette:
     ``--workers`` worker's app, which streams its generations itself."""
     routes = [*_generation_routes(state.restrictions), Mount("", app=fallback)]
     app = Starlette(routes=routes, exception_handlers=_handlers())
+    app.router.redirect_slashes = False  # (as create_app's)
     app.state.pxrt = state
     return app
 
@@ -215,7 +222,8 @@ async def _routing_error(request: Request, exc: Exception) -> Response:
 
 def _endpoint(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
     """An endpoint whose unexpected errors are answered like the known ones: a JSON 500,
-    one log line, the connection kept."""
+    one log line, the connection kept. A client that hangs up before its request is in
+    is not an error: one line at INFO, and nobody to answer."""
 
     @functools.wraps(fn)
     async def endpoint(request: Request) -> Response:
@@ -223,6 +231,9 @@ def _endpoint(fn: Callable[[Request], Awaitable[Response]]) -> Callable:
             return await fn(request)
         except (ServingError, ProtocolError, RepositoryError, asyncio.CancelledError):
             raise  # the app's exception handlers answer these
+        except ClientDisconnect:
+            log.info("pxrt: %s %s: the client hung up", request.method, request.url.path)
+            return Response(status_code=499)  # (not sent: the connection is gone)
         except Exception as exc:  # noqa: BLE001 - a bug: logged, answered, serving goes on
             raise core.internal_error(f"{request.method} {request.url.path}", exc) from exc
 
@@ -239,7 +250,7 @@ def _restricted(
 
     @functools.wraps(endpoint)
     async def guarded(request: Request) -> Response:
-        restrictions.check(group, request.headers.get)
+        restrictions.check(group, request.headers.getlist)
         return await endpoint(request)
 
     return guarded
@@ -438,7 +449,7 @@ class InferEndpoint:
     async def _infer(self, state: AppState, scope: Any, receive: Any, send: Any) -> None:
         headers = Headers(scope=scope)
         if "inference" in state.restrictions.keys:
-            state.restrictions.check("inference", headers.get)
+            state.restrictions.check("inference", headers.getlist)
         server = state.server
         params = scope["path_params"]
         name, version = params["model"], params.get("version")

@@ -14,6 +14,10 @@ for ``uvicorn.Config(http=...)`` that:
   ``LINGER_S`` (an RST would lose the answer), for at most ``linger_allowance``
   connections beyond the cap at once;
 - answers 431 and closes when a request's URL and headers exceed ``max_header_bytes``;
+- answers 400 and closes a request that asks to upgrade the connection (``Connection:
+  Upgrade``: a WebSocket, h2c): pxrt serves none, and uvicorn would hand the socket to
+  a protocol this guard does not watch (``pxrt serve`` also runs uvicorn with
+  ``ws="none"``);
 - answers 408 and closes when headers are not complete ``header_timeout_s`` after the
   connection opened or the request began (so a socket that never sends anything is
   closed too), or when a body makes no progress for ``body_timeout_s`` or is not
@@ -48,6 +52,7 @@ log = logging.getLogger("pxrt.http")
 
 
 _REASONS = {
+    400: b"Bad Request",
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
     503: b"Service Unavailable",
@@ -204,6 +209,9 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
     def can_reply(self) -> bool:
         return not self._refused and super().can_reply()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        pass  # (uvicorn's, after the parser stops at an upgrade: answered 400 above)
+
     def close_answered(self) -> None:
         self._refused = True  # what else the client sends is dropped
         self._linger()
@@ -269,6 +277,9 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
 
     def on_headers_complete(self) -> None:
         if self._refused:
+            return
+        if self.parser.should_upgrade():
+            self._refuse(400, "this server upgrades no connection (no WebSocket, no h2c)")
             return
         self._in_body = True
         self._due = self.loop.time() + self.limits.body_timeout_s
@@ -339,6 +350,7 @@ UVICORN_INTERNALS = (
     "access_log",
     "access_logger",
     "on_response_complete",
+    "_unsupported_upgrade_warning",
 )
 
 __all__ = [

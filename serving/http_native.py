@@ -46,7 +46,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import codec, core
-from .access import header_getter
+from .access import header_values
 from .core import TooLarge
 from .http import (
     HEADER_LENGTH,
@@ -167,7 +167,7 @@ class NativeCycle:
         headers = proto.headers
         try:
             group = _INFER if self.kind in (_INFER, _STREAM) else "health"
-            state.restrictions.check(group, header_getter(headers))
+            state.restrictions.check(group, header_values(headers))
             if self.kind not in (_INFER, _STREAM):
                 return
             length = None

@@ -281,6 +281,7 @@ def _run_one(setup: _Setup) -> int:
         port=args.port,
         http=guarded_protocol(limits, server, native=state if args.native_http else None),
         lifespan="on",
+        ws="none",  # no WebSocket: an upgrade is answered 400 (serving.http_limits)
         log_level=args.log_level,
         timeout_graceful_shutdown=30,
         # Connections waiting to be accepted (the kernel caps it at somaxconn):

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         app,
         http=guarded_protocol(limits, remote, native=state if opts.native_http else None),
         lifespan="off",
+        ws="none",  # (as pxrt serve's: an upgrade is answered 400)
         log_level=opts.log_level,
         timeout_graceful_shutdown=30,
         **(tls.uvicorn_options() if tls else {}),

@@ -95,6 +95,25 @@ def test_a_restricted_api_needs_its_key(restricted, method, path, group):
     assert r.status_code == (400 if "repository" in path else 200), r.text
 
 
+def test_a_key_header_sent_twice_is_a_bad_request_on_every_path(artifacts):
+    """Which of two key headers counts would depend on the reader (a proxy may check one,
+    the server another): a request that sends it twice is refused, 400 on the native
+    inference path and on Starlette's (gRPC's INVALID_ARGUMENT: test_grpc.py)."""
+    proc = ServeProcess([str(artifacts["mlp"]), "--restricted-api", "inference,metadata:k=abc"])
+    try:
+        twice = [("k", "abc"), ("k", "abc")]
+        for method, path, kw in [
+            ("POST", "/v2/models/mlp/infer", {"json": {"inputs": [X]}}),
+            ("GET", "/v2/models/mlp", {}),
+        ]:
+            url = proc.url + path
+            assert httpx.request(method, url, headers=[("k", "abc")], timeout=10, **kw).is_success
+            r = httpx.request(method, url, headers=twice, timeout=10, **kw)
+            assert r.status_code == 400 and "sent 2 times" in r.json()["error"], (path, r.text)
+    finally:
+        assert proc.stop() == 0
+
+
 def test_open_apis_stay_open(restricted):
     assert restricted.get("/v2/health/ready").status_code == 200
     assert restricted.get("/v2/models/mlp/ready").status_code == 200

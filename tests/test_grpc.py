@@ -627,6 +627,26 @@ def test_tls_and_restricted_apis_with_the_triton_client(artifacts, tmp_path):
             lambda: client.get_model_repository_index(headers={"admin-key": "s3cret"})
         )
         assert code == "StatusCode.FAILED_PRECONDITION"  # allowed; no repository here
+        # a key sent twice (which one counts would depend on the reader): INVALID_ARGUMENT
+        from tritonclient.grpc import service_pb2_grpc
+
+        with grpc.secure_channel(
+            f"localhost:{proc.grpc_port}", grpc.ssl_channel_credentials(ca)
+        ) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            request = pb.ModelInferRequest(model_name="mlp")
+            request.inputs.add(name="x", datatype="FP32", shape=[1, 32])
+            request.raw_input_contents.append(np.ones((1, 32), np.float32).tobytes())
+            for call, message, key in [
+                (stub.ModelInfer, request, ("infer-key", "abc")),
+                (stub.ModelStatistics, pb.ModelStatisticsRequest(name="mlp"),
+                 ("admin-key", "s3cret")),
+            ]:  # fmt: skip
+                call(message, metadata=[key], timeout=10)
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(message, metadata=[key, key], timeout=10)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "sent 2 times" in caught.value.details()
 
         answers: queue.Queue = queue.Queue()
         client.start_stream(lambda result, error: answers.put(error), headers={})

@@ -1014,3 +1014,246 @@ def test_the_lean_grpc_client_against_pxrt_serve(served, run):
     assert status == 5  # NOT_FOUND
     want = outs[0].raw_output_contents[0]
     assert all(o.model_name == "mlp" and o.raw_output_contents[0] == want for o in outs)
+
+
+# --------------------------------------------------------------------------- hardening
+
+
+def _open_frame(sid: int, method: str = "ModelInfer", end: bool = False) -> bytes:
+    block = h2.encode_headers(
+        [(b":method", b"POST"), (b":path", (PATH + method).encode()),
+         (b"content-type", b"application/grpc")])  # fmt: skip
+    return _frame(h2.HEADERS, h2.END_HEADERS | (h2.END_STREAM if end else 0), sid, block)
+
+
+async def raw_goaway(client: Client) -> tuple[int, bytes]:
+    """Read a connection to its end as raw frames (not through the h2 state machine: the
+    test sent frames it does not know of): its GOAWAY's error code and debug data."""
+    data = b""
+    while chunk := await asyncio.wait_for(client.reader.read(1 << 16), 10):
+        data += chunk
+    pos, found = 0, None
+    while len(data) - pos >= 9:
+        length = int.from_bytes(data[pos : pos + 3], "big")
+        if data[pos + 3] == h2.GOAWAY:
+            body = data[pos + 9 : pos + 9 + length]
+            found = int.from_bytes(body[4:8], "big"), body[8:]
+        pos += 9 + length
+    assert found is not None, "no GOAWAY"
+    return found
+
+
+CONTROL_FLOODS = {
+    "SETTINGS": lambda i: _frame(h2.SETTINGS, 0, 0, b"\0\4" + (i % 2).to_bytes(4, "big")),
+    "WINDOW_UPDATE": lambda i: _frame(h2.WINDOW_UPDATE, 0, 0, b"\0\0\0\1"),
+    "PRIORITY": lambda i: _frame(h2.PRIORITY, 0, 1, b"\0\0\0\0\x10"),
+    "empty DATA": lambda i: _frame(h2.DATA, 0, 1, b""),
+    "RST_STREAM of a closed stream": lambda i: _frame(h2.RST_STREAM, 0, 1, b"\0\0\0\x08"),
+    "an unknown type": lambda i: _frame(0x20, 0, 0, b"x"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(CONTROL_FLOODS))
+def test_floods_of_control_frames_are_sent_away(models, run, kind):
+    """Frames that carry no request count against an allowance (here 50 per window):
+    a client that only sends them is sent away (ENHANCE_YOUR_CALM)."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server, limits=GrpcLimits(max_control_frames=50))
+            client = await Client.connect(port)
+            await client.read_until(lambda: client.received > 0)
+            await client.raw(_open_frame(1, "ModelStreamInfer"))  # a stream the frames name
+            await client.raw(b"".join(CONTROL_FLOODS[kind](i) for i in range(200)))
+            code, why = await raw_goaway(client)
+            assert (code, why) == (h2.ENHANCE_YOUR_CALM, b"too many control frames")
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_control_frames_that_answer_the_servers_data_are_not_a_flood(models, run):
+    """A client acknowledging every answer (a WINDOW_UPDATE per DATA frame, both the
+    stream's and the connection's) and pinging between them is not sent away, however
+    many calls it makes: each DATA frame the server sends earns two."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            limits = GrpcLimits(max_control_frames=20)
+            grpc_server, port = await serve(server, limits=limits, max_message_bytes=1 << 16)
+            client = await Client.connect(port)
+            client.conn.update_settings({4: 300})  # small windows: answers come in pieces
+            await client.flush()
+            x = np.ones((8, 32), np.float32)
+            for i in range(60):
+                answer = await client.call("ModelInfer", infer_message(x, rid=str(i)))
+                assert answer.status == 0, answer.message
+            assert client.goaway is None
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_a_new_initial_window_touches_no_stream(models, run):
+    """A SETTINGS that changes the initial window costs the same with 1,000 streams open
+    as with none: no stream is visited (the flood of the issue cost 88-120 us a frame)."""
+
+    class Counting(dict):
+        visits = 0
+
+        def values(self):
+            Counting.visits += 1
+            return super().values()
+
+        def __iter__(self):
+            Counting.visits += 1
+            return super().__iter__()
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            owner = GrpcServer(server, max_message_bytes=1 << 20)
+            proto = GrpcProtocol(owner)
+            proto.connection_made(_Transport())
+            opens = b"".join(_open_frame(2 * i + 1, "ModelStreamInfer") for i in range(1000))
+            proto.data_received(h2.PREFACE + _frame(h2.SETTINGS, 0, 0, b"") + opens)
+            assert len(proto.streams) == 1000
+            proto.streams = Counting(proto.streams)
+            for window in (0, 1 << 20, 5, 1 << 16):
+                setting = (4).to_bytes(2, "big") + window.to_bytes(4, "big")
+                proto.data_received(_frame(h2.SETTINGS, 0, 0, setting))
+            assert Counting.visits == 0 and not proto.closed
+            assert proto.peer_initial_window == 1 << 16
+            proto.connection_lost(None)
+            assert owner.connections.streams == 0
+            owner.connections.close()
+
+    run(main)
+
+
+def test_a_client_that_reads_no_answers_holds_a_bounded_amount(models, run):
+    """A client advertising a zero window that never opens it: answers wait up to
+    ``max_queued_bytes`` (then new calls are refused and answers that would wait end
+    RESOURCE_EXHAUSTED), and an answer that does not move for ``send_timeout_s`` is
+    dropped with its call (RST_STREAM CANCEL): nothing is held for long."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            limits = GrpcLimits(max_queued_bytes=3000, send_timeout_s=0.6)
+            grpc_server, port = await serve(server, limits=limits)
+            client = await Client.connect(port, auto_ack=False)
+            client.conn.update_settings({4: 0})  # INITIAL_WINDOW_SIZE 0, never opened
+            await client.flush()
+            await client.read_until(lambda: client.received > 0)
+            x = np.ones((16, 32), np.float32)  # answers of ~2.1 KB
+            sids = []
+            for i in range(8):  # all sent before any is answered
+                sids.append(client.open("ModelInfer"))
+                client.conn.send_data(sids[-1], framed(infer_message(x, rid=str(i))), True)
+            await client.flush()
+            answers = [client.answers[s] for s in sids]
+            await client.read_until(lambda: all(a.headers or a.done for a in answers), 10)
+            (conn,) = grpc_server.connections.open
+            waiting = [a for a in answers if not a.done]
+            failed = [a for a in answers if a.status == 8]
+            assert len(waiting) == 2 and conn.queued_bytes < 3000 + 2200, conn.queued_bytes
+            assert len(failed) == 6 and "has not read" in failed[0].message
+            late = await client.call("ModelInfer", infer_message(x), timeout_s=10)
+            assert late.reset == h2.REFUSED_STREAM  # a new call while over the bound
+            await client.read_until(lambda: all(a.done for a in waiting), 10)
+            assert all(a.reset == h2.CANCEL for a in waiting)  # the send timeout
+            assert conn.queued_bytes == 0 and not conn.streams
+            ok = await client.call("ModelInfer", infer_message(np.ones((1, 32), np.float32)))
+            assert ok.headers  # taken again (its answer waits for the window, as asked)
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_resets_the_client_makes_the_server_send_count_as_its_own(models, run):
+    """ "MadeYouReset": frames that make the server reset a stream (a zero WINDOW_UPDATE,
+    a second header block that does not end it) count toward the rapid-reset limit like
+    the client's RST."""
+
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server)
+            grpc_server.connections.max_client_resets = 50
+            client = await Client.connect(port)
+            await client.read_until(lambda: client.received > 0)
+            frames = b""
+            for i in range(30):
+                sid = 2 * i + 1
+                frames += _open_frame(sid) + _frame(h2.WINDOW_UPDATE, 0, sid, b"\0\0\0\0")
+            for i in range(30, 60):
+                sid = 2 * i + 1
+                frames += _open_frame(sid) + _open_frame(sid)  # "trailers" not ending it
+            await client.raw(frames)
+            code, why = await raw_goaway(client)
+            assert (code, why) == (h2.ENHANCE_YOUR_CALM, b"too many streams reset")
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_streams_are_capped_per_process_and_idle_streams_end(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            limits = GrpcLimits(max_streams=3, stream_idle_timeout_s=0.5)
+            grpc_server, port = await serve(server, limits=limits)
+            first, second = await Client.connect(port), await Client.connect(port)
+            streams = [first.open("ModelStreamInfer") for _ in range(2)]
+            await first.flush()
+            await until(lambda: grpc_server.connections.streams == 2)
+            a = second.open("ModelStreamInfer")
+            b = second.open("ModelStreamInfer")  # the fourth over both connections
+            await second.flush()
+            await second.read_until(lambda: second.answers[b].done, 10)
+            assert second.answers[b].reset == h2.REFUSED_STREAM
+            assert not second.answers[a].done
+            # one stream answers a request, then waits: idle, it ends UNAVAILABLE
+            x = np.ones((1, 32), np.float32)
+            first.conn.send_data(streams[0], framed(infer_message(x, rid="r")))
+            await first.flush()
+            await first.read_until(lambda: first.answers[streams[0]].done, 10)
+            answer = first.answers[streams[0]]
+            assert [g.infer_response.id for g in _stream_answers(answer)] == ["r"]
+            assert answer.status == 14 and "idle for 0.5 s" in answer.message
+            await until(lambda: grpc_server.connections.streams == 0)
+            await first.close()
+            await second.close()
+            await grpc_server.stop(1)
+
+    run(main)
+
+
+def test_a_malformed_timeout_or_compressed_flag_is_invalid(models, run):
+    async def main():
+        async with Server() as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server)
+            client = await Client.connect(port)
+            message = infer_message(np.ones((1, 32), np.float32))
+            for value in (b"5x", b"123456789S", b"-1S", b"S"):
+                answer = await client.call("ModelInfer", message, [(b"grpc-timeout", value)])
+                assert answer.status == 3 and "not a timeout" in answer.message, value
+            sid = client.open("ModelInfer", [(b"grpc-encoding", b"gzip")])
+            await client.send(sid, b"\x02" + framed(message)[1:], end=True)
+            await client.read_until(lambda: client.answers[sid].done)
+            answer = client.answers[sid]
+            assert answer.status == 3 and "compressed flag is 0 or 1, got 2" in answer.message
+            ok = await client.call("ModelInfer", message, [(b"grpc-timeout", b"5S")])
+            assert ok.status == 0
+            await client.close()
+            await grpc_server.stop(1)
+
+    run(main)

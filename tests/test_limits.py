@@ -117,6 +117,39 @@ def test_a_trickled_body_hits_the_request_deadline(guarded):
     assert time.monotonic() - t0 < 8
 
 
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        "POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        "Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        "Sec-WebSocket-Version: 13\r\nContent-Length: {n}\r\n\r\n",
+        "GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        "Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
+    ],
+    ids=["websocket with a body", "h2c"],
+)
+def test_a_request_to_upgrade_the_connection_gets_400_and_is_closed(guarded, request_head):
+    """pxrt serves no WebSocket (or h2c): such a request is answered and its connection
+    closed under the guard's watch (uvicorn's WebSocket handling kept the socket, with no
+    answer and no timeout, for as long as the client liked)."""
+    with connect(guarded) as s:
+        s.sendall(request_head.format(n=len(BODY)).encode() + BODY)
+        t0 = time.monotonic()
+        reply = read_all(s)
+    assert reply.startswith(b"HTTP/1.1 400 ") and b"upgrades no connection" in reply, reply
+    assert time.monotonic() - t0 < 5
+    assert infer_ok(guarded)
+
+
+def test_a_trailing_slash_is_a_404_never_a_redirect(guarded):
+    """Starlette redirects a path with a trailing slash to one built from the request's
+    Host header: an open redirect. The API's paths have no trailing slash: 404."""
+    for path in ("/v2/models/mlp/ready/", "/v2/models/mlp/", "/v2/health/live/", "/metrics/"):
+        r = httpx.get(guarded.url + path, headers={"Host": "evil.example"}, timeout=10)
+        assert r.status_code == 404 and "location" not in r.headers, (path, r.headers)
+        assert "no endpoint" in r.json()["error"]
+
+
 def test_connections_beyond_the_limit_get_503_and_one_log_line(guarded):
     """Beyond --max-connections a new connection is answered at once (503, Retry-After,
     Connection: close), not reset; the refusals are logged once per interval, counted."""
