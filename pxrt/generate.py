@@ -71,6 +71,9 @@ log = logging.getLogger("pxrt")
 _PREFILL, _STEP = 0, 1
 #: Temperatures below this are greedy (dividing by them would overflow float32).
 MIN_TEMPERATURE = 1e-5
+#: The highest temperature taken: the logits are divided by it in float32 (1e300 would
+#: overflow to a uniform draw), and beyond it sampling is near uniform already.
+MAX_TEMPERATURE = 100.0
 #: What ``Decoder.drain_timings`` returns durations of (seconds).
 TIMINGS = ("step", "prefill", "ttft", "tpot")
 # Columns of the per-prompt int32 and float32 rows of a prefill call, and of the state's
@@ -468,9 +471,9 @@ class Decoder:
         Generation stops after ``max_tokens`` tokens, at a stop token (the artifact's
         end-of-sequence and stop ids, and ``stop_ids``; the stop token is the last one
         returned), or when the cache is full (``max_length`` positions in all).
-        ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 do not cut. ``seed``
-        (0 .. 2**32-1; default random) fixes the sampled tokens whatever else is
-        generated at the same time.
+        ``temperature`` 0 is greedy (``MAX_TEMPERATURE`` at most); ``top_k`` 0 and
+        ``top_p`` 1 do not cut. ``seed`` (0 .. 2**32-1; default random) fixes the
+        sampled tokens whatever else is generated at the same time.
 
         Raises ValueError naming the parameter for a bad request, ``QueueFull`` when
         ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
@@ -484,8 +487,10 @@ class Decoder:
             top_p = float(top_p)
         if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)):
             raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}"
+            )
         k = _int_in("top_k", top_k, 0, None)
         if not (
             isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0.0 < top_p <= 1.0

@@ -15,6 +15,7 @@ text that could still be the start of one is held back until it cannot).
 from __future__ import annotations
 
 import codecs
+import collections
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -120,14 +121,63 @@ class _PrefixStream:
         return now[len(before) :]
 
 
+class StopMatcher:
+    """The stop strings as an Aho-Corasick automaton fed one character at a time: after
+    each, the length of the longest stop string that just ended (0: none), and in
+    ``held`` the length of the longest end of the text so far that could still begin
+    one. Each character costs O(1) (amortized), however many stop strings there are.
+    (pyahocorasick finds matches in whole strings; a stream needs the state kept between
+    its pieces, which it does not expose.)"""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        goto: list[dict[str, int]] = [{}]
+        depth, ends = [0], [0]
+        for stop in stops:
+            node = 0
+            for c in stop:
+                child = goto[node].get(c)
+                if child is None:
+                    child = goto[node][c] = len(goto)
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    ends.append(0)
+                node = child
+            ends[node] = max(ends[node], len(stop))
+        fail = [0] * len(goto)
+        queue = collections.deque(goto[0].values())
+        while queue:  # breadth first: a node's fail link is shallower than it
+            node = queue.popleft()
+            for c, child in goto[node].items():
+                queue.append(child)
+                f = fail[node]
+                while f and c not in goto[f]:
+                    f = fail[f]
+                link = goto[f].get(c, 0) if node else 0
+                fail[child] = link
+                ends[child] = max(ends[child], ends[link])  # (the longest: it began first)
+        self._goto, self._fail, self._depth, self._ends = goto, fail, depth, ends
+        self._state = 0
+
+    def feed(self, c: str) -> int:
+        node, goto = self._state, self._goto
+        while node and c not in goto[node]:
+            node = self._fail[node]
+        node = self._state = goto[node].get(c, 0)
+        return self._ends[node]
+
+    @property
+    def held(self) -> int:
+        return self._depth[self._state]
+
+
 class TextStream:
     """The text of a generation as its tokens come, cut at the first stop string."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self._decode = tokenizer.stream()
-        self._stops = [s for s in stop if s]
-        self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._pending = ""
+        stops = [s for s in stop if s]
+        self._stops = StopMatcher(stops) if stops else None
+        self._pending = ""  # emitted once it cannot be part of a stop string
         self.stopped = False
         self.text = ""  # everything emitted
 
@@ -147,17 +197,20 @@ class TextStream:
 
     def _emit(self, piece: str, final: bool) -> str:
         text = self._pending + piece
-        if self._stops:
-            cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
-            if cut >= 0:
-                self.stopped = True
-                self._pending = ""
-                self.text += text[:cut]
-                return text[:cut]
-        keep = 0 if final or not self._stops else min(self._hold, len(text))
-        # Hold back only a tail that could still start a stop string.
-        while keep and not any(s.startswith(text[len(text) - keep :]) for s in self._stops):
-            keep -= 1
+        keep = 0
+        stops = self._stops
+        if stops is not None:
+            # Only the new characters are fed: the work per token is its text's.
+            at = len(self._pending)
+            for i, c in enumerate(piece):
+                ended = stops.feed(c)
+                if ended:
+                    cut = at + i + 1 - ended
+                    self.stopped = True
+                    self._pending = ""
+                    self.text += text[:cut]
+                    return text[:cut]
+            keep = 0 if final else stops.held
         out, self._pending = text[: len(text) - keep], text[len(text) - keep :]
         self.text += out
         return out

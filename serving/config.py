@@ -28,7 +28,14 @@ import os
 import tomllib
 from typing import Any
 
-from .options import BatchingOptions, HttpLimits, OptionError, Placement, number
+from .options import (
+    BatchingOptions,
+    GenerationLimits,
+    HttpLimits,
+    OptionError,
+    Placement,
+    number,
+)
 
 MB = 1 << 20
 KB = 1 << 10
@@ -65,6 +72,13 @@ HTTP_FLAGS = (
     ("--body-timeout-s", "body_timeout_s", 1, "a body's longest pause (408)"),
     ("--request-timeout-s", "request_timeout_s", 1, "time to send a whole request (408)"),
 )  # fmt: skip
+
+
+GENERATION_FLAGS = {
+    "max_stop_strings": "stop strings in one request",
+    "max_stop_bytes": "UTF-8 bytes of one stop string",
+    "max_stop_ids": "stop token ids in one request",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,6 +195,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "of grpcio's CPU); --no-native-grpc serves it with grpcio's asyncio server "
         "(default on)",
     )  # fmt: skip
+    generation = p.add_argument_group(
+        "generation (every decoder, every protocol: a request over one is a 400 naming it)"
+    )
+    for key, what in GENERATION_FLAGS.items():
+        generation.add_argument(
+            "--" + key.replace("_", "-"), type=_arg(GenerationLimits.CHECKS[key]),
+            default=getattr(GenerationLimits(), key),
+            help=f"{what} (default {getattr(GenerationLimits(), key)})",
+        )  # fmt: skip
     p.add_argument(
         "--max-stream-inflight", type=_arg(number(int, 1)), default=512,
         help="requests of one gRPC stream read and not yet answered; over it the stream "
@@ -322,6 +345,11 @@ def connection_shares(args: argparse.Namespace) -> tuple[int, int]:
     return total - grpc, grpc
 
 
+def generation_limits(args: argparse.Namespace) -> GenerationLimits:
+    """The generation limits the flags set."""
+    return GenerationLimits(**{k: getattr(args, k) for k in GenerationLimits.CHECKS})
+
+
 def http_limits(args: argparse.Namespace, max_connections: int) -> HttpLimits:
     """The HTTP limits the flags set (``max_connections``: HTTP's share)."""
     values = {field: getattr(args, flag[2:].replace("-", "_")) * unit
@@ -457,6 +485,7 @@ __all__ = [
     "connection_shares",
     "distributed_config",
     "fd_budget",
+    "generation_limits",
     "http_limits",
     "model_specs",
     "repository_config",

@@ -39,6 +39,7 @@ from .errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingErro
 if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
 
+    from .options import GenerationLimits
     from .server import Server
 
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
@@ -76,14 +77,31 @@ def invalid(message: str) -> core.InvalidRequest:
     return core.InvalidRequest(message)
 
 
-def _stop_strings(value: Any) -> list[str]:
+_COUNTED = {"stop": ("strings", "--max-stop-strings"), "stop_ids": ("ids", "--max-stop-ids")}
+
+
+def check_limit(field: str, count: int, most: int) -> None:
+    """A request's ``count`` stop strings or ids (``field``) within ``most``."""
+    if count > most:
+        unit, flag = _COUNTED[field]
+        raise invalid(f"{field}: {count} {unit}; at most {most} (pxrt serve {flag})")
+
+
+def _stop_strings(value: Any, limits: GenerationLimits) -> list[str]:
     if value is None:
         return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
-    raise invalid(f"stop must be a string or a list of strings, got {value!r}")
+    stops = [value] if isinstance(value, str) else value
+    if not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise invalid(f"stop must be a string or a list of strings, got {value!r:.80}")
+    check_limit("stop", len(stops), limits.max_stop_strings)
+    for s in stops:
+        size = len(s.encode("utf-8", "surrogatepass"))
+        if size > limits.max_stop_bytes:
+            raise invalid(
+                f"stop: a string of {size} bytes; at most {limits.max_stop_bytes} each "
+                "(pxrt serve --max-stop-bytes)"
+            )
+    return stops
 
 
 def _ids(value: Any, field: str) -> list[int]:
@@ -111,13 +129,19 @@ async def _body(request: Request) -> dict:
     return body_of(await request.body())
 
 
-def _options(source: Mapping[str, Any]) -> dict:
-    return {k: source[k] for k in OPTIONS if source.get(k) is not None}
+def _options(source: Mapping[str, Any], limits: GenerationLimits) -> dict:
+    options = {k: source[k] for k in OPTIONS if source.get(k) is not None}
+    stop_ids = options.get("stop_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise invalid(f"stop_ids must be a list of token ids, got {stop_ids!r:.80}")
+        check_limit("stop_ids", len(stop_ids), limits.max_stop_ids)
+    return options
 
 
-def parse_kserve(decoder: Decoder, body: dict) -> Prompt:
+def parse_kserve(decoder: Decoder, body: dict, limits: GenerationLimits) -> Prompt:
     """The generate extension's request: ``text_input`` or ``input_ids``, options at the
-    top level or under ``parameters`` (these win)."""
+    top level or under ``parameters`` (these win), within ``limits``."""
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise invalid("parameters must be an object")
@@ -128,13 +152,59 @@ def parse_kserve(decoder: Decoder, body: dict) -> Prompt:
         ids, text = _encode(decoder, body["text_input"], "text_input"), True
     else:
         ids, text = _ids(body["input_ids"], "input_ids"), decoder.tokenizer is not None
-    stop = _stop_strings(merged.get("stop"))
-    return Prompt(ids, _options(merged), stop, text, _timeout(merged.get("timeout")))
+    stop = _stop_strings(merged.get("stop"), limits)
+    options = _options(merged, limits)
+    return Prompt(ids, options, stop, text, _timeout(merged.get("timeout")))
 
 
-def parse_openai(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
+# OpenAI's request fields pxrt does not honour, each with the values that ask nothing of
+# it (what clients send as defaults); any other value is a 400 naming the field, never
+# silently ignored. Fields in neither table nor the ones parsed are refused as unknown.
+_NOT_HONOURED: dict[str, tuple] = {
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "parallel_tool_calls": (False, True),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "store": (False,),
+}
+# Fields accepted and not acted on: they ask nothing of the model's answer.
+_INFORMATIONAL = ("user", "metadata", "service_tier", "stream_options")
+_COMPLETIONS = ("model", "prompt", "n", "stream", "stop", "timeout", *OPTIONS)
+_CHAT = ("model", "messages", "n", "stream", "stop", "timeout", "max_completion_tokens", *OPTIONS)
+
+
+def _check_fields(body: dict, known: tuple[str, ...]) -> None:
+    for field, value in body.items():
+        if field in known or field in _INFORMATIONAL or value is None:
+            continue
+        noop = _NOT_HONOURED.get(field)
+        if noop is None:
+            raise invalid(f"unknown field {field!r:.60}")
+        if not any(v == value and isinstance(v, bool) == isinstance(value, bool) for v in noop):
+            raise invalid(f"{field} is not supported by this server, got {value!r:.80}")
+
+
+def parse_openai(
+    decoder: Decoder, body: dict, limits: GenerationLimits, known: tuple[str, ...] = _COMPLETIONS
+) -> tuple[Prompt, bool]:
     """``/v1/completions``: the prompt (text, or token ids), OpenAI's defaults
-    (``max_tokens`` 16, ``temperature`` 1), and whether to stream."""
+    (``max_tokens`` 16, ``temperature`` 1), and whether to stream. A field it does not
+    honour is refused unless it asks nothing (``_NOT_HONOURED``)."""
+    _check_fields(body, known)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -146,12 +216,13 @@ def parse_openai(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
         raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
     n = body.get("n", 1)
     if n != 1:
-        raise invalid(f"n must be 1 (one completion per request), got {n!r}")
-    options = {"max_tokens": 16, "temperature": 1.0} | _options(body)
+        raise invalid(f"n must be 1 (one completion per request), got {n!r:.40}")
+    options = {"max_tokens": 16, "temperature": 1.0} | _options(body, limits)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise invalid(f"stream must be true or false, got {stream!r}")
-    return Prompt(ids, options, _stop_strings(body.get("stop")), True), stream
+        raise invalid(f"stream must be true or false, got {stream!r:.40}")
+    stop = _stop_strings(body.get("stop"), limits)
+    return Prompt(ids, options, stop, True, _timeout(body.get("timeout"))), stream
 
 
 async def start(server: Server, name: str, prompt: Prompt) -> Generation:
@@ -268,7 +339,7 @@ class KServeCall:
     async def open(cls, server: Server, params: Mapping[str, Any], body: dict) -> KServeCall:
         name = params["model"]
         decoder = core.resolve_decoder(server, name, params.get("version"))
-        prompt = parse_kserve(decoder, body)
+        prompt = parse_kserve(decoder, body, server.generation_limits)
         return cls(name, decoder, prompt, await start(server, name, prompt))
 
     async def json(self) -> dict:
@@ -405,7 +476,7 @@ def openai_endpoint(
 
 @openai_endpoint
 async def openai_completions(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
-    prompt, stream = parse_openai(decoder, body)
+    prompt, stream = parse_openai(decoder, body, server.generation_limits)
     gen = await start(server, name, prompt)
     ident = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -437,11 +508,17 @@ async def openai_completions(server: Server, name: str, decoder: Decoder, body: 
     return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
-def parse_chat(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
+def parse_chat(decoder: Decoder, body: dict, limits: GenerationLimits) -> tuple[Prompt, bool]:
     """``/v1/chat/completions``: ``messages`` rendered by the artifact's chat template,
-    then the options as for ``/v1/completions``."""
+    then the options as for ``/v1/completions`` (``max_completion_tokens`` is
+    ``max_tokens``)."""
     from pxrt.tokenizer import render_chat
 
+    _check_fields(body, _CHAT)
+    if body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            raise invalid("give max_tokens or max_completion_tokens, not both")
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
     if decoder.chat_template is None or decoder.tokenizer is None:
         raise invalid(f"model {decoder.name!r} has no chat template: use /v1/completions")
     messages = body.get("messages")
@@ -462,13 +539,13 @@ def parse_chat(decoder: Decoder, body: dict) -> tuple[Prompt, bool]:
         text = render_chat(decoder.chat_template, messages)
     except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
         raise invalid(f"the chat template failed on these messages: {exc}") from None
-    prompt, stream = parse_openai(decoder, {**body, "prompt": text})
-    return prompt, stream
+    fields = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens")}
+    return parse_openai(decoder, {**fields, "prompt": text}, limits)
 
 
 @openai_endpoint
 async def openai_chat(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
-    prompt, stream = parse_chat(decoder, body)
+    prompt, stream = parse_chat(decoder, body, server.generation_limits)
     gen = await start(server, name, prompt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
 
@@ -505,9 +582,24 @@ async def openai_chat(server: Server, name: str, decoder: Decoder, body: dict) -
     return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
+def _model_doc(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pxrt"}
+
+
 async def openai_models(request: Request, server: Server) -> Response:
-    data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "pxrt"}
-        for name in server.decoders
-    ]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [_model_doc(n) for n in server.decoders]})
+
+
+async def openai_model(request: Request, server: Server) -> Response:
+    """``GET /v1/models/{model}``: one of ``openai_models``' (404 in OpenAI's shape)."""
+    name = request.path_params["model"]
+    if not server.is_decoder(name):
+        return openai_not_found(f"The model {name!r:.100} does not exist", "model_not_found")
+    return JSONResponse(_model_doc(name))
+
+
+def openai_not_found(message: str, code: str | None = None) -> Response:
+    """A 404 as OpenAI's clients read one."""
+    doc = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                     "code": code}}  # fmt: skip
+    return JSONResponse(doc, 404)

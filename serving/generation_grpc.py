@@ -14,6 +14,7 @@ response: its ``error_message``.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from tritonclient.grpc import service_pb2 as pb
 from . import core, generation
 
 if TYPE_CHECKING:
+    from .options import GenerationLimits
     from .server import Server
 
 _LEN = struct.Struct("<I")
@@ -46,31 +48,47 @@ _CONTENTS = {
 }
 
 
-def _bytes_elements(raw: bytes) -> list[bytes]:
-    out, at = [], 0
-    while at + 4 <= len(raw):
+def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
+    out: list[bytes] = []
+    at = 0
+    while at + 4 <= len(raw) and len(out) < count:
         (n,) = _LEN.unpack_from(raw, at)
         out.append(raw[at + 4 : at + 4 + n])
         at += 4 + n
-    if at != len(raw):
-        raise generation.invalid("a BYTES input's raw contents are not length-prefixed elements")
+    if at != len(raw) or len(out) != count:
+        raise generation.invalid(
+            f"a BYTES input's raw contents are not {count} length-prefixed elements"
+        )
     return out
 
 
 def _values(message: Any, index: int) -> list:
+    """The elements of input ``index``: exactly as many as its shape says."""
     tensor = message.inputs[index]
     datatype = tensor.datatype
+    count = math.prod(tensor.shape)
     if index < len(message.raw_input_contents):
         raw = message.raw_input_contents[index]
         if datatype == "BYTES":
-            return _bytes_elements(raw)
+            return _bytes_elements(raw, count)
         if datatype not in _DTYPES:
             raise generation.invalid(f"input {tensor.name!r}: unsupported datatype {datatype}")
-        return np.frombuffer(raw, _DTYPES[datatype]).tolist()
+        values = np.frombuffer(raw, _DTYPES[datatype]) if len(raw) % 4 == 0 else None
+        if values is None or len(values) != count:
+            raise generation.invalid(
+                f"input {tensor.name!r}: {len(raw)} bytes of raw contents for shape "
+                f"{list(tensor.shape)} of {datatype}"
+            )
+        return values.tolist()
     field = _CONTENTS.get(datatype)
     if field is None:
         raise generation.invalid(f"input {tensor.name!r}: unsupported datatype {datatype}")
-    return list(getattr(tensor.contents, field))
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise generation.invalid(
+            f"input {tensor.name!r}: {len(values)} elements for shape {list(tensor.shape)}"
+        )
+    return list(values)
 
 
 def _param(value: Any) -> Any:
@@ -78,21 +96,43 @@ def _param(value: Any) -> Any:
     return None if kind is None else getattr(value, kind)
 
 
-def parse(decoder: Any, message: Any) -> generation.Prompt:
-    """A decoupled request's prompt and options, as the HTTP generate extension's."""
+# The inputs a decoupled request may give: lists of elements, and one-element options.
+_LISTS = ("input_ids", "stop", "stop_ids")
+_ONE = ("text_input", "timeout", *(o for o in generation.OPTIONS if o not in _LISTS))
+
+
+def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Prompt:
+    """A decoupled request's prompt and options, as the HTTP generate extension's: an
+    input it does not know, one given twice, or one whose elements are not as many as
+    its shape says (one for an option) is refused; stop strings and ids are counted
+    against ``limits`` before they are read."""
     fields: dict[str, Any] = {}
+    most = {"stop": limits.max_stop_strings, "stop_ids": limits.max_stop_ids}
     for i, tensor in enumerate(message.inputs):
+        name = tensor.name
+        if name not in _LISTS and name not in _ONE:
+            known = ", ".join((*_LISTS, *_ONE))
+            raise generation.invalid(f"unknown input {name!r:.60}; known: {known}")
+        if name in fields:
+            raise generation.invalid(f"input {name!r} is given twice")
+        count = math.prod(tensor.shape)
+        if name in _ONE and count != 1:
+            raise generation.invalid(
+                f"input {name!r} takes one element, got shape {list(tensor.shape)}"
+            )
+        if name in most and count > most[name]:
+            generation.check_limit(name, count, most[name])
         values = _values(message, i)
-        if tensor.name in ("text_input", "stop"):
+        if name in ("text_input", "stop"):
             texts = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
-            fields[tensor.name] = texts[0] if tensor.name == "text_input" and texts else texts
-        elif tensor.name in ("input_ids", "stop_ids"):
-            fields[tensor.name] = [int(v) for v in values]
-        elif values:
-            fields[tensor.name] = values[0]
+            fields[name] = texts[0] if name == "text_input" else texts
+        elif name in ("input_ids", "stop_ids"):
+            fields[name] = [int(v) for v in values]
+        else:
+            fields[name] = values[0]
     for key, value in message.parameters.items():
         fields.setdefault(key, _param(value))
-    return generation.parse_kserve(decoder, fields)
+    return generation.parse_kserve(decoder, fields, limits)
 
 
 def _response(name: str, version: str, ident: str, piece: Any, text: bool) -> Any:
@@ -130,7 +170,7 @@ async def responses(server: Server, message: Any) -> AsyncIterator[Any]:
     request raises before the first (the caller answers it with its error)."""
     name = message.model_name
     decoder = core.resolve_decoder(server, name, message.model_version)
-    prompt = parse(decoder, message)
+    prompt = parse(decoder, message, server.generation_limits)
     gen = await generation.start(server, name, prompt)
     async for piece in generation.pieces(decoder, gen, prompt):
         yield _response(name, decoder.version, message.id, piece, prompt.text)

@@ -210,6 +210,8 @@ async def _error_response(request: Request, exc: Exception) -> Response:
 async def _routing_error(request: Request, exc: Exception) -> Response:
     # Starlette's own 404/405 (no route, wrong method), as every other error: JSON.
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 404 and request.url.path.startswith("/v1/"):
+        return generation.openai_not_found(f"no endpoint {request.url.path!r:.200} under /v1")
     if exc.status_code == 404:
         message = f"no endpoint {request.url.path!r}; the API is KServe v2 under /v2"
     elif exc.status_code == 405:
@@ -574,6 +576,11 @@ async def _openai_models(request: Request) -> Response:
     return await generation.openai_models(request, _state(request).server)
 
 
+@_endpoint
+async def _openai_model(request: Request) -> Response:
+    return await generation.openai_model(request, _state(request).server)
+
+
 def _serving(request: Request) -> Server:
     """The server, if it takes inference requests now (else ``NotServing``)."""
     server = _state(request).server
@@ -622,6 +629,7 @@ def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
     ]
     routes += _generation_routes(restrictions)
     routes.append(Route("/v1/models", r("metadata", _openai_models)))
+    routes.append(Route("/v1/models/{model}", r("metadata", _openai_model)))
     for prefix in _PREFIXES:
         routes += [
             Route(prefix, r("metadata", model_metadata)),

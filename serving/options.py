@@ -273,10 +273,38 @@ class HttpLimits(_Checked):
     }
 
 
+# --------------------------------------------------------------------------- generation
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationLimits(_Checked):
+    """What one generation request may ask of a server, on every protocol (the generate
+    extension, OpenAI's endpoints, gRPC's decoupled stream, through workers too). A
+    request over one is a 400 / INVALID_ARGUMENT naming it: the text of each token is
+    matched against every stop string, so their count and length bound its work.
+
+    Attributes:
+      max_stop_strings: stop strings in one request (OpenAI's API allows 4).
+      max_stop_bytes: the UTF-8 bytes of one stop string.
+      max_stop_ids: stop token ids in one request (beyond the artifact's own).
+    """
+
+    max_stop_strings: int = 16
+    max_stop_bytes: int = 256
+    max_stop_ids: int = 64
+
+    CHECKS: ClassVar[dict[str, Any]] = {
+        "max_stop_strings": number(int, 0),
+        "max_stop_bytes": number(int, 1),
+        "max_stop_ids": number(int, 0),
+    }
+
+
 __all__ = [
     "CELL_POLICIES",
     "PLACEMENTS",
     "BatchingOptions",
+    "GenerationLimits",
     "HttpLimits",
     "OptionError",
     "Placement",

@@ -34,6 +34,7 @@ from .errors import (
     no_model,
     no_version,
 )
+from .options import GenerationLimits
 
 log = logging.getLogger("pxrt.worker")
 
@@ -211,7 +212,8 @@ def _error(error: ipc.Error) -> BaseException:
 class RemoteServer:
     """What a worker's front ends call instead of ``serving.Server`` (see the module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, generation_limits: GenerationLimits = GenerationLimits()) -> None:
+        self.generation_limits = generation_limits  # (checked here: parsed in the worker)
         self.link: DeviceLink | None = None
         self._why: str | None = "the server is starting; not accepting inference requests"
         self._draining = asyncio.Event()

@@ -30,6 +30,7 @@ from .config import (
     add_arguments,
     connection_shares,
     distributed_config,
+    generation_limits,
     http_limits,
     model_specs,
     repository_config,
@@ -67,7 +68,9 @@ class _Setup:
         self.distributed = distributed_config(args, len(self.specs))
         #: Models to ``close`` at exit (a multi-host leader's: its followers stop).
         self.closing: list[Any] = []
-        self.server = Server(ready=False, on_models_changed=refreeze_gc)
+        self.server = Server(
+            ready=False, on_models_changed=refreeze_gc, generation_limits=generation_limits(args)
+        )
         self.repository: Any = None
         self.poller: list[asyncio.Future] = []
         self.loading_error: list[BaseException] = []

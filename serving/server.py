@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
 from .loops import new_event_loop
 from .metrics import Metrics
-from .options import BatchingOptions
+from .options import BatchingOptions, GenerationLimits
 
 
 async def _raise(exc: BaseException) -> Any:
@@ -71,9 +71,15 @@ class Server:
     """
 
     def __init__(
-        self, *, ready: bool = True, on_models_changed: Callable[[], None] | None = None
+        self,
+        *,
+        ready: bool = True,
+        on_models_changed: Callable[[], None] | None = None,
+        generation_limits: GenerationLimits = GenerationLimits(),
     ) -> None:
         self._ready = ready
+        #: What one generation request may ask (its stop strings...), every protocol.
+        self.generation_limits = generation_limits
         self._failed: str | None = None
         self._draining = asyncio.Event()  # set by drain(): streams end on it
         self._watchers: list[Callable[[], None]] = []

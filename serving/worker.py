@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .accept import Acceptor
     from .access import Restrictions, TlsFiles
-    from .config import connection_shares, http_limits
+    from .config import connection_shares, generation_limits, http_limits
     from .core import BodyBudget
     from .grpc_native import GrpcServer
     from .grpc_server import GrpcLimits
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
-    remote = RemoteServer()
+    remote = RemoteServer(generation_limits(opts))
     state = AppState(
         remote,  # type: ignore[arg-type]  # what the front ends call of a Server
         limits,

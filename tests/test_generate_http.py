@@ -248,6 +248,11 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
         ({"input_ids": [1, 999]}, "token id 999 is outside the vocabulary"),
         ({}, "exactly one of text_input"),
         ({"text_input": "hi", "stop": 3}, "stop must be a string"),
+        ({"text_input": "hi", "temperature": 1e300}, "temperature must be a number from 0 to"),
+        ({"text_input": "hi", "stop": ["a"] * 17}, "stop: 17 strings; at most 16"),
+        ({"text_input": "hi", "stop": ["é" * 200]}, "stop: a string of 400 bytes; at most 256"),
+        ({"text_input": "hi", "parameters": {"stop_ids": [1] * 65}}, "stop_ids: 65 ids"),
+        ({"text_input": "hi", "stop": ["x"] * 1_000_000}, "stop: 1000000 strings"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_problem(served, body, words):
@@ -351,6 +356,35 @@ def test_openai_client_completions(served, local):
         client.completions.create(model="lm", prompt="x", temperature=-2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
+
+
+def test_openai_fields_are_honoured_or_refused_never_ignored(served):
+    """A field pxrt does not honour is a 400 in OpenAI's shape naming it, unless its
+    value asks nothing (what clients send as defaults); max_completion_tokens is
+    max_tokens; /v1/models/{id} is served and a 404 under /v1 has OpenAI's shape too."""
+    url = f"{served.url}/v1"
+    base = {"model": "lm", "prompt": [72, 105], "max_tokens": 3, "temperature": 0}
+    defaults = {"echo": False, "logprobs": None, "n": 1, "best_of": 1, "presence_penalty": 0.0,
+                "frequency_penalty": 0, "logit_bias": {}, "suffix": None, "user": "u1"}  # fmt: skip
+    r = httpx.post(f"{url}/completions", json=base | defaults, timeout=30)
+    assert r.status_code == 200, r.text
+    for field, value in [("logprobs", 2), ("echo", True), ("best_of", 3), ("suffix", "x"),
+                         ("logit_bias", {"5": 100}), ("presence_penalty", 0.5),
+                         ("frequency_penalty", -1), ("response_format", {"type": "json_object"}),
+                         ("tools", [{"type": "function"}]), ("stop_sequences", ["x"])]:  # fmt: skip
+        r = httpx.post(f"{url}/completions", json=base | {field: value}, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error", (field, r.text)
+        assert field in error["message"], (field, error)
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    r = httpx.post(f"{url}/chat/completions", json=chat | {"max_completion_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+    r = httpx.post(f"{url}/chat/completions", json=chat | {"logprobs": True}, timeout=30)
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/models/lm", timeout=10).json()["id"] == "lm"
+    for path in ("/models/nope", "/nope"):
+        r = httpx.get(url + path, timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_openai_stream_ends_with_done(served):

@@ -125,6 +125,42 @@ def test_a_bad_request_fails_alone_on_its_stream(served, local):
     assert "1" in finals
 
 
+def _bytes_input(name: str, values: list[bytes]):
+    inp = grpcclient.InferInput(name, [len(values)], "BYTES")
+    inp.set_data_from_numpy(np.array(values, dtype=object))
+    return inp
+
+
+def test_unknown_inputs_extra_elements_and_too_many_stops_are_refused(served, local):
+    """Each bad request fails alone, naming what is wrong; the good one after them is
+    answered. Stop strings and ids are counted against the limits before they are read."""
+    temps = grpcclient.InferInput("temperature", [2], "FP32")
+    temps.set_data_from_numpy(np.array([0.5, 0.7], np.float32))
+    hot = grpcclient.InferInput("temperature", [1], "FP64")
+    hot.set_data_from_numpy(np.array([1e300]))
+    stop_ids = grpcclient.InferInput("stop_ids", [65], "INT32")
+    stop_ids.set_data_from_numpy(np.ones(65, np.int32))
+    prompt = _text_input("ok")
+    bad = [
+        ([prompt, _bytes_input("text_inputs", [b"x"])], "unknown input 'text_inputs'"),
+        ([_bytes_input("text_input", [b"a", b"b"])], "'text_input' takes one element"),
+        ([prompt, temps], "'temperature' takes one element"),
+        ([prompt, hot], "temperature must be a number from 0 to 100"),
+        ([prompt, _bytes_input("stop", [b"x"] * 17)], "stop: 17 strings; at most 16"),
+        ([prompt, _bytes_input("stop", [b"x" * 300])], "stop: a string of 300 bytes"),
+        ([prompt, stop_ids], "stop_ids: 65 ids; at most 64"),
+        ([prompt, prompt], "input 'text_input' is given twice"),
+    ]
+    good = {"inputs": [_text_input("ok")], "parameters": {"max_tokens": 4, "seed": 3}}
+    got, finals, errors = _stream(served, [{"inputs": inputs} for inputs, _ in bad] + [good])
+    messages = sorted(errors.values())
+    assert len(messages) == len(bad)
+    for _, words in bad:
+        assert any(words in m for m in messages), (words, messages)
+    want = local.generate(ByteTokenizer().encode("ok"), max_tokens=4, seed=3)
+    assert [int(t) for r in got[str(len(bad))] for t in r.as_numpy("output_ids")] == want.tokens
+
+
 def test_a_deadline_ends_a_stream_with_an_error_after_its_tokens(served):
     ids = grpcclient.InferInput("input_ids", [2], "INT32")
     ids.set_data_from_numpy(np.array([1, 2], np.int32))

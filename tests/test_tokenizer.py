@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pxrt
 from pxrt import demo
@@ -61,6 +63,41 @@ def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
     out = TextStream(tok, ["world"])
     assert [out.push(t) for t in tok.encode("hello wo")] == list("hello ") + ["", ""]
     assert out.push(ord("x")) == "wox"  # no longer a prefix of "world": released
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abé€ ", max_size=40),
+    stops=st.lists(st.text(alphabet="abé€ ", min_size=1, max_size=6), max_size=4),
+)
+def test_stop_strings_against_a_plain_reference(text, stops):
+    """Token by token, what is emitted is the text up to the first stop string to
+    complete, and what is held back is exactly the longest end that could begin one."""
+    tok = ByteTokenizer()
+    out = TextStream(tok, stops)
+    first = len(text)
+    for end in range(len(text) + 1):
+        hits = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+        if hits:
+            first = min(hits)
+            break
+    emitted = ""
+    tokens = tok.encode(text)
+    for i, t in enumerate(tokens):
+        emitted += out.push(t)
+        if out.stopped:
+            break
+        decoded = tok.decode(tokens[: i + 1])
+        held = decoded[len(emitted) :] if decoded.startswith(emitted) else None
+        if held is not None and "\ufffd" not in decoded:  # (a whole character so far)
+            could = max(
+                (k for s in stops for k in range(1, len(s)) if decoded.endswith(s[:k])),
+                default=0,
+            )
+            assert len(held) == could, (decoded, emitted, stops)
+    emitted += out.flush()
+    assert emitted == text[:first] == out.text
+    assert out.stopped == (first < len(text))
 
 
 def _bpe(tmp_path, vocab: int) -> str:
