@@ -16,6 +16,13 @@ requests by outcome, unanswered requests and 5xx on established connections (the
 be none), and memory and descriptors at the start of the second minute (after warm-up)
 and at the end.
 
+The attacks of the hardening work run beside them: an HTTP/2 connection that opens 200
+streams and floods SETTINGS frames, a gRPC client advertising a zero window that never
+reads its answers, resets the server is made to send, requests to upgrade the
+connection, trailing slashes with a forged Host, generate requests with a million stop
+strings (to the demo decoder, served too). A client reads /v2/health/ready every 50 ms
+throughout: its latency percentiles are reported (the goal: p99 under 50 ms).
+
     python benchmarks/soak.py [--minutes 5] [--reload-every-s 20] [--workers 1]
 """
 
@@ -49,6 +56,7 @@ from servers import ServeProcess  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from pxrt import demo  # noqa: E402
+from serving import h2  # noqa: E402
 
 
 def _tree(pid: int) -> list[int]:
@@ -92,11 +100,12 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="pxrt-soak-")
     repo = os.path.join(work, "repo")
     demo.export_demo(os.path.join(repo, "mlp", "1"))
+    demo.export_lm(os.path.join(repo, "lm", "1"))
     spare = shutil.copytree(os.path.join(repo, "mlp", "1"), os.path.join(work, "spare"))
     proc = ServeProcess(
         ["--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "mlp",
-         "--header-timeout-s", "2", "--body-timeout-s", "2", "--max-connections", "64",
-         "--workers", str(args.workers)],
+         "--load-model", "lm", "--header-timeout-s", "2", "--body-timeout-s", "2",
+         "--max-connections", "64", "--workers", str(args.workers)],
         grpc=True,
     )  # fmt: skip
     url, port, pid = proc.url, proc.port, proc.proc.pid
@@ -280,6 +289,133 @@ def main() -> None:
             except OSError:
                 count(f"{kind} reset")
 
+    grpc_port = int(proc.grpc_url.rsplit(":", 1)[1])
+    health_ms: list[float] = []
+
+    def health() -> None:
+        # The latency a load balancer's probe sees, every 50 ms (a connection kept).
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while not draining.is_set():
+                t0 = time.perf_counter()
+                try:
+                    r = http.get("/v2/health/ready")
+                except httpx.HTTPError:
+                    count("health UNANSWERED")
+                    continue
+                health_ms.append((time.perf_counter() - t0) * 1e3)
+                if r.status_code != 200:
+                    count(f"health {r.status_code}")
+                time.sleep(0.05)
+
+    def h2_connection() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", grpc_port), timeout=10)
+        s.sendall(h2.PREFACE + h2.frame_head(h2.SETTINGS, 0, 0, 0))
+        return s
+
+    def h2_open(sid: int, method: str, end: bool = False) -> bytes:
+        path = f"/inference.GRPCInferenceService/{method}".encode()
+        block = h2.encode_headers(
+            [(b":method", b"POST"), (b":path", path), (b"content-type", b"application/grpc")]
+        )
+        flags = h2.END_HEADERS | (h2.END_STREAM if end else 0)
+        return h2.frame_head(h2.HEADERS, flags, sid, len(block)) + block
+
+    def until_closed(s: socket.socket, seconds: float) -> bytes:
+        """What the server sends until it closes (or ``seconds`` pass)."""
+        s.settimeout(seconds)
+        got = b""
+        try:
+            while chunk := s.recv(1 << 16):
+                got += chunk
+        except OSError:
+            pass
+        return got
+
+    def settings_flood() -> None:
+        # 200 open streams, then SETTINGS(INITIAL_WINDOW_SIZE) as fast as it takes them.
+        setting = [b"\0\4\0\0\0\0", b"\0\4\0\1\0\0"]
+        frames = b"".join(h2.frame_head(h2.SETTINGS, 0, 0, 6) + setting[i % 2] for i in range(5000))
+        while not draining.wait(2):
+            try:
+                with h2_connection() as s:
+                    s.sendall(b"".join(h2_open(2 * i + 1, "ModelStreamInfer") for i in range(200)))
+                    try:
+                        for _ in range(20):
+                            s.sendall(frames)
+                    except OSError:
+                        pass  # sent away mid-flood
+                    got = until_closed(s, 10)
+                    count("settings flood sent away" if b"too many control frames" in got
+                          else "settings flood NOT SENT AWAY")  # fmt: skip
+            except OSError as exc:
+                count(f"settings flood {type(exc).__name__}")
+
+    def zero_window() -> None:
+        # Calls whose answers (64 KB each) a client with a zero window never takes.
+        big = np.ones((64, 256), np.float32)
+        request = grpcclient.service_pb2.ModelInferRequest(model_name="mlp")
+        request.inputs.add(name="x", datatype="FP32", shape=[64, 256])
+        request.raw_input_contents.append(big.tobytes())
+        message = request.SerializeToString()
+        framed = b"\0" + len(message).to_bytes(4, "big") + message
+        while not draining.wait(1):
+            try:
+                with socket.create_connection(("127.0.0.1", grpc_port), timeout=10) as s:
+                    zero = b"\0\4\0\0\0\0"  # SETTINGS_INITIAL_WINDOW_SIZE 0
+                    s.sendall(h2.PREFACE + h2.frame_head(h2.SETTINGS, 0, 0, 6) + zero)
+                    out = b""
+                    for i in range(100):
+                        sid = 2 * i + 1
+                        out += h2_open(sid, "ModelInfer")
+                        out += h2.frame_head(h2.DATA, h2.END_STREAM, sid, len(framed)) + framed
+                    s.sendall(out)
+                    time.sleep(5)  # holding what it was answered, reading none of it
+                count("zero-window client")
+            except OSError as exc:
+                count(f"zero-window client {type(exc).__name__}")
+
+    def made_you_reset() -> None:
+        # Streams the server is made to reset (a zero WINDOW_UPDATE each).
+        zero = b"\0\0\0\0"
+        while not draining.wait(2):
+            try:
+                with h2_connection() as s:
+                    frames = b"".join(
+                        h2_open(2 * i + 1, "ModelInfer")
+                        + h2.frame_head(h2.WINDOW_UPDATE, 0, 2 * i + 1, 4)
+                        + zero
+                        for i in range(3000)
+                    )
+                    try:
+                        s.sendall(frames)
+                    except OSError:
+                        pass
+                    got = until_closed(s, 10)
+                    count("reset flood sent away" if b"too many streams reset" in got
+                          else "reset flood NOT SENT AWAY")  # fmt: skip
+            except OSError as exc:
+                count(f"reset flood {type(exc).__name__}")
+
+    def odd_http() -> None:
+        # Upgrades, trailing slashes with a forged Host, a million stop strings.
+        upgrade = (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+                   b"Upgrade: websocket\r\nContent-Length: %d\r\n\r\n" % len(good_json)
+                   + good_json.encode())  # fmt: skip
+        stops = json.dumps({"text_input": "hi", "stop": ["x"] * 1_000_000}).encode()
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while not draining.wait(0.5):
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                        s.sendall(upgrade)
+                        count(f"upgrade {until_closed(s, 10)[9:12].decode() or 'closed'}")
+                    r = http.get("/v2/models/mlp/ready/", headers={"Host": "evil.example"})
+                    count(f"trailing slash {r.status_code}"
+                          + (" REDIRECTED" if "location" in r.headers else ""))  # fmt: skip
+                    r = http.post("/v2/models/lm/generate", content=stops)
+                    count(key("stop flood", r))
+                except httpx.HTTPError as exc:
+                    count(f"odd http {type(exc).__name__}")
+
     def reload() -> None:
         version2 = os.path.join(repo, "mlp", "2")
         with httpx.Client(base_url=url, timeout=300) as http:
@@ -298,6 +434,10 @@ def main() -> None:
     threads += [threading.Thread(target=bad) for _ in range(2)]
     threads += [threading.Thread(target=stream) for _ in range(2)]
     threads.append(threading.Thread(target=flood))
+    threads += [
+        threading.Thread(target=f)
+        for f in (health, settings_flood, zero_window, made_you_reset, odd_http)
+    ]
     threads += [
         threading.Thread(target=raw, args=(k,))
         for k in ("slowloris", "slowloris", "hangup", "big-header", "idle")
@@ -338,9 +478,13 @@ def main() -> None:
     fives = sum(
         n
         for k, n in outcomes.items()
-        if k.split()[0] in ("good", "bad", "reload") and k.split()[1].startswith("5")
+        if k.split()[0] in ("good", "bad", "reload", "stop") and k.split()[-1].startswith("5")
         and "(" not in k  # not while draining, not beyond the connection budget
     )  # fmt: skip
+    if health_ms:
+        p50, p99 = np.percentile(health_ms, [50, 99])
+        print(f"  health: {len(health_ms)} probes, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+              f"max {max(health_ms):.0f} ms")  # fmt: skip
     draining_503 = sum(n for k, n in outcomes.items() if k.endswith("503 (draining)"))
     unanswered = sum(n for k, n in outcomes.items() if "UNANSWERED" in k)
     print(f"  5xx answers: {fives} (503 while draining: {draining_503}); unanswered: {unanswered}")

@@ -1094,23 +1094,14 @@ def default_cache_dir() -> str:
 
 
 def _cache_dir(choice: bool | str | os.PathLike) -> str | None:
-    """The compilation cache directory to use, or None: it must be a directory of this
-    user's that nobody else can write to (its files are native code that will run)."""
+    """The compilation cache directory to use, or None (with a warning saying why): its
+    files are native code that will run, so nobody else may be able to write there
+    (``stored.safe_cache_dir`` says what is checked)."""
     if choice is False or choice is None:
         return None
     path = default_cache_dir() if choice is True else os.fspath(choice)
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.stat(path)
+        return stored.safe_cache_dir(path)
     except OSError as exc:
-        warnings.warn(f"pxrt: not caching compilations: {path}: {exc}", RuntimeWarning, 2)
+        warnings.warn(f"pxrt: not caching compilations: {exc}", RuntimeWarning, 2)
         return None
-    if (hasattr(os, "getuid") and st.st_uid != os.getuid()) or st.st_mode & 0o022:
-        warnings.warn(
-            f"pxrt: not caching compilations in {path}: it belongs to another user or others "
-            "can write to it",
-            RuntimeWarning,
-            2,
-        )
-        return None
-    return path

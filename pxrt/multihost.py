@@ -10,6 +10,15 @@ replays the leader's batches until the leader stops.
 
 Lockstep (one TCP connection from each follower to the leader, ``control_port``):
 
+- Joining is authenticated both ways with the group's shared secret (``Distributed``'s
+  ``secret``, ``$PXRT_GROUP_SECRET``, or ``pxrt serve --group-secret-file``): the
+  leader sends a fresh nonce, the follower answers with its own and an HMAC-SHA256 over
+  both nonces, its process id and the artifact's fingerprint, and the leader answers
+  with an HMAC the other way. A peer that cannot prove it holds the secret is logged and
+  ignored (the group waits on for its real follower), and each hello is read on its own
+  thread with a short timeout, so a silent connection holds nothing up. The channel is
+  authenticated, not encrypted: run a group on a network its hosts own.
+
 - For each batch the leader sends each follower a fixed header (magic, sequence number,
   cell, payload bytes) and the rows of the batch that follower's devices hold, then
   starts the same executable on its own rows. Headers go out and local executions start
@@ -35,8 +44,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import hmac
 import logging
 import math
+import os
+import queue
+import secrets
 import socket
 import struct
 import threading
@@ -61,6 +74,11 @@ STOP = 0xFFFFFFFF
 _OK, _FAILED = 0, 1
 #: The largest answer a leader reads (a follower's rows of every output of a batch).
 _MOST_ANSWER = 1 << 36
+#: The environment variable that holds a group's shared secret (``Distributed.secret``).
+SECRET_ENV = "PXRT_GROUP_SECRET"
+MIN_SECRET = 16  # characters: ``openssl rand -hex 32`` gives 64
+HELLO_TIMEOUT_S = 10.0  # a connection to the leader's port must say hello within this
+MOST_HELLOS = 32  # connections the leader hears out at once (more are closed at once)
 
 
 class GroupBroken(RuntimeError):
@@ -87,6 +105,10 @@ class Distributed:
         follower for the leader, after each has compiled.
       step_timeout_s: how long the leader waits for a follower's answer to one batch
         before it breaks the group (a stalled follower).
+      secret: the group's shared secret (the same in every process; at least 16
+        characters): followers and leader prove to each other they hold it when they
+        join. Default: ``$PXRT_GROUP_SECRET``; a group of more than one process needs
+        one.
     """
 
     coordinator: str
@@ -95,6 +117,7 @@ class Distributed:
     control_port: int | None = None
     connect_timeout_s: float = 300.0
     step_timeout_s: float = 30.0
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         host, _, port = self.coordinator.rpartition(":")
@@ -116,6 +139,16 @@ class Distributed:
         for name in ("connect_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"distributed: {name} must be > 0, got {getattr(self, name)}")
+        secret = self.secret if self.secret is not None else os.environ.get(SECRET_ENV)
+        if self.num_processes > 1 and (secret is None or len(secret.strip()) < MIN_SECRET):
+            raise ValueError(
+                f"distributed: a group of {self.num_processes} processes needs a shared secret "
+                f"of at least {MIN_SECRET} characters, the same in every process, so that "
+                f"only its members join it: set ${SECRET_ENV} (pxrt serve: or "
+                "--group-secret-file; pxrt.load: Distributed(secret=...)), e.g. the output of "
+                "`openssl rand -hex 32`"
+            )
+        object.__setattr__(self, "secret", None if secret is None else secret.strip())
 
     @property
     def leader(self) -> bool:
@@ -364,6 +397,73 @@ def _send_timeout(sock: socket.socket, seconds: float) -> None:
     )
 
 
+def _mac(cfg: Distributed, *parts: str) -> str:
+    assert cfg.secret is not None
+    message = "\0".join(parts).encode()
+    return hmac.new(cfg.secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A peer's hello that checked out: the process it says it is, its fingerprint, and
+    the nonces (the peer's, the leader's) the leader's answer covers."""
+
+    process: Any
+    fingerprint: str
+    nonces: tuple[str, str]
+
+
+def greet_follower(sock: socket.socket, cfg: Distributed) -> Hello:
+    """The leader's side of a hello on ``sock``: a challenge, then the peer's answer,
+    checked. Raises ``PermissionError`` for a peer that does not hold the group's secret
+    (after telling it so) and ``ConnectionError`` or ``ValueError`` for one that does not
+    speak the protocol. The leader answers a member with ``welcome``."""
+    nonce = secrets.token_hex(16)
+    _send_json(sock, {"nonce": nonce})
+    hello = _recv_json(sock)
+    process = hello.get("process_id")
+    theirs, peer_nonce, mac = (hello.get(k) for k in ("fingerprint", "nonce", "mac"))
+    if not (isinstance(theirs, str) and isinstance(peer_nonce, str) and isinstance(mac, str)):
+        raise ValueError("not a pxrt group hello")
+    want = _mac(cfg, "follower", nonce, peer_nonce, str(process), theirs)
+    if not hmac.compare_digest(mac, want):
+        _send_json(sock, {"ok": False, "error": "it does not hold the group's secret"})
+        raise PermissionError("it does not hold the group's secret")
+    return Hello(process, theirs, (peer_nonce, nonce))
+
+
+def welcome(sock: socket.socket, cfg: Distributed, hello: Hello, why: str | None) -> None:
+    """The leader's answer to a peer whose hello checked out, with its own proof
+    (``why``: the reason it may not join, None if it may)."""
+    peer_nonce, nonce = hello.nonces
+    mac = _mac(cfg, "leader", peer_nonce, nonce, str(hello.process), hello.fingerprint)
+    _send_json(sock, {"ok": why is None, "error": why or "", "mac": mac})
+
+
+def join_leader(sock: socket.socket, cfg: Distributed, fingerprint: str) -> None:
+    """The follower's side of a hello on ``sock`` (connected to the leader): answer its
+    challenge and check its answer (``LeaderGone`` if it refuses this process or does
+    not prove it holds the secret)."""
+    challenge = _recv_json(sock).get("nonce")
+    if not isinstance(challenge, str):
+        raise LeaderGone("distributed: the leader's port did not send a pxrt group hello")
+    nonce = secrets.token_hex(16)
+    pid = str(cfg.process_id)
+    mac = _mac(cfg, "follower", challenge, nonce, pid, fingerprint)
+    _send_json(
+        sock, {"process_id": cfg.process_id, "fingerprint": fingerprint, "nonce": nonce, "mac": mac}
+    )
+    answer = _recv_json(sock)
+    if not answer.get("ok"):
+        raise LeaderGone(f"distributed: the leader refused this process: {answer.get('error')}")
+    proof = answer.get("mac")
+    want = _mac(cfg, "leader", nonce, challenge, pid, fingerprint)
+    if not isinstance(proof, str) or not hmac.compare_digest(proof, want):
+        raise LeaderGone(
+            "distributed: the peer on the leader's port does not hold the group's secret"
+        )
+
+
 def fingerprint(manifest: dict, cells: Sequence[Any], devices: int) -> str:
     """What every process of a group must agree on: the artifact, the cells and the
     global device count."""
@@ -412,52 +512,111 @@ class Group:
         self._closed = False
         #: Steps whose answers came back.
         self.steps = 0
+        self._ignored_count = 0  # connections not let in, since the last log line
+        self._ignored_next = 0.0
 
     def accept(self, fingerprint: str) -> None:
-        """Wait for every follower to connect and agree on ``fingerprint``."""
+        """Wait for every follower to connect, prove it holds the group's secret and
+        agree on ``fingerprint``. A connection that does not prove it is logged and
+        ignored; a member that loaded another artifact (or says it is a process not
+        awaited) breaks the group (``GroupBroken``)."""
         want = set(range(1, self.cfg.num_processes))
         deadline = time.monotonic() + self.cfg.connect_timeout_s
-        while want:
-            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                raise GroupBroken(
-                    f"distributed: process(es) {sorted(want)} did not connect to the leader at "
-                    f"{self.cfg.control_address[0]}:{self.cfg.control_address[1]} within "
-                    f"{self.cfg.connect_timeout_s:g} s"
-                ) from None
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            _nodelay(sock)
-            try:
-                hello = _recv_json(sock)
-            except (OSError, ValueError, msgspec.DecodeError):
-                sock.close()
-                continue  # not a follower: ignore it
-            process: Any = hello.get("process_id")
-            why = None
-            if process not in want:
-                why = f"process {process!r} is not expected (waiting for {sorted(want)})"
-            elif hello.get("fingerprint") != fingerprint:
-                why = (
-                    f"process {process} loaded a different artifact, cells or device count "
-                    "than the leader"
-                )
-            _send_json(sock, {"ok": why is None, "error": why or ""})
-            if why is not None:
-                sock.close()
-                raise GroupBroken(f"distributed: {why}")
-            sock.settimeout(None)
-            _send_timeout(sock, self.cfg.step_timeout_s)
-            want.discard(process)
-            self.peers.append(_Peer(process, sock))
+        joined: queue.Queue = queue.Queue()
+        done = threading.Event()
+        listening = threading.Thread(
+            target=self._listen, args=(joined, done), name="pxrt-group-accept", daemon=True
+        )
+        listening.start()
+        try:
+            while want:
+                try:
+                    sock, hello = joined.get(timeout=max(0.01, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise GroupBroken(
+                        f"distributed: process(es) {sorted(want)} did not join the leader at "
+                        f"{self.cfg.control_address[0]}:{self.cfg.control_address[1]} within "
+                        f"{self.cfg.connect_timeout_s:g} s"
+                    ) from None
+                why = None
+                if hello.process not in want:
+                    why = f"process {hello.process!r} is not expected (waiting for {sorted(want)})"
+                elif hello.fingerprint != fingerprint:
+                    why = (
+                        f"process {hello.process} loaded a different artifact, cells or device "
+                        "count than the leader"
+                    )
+                try:
+                    welcome(sock, self.cfg, hello, why)
+                except OSError:
+                    sock.close()
+                    continue  # it went away: the group waits on
+                if why is not None:
+                    sock.close()
+                    raise GroupBroken(f"distributed: {why}")
+                sock.settimeout(None)
+                _send_timeout(sock, self.cfg.step_timeout_s)
+                want.discard(hello.process)
+                self.peers.append(_Peer(hello.process, sock))
+        finally:
+            done.set()
+            self._listener.close()
+            listening.join(5)
+            while not joined.empty():
+                joined.get_nowait()[0].close()
         self.peers.sort(key=lambda p: p.process)
-        self._listener.close()
         for i, peer in enumerate(self.peers):
             peer.reader = threading.Thread(
                 target=self._read, args=(i, peer), name=f"pxrt-group-{peer.process}", daemon=True
             )
             peer.reader.start()
+
+    def _listen(self, joined: queue.Queue, done: threading.Event) -> None:
+        """Accept connections until ``done``; each hello is heard on its own thread (at
+        most ``MOST_HELLOS`` at once), so none holds up the others."""
+        hearing = threading.BoundedSemaphore(MOST_HELLOS)
+        self._listener.settimeout(0.2)
+        while not done.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            if not hearing.acquire(blocking=False):
+                sock.close()
+                self._ignored(addr, "too many connections saying hello at once")
+                continue
+            threading.Thread(
+                target=self._hear, args=(sock, addr, joined, hearing), daemon=True
+            ).start()
+
+    def _hear(self, sock: socket.socket, addr: Any, joined: queue.Queue, hearing: Any) -> None:
+        try:
+            sock.settimeout(HELLO_TIMEOUT_S)
+            _nodelay(sock)
+            joined.put((sock, greet_follower(sock, self.cfg)))
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
+            sock.close()
+            self._ignored(addr, str(exc) or type(exc).__name__)
+        finally:
+            hearing.release()
+
+    def _ignored(self, addr: Any, why: str) -> None:
+        """Log a connection to the group's port that was not let in (one line per 10 s
+        at most: a flood of them writes a few)."""
+        now = time.monotonic()
+        self._ignored_count += 1
+        if now >= self._ignored_next:
+            log.warning(
+                "pxrt: distributed: ignored %d connection(s) to the group's port in the last "
+                "10 s; the last from %s: %.200s",
+                self._ignored_count,
+                addr[0] if isinstance(addr, tuple) else addr,
+                repr(why),
+            )
+            self._ignored_count = 0
+            self._ignored_next = now + 10.0
 
     def on_broken(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` (on whichever thread finds it) when the group breaks;
@@ -785,19 +944,19 @@ class Follower:
                 time.sleep(0.05)
         _nodelay(sock)
         try:
+            # The leader says hello once it has compiled too.
             sock.settimeout(self.cfg.connect_timeout_s)
-            _send_json(sock, {"process_id": self.cfg.process_id, "fingerprint": self.fingerprint})
-            sock.settimeout(None)  # the leader answers once it has compiled too
-            answer = _recv_json(sock)
-        except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as exc:
+            join_leader(sock, self.cfg, self.fingerprint)
+            sock.settimeout(None)
+        except (OSError, ValueError, msgspec.DecodeError) as exc:
             sock.close()
             raise LeaderGone(
                 f"distributed: process {self.cfg.process_id} could not join the leader at "
                 f"{host}:{port} ({exc})"
             ) from exc
-        if not answer.get("ok"):
+        except LeaderGone:
             sock.close()
-            raise LeaderGone(f"distributed: the leader refused this process: {answer.get('error')}")
+            raise
         return sock
 
     def follow(self) -> None:

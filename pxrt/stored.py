@@ -5,24 +5,30 @@ proved.
 A warm load (the same program, cell, devices, versions and flags as a load before it)
 reads them instead of lowering, fetching from jax's persistent cache, comparing the fast
 path against the public one and timing the cell back to back. They live in the
-per-user compilation cache directory, which ``executable._cache_dir`` only uses when
-nobody else can write to it (its files are native code that will run, like the
-persistent cache's own).
+per-user compilation cache directory, used only when nobody else can write to it or to
+any directory above it (``safe_cache_dir``: its files are native code that will run,
+like the persistent cache's own).
 
-Every entry is stored under a key of everything that could change it and carries a
-checksum over its key and bytes: an entry that does not check out is ignored, found
-again and rewritten. A deserialized executable is run once before it serves (its
-warm-up); if that fails, the cell is compiled as on a cold load.
+Every entry is stored under a key of everything that could change it and carries an
+HMAC-SHA256 over its key and bytes, keyed by a random per-user key kept in the cache
+directory (``KEY_FILE``, readable by its owner only): an entry that does not check out
+is ignored, found again and rewritten. jax serializes an executable with pickle, so
+only an entry whose HMAC checks out is unpickled: one written by anyone without the key
+(a copied cache, a planted file) never is. A deserialized executable is run once before
+it serves (its warm-up); if that fails, the cell is compiled as on a cold load.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import os
 import pickle
+import secrets
 import socket
+import stat
 from typing import Any
 
 import jax
@@ -31,7 +37,98 @@ from . import artifact
 
 TIMINGS = "timings"
 EXECUTABLES = "executables"
-_MAGIC = b"pxrt-executable-1\n"
+KEY_FILE = "pxrt-hmac.key"
+_MAGIC = b"pxrt-executable-2\n"  # (2: an HMAC, not a plain checksum)
+
+
+# --------------------------------------------------------------------------- the directory
+
+
+def safe_cache_dir(path: str) -> str:
+    """``path`` (created if missing), checked as a place for files that will run: it and
+    every directory above it (symlinks resolved) belong to this user or to root, and
+    nobody else can write to them (a directory others may write to is fine only if it
+    is sticky and root's, as /tmp: nobody can move another's entries there). Returns the
+    real path; raises ``OSError`` saying which directory is not safe, and why."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    real = os.path.realpath(path)
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    at = real
+    while True:
+        st = os.stat(at)
+        mine = uid is None or st.st_uid == uid
+        if at == real:
+            if not mine or st.st_mode & 0o022:
+                raise OSError(f"{path}: it belongs to another user or others can write to it")
+        elif not (mine or st.st_uid == 0) or (
+            st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and st.st_uid == 0)
+        ):
+            raise OSError(
+                f"{path}: {at}, a directory above it, belongs to another user or others "
+                "can write to it"
+            )
+        parent = os.path.dirname(at)
+        if parent == at:
+            return real
+        at = parent
+
+
+def _own_dir(cache_dir: str, folder: str, create: bool) -> str | None:
+    """``cache_dir/folder`` if it is a directory of this user's that only it can write
+    to, not a symlink (that could lead out of the cache); created when ``create``."""
+    where = os.path.join(cache_dir, folder)
+    if create:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+    try:
+        st = os.lstat(where)
+    except OSError:
+        return None
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        return None
+    return where
+
+
+@functools.lru_cache(maxsize=8)
+def _hmac_key(cache_dir: str) -> bytes | None:
+    """The per-user key of ``cache_dir``'s entries: made once (32 random bytes, readable
+    by this user only); None if the file there is not that (nothing is then trusted)."""
+    path = os.path.join(cache_dir, KEY_FILE)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                     0o600)  # fmt: skip
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    else:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = f.read()
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if st.st_uid != uid or st.st_mode & 0o077 or len(key) != 32:
+        return None
+    return key
+
+
+def _read(cache_dir: str, folder: str, name: str) -> bytes | None:
+    """An entry's bytes (None: missing, or not in a safe folder, or a symlink)."""
+    where = _own_dir(cache_dir, folder, create=False)
+    if where is None:
+        return None
+    try:
+        fd = os.open(os.path.join(where, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def key(
@@ -125,11 +222,14 @@ def read_entry(cache_dir: str | None, k: str) -> dict | None:
     """What is stored under ``k`` (None: nothing, or an entry that does not check out)."""
     if cache_dir is None:
         return None
+    data = _read(cache_dir, TIMINGS, k + ".json")
+    if data is None:
+        return None
     try:
-        with open(os.path.join(cache_dir, TIMINGS, k + ".json")) as f:
-            doc = json.load(f)
+        doc = json.loads(data)
         value = doc["value"]
-        if doc["key"] != k or doc["check"] != _check(k, json.dumps(value, sort_keys=True)):
+        check = _check(cache_dir, k, json.dumps(value, sort_keys=True))
+        if doc["key"] != k or check is None or not hmac.compare_digest(doc["check"], check):
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -139,7 +239,10 @@ def read_entry(cache_dir: str | None, k: str) -> dict | None:
 def write_entry(cache_dir: str | None, k: str, value: dict) -> None:
     if cache_dir is None:
         return
-    doc = {"key": k, "value": value, "check": _check(k, json.dumps(value, sort_keys=True))}
+    check = _check(cache_dir, k, json.dumps(value, sort_keys=True))
+    if check is None:
+        return
+    doc = {"key": k, "value": value, "check": check}
     _write(cache_dir, TIMINGS, k + ".json", json.dumps(doc).encode())
 
 
@@ -186,7 +289,10 @@ def store_executable(cache_dir: str | None, k: str, compiled: Any) -> bool:
     except Exception:  # noqa: BLE001 - not storable: jax's persistent cache serves it
         write_entry(cache_dir, k, {"unstorable": True})
         return False
-    head = _MAGIC + _check(k, payload).encode() + b"\n"
+    check = _check(cache_dir, k, payload)
+    if check is None:
+        return False
+    head = _MAGIC + check.encode() + b"\n"
     return _write(cache_dir, EXECUTABLES, k + ".bin", head + payload)
 
 
@@ -203,17 +309,15 @@ def load_executable(cache_dir: str | None, k: str, devices: list) -> tuple[Any, 
     stores it again)."""
     if cache_dir is None:
         return None, False
-    path = os.path.join(cache_dir, EXECUTABLES, k + ".bin")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
+    data = _read(cache_dir, EXECUTABLES, k + ".bin")
+    if data is None:
         return None, False
     head_len = len(_MAGIC) + 65
     payload = data[head_len:]
     check = data[len(_MAGIC) : head_len - 1]
-    if not data.startswith(_MAGIC) or check != _check(k, payload).encode():
-        discard_executable(cache_dir, k)
+    want = _check(cache_dir, k, payload)
+    if not data.startswith(_MAGIC) or want is None or not hmac.compare_digest(check, want.encode()):
+        discard_executable(cache_dir, k)  # (never unpickled: not written with our key)
         return None, True
     from jax.experimental import serialize_executable
 
@@ -240,18 +344,26 @@ def discard_executable(cache_dir: str | None, k: str) -> None:
 # --------------------------------------------------------------------------- files
 
 
-def _check(k: str, payload: str | bytes) -> str:
-    h = hashlib.sha256(k.encode() + b":")
+def _check(cache_dir: str, k: str, payload: str | bytes) -> str | None:
+    """The HMAC of an entry (None: the directory has no usable key; nothing is stored
+    or trusted there)."""
+    key = _hmac_key(cache_dir)
+    if key is None:
+        return None
+    h = hmac.new(key, k.encode() + b":", hashlib.sha256)
     h.update(payload.encode() if isinstance(payload, str) else payload)
     return h.hexdigest()
 
 
 def _write(cache_dir: str, folder: str, name: str, data: bytes) -> bool:
-    where = os.path.join(cache_dir, folder)
     try:
-        os.makedirs(where, mode=0o700, exist_ok=True)
+        where = _own_dir(cache_dir, folder, create=True)
+        if where is None:
+            return False  # (not a directory of ours: written nowhere)
         tmp = os.path.join(where, f".{name}.{os.getpid()}.{id(data)}.tmp")
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                     0o600)  # fmt: skip
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, os.path.join(where, name))
     except OSError:

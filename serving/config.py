@@ -250,6 +250,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a follower that does not answer a batch in this time breaks the group "
         "(default 30)",
     )  # fmt: skip
+    group.add_argument(
+        "--group-secret-file", metavar="FILE",
+        help="the group's shared secret (the same file's content in every process, at "
+        "least 16 characters: `openssl rand -hex 32 > FILE`); the leader and its "
+        "followers prove to each other they hold it when they join (default: "
+        "$PXRT_GROUP_SECRET)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
 
 
@@ -261,8 +268,11 @@ def distributed_config(args: argparse.Namespace, models: int) -> Any:
         f for f in ("coordinator", "num_processes", "process_id") if getattr(args, f) is not None
     ]
     if not given:
-        if args.control_port is not None:
-            raise OptionError("--control-port is for a multi-host group (--coordinator ...)")
+        for flag in ("control_port", "group_secret_file"):
+            if getattr(args, flag) is not None:
+                raise OptionError(
+                    f"--{flag.replace('_', '-')} is for a multi-host group (--coordinator ...)"
+                )
         return None
     if len(given) < 3:
         raise OptionError(
@@ -282,6 +292,13 @@ def distributed_config(args: argparse.Namespace, models: int) -> Any:
         raise OptionError(f"a multi-host group serves one model; {models} given")
     from pxrt.multihost import Distributed
 
+    secret = None
+    if args.group_secret_file is not None:
+        try:
+            with open(args.group_secret_file) as f:
+                secret = f.read()
+        except OSError as exc:
+            raise OptionError(f"--group-secret-file: {exc}") from None
     try:
         return Distributed(
             args.coordinator,
@@ -289,6 +306,7 @@ def distributed_config(args: argparse.Namespace, models: int) -> Any:
             args.process_id,
             control_port=args.control_port,
             step_timeout_s=args.step_timeout_s,
+            secret=secret,
         )
     except ValueError as exc:
         raise OptionError(str(exc)) from None

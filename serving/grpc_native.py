@@ -48,6 +48,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from . import codec, core, h2
+from .accept import Acceptor, linger_allowance, listening_socket
 from .access import Restrictions, TlsFiles, header_values
 from .core import BodyBudget, InferRequest
 from .grpc_server import GROUPS, GrpcLimits, GRPCService, Malformed, _checked, _parser
@@ -895,28 +896,44 @@ class GrpcServer:
             send_timeout_s=limits.send_timeout_s,
             max_streams=limits.max_streams,
         )
-        self._listener: asyncio.AbstractServer | None = None
-        self._acceptor: Any = None
+        self._acceptor: Acceptor | None = None
+        self._owns_socket = False
         self._drain_watch: asyncio.Future | None = None
 
     async def start(
         self, host: str, port: int, tls: TlsFiles | None = None, sock: Any = None
     ) -> None:
-        """Listen on ``host:port``, or on ``sock`` (a listening socket: a worker's)."""
-        loop = asyncio.get_running_loop()
+        """Listen on ``host:port``, or on ``sock`` (a listening socket a worker shares
+        with the others: it takes one connection at a time). Connections count from
+        their accept (``serving.accept``), TLS handshakes within the handshake timeout."""
         context = tls.server_context(alpn=["h2"]) if tls is not None else None
-        try:
-            if sock is not None:  # shared with other workers: one connection at a time
-                from .accept import Acceptor
-
-                self._acceptor = Acceptor(sock, lambda: GrpcProtocol(self), context)
-            else:
-                self._listener = await loop.create_server(
-                    lambda: GrpcProtocol(self), host, port, ssl=context, backlog=4096
-                )
-        except OSError as exc:
-            raise OSError(f"cannot listen for gRPC on {host}:{port}: {exc}") from None
+        shared = sock is not None
+        self._owns_socket = not shared
+        if sock is None:
+            try:
+                sock = listening_socket(host, port)
+            except OSError as exc:
+                raise OSError(f"cannot listen for gRPC on {host}:{port}: {exc}") from None
+        conns = self.connections
+        self._acceptor = Acceptor(
+            sock,
+            lambda: GrpcProtocol(self),
+            context,
+            handshake_timeout_s=self.limits.handshake_timeout_s,
+            # Beyond the cap a few more are taken, to be told why (GOAWAY) and closed.
+            room=lambda: (
+                conns.max_connections + linger_allowance(conns.max_connections) - len(conns.open)
+            ),
+            burst=1 if shared else 64,
+            kind="gRPC",
+        )
         self._drain_watch = asyncio.ensure_future(self._watch_drain())
+
+    @property
+    def port(self) -> int:
+        """The port it listens on."""
+        assert self._acceptor is not None
+        return self._acceptor.sock.getsockname()[1]
 
     async def _watch_drain(self) -> None:
         await self.server.wait_draining()
@@ -927,10 +944,10 @@ class GrpcServer:
     async def stop(self, grace: float | None = None) -> None:
         """Stop listening; calls in progress finish within ``grace`` seconds (GOAWAY
         tells clients to send new ones elsewhere), then every connection closes."""
-        if self._listener is not None:
-            self._listener.close()
         if self._acceptor is not None:
             self._acceptor.close()
+            if self._owns_socket:
+                self._acceptor.sock.close()
         self.connections.drain()
         deadline = asyncio.get_running_loop().time() + (grace or 0)
         while self.connections.open and asyncio.get_running_loop().time() < deadline:

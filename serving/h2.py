@@ -43,8 +43,9 @@ from typing import Any
 
 from pxrt._ext import twin
 
+from .accept import linger_allowance
 from .hpack_tables import STATIC_TABLE, HpackError
-from .http_limits import RefusalLog
+from .logs import RefusalLog
 
 hpack = twin("serving._hpack", "serving._hpack_py")
 
@@ -305,6 +306,8 @@ class Connections:
         self.send_timeout_s = send_timeout_s
         self.max_streams = max_streams
         self.streams = 0  # open over every connection
+        self.lingering = 0  # refused, GOAWAY sent, closing without a reset
+        self.max_lingering = linger_allowance(max_connections)
         self.open: set[H2Protocol] = set()
         self.refusals = RefusalLog(kind="gRPC")
         self.draining = False
@@ -404,14 +407,26 @@ class H2Protocol(asyncio.Protocol):
         self.transport = transport
         self.loop = asyncio.get_running_loop()
         self.opened = self.last_frame = self.idle_since = self.loop.time()
-        if not self.connections.admit(self):
+        conns = self.connections
+        if not conns.admit(self):
             self.closed = True
             body = _GOAWAY.pack(0, ENHANCE_YOUR_CALM) + b"too many connections"
             goaway = frame_head(GOAWAY, 0, 0, len(body)) + body
-            transport.write(self.connections._preface + goaway)  # SETTINGS come first
-            transport.close()
+            transport.write(conns._preface + goaway)  # SETTINGS come first
+            # Closed without a reset (which could lose the GOAWAY: the client's preface
+            # is unread) while few linger: FIN, what comes dropped, aborted after LINGER_S.
+            if conns.lingering >= conns.max_lingering or not transport.can_write_eof():
+                transport.close()
+                return
+            conns.lingering += 1
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, self._linger_over, transport)
             return
         self._write(self.connections._preface)
+
+    def _linger_over(self, transport: Any) -> None:
+        self.connections.lingering -= 1
+        transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

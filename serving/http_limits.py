@@ -8,8 +8,8 @@ descriptors). ``guarded_protocol(limits)`` (``serving.options.HttpLimits``) retu
 for ``uvicorn.Config(http=...)`` that:
 
 - answers a new connection at once with ``503`` + ``Retry-After`` + ``Connection: close``
-  when ``max_connections`` are open, and logs those refusals at most once per
-  ``REFUSAL_LOG_S`` with their count; a refused connection (this, 408, 431) is closed
+  when ``max_connections`` are open, and logs those refusals at most once per 10 s with
+  their count (``serving.logs.RefusalLog``); a refused connection (this, 408, 431) is closed
   without a reset: FIN after the answer, what the client still sends dropped for up to
   ``LINGER_S`` (an RST would lose the answer), for at most ``linger_allowance``
   connections beyond the cap at once;
@@ -26,7 +26,9 @@ for ``uvicorn.Config(http=...)`` that:
 - drains: from ``shutdown`` (uvicorn's graceful shutdown, after it stopped listening) a
   connection's next response carries ``Connection: close`` (the app answers 503 while
   the server drains), so a request that arrives on a kept-alive connection gets an answer
-  instead of a reset; a connection idle for ``DRAIN_IDLE_S`` is closed then;
+  instead of a reset; a connection idle for ``DRAIN_IDLE_S`` is closed then, as a
+  refused one is (FIN, what the client still sends dropped): a client whose request
+  crossed the close reads the end of the connection, never a reset;
 - tells the app when a client hangs up before its response is complete, through the
   ASGI scope extension ``serving.http.DISCONNECT_EXTENSION`` (no task per request).
 
@@ -40,12 +42,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import orjson
+import uvicorn
 
+from .accept import Acceptor, linger_allowance
 from .http import DISCONNECT_EXTENSION, AppState
 from .http_native import NativeInferProtocol
+from .logs import RefusalLog
 from .options import HttpLimits
 
 log = logging.getLogger("pxrt.http")
@@ -60,15 +66,8 @@ _REASONS = {
 
 
 SWEEP_S = 0.25  # how often deadlines are checked: one timer per server, none per request
-REFUSAL_LOG_S = 10.0  # connections refused beyond the cap: one log line per this, counted
 DRAIN_IDLE_S = 1.0  # draining: a connection with no request for this long is closed
 LINGER_S = 2.0  # a refused connection: how long what its client still sends is dropped
-
-
-def linger_allowance(max_connections: int) -> int:
-    """Refused connections that may linger beyond ``max_connections`` (``_linger``):
-    the connection budget's file descriptors are ``max_connections`` plus this."""
-    return min(64, max(4, max_connections // 8))
 
 
 def canned(status: int, message: str, *extra: bytes) -> bytes:
@@ -80,32 +79,6 @@ def canned(status: int, message: str, *extra: bytes) -> bytes:
         len(body),
     )
     return head + b"".join(extra) + b"connection: close\r\n\r\n" + body
-
-
-class RefusalLog:
-    """Counts refused connections and logs them at most once per ``interval_s`` (a
-    client that is refused 1,000 times a second writes one line, not 1,000)."""
-
-    def __init__(self, interval_s: float = REFUSAL_LOG_S, kind: str = "HTTP") -> None:
-        self.interval_s = interval_s
-        self.kind = kind
-        self.count = 0  # refused since the last line
-        self.total = 0
-        self._next = 0.0  # when the next line may be written
-
-    def refused(self, now: float, open_now: int) -> None:
-        self.count += 1
-        self.total += 1
-        if now >= self._next:
-            log.warning(
-                "pxrt: refused %d %s connection(s) in the last %.0f s: %d open, the limit",
-                self.count,
-                self.kind,
-                self.interval_s,
-                open_now,
-            )
-            self.count = 0
-            self._next = now + self.interval_s
 
 
 class GuardedHttpToolsProtocol(NativeInferProtocol):
@@ -182,7 +155,7 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
                 elif not conn._idle_since:
                     conn._idle_since = now
                 elif now - conn._idle_since >= DRAIN_IDLE_S:
-                    conn.transport.close()
+                    conn.close_answered()  # (without a reset: see _linger)
                     continue
             if conn._due and now > conn._due:
                 what = "its body" if conn._in_body else "its headers"
@@ -323,6 +296,53 @@ def guarded_protocol(
     )
 
 
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server for a ``guarded_protocol`` config, accepting from ``sock`` (a
+    listening socket; ``shared``: the workers of ``--workers N`` share it) through an
+    ``Acceptor``: connections count against ``max_connections`` from their accept
+    (beyond it, a few more to be answered 503, then closed at once) and a TLS handshake
+    must finish within ``header_timeout_s`` (``serving.accept``)."""
+
+    def __init__(self, config: uvicorn.Config, sock: socket.socket, shared: bool = False):
+        super().__init__(config)
+        self.sock = sock
+        self.shared = shared
+        self.acceptor: Acceptor | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=[])  # (uvicorn listens on nothing: the Acceptor does)
+        config, state = self.config, self.server_state
+        protocol_class = config.http_protocol_class
+        limits: HttpLimits = protocol_class.limits  # type: ignore[attr-defined]
+        cap = limits.max_connections
+
+        def protocol() -> Any:
+            return protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=state, app_state=self.lifespan.state
+            )
+
+        self.acceptor = Acceptor(
+            self.sock,
+            protocol,
+            config.ssl,
+            handshake_timeout_s=limits.header_timeout_s,
+            room=lambda: cap + linger_allowance(cap) - len(state.connections),
+            burst=1 if self.shared else 64,
+        )
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self.acceptor is not None:
+            if not self.shared:
+                # Connections the kernel took that were not accepted yet would be reset
+                # with the socket: taken now, their requests are answered (503,
+                # draining); from the close on, new ones are refused.
+                self.acceptor.take_backlog()
+            self.acceptor.close()
+            if not self.shared:
+                self.sock.close()
+        await super().shutdown(sockets)
+
+
 # The internals of uvicorn's protocol this module reads or overrides (checked by a test).
 UVICORN_INTERNALS = (
     "connections",
@@ -356,7 +376,7 @@ UVICORN_INTERNALS = (
 __all__ = [
     "UVICORN_INTERNALS",
     "GuardedHttpToolsProtocol",
-    "RefusalLog",
+    "GuardedServer",
     "canned",
     "guarded_protocol",
     "linger_allowance",

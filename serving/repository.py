@@ -161,6 +161,9 @@ class Repository:
         # Models this repository has loaded: the only ones it unloads when their
         # directory goes (the server may serve others, given it by other means).
         self._ours: set[str] = set()
+        # Versions that failed to load or were refused, and their directory's state
+        # then: a poll tries (and warns) again only once the directory changes.
+        self._failed: dict[tuple[str, str], tuple | None] = {}
 
     # ------------------------------------------------------------------ the directory
 
@@ -233,17 +236,20 @@ class Repository:
         for name in names:
             await self.sync(name)
 
-    async def sync(self, name: str) -> list[str]:
+    async def sync(self, name: str, retry_failed: bool = True) -> list[str]:
         """Serve the versions of ``name`` its policy picks now: load the new ones (a
-        failure is recorded and leaves the rest alone), then unload the others. Returns
-        the versions served after."""
+        failure is recorded and leaves the rest alone; without ``retry_failed``, one
+        that failed is tried again only once its directory changes), then unload the
+        others. Returns the versions served after."""
         check_name(name)
         async with self._lock(name):
             available = self.scan_model(name)
             if available is None:
                 if not self._served(name):
+                    self._forget(name, [])
                     raise RepositoryError(f"no model {name!r} in the repository {self.root}")
                 available = []
+            self._forget(name, available)
             want = self.wanted(name, available)
             if len(want) > 1 and self._decoder_dir(name, want[-1]):
                 # A decoder serves one version (a load replaces it): its newest wanted.
@@ -251,11 +257,35 @@ class Repository:
             for version in want:
                 if version in self._served(name):
                     continue
+                key = (name, version)
+                if not retry_failed and key in self._failed:
+                    if self._failed[key] == self._stamp(name, version):
+                        continue  # as it was when it failed: the same failure, once told
                 await self._load(name, version)
             for version in self._served(name):
                 if version not in want and self._loaded_ok(name, want):
                     await self._unload(name, version)
             return self._served(name)
+
+    def _forget(self, name: str, available: list[str]) -> None:
+        """What is known of versions of ``name`` whose directory is gone (a failure, a
+        refusal): they leave the index with it."""
+        for key in [k for k in self._states if k[0] == name and k[1] not in available]:
+            if self._states[key][0] == "UNAVAILABLE":
+                del self._states[key]
+        for key in [k for k in self._failed if k[0] == name and k[1] not in available]:
+            del self._failed[key]
+
+    def _stamp(self, name: str, version: str) -> tuple | None:
+        """The state of a version directory (its files' names, sizes and times): when it
+        changes, a version that failed may load now."""
+        try:
+            with os.scandir(os.path.join(self.root, name, version)) as entries:
+                return tuple(
+                    sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries)
+                )
+        except OSError:
+            return None
 
     def _loaded_ok(self, name: str, want: list[str]) -> bool:
         # Old versions go only once a wanted one serves: never nothing served by a reload.
@@ -294,6 +324,7 @@ class Repository:
     async def _load(self, name: str, version: str) -> None:
         key = (name, version)
         path = os.path.join(self.root, name, version)
+        self._failed[key] = self._stamp(name, version)  # (until it loads)
         refused = self._signature_change(name, path)
         if refused is not None:
             self._states[key] = ("UNAVAILABLE", refused)
@@ -314,6 +345,7 @@ class Repository:
             log.warning("pxrt: %r version %s failed to load: %s", name, version, printable(reason))
             return
         del self._states[key]
+        del self._failed[key]
         self._ours.add(name)
         summary = getattr(model, "load_summary", None)  # (a decoder has programs, not cells)
         log.info(
@@ -380,12 +412,14 @@ class Repository:
         except OSError:
             log.exception("pxrt: repository scan of %s failed", self.root)
             return
-        for name in sorted(set(present) | self._ours):
+        for name in sorted(set(present) | self._ours | {n for n, _ in self._failed}):
             try:
                 if name in present:
-                    await self.sync(name)
+                    await self.sync(name, retry_failed=False)
                 else:
-                    await self.unload_all(name)
+                    self._forget(name, [])
+                    if name in self._ours:
+                        await self.unload_all(name)
             except Exception:  # noqa: BLE001 - the next scan tries again
                 log.exception("pxrt: repository poll of %r failed", name)
 

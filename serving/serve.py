@@ -225,11 +225,18 @@ def _run_one(setup: _Setup) -> int:
     """One process: uvicorn (and gRPC) on this process's loop."""
     import uvicorn
 
+    from .accept import listening_socket
     from .http import create_app
-    from .http_limits import guarded_protocol
+    from .http_limits import GuardedServer, guarded_protocol
     from .loops import new_event_loop
 
     args, server, limits, tls = setup.args, setup.server, setup.limits, setup.tls
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as exc:
+        print(f"pxrt serve: error: cannot listen on {args.host}:{args.port}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
@@ -287,13 +294,10 @@ def _run_one(setup: _Setup) -> int:
         ws="none",  # no WebSocket: an upgrade is answered 400 (serving.http_limits)
         log_level=args.log_level,
         timeout_graceful_shutdown=30,
-        # Connections waiting to be accepted (the kernel caps it at somaxconn):
-        # thousands of clients connecting at once wait there, not refused.
-        backlog=4096,
         **(tls.uvicorn_options() if tls else {}),
     )
 
-    class Uvicorn(uvicorn.Server):
+    class Uvicorn(GuardedServer):
         def handle_exit(self, sig: int, frame: Any) -> None:
             server.drain()  # requests still arriving get 503 from now on
             super().handle_exit(sig, frame)
@@ -308,7 +312,7 @@ def _run_one(setup: _Setup) -> int:
                 signal.signal(sig, self.handle_exit)
             yield
 
-    uv = Uvicorn(config)
+    uv = Uvicorn(config, sock)
     _serve_until_done(new_event_loop(), uv.serve())
     return 0
 
@@ -316,11 +320,12 @@ def _run_one(setup: _Setup) -> int:
 def _run_workers(setup: _Setup) -> int:
     """The device process of ``--workers N``: it loads and batches; the workers (which
     share the listening sockets it binds) take the connections."""
+    from .accept import listening_socket
     from .grpc_native import methods
     from .grpc_server import GRPCService
     from .http import create_app
     from .loops import new_event_loop
-    from .workers import Supervisor, listening_socket
+    from .workers import Supervisor
 
     args, server = setup.args, setup.server
     # What workers forward (everything but inference) is answered by this app and service.

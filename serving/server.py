@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 from pxrt import Model
 
 from .batcher import Batcher
-from .errors import DeadlineExceeded, Overloaded, ServerClosed, no_model, no_version
+from .errors import (
+    DeadlineExceeded,
+    Overloaded,
+    ServerClosed,
+    ServingError,
+    no_model,
+    no_version,
+)
 
 if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
@@ -487,7 +494,7 @@ class Server:
                 queue = self._batcher(name, version).queue
             return queue.submit(request, timeout_s)
         except Exception as exc:  # raised where the caller awaits, as from a coroutine
-            return _raise(exc)
+            return _raise(self._as_served(exc, name, version))
 
     def submit(
         self,
@@ -501,7 +508,21 @@ class Server:
         once (for callers that handle many requests from one task). Errors that
         ``infer`` raises before queueing are raised here; cancelling the future drops
         the request if it was not dispatched yet."""
-        return self._batcher(name, version).queue.submit(request, timeout_s).future
+        try:
+            return self._batcher(name, version).queue.submit(request, timeout_s).future
+        except Exception as exc:
+            raise self._as_served(exc, name, version) from None
+
+    def _as_served(self, exc: Exception, name: str, version: str | None) -> Exception:
+        """``exc`` naming the model as ``name``: a model's own validation names it as its
+        manifest does, and the client knows it by the name it is served as (its
+        repository directory, its ``pxrt serve`` name)."""
+        if not isinstance(exc, (TypeError, ValueError)) or isinstance(exc, ServingError):
+            return exc
+        own = self._batcher(name, version).model.name
+        if own == name or f"model {own!r}" not in str(exc):
+            return exc
+        return type(exc)(str(exc).replace(f"model {own!r}", f"model {name!r}", 1))
 
     def metrics_snapshot(self) -> dict[str, dict]:
         """Per model: request outcomes, batches, stage-time and batch-shape summaries."""

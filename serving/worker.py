@@ -46,14 +46,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from .accept import Acceptor
     from .access import Restrictions, TlsFiles
     from .config import connection_shares, generation_limits, http_limits
     from .core import BodyBudget
     from .grpc_native import GrpcServer
     from .grpc_server import GrpcLimits
     from .http import AppState, InferEndpoint, KServeApp, generation_app
-    from .http_limits import guarded_protocol
+    from .http_limits import GuardedServer, guarded_protocol
     from .loops import new_event_loop
     from .remote import DeviceLink, ForwardApp, RemoteServer
 
@@ -89,25 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         **(tls.uvicorn_options() if tls else {}),
     )
 
-    class Uvicorn(uvicorn.Server):
-        acceptor: Any = None
-
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets=[])  # listening is the Acceptor's (see its module)
-            config = self.config
-
-            def protocol() -> Any:
-                return config.http_protocol_class(  # type: ignore[call-arg]
-                    config=config, server_state=self.server_state, app_state=self.lifespan.state
-                )
-
-            self.acceptor = Acceptor(socket.socket(fileno=args.http_fd), protocol, config.ssl)
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            if self.acceptor is not None:
-                self.acceptor.close()
-            await super().shutdown(sockets)
-
+    class Uvicorn(GuardedServer):
         @contextlib.contextmanager
         def capture_signals(self):
             # SIGTERM (from the device process): shut down gracefully and exit 0; SIGINT
@@ -116,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             yield
 
-    uv = Uvicorn(config)
+    uv = Uvicorn(config, socket.socket(fileno=args.http_fd), shared=True)
 
     def device_gone() -> None:
         uv.should_exit = True

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -459,21 +458,4 @@ class _Dead:
         return self.returncode
 
 
-def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
-    """A listening TCP socket the workers inherit (all accept from it: a connection goes
-    to whichever worker is free to take it)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(backlog)
-    sock.set_inheritable(True)
-    os.set_blocking(sock.fileno(), False)
-    return sock
-
-
-__all__ = ["Supervisor", "WorkerLink", "asgi_call", "listening_socket", "model_state"]
+__all__ = ["Supervisor", "WorkerLink", "asgi_call", "model_state"]

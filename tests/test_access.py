@@ -143,6 +143,53 @@ def test_https_with_the_triton_client(artifacts, certs):
         assert proc.stop() == 0
 
 
+def test_tls_sockets_count_from_their_accept_and_silent_ones_time_out(artifacts, certs):
+    """Sockets in their TLS handshake count against the connection cap (asyncio counts a
+    connection only once its handshake is done: silent sockets filled the fd table), and
+    a handshake must finish within --header-timeout-s (asyncio's default is 60 s), on
+    HTTPS and gRPC over TLS alike; plain text sent to a TLS port is logged."""
+    import selectors
+    import socket
+    import time
+
+    proc = ServeProcess(
+        [str(artifacts["mlp"]), "--max-connections", "16", "--max-grpc-connections", "8",
+         "--header-timeout-s", "1"],
+        tls=certs,
+        grpc=True,
+    )  # fmt: skip
+    try:
+        for port, cap in ((proc.port, 8), (proc.grpc_port, 8)):
+            silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(30)]
+            t0 = time.monotonic()
+            closed_at = []
+            with selectors.DefaultSelector() as watch:
+                for s in silent:
+                    watch.register(s, selectors.EVENT_READ)
+                while len(closed_at) < 30 and time.monotonic() - t0 < 8:
+                    for key, _ in watch.select(timeout=0.05):
+                        if key.fileobj.recv(100) == b"":
+                            closed_at.append(time.monotonic() - t0)
+                            watch.unregister(key.fileobj)
+            for s in silent:
+                s.close()
+            # beyond the cap (and the few let in to be refused) closed at once; every
+            # one within seconds of the 1 s handshake timeout, not asyncio's 60 s
+            assert len(closed_at) == 30, closed_at
+            assert sum(t < 0.9 for t in closed_at) >= 30 - cap - 4, closed_at
+        assert proc.get("/v2/health/ready", timeout=10).status_code == 200
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as s:
+            s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.settimeout(10)
+            assert b"HTTP/1.1 200" not in s.recv(100)
+        deadline = time.monotonic() + 10
+        while "connection(s) failed to start" not in proc.output():
+            assert time.monotonic() < deadline, proc.output()
+            time.sleep(0.1)
+    finally:
+        assert proc.stop() == 0
+
+
 def test_mutual_tls_refuses_a_client_without_a_certificate(artifacts, certs):
     proc = ServeProcess([str(artifacts["mlp"]), "--tls-ca", certs["ca"]], tls=certs)
     try:

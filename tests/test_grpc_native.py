@@ -193,9 +193,7 @@ class Client:
 async def serve(server: Server, **kw) -> tuple[GrpcServer, int]:
     grpc_server = GrpcServer(server, max_message_bytes=kw.pop("max_message_bytes", 1 << 22), **kw)
     await grpc_server.start("127.0.0.1", 0)
-    assert grpc_server._listener is not None
-    port = grpc_server._listener.sockets[0].getsockname()[1]
-    return grpc_server, port
+    return grpc_server, grpc_server.port
 
 
 def test_unary_calls_and_big_answers_through_flow_control(models, run):

@@ -247,6 +247,69 @@ def test_kept_alive_connections_get_503_and_close_when_the_server_drains(artifac
     assert code == 0
 
 
+def test_sigterm_under_keep_alive_load_resets_no_request(artifacts):
+    """SIGTERM while 48 keep-alive clients send requests with pauses between them: every
+    request is answered (200, or 503 draining with Connection: close), or its connection
+    ends cleanly (an idle one the drain closed as the request crossed it: FIN, what came
+    dropped); none is reset (the drain closed idle connections outright: the requests
+    crossing the close were reset), and new connections are refused, not reset."""
+    import http.client
+    import random
+    from collections import Counter
+
+    proc = ServeProcess([str(artifacts["mlp"])])
+    outcomes: Counter = Counter()
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(seed):
+        rng = random.Random(seed)
+        conn = None
+        while not stop.is_set():
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection("127.0.0.1", proc.port, timeout=30)
+                    conn.connect()
+                conn.request("POST", "/v2/models/mlp/infer", BODY)
+                reply = conn.getresponse()
+                reply.read()
+                outcome = f"status {reply.status}"
+                if reply.getheader("connection", "").lower() == "close":
+                    conn.close()
+                    conn = None
+                time.sleep(rng.uniform(0, 1.5))
+            except http.client.RemoteDisconnected:
+                outcome = "ended"  # (an EOF, no reset: it is a ConnectionResetError too)
+                conn.close()
+                conn = None
+            except ConnectionRefusedError:
+                outcome = "refused"
+                conn = None
+                time.sleep(0.05)
+            except OSError as exc:
+                outcome = f"RESET {type(exc).__name__}"
+                if conn is not None:
+                    conn.close()
+                conn = None
+            with lock:
+                outcomes[outcome] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(48)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    proc.proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.proc.wait(60) == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        proc.stop()
+    assert not [k for k in outcomes if k.startswith("RESET")], outcomes
+    assert outcomes["status 200"] > 48 and outcomes["status 503"] > 0, outcomes
+
+
 def test_many_large_uploads_at_once_get_503_not_memory(guarded):
     """Bodies held at once are bounded over all requests (here 1 MB): a third 400 KB
     upload in flight is refused with Retry-After while two are still being sent."""

@@ -412,6 +412,65 @@ def test_warm_loads_run_stored_executables_and_refuse_bad_ones(tmp_path, monkeyp
     assert_matches(healed.run({"x": x}), want)
 
 
+class _Planted:
+    """Unpickling it creates ``path``: what a planted cache entry could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_stored_entries_are_trusted_only_from_a_safe_directory_with_our_key(artifacts, tmp_path):
+    """Stored executables are pickles (jax's format): one planted by anyone without the
+    cache's per-user key (a copied cache, a file written where others could) is never
+    unpickled, whatever its checksum; a cache under a directory others can write to, or
+    whose folders are symlinks out of it, is not used."""
+    import hashlib
+    import os
+    import pickle
+    import warnings
+
+    from pxrt import stored
+
+    cache = tmp_path / "cache"
+    first = pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
+    art = pxrt.read_artifact(artifacts["mlp"])
+    marker = tmp_path / "unpickled"
+    for b in first.engine.buckets:
+        k = stored.key(art, first.devices, b.size, b.lengths, "executable", True)
+        payload = pickle.dumps(_Planted(str(marker)))
+        plain = hashlib.sha256(k.encode() + b":" + payload).hexdigest()  # (a plain checksum)
+        (cache / stored.EXECUTABLES / f"{k}.bin").write_bytes(
+            stored._MAGIC + plain.encode() + b"\n" + payload
+        )
+    again = pxrt.load(artifacts["mlp"], compilation_cache=str(cache))
+    assert not marker.exists()
+    assert (cache / stored.KEY_FILE).stat().st_mode & 0o777 == 0o600
+    assert {b.source for b in again.engine.buckets} <= {"compiled", "cache"}
+    x = np.ones((3, 32), np.float32)
+    assert_matches(again.run({"x": x}), reference("mlp", {"x": x}))
+
+    # A directory above the cache that others can write to (and not /tmp's sticky kind).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.warns(RuntimeWarning, match="a directory above it, belongs to another user"):
+        model = pxrt.load(artifacts["mlp"], compilation_cache=str(shared / "cache"))
+    assert model._cache_dir is None
+    # A folder of the cache that is a symlink out of it: nothing read there or written.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(elsewhere, linked / stored.EXECUTABLES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pxrt.load(artifacts["mlp"], compilation_cache=str(linked))
+    assert not list(elsewhere.iterdir())
+
+
 def test_a_load_that_would_not_fit_in_memory_is_refused_before_compiling(artifacts, monkeypatch):
     from pxrt import _xla, executable
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
@@ -31,7 +32,10 @@ from pxrt.multihost import HEADER, REPLY, Distributed, GroupBroken, LeaderGone
 
 pytestmark = pytest.mark.once
 
-GROUP_ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+SECRET = "a-test-secret-of-the-group-0123456789"
+GROUP_ENV = dict(
+    os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PXRT_GROUP_SECRET=SECRET
+)
 GROUP_ENV.pop("PXRT_NO_EXTENSIONS", None)
 
 
@@ -374,17 +378,20 @@ def test_serve_leader_stops_its_followers(artifacts):
 # --------------------------------------------------------------------------- protocol
 
 
-def _fake_leader(answer: dict):
-    """A listening socket playing the leader: (cfg for a follower, accept())."""
+def _fake_leader(why: str | None = None, secret: str = SECRET):
+    """A listening socket playing the leader (holding ``secret``; ``why``: it refuses
+    the follower): (cfg for a follower, accept())."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    cfg = Distributed("127.0.0.1:1", 2, 1, control_port=port, connect_timeout_s=10)
+    cfg = Distributed("127.0.0.1:1", 2, 1, control_port=port, connect_timeout_s=10,
+                      secret=SECRET)  # fmt: skip
+    leader = Distributed("127.0.0.1:1", 2, 0, control_port=port, secret=secret)
 
     def accept():
         sock, _ = server.accept()
         server.close()
-        multihost._recv_json(sock)
-        multihost._send_json(sock, answer)
+        hello = multihost.greet_follower(sock, dataclasses.replace(leader, secret=SECRET))
+        multihost.welcome(sock, leader, hello, why)
         return sock
 
     return cfg, accept
@@ -395,7 +402,7 @@ def _follower(cfg):
 
 
 def test_follower_refuses_a_step_out_of_sequence():
-    cfg, accept = _fake_leader({"ok": True})
+    cfg, accept = _fake_leader()
     follower = _follower(cfg)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         leader = pool.submit(accept)
@@ -417,7 +424,7 @@ def test_follower_refuses_a_step_out_of_sequence():
     ],
 )
 def test_follower_refuses_a_step_it_cannot_run(header, why):
-    cfg, accept = _fake_leader({"ok": True})
+    cfg, accept = _fake_leader()
 
     class One:
         payload_bytes = 8
@@ -437,24 +444,35 @@ def test_follower_refuses_a_step_it_cannot_run(header, why):
 
 
 def test_follower_refused_by_its_leader_says_why():
-    cfg, accept = _fake_leader({"ok": False, "error": "process 1 loaded a different artifact"})
+    cfg, accept = _fake_leader("process 1 loaded a different artifact")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(accept)
         with pytest.raises(LeaderGone, match="refused this process: process 1 loaded a different"):
             _follower(cfg).follow()
 
 
+def test_a_follower_does_not_follow_a_leader_without_the_secret():
+    """A peer on the leader's port that answers the follower's hello without the group's
+    secret (one that got there first, a wrong --group-secret-file) is not followed."""
+    cfg, accept = _fake_leader(secret="another-secret-0123456789abcdef")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(accept)
+        follower = _follower(cfg)
+        with pytest.raises(LeaderGone, match="does not hold the group's secret"):
+            follower.follow()
+    assert follower.state == "leader gone"
+
+
 def _leader_group(fake, step_timeout_s=5):
     """A leader's Group with one fake follower (``fake(sock)`` plays it)."""
     port = free_ports(1)[0]
     cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=10,
-                      step_timeout_s=step_timeout_s)  # fmt: skip
+                      step_timeout_s=step_timeout_s, secret=SECRET)  # fmt: skip
     group = multihost.Group(cfg)
 
     def follower():
         sock = socket.create_connection(("127.0.0.1", port))
-        multihost._send_json(sock, {"process_id": 1, "fingerprint": "fp"})
-        assert multihost._recv_json(sock)["ok"]
+        multihost.join_leader(sock, dataclasses.replace(cfg, process_id=1), "fp")
         fake(sock)
 
     t = threading.Thread(target=follower, daemon=True)
@@ -525,22 +543,72 @@ def test_group_breaks_on_a_follower_that_stops_reading():
 
 def test_group_refuses_a_follower_with_another_artifact():
     port = free_ports(1)[0]
-    cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=10)
+    cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=10,
+                      secret=SECRET)  # fmt: skip
     group = multihost.Group(cfg)
     answers = []
 
     def follower():
         sock = socket.create_connection(("127.0.0.1", port))
-        multihost._send_json(sock, {"process_id": 1, "fingerprint": "other"})
-        answers.append(multihost._recv_json(sock))
+        try:
+            multihost.join_leader(sock, dataclasses.replace(cfg, process_id=1), "other")
+        except LeaderGone as exc:
+            answers.append(str(exc))
 
     t = threading.Thread(target=follower)
     t.start()
     with pytest.raises(GroupBroken, match="process 1 loaded a different artifact"):
         group.accept("fp")
     t.join(10)
-    assert answers[0]["ok"] is False
+    assert "refused this process: process 1 loaded a different artifact" in answers[0]
     group.close()
+
+
+def test_the_group_port_lets_in_only_members_and_nobody_holds_it_up(caplog):
+    """The leader's port: a silent connection does not hold up the others (each hello is
+    heard on its own thread), one that forges a hello without the secret (the artifact's
+    fingerprint is no secret) is told so, logged and ignored, and the real follower
+    still joins; the group is whole."""
+    port = free_ports(1)[0]
+    cfg = Distributed("127.0.0.1:1", 2, 0, control_port=port, connect_timeout_s=20,
+                      secret=SECRET)  # fmt: skip
+    group = multihost.Group(cfg)
+    silent = socket.create_connection(("127.0.0.1", port))
+    forged = []
+
+    def forger():
+        sock = socket.create_connection(("127.0.0.1", port))
+        wrong = dataclasses.replace(cfg, process_id=1, secret="guessed-secret-0123456789")
+        try:
+            multihost.join_leader(sock, wrong, "fp")
+        except LeaderGone as exc:
+            forged.append(str(exc))
+        sock.close()
+
+    member = []
+
+    def follower():
+        time.sleep(0.5)  # after the other two
+        sock = socket.create_connection(("127.0.0.1", port))
+        member.append(sock)
+        multihost.join_leader(sock, dataclasses.replace(cfg, process_id=1), "fp")
+        multihost._recv_exact(sock, HEADER.size)
+        sock.sendall(REPLY.pack(b"PXRE", 1, 0, 0))
+
+    threads = [threading.Thread(target=forger), threading.Thread(target=follower)]
+    for t in threads:
+        t.start()
+    with caplog.at_level("WARNING", logger="pxrt"):
+        group.accept("fp")
+    group.wait(group.send(0, [[]]))  # the real follower answers its batch
+    for t in threads:
+        t.join(10)
+    assert forged and "refused this process: it does not hold the group's secret" in forged[0]
+    assert "ignored 1 connection(s) to the group's port" in caplog.text
+    assert group.broken is None and [p.process for p in group.peers] == [1]
+    silent.close()
+    group.close()
+    member[0].close()
 
 
 def test_distributed_options_are_checked():
@@ -550,10 +618,13 @@ def test_distributed_options_are_checked():
         Distributed("h:1", 2, 2)
     with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
         Distributed("h:1", 2, 0, step_timeout_s=0)
-    assert Distributed("[::1]:8470", 2, 1).control_address == ("::1", 8471)
+    assert Distributed("[::1]:8470", 2, 1, secret=SECRET).control_address == ("::1", 8471)
+    with pytest.raises(ValueError, match="needs a shared secret of at least 16 characters"):
+        Distributed("h:1", 2, 0, secret="short")
+    assert Distributed("h:1", 1, 0).secret is None  # one process: no lockstep, no secret
 
 
-def test_serve_multihost_flags_are_checked():
+def test_serve_multihost_flags_are_checked(tmp_path, monkeypatch):
     from serving.config import add_arguments, distributed_config
     from serving.options import OptionError
 
@@ -563,10 +634,20 @@ def test_serve_multihost_flags_are_checked():
     def config(*argv, models=1):
         return distributed_config(parser.parse_args(list(argv)), models)
 
+    monkeypatch.delenv("PXRT_GROUP_SECRET", raising=False)
     assert config() is None
     with pytest.raises(OptionError, match="needs --coordinator, --num-processes and --process-id"):
         config("--coordinator", "h:1")
     group = ("--coordinator", "h:1", "--num-processes", "2", "--process-id", "1")
+    with pytest.raises(OptionError, match="needs a shared secret"):
+        config(*group)
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    with pytest.raises(OptionError, match="--group-secret-file is for a multi-host group"):
+        config("--group-secret-file", str(tmp_path / "secret"))
+    with pytest.raises(OptionError, match="--group-secret-file: .*No such file"):
+        config(*group, "--group-secret-file", str(tmp_path / "nope"))
+    assert config(*group, "--group-secret-file", str(tmp_path / "secret")).secret == SECRET
+    monkeypatch.setenv("PXRT_GROUP_SECRET", SECRET)
     assert config(*group).process_id == 1
     with pytest.raises(OptionError, match="--workers does not go with a multi-host group"):
         config(*group, "--workers", "2")

@@ -293,6 +293,46 @@ def test_polling_leaves_what_it_did_not_load_and_outlives_a_failed_scan(
     assert "repository scan" in caplog.text
 
 
+def test_polling_warns_once_per_broken_version_and_forgets_one_that_goes(
+    tmp_path, built, run, caplog
+):
+    """A version that fails to load is tried (and warned of) again only once its
+    directory changes, not on every poll; it leaves the index when its directory goes.
+    Errors name the model as the client knows it (its directory), not its manifest."""
+    root = _repo(tmp_path, built, [1])
+    (root / "renamed").mkdir()
+    shutil.copytree(built[1], root / "renamed" / "1")  # its manifest says "mlp"
+    broken = root / "mlp" / "2"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{ not json")
+
+    async def main():
+        async with Server() as server:
+            repo = Repository(str(root), server, mode="poll", policies={"mlp": "all"})
+            with caplog.at_level("WARNING", logger="pxrt"):
+                await repo.start()
+                for _ in range(5):
+                    await repo.poll_once()
+            assert caplog.text.count("version 2 failed to load") == 1
+            row = next(r for r in repo.index() if r["version"] == "2")
+            assert row["state"] == "UNAVAILABLE"
+            assert server.versions("mlp") == ["1"]
+            (broken / "manifest.json").write_text("{ still not json }")  # it changes: again
+            with caplog.at_level("WARNING", logger="pxrt"):
+                await repo.poll_once()
+                await repo.poll_once()
+            assert caplog.text.count("version 2 failed to load") == 2
+            shutil.rmtree(broken)
+            await repo.poll_once()
+            assert [r["version"] for r in repo.index() if r["name"] == "mlp"] == ["1"]
+            # the model served as "renamed" is named so in its errors
+            with pytest.raises(ValueError, match="model 'renamed': .*'x'") as caught:
+                await server.infer("renamed", {"x": np.ones((1, 7), np.float32)})
+            assert "'mlp'" not in str(caught.value)
+
+    run(main)
+
+
 def test_a_new_version_that_changes_the_inputs_is_refused_unless_allowed(tmp_path, built, run):
     """Version 2 takes other inputs than version 1, which clients use: it is not served
     (1 keeps serving, the index says why) until the model is allowed to change them."""
