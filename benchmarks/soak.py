@@ -89,6 +89,9 @@ def open_fds(pid: int) -> int:
     return total
 
 
+ATTACKS = ("settings_flood", "zero_window", "made_you_reset", "odd_http")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minutes", type=float, default=5.0)
@@ -96,6 +99,11 @@ def main() -> None:
         "--reload-every-s", type=float, default=20.0, help="seconds between reloads (0: none)"
     )
     parser.add_argument("--workers", type=int, default=1, help="pxrt serve --workers")
+    parser.add_argument(
+        "--attacks", default="all",
+        help="the hardening attacks to run beside the traffic: all, none, or a comma-separated "
+        f"list of {', '.join(ATTACKS)}",
+    )  # fmt: skip
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="pxrt-soak-")
     repo = os.path.join(work, "repo")
@@ -434,10 +442,15 @@ def main() -> None:
     threads += [threading.Thread(target=bad) for _ in range(2)]
     threads += [threading.Thread(target=stream) for _ in range(2)]
     threads.append(threading.Thread(target=flood))
-    threads += [
-        threading.Thread(target=f)
-        for f in (health, settings_flood, zero_window, made_you_reset, odd_http)
-    ]
+    attacks = {
+        "settings_flood": settings_flood, "zero_window": zero_window,
+        "made_you_reset": made_you_reset, "odd_http": odd_http,
+    }  # fmt: skip
+    chosen = ATTACKS if args.attacks == "all" else [a for a in args.attacks.split(",") if a]
+    if args.attacks == "none":
+        chosen = []
+    threads += [threading.Thread(target=health)]
+    threads += [threading.Thread(target=attacks[a]) for a in chosen]
     threads += [
         threading.Thread(target=raw, args=(k,))
         for k in ("slowloris", "slowloris", "hangup", "big-header", "idle")

@@ -75,6 +75,7 @@ HTTP_FLAGS = (
 
 
 GENERATION_FLAGS = {
+    "max_request_kb": "a request's body over HTTP, in KiB (413 beyond)",
     "max_stop_strings": "stop strings in one request",
     "max_stop_bytes": "UTF-8 bytes of one stop string",
     "max_stop_ids": "stop token ids in one request",

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -95,6 +95,56 @@ class BodyBudget:
         return BodiesFull(
             f"the server holds the most request bodies it may ({self.limit} bytes); retry later"
         )
+
+
+class Upload:
+    """One request body as it arrives, within ``limit`` bytes and the server's
+    ``budget`` of bytes held over all requests (every HTTP path): ``TooLarge`` (413) or
+    ``BodiesFull`` (503) as soon as it goes over (``length``: what the request says it
+    has, checked before anything is read; ``what``: the body, in messages).
+    ``release`` gives back what it holds (once the reply is made: inputs may view the
+    body until then)."""
+
+    __slots__ = ("budget", "chunks", "held", "limit", "what")
+
+    def __init__(
+        self,
+        budget: BodyBudget,
+        limit: int,
+        length: str | bytes | None,
+        what: str = "the request body",
+    ) -> None:
+        self.limit = limit
+        self.budget = budget
+        self.what = what
+        self.chunks: list[bytes] = []
+        self.held = 0
+        if length is not None and length.isdigit() and int(length) > limit:
+            n = length.decode() if isinstance(length, bytes) else length
+            raise TooLarge(f"{what} has {n} bytes; the limit is {limit}")
+
+    def add(self, chunk: bytes) -> None:
+        if self.held + len(chunk) > self.limit:
+            raise TooLarge(f"{self.what} is over the limit of {self.limit} bytes")
+        if not self.budget.take(len(chunk)):
+            raise self.budget.full()
+        self.held += len(chunk)
+        self.chunks.append(chunk)
+
+    def body(self) -> bytes:
+        chunks = self.chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def read(self, chunks: AsyncIterator[bytes]) -> bytes:
+        """Take every chunk of a body as it comes (an ASGI request's ``stream()``)."""
+        async for chunk in chunks:
+            self.add(chunk)
+        return self.body()
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+        self.chunks = []
 
 
 # --------------------------------------------------------------------------- requests
@@ -408,6 +458,7 @@ __all__ = [
     "NotServing",
     "Status",
     "TooLarge",
+    "Upload",
     "finish",
     "infer",
     "internal_error",

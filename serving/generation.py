@@ -125,8 +125,25 @@ def _encode(decoder: Decoder, text: Any, field: str) -> list[int]:
     return decoder.tokenizer.encode(text)
 
 
-async def _body(request: Request) -> dict:
-    return body_of(await request.body())
+def upload(server: Server, budget: core.BodyBudget, length: str | bytes | None) -> core.Upload:
+    """The ``core.Upload`` of a generation request's body (``length``: its
+    Content-Length): within the server's ``GenerationLimits.max_request_kb`` (its JSON
+    is parsed on the loop) and ``budget``."""
+    return core.Upload(
+        budget,
+        server.generation_limits.max_request_kb << 10,
+        length,
+        "a generation request's body (pxrt serve --max-request-kb)",
+    )
+
+
+async def _body(request: Request, server: Server) -> dict:
+    """A generation request's body (Starlette's path), read within ``upload``'s limits."""
+    body = upload(server, request.app.state.pxrt.budget, request.headers.get("content-length"))
+    try:
+        return body_of(await body.read(request.stream()))
+    finally:
+        body.release()
 
 
 def _options(source: Mapping[str, Any], limits: GenerationLimits) -> dict:
@@ -396,7 +413,7 @@ async def kserve_generate(
 ) -> Response:
     """``POST .../generate``: one JSON answer. ``on_disconnect`` (``pxrt serve``'s scope
     extension) takes a callback for a client that hangs up: its generation is cancelled."""
-    call = await KServeCall.open(server, request.path_params, await _body(request))
+    call = await KServeCall.open(server, request.path_params, await _body(request, server))
     if on_disconnect is not None:
         on_disconnect(call.gen.cancel)
     return JSONResponse(await call.json())
@@ -405,7 +422,7 @@ async def kserve_generate(
 async def kserve_stream(request: Request, server: Server) -> Response:
     """``POST .../generate_stream``: server-sent events (Starlette cancels the stream,
     and with it the generation, when the client hangs up)."""
-    call = await KServeCall.open(server, request.path_params, await _body(request))
+    call = await KServeCall.open(server, request.path_params, await _body(request, server))
     return StreamingResponse(call.events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
@@ -460,7 +477,7 @@ def openai_endpoint(
     @functools.wraps(handler)
     async def endpoint(request: Request, server: Server) -> Response:
         try:
-            body = await _body(request)
+            body = await _body(request, server)
             name = body.get("model")
             if not isinstance(name, str):
                 raise invalid("model must be the name of a model served (GET /v1/models)")

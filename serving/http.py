@@ -37,7 +37,7 @@ from starlette.routing import Mount, Route
 from . import codec, core, documents, generation
 from .access import Restrictions
 from .codec import ProtocolError
-from .core import BodiesFull, BodyBudget, InferRequest, TooLarge
+from .core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
 from .errors import ServingError
 from .options import HttpLimits
 from .repository import Repository, RepositoryError, require
@@ -360,8 +360,14 @@ async def metrics(request: Request) -> Response:
 
 @_endpoint
 async def repository_index(request: Request) -> Response:
-    rows = require(_state(request).repository).index()
-    body = await request.body()
+    state = _state(request)
+    rows = require(state.repository).index()
+    length = request.headers.get("content-length")
+    upload = Upload(state.budget, state.limits.max_json_bytes, length)
+    try:
+        body = await upload.read(request.stream())
+    finally:
+        upload.release()
     if body:
         try:
             doc = orjson.loads(body)
@@ -385,41 +391,6 @@ async def repository_unload(request: Request) -> Response:
 
 
 # --------------------------------------------------------------------------- inference
-
-
-class Upload:
-    """One request body as it arrives, within the per-request limit and the app's budget
-    of bytes held over all requests (both HTTP paths): ``TooLarge`` (413) or
-    ``BodiesFull`` (503) as soon as it goes over. ``release`` gives back what it holds
-    (once the reply is made: inputs may view the body until then)."""
-
-    __slots__ = ("budget", "chunks", "held", "limit")
-
-    def __init__(self, state: AppState, length: str | bytes | None) -> None:
-        self.limit = limit = state.limits.max_body_bytes
-        self.budget = state.budget
-        self.chunks: list[bytes] = []
-        self.held = 0
-        if length is not None and length.isdigit() and int(length) > limit:
-            n = length.decode() if isinstance(length, bytes) else length
-            raise TooLarge(f"the request body has {n} bytes; the limit is {limit}")
-
-    def add(self, chunk: bytes) -> None:
-        if self.held + len(chunk) > self.limit:
-            raise TooLarge(f"the request body is over the limit of {self.limit} bytes")
-        if not self.budget.take(len(chunk)):
-            raise self.budget.full()
-        self.held += len(chunk)
-        self.chunks.append(chunk)
-
-    def body(self) -> bytes:
-        chunks = self.chunks
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    def release(self) -> None:
-        self.budget.give(self.held)
-        self.held = 0
-        self.chunks = []
 
 
 class InferEndpoint:
@@ -456,7 +427,7 @@ class InferEndpoint:
         params = scope["path_params"]
         name, version = params["model"], params.get("version")
         core.resolve(server, name, version)  # loading, draining, unknown: before the body
-        upload = Upload(state, headers.get("content-length"))
+        upload = Upload(state.budget, state.limits.max_body_bytes, headers.get("content-length"))
         try:
             while True:
                 message = await receive()
@@ -649,7 +620,6 @@ __all__ = [
     "InferEndpoint",
     "KServeApp",
     "BodyBudget",
-    "Upload",
     "create_app",
     "error_reply",
     "fast_route",

@@ -47,11 +47,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from . import codec, core
 from .access import header_values
-from .core import TooLarge
+from .core import TooLarge, Upload
 from .http import (
     HEADER_LENGTH,
     AppState,
-    Upload,
     error_reply,
     fast_route,
     readiness,
@@ -183,7 +182,12 @@ class NativeCycle:
                 state.server.decoder(self.name)  # before the body
             else:
                 core.resolve(state.server, self.name, self.version)  # before the body
-            self.upload = Upload(state, length)
+            if self.kind == _STREAM:
+                from .generation import upload
+
+                self.upload = upload(state.server, state.budget, length)
+            else:
+                self.upload = Upload(state.budget, state.limits.max_body_bytes, length)
         except TooLarge as exc:
             self.fail(exc, early=True)
             return

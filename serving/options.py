@@ -284,16 +284,21 @@ class GenerationLimits(_Checked):
     matched against every stop string, so their count and length bound its work.
 
     Attributes:
+      max_request_kb: the body of one request over HTTP (its JSON is parsed on the event
+        loop: a megabyte takes milliseconds, and a prompt longer than a decoder's cache
+        is refused anyway); larger ones get 413.
       max_stop_strings: stop strings in one request (OpenAI's API allows 4).
       max_stop_bytes: the UTF-8 bytes of one stop string.
       max_stop_ids: stop token ids in one request (beyond the artifact's own).
     """
 
+    max_request_kb: int = 1024
     max_stop_strings: int = 16
     max_stop_bytes: int = 256
     max_stop_ids: int = 64
 
     CHECKS: ClassVar[dict[str, Any]] = {
+        "max_request_kb": number(int, 1),
         "max_stop_strings": number(int, 0),
         "max_stop_bytes": number(int, 1),
         "max_stop_ids": number(int, 0),
