@@ -331,9 +331,10 @@ class NativeCycle:
             return
         transport.writelines(parts)
         if proto.access_log and proto.access_logger.isEnabledFor(logging.INFO):
+            # uvicorn's access formatter takes these five arguments, as its own line
             proto.access_logger.info(
-                '%s - "%s %s HTTP/1.1" %d', _client(proto), proto.scope.get("method"),
-                proto.url.decode("latin-1"), status,
+                '%s - "%s %s HTTP/%s" %d', _client(proto), proto.scope.get("method"),
+                proto.url.decode("latin-1"), "1.1", status,
             )  # fmt: skip
         if not self.keep_alive:
             proto.close_answered()

@@ -281,6 +281,51 @@ def test_a_generation_body_over_its_limit_is_a_413_before_it_is_parsed(served):
     assert ok.status_code == 200
 
 
+def test_a_client_hanging_up_before_its_body_is_in_is_one_line_not_an_error(local, caplog):
+    """On the Starlette path (generate, OpenAI's): one INFO line, not an internal error."""
+    import asyncio
+
+    from serving import Server
+    from serving.http import create_app
+
+    async def hang_up(app, path):
+        sent = []
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "headers": [(b"content-length", b"100")],
+            "root_path": "",
+            "scheme": "http",
+            "server": ("x", 80),
+            "http_version": "1.1",
+        }
+        await app(scope, receive, send)  # fmt: skip
+        return sent
+
+    async def main():
+        server = Server()
+        server.add_decoder("lm", local)
+        app = create_app(server)
+        with caplog.at_level("INFO", logger="pxrt"):
+            for path in ("/v2/models/lm/generate", "/v1/completions"):
+                await hang_up(app, path)
+
+    asyncio.run(main())
+    lines = [r for r in caplog.records if r.name.startswith("pxrt")]
+    assert [r.levelname for r in lines] == ["INFO", "INFO"], caplog.text
+    assert all("the client hung up" in r.getMessage() for r in lines)
+
+
 def test_unknown_models_and_one_shot_models_are_404s(served):
     r = httpx.post(f"{served.url}/v2/models/nope/generate", json={"text_input": "a"})
     assert r.status_code == 404 and "no model named 'nope'" in r.json()["error"]

@@ -310,6 +310,21 @@ def test_sigterm_under_keep_alive_load_resets_no_request(artifacts):
     assert outcomes["status 200"] > 48 and outcomes["status 503"] > 0, outcomes
 
 
+def test_the_native_path_writes_uvicorns_access_lines(artifacts):
+    """pxrt serve --log-level info: the native path's access lines are uvicorn's own
+    (its formatter takes five arguments: four made a logging error of every request)."""
+    proc = ServeProcess([str(artifacts["mlp"]), "--log-level", "info"])
+    try:
+        assert infer_ok(proc)
+        deadline = time.monotonic() + 10
+        while '"POST /v2/models/mlp/infer HTTP/1.1" 200' not in proc.output():
+            assert time.monotonic() < deadline, proc.output()[-2000:]
+            time.sleep(0.1)
+        assert "Logging error" not in proc.output()
+    finally:
+        assert proc.stop() == 0
+
+
 def test_many_large_uploads_at_once_get_503_not_memory(guarded):
     """Bodies held at once are bounded over all requests (here 1 MB): a third 400 KB
     upload in flight is refused with Retry-After while two are still being sent."""
