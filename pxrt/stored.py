@@ -89,24 +89,38 @@ def _own_dir(cache_dir: str, folder: str, create: bool) -> str | None:
     return where
 
 
-@functools.lru_cache(maxsize=8)
+_KEYS: dict[str, bytes] = {}  # cache directory -> its key, once read
+
+
 def _hmac_key(cache_dir: str) -> bytes | None:
     """The per-user key of ``cache_dir``'s entries: made once (32 random bytes, readable
     by this user only); None if the file there is not that (nothing is then trusted)."""
+    key = _KEYS.get(cache_dir)
+    if key is not None:
+        return key
     path = os.path.join(cache_dir, KEY_FILE)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    if not os.path.lexists(path):
+        # Written whole under another name, then linked into place: a process or thread
+        # that finds the file finds all of it (and one made meanwhile by another wins).
+        tmp = os.path.join(cache_dir, f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+        except OSError:
+            return None
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                     0o600)  # fmt: skip
-    except FileExistsError:
-        pass
-    except OSError:
-        return None
-    else:
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
-    try:
-        fd = os.open(path, flags)
+        fd = os.open(path, os.O_RDONLY | nofollow)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
@@ -115,6 +129,7 @@ def _hmac_key(cache_dir: str) -> bytes | None:
     uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
     if st.st_uid != uid or st.st_mode & 0o077 or len(key) != 32:
         return None
+    _KEYS[cache_dir] = key
     return key
 
 

@@ -471,6 +471,20 @@ def test_stored_entries_are_trusted_only_from_a_safe_directory_with_our_key(arti
     assert not list(elsewhere.iterdir())
 
 
+def test_the_cache_key_is_made_once_whoever_asks_first(tmp_path):
+    """A cold load's compile threads ask for the cache's key at once: all get the same
+    whole key (one used to read the file half-written, and nothing was stored)."""
+    import concurrent.futures
+
+    from pxrt import stored
+
+    for i in range(5):
+        cache = stored.safe_cache_dir(str(tmp_path / f"c{i}"))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            keys = list(pool.map(lambda _: stored._hmac_key(cache), range(8)))
+        assert len(set(keys)) == 1 and len(keys[0]) == 32
+
+
 def test_a_load_that_would_not_fit_in_memory_is_refused_before_compiling(artifacts, monkeypatch):
     from pxrt import _xla, executable
 

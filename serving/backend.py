@@ -1,0 +1,134 @@
+"""The data plane, declared: what every transport and the request core call of what
+serves the models.
+
+Two things satisfy ``Backend``: ``serving.Server`` in process, and
+``serving.remote.RemoteServer``, a ``pxrt serve --workers`` worker's view of the device
+process (its models and decoders as the device process described them; requests cross
+by shared memory). Every transport is typed against ``Backend`` (HTTP's native and ASGI
+paths, gRPC's native server, the workers' link, the request core), so mypy checks the
+worker topology as it checks one process. The control plane (options, statistics,
+metrics, the repository: what workers forward to the device process) stays on
+``Server``. vLLM's ``EngineClient`` (``vllm/engine/protocol.py``) is the pattern.
+
+Nothing here runs: the module only names the seam.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .options import GenerationLimits
+
+
+class TensorInfo(Protocol):
+    """An input or output as a transport needs it: its dtype and per-example shape
+    (named dimensions as their names)."""
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def shape(self) -> tuple: ...
+
+
+class ServedModel(Protocol):
+    """A version of a model served: ``pxrt.Model`` or a worker's ``RemoteModel``."""
+
+    name: str
+    version: str
+
+    @property
+    def inputs(self) -> Mapping[str, Any]: ...
+
+    @property
+    def outputs(self) -> Mapping[str, Any]: ...
+
+    @property
+    def buckets(self) -> tuple[int, ...]: ...
+
+    @property
+    def dim_buckets(self) -> Mapping[str, tuple[int, ...]]: ...
+
+
+class ServedDecoder(Protocol):
+    """A decoder served: what the front ends need to tokenize prompts, render chats and
+    detokenize tokens (``pxrt.Decoder`` or a worker's ``RemoteDecoder``)."""
+
+    name: str
+    version: str
+    tokenizer: Any  # pxrt.tokenizer.Tokenizer, or None: token ids in and out
+    chat_template: str | None
+
+
+class TokenStream(Protocol):
+    """One generation as the front ends read it (``pxrt.Generation`` or a worker's
+    ``RemoteGeneration``): ``async for`` its tokens, or ``listen`` and ``take``;
+    ``cancel``; then ``finish_reason`` and ``error``."""
+
+    prompt: Sequence[int]
+    finish_reason: str | None
+    error: BaseException | None
+    delivered: int
+
+    def cancel(self, reason: str = ...) -> None: ...
+
+    def listen(self, callback: Callable[[Any], None]) -> None: ...
+
+    def take(self) -> list[int]: ...
+
+    def __aiter__(self) -> AsyncIterator[int]: ...
+
+
+class Backend(Protocol):
+    """What serves the models, as the transports and the request core see it."""
+
+    generation_limits: GenerationLimits
+
+    # readiness
+    def not_serving(self) -> str | None:
+        """Why inference is refused now (loading, draining, a broken group), or None."""
+        ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    async def wait_draining(self) -> None: ...
+
+    # models
+    @property
+    def models(self) -> Mapping[str, ServedModel]: ...
+
+    def model(self, name: str, version: str | None = None) -> ServedModel: ...
+
+    def versions(self, name: str) -> list[str]: ...
+
+    def submit(
+        self,
+        name: str,
+        request: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+        version: str | None = None,
+    ) -> asyncio.Future: ...
+
+    def count(self, name: str, version: str, outcome: str) -> None:
+        """A request answered before it reached the queue (``invalid``, ``failed``)."""
+        ...
+
+    # decoders
+    def is_decoder(self, name: str) -> bool: ...
+
+    @property
+    def decoders(self) -> Mapping[str, ServedDecoder]: ...
+
+    def decoder(self, name: str) -> ServedDecoder: ...
+
+    async def open_generation(self, name: str, prompt: list[int], **options: Any) -> TokenStream:
+        """Start a generation once it is accepted (its refusal raised here)."""
+        ...
+
+
+__all__ = ["Backend", "ServedDecoder", "ServedModel", "TensorInfo", "TokenStream"]
