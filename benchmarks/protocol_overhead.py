@@ -234,7 +234,7 @@ async def main_async(args) -> None:
     app = create_app(server)
     x = np.arange(16, dtype=np.float32).reshape(1, 16)
     request = binary_request(x)
-    owner = GrpcServer(server, max_message_bytes=1 << 20)
+    owner = GrpcServer(server, max_message_bytes=1 << 20, control=server)
     message = grpc_message(x)
     runs = {
         "floor (submit + await)": lambda: floor_run(server, x, args.connections, args.requests),

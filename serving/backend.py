@@ -16,7 +16,7 @@ Nothing here runs: the module only names the seam.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sized
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -37,8 +37,11 @@ class TensorInfo(Protocol):
 class ServedModel(Protocol):
     """A version of a model served: ``pxrt.Model`` or a worker's ``RemoteModel``."""
 
-    name: str
-    version: str
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
 
     @property
     def inputs(self) -> Mapping[str, Any]: ...
@@ -57,10 +60,19 @@ class ServedDecoder(Protocol):
     """A decoder served: what the front ends need to tokenize prompts, render chats and
     detokenize tokens (``pxrt.Decoder`` or a worker's ``RemoteDecoder``)."""
 
-    name: str
-    version: str
-    tokenizer: Any  # pxrt.tokenizer.Tokenizer, or None: token ids in and out
-    chat_template: str | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """``pxrt.tokenizer.Tokenizer``, or None: token ids in and out."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None: ...
 
 
 class TokenStream(Protocol):
@@ -68,10 +80,19 @@ class TokenStream(Protocol):
     ``RemoteGeneration``): ``async for`` its tokens, or ``listen`` and ``take``;
     ``cancel``; then ``finish_reason`` and ``error``."""
 
-    prompt: Sequence[int]
-    finish_reason: str | None
-    error: BaseException | None
-    delivered: int
+    @property
+    def prompt(self) -> Sized: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    @property
+    def delivered(self) -> int:
+        """Tokens its reader has taken."""
+        ...
 
     def cancel(self, reason: str = ...) -> None: ...
 

@@ -373,15 +373,21 @@ def response_parts(
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), blobs
 
 
+def timeout_s(value: Any, field: str = "parameters.timeout") -> float | None:
+    """A request's deadline in seconds from ``value``, its ``timeout`` in microseconds
+    (Triton's; None: none), on every protocol: anything but a positive number is a
+    ``ProtocolError`` naming ``field``."""
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ProtocolError(f"{field} must be a positive number of microseconds, got {value!r:.40}")
+    return value * 1e-6
+
+
 def timeout_of(doc: dict) -> float | None:
     """A JSON request's deadline: ``parameters.timeout`` in microseconds (None: none)."""
     params = doc.get("parameters")
-    if not isinstance(params, dict) or params.get("timeout") is None:
-        return None
-    timeout = params["timeout"]
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ProtocolError("parameters.timeout must be a positive number of microseconds")
-    return timeout * 1e-6
+    return timeout_s(params.get("timeout")) if isinstance(params, dict) else None
 
 
 # --------------------------------------------------------------------------- gRPC
@@ -627,7 +633,4 @@ def proto_timeout(message: Any) -> float | None:
     if "timeout" not in message.parameters:
         return None
     param = message.parameters["timeout"]
-    value = param.int64_param if param.WhichOneof("parameter_choice") else 0
-    if value <= 0:
-        raise ProtocolError("parameters.timeout must be a positive int64 (us)")
-    return value * 1e-6
+    return timeout_s(param.int64_param if param.WhichOneof("parameter_choice") else 0)

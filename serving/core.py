@@ -32,18 +32,17 @@ from .codec import ProtocolError
 from .errors import (
     DeadlineExceeded,
     ExecutionFailed,
+    NoRepository,
     Overloaded,
+    RepositoryError,
     ServerClosed,
     ServingError,
     UnknownModel,
 )
 from .logs import printable
-from .repository import NoRepository, RepositoryError
 
 if TYPE_CHECKING:
-    from pxrt import Model
-
-    from .server import Server
+    from .backend import Backend, ServedDecoder, ServedModel
 
 
 log = logging.getLogger("pxrt.core")
@@ -169,7 +168,7 @@ class InferRequest:
 
     @classmethod
     def from_json(
-        cls, header: memoryview | bytes, binary: memoryview, model: Model
+        cls, header: memoryview | bytes, binary: memoryview, model: ServedModel
     ) -> InferRequest:
         """A KServe v2 JSON request (``header``) with its binary tensor data.
 
@@ -204,7 +203,7 @@ class InferRequest:
     def from_proto_bytes(
         cls,
         data: Any,
-        model: Model,
+        model: ServedModel,
         parse: Callable[[Any], Any],
         deadline_s: float | None = None,
     ) -> InferRequest:
@@ -240,7 +239,7 @@ class InferRequest:
 
     @classmethod
     def from_proto(
-        cls, message: Any, model: Model, deadline_s: float | None = None
+        cls, message: Any, model: ServedModel, deadline_s: float | None = None
     ) -> InferRequest:
         """A ModelInferRequest; its ``timeout`` parameter, else ``deadline_s`` (the
         call's own deadline), is its deadline."""
@@ -262,7 +261,7 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its 
 _PROTO_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> size -> plans
 
 
-def _plans(model: Model) -> dict:
+def _plans(model: ServedModel) -> dict:
     """``model``'s header -> ``codec.BinaryPlan`` table (gone with the model)."""
     plans = _PLANS.get(model)
     if plans is None:
@@ -270,7 +269,7 @@ def _plans(model: Model) -> dict:
     return plans
 
 
-def _proto_plans(model: Model) -> dict:
+def _proto_plans(model: ServedModel) -> dict:
     """``model``'s message size -> ``codec.ProtoPlan``s table (gone with the model)."""
     plans = _PROTO_PLANS.get(model)
     if plans is None:
@@ -278,16 +277,22 @@ def _proto_plans(model: Model) -> dict:
     return plans
 
 
-def resolve(server: Server, name: str, version: str | None = None) -> Model:
+def resolve(server: Backend, name: str, version: str | None = None) -> ServedModel:
     """The model that serves ``version`` of ``name`` now, if the server takes inference
     requests: ``NotServing`` while loading or draining, ``UnknownModel`` without one."""
+    return serving(server).model(name, version)
+
+
+def serving(server: Backend) -> Backend:
+    """``server``, if it takes inference and generation requests now (else
+    ``NotServing``: loading, draining, a broken group)."""
     why = server.not_serving()
     if why:
         raise NotServing(why)
-    return server.model(name, version)
+    return server
 
 
-def resolve_decoder(server: Server, name: str, version: str | None = None) -> Any:
+def resolve_decoder(server: Backend, name: str, version: str | None = None) -> ServedDecoder:
     """The decoder ``name`` serves (``UnknownModel`` without one), if ``version`` (None
     or empty: any) is its version: a decoder serves one version at a time."""
     decoder = server.decoder(name)
@@ -298,7 +303,7 @@ def resolve_decoder(server: Server, name: str, version: str | None = None) -> An
     return decoder
 
 
-def no_decoder_stats(server: Server, name: str) -> None:
+def no_decoder_stats(server: Backend, name: str) -> None:
     """``UnknownModel`` saying where a decoder's statistics are, for the statistics
     endpoints (Triton's statistics describe batched requests, not generations)."""
     if server.is_decoder(name):
@@ -309,16 +314,44 @@ def no_decoder_stats(server: Server, name: str) -> None:
         )
 
 
+@dataclasses.dataclass(slots=True)
+class Pending:
+    """A request in the queue (``start``'s): the backend, the model's name as the client
+    gave it, the model that serves it, the request decoded for it and its future
+    (cancelling it takes the request out of the queue if it was not dispatched yet: a
+    client that hung up)."""
+
+    server: Backend
+    name: str
+    model: ServedModel
+    request: InferRequest
+    future: asyncio.Future
+
+    def finish(self, encode: Callable[[str, Any, InferRequest, dict], T]) -> T:
+        """``encode(name, model, request, outputs)``'s reply once the future is done (and
+        not cancelled), or the error it is answered with raised (an unexpected one
+        counted failed, logged once, raised as ``InternalError``)."""
+        try:
+            return encode(self.name, self.model, self.request, self.future.result())
+        except (ServingError, ProtocolError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
+            self.server.count(self.name, self.model.version, "failed")
+            raise internal_error(f"{self.name!r} inference", exc) from exc
+
+    def cancel(self) -> None:
+        self.future.cancel()
+
+
 def start(
-    server: Server,
+    server: Backend,
     name: str,
     version: str | None,
-    decode: Callable[[Model], InferRequest],
-) -> tuple[Model, InferRequest, asyncio.Future]:
+    decode: Callable[[Any], InferRequest],
+) -> Pending:
     """The first half of ``infer``, for front ends that do not await: the model resolved
-    now, the request ``decode(model)`` made for it, and its future in the queue
-    (cancelling it takes the request out of the queue if it was not dispatched: a
-    client that hung up). ``finish`` makes the reply once the future is done."""
+    now, the request ``decode(model)`` makes for it, queued (``Pending.finish`` makes the
+    reply once its future is done)."""
     model = resolve(server, name, version)
     try:
         try:
@@ -340,34 +373,15 @@ def start(
     except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
         server.count(name, model.version, "failed")
         raise internal_error(f"{name!r} inference", exc) from exc
-    return model, request, future
-
-
-def finish(
-    server: Server,
-    name: str,
-    model: Model,
-    request: InferRequest,
-    future: asyncio.Future,
-    encode: Callable[[str, Model, InferRequest, dict], T],
-) -> T:
-    """The second half of ``infer``: ``encode``'s reply for the done (not cancelled)
-    ``future`` of ``start``, or the error it is answered with raised."""
-    try:
-        return encode(name, model, request, future.result())
-    except (ServingError, ProtocolError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
-        server.count(name, model.version, "failed")
-        raise internal_error(f"{name!r} inference", exc) from exc
+    return Pending(server, name, model, request, future)
 
 
 async def infer(
-    server: Server,
+    server: Backend,
     name: str,
     version: str | None,
-    decode: Callable[[Model], InferRequest],
-    encode: Callable[[str, Model, InferRequest, dict], T],
+    decode: Callable[[Any], InferRequest],
+    encode: Callable[[str, Any, InferRequest, dict], T],
     on_queued: Callable[[asyncio.Future], Any] | None = None,
 ) -> T:
     """Answer one inference request: ``encode(name, model, request, outputs)`` for the
@@ -378,14 +392,23 @@ async def infer(
     what ``status_of`` maps; an unexpected error is counted failed, logged once and
     raised as ``InternalError``.
     """
-    model, request, future = start(server, name, version, decode)
+    pending = start(server, name, version, decode)
     if on_queued is not None:
-        on_queued(future)
+        on_queued(pending.future)
     try:
-        await future  # cancelled with the caller (the request leaves the queue)
+        await pending.future  # cancelled with the caller (the request leaves the queue)
     except Exception:  # noqa: BLE001, S110 - the request's error: finish raises it, mapped
         pass
-    return finish(server, name, model, request, future, encode)
+    return pending.finish(encode)
+
+
+def answer(exc: BaseException, where: str) -> Status:
+    """How ``exc`` is answered, on any transport: an unexpected one (a bug) is logged
+    once, as having happened at ``where``, and answered as ``InternalError``; every
+    error then maps through ``ERRORS``."""
+    if not is_known(exc):
+        exc = internal_error(where, exc)
+    return status_of(exc)
 
 
 def internal_error(where: str, exc: BaseException) -> InternalError:
@@ -407,6 +430,16 @@ class Status:
     message: str
     headers: dict[str, str] | None = None
 
+
+# gRPC's status codes by name (grpc.StatusCode's, without importing grpc).
+GRPC_CODES = {
+    name: i
+    for i, name in enumerate(
+        "OK CANCELLED UNKNOWN INVALID_ARGUMENT DEADLINE_EXCEEDED NOT_FOUND ALREADY_EXISTS "
+        "PERMISSION_DENIED RESOURCE_EXHAUSTED FAILED_PRECONDITION ABORTED OUT_OF_RANGE "
+        "UNIMPLEMENTED INTERNAL UNAVAILABLE DATA_LOSS UNAUTHENTICATED".split()
+    )
+}
 
 # Every error a front end answers, most specific first: (type, HTTP status, gRPC code).
 # The codes are Triton's (a full queue is UNAVAILABLE over gRPC, 429 over HTTP).
@@ -445,25 +478,54 @@ def status_of(exc: BaseException) -> Status:
 
 def is_known(exc: BaseException) -> bool:
     """Whether ``exc`` is one of the errors a request may meet (not a bug)."""
-    return isinstance(exc, tuple(kind for kind, _, _ in ERRORS))
+    return isinstance(exc, _KNOWN)
+
+
+_KNOWN = tuple(kind for kind, _, _ in ERRORS)
+_BY_NAME = {kind.__name__: kind for kind in _KNOWN}
+
+
+def error_kind(exc: BaseException) -> str:
+    """The name ``exc`` crosses a process boundary as (the workers' link): its kind in
+    ``ERRORS``; a model's own validation error (TypeError, ValueError) is
+    ``InvalidRequest``; anything else ``InternalError``."""
+    kind = next((k for k in _KNOWN if isinstance(exc, k)), None)
+    if kind is None:
+        kind = InvalidRequest if isinstance(exc, (TypeError, ValueError)) else InternalError
+    return kind.__name__
+
+
+def error_of_kind(kind: str, message: str, retry_after_s: float = 0.0) -> BaseException:
+    """The error ``error_kind`` named, made again on the other side."""
+    if kind == "Overloaded":
+        return Overloaded(message, retry_after_s)
+    try:
+        return _BY_NAME.get(kind, InternalError)(message)
+    except TypeError:  # (one whose message is its own: made anyway)
+        return InternalError(message)
 
 
 __all__ = [
     "ERRORS",
+    "GRPC_CODES",
     "BodiesFull",
     "BodyBudget",
     "InferRequest",
     "InternalError",
     "InvalidRequest",
     "NotServing",
+    "Pending",
     "Status",
     "TooLarge",
     "Upload",
-    "finish",
+    "answer",
+    "error_kind",
+    "error_of_kind",
     "infer",
     "internal_error",
     "is_known",
     "resolve",
+    "serving",
     "start",
     "status_of",
 ]

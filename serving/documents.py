@@ -3,6 +3,7 @@ app sends them as JSON, the gRPC service as the protocol's messages."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .codec import datatype_of, protocol_dims
@@ -10,6 +11,8 @@ from .options import BatchingOptions
 
 if TYPE_CHECKING:
     from pxrt import Model
+
+    from .backend import ServedModel
 
 
 def server_metadata() -> dict:
@@ -22,14 +25,14 @@ def server_metadata() -> dict:
     }
 
 
-def _tensors(specs: dict, shape_key: str, type_of: Any, batch: list) -> list[dict]:
+def _tensors(specs: Mapping[str, Any], shape_key: str, type_of: Any, batch: list) -> list[dict]:
     return [
         {"name": k, **type_of(s.dtype), shape_key: [*batch, *protocol_dims(s.shape)]}
         for k, s in specs.items()
     ]
 
 
-def model_metadata(name: str, model: Model, versions: list[str] | None = None) -> dict:
+def model_metadata(name: str, model: ServedModel, versions: list[str] | None = None) -> dict:
     """The model's KServe v2 metadata: its versions, inputs and outputs (-1 for the batch
     and for named dimensions)."""
 

@@ -3,6 +3,11 @@ TypeError/ValueError from validation."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .repository import Repository
+
 
 class ServingError(Exception):
     """Base of the serving layer's errors."""
@@ -36,6 +41,25 @@ class UnknownModel(ServingError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class RepositoryError(ValueError):
+    """A request the model repository cannot carry out (an unknown model, the wrong
+    mode)."""
+
+
+class NoRepository(RepositoryError):
+    """A repository request to a server that has no repository."""
+
+    def __init__(self) -> None:
+        super().__init__("no model repository: start pxrt serve with --model-repository DIR")
+
+
+def require(repository: Repository | None) -> Repository:
+    """``repository``, or ``NoRepository`` when there is none (front ends' check)."""
+    if repository is None:
+        raise NoRepository()
+    return repository
 
 
 def no_model(name: str, served: list[str] | tuple[str, ...] | object) -> UnknownModel:

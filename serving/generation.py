@@ -1,4 +1,4 @@
-"""Generation over HTTP: KServe's (Triton's) generate extension and an OpenAI-compatible
+"""TokenStream over HTTP: KServe's (Triton's) generate extension and an OpenAI-compatible
 completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
 
 - ``POST /v2/models/{m}[/versions/{v}]/generate``: one JSON answer;
@@ -33,14 +33,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pxrt.finish import DEADLINE, STOP
 
-from . import core
+from . import codec, core
 from .errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError
 
 if TYPE_CHECKING:
-    from pxrt.generate import Decoder, Generation
-
+    from .backend import Backend, ServedDecoder, TokenStream
     from .options import GenerationLimits
-    from .server import Server
 
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
 SSE = "text/event-stream"
@@ -63,14 +61,6 @@ class Prompt:
         self.text = text  # answer with text (the prompt was text or a tokenizer exists)
         self.timeout_s = timeout_s  # its deadline, from arrival (None: none)
         self.timer: Any = None  # the deadline's timer once started
-
-
-def _timeout(value: Any) -> float | None:
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise invalid(f"timeout must be a positive number of microseconds, got {value!r:.40}")
-    return value * 1e-6
 
 
 def invalid(message: str) -> core.InvalidRequest:
@@ -114,7 +104,7 @@ def _ids(value: Any, field: str) -> list[int]:
     return value
 
 
-def _encode(decoder: Decoder, text: Any, field: str) -> list[int]:
+def _encode(decoder: ServedDecoder, text: Any, field: str) -> list[int]:
     if not isinstance(text, str):
         raise invalid(f"{field} must be a string, got {type(text).__name__}")
     if decoder.tokenizer is None:
@@ -125,7 +115,7 @@ def _encode(decoder: Decoder, text: Any, field: str) -> list[int]:
     return decoder.tokenizer.encode(text)
 
 
-def upload(server: Server, budget: core.BodyBudget, length: str | bytes | None) -> core.Upload:
+def upload(server: Backend, budget: core.BodyBudget, length: str | bytes | None) -> core.Upload:
     """The ``core.Upload`` of a generation request's body (``length``: its
     Content-Length): within the server's ``GenerationLimits.max_request_kb`` (its JSON
     is parsed on the loop) and ``budget``."""
@@ -137,7 +127,7 @@ def upload(server: Server, budget: core.BodyBudget, length: str | bytes | None) 
     )
 
 
-async def _body(request: Request, server: Server) -> dict:
+async def _body(request: Request, server: Backend) -> dict:
     """A generation request's body (Starlette's path), read within ``upload``'s limits."""
     body = upload(server, request.app.state.pxrt.budget, request.headers.get("content-length"))
     try:
@@ -156,7 +146,7 @@ def _options(source: Mapping[str, Any], limits: GenerationLimits) -> dict:
     return options
 
 
-def parse_kserve(decoder: Decoder, body: dict, limits: GenerationLimits) -> Prompt:
+def parse_kserve(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> Prompt:
     """The generate extension's request: ``text_input`` or ``input_ids``, options at the
     top level or under ``parameters`` (these win), within ``limits``."""
     params = body.get("parameters") or {}
@@ -171,7 +161,7 @@ def parse_kserve(decoder: Decoder, body: dict, limits: GenerationLimits) -> Prom
         ids, text = _ids(body["input_ids"], "input_ids"), decoder.tokenizer is not None
     stop = _stop_strings(merged.get("stop"), limits)
     options = _options(merged, limits)
-    return Prompt(ids, options, stop, text, _timeout(merged.get("timeout")))
+    return Prompt(ids, options, stop, text, codec.timeout_s(merged.get("timeout"), "timeout"))
 
 
 # OpenAI's request fields pxrt does not honour, each with the values that ask nothing of
@@ -216,7 +206,10 @@ def _check_fields(body: dict, known: tuple[str, ...]) -> None:
 
 
 def parse_openai(
-    decoder: Decoder, body: dict, limits: GenerationLimits, known: tuple[str, ...] = _COMPLETIONS
+    decoder: ServedDecoder,
+    body: dict,
+    limits: GenerationLimits,
+    known: tuple[str, ...] = _COMPLETIONS,
 ) -> tuple[Prompt, bool]:
     """``/v1/completions``: the prompt (text, or token ids), OpenAI's defaults
     (``max_tokens`` 16, ``temperature`` 1), and whether to stream. A field it does not
@@ -239,10 +232,10 @@ def parse_openai(
     if not isinstance(stream, bool):
         raise invalid(f"stream must be true or false, got {stream!r:.40}")
     stop = _stop_strings(body.get("stop"), limits)
-    return Prompt(ids, options, stop, True, _timeout(body.get("timeout"))), stream
+    return Prompt(ids, options, stop, True, codec.timeout_s(body.get("timeout"), "timeout")), stream
 
 
-async def start(server: Server, name: str, prompt: Prompt) -> Generation:
+async def start(server: Backend, name: str, prompt: Prompt) -> TokenStream:
     """Submit (``open_generation``: a worker's waits for the device process to accept
     it), with the prompt's deadline armed; a bad option is a 400 naming it."""
     try:
@@ -274,7 +267,7 @@ class Pieces:
 
     __slots__ = ("gen", "prompt", "text", "stopped")
 
-    def __init__(self, decoder: Decoder, gen: Generation, prompt: Prompt) -> None:
+    def __init__(self, decoder: ServedDecoder, gen: TokenStream, prompt: Prompt) -> None:
         from pxrt.tokenizer import TextStream
 
         self.gen = gen
@@ -306,7 +299,7 @@ class Pieces:
         self.gen.cancel()
 
 
-async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIterator[Piece]:
+async def pieces(decoder: ServedDecoder, gen: TokenStream, prompt: Prompt) -> AsyncIterator[Piece]:
     """The generation's pieces (``Pieces``) as they come. Leaving early cancels the
     generation."""
     maker = Pieces(decoder, gen, prompt)
@@ -322,7 +315,7 @@ async def pieces(decoder: Decoder, gen: Generation, prompt: Prompt) -> AsyncIter
         maker.close()
 
 
-def usage(gen: Generation) -> dict:
+def usage(gen: TokenStream) -> dict:
     n = gen.delivered  # (a stop string may end it before tokens generated after it)
     return {
         "prompt_tokens": len(gen.prompt),
@@ -346,14 +339,14 @@ class KServeCall:
     """One generate-extension request, validated and submitted (``open``): ``json``
     answers it whole, ``events`` streams it (server-sent events)."""
 
-    def __init__(self, name: str, decoder: Decoder, prompt: Prompt, gen: Generation) -> None:
+    def __init__(self, name: str, decoder: ServedDecoder, prompt: Prompt, gen: TokenStream) -> None:
         self.decoder = decoder
         self.prompt = prompt
         self.gen = gen
         self.head = {"model_name": name, "model_version": decoder.version}
 
     @classmethod
-    async def open(cls, server: Server, params: Mapping[str, Any], body: dict) -> KServeCall:
+    async def open(cls, server: Backend, params: Mapping[str, Any], body: dict) -> KServeCall:
         name = params["model"]
         decoder = core.resolve_decoder(server, name, params.get("version"))
         prompt = parse_kserve(decoder, body, server.generation_limits)
@@ -409,7 +402,7 @@ class KServeCall:
 
 
 async def kserve_generate(
-    request: Request, server: Server, on_disconnect: Callable | None = None
+    request: Request, server: Backend, on_disconnect: Callable | None = None
 ) -> Response:
     """``POST .../generate``: one JSON answer. ``on_disconnect`` (``pxrt serve``'s scope
     extension) takes a callback for a client that hangs up: its generation is cancelled."""
@@ -419,7 +412,7 @@ async def kserve_generate(
     return JSONResponse(await call.json())
 
 
-async def kserve_stream(request: Request, server: Server) -> Response:
+async def kserve_stream(request: Request, server: Backend) -> Response:
     """``POST .../generate_stream``: server-sent events (Starlette cancels the stream,
     and with it the generation, when the client hangs up)."""
     call = await KServeCall.open(server, request.path_params, await _body(request, server))
@@ -437,7 +430,7 @@ def body_of(raw: bytes) -> dict:
     return body
 
 
-def raise_error(gen: Generation) -> None:
+def raise_error(gen: TokenStream) -> None:
     """The generation's failure as the front ends answer it: a deadline that passed,
     the decoder closed under it, its step failed."""
     if gen.finish_reason == DEADLINE:
@@ -469,13 +462,13 @@ def openai_error(exc: BaseException) -> Response | None:
 
 
 def openai_endpoint(
-    handler: Callable[[Server, str, Decoder, dict], Awaitable[Response]],
-) -> Callable[[Request, Server], Awaitable[Response]]:
+    handler: Callable[[Backend, str, ServedDecoder, dict], Awaitable[Response]],
+) -> Callable[[Request, Backend], Awaitable[Response]]:
     """An OpenAI endpoint: the body read, its ``model`` looked up among the decoders,
     and known errors answered in OpenAI's shape."""
 
     @functools.wraps(handler)
-    async def endpoint(request: Request, server: Server) -> Response:
+    async def endpoint(request: Request, server: Backend) -> Response:
         try:
             body = await _body(request, server)
             name = body.get("model")
@@ -492,7 +485,9 @@ def openai_endpoint(
 
 
 @openai_endpoint
-async def openai_completions(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
+async def openai_completions(
+    server: Backend, name: str, decoder: ServedDecoder, body: dict
+) -> Response:
     prompt, stream = parse_openai(decoder, body, server.generation_limits)
     gen = await start(server, name, prompt)
     ident = f"cmpl-{uuid.uuid4().hex}"
@@ -525,7 +520,7 @@ async def openai_completions(server: Server, name: str, decoder: Decoder, body: 
     return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
-def parse_chat(decoder: Decoder, body: dict, limits: GenerationLimits) -> tuple[Prompt, bool]:
+def parse_chat(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> tuple[Prompt, bool]:
     """``/v1/chat/completions``: ``messages`` rendered by the artifact's chat template,
     then the options as for ``/v1/completions`` (``max_completion_tokens`` is
     ``max_tokens``)."""
@@ -561,7 +556,7 @@ def parse_chat(decoder: Decoder, body: dict, limits: GenerationLimits) -> tuple[
 
 
 @openai_endpoint
-async def openai_chat(server: Server, name: str, decoder: Decoder, body: dict) -> Response:
+async def openai_chat(server: Backend, name: str, decoder: ServedDecoder, body: dict) -> Response:
     prompt, stream = parse_chat(decoder, body, server.generation_limits)
     gen = await start(server, name, prompt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
@@ -603,11 +598,11 @@ def _model_doc(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "pxrt"}
 
 
-async def openai_models(request: Request, server: Server) -> Response:
+async def openai_models(request: Request, server: Backend) -> Response:
     return JSONResponse({"object": "list", "data": [_model_doc(n) for n in server.decoders]})
 
 
-async def openai_model(request: Request, server: Server) -> Response:
+async def openai_model(request: Request, server: Backend) -> Response:
     """``GET /v1/models/{model}``: one of ``openai_models``' (404 in OpenAI's shape)."""
     name = request.path_params["model"]
     if not server.is_decoder(name):

@@ -22,30 +22,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from . import core, generation
+from . import codec, core, generation
 
 if TYPE_CHECKING:
+    from .backend import Backend
     from .options import GenerationLimits
-    from .server import Server
 
 _LEN = struct.Struct("<I")
 FINAL = "triton_final_response"
-_DTYPES = {
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "UINT32": np.uint32,
-    "FP32": np.float32,
-    "FP64": np.float64,
-}
-_CONTENTS = {
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT32": "uint_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-    "BOOL": "bool_contents",
-}
+# The protocol's tables (codec's), and BYTES: prompts and stop strings come as text.
+_CONTENTS = {**codec.CONTENTS, "BYTES": "bytes_contents"}
 
 
 def _bytes_elements(raw: bytes, count: int) -> list[bytes]:
@@ -71,9 +57,10 @@ def _values(message: Any, index: int) -> list:
         raw = message.raw_input_contents[index]
         if datatype == "BYTES":
             return _bytes_elements(raw, count)
-        if datatype not in _DTYPES:
+        dtype = codec.DATATYPES.get(datatype)
+        if dtype is None or dtype.kind not in "iuf":
             raise generation.invalid(f"input {tensor.name!r}: unsupported datatype {datatype}")
-        values = np.frombuffer(raw, _DTYPES[datatype]) if len(raw) % 4 == 0 else None
+        values = np.frombuffer(raw, dtype) if len(raw) % dtype.itemsize == 0 else None
         if values is None or len(values) != count:
             raise generation.invalid(
                 f"input {tensor.name!r}: {len(raw)} bytes of raw contents for shape "
@@ -165,7 +152,7 @@ def _final(name: str, version: str, ident: str, gen: Any) -> Any:
     return pb.ModelStreamInferResponse(infer_response=response)
 
 
-async def responses(server: Server, message: Any) -> AsyncIterator[Any]:
+async def responses(server: Backend, message: Any) -> AsyncIterator[Any]:
     """The responses of one decoupled request (``ModelStreamInferResponse``s). A bad
     request raises before the first (the caller answers it with its error)."""
     name = message.model_name

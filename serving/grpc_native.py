@@ -42,7 +42,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
@@ -52,18 +51,17 @@ from .accept import Acceptor, linger_allowance, listening_socket
 from .access import Restrictions, TlsFiles, header_values
 from .core import BodyBudget, InferRequest
 from .grpc_server import GROUPS, GrpcLimits, GRPCService, Malformed, _checked, _parser
-from .repository import Repository
 
 if TYPE_CHECKING:
-    from pxrt import Model
-
+    from .backend import Backend, ServedModel
+    from .repository import Repository
     from .server import Server
 
 
 log = logging.getLogger("pxrt.grpc")
 
 SERVICE = "inference.GRPCInferenceService"
-_CODES = {code.name: code.value[0] for code in grpc.StatusCode}
+_CODES = core.GRPC_CODES
 _OK, _CANCELLED, _UNIMPLEMENTED = 0, _CODES["CANCELLED"], _CODES["UNIMPLEMENTED"]
 _INTERNAL, _INVALID = _CODES["INTERNAL"], _CODES["INVALID_ARGUMENT"]
 _RESOURCE, _DEADLINE = _CODES["RESOURCE_EXHAUSTED"], _CODES["DEADLINE_EXCEEDED"]
@@ -140,7 +138,7 @@ HEADS_KEPT = 256  # response descriptions remembered (by layout; different ids e
 _HEADS: dict[tuple, bytes] = {}
 
 
-def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> list[Any]:
+def _encode(name: str, model: ServedModel, request: InferRequest, outputs: dict) -> list[Any]:
     return infer_response_parts(name, model.version, request.id, outputs, request.outputs)
 
 
@@ -206,14 +204,15 @@ class Method:
         self.group = group
 
 
-def methods(service: GRPCService) -> dict[bytes, Method]:
-    """``:path`` -> the method, for every method of the service."""
+def methods(service: GRPCService | None) -> dict[bytes, Method]:
+    """``:path`` -> the method, for every method of the service (those other than
+    inference run ``service``'s coroutines; without it, a worker forwards them)."""
     descriptor = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     table = {}
     for m in descriptor.methods:
         group = GROUPS.get(m.name)
         impl = None
-        if m.name not in (_INFER, _STREAM):
+        if service is not None and m.name not in (_INFER, _STREAM):
             impl = _checked(getattr(service, m.name), group, service.restrictions)
         table[f"/{SERVICE}/{m.name}".encode()] = Method(
             m.name,
@@ -239,7 +238,7 @@ async def run_method(
         code = context.code.value[0] if context.code is not None else _UNIMPLEMENTED
         return code, context.details or "Method not implemented!", b""
     except Exception as exc:  # noqa: BLE001 - a bug: one line, INTERNAL
-        status = core.status_of(core.internal_error(method.name, exc))
+        status = core.answer(exc, method.name)
         return _CODES[status.grpc], status.message, b""
     return _OK, "", method.serialize(response)
 
@@ -262,18 +261,15 @@ class Call(h2.Stream):
         "deadline",
         "draining",
         "encoding",
-        "future",
         "headers",
         "headers_sent",
         "inflight",
         "last_data",
         "message",
         "method",
-        "model",
-        "name",
-        "pending",
+        "queued",
         "pumping",
-        "request",
+        "requests",
         "taken",
         "task",
     )
@@ -289,14 +285,13 @@ class Call(h2.Stream):
         self.last_data = 0.0  # when it last received part of its request
         self.message: Any = None  # a unary call's request message (bytes-like)
         self.headers_sent = False
-        self.future: asyncio.Future | None = None
-        self.model: Model | None = None
-        self.name = ""  # the model's name as the request gave it
-        self.request: InferRequest | None = None
+        self.queued: core.Pending | None = None  # a unary call's request, once queued
         self.task: asyncio.Task | None = None
         # streams
         self.inflight = 0  # requests taken and not yet answered
-        self.pending: set[asyncio.Future] = _NO_FUTURES  # (a set of its own once a stream)
+        # A stream's requests in flight (futures, generation tasks): a set of its own once
+        # a stream.
+        self.requests: set[asyncio.Future] = _NO_FUTURES
         self.backlog: deque = _NO_MESSAGES  # (data, bytes held): a deque of its own if a stream
         self.draining = False
         self.pumping = False
@@ -369,7 +364,7 @@ class GrpcProtocol(h2.H2Protocol):
                 self.fail_call(call, exc)
                 return
         if spec.name == _STREAM:
-            call.pending = set()
+            call.requests = set()
             call.backlog = deque()
             self._stream_calls.add(call)
             self.send_headers(call, _HEADERS)  # a stream answers as it goes
@@ -539,26 +534,22 @@ class GrpcProtocol(h2.H2Protocol):
         data, call.message = call.message, None
         try:
             name, version, decode = _decoder(data, remaining)
-            call.model, call.request, future = core.start(
-                self.server, name, version or None, decode
-            )
+            queued = core.start(self.server, name, version or None, decode)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail_call(call, _malformed_first(exc, data))
             return
-        call.name = name
-        call.future = future
-        future.add_done_callback(functools.partial(self._infer_done, call))
+        call.queued = queued
+        queued.future.add_done_callback(functools.partial(self._infer_done, call, queued))
 
-    def _infer_done(self, call: Call, future: asyncio.Future) -> None:
-        call.future = None
+    def _infer_done(self, call: Call, queued: core.Pending, future: asyncio.Future) -> None:
+        call.queued = None
         if call.ending:  # reset by the client meanwhile
             return
         if future.cancelled():
             self.finish(call, _CANCELLED, "the request was cancelled")
             return
-        assert call.model is not None and call.request is not None
         try:
-            message = core.finish(self.server, call.name, call.model, call.request, future, _encode)
+            message = queued.finish(_encode)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail_call(call, exc)
             return
@@ -574,29 +565,26 @@ class GrpcProtocol(h2.H2Protocol):
             if self.server.is_decoder(name):
                 self._generate(call, data, held)
                 return
-            model, request, future = core.start(self.server, name, version or None, decode)
+            queued = core.start(self.server, name, version or None, decode)
         except Exception as exc:  # noqa: BLE001 - this request's answer
             error = _malformed_first(exc, data)
-            self._stream_send(call, [_stream_error(_parsed(data), _status(error).message)], held)
+            self._stream_send(
+                call,
+                [_stream_error(_parsed(data), core.answer(error, "gRPC inference").message)],
+                held,
+            )
             return
         call.inflight += 1
-        call.pending.add(future)
-        future.add_done_callback(
-            functools.partial(self._stream_done, call, name, data, model, request, held)
+        call.requests.add(queued.future)
+        queued.future.add_done_callback(
+            functools.partial(self._stream_done, call, data, queued, held)
         )
 
     def _stream_done(
-        self,
-        call: Call,
-        name: str,
-        data: Any,
-        model: Model,
-        request: InferRequest,
-        held: int,
-        future: asyncio.Future,
+        self, call: Call, data: Any, queued: core.Pending, held: int, future: asyncio.Future
     ) -> None:
         call.inflight -= 1
-        call.pending.discard(future)
+        call.requests.discard(future)
         if call.ending:
             return
         if future.cancelled():
@@ -605,9 +593,9 @@ class GrpcProtocol(h2.H2Protocol):
             parts = [_stream_error(_parsed(data), "the request was cancelled")]
         else:
             try:
-                inner = core.finish(self.server, name, model, request, future, _encode)
+                inner = queued.finish(_encode)
             except Exception as exc:  # noqa: BLE001 - this request's answer
-                parts = [_stream_error(_parsed(data), _status(exc).message)]
+                parts = [_stream_error(_parsed(data), core.answer(exc, "gRPC inference").message)]
             else:
                 parts = [b"\x12" + codec.encode_varint(sum(map(len, inner))), *inner]
         self._stream_send(call, parts, held)
@@ -616,7 +604,7 @@ class GrpcProtocol(h2.H2Protocol):
     def _generate(self, call: Call, data: Any, held: int) -> None:
         call.inflight += 1
         task = self.loop.create_task(self._generation(call, data, held))
-        call.pending.add(task)
+        call.requests.add(task)
 
     async def _generation(self, call: Call, data: Any, held: int) -> None:
         """One decoupled request: a response per token, then the final one (or its
@@ -633,14 +621,17 @@ class GrpcProtocol(h2.H2Protocol):
             raise
         except Exception as exc:  # noqa: BLE001 - this request's answer
             if not call.ending:
-                error = _stream_error(_parsed(data), _status(_malformed_first(exc, data)).message)
+                error = _stream_error(
+                    _parsed(data),
+                    core.answer(_malformed_first(exc, data), "gRPC generation").message,
+                )
                 self.send_data(call, [_PREFIX.pack(0, len(error)), error])
         finally:
             call.inflight -= 1
             call.last_data = self.loop.time()
             task = asyncio.current_task()
             if task is not None:
-                call.pending.discard(task)
+                call.requests.discard(task)
             self._give(call, held)
             if not call.ending:
                 self._pump(call)
@@ -727,7 +718,7 @@ class GrpcProtocol(h2.H2Protocol):
 
     def fail_call(self, call: Call, exc: BaseException) -> None:
         """End ``call`` with ``exc``'s status (the request core's error table)."""
-        status = _status(exc)
+        status = core.answer(exc, "gRPC inference")
         self.finish(call, _CODES[status.grpc], status.message)
 
     def finish(self, call: Call, code: int, message: str = "") -> None:
@@ -760,10 +751,10 @@ class GrpcProtocol(h2.H2Protocol):
     def stream_reset(self, stream: Any, code: int) -> None:
         call: Call = stream
         self._release(call)
-        if call.future is not None:
-            call.future.cancel()  # out of the queue if it was not dispatched
-            call.future = None
-        for future in list(call.pending):
+        if call.queued is not None:
+            call.queued.cancel()  # out of the queue if it was not dispatched
+            call.queued = None
+        for future in list(call.requests):
             future.cancel()
         if call.task is not None:
             call.task.cancel()
@@ -833,55 +824,53 @@ def _decoder(data: Any, deadline_s: float | None) -> tuple[str, str, Any]:
                 raise codec.ProtocolError("the request names its model more than once")
             return message
 
-        def decode(model: Model) -> InferRequest:
+        def decode(model: ServedModel) -> InferRequest:
             return InferRequest.from_proto_bytes(data, model, parse, deadline_s)
 
         return name, version, decode
     message = _parse(data)
 
-    def decode_message(model: Model) -> InferRequest:
+    def decode_message(model: ServedModel) -> InferRequest:
         return InferRequest.from_proto(message, model, deadline_s)
 
     return message.model_name, message.model_version, decode_message
-
-
-def _status(exc: BaseException) -> core.Status:
-    if not core.is_known(exc):
-        exc = core.internal_error("gRPC inference", exc)
-    return core.status_of(exc)
 
 
 # --------------------------------------------------------------------------- server
 
 
 class GrpcServer:
-    """``GRPCInferenceService`` on pxrt's HTTP/2, for ``server``'s models (``start``,
-    then ``stop``, as grpcio's server)."""
+    """``GRPCInferenceService`` on pxrt's HTTP/2 (``start``, then ``stop``, as grpcio's
+    server): inference over ``backend``; every other method answered by ``control``
+    (the ``Server``, with its ``repository``), or, in a ``--workers`` worker, by the
+    device process: ``forward(method, data, headers, remaining)`` as ``run_method``."""
 
     def __init__(
         self,
-        server: Server,
+        backend: Backend,
         *,
         max_message_bytes: int,
+        control: Server | None = None,
         repository: Repository | None = None,
+        forward: Any = None,
         limits: GrpcLimits = GrpcLimits(),
         restrictions: Restrictions = Restrictions(),
         budget: BodyBudget | None = None,
         body_timeout_s: float = 10.0,
         settings: h2.Settings = h2.Settings(),
-        forward: Any = None,
     ) -> None:
-        self.server = server
-        # A worker's (pxrt serve --workers): methods other than inference are answered
-        # by the device process, ``forward(method, data, headers, remaining)`` as
-        # ``run_method``.
+        if (control is None) == (forward is None):
+            raise ValueError("GrpcServer: give control (a Server) or forward, not both")
+        self.server = backend
         self.forward = forward
         self.limits = limits
         self.restrictions = restrictions
         self.max_message_bytes = max_message_bytes
         self.budget = budget if budget is not None else BodyBudget(8 * max_message_bytes)
-        self.service = GRPCService(server, repository, limits, restrictions)
-        self.methods = methods(self.service)
+        service = None
+        if control is not None:
+            service = GRPCService(control, repository, limits, restrictions)
+        self.methods = methods(service)
         self.connections = h2.Connections(
             settings,
             max_connections=limits.max_connections,
@@ -970,19 +959,19 @@ async def start_grpc(
     budget: BodyBudget | None = None,
     body_timeout_s: float = 10.0,
     sock: Any = None,
-    forward: Any = None,
 ) -> GrpcServer:
-    """Serve ``GRPCInferenceService`` on ``host:port`` on the running loop (as
-    ``serving.grpc_server.start_grpc`` does with grpcio); returns the started server."""
+    """Serve ``GRPCInferenceService`` for ``server`` on ``host:port`` on the running
+    loop (as ``serving.grpc_server.start_grpc`` does with grpcio); returns the started
+    server."""
     grpc_server = GrpcServer(
         server,
         max_message_bytes=max_message_bytes,
+        control=server,
         repository=repository,
         limits=limits,
         restrictions=restrictions,
         budget=budget,
         body_timeout_s=body_timeout_s,
-        forward=forward,
     )
     await grpc_server.start(host, port, tls, sock=sock)
     return grpc_server

@@ -45,12 +45,12 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from . import codec, core, documents
 from .access import Forbidden, KeyRepeated, Restrictions, TlsFiles
 from .core import InferRequest
-from .errors import UnknownModel
-from .repository import Repository, require
+from .errors import UnknownModel, require
 
 if TYPE_CHECKING:
     from pxrt import Model
 
+    from .repository import Repository
     from .server import Server
 
 
@@ -135,9 +135,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     @staticmethod
     async def _abort(context: Any, exc: BaseException, where: str) -> None:
-        if not core.is_known(exc):
-            exc = core.internal_error(where, exc)
-        status = core.status_of(exc)
+        status = core.answer(exc, where)
         await context.abort(getattr(grpc.StatusCode, status.grpc), status.message)
 
     # ------------------------------------------------------------------ health, metadata
@@ -295,9 +293,9 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
                 # answered like any failed one, or the stream would wait for it forever
                 done.put_nowait(_stream_error(request, f"the request was cancelled: {exc}"))
             except Exception as exc:  # noqa: BLE001 - this request's answer
-                if not core.is_known(exc):
-                    exc = core.internal_error("ModelStreamInfer", exc)
-                done.put_nowait(_stream_error(request, core.status_of(exc).message))
+                done.put_nowait(
+                    _stream_error(request, core.answer(exc, "ModelStreamInfer").message)
+                )
 
         async def generate(request: pb.ModelInferRequest) -> None:
             """A decoupled request: a response per token, then the final one; only the

@@ -38,13 +38,12 @@ from . import codec, core, documents, generation
 from .access import Restrictions
 from .codec import ProtocolError
 from .core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
-from .errors import ServingError
+from .errors import RepositoryError, ServingError, require
 from .options import HttpLimits
-from .repository import Repository, RepositoryError, require
 
 if TYPE_CHECKING:
-    from pxrt import Model
-
+    from .backend import Backend, ServedModel
+    from .repository import Repository
     from .server import Server
 
 
@@ -61,13 +60,17 @@ DISCONNECT_EXTENSION = "pxrt.on_disconnect"
 
 @dataclasses.dataclass
 class AppState:
-    """What the endpoints serve: ``app.state.pxrt`` (the native path serves the same)."""
+    """What the endpoints serve: ``app.state.pxrt`` (the native path serves the same).
+    ``server`` answers inference and generation (the data plane: a ``Server``, or a
+    worker's ``RemoteServer``); ``control`` the rest (``create_app``'s ``Server``;
+    None in a ``--workers`` worker, which forwards those requests)."""
 
-    server: Server
+    server: Backend
     limits: HttpLimits
     budget: BodyBudget
     repository: Repository | None
     restrictions: Restrictions
+    control: Server | None = None
 
 
 def create_app(
@@ -87,7 +90,7 @@ def create_app(
     groups that answer only requests carrying their key (``serving.access``).
     """
     state = AppState(
-        server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions
+        server, limits, BodyBudget(limits.max_pending_body_bytes), repository, restrictions, server
     )
     infer = InferEndpoint(state)
     app = Starlette(
@@ -184,9 +187,12 @@ def _json(doc: Any, status: int = 200, headers: Mapping[str, str] | None = None)
     )
 
 
-def error_reply(exc: BaseException, server: Server) -> tuple[int, dict, dict[str, str] | None]:
-    """How an error is answered over HTTP (both paths): status, JSON document, headers."""
-    status = core.status_of(exc)
+def error_reply(
+    exc: BaseException, server: Backend, where: str = "HTTP"
+) -> tuple[int, dict, dict[str, str] | None]:
+    """How an error is answered over HTTP (both paths): status, JSON document, headers
+    (``core.answer``'s: an unexpected one logged once, as at ``where``)."""
+    status = core.answer(exc, where)
     headers = status.headers
     if isinstance(exc, core.NotServing) and server.draining:
         # Draining: the client should go elsewhere, not send its next request here.
@@ -194,7 +200,7 @@ def error_reply(exc: BaseException, server: Server) -> tuple[int, dict, dict[str
     return status.http, {"error": status.message}, headers
 
 
-def readiness(server: Server) -> tuple[int, dict]:
+def readiness(server: Backend) -> tuple[int, dict]:
     """``/v2/health/ready``'s status and document."""
     why = server.not_serving()
     if why:
@@ -262,6 +268,13 @@ def _state(request: Request) -> AppState:
     return request.app.state.pxrt
 
 
+def _control(request: Request) -> Server:
+    """The ``Server`` behind the control endpoints (statistics, configuration)."""
+    control = _state(request).control
+    assert control is not None, "a control endpoint without a Server (a worker forwards them)"
+    return control
+
+
 def _decoder(request: Request) -> tuple[str, Any] | None:
     """``(name, decoder)`` when the request's model is a decoder (its version must be the
     one served), else None."""
@@ -272,7 +285,7 @@ def _decoder(request: Request) -> tuple[str, Any] | None:
     return name, core.resolve_decoder(server, name, request.path_params.get("version"))
 
 
-def _model(request: Request) -> tuple[str, Model]:
+def _model(request: Request) -> tuple[str, ServedModel]:
     name = request.path_params["model"]
     return name, _state(request).server.model(name, request.path_params.get("version"))
 
@@ -316,11 +329,12 @@ async def model_metadata(request: Request) -> Response:
 
 @_endpoint
 async def model_config(request: Request) -> Response:
-    server = _state(request).server
+    server = _control(request)
     decoder = _decoder(request)
     if decoder is not None:
         return _json(documents.decoder_config(*decoder))
-    name, model = _model(request)
+    name = request.path_params["model"]
+    model = server.model(name, request.path_params.get("version"))
     return _json(
         documents.model_config(
             name,
@@ -335,13 +349,13 @@ async def model_config(request: Request) -> Response:
 async def model_stats(request: Request) -> Response:
     core.no_decoder_stats(_state(request).server, request.path_params["model"])
     name, model = _model(request)
-    snap = _state(request).server.stats(name, model.version)
+    snap = _control(request).stats(name, model.version)
     return _json({"model_stats": [documents.model_stats(name, model.version, snap)]})
 
 
 @_endpoint
 async def all_stats(request: Request) -> Response:
-    server = _state(request).server
+    server = _control(request)
     stats = [
         documents.model_stats(name, model.version, server.stats(name))
         for name, model in server.models.items()
@@ -351,7 +365,7 @@ async def all_stats(request: Request) -> Response:
 
 @_endpoint
 async def metrics(request: Request) -> Response:
-    registry = _state(request).server.metrics.registry
+    registry = _control(request).metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -414,9 +428,7 @@ class InferEndpoint:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - answered by the error table
-            if not (core.is_known(exc) or isinstance(exc, (ProtocolError, RepositoryError))):
-                exc = core.internal_error(f"POST {scope.get('path', '')}", exc)
-            status, doc, headers = error_reply(exc, state.server)
+            status, doc, headers = error_reply(exc, state.server, f"POST {scope.get('path', '')}")
             await _send(send, status, orjson.dumps(doc), headers, "application/json")
 
     async def _infer(self, state: AppState, scope: Any, receive: Any, send: Any) -> None:
@@ -491,12 +503,12 @@ async def _send(
 
 def request_decoder(
     body: bytes, header_length: str | None, limits: HttpLimits
-) -> Callable[[Model], InferRequest]:
+) -> Callable[[ServedModel], InferRequest]:
     """``core.infer``'s ``decode`` for an HTTP request's body (JSON, then any binary
     tensor data; ``header_length``: the Inference-Header-Content-Length header)."""
     max_json = limits.max_json_bytes
 
-    def decode(model: Model) -> InferRequest:
+    def decode(model: ServedModel) -> InferRequest:
         header, binary = codec.split_body(body, header_length)
         if len(header) > max_json:
             raise TooLarge(
@@ -509,7 +521,7 @@ def request_decoder(
 
 
 def _encode(
-    name: str, model: Model, request: InferRequest, outputs: dict
+    name: str, model: ServedModel, request: InferRequest, outputs: dict
 ) -> tuple[bytes, int | None]:
     return codec.encode_response(name, model.version, request.id, outputs, request.outputs)
 
@@ -552,13 +564,9 @@ async def _openai_model(request: Request) -> Response:
     return await generation.openai_model(request, _state(request).server)
 
 
-def _serving(request: Request) -> Server:
+def _serving(request: Request) -> Backend:
     """The server, if it takes inference requests now (else ``NotServing``)."""
-    server = _state(request).server
-    why = server.not_serving()
-    if why is not None:
-        raise core.NotServing(why)
-    return server
+    return core.serving(_state(request).server)
 
 
 _PREFIXES = ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")

@@ -58,7 +58,7 @@ from .http import (
 )
 
 if TYPE_CHECKING:
-    from pxrt import Model
+    from .backend import ServedModel
 
 
 _STATUS = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
@@ -120,16 +120,14 @@ class NativeCycle:
 
     __slots__ = (
         "disconnected",
-        "future",
         "header_length",
         "keep_alive",
         "kind",
         "message_event",
-        "model",
         "name",
         "pending",
         "proto",
-        "request",
+        "queued",
         "response_complete",
         "upload",
         "version",
@@ -149,9 +147,7 @@ class NativeCycle:
         self.message_event = _NO_EVENT
         self.upload: Upload | None = None
         self.header_length: str | None = None
-        self.future: asyncio.Future | None = None
-        self.model: Model | None = None
-        self.request: core.InferRequest | None = None
+        self.queued: core.Pending | None = None  # the request, once in the queue
         self.pending: BaseException | None = None  # answered once the body is in
 
     # ------------------------------------------------------------------ the request
@@ -176,10 +172,7 @@ class NativeCycle:
                 elif name == _LENGTH_HEADER:
                     self.header_length = value.decode("latin-1")
             if self.kind == _STREAM:
-                why = state.server.not_serving()
-                if why:
-                    raise core.NotServing(why)
-                state.server.decoder(self.name)  # before the body
+                core.serving(state.server).decoder(self.name)  # before the body
             else:
                 core.resolve(state.server, self.name, self.version)  # before the body
             if self.kind == _STREAM:
@@ -228,25 +221,21 @@ class NativeCycle:
         try:
             decode = request_decoder(upload.body(), self.header_length, state.limits)
             # The version that answers is the one served now (resolved again).
-            self.model, self.request, future = core.start(server, self.name, self.version, decode)
+            queued = core.start(server, self.name, self.version, decode)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail(exc)
             return
-        self.future = future
-        future.add_done_callback(self.done)
+        self.queued = queued
+        queued.future.add_done_callback(self.done)
 
     def done(self, future: asyncio.Future) -> None:
-        self.future = None
+        queued, self.queued = self.queued, None
         if future.cancelled():  # the client hung up (or the server cancelled it)
             self.reply(499, [])
             return
-        assert self.model is not None and self.request is not None
-        state = self.proto.native_state
-        assert state is not None
+        assert queued is not None
         try:
-            parts, header_length = core.finish(
-                state.server, self.name, self.model, self.request, future, _encode
-            )
+            parts, header_length = queued.finish(_encode)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail(exc)
             return
@@ -262,8 +251,8 @@ class NativeCycle:
         stream = self.proto.native_stream
         if stream is not None and stream.cycle is self:
             stream.lost()
-        if self.future is not None:
-            self.future.cancel()  # out of the queue if not dispatched; done() releases
+        if self.queued is not None:
+            self.queued.cancel()  # out of the queue if not dispatched; done() releases
         elif self.upload is not None:
             self.upload.release()
 
@@ -275,9 +264,7 @@ class NativeCycle:
         ``close_answered``)."""
         state = self.proto.native_state
         assert state is not None
-        if not core.is_known(exc):
-            exc = core.internal_error(f"{self.kind} {self.name!r}", exc)
-        status, doc, headers = error_reply(exc, state.server)
+        status, doc, headers = error_reply(exc, state.server, f"{self.kind} {self.name!r}")
         extra = b""
         if headers:
             for key, value in headers.items():
@@ -424,7 +411,7 @@ class Stream:
 
 
 def _encode(
-    name: str, model: Model, request: core.InferRequest, outputs: dict
+    name: str, model: ServedModel, request: core.InferRequest, outputs: dict
 ) -> tuple[list, int | None]:
     header, blobs = codec.response_parts(name, model.version, request.id, outputs, request.outputs)
     return [header, *blobs], len(header) if blobs else None

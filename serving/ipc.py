@@ -75,7 +75,8 @@ class Served(msgspec.Struct, array_like=True):
 
 
 class Error(msgspec.Struct, array_like=True):
-    """An exception, by the name of its type in ``serving.remote.ERROR_TYPES``."""
+    """An exception, by its kind in the request core's error table
+    (``serving.core.error_kind``)."""
 
     kind: str
     message: str

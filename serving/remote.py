@@ -26,11 +26,7 @@ from pxrt.finish import CANCELLED, ERROR
 
 from . import core, ipc
 from .errors import (
-    DeadlineExceeded,
-    ExecutionFailed,
-    Overloaded,
     ServerClosed,
-    UnknownModel,
     no_model,
     no_version,
 )
@@ -196,17 +192,7 @@ class RemoteGeneration:
 
 def _error(error: ipc.Error) -> BaseException:
     """An error from the device process, as ``Server.submit``'s future would raise it."""
-    kind, message = error.kind, error.message
-    if kind == "Overloaded":
-        return Overloaded(message, error.retry_after_s)
-    known: dict[str, type[BaseException]] = {
-        "DeadlineExceeded": DeadlineExceeded,
-        "ExecutionFailed": ExecutionFailed,
-        "ServerClosed": ServerClosed,
-        "UnknownModel": UnknownModel,
-        "ValueError": core.InvalidRequest,  # the model's validation
-    }
-    return known.get(kind, core.InternalError)(message)
+    return core.error_of_kind(error.kind, error.message, error.retry_after_s)
 
 
 class RemoteServer:
@@ -454,7 +440,7 @@ class RemoteServer:
                 ipc.Call(0, "grpc", method.name, "", metadata, memoryview(data), remaining)
             )
         except DeviceGone as exc:
-            return 14, str(exc), b""
+            return core.GRPC_CODES["UNAVAILABLE"], str(exc), b""
         return reply.status, reply.message, bytes(reply.body)
 
 

@@ -26,7 +26,7 @@ import os
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import UnknownModel
+from .errors import RepositoryError, UnknownModel
 from .logs import printable
 from .options import BatchingOptions
 
@@ -37,24 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pxrt.repository")
 
 MODES = ("none", "explicit", "poll")
-
-
-class RepositoryError(ValueError):
-    """A request the repository cannot carry out (an unknown model, the wrong mode)."""
-
-
-class NoRepository(RepositoryError):
-    """A repository request to a server that has no repository."""
-
-    def __init__(self) -> None:
-        super().__init__("no model repository: start pxrt serve with --model-repository DIR")
-
-
-def require(repository: Repository | None) -> Repository:
-    """``repository``, or ``NoRepository`` when there is none (front ends' check)."""
-    if repository is None:
-        raise NoRepository()
-    return repository
 
 
 def check_name(name: str) -> str:

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     remote = RemoteServer(generation_limits(opts))
     state = AppState(
-        remote,  # type: ignore[arg-type]  # what the front ends call of a Server
+        remote,
         limits,
         BodyBudget(limits.max_pending_body_bytes),
         None,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_server: Any = None
         if args.grpc_fd is not None:
             grpc_server = GrpcServer(
-                remote,  # type: ignore[arg-type]
+                remote,
                 max_message_bytes=limits.max_body_bytes,
                 limits=GrpcLimits(
                     max_connections=max(1, grpc_share // count),

@@ -28,14 +28,12 @@ import sys
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from . import ipc
+from . import core, ipc
 from .errors import (
-    DeadlineExceeded,
     ExecutionFailed,
     Overloaded,
     ServerClosed,
     ServingError,
-    UnknownModel,
 )
 
 if TYPE_CHECKING:
@@ -85,22 +83,11 @@ def _spec(name: str, spec: Any) -> ipc.Spec:
     return ipc.Spec(name, spec.dtype.name, list(spec.shape), pad)
 
 
-# What a worker raises again, by the first of these an exception is (``serving.remote``).
-_KINDS: tuple[tuple[Any, str], ...] = (
-    (Overloaded, "Overloaded"),
-    (DeadlineExceeded, "DeadlineExceeded"),
-    (ExecutionFailed, "ExecutionFailed"),
-    (ServerClosed, "ServerClosed"),
-    (UnknownModel, "UnknownModel"),
-    ((TypeError, ValueError), "ValueError"),  # the model's validation
-)
-
-
 def error_of(exc: BaseException) -> ipc.Error:
-    """An exception as it crosses to a worker (``serving.remote`` raises it again)."""
+    """An exception as it crosses to a worker (``serving.remote`` raises it again): its
+    kind in the request core's error table (``core.error_kind``)."""
     retry = exc.retry_after_s if isinstance(exc, Overloaded) else 0.0
-    kind = next((name for types, name in _KINDS if isinstance(exc, types)), "InternalError")
-    return ipc.Error(kind, str(exc), retry)
+    return ipc.Error(core.error_kind(exc), str(exc), retry)
 
 
 class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
@@ -273,7 +260,10 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
 
         method = self.supervisor.methods.get((SERVICE + call.method).encode())
         if method is None or method.impl is None:
-            return ipc.Reply(call.cid, 12, [], memoryview(b""), f"no method {call.method}")
+            unimplemented = core.GRPC_CODES["UNIMPLEMENTED"]
+            return ipc.Reply(
+                call.cid, unimplemented, [], memoryview(b""), f"no method {call.method}"
+            )
         code, message, body = await run_method(
             method, bytes(call.body), call.headers, call.timeout_s
         )

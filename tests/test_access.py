@@ -17,9 +17,6 @@ from servers import ROOT, ServeProcess, make_certs
 from serving.access import Restrictions
 from serving.options import OptionError
 
-# Nothing here depends on the device count or the handlers' build.
-pytestmark = pytest.mark.once
-
 X = {"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}
 
 

@@ -18,10 +18,6 @@ import pxrt
 from pxrt import artifact
 from pxrt.manifest import MAX_FORMAT_VERSION
 
-# Nothing here (export and the manifest) depends on the device count or the handlers' build:
-# `make test` runs this module once (4 devices, Cython), not in every set-up.
-pytestmark = pytest.mark.once
-
 
 def _export_mlp(path, **kw):
     return pxrt.export(

@@ -15,6 +15,11 @@ from hypothesis import strategies as st
 
 from pxrt import _batch_py, _handlers_py
 
+# How batches split over the devices, and the Cython modules end to end: `make test`
+# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+pytestmark = [pytest.mark.devices, pytest.mark.twins]
+
+
 try:
     from pxrt import _batch as _batch_c
     from pxrt import _handlers as _handlers_c

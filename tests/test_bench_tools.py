@@ -17,9 +17,6 @@ import pytest
 
 from serving.bench import loadgen, method, report, schedule
 
-# Nothing here depends on the device count or the handlers' build.
-pytestmark = pytest.mark.once
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

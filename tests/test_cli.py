@@ -9,10 +9,6 @@ import sys
 
 import pytest
 
-# Nothing here (the command line) depends on the device count or the handlers' build:
-# `make test` runs this module once (4 devices, Cython), not in every set-up.
-pytestmark = pytest.mark.once
-
 
 def _pxrt(*args, timeout=300):
     return subprocess.run(

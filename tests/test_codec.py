@@ -11,6 +11,11 @@ from hypothesis import strategies as st
 
 from serving import codec
 
+# The Cython modules end to end: `make test` also runs this module with their pure-Python
+# twins (PXRT_NO_EXTENSIONS=1).
+pytestmark = [pytest.mark.twins]
+
+
 try:
     from serving import _tensors  # noqa: F401
 except ImportError:  # pragma: no cover - only when the extensions are not built

@@ -19,10 +19,6 @@ from models import MODELS, assert_matches, random_request, reference
 
 from serving import codec
 
-# Nothing here (the protocol's documents) depends on the device count or the handlers' build:
-# `make test` runs this module once (4 devices, Cython), not in every set-up.
-pytestmark = pytest.mark.once
-
 X = {"name": "x", "datatype": "FP32", "shape": [2, 32], "data": [0.25] * 64}
 
 

@@ -16,6 +16,11 @@ import pytest
 import pxrt
 from pxrt import _slots_py, decoder, demo, generate
 
+# How batches split over the devices, and the Cython modules end to end: `make test`
+# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+pytestmark = [pytest.mark.devices, pytest.mark.twins]
+
+
 MAX_LENGTH = 64
 SIZES = {"dim": 32, "heads": 2, "layers": 2}
 LENGTHS = (8, 16, 32)

@@ -15,9 +15,6 @@ import pxrt
 from pxrt import demo
 from pxrt.tokenizer import ByteTokenizer, TextStream
 
-# One `pxrt serve` for the module; nothing here depends on the handlers' build.
-pytestmark = pytest.mark.once
-
 MAX_LENGTH = 2048  # long enough that a stream outlives the hang-up test
 SIZES = {"dim": 32, "heads": 2, "layers": 2}
 PROMPTS = ["Hello, world", "pxrt serves JAX", "é€ utf-8 ✓"]

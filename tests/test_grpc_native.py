@@ -191,7 +191,8 @@ class Client:
 
 
 async def serve(server: Server, **kw) -> tuple[GrpcServer, int]:
-    grpc_server = GrpcServer(server, max_message_bytes=kw.pop("max_message_bytes", 1 << 22), **kw)
+    max_message_bytes = kw.pop("max_message_bytes", 1 << 22)
+    grpc_server = GrpcServer(server, max_message_bytes=max_message_bytes, control=server, **kw)
     await grpc_server.start("127.0.0.1", 0)
     return grpc_server, grpc_server.port
 
@@ -632,7 +633,7 @@ def test_random_frames_never_break_the_server(models, frames, good):
     async def main():
         async with Server() as server:
             server.add_model("mlp", models["mlp"])
-            owner = GrpcServer(server, max_message_bytes=1 << 20)
+            owner = GrpcServer(server, max_message_bytes=1 << 20, control=server)
             proto = GrpcProtocol(owner)
             proto.connection_made(_Transport())
             data = h2.PREFACE + _frame(h2.SETTINGS, 0, 0, b"")
@@ -1114,7 +1115,7 @@ def test_a_new_initial_window_touches_no_stream(models, run):
     async def main():
         async with Server() as server:
             server.add_model("mlp", models["mlp"])
-            owner = GrpcServer(server, max_message_bytes=1 << 20)
+            owner = GrpcServer(server, max_message_bytes=1 << 20, control=server)
             proto = GrpcProtocol(owner)
             proto.connection_made(_Transport())
             opens = b"".join(_open_frame(2 * i + 1, "ModelStreamInfer") for i in range(1000))

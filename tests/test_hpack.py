@@ -20,9 +20,6 @@ except ImportError:  # pragma: no cover - only when the extensions are not built
 _BUILT = pytest.mark.skipif(_hpack is None, reason="Cython extensions not built")
 TWINS = [pytest.param(_hpack, id="cython", marks=_BUILT), pytest.param(_hpack_py, id="python")]
 
-# Nothing here depends on the device count or which twin serving uses: run once.
-pytestmark = pytest.mark.once
-
 
 def _hex(text: str) -> bytes:
     return bytes.fromhex(text.replace(" ", ""))

@@ -14,10 +14,6 @@ import pytest
 from models import MODELS, assert_matches, random_request, reference
 from test_http import ERRORS, X, _binary_request, infer_json
 
-# What is compared does not depend on the device count or the handlers' build (both
-# servers share them): `make test` runs this module once.
-pytestmark = pytest.mark.once
-
 
 def exchange(port: int, raw: bytes, responses: int = 1) -> list[tuple[str, dict, bytes]]:
     """Send ``raw`` on one connection; read ``responses`` responses (1xx skipped):

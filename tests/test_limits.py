@@ -15,10 +15,6 @@ import httpx
 import pytest
 from servers import ServeProcess
 
-# Nothing here (the HTTP connection guard) depends on the device count or the handlers' build:
-# `make test` runs this module once (4 devices, Cython), not in every set-up.
-pytestmark = pytest.mark.once
-
 X = {"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}
 BODY = json.dumps({"inputs": [X]}).encode()
 

@@ -12,6 +12,10 @@ from models import MODELS, assert_matches, random_request, reference
 
 import pxrt
 
+# How batches split over the devices, and the Cython modules end to end: `make test`
+# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+pytestmark = [pytest.mark.devices, pytest.mark.twins]
+
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_request_size_matches_jax(models, name):
@@ -481,7 +485,7 @@ def test_the_cache_key_is_made_once_whoever_asks_first(tmp_path):
     for i in range(5):
         cache = stored.safe_cache_dir(str(tmp_path / f"c{i}"))
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            keys = list(pool.map(lambda _: stored._hmac_key(cache), range(8)))
+            keys = list(pool.map(stored._hmac_key, [cache] * 8))
         assert len(set(keys)) == 1 and len(keys[0]) == 32
 
 

@@ -30,8 +30,6 @@ from servers import ROOT, free_ports
 from pxrt import multihost
 from pxrt.multihost import HEADER, REPLY, Distributed, GroupBroken, LeaderGone
 
-pytestmark = pytest.mark.once
-
 SECRET = "a-test-secret-of-the-group-0123456789"
 GROUP_ENV = dict(
     os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PXRT_GROUP_SECRET=SECRET

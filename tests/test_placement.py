@@ -21,6 +21,9 @@ import pxrt
 from pxrt.dispatch import Engine
 from serving import Server
 
+# How batches split over the devices: `make test` also runs this module on one device.
+pytestmark = [pytest.mark.devices]
+
 N = jax.device_count()
 
 

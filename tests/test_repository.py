@@ -16,11 +16,6 @@ import pxrt
 from serving import Server
 from serving.repository import Repository, RepositoryError, parse_policy
 
-# Nothing here (the repository's scans, names and reloads) depends on the device
-# count or the handlers' build: `make test` runs this module once (4 devices,
-# Cython), not in every set-up.
-pytestmark = pytest.mark.once
-
 
 def _export(path, seed):
     spec = MODELS["mlp"]

@@ -22,6 +22,10 @@ from serving import (
     UnknownModel,
 )
 
+# How batches split over the devices, and the Cython modules end to end: `make test`
+# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+pytestmark = [pytest.mark.devices, pytest.mark.twins]
+
 
 def batch_reference(name, requests):
     """Plain jax.jit of all requests at once, split back per request."""

@@ -13,8 +13,6 @@ import pxrt
 from pxrt import demo
 from pxrt.tokenizer import ByteTokenizer, TextStream, TokenizersTokenizer
 
-pytestmark = pytest.mark.once
-
 TEXTS = ["plain ascii", "é€ and ✓ and 😀", "日本語のテキスト", ""]
 
 

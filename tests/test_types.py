@@ -15,9 +15,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# Nothing here depends on the device count or the handlers' build: `make test` runs
-# this module once (4 devices, Cython), not in every set-up.
-pytestmark = pytest.mark.once
 
 TWINS = {
     "pxrt/_batch.pyi": "pxrt._batch_py",

@@ -22,10 +22,6 @@ from serving import Server, ipc
 from serving.remote import DeviceLink, RemoteServer
 from serving.workers import WorkerLink, model_state
 
-# Nothing here depends on the device count or the handlers' build, and the processes
-# take a while to start: `make test` runs this module once.
-pytestmark = pytest.mark.once
-
 
 class _Supervisor:
     """What a WorkerLink needs of its Supervisor."""

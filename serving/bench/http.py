@@ -403,7 +403,7 @@ def bench_url(
 
     plans(arrival, rates, 1.0)  # a bad spec fails before any run
     loop = new_event_loop()
-    pool = ClientPool(client_procs) if client_procs > 1 else None
+    pool = ClientPool(client_procs, make_target) if client_procs > 1 else None
     results: list[dict] = []
     recorded: list[tuple[str, Records]] = []
     search = None
@@ -518,7 +518,7 @@ def compare_urls(
     from tqdm.auto import tqdm
 
     loop = new_event_loop()
-    pool = ClientPool(client_procs) if client_procs > 1 else None
+    pool = ClientPool(client_procs, make_target) if client_procs > 1 else None
     rows_out: list[dict] = []
     try:
         targets = [make_target(u, model, rows, binary, shapes, input_data) for u in urls]

@@ -24,9 +24,7 @@ START_DELAY_S = 0.3  # every process is up and waiting by then
 
 
 def _target(spec: dict) -> Any:
-    from .http import make_target
-
-    target = make_target(
+    target = spec["make"](
         spec["url"], spec["model"], spec["rows"], spec["binary"], spec["shapes"],
         spec["input_data"],
     )  # fmt: skip
@@ -99,18 +97,21 @@ def _open(spec: dict, times: list, rows: list | None, start_at: float) -> dict:
 class ClientPool:
     """N client processes (started once, used for every run of a bench)."""
 
-    def __init__(self, procs: int) -> None:
+    def __init__(self, procs: int, make_target: Any) -> None:
+        """``make_target(url, model, rows, binary, shapes, input_data)``: a target, in
+        each process (a module's function: it crosses to the processes by name)."""
         if procs < 1:
             raise ValueError(f"--client-procs must be >= 1, got {procs}")
         self.procs = procs
+        self.make_target = make_target
         self.pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
 
-    @staticmethod
-    def spec(target: Any) -> dict:
+    def spec(self, target: Any) -> dict:
         return {
+            "make": self.make_target,
             "url": target.url,
             "model": target.model,
             "rows": target.rows,

@@ -1,0 +1,95 @@
+"""The tree's layers, read from the source: the transports never import the engine at
+run time (they are typed against ``serving.backend.Backend``, which the in-process
+``Server`` and a worker's ``RemoteServer`` both satisfy), and no package's modules import
+each other in a circle."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# What serves the models (the engine) and what speaks the wire (the transports, with
+# the pieces they share). Entry points (serve, worker, cli, config) compose both.
+ENGINE = {"server", "batcher", "policy", "metrics", "repository", "workers"}
+TRANSPORTS = {
+    "accept", "access", "backend", "codec", "core", "documents", "errors", "generation",
+    "generation_grpc", "grpc_native", "grpc_server", "h2", "hpack_tables", "http",
+    "http_limits", "http_native", "ipc", "logs", "options", "remote",
+}  # fmt: skip
+
+
+def _modules(package: str) -> dict[str, pathlib.Path]:
+    out = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def runtime_imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """The package's modules ``name`` imports when it runs (anywhere in it, functions
+    included; not under ``TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in modules]
+            found.update(subs if len(subs) == len(node.names) else [module, *subs])
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_the_transports_do_not_import_the_engine():
+    modules = _modules("serving")
+    bad = {}
+    for short in TRANSPORTS:
+        name = f"serving.{short}"
+        engine = {
+            m for m in runtime_imports(name, modules[name], modules) if m.split(".")[1] in ENGINE
+        }
+        if engine:
+            bad[name] = sorted(engine)
+    assert not bad, f"transports importing the engine at run time: {bad}"
+
+
+@pytest.mark.parametrize("package", ["serving"])
+def test_no_import_circles(package):
+    modules = _modules(package)
+    graph = {m: runtime_imports(m, p, modules) for m, p in modules.items()}
+    circles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                circles.append(path[path.index(d) :] + [d])
+            elif d not in state:
+                walk(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
