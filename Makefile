@@ -1,7 +1,7 @@
 # make demo   - the demo models (an MLP; a transformer encoder on variable-length inputs;
 #               a decoder, generating): export, load, run, timing; then a short pxrt bench
-# make test   - make lint, then the tests: every module on 4 virtual devices, those that
-#               depend on it on 1 device and with the pure-Python handlers; Ray Serve once
+# make test   - make lint, then the tests: every module on 4 virtual devices; those that
+#               depend on it on 1 device with the pure-Python handlers; Ray Serve once
 # make bench  - the micro-benchmarks (pytest-benchmark) and the side-by-side comparisons
 # make soak   - pxrt serve for 5 minutes under mixed good and bad traffic and reloads:
 #               leaks, 5xx
@@ -33,24 +33,25 @@ demo: $(STAMP)
 	$(VENV)/bin/pxrt demo lm
 	$(VENV)/bin/pxrt bench --quick
 
-# One pass runs every module (4 virtual devices, the Cython build); modules marked
-# `devices` run again on one device, modules marked `twins` again with the pure-Python
-# twins of the Cython modules. tritonclient.grpc and kserve register the same protobuf
-# names, so the gRPC tests run in a pytest of their own; the Ray Serve tests start a
-# local Ray, in their own step. Every step shares one compilation cache, so a program is
-# compiled once per device count, not once per pytest process or `pxrt serve` started.
-# --durations: the slowest tests of each run.
+# One pass runs every module (4 virtual devices, the Cython build); the modules marked
+# `devices` (how batches split over the devices) or `twins` (the Cython modules end to
+# end) run again on one device with the pure-Python twins. tritonclient.grpc and kserve
+# register the same protobuf names, so the gRPC tests run in a pytest of their own; the
+# Ray Serve tests start a local Ray, in their own step. Two pytest workers share the
+# cores, a module each at a time; every step shares one compilation cache, so a program
+# is compiled once per device count, not once per process. --durations: the slowest
+# tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=20
+XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
 SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
 	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py
 
 test: lint
 	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); \
-	$(FOUR) $(PYTEST) $(SUITE) \
-	&& $(FOUR) $(PYTEST) $(GRPC) \
-	&& $(PYTEST) -m devices $(SUITE) \
-	&& PXRT_NO_EXTENSIONS=1 $(FOUR) $(PYTEST) -m twins $(SUITE) \
+	$(FOUR) $(PYTEST) $(XDIST) $(SUITE) \
+	&& $(FOUR) $(PYTEST) $(XDIST) $(GRPC) \
+	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE) \
 	&& $(PYTEST) -W ignore::DeprecationWarning tests/test_ray.py; \
 	status=$$?; rm -rf "$$PXRT_CACHE_DIR"; exit $$status
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pxrt import _batch_py, _handlers_py
 
 # How batches split over the devices, and the Cython modules end to end: `make test`
-# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+# also runs this module on one device with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
 pytestmark = [pytest.mark.devices, pytest.mark.twins]
 
 

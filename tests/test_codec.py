@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from serving import codec
 
 # The Cython modules end to end: `make test` also runs this module with their pure-Python
-# twins (PXRT_NO_EXTENSIONS=1).
+# twins (PXRT_NO_EXTENSIONS=1, on one device).
 pytestmark = [pytest.mark.twins]
 
 

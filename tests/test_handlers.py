@@ -14,7 +14,7 @@ import pxrt
 from pxrt import _handlers_py, _keys_py
 
 # How batches split over the devices, and the Cython modules end to end: `make test`
-# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+# also runs this module on one device with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
 pytestmark = [pytest.mark.devices, pytest.mark.twins]
 
 

@@ -13,7 +13,7 @@ from models import MODELS, assert_matches, random_request, reference
 import pxrt
 
 # How batches split over the devices, and the Cython modules end to end: `make test`
-# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+# also runs this module on one device with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
 pytestmark = [pytest.mark.devices, pytest.mark.twins]
 
 

@@ -21,7 +21,8 @@ import pxrt
 from pxrt.dispatch import Engine
 from serving import Server
 
-# How batches split over the devices: `make test` also runs this module on one device.
+# How batches split over the devices: `make test` also runs this module on one device
+# (with the pure-Python twins).
 pytestmark = [pytest.mark.devices]
 
 N = jax.device_count()

@@ -27,10 +27,12 @@ from serving.codec import datatype_of  # noqa: E402
 from serving.ray import PxrtHandle, pxrt_app  # noqa: E402
 
 
-def test_pxrt_serve_ray_runs_replicas_until_sigterm_and_drains(artifacts):
-    # First in the module: its own local Ray, before the module's cluster starts.
+def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifacts, tmp_path):
+    # First in the module: its own local Ray, before the module's cluster starts. Ray's
+    # proxy serves TLS (the unmodified Triton client over HTTPS), and drains on SIGTERM.
+    certs = make_certs(tmp_path)
     proc = ServeProcess([str(artifacts["mlp"]), "--ray", "--replicas", "2",
-                         "--replica-cpus", "0.5", "--max-delay-us", "500"])  # fmt: skip
+                         "--replica-cpus", "0.5", "--max-delay-us", "500"], tls=certs)  # fmt: skip
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}]}
     statuses: list = []
     lost: list = []
@@ -39,7 +41,7 @@ def test_pxrt_serve_ray_runs_replicas_until_sigterm_and_drains(artifacts):
     def traffic():
         # Every request in flight when the drain begins is answered; from then on the
         # replicas answer 503 + Connection: close, and a client told so stops.
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60, verify=proc.ssl_context()) as http:
             while not done.is_set():
                 try:
                     r = http.post(proc.url + "/v2/models/mlp/infer", json=body)
@@ -53,7 +55,9 @@ def test_pxrt_serve_ray_runs_replicas_until_sigterm_and_drains(artifacts):
                     return
 
     try:
-        client = httpclient.InferenceServerClient(proc.url.removeprefix("http://"))
+        client = httpclient.InferenceServerClient(
+            f"localhost:{proc.port}", ssl=True, ssl_options={"ca_certs": certs["ca"]}
+        )
         request = random_request(MODELS["mlp"]["inputs"], 3, np.random.default_rng(5))
         inp = httpclient.InferInput("x", [3, 32], "FP32")
         inp.set_data_from_numpy(request["x"])
@@ -76,25 +80,6 @@ def test_pxrt_serve_ray_runs_replicas_until_sigterm_and_drains(artifacts):
     assert not lost, (lost[:2], len(lost), statuses.count(200), statuses.count(503))
     assert set(statuses) == {200, 503} and statuses.count(503) == len(threads), statuses[-8:]
     assert "pxrt serve: draining" in output
-
-
-def test_pxrt_serve_ray_serves_https_with_the_triton_client(artifacts, tmp_path):
-    # Its own local Ray too (before the module's cluster starts): Ray's proxy over TLS.
-    certs = make_certs(tmp_path)
-    proc = ServeProcess([str(artifacts["mlp"]), "--ray", "--replicas", "1",
-                         "--replica-cpus", "0.5"], tls=certs)  # fmt: skip
-    try:
-        client = httpclient.InferenceServerClient(
-            f"localhost:{proc.port}", ssl=True, ssl_options={"ca_certs": certs["ca"]}
-        )
-        request = random_request(MODELS["mlp"]["inputs"], 2, np.random.default_rng(6))
-        inp = httpclient.InferInput("x", [2, 32], "FP32")
-        inp.set_data_from_numpy(request["x"])
-        assert_matches({"y": client.infer("mlp", [inp]).as_numpy("y")}, reference("mlp", request))
-        client.close()
-    finally:
-        rc = proc.stop()
-    assert rc == 0
 
 
 def test_pxrt_serve_ray_refuses_what_rays_proxy_cannot_enforce(artifacts, tmp_path):

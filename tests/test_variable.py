@@ -28,7 +28,7 @@ from serving import Server
 from serving.policy import BATCH_HOST_S, choose_cell, efficient_cap
 
 # How batches split over the devices, and the Cython modules end to end: `make test`
-# also runs this module on one device and with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
+# also runs this module on one device with the pure-Python twins (PXRT_NO_EXTENSIONS=1).
 pytestmark = [pytest.mark.devices, pytest.mark.twins]
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
