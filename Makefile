@@ -21,10 +21,13 @@ FOUR := XLA_FLAGS=--xla_force_host_platform_device_count=4
 
 all: $(STAMP)
 
+# uv installs the same packages as pip in under half the time (pip if uv cannot be had).
+EXTRAS := .[test,bench,grpc,ray]
+
 $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*.pyx serving/*.pxd)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench,grpc,ray]'
+	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '$(EXTRAS)' \
+		|| $(PY) -m pip install -q -e '$(EXTRAS)'
 	touch $@
 
 demo: $(STAMP)
