@@ -10,6 +10,7 @@ cdef class Request:
     cdef readonly double t_enqueue      # perf_counter when it was queued
     cdef readonly double deadline       # perf_counter deadline; +inf: none
     cdef readonly Py_ssize_t lane       # the lane (compiled lengths) it waits in
+    cdef readonly Py_ssize_t level      # its priority level: 1 goes first
     cdef readonly Py_ssize_t next_row   # rows [0, next_row) went into batches
     cdef Py_ssize_t rows_done           # rows whose outputs came back (split requests)
     cdef list parts                     # (start, outputs) of a split request's pieces
@@ -44,8 +45,12 @@ ctypedef struct TimeLog:
 
 
 cdef class BatchQueue:
-    # One FIFO per lane: lane k's queue is _items[k][_heads[k]:], _lane_rows[k] rows.
+    # One FIFO per lane and priority level: FIFO q = lane * levels + level - 1 is
+    # _items[q][_heads[q]:]; lane k holds _lane_rows[k] rows over its levels.
     cdef readonly Py_ssize_t lanes
+    cdef readonly Py_ssize_t levels
+    cdef public Py_ssize_t default_level  # the level of a request that names none
+    cdef public double aging            # a request waiting this long (s) goes first
     cdef list _items
     cdef Py_ssize_t* _heads
     cdef Py_ssize_t* _lane_rows
@@ -67,14 +72,18 @@ cdef class BatchQueue:
     cdef TimeLog _waits                 # per request: queued -> taken into a batch
     cdef TimeLog _latencies             # per request: queued -> answered
 
+    cdef Py_ssize_t _level(self, Py_ssize_t priority) except -1
     cdef Request _push(self, tuple arrays, Py_ssize_t rows, object future, double now,
-                       double deadline, Py_ssize_t lane)
+                       double deadline, Py_ssize_t lane, Py_ssize_t level)
     cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=*,
-                       double deadline=*, Py_ssize_t lane=*)
-    cpdef Request submit(self, object request, object timeout=*)
+                       double deadline=*, Py_ssize_t lane=*, Py_ssize_t priority=*)
+    cpdef Request submit(self, object request, object timeout=*, Py_ssize_t priority=*)
     cpdef Batch take(self, Py_ssize_t max_rows, double now, Py_ssize_t lane=*, object fold=*)
     cdef Batch _take_lane(self, Batch batch, Py_ssize_t lane, Py_ssize_t* room, double now,
                           bint split)
+    cdef Py_ssize_t _next_fifo(self, Py_ssize_t lane, double now, bint* aged) except -2
+    cdef Batch _take_fifo(self, Batch batch, Py_ssize_t q, Py_ssize_t lane, Py_ssize_t* room,
+                          double now, bint split, Py_ssize_t most)
     cpdef Py_ssize_t deliver(self, Batch batch, bint copy=*, double now=*) except -1
     cpdef Py_ssize_t fail(self, Batch batch, object error) except -1
     cpdef bint cancel(self, Request r)

@@ -173,6 +173,10 @@ cdef class BatchQueue:
         ``expired_error(request)``, ``refused_error(rows)`` and ``closed_error()``
         (the exceptions for those outcomes).
       create_future: for ``submit``: makes each request's future.
+      lanes: the compiled lengths' lanes (named dimensions; 1 without).
+      levels: priority levels (Triton's): level 1 is taken first, then 2, ...; a request
+        that has waited ``aging`` seconds goes before every level, oldest first, so no
+        level starves. A request without one is at ``default_level`` (the lowest).
 
     Not thread-safe: use it from one thread (the event loop's, when serving), except
     ``drain_waits``/``drain_latencies``, which any thread may call.
@@ -183,20 +187,26 @@ cdef class BatchQueue:
         self._lane_rows = NULL
 
     def __init__(self, Py_ssize_t max_queued_rows=0, InputHandler handler=None,
-                 policy=None, create_future=None, Py_ssize_t lanes=1):
+                 policy=None, create_future=None, Py_ssize_t lanes=1, Py_ssize_t levels=1):
         cdef Py_ssize_t k
         if lanes < 1:
             raise ValueError(f"a queue needs at least 1 lane, got {lanes}")
+        if levels < 1:
+            raise ValueError(f"a queue needs at least 1 priority level, got {levels}")
         self.lanes = lanes
-        self._items = [[] for _ in range(lanes)]
+        self.levels = levels
+        self.default_level = levels
+        self.aging = INFINITY
+        self._items = [[] for _ in range(lanes * levels)]
         PyMem_Free(self._heads)
         PyMem_Free(self._lane_rows)
-        self._heads = <Py_ssize_t*>PyMem_Malloc(lanes * sizeof(Py_ssize_t))
+        self._heads = <Py_ssize_t*>PyMem_Malloc(lanes * levels * sizeof(Py_ssize_t))
         self._lane_rows = <Py_ssize_t*>PyMem_Malloc(lanes * sizeof(Py_ssize_t))
         if self._heads == NULL or self._lane_rows == NULL:
             raise MemoryError()
-        for k in range(lanes):
+        for k in range(lanes * levels):
             self._heads[k] = 0
+        for k in range(lanes):
             self._lane_rows[k] = 0
         self.queued_rows = 0
         self.max_queued_rows = max_queued_rows if max_queued_rows > 0 else _NEVER
@@ -219,7 +229,7 @@ cdef class BatchQueue:
 
     def __len__(self):
         cdef Py_ssize_t k, n = 0
-        for k in range(self.lanes):
+        for k in range(self.lanes * self.levels):
             n += PyList_GET_SIZE(<list>self._items[k]) - self._heads[k]
         return n
 
@@ -235,14 +245,19 @@ cdef class BatchQueue:
         return oldest
 
     cdef double _lane_oldest(self, Py_ssize_t lane):
-        cdef Py_ssize_t i
+        cdef Py_ssize_t i, q
         cdef Request r
-        cdef list items = <list>self._items[lane]
-        for i in range(self._heads[lane], PyList_GET_SIZE(items)):
-            r = <Request>items[i]
-            if not r.finished:
-                return r.t_enqueue
-        return INFINITY
+        cdef list items
+        cdef double oldest = INFINITY
+        for q in range(lane * self.levels, (lane + 1) * self.levels):
+            items = <list>self._items[q]
+            for i in range(self._heads[q], PyList_GET_SIZE(items)):
+                r = <Request>items[i]
+                if not r.finished:
+                    if r.t_enqueue < oldest:
+                        oldest = r.t_enqueue
+                    break
+        return oldest
 
     def lane_rows(self, Py_ssize_t lane):
         """Rows waiting in ``lane``."""
@@ -255,25 +270,26 @@ cdef class BatchQueue:
         in ``lane``: what a batch taken from it now would hold (a request counted whole
         if any of its rows would go), the sum of their waits so far (s), and when the
         oldest of them was queued (+inf: none)."""
-        cdef Py_ssize_t i, rows = 0, n = 0, left
+        cdef Py_ssize_t i, q, rows = 0, n = 0, left
         cdef double ages = 0.0, oldest = INFINITY
         cdef Request r
         cdef list items
         if not 0 <= lane < self.lanes:
             raise IndexError(f"lane {lane} of {self.lanes}")
-        items = <list>self._items[lane]
-        for i in range(self._heads[lane], PyList_GET_SIZE(items)):
-            if rows >= max_rows:
-                break
-            r = <Request>items[i]
-            if r.finished:
-                continue
-            left = r.rows - r.next_row
-            rows += left if left < max_rows - rows else max_rows - rows
-            n += 1
-            ages += now - r.t_enqueue
-            if r.t_enqueue < oldest:
-                oldest = r.t_enqueue
+        for q in range(lane * self.levels, (lane + 1) * self.levels):  # (priority order)
+            items = <list>self._items[q]
+            for i in range(self._heads[q], PyList_GET_SIZE(items)):
+                if rows >= max_rows:
+                    break
+                r = <Request>items[i]
+                if r.finished:
+                    continue
+                left = r.rows - r.next_row
+                rows += left if left < max_rows - rows else max_rows - rows
+                n += 1
+                ages += now - r.t_enqueue
+                if r.t_enqueue < oldest:
+                    oldest = r.t_enqueue
         return rows, n, ages, oldest
 
     @property
@@ -291,8 +307,18 @@ cdef class BatchQueue:
 
     # ------------------------------------------------------------------ accepting
 
+    cdef Py_ssize_t _level(self, Py_ssize_t priority) except -1:
+        if priority == 0:
+            return self.default_level
+        if not 1 <= priority <= self.levels:
+            raise ValueError(
+                f"priority {priority!r} is not a level of this model: 1 (the highest) to "
+                f"{self.levels}, or 0 for its default ({self.default_level})"
+            )
+        return priority
+
     cdef Request _push(self, tuple arrays, Py_ssize_t rows, object future, double now,
-                       double deadline, Py_ssize_t lane):
+                       double deadline, Py_ssize_t lane, Py_ssize_t level):
         cdef Request r
         if not 0 <= lane < self.lanes:
             raise IndexError(f"lane {lane} of {self.lanes}")
@@ -310,7 +336,8 @@ cdef class BatchQueue:
         r.t_enqueue = now
         r.deadline = deadline
         r.lane = lane
-        (<list>self._items[lane]).append(r)
+        r.level = level
+        (<list>self._items[lane * self.levels + level - 1]).append(r)
         self.queued_rows += rows
         self._lane_rows[lane] += rows
         if deadline < self.earliest_deadline:
@@ -318,18 +345,22 @@ cdef class BatchQueue:
         return r
 
     cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=None,
-                       double deadline=INFINITY, Py_ssize_t lane=0):
+                       double deadline=INFINITY, Py_ssize_t lane=0, Py_ssize_t priority=0):
         """Queue a prepared request (``InputHandler.prepare``'s arrays and rows) in
-        ``lane``; None when its rows do not fit under ``max_queued_rows`` (requests whose
-        callers gave up are dropped first, so they never hold room)."""
-        return self._push(arrays, rows, future, _clock(), deadline, lane)
+        ``lane`` at level ``priority`` (0: the default); None when its rows do not fit
+        under ``max_queued_rows`` (requests whose callers gave up are dropped first, so
+        they never hold room)."""
+        cdef Py_ssize_t level = self._level(priority)
+        return self._push(arrays, rows, future, _clock(), deadline, lane, level)
 
-    cpdef Request submit(self, object request, object timeout=None):
+    cpdef Request submit(self, object request, object timeout=None, Py_ssize_t priority=0):
         """Admit one request for serving: validate it, give it a future and a deadline
-        ``timeout`` seconds from now (None: ``default_timeout``), queue it, and kick the
-        policy when ``kick_rows`` rows wait. Raises the handler's TypeError/ValueError
-        for a malformed request, and the policy's errors when closed or refused."""
-        cdef Py_ssize_t rows = 0, lane = 0
+        ``timeout`` seconds from now (None: ``default_timeout``) and its priority level
+        (``priority``; 0: ``default_level``), queue it, and kick the policy when
+        ``kick_rows`` rows wait. Raises the handler's TypeError/ValueError for a
+        malformed request (ValueError for a priority that is no level), and the policy's
+        errors when closed or refused."""
+        cdef Py_ssize_t rows = 0, lane = 0, level = self.default_level
         cdef tuple arrays
         cdef double now, deadline
         cdef Request r
@@ -340,6 +371,8 @@ cdef class BatchQueue:
         if self.closed:
             raise self._policy.closed_error()
         try:
+            if priority:
+                level = self._level(priority)
             arrays = self._handler.prepare_c(request, &rows)
             if self.lanes > 1:
                 lane = self._handler.lane_c(arrays)
@@ -348,7 +381,7 @@ cdef class BatchQueue:
             raise
         now = _clock()
         deadline = now + (self.default_timeout if timeout is None else <double>timeout)
-        r = self._push(arrays, rows, self._create_future(), now, deadline, lane)
+        r = self._push(arrays, rows, self._create_future(), now, deadline, lane, level)
         if r is None:
             error = self._policy.refused_error(rows)
             if isinstance(error, ValueError):
@@ -411,11 +444,55 @@ cdef class BatchQueue:
 
     cdef Batch _take_lane(self, Batch batch, Py_ssize_t lane, Py_ssize_t* room, double now,
                           bint split):
+        cdef Py_ssize_t q, before
+        cdef bint aged = False
+        if self.levels == 1:
+            return self._take_fifo(batch, lane, lane, room, now, split, _NEVER)
+        while room[0] > 0:  # by priority: the highest level's requests, aged ones first
+            q = self._next_fifo(lane, now, &aged)
+            if q < 0:
+                break
+            before = room[0]
+            # With no aged request in the lane, the level's requests go in one run.
+            batch = self._take_fifo(batch, q, lane, room, now, split, 1 if aged else _NEVER)
+            if room[0] == before:
+                break  # (its next request does not fit)
+        return batch
+
+    cdef Py_ssize_t _next_fifo(self, Py_ssize_t lane, double now, bint* aged_out) except -2:
+        # The FIFO of ``lane`` to take from next: the oldest head that has waited
+        # ``aging``, else the highest level's (-1 when none waits); and whether any head
+        # has aged (``aged_out``).
+        cdef Py_ssize_t q, head, n, first = -1, aged = -1
+        cdef double t, aged_at = INFINITY
+        cdef list items
+        for q in range(lane * self.levels, (lane + 1) * self.levels):
+            items = <list>self._items[q]
+            head = self._heads[q]
+            n = PyList_GET_SIZE(items)
+            while head < n and self._drop_if_gone(<Request>items[head], now):
+                items[head] = None
+                head += 1
+            self._heads[q] = head
+            if head == n:
+                continue
+            t = (<Request>items[head]).t_enqueue
+            if first < 0:
+                first = q
+            if now - t >= self.aging and t < aged_at:
+                aged = q
+                aged_at = t
+        aged_out[0] = aged >= 0
+        return aged if aged >= 0 else first
+
+    cdef Batch _take_fifo(self, Batch batch, Py_ssize_t q, Py_ssize_t lane, Py_ssize_t* room,
+                          double now, bint split, Py_ssize_t most):
+        # Up to ``most`` requests (or the rows that fit) of FIFO ``q`` of ``lane``.
         cdef Request r
-        cdef Py_ssize_t left, n, head = self._heads[lane]
-        cdef list items = <list>self._items[lane]
+        cdef Py_ssize_t left, n, head = self._heads[q]
+        cdef list items = <list>self._items[q]
         n = PyList_GET_SIZE(items)
-        while head < n and room[0] > 0:
+        while head < n and room[0] > 0 and most > 0:
             r = <Request>items[head]
             if self._drop_if_gone(r, now):
                 items[head] = None
@@ -435,6 +512,7 @@ cdef class BatchQueue:
             room[0] -= left
             self.queued_rows -= left
             self._lane_rows[lane] -= left
+            most -= 1
             if r.next_row == r.rows:
                 items[head] = None  # the batch holds it now
                 head += 1
@@ -451,7 +529,7 @@ cdef class BatchQueue:
         elif head > 1024 and 2 * head > n:
             del items[:head]
             head = 0
-        self._heads[lane] = head
+        self._heads[q] = head
         return batch
 
     # ------------------------------------------------------------------ answering
@@ -548,7 +626,7 @@ cdef class BatchQueue:
         cdef list keep, items
         cdef double earliest = INFINITY
         cdef Py_ssize_t i, k
-        for k in range(self.lanes):
+        for k in range(self.lanes * self.levels):
             items = <list>self._items[k]
             keep = []
             for i in range(self._heads[k], PyList_GET_SIZE(items)):

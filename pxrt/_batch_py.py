@@ -47,6 +47,7 @@ class Request:
         "t_enqueue",
         "deadline",
         "lane",
+        "level",
         "next_row",
         "rows_done",
         "parts",
@@ -57,10 +58,18 @@ class Request:
     )
 
     def __init__(
-        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float, lane: int = 0
+        self,
+        arrays: tuple,
+        rows: int,
+        future: Any,
+        now: float,
+        deadline: float,
+        lane: int = 0,
+        level: int = 1,
     ) -> None:
         self.arrays = arrays
         self.lane = lane
+        self.level = level
         self.rows = rows
         self.future = future
         self.t_enqueue = now
@@ -173,6 +182,10 @@ class BatchQueue:
         ``expired_error(request)``, ``refused_error(rows)`` and ``closed_error()``
         (the exceptions for those outcomes).
       create_future: for ``submit``: makes each request's future.
+      lanes: the compiled lengths' lanes (named dimensions; 1 without).
+      levels: priority levels (Triton's): level 1 is taken first, then 2, ...; a request
+        that has waited ``aging`` seconds goes before every level, oldest first, so no
+        level starves. A request without one is at ``default_level`` (the lowest).
 
     Not thread-safe: use it from one thread (the event loop's, when serving), except
     ``drain_waits``/``drain_latencies``, which any thread may call.
@@ -185,13 +198,20 @@ class BatchQueue:
         policy: QueuePolicy | None = None,
         create_future: Callable[[], Any] | None = None,
         lanes: int = 1,
+        levels: int = 1,
     ) -> None:
         if lanes < 1:
             raise ValueError(f"a queue needs at least 1 lane, got {lanes}")
+        if levels < 1:
+            raise ValueError(f"a queue needs at least 1 priority level, got {levels}")
         self.lanes = lanes
-        # One FIFO per lane: lane k's queue is _items[k][_heads[k]:], _lane_rows[k] rows.
-        self._items: list[list[Request | None]] = [[] for _ in range(lanes)]
-        self._heads = [0] * lanes
+        self.levels = levels
+        self.default_level = levels
+        self.aging = INF
+        # One FIFO per lane and level: FIFO q = lane * levels + level - 1 is
+        # _items[q][_heads[q]:]; lane k holds _lane_rows[k] rows over its levels.
+        self._items: list[list[Request | None]] = [[] for _ in range(lanes * levels)]
+        self._heads = [0] * (lanes * levels)
         self._lane_rows = [0] * lanes
         self.queued_rows = 0
         self.max_queued_rows = max_queued_rows if max_queued_rows > 0 else _NEVER
@@ -216,15 +236,18 @@ class BatchQueue:
         """When the oldest request still waiting was queued (+inf: none waits)."""
         return min((self._lane_oldest(k) for k in range(self.lanes)), default=INF)
 
-    def _waiting(self, lane: int) -> list[Request]:
-        # Lane ``lane``'s entries from its head on (the taken ones before it are None).
-        return cast("list[Request]", self._items[lane][self._heads[lane] :])
+    def _waiting(self, q: int) -> list[Request]:
+        # FIFO ``q``'s entries from its head on (the taken ones before it are None).
+        return cast("list[Request]", self._items[q][self._heads[q] :])
 
     def _lane_oldest(self, lane: int) -> float:
-        for r in self._waiting(lane):
-            if not r.finished:
-                return r.t_enqueue
-        return INF
+        oldest = INF
+        for q in range(lane * self.levels, (lane + 1) * self.levels):
+            for r in self._waiting(q):
+                if not r.finished:
+                    oldest = min(oldest, r.t_enqueue)
+                    break
+        return oldest
 
     def _check_lane(self, lane: int) -> None:
         if not 0 <= lane < self.lanes:
@@ -244,15 +267,16 @@ class BatchQueue:
         rows = n = 0
         ages = 0.0
         oldest = INF
-        for r in self._waiting(lane):
-            if rows >= max_rows:
-                break
-            if r.finished:
-                continue
-            rows += min(r.rows - r.next_row, max_rows - rows)
-            n += 1
-            ages += now - r.t_enqueue
-            oldest = min(oldest, r.t_enqueue)
+        for q in range(lane * self.levels, (lane + 1) * self.levels):  # (in priority order)
+            for r in self._waiting(q):
+                if rows >= max_rows:
+                    break
+                if r.finished:
+                    continue
+                rows += min(r.rows - r.next_row, max_rows - rows)
+                n += 1
+                ages += now - r.t_enqueue
+                oldest = min(oldest, r.t_enqueue)
         return rows, n, ages, oldest
 
     @property
@@ -272,8 +296,25 @@ class BatchQueue:
 
     # ------------------------------------------------------------------ accepting
 
+    def _level(self, priority: int) -> int:
+        if priority == 0:
+            return self.default_level
+        if not 1 <= priority <= self.levels:
+            raise ValueError(
+                f"priority {priority!r} is not a level of this model: 1 (the highest) to "
+                f"{self.levels}, or 0 for its default ({self.default_level})"
+            )
+        return priority
+
     def _push(
-        self, arrays: tuple, rows: int, future: Any, now: float, deadline: float, lane: int
+        self,
+        arrays: tuple,
+        rows: int,
+        future: Any,
+        now: float,
+        deadline: float,
+        lane: int,
+        level: int,
     ) -> Request | None:
         self._check_lane(lane)
         if rows < 1:
@@ -283,8 +324,8 @@ class BatchQueue:
             if self.queued_rows + rows > self.max_queued_rows:
                 self.refused_rows = rows
                 return None
-        r = Request(arrays, rows, future, now, deadline, lane)
-        self._items[lane].append(r)
+        r = Request(arrays, rows, future, now, deadline, lane, level)
+        self._items[lane * self.levels + level - 1].append(r)
         self.queued_rows += rows
         self._lane_rows[lane] += rows
         if deadline < self.earliest_deadline:
@@ -292,18 +333,28 @@ class BatchQueue:
         return r
 
     def push(
-        self, arrays: tuple, rows: int, future: Any = None, deadline: float = INF, lane: int = 0
+        self,
+        arrays: tuple,
+        rows: int,
+        future: Any = None,
+        deadline: float = INF,
+        lane: int = 0,
+        priority: int = 0,
     ) -> Request | None:
         """Queue a prepared request (``InputHandler.prepare``'s arrays and rows) in
-        ``lane``; None when its rows do not fit under ``max_queued_rows`` (requests whose
-        callers gave up are dropped first, so they never hold room)."""
-        return self._push(arrays, rows, future, _clock(), deadline, lane)
+        ``lane`` at level ``priority`` (0: the default); None when its rows do not fit
+        under ``max_queued_rows`` (requests whose callers gave up are dropped first, so
+        they never hold room)."""
+        level = self._level(priority)
+        return self._push(arrays, rows, future, _clock(), deadline, lane, level)
 
-    def submit(self, request: Any, timeout: float | None = None) -> Request:
+    def submit(self, request: Any, timeout: float | None = None, priority: int = 0) -> Request:
         """Admit one request for serving: validate it, give it a future and a deadline
-        ``timeout`` seconds from now (None: ``default_timeout``), queue it, and kick the
-        policy when ``kick_rows`` rows wait. Raises the handler's TypeError/ValueError
-        for a malformed request, and the policy's errors when closed or refused."""
+        ``timeout`` seconds from now (None: ``default_timeout``) and its priority level
+        (``priority``; 0: ``default_level``), queue it, and kick the policy when
+        ``kick_rows`` rows wait. Raises the handler's TypeError/ValueError for a
+        malformed request (ValueError for a priority that is no level), and the policy's
+        errors when closed or refused."""
         if self._handler is None or self._policy is None or self._create_future is None:
             raise RuntimeError(
                 "submit needs a queue made with a handler, a policy and create_future"
@@ -311,6 +362,7 @@ class BatchQueue:
         if self.closed:
             raise self._policy.closed_error()
         try:
+            level = self._level(priority) if priority else self.default_level
             arrays, rows = self._handler.prepare(request)
             lane = self._handler.lane_of(arrays) if self.lanes > 1 else 0
         except (TypeError, ValueError):
@@ -318,7 +370,7 @@ class BatchQueue:
             raise
         now = _clock()
         deadline = now + (self.default_timeout if timeout is None else float(timeout))
-        r = self._push(arrays, rows, self._create_future(), now, deadline, lane)
+        r = self._push(arrays, rows, self._create_future(), now, deadline, lane, level)
         if r is None:
             error = self._policy.refused_error(rows)
             if isinstance(error, ValueError):
@@ -378,10 +430,56 @@ class BatchQueue:
     def _take_lane(
         self, batch: Batch | None, lane: int, room: int, now: float, split: bool
     ) -> tuple[Batch | None, int]:
-        items = self._items[lane]
-        head = self._heads[lane]
+        if self.levels == 1:
+            return self._take_fifo(batch, lane, lane, room, now, split, _NEVER)
+        while room > 0:  # by priority: the highest level's requests, aged ones first
+            q, aged = self._next_fifo(lane, now)
+            if q < 0:
+                break
+            before = room
+            # With no aged request in the lane, the level's requests go in one run.
+            batch, room = self._take_fifo(batch, q, lane, room, now, split, 1 if aged else _NEVER)
+            if room == before:
+                break  # (its next request does not fit)
+        return batch, room
+
+    def _next_fifo(self, lane: int, now: float) -> tuple[int, bool]:
+        """The FIFO of ``lane`` to take from next: the oldest head that has waited
+        ``aging``, else the highest level's (-1 when none waits); and whether any head
+        has aged."""
+        first = aged = -1
+        aged_at = INF
+        for q in range(lane * self.levels, (lane + 1) * self.levels):
+            items = self._items[q]
+            head = self._heads[q]
+            while head < len(items) and self._drop_if_gone(cast(Request, items[head]), now):
+                items[head] = None
+                head += 1
+            self._heads[q] = head
+            if head == len(items):
+                continue
+            t = cast(Request, items[head]).t_enqueue
+            if first < 0:
+                first = q
+            if now - t >= self.aging and t < aged_at:
+                aged, aged_at = q, t
+        return (aged, True) if aged >= 0 else (first, False)
+
+    def _take_fifo(
+        self,
+        batch: Batch | None,
+        q: int,
+        lane: int,
+        room: int,
+        now: float,
+        split: bool,
+        most: int,
+    ) -> tuple[Batch | None, int]:
+        # Up to ``most`` requests (or the rows that fit) of FIFO ``q`` of ``lane``.
+        items = self._items[q]
+        head = self._heads[q]
         n = len(items)
-        while head < n and room > 0:
+        while head < n and room > 0 and most > 0:
             r = cast(Request, items[head])
             if self._drop_if_gone(r, now):
                 items[head] = None
@@ -401,6 +499,7 @@ class BatchQueue:
             room -= left
             self.queued_rows -= left
             self._lane_rows[lane] -= left
+            most -= 1
             if r.next_row == r.rows:
                 items[head] = None  # the batch holds it now
                 head += 1
@@ -417,7 +516,7 @@ class BatchQueue:
         elif head > 1024 and 2 * head > n:
             del items[:head]
             head = 0
-        self._heads[lane] = head
+        self._heads[q] = head
         return batch, room
 
     # ------------------------------------------------------------------ answering
@@ -500,15 +599,15 @@ class BatchQueue:
         """Answer the waiting requests whose deadline passed, drop the ones whose callers
         gave up; returns the earliest deadline among those still waiting (+inf)."""
         earliest = INF
-        for k in range(self.lanes):
+        for q in range(self.lanes * self.levels):
             keep: list[Request | None] = []
-            for r in self._waiting(k):
+            for r in self._waiting(q):
                 if self._drop_if_gone(r, now):
                     continue
                 keep.append(r)
                 if r.next_row == 0 and r.deadline < earliest:
                     earliest = r.deadline
-            self._items[k] = keep
-            self._heads[k] = 0
+            self._items[q] = keep
+            self._heads[q] = 0
         self.earliest_deadline = earliest
         return earliest

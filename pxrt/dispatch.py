@@ -305,11 +305,13 @@ class Engine:
         max_queued_rows: int = 0,
         policy: QueuePolicy | None = None,
         create_future: Callable[[], Any] | None = None,
+        levels: int = 1,
     ) -> BatchQueue:
-        """A new, empty queue to plan this engine's batches with; its ``submit``
-        validates requests with this engine's input handler (see ``BatchQueue``)."""
+        """A new, empty queue to plan this engine's batches with (``levels``: priority
+        levels); its ``submit`` validates requests with this engine's input handler (see
+        ``BatchQueue``)."""
         return BatchQueue(
-            max_queued_rows, self.input_handler, policy, create_future, len(self.lanes)
+            max_queued_rows, self.input_handler, policy, create_future, len(self.lanes), levels
         )
 
     # ------------------------------------------------------------------ running

@@ -133,6 +133,7 @@ class Backend(Protocol):
         *,
         timeout_s: float | None = None,
         version: str | None = None,
+        priority: int = 0,
     ) -> asyncio.Future: ...
 
     def count(self, name: str, version: str, outcome: str) -> None:

@@ -100,8 +100,11 @@ class Batcher:
         self.default_timeout_s = default_timeout_s = options.default_timeout_s
         self.copy = copy = options.copy
         self._loop = asyncio.get_running_loop()
-        self.queue = engine.queue(max_queue, self, self._loop.create_future)
+        levels = options.priority_levels
+        self.queue = engine.queue(max_queue, self, self._loop.create_future, levels)
         self.queue.default_timeout = INF if default_timeout_s is None else default_timeout_s
+        self.queue.default_level = options.default_priority_level or levels
+        self.queue.aging = options.priority_wait_ms * 1e-3
         self.inflight = 0
         self._delay_timer: asyncio.TimerHandle | None = None
         self._delay_at = 0.0  # when the delay timer is due (_clock)

@@ -174,6 +174,7 @@ class BinaryPlan:
     outputs: list[tuple[str, bool]]
     id: str | None
     timeout_s: float | None
+    priority: int
 
     @classmethod
     def of(
@@ -183,6 +184,7 @@ class BinaryPlan:
         outputs: list[tuple[str, bool]],
         rid: str | None,
         timeout_s: float | None,
+        priority: int,
     ) -> BinaryPlan | None:
         """The plan of a decoded request (``decode_inputs`` laid the binary inputs out
         in order, end to end), or None when any tensor came as JSON data."""
@@ -193,7 +195,7 @@ class BinaryPlan:
         for name, arr in inputs.items():
             entries.append((name, arr.dtype, arr.size, offset, arr.shape))
             offset += arr.nbytes
-        return cls(tuple(entries), offset, outputs, rid, timeout_s)
+        return cls(tuple(entries), offset, outputs, rid, timeout_s, priority)
 
     def views(self, binary: memoryview) -> dict[str, np.ndarray]:
         return _views(binary, self.inputs)
@@ -390,6 +392,26 @@ def timeout_of(doc: dict) -> float | None:
     return timeout_s(params.get("timeout")) if isinstance(params, dict) else None
 
 
+def priority(value: Any) -> int:
+    """A request's priority level (Triton's ``priority`` parameter: 1 the highest, up to
+    the model's levels; 0 or none: its default), on every protocol; whether the model has
+    that level is its queue's check."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(
+            f"parameters.priority must be an integer >= 0 (1 the highest level, 0 the "
+            f"model's default), got {value!r:.40}"
+        )
+    return value
+
+
+def priority_of(doc: dict) -> int:
+    """A JSON request's ``parameters.priority`` (0: none)."""
+    params = doc.get("parameters")
+    return priority(params.get("priority")) if isinstance(params, dict) else 0
+
+
 # --------------------------------------------------------------------------- gRPC
 # ModelInferRequest messages are read by their fields only: this module does not import
 # the protobuf classes (they come with the grpc extra).
@@ -575,6 +597,7 @@ class ProtoPlan:
     outputs: list[tuple[str, bool]]
     id: str | None
     timeout_s: float | None
+    priority: int
 
     @classmethod
     def of(
@@ -584,6 +607,7 @@ class ProtoPlan:
         outputs: list[tuple[str, bool]],
         rid: str | None,
         timeout_s: float | None,
+        priority: int,
     ) -> ProtoPlan | None:
         """The plan of a decoded message (``inputs`` in the message's order, each a view
         of its raw contents), or None when its inputs are not all raw and last."""
@@ -601,8 +625,9 @@ class ProtoPlan:
             heads.append((offset - len(head), head))
             entries.append((name, arr.dtype, arr.size, offset, arr.shape))
         return cls(
-            bytes(data[:prefix]), tuple(heads), tuple(entries), len(data), outputs, rid, timeout_s
-        )
+            bytes(data[:prefix]), tuple(heads), tuple(entries), len(data), outputs, rid,
+            timeout_s, priority,
+        )  # fmt: skip
 
     def matches(self, data: Any) -> bool:
         """Whether ``data`` (of ``size`` bytes) has this plan's layout."""
@@ -625,6 +650,15 @@ def encode_varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def proto_priority(message: Any) -> int:
+    """A ModelInferRequest's ``priority`` parameter (0: none)."""
+    if "priority" not in message.parameters:
+        return 0
+    param = message.parameters["priority"]
+    kind = param.WhichOneof("parameter_choice")
+    return priority(getattr(param, kind) if kind in ("int64_param", "uint64_param") else -1)
 
 
 def proto_timeout(message: Any) -> float | None:

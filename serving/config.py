@@ -465,14 +465,15 @@ def _config(args: argparse.Namespace) -> tuple[BatchingOptions, Placement, dict]
     return defaults, place, conf.get("models", {})
 
 
-TOML_KEYS = (*SERVE_OPTIONS, *Placement.CHECKS, "instance_group")
+TOML_KEYS = (*SERVE_OPTIONS, *Placement.CHECKS, "instance_group", "dynamic_batching")
 
 
 def _options(
     section: dict, where: str, base: BatchingOptions, place: Placement
 ) -> tuple[BatchingOptions, Placement]:
     """``base`` and ``place`` with a TOML section's options over them, each checked
-    (``instance_group`` in Triton's spelling, where it maps)."""
+    (``instance_group`` and ``dynamic_batching`` in Triton's spelling, where they
+    map)."""
     unknown = sorted(set(section) - set(TOML_KEYS))
     if unknown:
         raise SystemExit(
@@ -483,6 +484,8 @@ def _options(
         try:
             if key == "instance_group":
                 placed.update(Placement.from_instance_group(value))
+            elif key == "dynamic_batching":
+                checked.update(BatchingOptions.from_dynamic_batching(value))
             elif key in Placement.CHECKS:
                 placed[key] = Placement.check(key, value)
             else:

@@ -159,12 +159,14 @@ class InferRequest:
       outputs: (output name, as binary data) to answer with, in order.
       id: the request's id, echoed in the answer.
       timeout_s: its deadline in seconds from now (None: the model's default).
+      priority: its priority level (1 the highest; 0: the model's default).
     """
 
     inputs: dict[str, np.ndarray]
     outputs: list[tuple[str, bool]]
     id: str | None = None
     timeout_s: float | None = None
+    priority: int = 0
 
     @classmethod
     def from_json(
@@ -182,7 +184,7 @@ class InferRequest:
         except (TypeError, ValueError):  # a writable buffer cannot be a key
             plan = None
         if plan is not None and plan.size == len(binary):
-            return cls(plan.views(binary), plan.outputs, plan.id, plan.timeout_s)
+            return cls(plan.views(binary), plan.outputs, plan.id, plan.timeout_s, plan.priority)
         doc = codec.parse_json(header)
         rid = codec.request_id(doc)
         request = cls(
@@ -190,9 +192,12 @@ class InferRequest:
             outputs=codec.requested_outputs(doc, list(model.outputs)),
             id=rid,
             timeout_s=codec.timeout_of(doc),
+            priority=codec.priority_of(doc),
         )
         if len(header) <= PLAN_HEADER_BYTES:
-            plan = codec.BinaryPlan.of(doc, request.inputs, request.outputs, rid, request.timeout_s)
+            plan = codec.BinaryPlan.of(
+                doc, request.inputs, request.outputs, rid, request.timeout_s, request.priority
+            )
             if plan is not None:
                 if len(plans) >= PLANS_PER_MODEL:
                     plans.clear()  # many different headers (ids, shapes): start over
@@ -221,13 +226,14 @@ class InferRequest:
             for plan in candidates:
                 if plan.matches(data):
                     timeout = plan.timeout_s if plan.timeout_s is not None else deadline_s
-                    return cls(plan.views(data), plan.outputs, plan.id, timeout)
+                    return cls(plan.views(data), plan.outputs, plan.id, timeout, plan.priority)
         message = parse(data)
         request = cls.from_proto(message, model, deadline_s)
         if message.raw_input_contents:
             plan = codec.ProtoPlan.of(
-                data, request.inputs, request.outputs, message.id, codec.proto_timeout(message)
-            )
+                data, request.inputs, request.outputs, message.id,
+                codec.proto_timeout(message), request.priority,
+            )  # fmt: skip
             if plan is not None and len(plan.prefix) <= PLAN_HEADER_BYTES:
                 if len(plans) >= PLANS_PER_MODEL:
                     plans.clear()  # many different sizes: start over
@@ -251,6 +257,7 @@ class InferRequest:
             outputs=outputs,
             id=message.id,
             timeout_s=timeout_s if timeout_s is not None else deadline_s,
+            priority=codec.proto_priority(message),
         )
 
 
@@ -364,7 +371,11 @@ def start(
             # ``pxrt serve --workers``, the newest when the device process takes it, so a
             # reload between the two does not fail the request).
             future = server.submit(
-                name, request.inputs, timeout_s=request.timeout_s, version=version
+                name,
+                request.inputs,
+                timeout_s=request.timeout_s,
+                version=version,
+                priority=request.priority,
             )
         except (TypeError, ValueError) as exc:  # the model's validation (its queue counted it)
             raise InvalidRequest(str(exc)) from None

@@ -72,6 +72,8 @@ def model_config(name: str, model: Model, options: BatchingOptions, max_batch_si
             "preferred_batch_size": [b for b in model.buckets if b <= max_batch_size],
             "max_queue_delay_microseconds": round(options.max_delay_us),
             "default_queue_policy": {"max_queue_size": options.max_queue},
+            "priority_levels": options.priority_levels,
+            "default_priority_level": options.default_priority_level or options.priority_levels,
         },
         "instance_group": [
             {

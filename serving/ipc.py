@@ -97,6 +97,7 @@ class Infer(msgspec.Struct, tag=2, array_like=True):
     version: str | None
     timeout_s: float | None
     inputs: list[Tensor]
+    priority: int = 0
 
 
 class Cancel(msgspec.Struct, tag=3, array_like=True):

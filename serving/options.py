@@ -145,6 +145,12 @@ class BatchingOptions(_Checked):
         ``"cost"`` (from the execution times measured at load: which lane goes and which
         shorter requests ride along in it) or ``"oldest"`` (the oldest request's lane,
         alone).
+      priority_levels: Triton's request priorities: a request's ``priority`` parameter
+        names a level from 1 (the highest: taken first) to this (1: none, every request
+        alike).
+      default_priority_level: the level of a request that names none (0: the lowest).
+      priority_wait_ms: a request of any level that has waited this long goes before
+        the higher levels (oldest first), so a low level never starves.
     """
 
     max_batch_size: int | None = None
@@ -154,6 +160,9 @@ class BatchingOptions(_Checked):
     max_inflight: int = 2
     copy: bool = False
     cell_policy: str = "cost"
+    priority_levels: int = 1
+    default_priority_level: int = 0
+    priority_wait_ms: float = 100.0
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "max_batch_size": number(int, 1, none=True),
@@ -163,7 +172,38 @@ class BatchingOptions(_Checked):
         "max_inflight": number(int, 1),
         "copy": _flag,
         "cell_policy": choice(*CELL_POLICIES),
+        "priority_levels": number(int, 1),
+        "default_priority_level": number(int, 0),
+        "priority_wait_ms": number(float, 0, inclusive=False),
     }
+
+    # Triton's dynamic_batching keys that map onto these options.
+    TRITON_DYNAMIC_BATCHING: ClassVar[dict[str, str]] = {
+        "priority_levels": "priority_levels",
+        "default_priority_level": "default_priority_level",
+        "max_queue_delay_microseconds": "max_delay_us",
+    }
+
+    @classmethod
+    def from_dynamic_batching(cls, table: Any) -> dict[str, Any]:
+        """Triton's ``dynamic_batching`` (``{priority_levels = 2, ...}``) as these
+        options' values, each checked; a key that does not map is refused, naming those
+        that do."""
+        if not isinstance(table, Mapping):
+            raise OptionError(f"dynamic_batching takes a table of Triton's keys, got {table!r}")
+        mapped = cls.TRITON_DYNAMIC_BATCHING
+        unknown = sorted(set(table) - set(mapped))
+        if unknown:
+            raise OptionError(f"dynamic_batching: pxrt maps {', '.join(mapped)}, not {unknown}")
+        return {mapped[k]: cls.check(mapped[k], v) for k, v in table.items()}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.default_priority_level > self.priority_levels:
+            raise OptionError(
+                f"option default_priority_level: {self.default_priority_level} is not a level "
+                f"of priority_levels {self.priority_levels} (1 to it, or 0 for the lowest)"
+            )
 
 
 # Triton's instance_group kinds: accepted; the devices pxrt.load is given decide.

@@ -291,6 +291,7 @@ class RemoteServer:
         *,
         timeout_s: float | None = None,
         version: str | None = None,
+        priority: int = 0,
     ) -> asyncio.Future:
         """Send a request to the device process's queue; its future resolves with the
         outputs (or its error). Cancelling it (a client that hung up) takes the request
@@ -310,7 +311,7 @@ class RemoteServer:
         future = link.loop.create_future()
         self._pending[rid] = (future, offsets)
         future.add_done_callback(functools.partial(self._cancelled, rid))
-        link.send(ipc.Infer(rid, name, version, timeout_s, tensors))
+        link.send(ipc.Infer(rid, name, version, timeout_s, tensors, priority))
         return future
 
     def _cancelled(self, rid: int, future: asyncio.Future) -> None:

@@ -471,6 +471,7 @@ class Server:
         *,
         timeout_s: float | None = None,
         version: str | None = None,
+        priority: int = 0,
     ) -> Awaitable[dict]:
         """Queue one request (input name -> array of n >= 1 rows) to be batched with
         others; ``await server.infer("mlp", {"x": x})`` -> output name -> array.
@@ -482,8 +483,9 @@ class Server:
         (``timeout_s``, else the model's default) passed while queued,
         ``ExecutionFailed`` when its batch failed, ``ServerClosed`` while shutting down,
         ``UnknownModel`` for a name (or ``version``) not served. Without a version, the
-        newest version served answers. A caller that stops waiting (its task cancelled)
-        takes its request out of the queue if it was not dispatched yet.
+        newest version served answers. ``priority``: its level (1 the highest, to the
+        model's ``priority_levels``; 0: its default). A caller that stops waiting (its task
+        cancelled) takes its request out of the queue if it was not dispatched yet.
         """
         try:
             if version is None:
@@ -492,7 +494,7 @@ class Server:
                     raise no_model(name, self._batchers)
             else:
                 queue = self._batcher(name, version).queue
-            return queue.submit(request, timeout_s)
+            return queue.submit(request, timeout_s, priority)
         except Exception as exc:  # raised where the caller awaits, as from a coroutine
             return _raise(self._as_served(exc, name, version))
 
@@ -503,13 +505,14 @@ class Server:
         *,
         timeout_s: float | None = None,
         version: str | None = None,
+        priority: int = 0,
     ) -> asyncio.Future:
         """``infer`` without the coroutine: queue the request and return its future at
         once (for callers that handle many requests from one task). Errors that
         ``infer`` raises before queueing are raised here; cancelling the future drops
         the request if it was not dispatched yet."""
         try:
-            return self._batcher(name, version).queue.submit(request, timeout_s).future
+            return self._batcher(name, version).queue.submit(request, timeout_s, priority).future
         except Exception as exc:
             raise self._as_served(exc, name, version) from None
 

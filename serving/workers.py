@@ -175,8 +175,9 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
         try:
             inputs = {t.name: ipc.from_tensor(t, self.theirs) for t in message.inputs}
             future = self.server.submit(
-                message.model, inputs, timeout_s=message.timeout_s, version=message.version
-            )
+                message.model, inputs, timeout_s=message.timeout_s, version=message.version,
+                priority=message.priority,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - this request's answer
             self.send(ipc.Result(rid, None, error_of(exc)))
             return

@@ -318,6 +318,34 @@ def test_inline_signature_cache_never_admits_what_the_full_check_refuses():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_priority_levels_go_first_and_an_aged_request_before_them(impl):
+    """Level 1 first, then 2, each in arrival order; a request of any level that has
+    waited ``aging`` goes before them all (no level starves); 0 is the default level; a
+    priority that is no level is a ValueError naming the levels."""
+    batch_mod, _ = impl
+    queue = batch_mod.BatchQueue(0, None, Policy(), None, 1, 3)
+    queue.default_level = 2
+    order = [(0, 3), (1, 2), (2, 1), (3, 0), (4, 1), (5, 3)]  # (request, priority)
+    for k, priority in order:
+        queue.push(request(k, 1), 1, None, math.inf, 0, priority)
+        time.sleep(0.002)
+    now = time.perf_counter()
+    batch = queue.take(10, now)
+    assert [int(p[0][0]) // 1000 for p in batch.pieces] == [2, 4, 1, 3, 0, 5]
+    assert [r.level for r in batch.requests] == [1, 1, 2, 2, 3, 3]
+    for k, priority in order:
+        queue.push(request(k, 1), 1, None, math.inf, 0, priority)
+        time.sleep(0.002)
+    queue.aging = time.perf_counter() - queue.oldest - 0.005  # the first few have aged
+    batch = queue.take(2, time.perf_counter())  # the two oldest: aged, before level 1
+    assert [int(p[0][0]) // 1000 for p in batch.pieces] == [0, 1]
+    queue.aging = math.inf
+    assert [int(p[0][0]) // 1000 for p in queue.take(10, 0.0).pieces] == [2, 4, 3, 5]
+    with pytest.raises(ValueError, match="priority 4 is not a level of this model: 1"):
+        queue.push(request(9, 1), 1, None, math.inf, 0, 4)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_a_split_request_takes_turns_with_the_requests_behind_it(impl):
     batch_mod, _ = impl
     queue = batch_mod.BatchQueue()
@@ -369,6 +397,7 @@ def _describe(batch, numbers):
         list(batch.offsets),
         [numbers[id(r)] for r in batch.requests],
         [r.lane for r in batch.requests],
+        [r.level for r in batch.requests],
     )
 
 
@@ -396,6 +425,7 @@ lane_op_kinds = {
         st.sampled_from([1, 1, 2, 2, 3, 4, 6, 9, 0]),
         raw_lane,
         st.sampled_from([math.inf, math.inf, 1.0, 1.5]),
+        st.sampled_from([0, 0, 1, 2, 3, 5]),  # priority (5: beyond every queue's levels)
     ),
     "take": st.tuples(
         st.just("take"),
@@ -421,10 +451,12 @@ lane_ops = st.lists(
 )
 
 
-def play_lanes(batch_mod, script, lanes, max_queued_rows):
-    """Run ``script`` on a queue of ``lanes`` lanes; returns everything observable, with
-    times as request numbers (and the ages of ``lane_stats`` apart: clock-dependent)."""
-    queue = batch_mod.BatchQueue(max_queued_rows, None, Policy(), None, lanes)
+def play_lanes(batch_mod, script, lanes, max_queued_rows, levels=1, aging=math.inf):
+    """Run ``script`` on a queue of ``lanes`` lanes and ``levels`` priority levels;
+    returns everything observable, with times as request numbers (and the ages of
+    ``lane_stats`` apart: clock-dependent)."""
+    queue = batch_mod.BatchQueue(max_queued_rows, None, Policy(), None, lanes, levels)
+    queue.aging = aging
     requests, taken, log, ages = [], [], [], []
     numbers, by_time = {}, {}  # request id, t_enqueue (unique: see below) -> number
 
@@ -433,13 +465,15 @@ def play_lanes(batch_mod, script, lanes, max_queued_rows):
 
     for op in script:
         if op[0] == "push":
-            _, rows, lane, deadline = op
+            _, rows, lane, deadline, priority = op
             k = len(requests)
             fut = concurrent.futures.Future()
-            ok, r = _outcome(queue.push, request(k, rows), rows, fut, deadline, _lane(lane, lanes))
+            lane = _lane(lane, lanes)
+            ok, r = _outcome(queue.push, request(k, rows), rows, fut, deadline, lane, priority)
             if ok and r is not None:
                 numbers[id(r)], by_time[r.t_enqueue] = k, k
-                assert (r.rows, r.lane, r.deadline) == (rows, _lane(lane, lanes), deadline)
+                level = priority or levels
+                assert (r.rows, r.lane, r.deadline, r.level) == (rows, lane, deadline, level)
                 while time.perf_counter() <= r.t_enqueue:  # the next push is strictly later
                     pass
             requests.append((r if ok else None, fut))
@@ -496,12 +530,23 @@ def play_lanes(batch_mod, script, lanes, max_queued_rows):
 
 
 @needs_ext
-@settings(max_examples=100, deadline=None)
-@given(script=lane_ops, lanes=st.integers(1, 4), max_queued_rows=st.sampled_from([0, 6, 20]))
-def test_lanes_and_folds_behave_the_same_in_both_implementations(script, lanes, max_queued_rows):
-    """Per-lane pushes, takes with folded lanes, lane stats and rows, and their errors."""
-    py_log, py_answers, py_ages = play_lanes(_batch_py, script, lanes, max_queued_rows)
-    c_log, c_answers, c_ages = play_lanes(_batch_c, script, lanes, max_queued_rows)
+@settings(max_examples=150, deadline=None)
+@given(
+    script=lane_ops,
+    lanes=st.integers(1, 4),
+    max_queued_rows=st.sampled_from([0, 6, 20]),
+    levels=st.sampled_from([1, 1, 2, 3]),
+    aging=st.sampled_from([math.inf, -math.inf]),  # (-inf: every request aged: arrival order)
+)
+def test_lanes_and_folds_behave_the_same_in_both_implementations(
+    script, lanes, max_queued_rows, levels, aging
+):
+    """Per-lane pushes at priority levels, takes with folded lanes, lane stats and rows,
+    and their errors."""
+    py_log, py_answers, py_ages = play_lanes(
+        _batch_py, script, lanes, max_queued_rows, levels, aging
+    )
+    c_log, c_answers, c_ages = play_lanes(_batch_c, script, lanes, max_queued_rows, levels, aging)
     assert py_log == c_log
     assert py_answers == c_answers
     # Ages are sums of now - t_enqueue: the same requests, so the same up to the clock

@@ -284,3 +284,24 @@ def test_a_binary_header_seen_before_decodes_as_the_first_time(models):
     doc["inputs"][0]["data"] = [1.5] * 32
     second = InferRequest.from_json(json.dumps(doc).encode(), memoryview(b""), mlp)
     assert first.inputs["x"][0, 0] == 0.5 and second.inputs["x"][0, 0] == 1.5
+
+
+def test_a_requests_priority_and_its_remembered_header(models):
+    """``parameters.priority`` (Triton's) is read from the JSON header, and a header seen
+    before (its plan remembered) gives the same; anything but an integer >= 0 is a
+    protocol error naming it."""
+    from serving.core import InferRequest
+
+    x = np.ones((2, 32), np.float32)
+    for priority in (None, 0, 1, 3):
+        doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 32],
+                           "parameters": {"binary_data_size": x.nbytes}}]}  # fmt: skip
+        if priority is not None:
+            doc["parameters"] = {"priority": priority}
+        header = json.dumps(doc).encode()
+        for _ in range(2):  # (the second: from the remembered plan)
+            request = InferRequest.from_json(header, memoryview(x.tobytes()), models["mlp"])
+            assert request.priority == (priority or 0)
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(codec.ProtocolError, match="parameters.priority must be an integer"):
+            codec.priority_of({"parameters": {"priority": bad}})

@@ -604,7 +604,9 @@ def test_pxrt_bench_measures_generation(served, tmp_path):
     for r in (closed, opened):
         assert r["errors"] == 0 and r["output_tokens_per_s"] > 0
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["itl_p50_ms"]
-    assert doc["goodput"]["at_least"]  # a generous objective: met at the top of the search
+    # A generous objective: the search finds a rate that meets it (how high depends on
+    # the machine's load: the top of the search is 1.5x the throughput just measured).
+    assert doc["goodput"]["goodput_per_s"] > 0 and doc["goodput"]["probes"]
     records = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
     # (greedy, no stop token: each stream gives the 12 tokens it asked for, or stops at
     # the end-of-sequence token)

@@ -1256,3 +1256,29 @@ def test_a_malformed_timeout_or_compressed_flag_is_invalid(models, run):
             await grpc_server.stop(1)
 
     run(main)
+
+
+def test_a_requests_priority_parameter(models):
+    """Triton's ``priority`` request parameter (uint64 or int64) is the request's level,
+    parsed or from a remembered layout alike; anything else is INVALID_ARGUMENT's
+    protocol error."""
+    from serving import codec
+    from serving.core import InferRequest
+
+    def message(param=None, value=None):
+        request = pb.ModelInferRequest(model_name="mlp")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 32])
+        request.raw_input_contents.append(np.ones((1, 32), np.float32).tobytes())
+        if param is not None:
+            setattr(request.parameters["priority"], param, value)
+        return request.SerializeToString()
+
+    for param, value, want in [(None, None, 0), ("uint64_param", 2, 2), ("int64_param", 1, 1)]:
+        data = message(param, value)
+        for _ in range(2):  # (the second: from the remembered layout)
+            parse = pb.ModelInferRequest.FromString
+            assert InferRequest.from_proto_bytes(data, models["mlp"], parse).priority == want
+    for param, value in [("string_param", "1"), ("int64_param", -1), ("bool_param", True)]:
+        with pytest.raises(codec.ProtocolError, match="parameters.priority must be an integer"):
+            InferRequest.from_proto(pb.ModelInferRequest.FromString(message(param, value)),
+                                    models["mlp"])  # fmt: skip

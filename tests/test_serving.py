@@ -299,6 +299,45 @@ def test_deadline_passing_in_the_queue_drops_the_request_unexecuted(run, models)
     assert snap["requests"]["expired"] == 1 and snap["requests"]["success"] == 1
 
 
+def test_priority_levels_are_answered_first_and_over_http_and_grpc_messages(run, models):
+    """priority_levels 2: while the device is busy, level 2 then level 1 requests queue;
+    level 1 goes first (Triton's order: 1 is the highest), a request without a priority
+    is at the default level, and a priority that is no level is refused."""
+    from serving.core import InferRequest, InvalidRequest, start
+
+    model = models["mlp"]
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        done: list[str] = []
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model(
+                    "mlp", model, max_batch_size=1, max_inflight=1, priority_levels=2,
+                    default_priority_level=2,
+                )  # fmt: skip
+                first = asyncio.ensure_future(server.infer("mlp", {"x": x}))
+                await gate.wait_started()  # the device is busy: the rest queue
+
+                def queued(tag, priority):
+                    future = start(
+                        server, "mlp", None,
+                        lambda m: InferRequest({"x": x}, [("y", False)], tag, None, priority),
+                    ).future  # fmt: skip
+                    future.add_done_callback(lambda _: done.append(tag))
+                    return future
+
+                waiting = [queued("low", 2), queued("default", 0), queued("high", 1)]
+                with pytest.raises(InvalidRequest, match="priority 3 is not a level"):
+                    queued("bad", 3)
+                gate.release.set()
+                await first
+                await asyncio.gather(*waiting)
+        return done
+
+    assert run(main) == ["high", "low", "default"]
+
+
 def test_cancelled_request_is_removed_before_dispatch(run, models):
     model = models["mlp"]
     x = np.ones((1, 32), np.float32)
