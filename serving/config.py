@@ -31,6 +31,7 @@ from typing import Any
 from .options import (
     BatchingOptions,
     GenerationLimits,
+    GrpcLimits,
     HttpLimits,
     OptionError,
     Placement,
@@ -205,10 +206,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=getattr(GenerationLimits(), key),
             help=f"{what} (default {getattr(GenerationLimits(), key)})",
         )  # fmt: skip
+    inflight = GrpcLimits().max_stream_inflight
     p.add_argument(
-        "--max-stream-inflight", type=_arg(number(int, 1)), default=512,
+        "--max-stream-inflight", type=_arg(GrpcLimits.CHECKS["max_stream_inflight"]),
+        default=inflight,
         help="requests of one gRPC stream read and not yet answered; over it the stream "
-        "is not read (HTTP/2 flow control holds the client) (default 512)",
+        f"is not read (HTTP/2 flow control holds the client) (default {inflight})",
     )  # fmt: skip
     access = p.add_argument_group("access (HTTP and gRPC alike)")
     access.add_argument(
@@ -364,6 +367,15 @@ def connection_shares(args: argparse.Namespace) -> tuple[int, int]:
     return total - grpc, grpc
 
 
+def grpc_limits(args: argparse.Namespace, max_connections: int) -> GrpcLimits:
+    """The gRPC limits the flags set (``max_connections``: gRPC's share)."""
+    return GrpcLimits(
+        max_connections=max_connections,
+        handshake_timeout_s=args.header_timeout_s,
+        max_stream_inflight=args.max_stream_inflight,
+    )
+
+
 def generation_limits(args: argparse.Namespace) -> GenerationLimits:
     """The generation limits the flags set."""
     return GenerationLimits(**{k: getattr(args, k) for k in GenerationLimits.CHECKS})
@@ -508,6 +520,7 @@ __all__ = [
     "distributed_config",
     "fd_budget",
     "generation_limits",
+    "grpc_limits",
     "http_limits",
     "model_specs",
     "repository_config",

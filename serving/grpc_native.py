@@ -50,7 +50,8 @@ from . import codec, core, h2
 from .accept import Acceptor, linger_allowance, listening_socket
 from .access import Restrictions, TlsFiles, header_values
 from .core import BodyBudget, InferRequest
-from .grpc_server import GROUPS, GrpcLimits, GRPCService, Malformed, _checked, _parser
+from .grpc_server import GROUPS, GRPCService, Malformed, _checked, _parser
+from .options import GrpcLimits
 
 if TYPE_CHECKING:
     from .backend import Backend, ServedModel

@@ -313,6 +313,85 @@ class HttpLimits(_Checked):
     }
 
 
+# --------------------------------------------------------------------------- gRPC
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpcLimits(_Checked):
+    """What one client may hold of a gRPC listener (grpc core enforces each; checked
+    when made, as every option here).
+
+    - ``max_connections``: connections open at once; grpc closes new ones beyond it at
+      once (``pxrt serve`` gives gRPC a share of its one connection budget).
+    - ``handshake_timeout_s``: from connecting to the client's HTTP/2 settings; a socket
+      that sends nothing is closed after it.
+    - ``idle_timeout_s``: a connection with no call for this long is sent GOAWAY and
+      closed (clients reconnect when they next call).
+    - ``keepalive_s``, ``keepalive_timeout_s``: a connection with calls but quiet this
+      long is pinged; one whose peer does not answer in the timeout is closed.
+    - ``min_client_ping_s``: clients pinging more often than this without data are sent
+      GOAWAY after two strikes (grpc's keepalive enforcement; Triton's default too).
+    - ``max_stream_inflight``: requests of one ModelStreamInfer stream read and not yet
+      answered (answers waiting to be written included); over it the stream is not read
+      until an answer is written, so HTTP/2 flow control holds a client that sends
+      faster than it reads (pxrt's own, not grpc core's).
+
+    pxrt's own HTTP/2 (``serving.h2.Connections`` says how each is enforced) also has:
+
+    - ``max_streams``: streams open at once over all connections of the process;
+    - ``stream_idle_timeout_s``: a ModelStreamInfer stream with no request in flight
+      and nothing received for this long ends UNAVAILABLE (clients open another);
+    - ``max_queued_bytes``, ``send_timeout_s``: answers a connection's client has not
+      taken (its flow-control windows closed); past the bytes, new calls are refused and
+      answers that would wait end RESOURCE_EXHAUSTED; an answer that does not move for
+      the timeout is dropped (the call reset);
+    - ``max_control_frames``: frames without a request (SETTINGS, WINDOW_UPDATE,
+      PRIORITY, RST_STREAM, empty DATA) a client may send per 10 s beyond what its
+      calls and answers account for; past it the connection is sent away.
+    """
+
+    max_connections: int = 250
+    handshake_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
+    keepalive_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_client_ping_s: float = 300.0
+    max_stream_inflight: int = 512
+    max_streams: int = 8192
+    stream_idle_timeout_s: float = 600.0
+    max_queued_bytes: int = 32 << 20
+    send_timeout_s: float = 30.0
+    max_control_frames: int = 1000
+
+    CHECKS: ClassVar[dict[str, Any]] = {
+        "max_connections": number(int, 1),
+        "handshake_timeout_s": number(float, 0, inclusive=False),
+        "idle_timeout_s": number(float, 0, inclusive=False),
+        "keepalive_s": number(float, 0, inclusive=False),
+        "keepalive_timeout_s": number(float, 0, inclusive=False),
+        "min_client_ping_s": number(float, 0),
+        "max_stream_inflight": number(int, 1),
+        "max_streams": number(int, 1),
+        "stream_idle_timeout_s": number(float, 0, inclusive=False),
+        "max_queued_bytes": number(int, 1),
+        "send_timeout_s": number(float, 0, inclusive=False),
+        "max_control_frames": number(int, 1),
+    }
+
+    def options(self) -> list[tuple[str, int]]:
+        """grpc channel arguments enforcing these limits."""
+        ms = lambda s: max(1, int(s * 1000))  # noqa: E731
+        return [
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
+            ("grpc.max_connection_idle_ms", ms(self.idle_timeout_s)),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", ms(self.min_client_ping_s)),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]
+
+
 # --------------------------------------------------------------------------- generation
 
 
@@ -350,6 +429,7 @@ __all__ = [
     "PLACEMENTS",
     "BatchingOptions",
     "GenerationLimits",
+    "GrpcLimits",
     "HttpLimits",
     "OptionError",
     "Placement",

@@ -31,6 +31,7 @@ from .config import (
     connection_shares,
     distributed_config,
     generation_limits,
+    grpc_limits,
     http_limits,
     model_specs,
     repository_config,
@@ -95,13 +96,7 @@ class _Setup:
             raise OptionError("--model-control-mode and --load-model need --model-repository")
 
     def grpc_limits(self, share: int) -> Any:
-        from .grpc_server import GrpcLimits
-
-        return GrpcLimits(
-            max_connections=share,
-            handshake_timeout_s=self.args.header_timeout_s,
-            max_stream_inflight=self.args.max_stream_inflight,
-        )
+        return grpc_limits(self.args, share)
 
     async def load_all(self) -> None:
         """Load every model, start the repository, then turn ready (a failure is kept

@@ -47,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .access import Restrictions, TlsFiles
-    from .config import connection_shares, generation_limits, http_limits
+    from .config import connection_shares, generation_limits, grpc_limits, http_limits
     from .core import BodyBudget
     from .grpc_native import GrpcServer
-    from .grpc_server import GrpcLimits
     from .http import AppState, InferEndpoint, KServeApp, generation_app
     from .http_limits import GuardedServer, guarded_protocol
     from .loops import new_event_loop
@@ -111,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             grpc_server = GrpcServer(
                 remote,
                 max_message_bytes=limits.max_body_bytes,
-                limits=GrpcLimits(
-                    max_connections=max(1, grpc_share // count),
-                    handshake_timeout_s=opts.header_timeout_s,
-                    max_stream_inflight=opts.max_stream_inflight,
-                ),
+                limits=grpc_limits(opts, max(1, grpc_share // count)),
                 restrictions=restrictions,
                 budget=state.budget,
                 body_timeout_s=limits.body_timeout_s,

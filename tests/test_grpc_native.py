@@ -719,7 +719,7 @@ def test_a_message_laid_out_as_one_seen_before_decodes_as_the_first_time(models)
     x = [rng.standard_normal((1, 32)).astype(np.float32) for _ in range(3)]
     first = infer_message(x[0], rid="a1")
     InferRequest.from_proto_bytes(first, mlp, parse)  # remembered
-    plan = codec.ProtoPlan.of(first, fresh(first).inputs, [("y", True)], "a1", None)
+    plan = codec.ProtoPlan.of(first, fresh(first).inputs, [("y", True)], "a1", None, 0)
     assert plan is not None and plan.matches(infer_message(x[1], rid="a1"))
     for data in (infer_message(x[1], rid="a1"), infer_message(x[2], rid="b2")):
         got = InferRequest.from_proto_bytes(data, mlp, parse)
