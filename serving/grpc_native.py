@@ -298,13 +298,11 @@ class Call(h2.Stream):
         self.pumping = False
 
 
-class GrpcProtocol(h2.H2Protocol):
+class GrpcProtocol(h2.H2Protocol[Call]):
     """One gRPC connection (``GrpcServer`` makes them)."""
 
-    stream_class = Call
-
     def __init__(self, owner: GrpcServer) -> None:
-        super().__init__(owner.connections)
+        super().__init__(owner.connections, Call)
         self.owner = owner
         self.server = owner.server
         self.budget = owner.budget
@@ -318,8 +316,7 @@ class GrpcProtocol(h2.H2Protocol):
 
     # ------------------------------------------------------------------ streams in
 
-    def open_stream(self, stream: Any, headers: list) -> None:
-        call: Call = stream
+    def open_stream(self, call: Call, headers: list) -> None:
         call.headers = headers
         call.last_data = self.last_frame
         path = content_type = timeout = None
@@ -380,8 +377,7 @@ class GrpcProtocol(h2.H2Protocol):
     def _http_error(self, call: Call, status: bytes) -> None:
         self.send_headers(call, h2.encode_headers([(b":status", status)]), end_stream=True)
 
-    def stream_data(self, stream: Any, data: memoryview, end_stream: bool) -> None:
-        call: Call = stream
+    def stream_data(self, call: Call, data: memoryview, end_stream: bool) -> None:
         if data and not call.ending:
             if not self.budget.take(len(data)):
                 self.fail_call(call, self.budget.full())
@@ -668,8 +664,7 @@ class GrpcProtocol(h2.H2Protocol):
             call.pumping = False
         self._stream_maybe_done(call)
 
-    def stream_drained(self, stream: Any) -> None:
-        call: Call = stream
+    def stream_drained(self, call: Call) -> None:
         if call.method is not None and call.method.name == _STREAM:
             self._pump(call)
 
@@ -683,8 +678,7 @@ class GrpcProtocol(h2.H2Protocol):
 
     def drain_streams(self) -> None:
         """The server drains: every stream stops taking requests (see the module)."""
-        for stream in list(self.streams.values()):
-            call: Any = stream
+        for call in list(self.streams.values()):
             if call.method is not None and call.method.name == _STREAM:
                 self._drain_call(call)
 
@@ -749,8 +743,7 @@ class GrpcProtocol(h2.H2Protocol):
             call.backlog.clear()
         self._waiting.discard(call)
 
-    def stream_reset(self, stream: Any, code: int) -> None:
-        call: Call = stream
+    def stream_reset(self, call: Call, code: int) -> None:
         self._release(call)
         if call.queued is not None:
             call.queued.cancel()  # out of the queue if it was not dispatched
@@ -770,8 +763,7 @@ class GrpcProtocol(h2.H2Protocol):
             if not (call.inflight or call.backlog or call.out or call.ending):
                 self.finish(call, _UNAVAILABLE, f"the stream was idle for {idle_s:g} s")
 
-    def overflow(self, stream: Any) -> None:
-        call: Call = stream
+    def overflow(self, call: Call) -> None:
         self.finish(
             call,
             _RESOURCE,

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pxrt._ext import twin
 
@@ -184,41 +185,97 @@ class Settings:
 # --------------------------------------------------------------------------- streams
 
 
+class Event(enum.Enum):
+    """What moves a stream from one state to the next (``Stream.to``)."""
+
+    RECV_END = "the client's END_STREAM"
+    END_QUEUED = "the server's END_STREAM queued behind data waiting for the windows"
+    SEND_END = "the server's END_STREAM sent"
+    RESET = "a reset, either way, or the connection lost"
+
+
+class StreamState(enum.Enum):
+    """A stream's state: RFC 9113's (5.1), with one of the server's own between open and
+    half-closed (local): its END_STREAM queued behind data (or trailers) waiting for the
+    client's windows, when it sends nothing more. ``_TRANSITIONS`` holds the moves."""
+
+    #  (the client sent END_STREAM, the server sends no more, the server sent END_STREAM)
+    OPEN = (False, False, False)
+    HALF_CLOSED_REMOTE = (True, False, False)
+    ENDING = (False, True, False)
+    HALF_CLOSED_REMOTE_ENDING = (True, True, False)
+    HALF_CLOSED_LOCAL = (False, True, True)
+    CLOSED = (True, True, True)
+
+    def __init__(self, remote_closed: bool, ending: bool, local_closed: bool) -> None:
+        self.remote_closed = remote_closed
+        self.ending = ending
+        self.local_closed = local_closed
+
+
+_S, _E = StreamState, Event
+_TRANSITIONS: dict[tuple[StreamState, Event], StreamState] = {
+    (_S.OPEN, _E.RECV_END): _S.HALF_CLOSED_REMOTE,
+    (_S.ENDING, _E.RECV_END): _S.HALF_CLOSED_REMOTE_ENDING,
+    (_S.HALF_CLOSED_LOCAL, _E.RECV_END): _S.CLOSED,
+    (_S.OPEN, _E.END_QUEUED): _S.ENDING,
+    (_S.HALF_CLOSED_REMOTE, _E.END_QUEUED): _S.HALF_CLOSED_REMOTE_ENDING,
+    (_S.OPEN, _E.SEND_END): _S.HALF_CLOSED_LOCAL,
+    (_S.ENDING, _E.SEND_END): _S.HALF_CLOSED_LOCAL,
+    (_S.HALF_CLOSED_REMOTE, _E.SEND_END): _S.CLOSED,
+    (_S.HALF_CLOSED_REMOTE_ENDING, _E.SEND_END): _S.CLOSED,
+    **{(state, _E.RESET): _S.CLOSED for state in _S},
+}
+
+
 class Stream:
     """One request/response exchange on a connection. ``H2Protocol`` owns the fields
     below; subclasses (``serving.grpc_native``) add their own slots."""
 
     __slots__ = (
         "id",
+        "state",  # a StreamState: moved by ``to`` alone
         # What the server may still send on it (the peer's window) is the connection's
         # ``peer_initial_window`` plus this: the client's increments less what was sent.
         # A SETTINGS that changes the initial window changes every stream's at once.
         "send_credit",
         "recv_window",  # what the client may still send on it
         "unacked",  # received and not yet given back to the client's window
-        "held",  # while set, the client's window is not given back (flow control holds it)
-        "remote_closed",  # the client sent END_STREAM
-        "ending",  # the server sent or queued its END_STREAM (or reset it): it sends no more
-        "local_closed",  # the server sent END_STREAM (or reset it)
+        "held",  # flow control: while set, the client's window is not given back
         "out",  # data waiting for the windows: 1-D byte views, in order
-        "out_end",  # then END_STREAM (without trailers)
-        "trailers",  # then this header block, with END_STREAM
+        "trailers",  # then this header block, with END_STREAM (else a bare END_STREAM)
         "waiting_since",  # when ``out`` last could not move (loop time; 0: it can)
     )
 
     def __init__(self, stream_id: int, recv_window: int) -> None:
         self.id = stream_id
+        self.state = StreamState.OPEN
         self.send_credit = 0
         self.recv_window = recv_window
         self.unacked = 0
         self.held = False
-        self.remote_closed = False
-        self.ending = False
-        self.local_closed = False
         self.out: list[memoryview] = []
-        self.out_end = False
         self.trailers: bytes | None = None
         self.waiting_since = 0.0
+
+    def to(self, event: Event) -> None:
+        """Move to the state ``event`` leads to (a move the table lacks is a bug)."""
+        self.state = _TRANSITIONS[self.state, event]
+
+    @property
+    def remote_closed(self) -> bool:
+        """The client sent END_STREAM (or the stream was reset)."""
+        return self.state.remote_closed
+
+    @property
+    def ending(self) -> bool:
+        """The server sent or queued its END_STREAM (or reset it): it sends no more."""
+        return self.state.ending
+
+    @property
+    def local_closed(self) -> bool:
+        """The server sent END_STREAM (or reset it)."""
+        return self.state.local_closed
 
 
 def _view(part: Any) -> memoryview:
@@ -353,17 +410,21 @@ class Connections:
 # --------------------------------------------------------------------------- protocol
 
 
-class H2Protocol(asyncio.Protocol):
+S = TypeVar("S", bound=Stream)
+
+
+class H2Protocol(asyncio.Protocol, Generic[S]):
     """One HTTP/2 connection, server side (see the module's docstring)."""
 
     loop: asyncio.AbstractEventLoop
     transport: Any
 
-    def __init__(self, connections: Connections) -> None:
+    def __init__(self, connections: Connections, stream_class: type[S]) -> None:
+        self.stream_class = stream_class  # what the subclass's streams are
         self.connections = connections
         settings = self.settings = connections.settings
         self.decoder = hpack.Decoder(settings.header_table_size, settings.max_header_list_size)
-        self.streams: dict[int, Stream] = {}
+        self.streams: dict[int, S] = {}
         self.last_stream_id = 0  # the highest the client opened
         self.closed = False
         self.going_away = False  # GOAWAY sent: no new streams
@@ -384,8 +445,8 @@ class H2Protocol(asyncio.Protocol):
         self.peer_max_frame = DEFAULT_FRAME
         self.recv_window = settings.connection_window
         self._consumed = 0  # received and not yet given back to the connection's window
-        self._blocked: dict[int, Stream] = {}  # streams whose data waits for peer_window
-        self._starved: dict[int, Stream] = {}  # streams whose data waits for their window
+        self._blocked: dict[int, S] = {}  # streams whose data waits for peer_window
+        self._starved: dict[int, S] = {}  # streams whose data waits for their window
         self.queued_bytes = 0  # of data waiting in the streams' ``out``
         self._out: list[Any] = []  # buffers to write at the end of this turn of the loop
         self._flushing = False
@@ -436,7 +497,7 @@ class H2Protocol(asyncio.Protocol):
         self.connections.streams -= len(streams)
         for stream in streams:
             self._drop_out(stream)
-            stream.local_closed = stream.ending = True
+            stream.to(Event.RESET)
             self.stream_reset(stream, CANCEL)
 
     def pause_writing(self) -> None:
@@ -610,7 +671,7 @@ class H2Protocol(asyncio.Protocol):
         self._quiet = False
         end = bool(flags & END_STREAM)
         if end:
-            stream.remote_closed = True
+            stream.to(Event.RECV_END)
         data = self._unpad(flags, payload, "DATA")
         self.stream_data(stream, data, end)
         if end:
@@ -618,7 +679,7 @@ class H2Protocol(asyncio.Protocol):
         elif not stream.held and stream.unacked >= self.settings.initial_window >> 1:
             self._ack(stream)
 
-    def _ack(self, stream: Stream) -> None:
+    def _ack(self, stream: S) -> None:
         """Give back what was received on ``stream`` to the client's window."""
         if stream.unacked and not stream.remote_closed and not stream.local_closed:
             self._write(frame_head(WINDOW_UPDATE, 0, stream.id, 4), _U32.pack(stream.unacked))
@@ -667,7 +728,7 @@ class H2Protocol(asyncio.Protocol):
             if stream.remote_closed or not end:
                 self.reset(stream_id, PROTOCOL_ERROR)
                 return
-            stream.remote_closed = True
+            stream.to(Event.RECV_END)
             self._quiet = False
             self.stream_end(stream)
             self._maybe_closed(stream)
@@ -691,7 +752,8 @@ class H2Protocol(asyncio.Protocol):
             self.reset(stream_id, REFUSED_STREAM)  # clients retry these elsewhere
             return
         stream = self.stream_class(stream_id, self.settings.initial_window)
-        stream.remote_closed = end
+        if end:
+            stream.to(Event.RECV_END)
         self.streams[stream_id] = stream
         conns.streams += 1
         self._control_left += 1  # (its RST_STREAM, PRIORITY or WINDOW_UPDATE are fair)
@@ -836,20 +898,19 @@ class H2Protocol(asyncio.Protocol):
             block, self._table_update = self._table_update + block, b""
         return block
 
-    def send_headers(self, stream: Stream, block: bytes, end_stream: bool = False) -> None:
+    def send_headers(self, stream: S, block: bytes, end_stream: bool = False) -> None:
         """Send a header block on ``stream`` (with ``end_stream``: after its queued data,
         if any; nothing is sent on it after that)."""
         if stream.ending:
             return
         self._quiet = False
-        if end_stream:
-            stream.ending = True
-            if stream.out:
-                stream.trailers = block  # after the data waiting for the windows
-                return
+        if end_stream and stream.out:
+            stream.to(Event.END_QUEUED)
+            stream.trailers = block  # after the data waiting for the windows
+            return
         self._headers_out(stream, block, end_stream)
 
-    def _headers_out(self, stream: Stream, block: bytes, end_stream: bool) -> None:
+    def _headers_out(self, stream: S, block: bytes, end_stream: bool) -> None:
         block = self._block(block)
         max_frame = self.peer_max_frame
         flags = END_STREAM if end_stream else 0
@@ -865,7 +926,7 @@ class H2Protocol(asyncio.Protocol):
             self._end_local(stream)
 
     def send_response(
-        self, stream: Stream, headers: bytes, parts: Sequence[Any], trailers: bytes
+        self, stream: S, headers: bytes, parts: Sequence[Any], trailers: bytes
     ) -> None:
         """A whole answer on ``stream``: ``headers``, ``parts`` as one DATA frame, and
         ``trailers`` that end it, in one write when the windows and the peer's frame
@@ -889,7 +950,6 @@ class H2Protocol(asyncio.Protocol):
             self.send_headers(stream, trailers, end_stream=True)
             return
         self._quiet = False
-        stream.ending = True
         self.peer_window -= length
         stream.send_credit -= length
         self._control_left += 2
@@ -901,7 +961,7 @@ class H2Protocol(asyncio.Protocol):
         )  # fmt: skip
         self._end_local(stream)
 
-    def send_data(self, stream: Stream, parts: Sequence[Any], end_stream: bool = False) -> None:
+    def send_data(self, stream: S, parts: Sequence[Any], end_stream: bool = False) -> None:
         """Send ``parts`` (bytes-like) as DATA on ``stream``: at once as far as the
         peer's windows and frame size allow, the rest queued until they open
         (``stream.out``; ``stream_drained`` is called once it has all gone). Data that
@@ -917,8 +977,6 @@ class H2Protocol(asyncio.Protocol):
             and length <= self.peer_initial_window + stream.send_credit
             and length <= self.peer_max_frame
         ):
-            if end_stream:
-                stream.ending = True
             self.peer_window -= length
             stream.send_credit -= length
             self._control_left += 2
@@ -932,14 +990,13 @@ class H2Protocol(asyncio.Protocol):
             self.overflow(stream)
             return
         if end_stream:
-            stream.ending = True
+            stream.to(Event.END_QUEUED)  # (a bare END_STREAM: no trailers)
         views = [_view(p) for p in parts if len(p)]
         stream.out.extend(views)
         self.queued_bytes += sum(map(len, views))
-        stream.out_end = stream.out_end or end_stream
         self._send_queued(stream)
 
-    def _send_queued(self, stream: Stream) -> None:
+    def _send_queued(self, stream: S) -> None:
         """Send what ``stream`` has queued, as far as the windows allow (else it waits
         in ``_blocked`` for the connection's window or ``_starved`` for its own)."""
         self._blocked.pop(stream.id, None)
@@ -972,7 +1029,7 @@ class H2Protocol(asyncio.Protocol):
             self.queued_bytes -= size
             self._control_left += 2
             moved = True
-            last = not out and stream.out_end and stream.trailers is None
+            last = not out and stream.ending and stream.trailers is None
             self._write(frame_head(DATA, END_STREAM if last else 0, stream.id, size), *parts)
             if last:
                 stream.waiting_since = 0.0
@@ -982,8 +1039,7 @@ class H2Protocol(asyncio.Protocol):
         if stream.trailers is not None:
             trailers, stream.trailers = stream.trailers, None
             self._headers_out(stream, trailers, end_stream=True)
-        elif stream.out_end:
-            stream.out_end = False
+        elif stream.ending:  # (its END_STREAM queued, without trailers)
             self._write(frame_head(DATA, END_STREAM, stream.id, 0))
             self._end_local(stream)
         else:
@@ -1002,37 +1058,36 @@ class H2Protocol(asyncio.Protocol):
         if code not in (NO_ERROR, CANCEL):
             self._count_reset()
 
-    def _gone(self, stream: Stream) -> None:
+    def _gone(self, stream: S) -> None:
         """``stream`` (just taken out of ``streams``) is over: nothing more either way,
         and what it had queued is dropped."""
-        stream.local_closed = stream.remote_closed = stream.ending = True
+        stream.to(Event.RESET)
         self.connections.streams -= 1
         self._drop_out(stream)
 
-    def _drop_out(self, stream: Stream) -> None:
+    def _drop_out(self, stream: S) -> None:
         if stream.out:
             self.queued_bytes -= sum(map(len, stream.out))
             stream.out.clear()
         stream.trailers = None
-        stream.out_end = False
         self._blocked.pop(stream.id, None)
         self._starved.pop(stream.id, None)
 
-    def release(self, stream: Stream) -> None:
+    def release(self, stream: S) -> None:
         """Stop holding ``stream``: give the client back the window it used."""
         stream.held = False
         if stream.unacked:
             self._ack(stream)
 
-    def _end_local(self, stream: Stream) -> None:
-        stream.local_closed = stream.ending = True
+    def _end_local(self, stream: S) -> None:
+        stream.to(Event.SEND_END)
         if not stream.remote_closed:
             # Answered before the client finished sending: ask it to stop (RFC 9113 8.1).
             self.reset(stream.id, NO_ERROR)
             return
         self._maybe_closed(stream)
 
-    def _maybe_closed(self, stream: Stream) -> None:
+    def _maybe_closed(self, stream: S) -> None:
         if stream.local_closed and stream.remote_closed:
             if self.streams.pop(stream.id, None) is not None:
                 self.connections.streams -= 1
@@ -1127,30 +1182,28 @@ class H2Protocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ subclass
 
-    stream_class: type[Stream] = Stream
-
-    def open_stream(self, stream: Any, headers: list) -> None:
+    def open_stream(self, stream: S, headers: list) -> None:
         """A new stream (``stream.remote_closed`` if its HEADERS ended it) and its
         request's header list."""
         raise NotImplementedError
 
-    def stream_data(self, stream: Any, data: memoryview, end_stream: bool) -> None:
+    def stream_data(self, stream: S, data: memoryview, end_stream: bool) -> None:
         raise NotImplementedError
 
-    def stream_end(self, stream: Any) -> None:
+    def stream_end(self, stream: S) -> None:
         """The client half-closed ``stream`` without data (trailers, or an empty end)."""
         self.stream_data(stream, memoryview(b""), True)
 
-    def stream_reset(self, stream: Any, code: int) -> None:
+    def stream_reset(self, stream: S, code: int) -> None:
         """``stream`` is gone: reset by the client (``code`` its error code) or the
         server, or its connection lost (CANCEL); or answered while the client was still
         sending (NO_ERROR). Called once per stream."""
         raise NotImplementedError
 
-    def stream_drained(self, stream: Any) -> None:
+    def stream_drained(self, stream: S) -> None:
         """What ``stream`` had queued for the peer's windows has all been sent."""
 
-    def overflow(self, stream: Any) -> None:
+    def overflow(self, stream: S) -> None:
         """Data for ``stream`` would wait for the client's windows while the connection
         already holds ``Connections.max_queued_bytes`` waiting: end the stream instead
         (here with RST_STREAM CANCEL; a subclass answers with its protocol's error)."""

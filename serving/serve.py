@@ -327,9 +327,9 @@ def _run_workers(setup: _Setup) -> int:
     app = create_app(
         server, limits=setup.limits, repository=setup.repository, restrictions=setup.restrictions
     )
-    service = GRPCService(
-        server, setup.repository, setup.grpc_limits(setup.grpc_connections), setup.restrictions
-    )
+    # Without --grpc-port the service only answers what workers forward: default limits.
+    limits = setup.grpc_limits(setup.grpc_connections) if args.grpc_port is not None else None
+    service = GRPCService(server, setup.repository, limits, setup.restrictions)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
