@@ -18,9 +18,11 @@ from ._ext import using_extensions
 if TYPE_CHECKING:
     from .artifact import Artifact, ArtifactError, TensorSpec, export
     from .artifact import read as read_artifact
+    from .compiling import example_inputs
     from .decoder import export_decoder
-    from .executable import Model, example_inputs, load
+    from .executable import Model
     from .generate import Completion, Decoder, Generation
+    from .loader import load
     from .multihost import Distributed
 
 __version__ = "0.1.0"
@@ -33,8 +35,8 @@ _LAZY = {
     "export": (".artifact", "export"),
     "read_artifact": (".artifact", "read"),
     "Model": (".executable", "Model"),
-    "example_inputs": (".executable", "example_inputs"),
-    "load": (".executable", "load"),
+    "example_inputs": (".compiling", "example_inputs"),
+    "load": (".loader", "load"),
     "export_decoder": (".decoder", "export_decoder"),
     "Decoder": (".generate", "Decoder"),
     "Generation": (".generate", "Generation"),

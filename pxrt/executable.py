@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
-import itertools
 import logging
 import math
 import os
 import queue
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
-from . import _ext, _xla, artifact, stored
+from . import _ext, _xla, artifact, compiling, stored
 from .contracts import PLACEMENTS
 from .dispatch import Bucket, Engine, StagingRing, lane_key, lane_table
 
@@ -241,7 +235,8 @@ class Model:
         for b in self.stale_cells:
             if (most is not None and done >= most) or not idle():
                 break
-            example = _staged_example(self.inputs, b.size, dict(zip(self.dim_names, b.lengths)))
+            at = dict(zip(self.dim_names, b.lengths))
+            example = compiling.staged_example(self.inputs, b.size, at)
             exec_s = _xla.time_program(b.program, _xla.StagingSlot(example, b.program.row_slices))
             if not idle():  # work came meanwhile: the time is not the cell's alone
                 break
@@ -305,49 +300,7 @@ class Model:
         }
 
 
-def example_inputs(
-    specs: Mapping[str, artifact.TensorSpec],
-    rows: int,
-    seed: int = 0,
-    lengths: Mapping[str, int] | None = None,
-) -> dict[str, np.ndarray]:
-    """Deterministic, non-trivial inputs of ``rows`` rows for the given specs, with
-    named dimensions at ``lengths``."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    lengths = lengths or {}
-    for name, spec in specs.items():
-        missing = [d for d in spec.dims if d not in lengths]
-        if missing:
-            raise ValueError(f"input {name!r}: give lengths for its named dimensions {missing}")
-        shape = (rows,) + spec.at(lengths)
-        dt = spec.dtype
-        if dt == np.bool_:
-            out[name] = rng.random(shape) < 0.5
-        elif np.issubdtype(dt, np.integer):
-            info = np.iinfo(dt)
-            out[name] = rng.integers(
-                max(info.min, -1000), min(info.max, 1000), shape, endpoint=True
-            ).astype(dt)
-        else:
-            out[name] = rng.standard_normal(shape).astype(dt)
-    return out
-
-
-def _staged_example(
-    specs: Mapping[str, artifact.TensorSpec], size: int, at: dict[str, int]
-) -> list[np.ndarray]:
-    """``example_inputs`` for a whole cell, in staging-aligned buffers (one per input,
-    in order), as a program runs them."""
-    out = []
-    for spec, value in zip(specs.values(), example_inputs(specs, size, size, at).values()):
-        buf = _xla.aligned_empty(value.shape, spec.dtype)
-        buf[...] = value
-        out.append(buf)
-    return out
-
-
-def load(
+def load_model(
     path: str | os.PathLike,
     *,
     devices: Sequence | None = None,
@@ -363,103 +316,9 @@ def load(
     placement: str | None = None,
     instances: int | None = None,
     devices_per_instance: int | None = None,
-    distributed: Any = None,
-    **decoder_options: Any,
-) -> Any:
-    """Load an artifact directory and compile every bucket; returns a ``Model``, or for
-    a decoder artifact (``pxrt.export_decoder``) a ``pxrt.generate.Decoder``, loaded by
-    ``pxrt.generate.load_decoder`` with ``devices``, ``progress``,
-    ``compilation_cache`` and ``decoder_options`` (``slots``, ``max_length``,
-    ``prefill_lengths``, ``prefill_batches``, ``max_waiting``).
-
-    A model with named dimensions is compiled on a grid: every batch bucket at every
-    combination of the named dimensions' lengths (a cell each).
-
-    Args:
-      path: a directory written by ``pxrt.export``. Its hashes, format version and jax
-        version are checked first.
-      devices: the devices of the 1-D data mesh (default: all local devices). The batch
-        is sharded over them; params are replicated on each.
-      buckets: batch sizes to compile (default: the artifact's). Each is rounded up to a
-        multiple of the device count so it splits evenly. For named dimensions, cells
-        may be listed instead: ``(batch, length, ...)`` tuples, a length per named
-        dimension in order, to compile part of the grid.
-      dim_buckets: named dimension -> lengths to compile (default: the artifact's); the
-        largest is the longest input served.
-      progress: show a progress bar while compiling (default: when stderr is a terminal).
-      compilation_cache: keep jax's persistent compilation cache (compiled native code)
-        so a second load of the same program on this machine is faster: True uses a
-        per-user directory (``$PXRT_CACHE_DIR``, else ``$XDG_CACHE_HOME/pxrt/xla`` or
-        ``~/.cache/pxrt/xla``), a path uses that directory, False none. Never inside
-        the artifact: only this host writes the native code it runs, and a directory
-        that others can write to is not used.
-      fast_path: allow the raw execution path (each bucket is still checked against
-        ``Compiled.__call__`` and falls back to it if they differ).
-      zero_copy: let device buffers alias the staging slots instead of copying them
-        (a slot is refilled only after its batch's outputs were fetched).
-      staging_depth: staging slots per bucket (batches of one bucket in flight at once).
-      max_routes: bound of the request-signature route cache.
-      compile_workers: threads compiling cells at once (default: one per CPU core; XLA's
-        compile releases the GIL).
-      placement: how the model uses ``devices``. ``"sharded"``: one program with the
-        batch split over all of them. ``"replicated"``: ``instances`` copies of the
-        model, each on its own ``devices_per_instance`` devices (default: one per
-        device), each running whole batches; a batch goes to the instance that will
-        finish it first. ``"auto"`` (the default; ``$PXRT_PLACEMENT`` sets another):
-        measures at load the one program against instances (one per device, and
-        halving counts down to one; just ``instances`` when given), the same rows in
-        flight on each, and keeps the fastest; the choice is stored with the
-        executables, and ``placement_reason`` says why.
-      instances, devices_per_instance: for ``"replicated"`` and ``"auto"``; either one
-        gives the other.
-      distributed: a ``pxrt.multihost.Distributed`` (coordinator, num_processes,
-        process_id): load as one process of a multi-host group, the batch sharded over
-        every process's devices. Process 0 gets the ``Model`` (its batches run in
-        lockstep on the whole group); the others get a ``pxrt.multihost.Follower``,
-        whose ``follow()`` runs them (``docs/multihost.md``).
-    """
-    if artifact.kind(artifact.read_manifest(os.fspath(path))) == "decoder":
-        from .generate import load_decoder
-
-        if placement is not None or instances or devices_per_instance:
-            warnings.warn(
-                f"pxrt: {path}: a decoder runs one program over its devices; "
-                f"placement={placement!r}, instances and devices_per_instance are ignored",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-        return load_decoder(
-            path,
-            devices=devices,
-            progress=progress,
-            compilation_cache=compilation_cache,
-            distributed=distributed,
-            **decoder_options,
-        )
-    if decoder_options:
-        raise TypeError(
-            f"load() got options {sorted(decoder_options)} that only decoder artifacts take"
-        )
-    if distributed is not None:
-        from . import multihost
-
-        if devices is not None or placement is not None or instances or devices_per_instance:
-            raise ValueError(
-                "distributed: a multi-host load runs one program over every process's "
-                "devices; devices, placement, instances and devices_per_instance do not apply"
-            )
-        return multihost.load(
-            path,
-            distributed,
-            buckets=buckets,
-            dim_buckets=dim_buckets,
-            progress=progress,
-            compilation_cache=compilation_cache,
-            staging_depth=staging_depth,
-            max_routes=max_routes,
-            compile_workers=compile_workers,
-        )
+) -> Model:
+    """Load a model artifact on this process's devices (``pxrt.load`` documents the
+    arguments; it is the front door that sends model artifacts here)."""
     if compile_workers is not None and (
         not isinstance(compile_workers, int)
         or isinstance(compile_workers, bool)
@@ -471,9 +330,9 @@ def load(
     devices = list(devices) if devices is not None else jax.local_devices()
     if not devices:
         raise ValueError("no devices to load on")
-    cache_dir = _cache_dir(compilation_cache)
+    cache_dir = compiling.cache_dir(compilation_cache)
     _xla.compile_counter.ensure_registered()
-    settings = _Settings(
+    settings = compiling.Settings(
         art, cache_dir, fast_path, zero_copy, staging_depth, compile_workers, progress
     )
     placement = placement or default_placement()
@@ -490,7 +349,7 @@ def load(
             settings, devices, groups, buckets, dim_buckets, ladder=instances is None
         )
         phases["placement"] = time.perf_counter() - tp
-    cells = _grid(art, buckets, dim_buckets, len(groups[0]))
+    cells = compiling.grid(art, buckets, dim_buckets, len(groups[0]))
     model = _load_on(settings, groups, cells, phases, max_routes, t0)
     # One program over every device given, or instances (all of them, or fewer when
     # ``auto`` found fewer faster).
@@ -500,24 +359,8 @@ def load(
     return model
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """What ``load`` was asked for, beyond the devices and cells."""
-
-    art: artifact.Artifact
-    cache_dir: str | None
-    fast_path: bool
-    zero_copy: bool
-    staging_depth: int
-    compile_workers: int | None
-    progress: bool | None
-    #: Timing keys of the cells this load timed (``auto``'s probe loads come first):
-    #: their stored times are this load's own, not an earlier one's.
-    timed_here: set = dataclasses.field(default_factory=set)
-
-
 def _choose_placement(
-    settings: _Settings,
+    settings: compiling.Settings,
     devices: list,
     groups: list[list],
     buckets: Sequence[Any] | None,
@@ -536,8 +379,8 @@ def _choose_placement(
         return [list(devices)], "placement='auto': one device"
     art = settings.art
     per = len(groups[0])
-    cells_sh = _grid(art, buckets, dim_buckets, len(devices))
-    cells_rep = _grid(art, buckets, dim_buckets, per)
+    cells_sh = compiling.grid(art, buckets, dim_buckets, len(devices))
+    cells_rep = compiling.grid(art, buckets, dim_buckets, per)
     lane = min((c[1] for c in cells_sh), key=lane_key)
     probe_sh = max(c for c in cells_sh if c[1] == lane)
     counts = [len(groups)]
@@ -635,7 +478,7 @@ def _throughput(model: Model, rows: int, seconds: float) -> float:
     each answered request comes back at once."""
     engine = model.engine
     at = dict(zip(model.dim_names, engine.buckets[0].lengths))
-    request = example_inputs(model.inputs, 1, 0, at)
+    request = compiling.example_inputs(model.inputs, 1, 0, at)
     prepare = engine.prepare
     plan = engine.queue()
     done: queue.SimpleQueue = queue.SimpleQueue()
@@ -699,7 +542,7 @@ def _groups(
 
 
 def _load_on(
-    settings: _Settings,
+    settings: compiling.Settings,
     groups: list[list],
     cells: list[tuple[int, tuple[int, ...]]],
     phases: dict[str, float],
@@ -713,21 +556,21 @@ def _load_on(
     for size, lengths in cells:
         at = dict(zip(dim_names, lengths))
         staging = size * sum(s.nbytes_at(at) for s in in_specs)
-        if staging > MAX_STAGING_BYTES:
+        if staging > compiling.MAX_STAGING_BYTES:
             where = f" at {at}" if at else ""
             raise ValueError(
                 f"bucket {size}{where} of {art.name!r} needs {staging / 2**30:.1f} GiB of "
-                f"staging per slot (over {MAX_STAGING_BYTES / 2**30:.0f} GiB); load it with "
-                "smaller buckets=..."
+                f"staging per slot (over {compiling.MAX_STAGING_BYTES / 2**30:.0f} GiB); "
+                "load it with smaller buckets=..."
             )
     all_devices = [d for g in groups for d in g]
-    check_memory(art, cells, all_devices, settings.staging_depth, len(groups))
+    compiling.check_memory(art, cells, all_devices, settings.staging_depth, len(groups))
     with _xla.x64_scope(art.x64), _xla.persistent_cache(settings.cache_dir):
         tp = time.perf_counter()
-        instances = [_Instance(settings, group) for group in groups]
+        instances = [compiling.Instance(settings, group) for group in groups]
         phases["params"] = time.perf_counter() - tp
         todo = [(cell, inst) for cell in cells for inst in instances]
-        bar = progress_bar(
+        bar = compiling.progress_bar(
             len(todo),
             f"pxrt: compiling {art.name}"
             + (f" ({len(instances)} instances)" if len(instances) > 1 else ""),
@@ -735,7 +578,7 @@ def _load_on(
             settings.progress,
         )
 
-        def prepare(job: tuple[tuple[int, tuple[int, ...]], _Instance]) -> _Cell:
+        def prepare(job: tuple[tuple[int, tuple[int, ...]], compiling.Instance]) -> compiling.Cell:
             cell = job[1].prepare(*job[0], timed=job[1] is instances[0])
             bar.update()
             return cell
@@ -802,306 +645,3 @@ def _load_on(
     model._timing_key = lambda b: first.key(b, b.program.path)
     model._cache_dir = settings.cache_dir
     return model
-
-
-class _Instance:
-    """One device group of a load: its mesh, params and jitted program; compiles,
-    checks and warms cells for it."""
-
-    def __init__(self, settings: _Settings, devices: list) -> None:
-        art = settings.art
-        self.settings = settings
-        self.devices = devices
-        mesh = Mesh(np.array(devices), (artifact.BATCH_AXIS,))
-        replicated = NamedSharding(mesh, P())
-        self.rows = NamedSharding(mesh, P(artifact.BATCH_AXIS))
-        params_sh = jax.tree.map(lambda _: replicated, art.params)
-        self.params_dev = jax.device_put(art.params, params_sh)
-        self.param_specs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
-        )
-        self.jitted = jax.jit(
-            art.exported.call,
-            in_shardings=(params_sh,) + (self.rows,) * len(art.inputs),
-            out_shardings=(self.rows,) * len(art.outputs),
-            keep_unused=True,
-        )
-
-    def key(self, cell: Any, what: str) -> str:
-        """The stored key of ``what`` about ``cell`` (a ``_Cell`` or ``Bucket``) here."""
-        return stored.key(
-            self.settings.art, self.devices, cell.size, cell.lengths, what, self.settings.zero_copy
-        )
-
-    def compile_cell(
-        self, size: int, lengths: tuple[int, ...], afresh: bool = False
-    ) -> tuple[Any, str]:
-        """Lower and compile one cell: (compiled, "compiled", or "cache" when jax's
-        persistent cache had it; ``afresh``: not from that cache, so that the executable
-        can be stored)."""
-        art, cache_dir = self.settings.art, self.settings.cache_dir
-        at = dict(zip(art.dim_buckets, lengths))
-        x_specs = [
-            jax.ShapeDtypeStruct((size,) + s.at(at), s.dtype, sharding=self.rows)
-            for s in art.inputs.values()
-        ]
-        try:
-            return _xla.compile_here(
-                lambda: self.jitted.lower(self.param_specs, *x_specs), art.x64, cache_dir, afresh
-            )
-        except Exception as exc:
-            where = f" at {at}" if at else ""
-            raise ValueError(f"{art.name!r}: bucket {size}{where} does not compile: {exc}") from exc
-
-    def prepare(self, size: int, lengths: tuple[int, ...], timed: bool) -> _Cell:
-        """One cell, on the pool's threads: its executable (stored, or compiled), and its
-        program: proven before and warmed up (a warm cell), or checked against the
-        public path (a cold one). ``timed``: read its stored time (the instance whose
-        cells are timed). Lowering holds the GIL; XLA's compile, loading a stored
-        executable and running one release it."""
-        settings = self.settings
-        art, cache_dir, fast_path = settings.art, settings.cache_dir, settings.fast_path
-        tc = time.perf_counter()
-        cell = _Cell(size, lengths)
-        exe_key = self.key(cell, "executable")
-        cell.compiled, refused = stored.load_executable(cache_dir, exe_key, self.devices)
-        if cell.compiled is None:
-            # Compiled afresh, to be stored (an executable fetched from jax's cache
-            # cannot be), unless jax cannot serialize it: then through that cache.
-            afresh = refused or not stored.unstorable(cache_dir, exe_key)
-            cell.compiled, cell.source = self.compile_cell(size, cell.lengths, afresh)
-            if afresh and cell.source == "compiled":
-                stored.store_executable(cache_dir, exe_key, cell.compiled)
-        cell.obtain_s = time.perf_counter() - tc
-        cell.example = _staged_example(art.inputs, size, dict(zip(art.dim_buckets, lengths)))
-        cell.proven = stored.stored_path(cache_dir, self.key(cell, f"proof:{fast_path}"))
-        if cell.proven is not None and timed:
-            cell.exec_s = stored.stored_time(cache_dir, self.key(cell, cell.proven))
-        if cell.proven is not None and (cell.exec_s is not None or not timed):
-            cell.program = self._warm(cell)  # a warm cell: its one warm-up run, here
-            if cell.program is None and cell.source == "stored":
-                # The stored executable does not run: compile it afresh, store it.
-                self._recompile(cell)
-                cell.program = self._warm(cell)
-        if cell.program is None:  # a cold cell: its fast path checked, here too
-            cell.program = self._checked(cell)
-            if cell.proven != cell.program.path:
-                stored.write_entry(
-                    cache_dir, self.key(cell, f"proof:{fast_path}"), {"path": cell.program.path}
-                )
-            if timed:
-                cell.exec_s = stored.stored_time(cache_dir, self.key(cell, cell.program.path))
-        return cell
-
-    def _warm(self, cell: _Cell) -> Any:
-        assert cell.proven is not None
-        art = self.settings.art
-        return _xla.proven_program(
-            cell.proven,
-            cell.compiled,
-            self.params_dev,
-            len(art.inputs),
-            art.x64,
-            cell.size,
-            cell.example,
-            self.settings.zero_copy,
-        )
-
-    def _checked(self, cell: _Cell) -> Any:
-        """A cold cell's program, its fast path checked against the public one. A stored
-        executable that fails to run is compiled again."""
-        art = self.settings.art
-
-        def make() -> Any:
-            return _xla.make_program(
-                cell.compiled,
-                self.params_dev,
-                len(art.inputs),
-                art.x64,
-                cell.size,
-                cell.example,
-                fast_path=self.settings.fast_path,
-                zero_copy=self.settings.zero_copy,
-                proven=cell.proven,
-            )
-
-        try:
-            return make()
-        except Exception:
-            if cell.source != "stored":
-                raise
-        self._recompile(cell)
-        return make()
-
-    def _recompile(self, cell: _Cell) -> None:
-        """A stored executable that loaded but does not run: compile the cell afresh and
-        store that instead."""
-        cache_dir = self.settings.cache_dir
-        exe_key = self.key(cell, "executable")
-        stored.discard_executable(cache_dir, exe_key)
-        cell.compiled, cell.source = self.compile_cell(cell.size, cell.lengths, True)
-        if cell.source == "compiled":
-            stored.store_executable(cache_dir, exe_key, cell.compiled)
-
-
-class _Cell:
-    """One cell of one instance on its way to a ``Bucket``: what ``load``'s pool
-    prepared."""
-
-    def __init__(self, size: int, lengths: tuple[int, ...]) -> None:
-        self.size = size
-        self.lengths = tuple(lengths)
-        self.compiled: Any = None
-        #: "stored" (a stored executable), "cache" (jax's persistent cache) or "compiled"
-        self.source = "stored"
-        self.obtain_s = 0.0  # seconds to get the executable
-        self.example: list[np.ndarray] = []  # full (size, ...) inputs, one per input
-        self.proven: str | None = None  # the path an earlier load proved
-        self.exec_s: float | None = None
-        self.program: Any = None
-
-
-def _grid(
-    art: artifact.Artifact,
-    buckets: Sequence[Any] | None,
-    dim_buckets: Mapping[str, Sequence[int]] | None,
-    n_dev: int,
-) -> list[tuple[int, tuple[int, ...]]]:
-    """The cells to compile: (batch size rounded up to the devices, lengths)."""
-    names = tuple(art.dim_buckets)
-    dims = dict(art.dim_buckets)
-    if dim_buckets is not None:
-        unknown = set(dim_buckets) - set(names)
-        if unknown:
-            raise ValueError(
-                f"dim_buckets names {sorted(unknown)}; {art.name!r} has named dimensions "
-                f"{list(names) or 'none'}"
-            )
-        for d, lengths in dim_buckets.items():
-            dims[d] = artifact.check_lengths(d, lengths)
-    cells: set[tuple[int, tuple[int, ...]]] = set()
-    if buckets is not None and any(isinstance(b, (tuple, list)) for b in buckets):
-        for cell in buckets:
-            if (
-                not isinstance(cell, (tuple, list))
-                or len(cell) != 1 + len(names)
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in cell)
-            ):
-                raise ValueError(
-                    f"buckets: a cell is (batch, {', '.join(names) or '...'}) of positive ints, "
-                    f"got {cell!r}"
-                )
-            size = artifact._check_buckets([cell[0]], None)[0]
-            cells.add((-(-size // n_dev) * n_dev, tuple(cell[1:])))
-    else:
-        sizes = artifact._check_buckets(buckets if buckets is not None else art.batch_buckets, None)
-        for size in sizes:
-            for lengths in itertools.product(*(dims[d] for d in names)):
-                cells.add((-(-size // n_dev) * n_dev, tuple(lengths)))
-    return sorted(cells, key=lambda c: (lane_key(c[1]), c[0]))
-
-
-def progress_bar(total: int, desc: str, unit: str, progress: bool | None) -> Any:
-    """A load's progress bar (``progress``: shown, hidden, or None: when stderr is a
-    terminal); it disappears when done."""
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit=unit,
-        disable=False if progress else (None if progress is None else True),
-        leave=False,
-    )
-
-
-def check_memory(
-    art: artifact.Artifact,
-    cells: Sequence[tuple[int, tuple[int, ...]]],
-    devices: list,
-    staging_depth: int,
-    instances: int = 1,
-) -> None:
-    """Refuse a load, before anything is placed or compiled, whose resident memory would
-    not fit: params on every device and each cell's staging slots (inputs and outputs,
-    ``staging_depth`` of each, per instance) against the host's available memory, and
-    per device against what its backend reports free (CPU devices live in host
-    memory)."""
-    dims = tuple(art.dim_buckets)
-    params = sum(int(a.nbytes) for a in jax.tree.leaves(art.params))
-    staging = 0
-    for size, lengths in cells:
-        at = dict(zip(dims, lengths))
-        per_row = sum(s.nbytes_at(at) for s in art.inputs.values())
-        per_row += sum(s.nbytes_at(at) for s in art.outputs.values())
-        staging += staging_depth * size * per_row * instances
-    on_host = [d for d in devices if d.platform == "cpu"]
-    need = params * (1 + len(on_host)) + staging * (2 if on_host else 1)
-    advice = "load fewer or smaller buckets=..., dim_buckets=..., or a smaller staging_depth"
-    free = available_host_bytes()
-    if free is not None and need > free:
-        where = f"on the host and each of {len(on_host)} CPU devices" if on_host else "on the host"
-        raise ValueError(
-            f"{art.name!r} needs about {_size(need)} of host memory (params {_size(params)} "
-            f"{where}; staging {_size(staging)} for {len(cells)} cells x {staging_depth} "
-            f"slots{f' x {instances} instances' if instances > 1 else ''}) and "
-            f"{_size(free)} is available: {advice}"
-        )
-    per_device = params + staging // max(1, len(devices))
-    for d in devices:
-        if d.platform == "cpu":
-            continue
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - a backend that does not report memory
-            continue
-        limit = stats.get("bytes_limit")
-        if not limit:
-            continue
-        left = limit - stats.get("bytes_in_use", 0)
-        if per_device > left:
-            raise ValueError(
-                f"{art.name!r} needs about {_size(per_device)} on {d} (params {_size(params)} "
-                f"and its share of the staging) and {_size(left)} is free there: {advice}"
-            )
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def available_host_bytes() -> int | None:
-    """The host memory available to a new allocation (Linux's MemAvailable), or None
-    where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-# Staging for the largest bucket, per slot: beyond this a bucket is a mistake.
-MAX_STAGING_BYTES = 16 << 30
-
-
-def default_cache_dir() -> str:
-    """Where ``pxrt.load`` keeps jax's compilation cache by default."""
-    if os.environ.get("PXRT_CACHE_DIR"):
-        return os.environ["PXRT_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pxrt", "xla")
-
-
-def _cache_dir(choice: bool | str | os.PathLike) -> str | None:
-    """The compilation cache directory to use, or None (with a warning saying why): its
-    files are native code that will run, so nobody else may be able to write there
-    (``stored.safe_cache_dir`` says what is checked)."""
-    if choice is False or choice is None:
-        return None
-    path = default_cache_dir() if choice is True else os.fspath(choice)
-    try:
-        return stored.safe_cache_dir(path)
-    except OSError as exc:
-        warnings.warn(f"pxrt: not caching compilations: {exc}", RuntimeWarning, 2)
-        return None

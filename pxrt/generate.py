@@ -21,313 +21,58 @@ token to its generation, applies the stop conditions and frees finished slots in
 call; the generations it touched are woken once per step (one ``call_soon_threadsafe``
 per event loop).
 
-Sampling (greedy, temperature, top-k, top-p) runs per slot on the device. A sampled
-token's randomness comes from ``fold_in(key(seed), position)`` only, so a request with
-a seed gets the same tokens whatever else shares the batch.
+Sampling (greedy, temperature, top-k, top-p) runs per slot on the device
+(``pxrt.sampling``). The files: ``pxrt.generation`` (the request handle),
+``pxrt.sampling`` (device sampling), this module (the decoder and its loop),
+``pxrt.decoder_load`` (building and compiling the programs: ``load_decoder``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import math
-import os
 import secrets
-import sys
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from . import _ext, _xla, stored
+from . import _ext, _xla, sampling
 from . import tokenizer as _tokenizer
-from .artifact import BATCH_AXIS
-from .decoder import LENGTH_DIM, DecoderArtifact, is_spec, sizes
-from .decoder import read as read_decoder
-from .executable import _cache_dir, progress_bar
+from .decoder import LENGTH_DIM, DecoderArtifact, is_spec
 from .finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
+from .generation import Completion, DecoderClosed, Generation, QueueFull, wake_async
+from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, sample
 
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
-if TYPE_CHECKING:  # both builds have the twin's API
-    from ._slots_py import Generation as _GenerationBase
-else:
-    _GenerationBase = _slots.Generation
+
+__all__ = [
+    "MAX_TEMPERATURE",
+    "MIN_TEMPERATURE",
+    "TIMINGS",
+    "Completion",
+    "Decoder",
+    "DecoderClosed",
+    "Generation",
+    "PrefillCell",
+    "QueueFull",
+    "sample",
+]
+
 
 log = logging.getLogger("pxrt")
 
 _PREFILL, _STEP = 0, 1
-#: Temperatures below this are greedy (dividing by them would overflow float32).
-MIN_TEMPERATURE = 1e-5
-#: The highest temperature taken: the logits are divided by it in float32 (1e300 would
-#: overflow to a uniform draw), and beyond it sampling is near uniform already.
-MAX_TEMPERATURE = 100.0
 #: What ``Decoder.drain_timings`` returns durations of (seconds).
 TIMINGS = ("step", "prefill", "ttft", "tpot")
-# Columns of the per-prompt int32 and float32 rows of a prefill call, and of the state's
-# per-slot rows (the same float columns; ints: the next input token and its position
-# where a prompt has its length and slot).
-_LEN, _SLOT, _TOPK, _SEED = range(4)
-_TOK, _POS = _LEN, _SLOT
-_TEMP, _TOPP = range(2)
-
-
-class QueueFull(RuntimeError):
-    """Too many prompts are waiting for a slot; try again after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class DecoderClosed(RuntimeError):
-    """The decoder was closed; its generations end with this error."""
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-def sample(
-    logits: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    seed: jax.Array,
-    position: jax.Array,
-) -> jax.Array:
-    """One token per row of ``logits`` ``[n, vocab]``, each row by its own parameters:
-    ``temperature`` below ``MIN_TEMPERATURE`` is greedy (argmax); otherwise the logits
-    are divided by it, cut to the ``top_k`` largest (0: all) and to the smallest set
-    whose probability reaches ``top_p`` (1: all), and drawn with the key
-    ``fold_in(key(seed), position)``. Shapes are fixed (a sort per row), so it compiles
-    once; all-greedy batches skip the draw."""
-    logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    vocab = logits.shape[-1]
-    sampled = temperature >= MIN_TEMPERATURE
-
-    def draw(_: Any) -> jax.Array:
-        scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-        desc = -jnp.sort(-scaled, axis=-1)
-        k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-        in_k = jnp.arange(vocab)[None, :] < k[:, None]
-        probs = jax.nn.softmax(jnp.where(in_k, desc, -jnp.inf), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        in_p = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        kept = jnp.maximum((in_k & in_p).sum(axis=-1), 1)
-        cut = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)
-        masked = jnp.where(scaled >= cut, scaled, -jnp.inf)
-        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
-        return jnp.argmax(masked + noise, axis=-1).astype(jnp.int32)
-
-    drawn = lax.cond(jnp.any(sampled), draw, lambda _: greedy, None)
-    return jnp.where(sampled, drawn, greedy)
-
-
-# --------------------------------------------------------------------------- requests
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """A finished generation: its tokens and why it ended (``"stop"``: a stop token,
-    the last of ``tokens``; ``"length"``: ``max_tokens`` or the cache's end)."""
-
-    tokens: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    ttft_s: float  # submit -> first token on the host
-    total_s: float  # submit -> last token
-
-
-class Generation(_GenerationBase):
-    """A request being generated: iterate it (``for``/``async for``) for its tokens as
-    they come, or wait for all of them (``result``, ``wait``); ``cancel`` frees its slot
-    at the next step. Made by ``Decoder.submit``. One reader at a time (any thread, or
-    one event loop)."""
-
-    __slots__ = (
-        "prompt",
-        "temperature",
-        "top_k",
-        "top_p",
-        "seed",
-        "bucket",
-        "loop",
-        "counted",
-        "waiter",
-        "event",
-        "error",
-        "t_submit",
-        "_decoder",
-        "_read",
-        "listener",
-    )
-
-    def __init__(
-        self,
-        decoder: Decoder,
-        prompt: np.ndarray,
-        limit: int,
-        stops: frozenset,
-        sampling: tuple[float, int, float, int],
-        bucket: int,
-    ) -> None:
-        super().__init__(limit, stops)
-        self.prompt = prompt
-        self.temperature, self.top_k, self.top_p, self.seed = sampling
-        self.bucket = bucket  # the prefill length it runs at
-        # The event loop of its async reader (set by ``__anext__``): woken there too.
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.counted = False  # its outcome is in the decoder's ``outcomes``
-        self._decoder = weakref.ref(decoder)
-        self._read = 0
-        self.error: BaseException | None = None
-        self.waiter: asyncio.Future | None = None
-        self.listener: Any = None  # see ``listen``
-        self.event = threading.Event()
-        self.t_submit = time.perf_counter()
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def delivered(self) -> int:
-        """Tokens its reader has taken (of ``tokens``)."""
-        return self._read
-
-    def cancel(self, reason: str = CANCELLED) -> None:
-        """Stop generating (the slot is freed before the next step); no-op when done.
-        ``reason`` is the finish reason it ends with (a front end that found a stop
-        string ends it with ``"stop"``)."""
-        decoder = self._decoder()
-        if decoder is None:
-            if self.finish_reason is None:
-                self.finish_reason = reason
-            return
-        decoder._cancel(self, reason)
-
-    # ------------------------------------------------------------------ sync
-
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            tokens = self.tokens
-            while self._read < len(tokens):
-                self._read += 1
-                yield tokens[self._read - 1]
-            if self.finish_reason is not None and self._read >= len(self.tokens):
-                if self.error is not None:
-                    raise self.error
-                return
-            self.event.wait()
-            self.event.clear()
-
-    def result(self, timeout: float | None = None) -> Completion:
-        """Wait for the whole generation (sync); raises its error if it failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.finish_reason is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or not self.event.wait(left):
-                raise TimeoutError(f"generation not finished after {timeout} s")
-            self.event.clear()
-        return self._completion()
-
-    def _completion(self) -> Completion:
-        if self.error is not None:
-            raise self.error
-        assert self.finish_reason is not None
-        return Completion(
-            list(self.tokens),
-            self.finish_reason,
-            len(self.prompt),
-            max(self.t_first - self.t_submit, 0.0) if self.tokens else 0.0,
-            max(self.t_last - self.t_submit, 0.0) if self.tokens else 0.0,
-        )
-
-    # ------------------------------------------------------------------ async
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> int:
-        if self.loop is None:  # before reading the tokens: see Decoder._wake
-            self.loop = asyncio.get_running_loop()
-        while True:
-            if self._read < len(self.tokens):
-                self._read += 1
-                return self.tokens[self._read - 1]
-            if self.finish_reason is not None:
-                if self.error is not None:
-                    raise self.error
-                raise StopAsyncIteration
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            except asyncio.CancelledError:
-                self.cancel()
-                raise
-            finally:
-                self.waiter = None
-
-    async def wait(self) -> Completion:
-        """Wait for the whole generation (async)."""
-        async for _ in self:
-            pass
-        return self._completion()
-
-    # ------------------------------------------------------------------ callbacks
-
-    def listen(self, callback: Any) -> None:
-        """Instead of iterating: ``callback(self)`` is called on the running event loop
-        after each step that gave it tokens and once it has ended (and soon after this
-        call if either already happened); it reads them with ``take``. What a front end
-        that writes each step's tokens from a callback uses: no task or future per
-        token. Exceptions of the callback are logged."""
-        self.listener = callback
-        self.loop = asyncio.get_running_loop()  # (after the listener: see _wake_async)
-        if self._read < len(self.tokens) or self.finish_reason is not None:
-            self.loop.call_soon(_listen_once, self)
-
-    def take(self) -> list[int]:
-        """The tokens not taken yet (by ``take`` or iteration), now taken."""
-        tokens = self.tokens[self._read :]
-        self._read += len(tokens)
-        return tokens
-
-
-def _wake_async(gens: list) -> None:
-    """On an event loop: resume the generations' readers (or call their listener)."""
-    for gen in gens:
-        gen.woken = False
-        if gen.listener is not None:
-            _listen_once(gen)
-            continue
-        waiter = gen.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-def _listen_once(gen: Generation) -> None:
-    try:
-        gen.listener(gen)
-    except Exception:  # noqa: BLE001 - one reader's bug: the others are woken
-        log.exception("pxrt: a generation's listener failed")
-
-
-# --------------------------------------------------------------------------- decoder
 
 
 @dataclasses.dataclass
@@ -479,7 +224,7 @@ class Decoder:
         ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
         """
         tokens = self._check_prompt(prompt)
-        limit = _int_in("max_tokens", max_tokens, 1, None)
+        limit = int_in("max_tokens", max_tokens, 1, None)
         limit = min(limit, self.max_length - len(tokens))
         if isinstance(temperature, np.floating):
             temperature = float(temperature)
@@ -491,17 +236,17 @@ class Decoder:
             raise ValueError(
                 f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, got {temperature!r}"
             )
-        k = _int_in("top_k", top_k, 0, None)
+        k = int_in("top_k", top_k, 0, None)
         if not (
             isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and 0.0 < top_p <= 1.0
         ):
             raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
         if seed is None:
             seed = secrets.randbits(32)
-        seed = _int_in("seed", seed, 0, 2**32 - 1)
+        seed = int_in("seed", seed, 0, 2**32 - 1)
         stops = self.stop_ids
         try:
-            extra = [_int_in("stop_ids", t, 0, self.vocab - 1) for t in stop_ids]
+            extra = [int_in("stop_ids", t, 0, self.vocab - 1) for t in stop_ids]
         except TypeError:
             raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}") from None
         if extra:
@@ -704,20 +449,20 @@ class Decoder:
         cell = self._cells[(size, length)]
         tokens = np.zeros((size, length), np.int32)
         ints = np.zeros((size, 4), np.int32)
-        ints[:, _LEN] = 1
-        ints[:, _SLOT] = self.slots  # out of range: the row is dropped
+        ints[:, sampling.LEN] = 1
+        ints[:, sampling.SLOT] = self.slots  # out of range: the row is dropped
         floats = np.zeros((size, 2), np.float32)
-        floats[:, _TOPP] = 1.0
+        floats[:, sampling.TOPP] = 1.0
         assign = self._table.assign
         for i, gen in enumerate(batch):
             prompt = gen.prompt
             tokens[i, : len(prompt)] = prompt
-            ints[i, _LEN] = len(prompt)
-            ints[i, _SLOT] = assign(gen)
-            ints[i, _TOPK] = gen.top_k
-            ints[i, _SEED] = gen.seed - (1 << 32) if gen.seed >= 1 << 31 else gen.seed
-            floats[i, _TEMP] = gen.temperature
-            floats[i, _TOPP] = gen.top_p
+            ints[i, sampling.LEN] = len(prompt)
+            ints[i, sampling.SLOT] = assign(gen)
+            ints[i, sampling.TOPK] = gen.top_k
+            ints[i, sampling.SEED] = gen.seed - (1 << 32) if gen.seed >= 1 << 31 else gen.seed
+            floats[i, sampling.TEMP] = gen.temperature
+            floats[i, sampling.TOPP] = gen.top_p
         t0 = time.perf_counter()
         (self._state, first), sync = self._launch(
             cell.index, cell.compiled, self._params, self._state, tokens, ints, floats
@@ -818,7 +563,7 @@ class Decoder:
                 by_loop.setdefault(loop, []).append(gen)
         for loop, group in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_wake_async, group)
+                loop.call_soon_threadsafe(wake_async, group)
             except RuntimeError:  # the loop was closed: nobody waits there
                 for gen in group:
                     gen.woken = False
@@ -964,7 +709,7 @@ def _serve(ref: weakref.ref, x64: bool) -> None:
             del decoder
 
 
-def _int_in(name: str, value: Any, low: int, high: int | None) -> int:
+def int_in(name: str, value: Any, low: int, high: int | None) -> int:
     if isinstance(value, np.integer):
         value = int(value)
     if (
@@ -988,352 +733,3 @@ def _close_live() -> None:
     for decoder in list(_LIVE):
         with contextlib.suppress(Exception):
             decoder.close()
-
-
-# --------------------------------------------------------------------------- load
-
-
-def load_decoder(
-    path: str | os.PathLike,
-    *,
-    devices: Sequence | None = None,
-    slots: int | None = None,
-    max_length: int | None = None,
-    prefill_lengths: Sequence[int] | None = None,
-    prefill_batches: Sequence[int] | None = None,
-    max_waiting: int = 1024,
-    progress: bool | None = None,
-    compilation_cache: bool | str | os.PathLike = True,
-    distributed: Any = None,
-) -> Any:
-    """Load a decoder artifact (``pxrt.load`` calls this for one): the step and every
-    prefill cell compiled, the params and the cache on the devices.
-
-    ``slots`` (rounded up to a multiple of the device count: the cache is sharded over
-    the devices by slot), ``max_length``, ``prefill_lengths`` and ``prefill_batches``
-    default to the artifact's. ``max_waiting`` bounds the prompts waiting for a slot.
-
-    ``distributed`` (a ``pxrt.multihost.Distributed``): one process of a multi-host
-    group, the cache sharded over every process's devices; process 0 gets the
-    ``Decoder`` (every program it runs, the followers run too, in the same order), the
-    others a ``pxrt.multihost.Follower`` (``docs/multihost.md``).
-    """
-    t0 = time.perf_counter()
-    if distributed is not None:
-        from . import multihost
-
-        if devices is not None:
-            raise ValueError("distributed: a multi-host load uses every process's devices")
-        multihost.initialize(distributed)
-        devices = jax.devices()
-    art = read_decoder(path)
-    config = art.config
-    devices = list(devices) if devices is not None else jax.local_devices()
-    if not devices:
-        raise ValueError("no devices to load on")
-    n_dev = len(devices)
-
-    def given(value: Any, default: Any) -> Any:
-        return default if value is None else value
-
-    slots = sizes("slots", [given(slots, config["slots"])])[0]
-    slots = -(-slots // n_dev) * n_dev
-    max_length = sizes("max_length", [given(max_length, config["max_length"])])[0]
-    lengths = sizes("prefill_lengths", given(prefill_lengths, config["prefill_lengths"]))
-    batches = sizes("prefill_batches", given(prefill_batches, config["prefill_batches"]))
-    if lengths[-1] >= max_length:
-        raise ValueError(
-            f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "
-            "needs room for at least one generated token"
-        )
-    max_waiting = _int_in("max_waiting", max_waiting, 1, None)
-
-    _xla.compile_counter.ensure_registered()
-    mesh = Mesh(np.array(devices), (BATCH_AXIS,))
-    replicated = NamedSharding(mesh, P())
-    by_slot = NamedSharding(mesh, P(BATCH_AXIS))
-    specs = jax.tree.leaves(art.cache, is_leaf=is_spec)
-    cache_tree = jax.tree.structure(art.cache, is_leaf=is_spec)
-    length_axes = [s.shape.index(LENGTH_DIM) + 1 if LENGTH_DIM in s.shape else None for s in specs]
-
-    def state_specs() -> dict:
-        cache = jax.tree.unflatten(
-            cache_tree,
-            [
-                jax.ShapeDtypeStruct(
-                    (slots,) + s.at({LENGTH_DIM: max_length}), s.dtype, sharding=by_slot
-                )
-                for s in specs
-            ],
-        )
-        # Per slot: int32 (next input token, its position, top-k, seed bits) and float32
-        # (temperature, top-p): two arrays, so that an insert is two small scatters.
-        return {
-            "cache": cache,
-            "ints": jax.ShapeDtypeStruct((slots, 4), jnp.int32, sharding=by_slot),
-            "floats": jax.ShapeDtypeStruct((slots, 2), jnp.float32, sharding=by_slot),
-        }
-
-    shapes = state_specs()
-    state_sharding = jax.tree.map(lambda s: s.sharding, shapes)
-    prefill_call = art.prefill.call
-    decode_call = art.decode.call
-    last = max_length - 1
-
-    def make_state() -> dict:
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def step(params: Any, state: dict) -> tuple[dict, jax.Array]:
-        ints, floats = state["ints"], state["floats"]
-        positions = jnp.minimum(ints[:, _POS], last)
-        cache, logits = decode_call(params, state["cache"], ints[:, _TOK], positions)
-        following = positions + 1
-        top_k, seed = ints[:, _TOPK], lax.bitcast_convert_type(ints[:, _SEED], jnp.uint32)
-        tokens = sample(logits, floats[:, _TEMP], top_k, floats[:, _TOPP], seed, following)
-        ints = jnp.stack([tokens, following, top_k, ints[:, _SEED]], axis=1)
-        return {"cache": cache, "ints": ints, "floats": floats}, tokens
-
-    def prefill_insert(
-        params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
-    ) -> tuple[dict, jax.Array]:
-        lengths, slot, top_k = ints[:, _LEN], ints[:, _SLOT], ints[:, _TOPK]
-        seed = lax.bitcast_convert_type(ints[:, _SEED], jnp.uint32)
-        temperature, top_p = floats[:, _TEMP], floats[:, _TOPP]
-        rows, logits = prefill_call(params, tokens, lengths)
-        first = sample(logits, temperature, top_k, top_p, seed, lengths)
-        n = tokens.shape[1]
-        cache = jax.tree.unflatten(
-            cache_tree,
-            [
-                c.at[
-                    (slot,)
-                    if axis is None
-                    else (slot,) + (slice(None),) * (axis - 1) + (slice(0, n),)
-                ].set(r, mode="drop")
-                for c, r, axis in zip(
-                    jax.tree.leaves(state["cache"]), jax.tree.leaves(rows), length_axes
-                )
-            ],
-        )
-
-        rows_ints = jnp.stack([first, lengths, top_k, ints[:, _SEED]], axis=1)
-        return {
-            "cache": cache,
-            "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
-            "floats": state["floats"].at[slot].set(floats, mode="drop"),
-        }, first
-
-    cache_dir = _cache_dir(compilation_cache)
-    cells: list[PrefillCell] = []
-    with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
-        params_dev = jax.device_put(art.params, jax.tree.map(lambda _: replicated, art.params))
-        param_specs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
-        )
-        todo = [("state", 0, 0), ("step", 0, 0)]
-        todo += [("prefill", b, n) for n in lengths for b in batches]
-        bar = progress_bar(len(todo), f"pxrt: compiling {art.name}", "program", progress)
-        state_jit = jax.jit(make_state, out_shardings=state_sharding)
-        # Slots are independent: each device steps its own (shard_map), with no
-        # collective; partitioned by jax instead, the step gathers the cache between
-        # devices (21 all-gathers in the demo decoder's), which in a multi-host group
-        # cross processes (milliseconds a step over gloo on CPU: docs/multihost.md).
-        by_slot_specs = jax.tree.map(lambda _: P(BATCH_AXIS), shapes)
-        local_step = jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), by_slot_specs),
-            out_specs=(by_slot_specs, P(BATCH_AXIS)),
-            check_vma=False,
-        )
-        # The tokens: on every device in one process; sharded by slot in a group, each
-        # follower sending the leader its slots'.
-        step_jit = jax.jit(
-            local_step,
-            donate_argnums=(1,),
-            out_shardings=(state_sharding, replicated if distributed is None else by_slot),
-        )
-        prefill_jit = jax.jit(
-            prefill_insert, donate_argnums=(1,), out_shardings=(state_sharding, replicated)
-        )
-
-        def lower(what: str, b: int, n: int) -> Any:
-            if what == "state":
-                return state_jit.lower()
-            if what == "step":
-                return step_jit.lower(param_specs, shapes)
-            args = (
-                jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=replicated),
-                jax.ShapeDtypeStruct((b, 4), jnp.int32, sharding=replicated),
-                jax.ShapeDtypeStruct((b, 2), jnp.float32, sharding=replicated),
-            )
-            return prefill_jit.lower(param_specs, shapes, *args)
-
-        def key(what: str, b: int, n: int) -> str:
-            return stored.key_of(
-                {
-                    "decoder": art.manifest.get("files", {}),
-                    "program": [what, b, n, slots, max_length],
-                    "devices": stored.device_fields(devices),
-                    "x64": art.x64,
-                },
-                code=(sys.modules[__name__],),
-            )
-
-        def obtain(job: tuple[str, int, int], afresh: bool = False) -> tuple[Any, float, str]:
-            """One program: its stored executable, else compiled (afresh, to be stored,
-            unless jax cannot serialize it)."""
-            tc = time.perf_counter()
-            k = key(*job)
-            if afresh or distributed is not None:  # (a group's processes compile alike)
-                compiled, refused = None, afresh
-            else:
-                compiled, refused = stored.load_executable(cache_dir, k, devices)
-            source = "stored"
-            if compiled is None:
-                afresh = distributed is None and (refused or not stored.unstorable(cache_dir, k))
-                try:
-                    compiled, source = _xla.compile_here(
-                        lambda: lower(*job), art.x64, cache_dir, afresh
-                    )
-                except Exception as exc:
-                    what, b, n = job
-                    where = {"state": "the empty state", "step": "the decode step"}.get(
-                        what, f"prefill {b} x {n}"
-                    )
-                    raise ValueError(f"{art.name!r}: {where} does not compile: {exc}") from exc
-                if afresh and source == "compiled":
-                    stored.store_executable(cache_dir, k, compiled)
-            bar.update()
-            return compiled, time.perf_counter() - tc, source
-
-        workers = max(1, min(os.cpu_count() or 1, len(todo)))
-        with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            got = list(pool.map(obtain, todo))
-        make_state_c, step_c, step_s = got[0][0], got[1][0], got[1][1]
-        for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(zip(todo[2:], got[2:])):
-            cells.append(PrefillCell(b, n, compiled, compile_s, i))
-        sources = collections.Counter(source for _, _, source in got)
-
-        def warm_up() -> tuple[Any, Any]:
-            """One run of each program (on the zero state: no slot is busy) so that the
-            first request does not pay for first-run work."""
-            state = make_state_c()
-            for cell in cells:
-                ints = np.zeros((cell.batch, 4), np.int32)
-                ints[:, _LEN] = 1
-                ints[:, _SLOT] = slots
-                floats = np.ones((cell.batch, 2), np.float32)
-                state, first = cell.compiled(
-                    params_dev, state, np.zeros((cell.batch, cell.length), np.int32), ints, floats
-                )
-            state, first = step_c(params_dev, state)
-            return state, np.asarray(first.addressable_data(0))  # (the group's: a shard)
-
-        try:
-            warm_up()
-        except Exception:
-            if not sources.get("stored"):
-                raise
-            # A stored executable that does not run: every program compiled afresh.
-            got = [obtain(job, afresh=True) for job in todo]
-            make_state_c, step_c, step_s = got[0][0], got[1][0], got[1][1]
-            cells[:] = [
-                PrefillCell(b, n, compiled, compile_s, i)
-                for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(zip(todo[2:], got[2:]))
-            ]
-            sources = collections.Counter(source for _, _, source in got)
-            warm_up()
-        state = make_state_c()
-    if distributed is not None:
-        fp = multihost.fingerprint(
-            art.manifest, [list(job) for job in todo] + [[slots, max_length]], len(devices)
-        )
-        if not distributed.leader:
-            holder = _FollowerState(params_dev, state, art.x64)
-            programs: list[Any] = [
-                _FollowerProgram(holder, c.compiled, c.batch, c.length) for c in cells
-            ]
-            programs += [
-                _FollowerProgram(holder, step_c, 0, 0),
-                _FollowerProgram(holder, make_state_c, -1, 0),
-            ]
-            return multihost.Follower(distributed, art.name, programs, fp, time.perf_counter() - t0)
-        group = multihost.Group(distributed)
-        try:
-            group.accept(fp)
-        except BaseException:
-            group.close()
-            raise
-    decoder = Decoder(
-        art,
-        devices,
-        params_dev,
-        state,
-        step_c,
-        cells,
-        make_state_c,
-        slots=slots,
-        max_length=max_length,
-        max_waiting=max_waiting,
-        step_compile_s=step_s,
-        load_s=time.perf_counter() - t0,
-    )
-    #: Where each program came from: "compiled", "cache" (jax's persistent cache) or
-    #: "stored" (pxrt's stored executables) -> how many.
-    decoder.program_sources = dict(sources)
-    if distributed is not None:
-        decoder.group = group
-        decoder._gather = multihost.RowGather(
-            group, multihost.Layout.of(by_slot, slots, jax.process_index())
-        )
-    log.info(
-        "pxrt: %s version %s loaded in %.2f s (programs: %s)",
-        art.name,
-        decoder.version,
-        decoder.load_s,
-        ", ".join(f"{n} {k}" for k, n in sorted(sources.items())),
-    )
-    return decoder
-
-
-class _FollowerState:
-    """A multi-host follower's decoder: the params and the cache state (its shards)."""
-
-    def __init__(self, params: Any, state: Any, x64: bool) -> None:
-        self.params = params
-        self.state = state
-        self.x64 = x64
-
-
-class _FollowerProgram:
-    """A follower's part of one decoder program (``pxrt.multihost.Follower``): a
-    prefill cell (``batch`` > 0: the leader sends its tokens, ints and floats), the
-    step (0: no inputs) or the empty state (-1, after a failed step)."""
-
-    def __init__(self, holder: _FollowerState, compiled: Any, batch: int, length: int) -> None:
-        self.holder = holder
-        self.compiled = compiled
-        self.batch = batch
-        self.specs = (
-            (np.dtype(np.int32), (length,)),
-            (np.dtype(np.int32), (4,)),
-            (np.dtype(np.float32), (2,)),
-        )
-        self.payload_bytes = max(0, batch) * sum(math.prod(s) * d.itemsize for d, s in self.specs)
-
-    def run(self, body: bytearray) -> list:
-        from .multihost import _local_rows, _split_rows
-
-        h = self.holder
-        with _xla.x64_scope(h.x64):
-            if self.batch > 0:
-                inputs = _split_rows(body, self.specs, self.batch)
-                h.state, out = self.compiled(h.params, h.state, *inputs)
-            elif self.batch == 0:  # the step: its slots' tokens go to the leader
-                h.state, out = self.compiled(h.params, h.state)
-                return _local_rows(out)
-            else:
-                h.state = out = self.compiled()
-        jax.block_until_ready(out)  # answered once done: the leader reads it then
-        return []

@@ -164,9 +164,9 @@ class Distributed:
 def initialize(cfg: Distributed) -> None:
     """Join jax's distributed runtime as ``cfg`` says (once per process, before jax
     touches a device). On CPU, collectives go over gloo. Recoverable tasks: a follower
-    that dies does not take the leader down (the leader reports it instead). jax's
-    preemption service is off: SIGTERM stays the process's own (``pxrt serve`` drains
-    on it)."""
+    that dies does not take the leader down (the leader reports it instead). Nothing
+    else of jax's config is changed (``pxrt serve``, which drains on SIGTERM, turns
+    jax's preemption service off itself: it would take the signal)."""
     import jax
 
     if jax.distributed.is_initialized():
@@ -178,8 +178,6 @@ def initialize(cfg: Distributed) -> None:
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", True)
-    # Its SIGTERM handler would swallow the signal pxrt serve drains on.
-    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             cfg.coordinator,
@@ -311,10 +309,10 @@ class LocalPart:
         """Per output, this process's shards in row order, on the host."""
         if self.raw is not None:
             return self.raw.fetch(handle)
-        return [_local_rows(o) for o in handle]
+        return [local_rows(o) for o in handle]
 
 
-def _local_rows(out: Any) -> list[np.ndarray]:
+def local_rows(out: Any) -> list[np.ndarray]:
     """This process's shards of one row-sharded output, in row order, on the host."""
     shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
     return [np.asarray(s.data) for s in shards]
@@ -847,7 +845,7 @@ class RowGather:
                 continue
             r = self._peer_rows[who]
             try:
-                rows = _split_rows(replies[who], specs, r.stop - r.start)
+                rows = split_rows(replies[who], specs, r.stop - r.start)
             except ValueError as exc:
                 self.group.fail(f"process {self.group.peers[who].process}'s answer has {exc}")
                 raise GroupBroken(self.group.broken) from exc
@@ -857,7 +855,7 @@ class RowGather:
 
     def __call__(self, array: Any, replies: Sequence[bytearray]) -> np.ndarray:
         """One output (``array``, the leader's), whole."""
-        mine = _local_rows(array)
+        mine = local_rows(array)
         spec = [(mine[0].dtype, mine[0].shape[1:])]
         return np.concatenate(self.shards([mine], replies, spec)[0])
 
@@ -865,7 +863,7 @@ class RowGather:
 # --------------------------------------------------------------------------- followers
 
 
-def _split_rows(
+def split_rows(
     body: bytearray, specs: Sequence[tuple[np.dtype, tuple[int, ...]]], rows: int
 ) -> list[np.ndarray]:
     """``rows`` rows of each array of ``specs`` (dtype, row shape), one after the other
@@ -896,7 +894,7 @@ class FollowerCell:
         self.payload_bytes = sum(self._rows * math.prod(s) * d.itemsize for d, s in self.in_specs)
 
     def run(self, body: bytearray) -> list[Any]:
-        buffers = _split_rows(body, self.in_specs, self._rows)
+        buffers = split_rows(body, self.in_specs, self._rows)
         part = self.part
         return [shard for shards in part.rows(part.launch(buffers)) for shard in shards]
 
@@ -1046,7 +1044,7 @@ def load(
     import concurrent.futures
     import os
 
-    from . import _xla, artifact, executable
+    from . import _xla, artifact, compiling, executable
     from .dispatch import Bucket, StagingRing
 
     t0 = time.perf_counter()
@@ -1057,19 +1055,19 @@ def load(
     try:  # that finish first wait in its backlog
         art = artifact.read(path)
         devices = jax.devices()
-        cache_dir = executable._cache_dir(compilation_cache)
+        cache_dir = compiling.cache_dir(compilation_cache)
         _xla.compile_counter.ensure_registered()
-        settings = executable._Settings(
+        settings = compiling.Settings(
             art, cache_dir, False, False, staging_depth, compile_workers, progress
         )
-        cells = executable._grid(art, buckets, dim_buckets, len(devices))
+        cells = compiling.grid(art, buckets, dim_buckets, len(devices))
         phases = {"read": time.perf_counter() - t0}
         with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
             tp = time.perf_counter()
-            inst = executable._Instance(settings, devices)
+            inst = compiling.Instance(settings, devices)
             phases["params"] = time.perf_counter() - tp
             tp = time.perf_counter()
-            bar = executable.progress_bar(
+            bar = compiling.progress_bar(
                 len(cells),
                 f"pxrt: compiling {art.name} (process {cfg.process_id})",
                 "bucket",
@@ -1094,7 +1092,7 @@ def load(
             tp = time.perf_counter()
             dims = tuple(art.dim_buckets)
             examples = [
-                executable._staged_example(art.inputs, size, dict(zip(dims, lengths)))
+                compiling.staged_example(art.inputs, size, dict(zip(dims, lengths)))
                 for size, lengths in cells
             ]
             parts = [

@@ -137,7 +137,7 @@ def test_second_load_compiles_nothing(artifacts, models):
     compiled or fetched."""
     from pxrt import _xla
 
-    cache = pathlib.Path(pxrt.executable.default_cache_dir())
+    cache = pathlib.Path(pxrt.compiling.default_cache_dir())
     assert cache.is_dir() and any(cache.iterdir()), "the first load wrote no cache entries"
     compiles = _xla.compile_counter.total
     model = pxrt.load(artifacts["mlp"])
@@ -490,14 +490,14 @@ def test_the_cache_key_is_made_once_whoever_asks_first(tmp_path):
 
 
 def test_a_load_that_would_not_fit_in_memory_is_refused_before_compiling(artifacts, monkeypatch):
-    from pxrt import _xla, executable
+    from pxrt import _xla, compiling
 
-    monkeypatch.setattr(executable, "available_host_bytes", lambda: 4 << 10)
+    monkeypatch.setattr(compiling, "available_host_bytes", lambda: 4 << 10)
     compiles = _xla.compile_counter.total
     with pytest.raises(ValueError, match=r"'mlp' needs about .* MiB of host memory .* cells x 3"):
         pxrt.load(artifacts["mlp"])
     assert _xla.compile_counter.total == compiles
-    monkeypatch.setattr(executable, "available_host_bytes", lambda: None)  # unknown: load
+    monkeypatch.setattr(compiling, "available_host_bytes", lambda: None)  # unknown: load
     assert pxrt.load(artifacts["mlp"], buckets=(4,)).buckets
 
 

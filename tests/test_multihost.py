@@ -666,14 +666,14 @@ def test_serve_multihost_flags_are_checked(tmp_path, monkeypatch):
 def _part(artifacts, size=8):
     """A LocalPart of the mlp's cell of ``size`` rows in this one process (process 0,
     every local device), its example rows, and plain JAX's outputs for them."""
-    from pxrt import _xla, artifact, executable
+    from pxrt import _xla, artifact, compiling
 
     art = artifact.read(artifacts["mlp"])
-    settings = executable._Settings(art, None, True, False, 1, 1, False)
-    inst = executable._Instance(settings, jax.devices())
+    settings = compiling.Settings(art, None, True, False, 1, 1, False)
+    inst = compiling.Instance(settings, jax.devices())
     compiled, _ = inst.compile_cell(size, ())
     layout = multihost.Layout.of(inst.rows, size, 0)
-    example = executable._staged_example(art.inputs, size, {})
+    example = compiling.staged_example(art.inputs, size, {})
     want = reference("mlp", {"x": example[0]})["y"]
     return (compiled, inst.params_dev, layout, inst.rows, False, example), want, _xla
 

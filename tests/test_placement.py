@@ -259,16 +259,16 @@ def test_auto_prefers_the_one_program_then_fewer_instances_unless_faster_by_the_
 
 @pytest.mark.skipif(N < 2, reason="needs two devices")
 def test_auto_skips_a_candidate_that_would_not_fit(artifacts, monkeypatch):
-    from pxrt import executable
+    from pxrt import compiling
 
-    real = executable.check_memory
+    real = compiling.check_memory
 
     def check(art, cells, devices, depth, instances=1):
         if instances > 1:
             raise ValueError("would not fit")
         return real(art, cells, devices, depth, instances)
 
-    monkeypatch.setattr(executable, "check_memory", check)
+    monkeypatch.setattr(compiling, "check_memory", check)
     rates = {(1, N): 100, (1, 1): 90}
     model, seen = _auto_with_rates(artifacts, monkeypatch, {**rates, (N, 1): 1e9, (2, 1): 1e9})
     assert seen == sorted(rates)  # only the candidates that fit were measured
@@ -304,23 +304,23 @@ def test_placement_options_are_checked(artifacts):
 
 @pytest.mark.skipif(N < 2, reason="needs two devices")
 def test_memory_is_counted_per_instance(artifacts, monkeypatch):
-    from pxrt import executable
+    from pxrt import compiling
 
     one = []
-    monkeypatch.setattr(executable, "available_host_bytes", lambda: one.append(1) or None)
+    monkeypatch.setattr(compiling, "available_host_bytes", lambda: one.append(1) or None)
     # The need of N instances is above what one instance needs.
     needs = []
-    real = executable.check_memory
+    real = compiling.check_memory
 
     def spy(art, cells, devices, depth, instances=1):
         needs.append(instances)
         return real(art, cells, devices, depth, instances)
 
-    monkeypatch.setattr(executable, "check_memory", spy)
+    monkeypatch.setattr(compiling, "check_memory", spy)
     pxrt.load(artifacts["mlp"], placement="replicated")
     assert needs == [N]
-    monkeypatch.setattr(executable, "available_host_bytes", lambda: 64 << 10)
-    monkeypatch.setattr(executable, "check_memory", real)
+    monkeypatch.setattr(compiling, "available_host_bytes", lambda: 64 << 10)
+    monkeypatch.setattr(compiling, "check_memory", real)
     with pytest.raises(ValueError, match=rf"x {N} instances\) and"):
         pxrt.load(artifacts["mlp"], placement="replicated")
 
