@@ -36,14 +36,15 @@ demo: $(STAMP)
 	$(VENV)/bin/pxrt demo lm
 	$(VENV)/bin/pxrt bench --quick
 
-# One pass runs every module (4 virtual devices, the Cython build); the modules marked
-# `devices` (how batches split over the devices) or `twins` (the Cython modules end to
-# end) run again on one device with the pure-Python twins. tritonclient.grpc and kserve
-# register the same protobuf names, so the gRPC tests run in a pytest of their own; the
-# Ray Serve tests start a local Ray, in their own step. Two pytest workers share the
-# cores, a module each at a time; every step shares one compilation cache, so a program
-# is compiled once per device count, not once per process. --durations: the slowest
-# tests of each run.
+# One pass runs every module but the gRPC and Ray ones (4 virtual devices, the Cython
+# build). tritonclient.grpc and kserve register the same protobuf names, so the gRPC
+# tests run in a pytest of their own, on one device, with the Ray Serve ones (which
+# start a local Ray: mostly waiting, so they overlap the gRPC modules). The modules
+# marked `devices` (how batches split over the devices) or `twins` (the Cython modules
+# end to end) run again on one device with the pure-Python twins. Two pytest workers
+# share the cores, a module each at a time; every step shares one compilation cache,
+# so a program is compiled once per device count, not once per process. --durations:
+# the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=20
 XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
@@ -53,9 +54,8 @@ SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
 test: lint
 	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); \
 	$(FOUR) $(PYTEST) $(XDIST) $(SUITE) \
-	&& $(FOUR) $(PYTEST) $(XDIST) $(GRPC) \
-	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE) \
-	&& $(PYTEST) -W ignore::DeprecationWarning tests/test_ray.py; \
+	&& $(PYTEST) $(XDIST) tests/test_ray.py $(GRPC) \
+	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE); \
 	status=$$?; rm -rf "$$PXRT_CACHE_DIR"; exit $$status
 
 bench: $(STAMP)

@@ -166,7 +166,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             + " (default: from the other, else one device each)",
         )  # fmt: skip
     limits = HttpLimits()
-    raise_fd_limit()  # before the connection budget is sized from it
     http = p.add_argument_group("limits on clients")
     for flag, field, unit, text in HTTP_FLAGS:
         default = getattr(limits, field) / unit
@@ -174,8 +173,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             flag, type=positive, default=default, help=f"{text} (default {default:g})"
         )
     http.add_argument(
-        "--max-connections", type=_arg(number(int, 2)),
-        default=min(limits.max_connections, fd_budget()),
+        "--max-connections", type=_arg(number(int, 2)), default=None,
         help="open connections over every listener (HTTP and gRPC); new ones beyond a "
         "listener's share are answered 503 + Retry-After and closed (default: 8192, or the "
         "file descriptor limit less 128)",
@@ -347,9 +345,12 @@ def fd_budget() -> int:
 def connection_shares(args: argparse.Namespace) -> tuple[int, int]:
     """(HTTP's, gRPC's) connections: one budget, ``--max-connections``, over every
     listener, so that together they never exhaust the file descriptors (a flood of
-    sockets on one port cannot take the other down). gRPC's share is 0 without it."""
-    total = args.max_connections
+    sockets on one port cannot take the other down). gRPC's share is 0 without it.
+    Raises this process's fd limit first (``raise_fd_limit``): the default budget is
+    sized from it."""
+    raise_fd_limit()
     budget = fd_budget()
+    total = args.max_connections or min(HttpLimits().max_connections, budget)
     if total > budget:
         raise SystemExit(
             f"pxrt serve: error: --max-connections {total} is over what the file "

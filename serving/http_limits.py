@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import weakref
 from typing import Any
 
 import orjson
@@ -81,11 +82,15 @@ def canned(status: int, message: str, *extra: bytes) -> bytes:
     return head + b"".join(extra) + b"connection: close\r\n\r\n" + body
 
 
+# One sweep per server: uvicorn's state of that server (which all its connections
+# share) -> (the loop, the sweep's next timer).
+_SWEEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class GuardedHttpToolsProtocol(NativeInferProtocol):
     limits = HttpLimits()
     pxrt_server: Any = None  # the serving.Server whose drain (when given) closes connections
     refusals = RefusalLog()  # per protocol class (guarded_protocol makes one per server)
-    _sweeping: dict = {}  # id(server's connections) -> (loop, its sweep's timer): one a server
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         too_many = len(self.connections) >= self.limits.max_connections
@@ -131,7 +136,7 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
             self._sweep()
 
     def _sweep_running(self) -> bool:
-        entry = self._sweeping.get(id(self.connections))
+        entry = _SWEEPS.get(self.server_state)
         return entry is not None and entry[0] is self.loop and not self.loop.is_closed()
 
     def _sweep(self) -> None:
@@ -164,9 +169,9 @@ class GuardedHttpToolsProtocol(NativeInferProtocol):
                 conn._refuse(408, "the client took too long to send its request")
         if self.connections:
             timer = self.loop.call_later(SWEEP_S, self._sweep)
-            self._sweeping[id(self.connections)] = (self.loop, timer)
+            _SWEEPS[self.server_state] = (self.loop, timer)
         else:
-            self._sweeping.pop(id(self.connections), None)
+            _SWEEPS.pop(self.server_state, None)
 
     def _refuse(self, status: int, message: str) -> None:
         self._due = self._request_due = 0.0

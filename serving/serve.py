@@ -67,6 +67,11 @@ class _Setup:
         self.specs = model_specs(args, demo_dir)
         #: A multi-host group's place (``pxrt.multihost.Distributed``), else None.
         self.distributed = distributed_config(args, len(self.specs))
+        if self.distributed is not None:
+            import jax
+
+            # jax's preemption service would take SIGTERM, which pxrt serve drains on.
+            jax.config.update("jax_enable_preemption_service", False)
         #: Models to ``close`` at exit (a multi-host leader's: its followers stop).
         self.closing: list[Any] = []
         self.server = Server(

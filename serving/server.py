@@ -204,7 +204,8 @@ class Server:
         with it when ``close`` closes the decoders), ``UnknownModel`` for a name not
         served.
         """
-        from pxrt.generate import DEADLINE, DecoderClosed
+        from pxrt.finish import DEADLINE
+        from pxrt.generate import DecoderClosed
 
         if timeout_s is not None and not (
             isinstance(timeout_s, (int, float))

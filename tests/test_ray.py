@@ -26,6 +26,9 @@ from serving import Overloaded  # noqa: E402
 from serving.codec import datatype_of  # noqa: E402
 from serving.ray import PxrtHandle, pxrt_app  # noqa: E402
 
+# Ray's own modules warn of their deprecations: not pxrt's to fix.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 
 def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifacts, tmp_path):
     # First in the module: its own local Ray, before the module's cluster starts. Ray's
