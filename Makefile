@@ -24,7 +24,7 @@ all: $(STAMP)
 # uv installs the same packages as pip in under half the time (pip if uv cannot be had).
 EXTRAS := .[test,bench,grpc,ray]
 
-$(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*.pyx serving/*.pxd)
+$(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*/*.pyx serving/*/*.pxd)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --python $(PY) -e '$(EXTRAS)' \
 		|| $(PY) -m pip install -q -e '$(EXTRAS)'
@@ -38,13 +38,13 @@ demo: $(STAMP)
 
 # One pass runs every module but the gRPC and Ray ones (4 virtual devices, the Cython
 # build). tritonclient.grpc and kserve register the same protobuf names, so the gRPC
-# tests run in a pytest of their own, on one device, with the Ray Serve ones (which
-# start a local Ray: mostly waiting, so they overlap the gRPC modules). The modules
-# marked `devices` (how batches split over the devices) or `twins` (the Cython modules
-# end to end) run again on one device with the pure-Python twins. Two pytest workers
-# share the cores, a module each at a time; every step shares one compilation cache,
-# so a program is compiled once per device count, not once per process. --durations:
-# the slowest tests of each run.
+# tests run in a pytest of their own (on one device). The modules marked `devices` (how
+# batches split over the devices) or `twins` (the Cython modules end to end) run again
+# on one device with the pure-Python twins. The Ray Serve tests (one device) start a
+# local Ray and mostly wait on it: they run beside the other steps, from the start, and
+# their output follows. Two pytest workers share the cores, a module each at a time;
+# every step shares one compilation cache, so a program is compiled once per device
+# count, not once per process. --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=20
 XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
@@ -52,11 +52,15 @@ SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
 	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py
 
 test: lint
-	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); \
+	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); ray_log=$$(mktemp); \
+	$(PYTEST) tests/test_ray.py > $$ray_log 2>&1 & ray=$$!; \
 	$(FOUR) $(PYTEST) $(XDIST) $(SUITE) \
-	&& $(PYTEST) $(XDIST) tests/test_ray.py $(GRPC) \
+	&& $(PYTEST) $(XDIST) $(GRPC) \
 	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE); \
-	status=$$?; rm -rf "$$PXRT_CACHE_DIR"; exit $$status
+	status=$$?; wait $$ray; ray_status=$$?; \
+	echo "--- tests/test_ray.py, run beside the steps above:"; cat $$ray_log; \
+	rm -rf "$$PXRT_CACHE_DIR" $$ray_log; \
+	if [ $$status -ne 0 ]; then exit $$status; fi; exit $$ray_status
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name
@@ -83,7 +87,7 @@ debug: $(STAMP)
 	$(PY) -m pip install -q 'cython>=3.0.11' 'setuptools>=77'
 	PXRT_DEBUG=1 $(PY) setup.py build_ext --inplace --force
 
-STUBS := pxrt._batch pxrt._handlers pxrt._keys pxrt._slots serving._tensors serving._hpack
+STUBS := pxrt._batch pxrt._handlers pxrt._keys pxrt._slots serving.kserve._tensors serving.grpc._hpack
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
@@ -91,4 +95,4 @@ lint: $(STAMP)
 	$(PY) -m mypy.stubtest --ignore-disjoint-bases --allowlist tests/stubtest_allowlist.txt $(STUBS)
 
 clean:
-	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html serving/*.so serving/*.c serving/*.html $(VENV)
+	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html serving/*/*.so serving/*/*.c serving/*/*.html $(VENV)

@@ -34,9 +34,21 @@ extensions = [
         extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
     )
     for name in (
-        "pxrt._keys", "pxrt._handlers", "pxrt._batch", "pxrt._slots", "serving._tensors",
-        "serving._hpack",
+        "pxrt._keys",
+        "pxrt._handlers",
+        "pxrt._batch",
+        "pxrt._slots",
+        "serving.kserve._tensors",
+        "serving.grpc._hpack",
     )
 ]
 
-setup(ext_modules=cythonize(extensions, compiler_directives=directives, annotate=DEBUG))
+# Both steps on every core: Cython's translation (nthreads) and the C compiles (build_ext's
+# parallel), the longest part of installing pxrt.
+JOBS = os.cpu_count() or 1
+setup(
+    ext_modules=cythonize(
+        extensions, compiler_directives=directives, annotate=DEBUG, nthreads=JOBS
+    ),
+    options={"build_ext": {"parallel": JOBS}},
+)

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 import pxrt
-from serving import codec
+from serving.kserve import codec
 
 artifact = pxrt.read_artifact(os.environ["PXRT_BASELINE_MODEL"])
 names = list(artifact.inputs)

@@ -27,7 +27,7 @@ sys.path.insert(0, HERE)
 from http_compare import free_port, measure, start  # noqa: E402
 
 from serving.bench.loadgen import closed_loop, run_result  # noqa: E402
-from serving.server import new_event_loop  # noqa: E402
+from serving.engine.server import new_event_loop  # noqa: E402
 
 
 def measure_grpc(url: str, clients: int, duration: float) -> dict:

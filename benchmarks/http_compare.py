@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 
 from serving.bench import http as bench_http  # noqa: E402
 from serving.bench import inprocess  # noqa: E402
-from serving.server import new_event_loop  # noqa: E402
+from serving.engine.server import new_event_loop  # noqa: E402
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 by in-memory connections on one event loop, each sending its next request when its reply
 is written (closed loop, like perf_analyzer's connections). HTTP's native path and its
 ASGI path (the Starlette app, both under the guard over uvicorn's httptools protocol) and
-gRPC on pxrt's HTTP/2 (``serving.grpc_native``: HEADERS and DATA frames in, as grpc
+gRPC on pxrt's HTTP/2 (``serving.grpc.native``: HEADERS and DATA frames in, as grpc
 clients send them once their HPACK tables are warm) are measured against the floor: the
 same requests' decoded inputs through ``Server.submit`` and an awaiting task each, no
 protocol. Alternated repeats; prints loop time per request and the ratios. What this
@@ -35,12 +35,12 @@ from frontend import export_trivial  # noqa: E402
 from uvicorn.server import ServerState  # noqa: E402
 
 import pxrt  # noqa: E402
-from serving import h2  # noqa: E402
-from serving.grpc_native import GrpcProtocol, GrpcServer  # noqa: E402
-from serving.http import create_app  # noqa: E402
-from serving.http_limits import guarded_protocol  # noqa: E402
+from serving.engine.server import Server, new_event_loop  # noqa: E402
+from serving.grpc import h2  # noqa: E402
+from serving.grpc.native import GrpcProtocol, GrpcServer  # noqa: E402
+from serving.http.app import create_app  # noqa: E402
+from serving.http.limits import guarded_protocol  # noqa: E402
 from serving.options import HttpLimits  # noqa: E402
-from serving.server import Server, new_event_loop  # noqa: E402
 
 
 def binary_request(x: np.ndarray) -> bytes:
@@ -190,7 +190,7 @@ class GrpcConnection(Connection):
 
 class GrpcRun:
     def __init__(self, owner: GrpcServer, request: bytes, total: int) -> None:
-        from serving.grpc_native import _OK_TRAILERS
+        from serving.grpc.native import _OK_TRAILERS
 
         self.owner = owner
         self.ok = _OK_TRAILERS

@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
 
-    from serving.server import new_event_loop
+    from serving.engine.server import new_event_loop
 
     print(
         f"jax {jax.__version__}, {jax.device_count()} device(s), Cython: "

@@ -56,7 +56,7 @@ from servers import ServeProcess  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from pxrt import demo  # noqa: E402
-from serving import h2  # noqa: E402
+from serving.grpc import h2  # noqa: E402
 
 
 def _tree(pid: int) -> list[int]:

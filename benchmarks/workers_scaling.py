@@ -61,7 +61,7 @@ def worker_cpu(served: Served) -> list[float]:
     for pid in children(served.proc.pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"serving.worker" not in f.read():
+                if b"serving.workers.worker" not in f.read():
                     continue
         except FileNotFoundError:
             continue

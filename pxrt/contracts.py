@@ -55,7 +55,7 @@ class ResultHandling(Protocol):
 
 
 class QueuePolicy(Protocol):
-    """What ``BatchQueue.submit`` asks of the serving side (``serving.batcher.Batcher``):
+    """What ``BatchQueue.submit`` asks of the serving side (``serving.engine.batcher.Batcher``):
     when to look for a batch, when to sweep deadlines, and the errors of its outcomes."""
 
     def kick(self) -> None:

@@ -19,7 +19,7 @@ from .errors import (
 from .options import BatchingOptions, HttpLimits, OptionError
 
 if TYPE_CHECKING:
-    from .server import BlockingServer, Server, new_event_loop
+    from .engine.server import BlockingServer, Server, new_event_loop
 
 _LAZY = {"BlockingServer", "Server", "new_event_loop"}
 
@@ -27,7 +27,7 @@ _LAZY = {"BlockingServer", "Server", "new_event_loop"}
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'serving' has no attribute {name!r}")
-    value = getattr(importlib.import_module(".server", __name__), name)
+    value = getattr(importlib.import_module(".engine.server", __name__), name)
     globals()[name] = value
     return value
 

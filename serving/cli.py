@@ -76,7 +76,7 @@ def _demo_encoder(args: argparse.Namespace) -> int:
     import pxrt
     from pxrt import demo
 
-    from .server import Server, new_event_loop
+    from .engine.server import Server, new_event_loop
 
     with tempfile.TemporaryDirectory(prefix="pxrt-demo-") as tmp:
         path = args.keep or os.path.join(tmp, "encoder")
@@ -133,7 +133,7 @@ def _demo_lm(args: argparse.Namespace) -> int:
     import pxrt
     from pxrt import demo
 
-    from .server import new_event_loop
+    from .engine.server import new_event_loop
 
     with tempfile.TemporaryDirectory(prefix="pxrt-demo-") as tmp:
         path = args.keep or os.path.join(tmp, "lm")

@@ -338,7 +338,7 @@ def fd_budget() -> int:
     except (ImportError, OSError, ValueError):  # pragma: no cover - not on this platform
         return 1000
     # 64 to spare for the process's own files, 64 for refused connections that linger
-    # (serving.http_limits.linger_allowance).
+    # (serving.http.limits.linger_allowance).
     return max(16, soft - 128) if soft != resource.RLIM_INFINITY else 1000
 
 
@@ -430,7 +430,7 @@ def repository_config(
     version policy, the models whose new versions may change their inputs or outputs
     (``"*"``: all), name -> its placement (``""``: every model's)), from the flags and
     the TOML's ``[defaults]`` and path-less ``[models.NAME]`` sections."""
-    from .repository import parse_policy
+    from .engine.repository import parse_policy
 
     defaults, place, sections = _config(args)
     placements: dict[str, Placement] = {"": place}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .repository import Repository
+    from .engine.repository import Repository
 
 
 class ServingError(Exception):

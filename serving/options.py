@@ -274,8 +274,8 @@ class Placement(_Checked):
 class HttpLimits(_Checked):
     """What HTTP clients may hold of a server.
 
-    The body limits are the app's (``serving.http.create_app``); the connection, header
-    and timing limits are the protocol's (``serving.http_limits``, which ``pxrt serve``
+    The body limits are the app's (``serving.http.app.create_app``); the connection, header
+    and timing limits are the protocol's (``serving.http.limits``, which ``pxrt serve``
     runs uvicorn with).
 
     Attributes:
@@ -336,7 +336,7 @@ class GrpcLimits(_Checked):
       until an answer is written, so HTTP/2 flow control holds a client that sends
       faster than it reads (pxrt's own, not grpc core's).
 
-    pxrt's own HTTP/2 (``serving.h2.Connections`` says how each is enforced) also has:
+    pxrt's own HTTP/2 (``serving.grpc.h2.Connections`` says how each is enforced) also has:
 
     - ``max_streams``: streams open at once over all connections of the process;
     - ``stream_idle_timeout_s``: a ModelStreamInfer stream with no request in flight

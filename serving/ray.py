@@ -36,8 +36,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on what is installed
     raise ImportError(f"serving.ray needs Ray Serve ({exc}): pip install 'pxrt[ray]'") from exc
 
+from .engine.server import Server
 from .options import BatchingOptions
-from .server import Server
 
 log = logging.getLogger("pxrt.ray")
 
@@ -89,7 +89,7 @@ class PxrtDeployment:
         await self.server.infer(self.name, pxrt.example_inputs(model.inputs, 1, lengths=smallest))
 
     def __serve_build_asgi_app__(self) -> Any:
-        from .http import create_app
+        from .http.app import create_app
 
         return create_app(self.server)
 
@@ -123,7 +123,7 @@ class PxrtDeployment:
 
     def metadata(self) -> dict:
         """The model's KServe v2 metadata document."""
-        from . import documents
+        from .kserve import documents
 
         return documents.model_metadata(self.name, self.server.model(self.name))
 

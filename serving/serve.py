@@ -9,7 +9,7 @@ Ctrl-C: stop accepting, answer every accepted request, exit 0.
 
 ``--workers N`` (N > 1): this process is the device process (models, batching,
 devices) and ``N`` front-end worker processes share its listening sockets
-(``serving.workers``); the same answers, the same drain.
+(``serving.workers.supervisor``); the same answers, the same drain.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class _Setup:
     repository, and the loading of every model."""
 
     def __init__(self, args: argparse.Namespace, demo_dir: str) -> None:
-        from .server import Server
+        from .engine.server import Server
 
         self.args = args
         self.http_connections, self.grpc_connections = connection_shares(args)
@@ -81,7 +81,7 @@ class _Setup:
         self.poller: list[asyncio.Future] = []
         self.loading_error: list[BaseException] = []
         if args.model_repository:
-            from .repository import Repository
+            from .engine.repository import Repository
 
             defaults, repo_options, policies, may_change, placements = repository_config(args)
             self.repository = Repository(
@@ -189,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
         return main_ray(args)
     if args.grpc_port is not None:
         try:
-            from . import grpc_server  # noqa: F401 - fail now, not once serving
+            from .grpc import service as grpc_server  # noqa: F401 - fail now, not once serving
         except ImportError as exc:
             print(
                 f"pxrt serve: error: --grpc-port needs the grpc extra ({exc}): "
@@ -226,8 +226,8 @@ def _run_one(setup: _Setup) -> int:
     import uvicorn
 
     from .accept import listening_socket
-    from .http import create_app
-    from .http_limits import GuardedServer, guarded_protocol
+    from .http.app import create_app
+    from .http.limits import GuardedServer, guarded_protocol
     from .loops import new_event_loop
 
     args, server, limits, tls = setup.args, setup.server, setup.limits, setup.tls
@@ -251,12 +251,12 @@ def _run_one(setup: _Setup) -> int:
                 limits=setup.grpc_limits(setup.grpc_connections),
             )
             if args.native_grpc:
-                from .grpc_native import start_grpc
+                from .grpc.native import start_grpc
 
                 # One budget of request bytes held over both front ends.
                 options.update(budget=state.budget, body_timeout_s=limits.body_timeout_s)
             else:
-                from .grpc_server import start_grpc  # type: ignore[assignment]
+                from .grpc.service import start_grpc  # type: ignore[assignment]
             grpc_server = await start_grpc(server, args.grpc_port, **options)
             print(f"pxrt serve: gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
 
@@ -291,7 +291,7 @@ def _run_one(setup: _Setup) -> int:
         port=args.port,
         http=guarded_protocol(limits, server, native=state if args.native_http else None),
         lifespan="on",
-        ws="none",  # no WebSocket: an upgrade is answered 400 (serving.http_limits)
+        ws="none",  # no WebSocket: an upgrade is answered 400 (serving.http.limits)
         log_level=args.log_level,
         timeout_graceful_shutdown=30,
         **(tls.uvicorn_options() if tls else {}),
@@ -321,11 +321,11 @@ def _run_workers(setup: _Setup) -> int:
     """The device process of ``--workers N``: it loads and batches; the workers (which
     share the listening sockets it binds) take the connections."""
     from .accept import listening_socket
-    from .grpc_native import methods
-    from .grpc_server import GRPCService
-    from .http import create_app
+    from .grpc.native import methods
+    from .grpc.service import GRPCService
+    from .http.app import create_app
     from .loops import new_event_loop
-    from .workers import Supervisor
+    from .workers.supervisor import Supervisor
 
     args, server = setup.args, setup.server
     # What workers forward (everything but inference) is answered by this app and service.

@@ -190,7 +190,7 @@ def test_serving_works_without_ray_and_says_how_to_get_it():
     # import; serving.ray and pxrt serve --ray say which extra to install.
     code = (
         "import sys; sys.modules['ray'] = None\n"
-        "import serving, serving.http, serving.server\n"
+        "import serving, serving.http.app, serving.engine.server\n"
         "try:\n    import serving.ray\nexcept ImportError as e:\n    print(e)\n"
         "from serving.cli import main\n"
         "sys.exit(main(['serve', '--ray']))\n"

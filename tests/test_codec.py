@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving import codec
+from serving.kserve import codec
 
 # The Cython modules end to end: `make test` also runs this module with their pure-Python
 # twins (PXRT_NO_EXTENSIONS=1, on one device).
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.twins]
 
 
 try:
-    from serving import _tensors  # noqa: F401
+    from serving.kserve import _tensors  # noqa: F401
 except ImportError:  # pragma: no cover - only when the extensions are not built
     _tensors = None
 needs_tensors_ext = pytest.mark.skipif(_tensors is None, reason="Cython extensions not built")
@@ -242,7 +242,7 @@ _data = st.recursive(st.lists(_scalars, max_size=6), lambda inner: st.lists(inne
     datatype=st.sampled_from(list(codec.DATATYPES)),
 )
 def test_json_decoder_twins_agree(data, shape, datatype):
-    from serving import _tensors, _tensors_py
+    from serving.kserve import _tensors, _tensors_py
 
     kind, bounds = codec._LIMITS[codec.DATATYPES[datatype]]
     answers = []
@@ -260,7 +260,7 @@ def test_a_binary_header_seen_before_decodes_as_the_first_time(models):
     # header with new bytes decodes to the new bytes' arrays; a tail of another length
     # takes the full decode (and its error); another model decodes it against its own
     # inputs, not the first model's plan.
-    from serving.core import InferRequest
+    from serving.kserve.core import InferRequest
 
     mlp, two_io = models["mlp"], models["two_io"]
     rng = np.random.default_rng(3)
@@ -290,7 +290,7 @@ def test_a_requests_priority_and_its_remembered_header(models):
     """``parameters.priority`` (Triton's) is read from the JSON header, and a header seen
     before (its plan remembered) gives the same; anything but an integer >= 0 is a
     protocol error naming it."""
-    from serving.core import InferRequest
+    from serving.kserve.core import InferRequest
 
     x = np.ones((2, 32), np.float32)
     for priority in (None, 0, 1, 3):

@@ -17,7 +17,7 @@ import tritonclient.http.aio as triton_aio
 from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
 from models import MODELS, assert_matches, random_request, reference
 
-from serving import codec
+from serving.kserve import codec
 
 X = {"name": "x", "datatype": "FP32", "shape": [2, 32], "data": [0.25] * 64}
 
@@ -145,7 +145,7 @@ def test_every_datatype_round_trips_in_a_conforming_body(served):
 
 def test_not_ready_and_draining_bodies_follow_the_spec(run):
     from serving import Server
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     server = Server(ready=False)
     app = create_app(server)

@@ -283,7 +283,7 @@ def test_a_client_hanging_up_before_its_body_is_in_is_one_line_not_an_error(loca
     import asyncio
 
     from serving import Server
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     async def hang_up(app, path):
         sent = []
@@ -545,7 +545,7 @@ def test_workers_stream_without_jax(served, local):
     workers = []
     for pid in children(served.proc.pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"serving.worker" in f.read():
+            if b"serving.workers.worker" in f.read():
                 workers.append(pid)
     assert len(workers) == 2
     for pid in workers:

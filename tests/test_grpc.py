@@ -39,7 +39,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 import pxrt
-from serving import codec
+from serving.kserve import codec
 
 OUTPUTS = {
     "mlp": ["y"],
@@ -328,7 +328,7 @@ def test_a_stream_answers_a_request_cancelled_under_it(artifacts, run):
     # A request whose future is cancelled (not the stream's task) is answered with an
     # error of its own; the stream goes on and ends, instead of waiting for it forever.
     from serving import Server
-    from serving.grpc_server import GRPCService
+    from serving.grpc.service import GRPCService
 
     async def main():
         async with Server() as server:
@@ -390,7 +390,7 @@ def test_a_stream_is_not_read_past_its_cap_while_its_answers_wait(models, run):
     requests, then no more until an answer is written (HTTP/2 flow control holds the
     client), so the server's memory does not grow with what the client sends."""
     from serving import Server
-    from serving.grpc_server import GrpcLimits, GRPCService
+    from serving.grpc.service import GrpcLimits, GRPCService
 
     async def main():
         read = 0
@@ -421,7 +421,7 @@ def test_a_draining_server_answers_what_a_stream_read_then_ends_it_unavailable(m
     """Drain: the requests read (here held on the device) are answered, the stream is
     not read further and ends with UNAVAILABLE, so the client knows to go elsewhere."""
     from serving import Server
-    from serving.grpc_server import GRPCService
+    from serving.grpc.service import GRPCService
 
     async def main():
         feed: asyncio.Queue = asyncio.Queue()
@@ -471,7 +471,7 @@ def test_one_connection_budget_over_both_listeners(artifacts):
     silent ones are closed after the handshake (header) timeout."""
     from servers import ServeProcess
 
-    from serving.http_limits import linger_allowance
+    from serving.http.limits import linger_allowance
 
     proc = ServeProcess(
         [str(artifacts["mlp"]), "--max-connections", "40", "--max-grpc-connections", "10",
@@ -546,8 +546,9 @@ def test_statistics_per_version_and_unexpected_errors_are_internal_and_counted(
     as failed."""
     import grpc
 
-    from serving import Server, codec
-    from serving.grpc_server import GRPCService
+    from serving import Server
+    from serving.grpc.service import GRPCService
+    from serving.kserve import codec
 
     x = np.ones((1, 32), np.float32)
 

@@ -1,4 +1,4 @@
-"""gRPC on pxrt's own HTTP/2 (serving.grpc_native, serving.h2) driven frame by frame with
+"""gRPC on pxrt's own HTTP/2 (serving.grpc.native, serving.grpc.h2) driven frame by frame with
 the ``h2`` package as the client: what grpc clients do (calls, streams, flow control,
 compression, deadlines, resets) and what they never do but attackers and broken peers
 might (protocol violations, floods, stalls), on a server running on the test's loop.
@@ -34,10 +34,11 @@ from hypothesis import strategies as st
 from models import assert_matches, inject, reference, until
 from tritonclient.grpc import service_pb2 as pb
 
-from serving import Server, h2
-from serving.core import BodyBudget
-from serving.grpc_native import GrpcProtocol, GrpcServer
-from serving.grpc_server import GrpcLimits
+from serving import Server
+from serving.grpc import h2
+from serving.grpc.native import GrpcProtocol, GrpcServer
+from serving.grpc.service import GrpcLimits
+from serving.kserve.core import BodyBudget
 
 PATH = "/inference.GRPCInferenceService/"
 
@@ -699,8 +700,8 @@ def test_a_message_laid_out_as_one_seen_before_decodes_as_the_first_time(models)
     laid out the same decodes to its own bytes' arrays, as a full parse would; one that
     differs anywhere outside the tensors' bytes (its id, its contents split otherwise at
     the same size, its outputs) takes the full parse and its checks."""
-    from serving import codec
-    from serving.core import InferRequest
+    from serving.kserve import codec
+    from serving.kserve.core import InferRequest
 
     mlp = models["mlp"]
     parse = pb.ModelInferRequest.FromString
@@ -1262,8 +1263,8 @@ def test_a_requests_priority_parameter(models):
     """Triton's ``priority`` request parameter (uint64 or int64) is the request's level,
     parsed or from a remembered layout alike; anything else is INVALID_ARGUMENT's
     protocol error."""
-    from serving import codec
-    from serving.core import InferRequest
+    from serving.kserve import codec
+    from serving.kserve.core import InferRequest
 
     def message(param=None, value=None):
         request = pb.ModelInferRequest(model_name="mlp")

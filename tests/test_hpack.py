@@ -1,4 +1,4 @@
-"""HPACK decoding (serving._hpack and its pure-Python twin) against RFC 7541's own
+"""HPACK decoding (serving.grpc._hpack and its pure-Python twin) against RFC 7541's own
 examples and, for random header lists and encoder settings, against the ``hpack``
 package's encoder and decoder; malformed blocks are errors in both twins alike."""
 
@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving import _hpack_py
-from serving.hpack_tables import HpackError
+from serving.grpc import _hpack_py
+from serving.grpc.hpack_tables import HpackError
 
 try:
-    from serving import _hpack
+    from serving.grpc import _hpack
 except ImportError:  # pragma: no cover - only when the extensions are not built
     _hpack = None
 

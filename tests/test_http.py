@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import ROOT, ServeProcess
 from tritonclient.utils import InferenceServerException
 
-from serving import codec
+from serving.kserve import codec
 
 
 @pytest.fixture
@@ -320,7 +320,7 @@ def test_repeated_sigterm_still_exits_cleanly(artifacts):
 
 def test_not_ready_while_loading_and_503_while_draining(run):
     from serving import Server
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     server = Server(ready=False)
     app = create_app(server)
@@ -347,7 +347,7 @@ def test_queue_full_is_429_with_retry_after(run, models):
     from models import inject, until
 
     from serving import Server
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     model = models["mlp"]
 
@@ -426,7 +426,7 @@ def test_a_client_that_hangs_up_takes_its_request_out_of_the_queue(run, models):
     from servers import free_port
 
     from serving import Server
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     model = models["mlp"]
     port = free_port()
@@ -491,7 +491,7 @@ def test_an_unexpected_error_is_a_json_500_on_a_kept_connection(
 
     import pxrt
     from serving import Server
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     calls = {"n": 0}
     real = codec.encode_response

@@ -1,4 +1,4 @@
-"""The native HTTP path (`serving.http_native`) held to the Starlette app's answers: the
+"""The native HTTP path (`serving.http.native`) held to the Starlette app's answers: the
 same raw requests to `pxrt serve` (native, the default) and `pxrt serve
 --no-native-http` get the same status, headers (but the date) and body, byte for byte;
 pipelined and kept-alive requests, 100-continue, HTTP/1.0, chunked bodies, hang-ups."""
@@ -197,8 +197,8 @@ def test_a_hung_up_client_takes_its_request_out_of_the_queue(run, models, native
     from servers import free_port
 
     from serving import Server
-    from serving.http import create_app
-    from serving.http_limits import guarded_protocol
+    from serving.http.app import create_app
+    from serving.http.limits import guarded_protocol
     from serving.options import HttpLimits
 
     model = models["mlp"]
@@ -267,8 +267,8 @@ def _in_process(run, model, limits, check, keep_alive_s=5.0):
     from servers import free_port
 
     from serving import Server
-    from serving.http import create_app
-    from serving.http_limits import guarded_protocol
+    from serving.http.app import create_app
+    from serving.http.limits import guarded_protocol
 
     port = free_port()
 

@@ -195,7 +195,7 @@ def test_an_http_request_is_answered_by_the_version_served_when_its_body_is_in(t
     # is loaded and version 1 unloaded. The request is answered by version 2, not failed.
     import httpx
 
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(1, 32)
     doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32],
@@ -267,7 +267,7 @@ def test_with_gc_frozen_a_loaded_model_joins_the_frozen_and_is_still_released(tw
 def test_statistics_are_per_version_over_http(two_versions, run):
     import httpx
 
-    from serving.http import create_app
+    from serving.http.app import create_app
 
     async def main():
         async with Server() as server:

@@ -174,7 +174,7 @@ def test_refused_clients_that_already_sent_a_request_read_the_503_not_a_reset(gu
     # A client that connects and sends its request at once (as every load generator
     # does) while the server is full: closing a socket with its bytes unread would make
     # the kernel answer RST, and the client would lose the 503. It reads the 503, then EOF.
-    from serving.http_limits import linger_allowance
+    from serving.http.limits import linger_allowance
 
     held = [connect(guarded) for _ in range(12)]  # the cap: the server is full
     try:
@@ -369,13 +369,13 @@ def test_good_clients_are_served_throughout(guarded):
 
 
 def test_the_uvicorn_internals_the_guard_uses_are_there():
-    """serving.http_limits subclasses uvicorn's httptools protocol and reads its state:
+    """serving.http.limits subclasses uvicorn's httptools protocol and reads its state:
     when an upgrade moves what it relies on, this fails (not the server, at run time)."""
     import inspect
 
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from serving.http_limits import UVICORN_INTERNALS
+    from serving.http.limits import UVICORN_INTERNALS
 
     source = inspect.getsource(HttpToolsProtocol)
     for name in UVICORN_INTERNALS:
@@ -395,7 +395,7 @@ def test_two_guarded_servers_on_one_loop_both_time_out_idle_sockets(run):
     from servers import free_ports
     from starlette.applications import Starlette
 
-    from serving.http_limits import guarded_protocol
+    from serving.http.limits import guarded_protocol
     from serving.options import HttpLimits
 
     async def main():

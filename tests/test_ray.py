@@ -23,7 +23,7 @@ from servers import ServeProcess, free_ports, make_certs  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from serving import Overloaded  # noqa: E402
-from serving.codec import datatype_of  # noqa: E402
+from serving.kserve.codec import datatype_of  # noqa: E402
 from serving.ray import PxrtHandle, pxrt_app  # noqa: E402
 
 # Ray's own modules warn of their deprecations: not pxrt's to fix.

@@ -14,7 +14,7 @@ from servers import ServeProcess
 
 import pxrt
 from serving import Server
-from serving.repository import Repository, RepositoryError, parse_policy
+from serving.engine.repository import Repository, RepositoryError, parse_policy
 
 
 def _export(path, seed):

@@ -238,7 +238,7 @@ def test_requests_whose_callers_gave_up_hold_no_room(run, models):
 
 
 def test_a_request_larger_than_the_queue_is_refused_for_good(run, models):
-    from serving.batcher import RequestTooLarge
+    from serving.engine.batcher import RequestTooLarge
 
     async def main():
         async with Server() as server:
@@ -303,7 +303,7 @@ def test_priority_levels_are_answered_first_and_over_http_and_grpc_messages(run,
     """priority_levels 2: while the device is busy, level 2 then level 1 requests queue;
     level 1 goes first (Triton's order: 1 is the highest), a request without a priority
     is at the default level, and a priority that is no level is refused."""
-    from serving.core import InferRequest, InvalidRequest, start
+    from serving.kserve.core import InferRequest, InvalidRequest, start
 
     model = models["mlp"]
     x = np.ones((1, 32), np.float32)
@@ -494,7 +494,7 @@ def test_metrics_page_counts_what_happened(run, models):
 
 
 def test_histogram_bins_arrays_exactly():
-    from serving.metrics import US_BUCKETS, Histogram
+    from serving.engine.metrics import US_BUCKETS, Histogram
 
     rng = np.random.default_rng(9)
     hist = Histogram(US_BUCKETS, scale=1e6)
@@ -587,7 +587,7 @@ def test_a_warm_model_has_its_cell_times_measured_again_while_idle(
 ):
     """Cell times a warm load read from an earlier one are timed again in the
     background, only while the model is idle; requests meanwhile are answered right."""
-    from serving import batcher
+    from serving.engine import batcher
 
     monkeypatch.setattr(batcher, "REMEASURE_AFTER_S", 0.0)
     monkeypatch.setattr(batcher, "REMEASURE_POLL_S", 0.005)
@@ -621,7 +621,7 @@ def test_cell_times_are_not_measured_again_while_another_model_serves(
     """Timed beside another model's batches, a cell's time is inflated (and the cost
     policy's caps follow it): a warm model re-measures only while the whole server is
     quiet."""
-    from serving import batcher
+    from serving.engine import batcher
 
     monkeypatch.setattr(batcher, "REMEASURE_AFTER_S", 0.0)
     monkeypatch.setattr(batcher, "REMEASURE_POLL_S", 0.005)

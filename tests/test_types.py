@@ -1,4 +1,4 @@
-"""The Cython modules' stubs (``pxrt/*.pyi``, ``serving/_tensors.pyi``) are the one
+"""The Cython modules' stubs (``pxrt/*.pyi``, ``serving/kserve/_tensors.pyi``) are the one
 statement of their Python API: ``make lint`` checks them against the built modules
 (mypy's stubtest) and the code that uses them (mypy); here, each pure-Python twin is
 held to the same stub, name by name and parameter by parameter."""
@@ -21,8 +21,8 @@ TWINS = {
     "pxrt/_handlers.pyi": "pxrt._handlers_py",
     "pxrt/_keys.pyi": "pxrt._keys_py",
     "pxrt/_slots.pyi": "pxrt._slots_py",
-    "serving/_tensors.pyi": "serving._tensors_py",
-    "serving/_hpack.pyi": "serving._hpack_py",
+    "serving/kserve/_tensors.pyi": "serving.kserve._tensors_py",
+    "serving/grpc/_hpack.pyi": "serving.grpc._hpack_py",
 }
 
 

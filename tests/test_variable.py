@@ -25,7 +25,7 @@ from models import (
 import pxrt
 from pxrt import _batch_py, _handlers_py, artifact, demo
 from serving import Server
-from serving.policy import BATCH_HOST_S, choose_cell, efficient_cap
+from serving.engine.policy import BATCH_HOST_S, choose_cell, efficient_cap
 
 # How batches split over the devices, and the Cython modules end to end: `make test`
 # also runs this module on one device with the pure-Python twins (PXRT_NO_EXTENSIONS=1).

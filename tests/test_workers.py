@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from models import MODELS, assert_matches, inject, reference, until
 
-from serving import Server, ipc
-from serving.remote import DeviceLink, RemoteServer
-from serving.workers import WorkerLink, model_state
+from serving import Server
+from serving.workers import ipc
+from serving.workers.remote import DeviceLink, RemoteServer
+from serving.workers.supervisor import WorkerLink, model_state
 
 
 class _Supervisor:
@@ -236,7 +237,7 @@ def _worker_pids(proc) -> list[int]:
     for pid in children(proc.proc.pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"serving.worker" in f.read():
+                if b"serving.workers.worker" in f.read():
                     pids.append(pid)
         except FileNotFoundError:
             continue
@@ -248,7 +249,7 @@ def _infer_http(url: str, name: str, request: dict, headers=None) -> httpx.Respo
 
     inputs = []
     for key, value in request.items():
-        from serving import codec
+        from serving.kserve import codec
 
         inp = th.InferInput(key, list(value.shape), codec.datatype_of(value.dtype))
         inp.set_data_from_numpy(value, binary_data=True)
@@ -270,7 +271,7 @@ def test_workers_answer_as_one_process_does(served_workers):
             request = random_request(MODELS[name]["inputs"], rows, rng)
             inputs = []
             for key, value in request.items():
-                from serving import codec
+                from serving.kserve import codec
 
                 inp = th.InferInput(key, list(value.shape), codec.datatype_of(value.dtype))
                 inp.set_data_from_numpy(value, binary_data=rows > 5)

@@ -1,6 +1,6 @@
 """A lean gRPC client for ``pxrt bench --url grpc://``: unary calls over one HTTP/2
-connection, built on pxrt's own HTTP/2 pieces (``serving.h2``: frames, the HPACK
-encoder; ``serving._hpack``: the decoder).
+connection, built on pxrt's own HTTP/2 pieces (``serving.grpc.h2``: frames, the HPACK
+encoder; ``serving.grpc._hpack``: the decoder).
 
 grpcio's Python client spends ~280 us of CPU per call here, which at one stream is
 most of what a trivial model's latency measures. This one writes a call as one
@@ -18,7 +18,7 @@ import asyncio
 import struct
 from typing import Any
 
-from ..h2 import (
+from ..grpc.h2 import (
     ACK,
     CONTINUATION,
     DATA,

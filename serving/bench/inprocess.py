@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 import pxrt
 
-from ..server import Server, new_event_loop
+from ..engine.server import Server, new_event_loop
 from . import baselines, loadgen, report
 from .schedule import Schedule, plans
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import codec
+from ..kserve import codec
 
 
 def parse_shapes(specs: list[str]) -> dict[str, list[int]]:

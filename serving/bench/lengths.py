@@ -27,7 +27,7 @@ import numpy as np
 
 import pxrt
 
-from ..server import new_event_loop
+from ..engine.server import new_event_loop
 from . import loadgen, report
 from .inprocess import _on_server
 from .schedule import parse_lengths

@@ -33,12 +33,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pxrt.finish import DEADLINE, STOP
 
+from ..errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError
 from . import codec, core
-from .errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError
 
 if TYPE_CHECKING:
+    from ..options import GenerationLimits
     from .backend import Backend, ServedDecoder, TokenStream
-    from .options import GenerationLimits
 
 OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
 SSE = "text/event-stream"

@@ -1,15 +1,15 @@
-"""A front-end worker of ``pxrt serve --workers N`` (``serving.workers.Supervisor``
+"""A front-end worker of ``pxrt serve --workers N`` (``serving.workers.supervisor.Supervisor``
 starts it; nothing else should).
 
 It serves HTTP (uvicorn on the shared listening socket, with the connection guard and
 the native path) and gRPC (pxrt's HTTP/2) exactly as one ``pxrt serve`` process does,
-over a ``serving.remote.RemoteServer``: inference goes to the device process's queue,
+over a ``serving.workers.remote.RemoteServer``: inference goes to the device process's queue,
 everything else is answered there. It parses ``pxrt serve``'s own arguments for its
 limits; its share of the connection cap and of the request-body budget is ``1/N``.
 SIGTERM: stop accepting, answer what it accepted, exit. A worker whose device process
 is gone exits.
 
-    python -m serving.worker --ipc-fd FD --http-fd FD [--grpc-fd FD] --index I/N -- ARGS
+    python -m serving.workers.worker --ipc-fd FD --http-fd FD [--grpc-fd FD] --index I/N -- ARGS
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
-    own = argparse.ArgumentParser(prog="serving.worker")
+    own = argparse.ArgumentParser(prog="serving.workers.worker")
     own.add_argument("--ipc-fd", type=int, required=True)
     own.add_argument("--http-fd", type=int, required=True)
     own.add_argument("--grpc-fd", type=int, default=None)
@@ -36,7 +36,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     serve_argv = argv[split + 1 :]
     if serve_argv[:1] == ["serve"]:
         serve_argv = serve_argv[1:]
-    from .config import add_arguments
+    from ..config import add_arguments
 
     serve = argparse.ArgumentParser(prog="pxrt serve")
     add_arguments(serve)
@@ -46,13 +46,13 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from .access import Restrictions, TlsFiles
-    from .config import connection_shares, generation_limits, grpc_limits, http_limits
-    from .core import BodyBudget
-    from .grpc_native import GrpcServer
-    from .http import AppState, InferEndpoint, KServeApp, generation_app
-    from .http_limits import GuardedServer, guarded_protocol
-    from .loops import new_event_loop
+    from ..access import Restrictions, TlsFiles
+    from ..config import connection_shares, generation_limits, grpc_limits, http_limits
+    from ..grpc.native import GrpcServer
+    from ..http.app import AppState, InferEndpoint, KServeApp, generation_app
+    from ..http.limits import GuardedServer, guarded_protocol
+    from ..kserve.core import BodyBudget
+    from ..loops import new_event_loop
     from .remote import DeviceLink, ForwardApp, RemoteServer
 
     args, opts = _parse(sys.argv[1:] if argv is None else argv)

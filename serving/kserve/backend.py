@@ -2,7 +2,7 @@
 serves the models.
 
 Two things satisfy ``Backend``: ``serving.Server`` in process, and
-``serving.remote.RemoteServer``, a ``pxrt serve --workers`` worker's view of the device
+``serving.workers.remote.RemoteServer``, a ``pxrt serve --workers`` worker's view of the device
 process (its models and decoders as the device process described them; requests cross
 by shared memory). Every transport is typed against ``Backend`` (HTTP's native and ASGI
 paths, gRPC's native server, the workers' link, the request core), so mypy checks the
@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sized
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .options import GenerationLimits
+    from ..options import GenerationLimits
 
 
 class TensorInfo(Protocol):

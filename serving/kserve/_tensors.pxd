@@ -1,4 +1,4 @@
-# Strict JSON tensor data: the C-level API of serving/_tensors.pyx.
+# Strict JSON tensor data: the C-level API of serving/kserve/_tensors.pyx.
 
 # What a tensor's JSON elements must be, and what they are stored as while checked.
 cdef enum Kind:

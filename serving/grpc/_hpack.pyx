@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""HPACK header block decoding (RFC 7541) in C: ``serving._hpack_py`` is its pure-Python
+"""HPACK header block decoding (RFC 7541) in C: ``serving.grpc._hpack_py`` is its pure-Python
 twin, with the same API; tests hold both to the ``hpack`` package's encoder.
 
 One ``Decoder`` per HTTP/2 connection holds the dynamic table that the peer's encoder

@@ -5,9 +5,9 @@ base class and messages that Triton's client package ships
 (``tritonclient.grpc.service_pb2_grpc``), so the protocol is the one Triton's clients
 speak, not a copy of it. ``start_grpc(server, port)`` serves it with grpcio's asyncio
 server on the running loop (``pxrt serve --no-native-grpc``; by default ``pxrt serve``
-runs ``serving.grpc_native``, which answers inference from its own HTTP/2 frames and
+runs ``serving.grpc.native``, which answers inference from its own HTTP/2 frames and
 every other method with this class's coroutines). It translates gRPC only: inference
-goes through the request core (``serving.core``), whose error table gives each error its
+goes through the request core (``serving.kserve.core``), whose error table gives each error its
 status code, so gRPC and HTTP answer alike.
 
 Served: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig,
@@ -15,7 +15,7 @@ ModelStatistics, ModelInfer (``raw_input_contents`` or typed ``contents`` in,
 ``raw_output_contents`` out) and ModelStreamInfer (any number of requests in flight on
 one stream, each answered or failed on its own, in completion order, with its ``id``).
 RepositoryIndex, RepositoryModelLoad and RepositoryModelUnload drive a
-``serving.repository.Repository`` when there is one; shared memory answers UNIMPLEMENTED.
+``serving.engine.repository.Repository`` when there is one; shared memory answers UNIMPLEMENTED.
 
 Errors map to status codes as Triton's do: a malformed request or a validation error is
 INVALID_ARGUMENT, an unknown model or version NOT_FOUND, a full queue or a server that is
@@ -41,17 +41,17 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from . import codec, core, documents
-from .access import Forbidden, KeyRepeated, Restrictions, TlsFiles
-from .core import InferRequest
-from .errors import UnknownModel, require
-from .options import GrpcLimits
+from ..access import Forbidden, KeyRepeated, Restrictions, TlsFiles
+from ..errors import UnknownModel, require
+from ..kserve import codec, core, documents
+from ..kserve.core import InferRequest
+from ..options import GrpcLimits
 
 if TYPE_CHECKING:
     from pxrt import Model
 
-    from .repository import Repository
-    from .server import Server
+    from ..engine.repository import Repository
+    from ..engine.server import Server
 
 
 log = logging.getLogger("pxrt.grpc")
@@ -240,7 +240,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         async def generate(request: pb.ModelInferRequest) -> None:
             """A decoupled request: a response per token, then the final one; only the
             last one counts as the request's answer."""
-            from .generation_grpc import FINAL, responses
+            from ..kserve.generation_grpc import FINAL, responses
 
             async for response in responses(self.server, request):
                 if response.infer_response.parameters[FINAL].bool_param:

@@ -30,7 +30,7 @@ for ``uvicorn.Config(http=...)`` that:
   refused one is (FIN, what the client still sends dropped): a client whose request
   crossed the close reads the end of the connection, never a reset;
 - tells the app when a client hangs up before its response is complete, through the
-  ASGI scope extension ``serving.http.DISCONNECT_EXTENSION`` (no task per request).
+  ASGI scope extension ``serving.http.app.DISCONNECT_EXTENSION`` (no task per request).
 
 It subclasses uvicorn's ``HttpToolsProtocol`` and uses its internals (``connections``,
 ``cycle``, ``scope``, ``transport``, the parser callbacks), so the uvicorn version is
@@ -49,11 +49,11 @@ from typing import Any
 import orjson
 import uvicorn
 
-from .accept import Acceptor, linger_allowance
-from .http import DISCONNECT_EXTENSION, AppState
-from .http_native import NativeInferProtocol
-from .logs import RefusalLog
-from .options import HttpLimits
+from ..accept import Acceptor, linger_allowance
+from ..logs import RefusalLog
+from ..options import HttpLimits
+from .app import DISCONNECT_EXTENSION, AppState
+from .native import NativeInferProtocol
 
 log = logging.getLogger("pxrt.http")
 
@@ -288,7 +288,7 @@ def guarded_protocol(
     ``server`` (a ``serving.Server``), requests that arrive once it drains are answered
     with ``Connection: close`` even before uvicorn's shutdown begins. With ``native``
     (the app's state, ``app.state.pxrt``), inference and health take the native path
-    (``serving.http_native``)."""
+    (``serving.http.native``)."""
     return type(
         "GuardedHttpToolsProtocol",
         (GuardedHttpToolsProtocol,),
@@ -367,7 +367,7 @@ UVICORN_INTERNALS = (
     "connection_made",
     "connection_lost",
     "shutdown",
-    # and the native path's (serving.http_native)
+    # and the native path's (serving.http.native)
     "parser",
     "url",
     "client",

@@ -1,4 +1,4 @@
-# HPACK header blocks (RFC 7541), the C-level API of serving/_hpack.pyx.
+# HPACK header blocks (RFC 7541), the C-level API of serving/grpc/_hpack.pyx.
 
 cdef class Decoder:
     cdef readonly Py_ssize_t max_table_size  # what SETTINGS_HEADER_TABLE_SIZE advertised

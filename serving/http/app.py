@@ -4,7 +4,7 @@
 Triton-style model config and statistics, inference with JSON or binary tensors, the
 model repository when there is one, and ``/metrics`` in Prometheus text format. The
 endpoints translate HTTP only: inference goes through the request core
-(``serving.core``), whose error table gives each error its status, so HTTP and gRPC
+(``serving.kserve.core``), whose error table gives each error its status, so HTTP and gRPC
 answer alike. Errors come back as ``{"error": "..."}``: 400 for a malformed request or a
 validation error, 404 for an unknown model, version or path, 405 for a wrong method, 413
 for a body (or its JSON part) over the limit (refused before it is read), 429 with
@@ -13,7 +13,7 @@ already holds its budget of request bodies, 504 when the request's deadline pass
 the queue, 500 when its batch failed or anything unexpected happened (logged in one
 line). A client that hangs up takes its request out of the queue if it was not
 dispatched yet. Limits on connections, header sizes and slow clients are the HTTP
-protocol's (``serving.http_limits``), which ``pxrt serve`` uses.
+protocol's (``serving.http.limits``), which ``pxrt serve`` uses.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from . import codec, core, documents, generation
-from .access import Restrictions
-from .codec import ProtocolError
-from .core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
-from .errors import RepositoryError, ServingError, require
-from .options import HttpLimits
+from ..access import Restrictions
+from ..errors import RepositoryError, ServingError, require
+from ..kserve import codec, core, documents, generation
+from ..kserve.codec import ProtocolError
+from ..kserve.core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
+from ..options import HttpLimits
 
 if TYPE_CHECKING:
-    from .backend import Backend, ServedModel
-    from .repository import Repository
-    from .server import Server
+    from ..engine.repository import Repository
+    from ..engine.server import Server
+    from ..kserve.backend import Backend, ServedModel
 
 
 log = logging.getLogger("pxrt.http")
@@ -54,7 +54,7 @@ HEADER_LENGTH = "inference-header-content-length"
 # The ASGI scope extension through which the app learns that a client hung up: a
 # function taking a callback, called (on the loop) if the connection is lost before the
 # response is complete. No task per request waiting on receive(). ``pxrt serve``'s
-# protocol (``serving.http_limits``) provides it.
+# protocol (``serving.http.limits``) provides it.
 DISCONNECT_EXTENSION = "pxrt.on_disconnect"
 
 
@@ -86,7 +86,7 @@ def create_app(
     Mount it in your own ASGI app, or run it with uvicorn (``pxrt serve`` does). It
     takes inference requests while ``server.ready`` and not ``server.draining``. Of
     ``limits`` the app enforces the body sizes; the connection and timing limits are
-    the protocol's (``serving.http_limits.guarded_protocol``). ``restrictions``: the API
+    the protocol's (``serving.http.limits.guarded_protocol``). ``restrictions``: the API
     groups that answer only requests carrying their key (``serving.access``).
     """
     state = AppState(

@@ -8,7 +8,7 @@ range. Nothing is cast silently: a JSON float for an integer tensor, or an integ
 of its type's range, is an error (``ProtocolError``, naming the input).
 
 What a request asks beyond its tensors (its id, outputs, timeout) is read here too; the
-request core (``serving.core``) puts it together.
+request core (``serving.kserve.core``) puts it together.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import orjson
 
 from pxrt._ext import twin
 
-tensors = twin("serving._tensors", "serving._tensors_py")
+tensors = twin("serving.kserve._tensors", "serving.kserve._tensors_py")
 
 # v2 datatype <-> numpy dtype, and the Triton config type names.
 DATATYPES: dict[str, np.dtype] = {

@@ -26,10 +26,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from . import codec
-from .access import Forbidden, KeyRepeated
-from .codec import ProtocolError
-from .errors import (
+from ..access import Forbidden, KeyRepeated
+from ..errors import (
     DeadlineExceeded,
     ExecutionFailed,
     NoRepository,
@@ -39,7 +37,9 @@ from .errors import (
     ServingError,
     UnknownModel,
 )
-from .logs import printable
+from ..logs import printable
+from . import codec
+from .codec import ProtocolError
 
 if TYPE_CHECKING:
     from .backend import Backend, ServedDecoder, ServedModel

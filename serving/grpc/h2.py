@@ -4,7 +4,7 @@ grpcio's server costs ~250-300 us of CPU per call on this kind of machine before
 servicer code runs (``benchmarks/grpc_floor.py``), and the ``h2`` package ~270 us per
 request/response in its state machine alone; pxrt's HTTP/1.1 path costs ~80 us in all.
 This module is the lean alternative: frames are parsed with one ``struct`` call each,
-header blocks are decoded by the Cython HPACK decoder (``serving._hpack``, or its
+header blocks are decoded by the Cython HPACK decoder (``serving.grpc._hpack``, or its
 pure-Python twin), and everything a connection writes in one turn of the event loop
 goes out in one ``writelines`` (the answers to a whole batch of calls: one system call).
 
@@ -44,11 +44,11 @@ from typing import Any, Generic, TypeVar
 
 from pxrt._ext import twin
 
-from .accept import linger_allowance
+from ..accept import linger_allowance
+from ..logs import RefusalLog
 from .hpack_tables import STATIC_TABLE, HpackError
-from .logs import RefusalLog
 
-hpack = twin("serving._hpack", "serving._hpack_py")
+hpack = twin("serving.grpc._hpack", "serving.grpc._hpack_py")
 
 log = logging.getLogger("pxrt.h2")
 
@@ -230,7 +230,7 @@ _TRANSITIONS: dict[tuple[StreamState, Event], StreamState] = {
 
 class Stream:
     """One request/response exchange on a connection. ``H2Protocol`` owns the fields
-    below; subclasses (``serving.grpc_native``) add their own slots."""
+    below; subclasses (``serving.grpc.native``) add their own slots."""
 
     __slots__ = (
         "id",

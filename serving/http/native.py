@@ -4,23 +4,23 @@ the HTTP parser's callbacks, without the ASGI stack.
 Starlette on uvicorn costs ~200 us of CPU per request before pxrt's request core runs
 (the ASGI scope and messages, a task per request, routing, the Request and Response
 objects); the core itself costs a few. ``NativeInferProtocol`` sits under the connection
-guard (``serving.http_limits``) in uvicorn's httptools protocol and takes, when the
+guard (``serving.http.limits``) in uvicorn's httptools protocol and takes, when the
 connection has no other request in progress:
 
 - ``POST /v2/models/{model}[/versions/{version}]/infer``: the restricted-API key, the
   declared length, the model's readiness and existence are checked once the headers are
   in (and answered at once, the rest of the body discarded); the body is gathered
   within the same per-request limit and app-wide budget as the ASGI path
-  (``serving.http.Upload``); then the request core decodes it (binary tensors as views
+  (``serving.http.app.Upload``); then the request core decodes it (binary tensors as views
   of the received bytes, JSON through the Cython walk) and queues it
-  (``serving.core.start``), and the future's callback writes the reply with
+  (``serving.kserve.core.start``), and the future's callback writes the reply with
   ``writelines`` (status line and headers, the JSON header, each output's bytes: never
   joined). No task or coroutine per request.
 - ``POST /v2/models/{model}[/versions/{version}]/generate_stream`` (generation, as
   server-sent events): checked and gathered the same way, submitted (one task, until the
   decoder accepts it), then each step's tokens are written as one chunk from the
   generation's listener (``pxrt.Generation.listen``): no task, future or async
-  generator per token. The events are those of the ASGI path (``serving.generation``'s
+  generator per token. The events are those of the ASGI path (``serving.kserve.generation``'s
   ``KServeCall``); a client that hangs up cancels the generation.
 - ``GET /v2/health/live`` and ``/v2/health/ready``.
 
@@ -45,20 +45,13 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from . import codec, core
-from .access import header_values
-from .core import TooLarge, Upload
-from .http import (
-    HEADER_LENGTH,
-    AppState,
-    error_reply,
-    fast_route,
-    readiness,
-    request_decoder,
-)
+from ..access import header_values
+from ..kserve import codec, core
+from ..kserve.core import TooLarge, Upload
+from .app import HEADER_LENGTH, AppState, error_reply, fast_route, readiness, request_decoder
 
 if TYPE_CHECKING:
-    from .backend import ServedModel
+    from ..kserve.backend import ServedModel
 
 
 _STATUS = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
@@ -176,7 +169,7 @@ class NativeCycle:
             else:
                 core.resolve(state.server, self.name, self.version)  # before the body
             if self.kind == _STREAM:
-                from .generation import upload
+                from ..kserve.generation import upload
 
                 self.upload = upload(state.server, state.budget, length)
             else:
@@ -339,12 +332,12 @@ class Stream:
 
     def __init__(self, cycle: NativeCycle) -> None:
         self.cycle = cycle
-        self.call: Any = None  # serving.generation.KServeCall, once open
-        self.pieces: Any = None  # serving.generation.Pieces
+        self.call: Any = None  # serving.kserve.generation.KServeCall, once open
+        self.pieces: Any = None  # serving.kserve.generation.Pieces
         self.task: asyncio.Task | None = None
 
     def open(self, state: AppState, body: Any) -> None:
-        from .generation import KServeCall, body_of
+        from ..kserve.generation import KServeCall, body_of
 
         cycle = self.cycle
         params = {"model": cycle.name, "version": cycle.version}
@@ -357,7 +350,7 @@ class Stream:
         self.task.add_done_callback(self._opened)
 
     def _opened(self, task: asyncio.Task) -> None:
-        from .generation import Pieces
+        from ..kserve.generation import Pieces
 
         self.task = None
         cycle = self.cycle

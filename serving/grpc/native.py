@@ -1,4 +1,4 @@
-"""KServe v2 gRPC on pxrt's own HTTP/2 (``serving.h2``): what ``pxrt serve --grpc-port``
+"""KServe v2 gRPC on pxrt's own HTTP/2 (``serving.grpc.h2``): what ``pxrt serve --grpc-port``
 runs unless ``--no-native-grpc``.
 
 grpcio's server costs ~250-300 us of CPU per call before a servicer runs; this one
@@ -46,17 +46,18 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from . import codec, core, h2
-from .accept import Acceptor, linger_allowance, listening_socket
-from .access import Restrictions, TlsFiles, header_values
-from .core import BodyBudget, InferRequest
-from .grpc_server import GROUPS, GRPCService, Malformed, _checked, _parser
-from .options import GrpcLimits
+from ..accept import Acceptor, linger_allowance, listening_socket
+from ..access import Restrictions, TlsFiles, header_values
+from ..kserve import codec, core
+from ..kserve.core import BodyBudget, InferRequest
+from ..options import GrpcLimits
+from . import h2
+from .service import GROUPS, GRPCService, Malformed, _checked, _parser
 
 if TYPE_CHECKING:
-    from .backend import Backend, ServedModel
-    from .repository import Repository
-    from .server import Server
+    from ..engine.repository import Repository
+    from ..engine.server import Server
+    from ..kserve.backend import Backend, ServedModel
 
 
 log = logging.getLogger("pxrt.grpc")
@@ -556,7 +557,7 @@ class GrpcProtocol(h2.H2Protocol[Call]):
 
     def _stream_request(self, call: Call, data: Any, held: int) -> None:
         """Take one request of a stream: queued, or answered at once with its error. A
-        request to a decoder generates (``serving.generation_grpc``)."""
+        request to a decoder generates (``serving.kserve.generation_grpc``)."""
         try:
             name, version, decode = _decoder(data, None)
             if self.server.is_decoder(name):
@@ -606,7 +607,7 @@ class GrpcProtocol(h2.H2Protocol[Call]):
     async def _generation(self, call: Call, data: Any, held: int) -> None:
         """One decoupled request: a response per token, then the final one (or its
         error). The stream's reset cancels it, and with it the generation."""
-        from .generation_grpc import responses
+        from ..kserve.generation_grpc import responses
 
         try:
             async for response in responses(self.server, _parse(data)):
@@ -954,7 +955,7 @@ async def start_grpc(
     sock: Any = None,
 ) -> GrpcServer:
     """Serve ``GRPCInferenceService`` for ``server`` on ``host:port`` on the running
-    loop (as ``serving.grpc_server.start_grpc`` does with grpcio); returns the started
+    loop (as ``serving.grpc.service.start_grpc`` does with grpcio); returns the started
     server."""
     grpc_server = GrpcServer(
         server,

@@ -18,7 +18,7 @@ A model with named dimensions has a lane per set of compiled lengths, and each r
 waits in the cheapest lane that holds it. The lane of the oldest request goes first; how
 big its batch is (which cell) and which shorter requests ride along in it (paying padding
 instead of waiting for a batch of their own) is decided from each cell's execution time
-measured at load (``cell_policy="cost"``, see ``serving.policy.choose_cell``); ``"oldest"``
+measured at load (``cell_policy="cost"``, see ``serving.engine.policy.choose_cell``); ``"oldest"``
 runs the lane of the oldest request alone, up to ``max_batch_size`` rows.
 
 Queue policy: a full queue rejects at once (``Overloaded``, with a retry-after
@@ -39,9 +39,9 @@ from collections.abc import Callable
 from pxrt import Model
 from pxrt.dispatch import Batch, Request
 
-from .errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
+from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
+from ..options import BatchingOptions
 from .metrics import Metrics
-from .options import BatchingOptions
 from .policy import Choice, choose_cell, efficient_cap
 
 # Measurements use perf_counter: uvloop's loop.time() moves in whole milliseconds.

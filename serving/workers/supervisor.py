@@ -1,9 +1,9 @@
 """``pxrt serve --workers N``: front-end worker processes around one device process.
 
 The device process (``pxrt serve`` itself) owns the models, the batching and the
-devices; it binds the listening sockets and starts ``N`` workers (``serving.worker``),
+devices; it binds the listening sockets and starts ``N`` workers (``serving.workers.worker``),
 which share them: each accepts, parses and decodes HTTP and gRPC as one ``pxrt serve``
-does, and sends what it decoded here over a Unix socket (``serving.ipc``: tensors
+does, and sends what it decoded here over a Unix socket (``serving.workers.ipc``: tensors
 inline or through shared memory, never pickled). Everything but inference (metadata,
 config, statistics, ``/metrics``, the repository) is answered here by the device
 process's own front end, so every worker shows one view of them.
@@ -28,17 +28,13 @@ import sys
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from . import core, ipc
-from .errors import (
-    ExecutionFailed,
-    Overloaded,
-    ServerClosed,
-    ServingError,
-)
+from ..errors import ExecutionFailed, Overloaded, ServerClosed, ServingError
+from ..kserve import core
+from . import ipc
 
 if TYPE_CHECKING:
-    from .grpc_native import Method
-    from .server import Server
+    from ..engine.server import Server
+    from ..grpc.native import Method
 
 log = logging.getLogger("pxrt.workers")
 
@@ -84,7 +80,7 @@ def _spec(name: str, spec: Any) -> ipc.Spec:
 
 
 def error_of(exc: BaseException) -> ipc.Error:
-    """An exception as it crosses to a worker (``serving.remote`` raises it again): its
+    """An exception as it crosses to a worker (``serving.workers.remote`` raises it again): its
     kind in the request core's error table (``core.error_kind``)."""
     retry = exc.retry_after_s if isinstance(exc, Overloaded) else 0.0
     return ipc.Error(core.error_kind(exc), str(exc), retry)
@@ -228,7 +224,7 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - its step failed, its decoder closed
             from pxrt.generate import DecoderClosed
 
-            if isinstance(exc, DecoderClosed):  # (as serving.generation answers them)
+            if isinstance(exc, DecoderClosed):  # (as serving.kserve.generation answers them)
                 exc = ServerClosed(str(exc))
             elif not isinstance(exc, ServingError):
                 exc = ExecutionFailed(str(exc))
@@ -243,7 +239,7 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
         try:
             reply = await self._answer(call)
         except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500 / INTERNAL
-            from .core import internal_error
+            from ..kserve.core import internal_error
 
             error = internal_error(f"forwarded {call.kind} {call.method}", exc)
             status = 500 if call.kind == "http" else 13
@@ -257,7 +253,7 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
                 self.supervisor.app, call.method, call.target, call.headers, bytes(call.body)
             )
             return ipc.Reply(call.cid, status, headers, memoryview(body))
-        from .grpc_native import run_method
+        from ..grpc.native import run_method
 
         method = self.supervisor.methods.get((SERVICE + call.method).encode())
         if method is None or method.impl is None:
@@ -321,7 +317,7 @@ class Supervisor:
     Args:
       server: the device process's ``Server``.
       app: the device process's KServe v2 ASGI app: it answers what workers forward.
-      methods: ``serving.grpc_native.methods`` of its ``GRPCService``: the same, gRPC.
+      methods: ``serving.grpc.native.methods`` of its ``GRPCService``: the same, gRPC.
       argv: ``pxrt serve``'s arguments: each worker parses them for its limits.
       sockets: name ("http", "grpc") -> listening socket the workers share.
     """
@@ -364,7 +360,7 @@ class Supervisor:
         ours, theirs = socket.socketpair()
         fds = {name: sock.fileno() for name, sock in self.sockets.items()}
         cmd = [
-            sys.executable, "-m", "serving.worker",
+            sys.executable, "-m", "serving.workers.worker",
             "--ipc-fd", str(theirs.fileno()),
             *[f"--{name}-fd={fd}" for name, fd in fds.items()],
             "--index", f"{index}/{self.count}",

@@ -26,9 +26,9 @@ import os
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .errors import RepositoryError, UnknownModel
-from .logs import printable
-from .options import BatchingOptions
+from ..errors import RepositoryError, UnknownModel
+from ..logs import printable
+from ..options import BatchingOptions
 
 if TYPE_CHECKING:
     from .server import Server

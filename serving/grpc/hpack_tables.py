@@ -1,7 +1,8 @@
 """HPACK (RFC 7541): the static table, the Huffman code, and what both decoders share.
 
-The decoders are ``serving._hpack`` (Cython) and its pure-Python twin ``serving._hpack_py``
-(``PXRT_NO_EXTENSIONS=1``); ``serving.h2`` takes whichever ``pxrt._ext.twin`` chooses.
+The decoders are ``serving.grpc._hpack`` (Cython) and its pure-Python twin
+``serving.grpc._hpack_py`` (``PXRT_NO_EXTENSIONS=1``); ``serving.grpc.h2`` takes whichever
+``pxrt._ext.twin`` chooses.
 Tests hold both to the ``hpack`` package's encoder and to RFC 7541's examples.
 
 The Huffman code is decoded four bits at a time by a state machine over the code's tree

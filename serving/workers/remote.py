@@ -24,13 +24,10 @@ import numpy as np
 
 from pxrt.finish import CANCELLED, ERROR
 
-from . import core, ipc
-from .errors import (
-    ServerClosed,
-    no_model,
-    no_version,
-)
-from .options import GenerationLimits
+from ..errors import ServerClosed, no_model, no_version
+from ..kserve import core
+from ..options import GenerationLimits
+from . import ipc
 
 log = logging.getLogger("pxrt.worker")
 
@@ -434,7 +431,7 @@ class RemoteServer:
         self, method: Any, data: bytes, headers: list, remaining: float | None
     ) -> tuple[int, str, bytes]:
         """A gRPC method other than inference, answered by the device process (as
-        ``serving.grpc_native.run_method`` there)."""
+        ``serving.grpc.native.run_method`` there)."""
         metadata = [(k, v) for k, v in headers if not k.startswith(b":")]
         try:
             reply = await self.call(

@@ -1,8 +1,8 @@
-# Types of serving/_tensors.pyx (strict JSON tensor data) as Python sees it;
-# serving/_tensors_py.py is its pure-Python twin with the same API.
+# Types of serving/kserve/_tensors.pyx (strict JSON tensor data) as Python sees it;
+# serving/kserve/_tensors_py.py is its pure-Python twin with the same API.
 import numpy as np
 
-# What a tensor's JSON elements must be (serving/_tensors.pxd's Kind).
+# What a tensor's JSON elements must be (serving/kserve/_tensors.pxd's Kind).
 BOOL: int
 INT: int
 UINT: int

@@ -76,7 +76,7 @@ class Served(msgspec.Struct, array_like=True):
 
 class Error(msgspec.Struct, array_like=True):
     """An exception, by its kind in the request core's error table
-    (``serving.core.error_kind``)."""
+    (``serving.kserve.core.error_kind``)."""
 
     kind: str
     message: str

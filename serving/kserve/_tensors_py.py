@@ -1,4 +1,4 @@
-"""Pure-Python twin of ``serving._tensors`` (used with PXRT_NO_EXTENSIONS=1): the same
+"""Pure-Python twin of ``serving.kserve._tensors`` (used with PXRT_NO_EXTENSIONS=1): the same
 strict decoding of JSON tensor data, element by element in Python."""
 
 from __future__ import annotations

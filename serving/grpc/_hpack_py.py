@@ -1,4 +1,4 @@
-"""HPACK header block decoding (RFC 7541), pure Python: the twin of ``serving._hpack``.
+"""HPACK header block decoding (RFC 7541), pure Python: the twin of ``serving.grpc._hpack``.
 
 One ``Decoder`` per HTTP/2 connection holds the dynamic table that the peer's encoder
 fills; ``decode(block)`` returns the block's header list as ``(name, value)`` byte-string

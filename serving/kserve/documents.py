@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..options import BatchingOptions
 from .codec import datatype_of, protocol_dims
-from .options import BatchingOptions
 
 if TYPE_CHECKING:
     from pxrt import Model

@@ -25,8 +25,8 @@ from tritonclient.grpc import service_pb2 as pb
 from . import codec, core, generation
 
 if TYPE_CHECKING:
+    from ..options import GenerationLimits
     from .backend import Backend
-    from .options import GenerationLimits
 
 _LEN = struct.Struct("<I")
 FINAL = "triton_final_response"

@@ -26,21 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from pxrt import Model
 
+from ..errors import DeadlineExceeded, Overloaded, ServerClosed, ServingError, no_model, no_version
 from .batcher import Batcher
-from .errors import (
-    DeadlineExceeded,
-    Overloaded,
-    ServerClosed,
-    ServingError,
-    no_model,
-    no_version,
-)
 
 if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
-from .loops import new_event_loop
+from ..loops import new_event_loop
+from ..options import BatchingOptions, GenerationLimits
 from .metrics import Metrics
-from .options import BatchingOptions, GenerationLimits
 
 
 async def _raise(exc: BaseException) -> Any:

@@ -1,6 +1,6 @@
-# Types of serving/_hpack.pyx (HPACK header blocks, RFC 7541) as Python sees it;
-# serving/_hpack_py.py is its pure-Python twin with the same API.
-from serving.hpack_tables import HpackError as HpackError
+# Types of serving/grpc/_hpack.pyx (HPACK header blocks, RFC 7541) as Python sees it;
+# serving/grpc/_hpack_py.py is its pure-Python twin with the same API.
+from serving.grpc.hpack_tables import HpackError as HpackError
 
 def huffman_decode(data: bytes | bytearray | memoryview) -> bytes: ...
 

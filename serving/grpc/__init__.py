@@ -1,0 +1,1 @@
+"""gRPC: the service's methods, pxrt's own HTTP/2 server and HPACK."""
