@@ -38,29 +38,26 @@ demo: $(STAMP)
 
 # One pass runs every module but the gRPC and Ray ones (4 virtual devices, the Cython
 # build). tritonclient.grpc and kserve register the same protobuf names, so the gRPC
-# tests run in a pytest of their own (on one device). The modules marked `devices` (how
-# batches split over the devices) or `twins` (the Cython modules end to end) run again
-# on one device with the pure-Python twins. The Ray Serve tests (one device) start a
-# local Ray and mostly wait on it: they run beside the other steps, from the start, and
-# their output follows. Two pytest workers share the cores, a module each at a time;
-# every step shares one compilation cache, so a program is compiled once per device
-# count, not once per process. --durations: the slowest tests of each run.
+# tests run in a pytest of their own, on one device, with the Ray Serve ones (which
+# start a local Ray and mostly wait on it, beside the gRPC modules). The modules marked
+# `devices` (how batches split over the devices) or `twins` (the Cython modules end to
+# end) run again on one device with the pure-Python twins. Three pytest workers share
+# the two cores, a module each at a time (a test often waits on a server process it
+# started: a third keeps the cores busy meanwhile); every step shares one compilation
+# cache, so a program is compiled once per device count, not once per process.
+# --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=20
-XDIST := -n 2 --dist loadfile
+XDIST := -n 3 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
 SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
 	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py
 
 test: lint
-	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); ray_log=$$(mktemp); \
-	$(PYTEST) tests/test_ray.py > $$ray_log 2>&1 & ray=$$!; \
+	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); \
 	$(FOUR) $(PYTEST) $(XDIST) $(SUITE) \
-	&& $(PYTEST) $(XDIST) $(GRPC) \
+	&& $(PYTEST) $(XDIST) tests/test_ray.py $(GRPC) \
 	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE); \
-	status=$$?; wait $$ray; ray_status=$$?; \
-	echo "--- tests/test_ray.py, run beside the steps above:"; cat $$ray_log; \
-	rm -rf "$$PXRT_CACHE_DIR" $$ray_log; \
-	if [ $$status -ne 0 ]; then exit $$status; fi; exit $$ray_status
+	status=$$?; rm -rf "$$PXRT_CACHE_DIR"; exit $$status
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name

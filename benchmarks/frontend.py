@@ -9,6 +9,9 @@ ratios against the first configuration.
     python benchmarks/frontend.py [--configs asgi,native] [--protocols http,grpc]
         [--concurrency 64] [--repeats 3] [--interval-ms 3000]
 
+A config ``native@/path/to/other/checkout`` runs ``native`` from another tree: a change
+measured against the tree before it, in one run.
+
 perf_analyzer comes with Triton's client tools (``pip install perf-analyzer`` where its
 wheel's glibc matches); give its command with ``--perf-analyzer`` or
 ``PXRT_PERF_ANALYZER`` (default: ``perf_analyzer`` on PATH).
@@ -80,15 +83,22 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Served:
-    """One `pxrt serve` process (HTTP and gRPC ports) and its counters."""
+    """One `pxrt serve` process (HTTP and gRPC ports) and its counters. A config named
+    ``NAME@DIR`` runs config NAME from another checkout of pxrt at DIR (its extensions
+    built in place: ``python setup.py build_ext --inplace``), to compare two trees."""
 
-    def __init__(self, name: str, path: str, flags: list[str]) -> None:
+    def __init__(self, name: str, path: str) -> None:
         self.name = name
+        config, _, tree = name.partition("@")
+        flags = CONFIGS[config]
+        env = dict(os.environ)
+        if tree:
+            env["PYTHONPATH"] = os.path.abspath(tree)
         self.http, self.grpc = free_port(), free_port()
         cmd = [sys.executable, "-m", "serving.cli", "serve", path, "--port", str(self.http),
                "--grpc-port", str(self.grpc), *flags]  # fmt: skip
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            cmd, cwd=tree or ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         for _ in range(1200):
             try:
@@ -173,7 +183,7 @@ def main() -> None:
     protocols = args.protocols.split(",")
     with tempfile.TemporaryDirectory() as root:
         path = export_trivial(root)
-        servers = [Served(c, path, CONFIGS[c]) for c in configs]
+        servers = [Served(c, path) for c in configs]
         results: dict[tuple[str, str], list[dict]] = {}
         try:
             for r in range(args.repeats):

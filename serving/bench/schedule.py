@@ -66,7 +66,10 @@ class Schedule:
         return dataclasses.replace(self, rate=rate, end_rate=end)
 
     def times(self, duration: float, seed: int = 0) -> np.ndarray:
-        """Send times in seconds from the start, ascending, all below ``duration``."""
+        """Send times in seconds from the start, ascending, all below ``duration``. For
+        constant, Poisson and gamma arrivals the first is at 0 (as vLLM's benchmark
+        sends its first request at once): such a run is never empty, however low its
+        rate."""
         rng = np.random.default_rng(seed)
         if self.kind == "trace":
             times = np.asarray(self.trace, float)
@@ -74,17 +77,18 @@ class Schedule:
         if self.kind == "ramp":
             return _ramp(self.rate, self.end_rate, duration, rng)
         n = int(self.rate * duration * 1.2) + 16  # enough gaps, cut below
-        if self.kind == "constant":
-            gaps = np.full(n, 1.0 / self.rate)
-        elif self.kind == "poisson":
-            gaps = rng.exponential(1.0 / self.rate, n)
-        else:  # gamma
-            b = self.burstiness
-            gaps = rng.gamma(b, 1.0 / (self.rate * b), n)
-        times = np.cumsum(gaps)
+
+        def gaps() -> np.ndarray:
+            if self.kind == "constant":
+                return np.full(n, 1.0 / self.rate)
+            if self.kind == "poisson":
+                return rng.exponential(1.0 / self.rate, n)
+            b = self.burstiness  # gamma
+            return rng.gamma(b, 1.0 / (self.rate * b), n)
+
+        times = np.concatenate([[0.0], np.cumsum(gaps())])
         while times[-1] < duration:  # (rare: a slow draw)
-            more = self.times(duration - times[-1], seed + 1) + times[-1]
-            times = np.concatenate([times, more])
+            times = np.concatenate([times, times[-1] + np.cumsum(gaps())])
         return times[times < duration]
 
 
