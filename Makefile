@@ -41,13 +41,13 @@ demo: $(STAMP)
 # tests run in a pytest of their own, on one device, with the Ray Serve ones (which
 # start a local Ray and mostly wait on it, beside the gRPC modules). The modules marked
 # `devices` (how batches split over the devices) or `twins` (the Cython modules end to
-# end) run again on one device with the pure-Python twins. Three pytest workers share
-# the two cores, a module each at a time (a test often waits on a server process it
-# started: a third keeps the cores busy meanwhile); every step shares one compilation
-# cache, so a program is compiled once per device count, not once per process.
+# end) run again on one device with the pure-Python twins. Two pytest workers share the
+# cores, a module each at a time (a third gained nothing: 429 s against 437 s for the
+# first step); every step shares one compilation cache, so a program is compiled once
+# per device count, not once per process.
 # --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=20
-XDIST := -n 3 --dist loadfile
+XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
 SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
 	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py

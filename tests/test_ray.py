@@ -9,24 +9,29 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 import httpx
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+# Ray's own modules warn of their deprecations (at import, and in its calls): not
+# pxrt's to fix.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    from ray import serve
+
+    from serving.ray import PxrtHandle, pxrt_app
 
 import tritonclient.http as httpclient  # noqa: E402
 from models import MODELS, assert_matches, random_request, reference  # noqa: E402
-from ray import serve  # noqa: E402
 from servers import ServeProcess, free_ports, make_certs  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from serving import Overloaded  # noqa: E402
 from serving.kserve.codec import datatype_of  # noqa: E402
-from serving.ray import PxrtHandle, pxrt_app  # noqa: E402
 
-# Ray's own modules warn of their deprecations: not pxrt's to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
