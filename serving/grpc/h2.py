@@ -188,10 +188,14 @@ class Settings:
 class Event(enum.Enum):
     """What moves a stream from one state to the next (``Stream.to``)."""
 
-    RECV_END = "the client's END_STREAM"
-    END_QUEUED = "the server's END_STREAM queued behind data waiting for the windows"
-    SEND_END = "the server's END_STREAM sent"
-    RESET = "a reset, either way, or the connection lost"
+    RECV_END = (0, "the client's END_STREAM")
+    END_QUEUED = (1, "the server's END_STREAM queued behind data waiting for the windows")
+    SEND_END = (2, "the server's END_STREAM sent")
+    RESET = (3, "a reset, either way, or the connection lost")
+
+    def __init__(self, index: int, text: str) -> None:
+        self.index = index  # in StreamState.moves
+        self.text = text
 
 
 class StreamState(enum.Enum):
@@ -211,6 +215,10 @@ class StreamState(enum.Enum):
         self.remote_closed = remote_closed
         self.ending = ending
         self.local_closed = local_closed
+        #: The state each event leads to, by ``Event.index`` (None: not a move from
+        #: here). Filled from ``_TRANSITIONS``: a tuple index on the hot path, where a
+        #: dict keyed by enum members would hash them in Python.
+        self.moves: tuple[StreamState | None, ...] = ()
 
 
 _S, _E = StreamState, Event
@@ -226,6 +234,8 @@ _TRANSITIONS: dict[tuple[StreamState, Event], StreamState] = {
     (_S.HALF_CLOSED_REMOTE_ENDING, _E.SEND_END): _S.CLOSED,
     **{(state, _E.RESET): _S.CLOSED for state in _S},
 }
+for _state in _S:
+    _state.moves = tuple(_TRANSITIONS.get((_state, event)) for event in _E)
 
 
 class Stream:
@@ -235,6 +245,10 @@ class Stream:
     __slots__ = (
         "id",
         "state",  # a StreamState: moved by ``to`` alone
+        # The state's three facts, copied by ``to`` (read on every frame: a slot read):
+        "remote_closed",  # the client sent END_STREAM (or the stream was reset)
+        "ending",  # the server sent or queued its END_STREAM (or reset it): no more to send
+        "local_closed",  # the server sent its END_STREAM (or the stream was reset)
         # What the server may still send on it (the peer's window) is the connection's
         # ``peer_initial_window`` plus this: the client's increments less what was sent.
         # A SETTINGS that changes the initial window changes every stream's at once.
@@ -250,6 +264,7 @@ class Stream:
     def __init__(self, stream_id: int, recv_window: int) -> None:
         self.id = stream_id
         self.state = StreamState.OPEN
+        self.remote_closed = self.ending = self.local_closed = False
         self.send_credit = 0
         self.recv_window = recv_window
         self.unacked = 0
@@ -260,22 +275,15 @@ class Stream:
 
     def to(self, event: Event) -> None:
         """Move to the state ``event`` leads to (a move the table lacks is a bug)."""
-        self.state = _TRANSITIONS[self.state, event]
-
-    @property
-    def remote_closed(self) -> bool:
-        """The client sent END_STREAM (or the stream was reset)."""
-        return self.state.remote_closed
-
-    @property
-    def ending(self) -> bool:
-        """The server sent or queued its END_STREAM (or reset it): it sends no more."""
-        return self.state.ending
-
-    @property
-    def local_closed(self) -> bool:
-        """The server sent END_STREAM (or reset it)."""
-        return self.state.local_closed
+        state = self.state.moves[event.index]
+        if state is None:
+            raise AssertionError(
+                f"stream {self.id}: no move from {self.state.name} on {event.name}"
+            )
+        self.state = state
+        self.remote_closed = state.remote_closed
+        self.ending = state.ending
+        self.local_closed = state.local_closed
 
 
 def _view(part: Any) -> memoryview:
