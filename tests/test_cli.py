@@ -204,8 +204,9 @@ def test_inspect_shows_a_decoder(tmp_path):
     from pxrt import demo
 
     path = demo.export_lm(
-        str(tmp_path / "lm"), max_length=64, prefill_lengths=(8, 16), prefill_batches=(1, 2)
-    )
+        str(tmp_path / "lm"), max_length=64, prefill_lengths=(8, 16), prefill_batches=(1, 2),
+        dim=16, heads=2, layers=1,
+    )  # fmt: skip
     result = _pxrt("inspect", path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
