@@ -38,13 +38,13 @@ demo: $(STAMP)
 
 # One pass runs every module but the gRPC and Ray ones (4 virtual devices, the Cython
 # build). tritonclient.grpc and kserve register the same protobuf names, so the gRPC
-# tests run in a pytest of their own, on one device, with the Ray Serve ones (which
-# start a local Ray and mostly wait on it, beside the gRPC modules). The modules marked
-# `devices` (how batches split over the devices) or `twins` (the Cython modules end to
-# end) run again on one device with the pure-Python twins. Two pytest workers share the
-# cores, a module each at a time (a third gained nothing: 429 s against 437 s for the
-# first step); every step shares one compilation cache, so a program is compiled once
-# per device count, not once per process.
+# tests run in a pytest of their own, on one device. The modules marked `devices` (how
+# batches split over the devices) or `twins` (the Cython modules end to end) run again on
+# one device with the pure-Python twins. Two pytest workers share the cores, a module each
+# at a time (a third gained nothing: 429 s against 437 s for the first step); every step
+# shares one compilation cache, so a program is compiled once per device count, not once
+# per process. Ray Serve's module runs last and alone: it mostly waits on Ray's own
+# processes, and beside another module it took 190 s instead of 75.
 # --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=20
 XDIST := -n 2 --dist loadfile
@@ -55,8 +55,9 @@ SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
 test: lint
 	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); \
 	$(FOUR) $(PYTEST) $(XDIST) $(SUITE) \
-	&& $(PYTEST) $(XDIST) tests/test_ray.py $(GRPC) \
-	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE); \
+	&& $(PYTEST) $(XDIST) $(GRPC) \
+	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE) \
+	&& $(PYTEST) tests/test_ray.py; \
 	status=$$?; rm -rf "$$PXRT_CACHE_DIR"; exit $$status
 
 bench: $(STAMP)
@@ -88,8 +89,9 @@ STUBS := pxrt._batch pxrt._handlers pxrt._keys pxrt._slots serving.kserve._tenso
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
-	$(VENV)/bin/mypy
-	$(PY) -m mypy.stubtest --ignore-disjoint-bases --allowlist tests/stubtest_allowlist.txt $(STUBS)
+	$(VENV)/bin/mypy & mypy=$$!; \
+	$(PY) -m mypy.stubtest --ignore-disjoint-bases --allowlist tests/stubtest_allowlist.txt \
+		$(STUBS); stubs=$$?; wait $$mypy && exit $$stubs
 
 clean:
 	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html serving/*/*.so serving/*/*.c serving/*/*.html $(VENV)
