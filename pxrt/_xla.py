@@ -126,6 +126,22 @@ def x64_scope(enabled: bool) -> contextlib.AbstractContextManager:
     return jax.enable_x64(enabled)
 
 
+@contextlib.contextmanager
+def export_scope(x64: bool) -> Iterator[None]:
+    """Tracing for ``jax.export``, on this thread: x64 as given, and source locations
+    that do not depend on who called export. By default jax records each op's whole
+    Python stack, the exporting script's file and line included, so the same model
+    exported from two scripts gave two different programs (and missed the stored
+    executables). Here an op keeps the innermost frame of the model's own code, its
+    file name without the directory."""
+    with (
+        x64_scope(x64),
+        _config.include_full_tracebacks_in_locations(False),
+        _config.hlo_source_file_canonicalization_regex(r".*/"),
+    ):
+        yield
+
+
 _persistent_cache_lock = threading.Lock()
 
 

@@ -30,12 +30,12 @@ This module writes and reads the directory; what a tensor spec is lives in
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,7 +44,7 @@ import jaxlib
 import numpy as np
 from jax import export as jax_export
 
-from . import _xla
+from . import _xla, shapes
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -96,6 +96,12 @@ class Artifact:
         return bool(self.manifest["x64"])
 
     @property
+    def bounds(self) -> dict[str, int]:
+        """Named dimension -> the bound its program was exported with (``dim <= n``);
+        absent: unbounded."""
+        return dict(self.manifest.get("bounds", {}))
+
+    @property
     def dim_buckets(self) -> dict[str, tuple[int, ...]]:
         """Named dimension -> the lengths it is compiled at (empty: fixed shapes), in
         the order the inputs first name them."""
@@ -121,6 +127,8 @@ def export(
     version: str = "1",
     num_devices: int | None = None,
     x64: bool | None = None,
+    bounds: Mapping[str, int | None] | None = None,
+    constraints: Sequence[str] = (),
     overwrite: bool = False,
 ) -> str:
     """Export ``fn(params, **inputs)`` and ``params`` to the artifact directory ``path``.
@@ -143,8 +151,15 @@ def export(
         devices (``pxrt.load`` rounds buckets up to a multiple of its device count).
       x64: trace with 64-bit types; defaults to whether any input or param is 64-bit.
         Only pxrt's own tracing sees it: the caller's jax config is not changed.
+      bounds: named dimension -> the largest length its program will ever run at
+        (None: unbounded). Default: its largest ``dim_buckets`` length. The program
+        knows ``seq <= bound``, which is what code slicing a fixed table (a position
+        embedding) needs; load refuses lengths beyond it (see ``pxrt.shapes``).
+      constraints: more of jax's symbolic constraints over the dimensions (``"seq <=
+        2 * b"``), passed to ``jax.export.symbolic_shape``.
       overwrite: replace an existing artifact at ``path``.
 
+    The same function, params and options give the same bytes from any caller.
     Returns the artifact path.
     """
     path = os.fspath(path)
@@ -157,6 +172,7 @@ def export(
             raise TypeError(f"input {key!r}: expected a pxrt.TensorSpec, got {type(spec).__name__}")
     buckets = _check_buckets(batch_buckets, num_devices)
     dims = _check_dim_buckets(dim_buckets, inputs)
+    bound = shapes.bounds_for(dims, bounds)
     names = list(inputs)
 
     leaves, param_meta = param_entries(params)
@@ -185,19 +201,21 @@ def export(
         },
         "x64": bool(x64),
         "params": param_meta,
+        "bounds": bound,
+        "constraints": shapes.check_constraints(constraints, ([BATCH_DIM, *dims],)),
     }
+    symbolic = {BATCH_DIM: None} | {d: bound.get(d) for d in dims}
 
-    with _xla.x64_scope(x64):
+    with _xla.export_scope(x64):
         param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
         # One symbol per dimension name, and the batch's: all in one scope.
-        symbols = dict(
-            zip([BATCH_DIM, *dims], jax_export.symbolic_shape(", ".join([BATCH_DIM, *dims])))
-        )
+        symbols = shapes.symbols([BATCH_DIM, *dims], bound, constraints)
         x_specs = [
             jax.ShapeDtypeStruct((symbols[BATCH_DIM],) + s.at(symbols), s.dtype)
             for s in inputs.values()
         ]
-        out_shapes = jax.eval_shape(fn, param_specs, **dict(zip(names, x_specs)))
+        with shapes.explained(f"{manifest['name']!r}: fn", symbolic):
+            out_shapes = jax.eval_shape(fn, param_specs, **dict(zip(names, x_specs)))
         out_names = _output_names(out_shapes)
         outputs = {}
         for out_name in out_names:
@@ -210,7 +228,8 @@ def export(
             return tuple(out[k] for k in out_names) if isinstance(out, Mapping) else (out,)
 
         flat_fn.__name__ = program_name(manifest)  # binds this manifest to the program
-        exported = jax_export.export(jax.jit(flat_fn))(param_specs, *x_specs)
+        with shapes.explained(f"{manifest['name']!r}: fn", symbolic):
+            exported = jax_export.export(jax.jit(flat_fn))(param_specs, *x_specs)
 
     for out_name, aval in zip(out_names, exported.out_avals):
         if _output_dims(out_name, aval.shape, dims) != outputs[out_name].shape:
@@ -220,7 +239,6 @@ def export(
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "calling_convention_version": exported.calling_convention_version,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {},
     }
     write_directory(path, manifest, {PROGRAM_FILE: bytes(exported.serialize())}, leaves, overwrite)
@@ -355,9 +373,7 @@ def write_directory(
         for fname, blob in programs.items():
             with open(os.path.join(tmp, fname), "wb") as f:
                 f.write(blob)
-        with open(os.path.join(tmp, PARAMS_FILE), "wb") as f:
-            stored: dict[str, Any] = {f"p{i:04d}": _storable(leaf) for i, leaf in enumerate(leaves)}
-            np.savez(f, **stored)
+        _write_params(os.path.join(tmp, PARAMS_FILE), leaves)
         manifest["files"] = {
             fname: _sha256(os.path.join(tmp, fname)) for fname in (*programs, PARAMS_FILE)
         }
@@ -370,6 +386,16 @@ def write_directory(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_params(path: str, leaves: list[np.ndarray]) -> None:
+    """The params as an ``.npz`` (``np.load`` reads it) whose bytes depend on the arrays
+    only: ``np.savez`` stamps each member with the time it was written."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for i, leaf in enumerate(leaves):
+            info = zipfile.ZipInfo(f"p{i:04d}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            with zf.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, _storable(leaf), allow_pickle=False)
 
 
 def _sha256(path: str) -> str:

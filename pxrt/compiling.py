@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from . import _xla, artifact, stored
+from . import _xla, artifact, shapes, stored
 from .dispatch import lane_key
 
 
@@ -306,6 +306,8 @@ def grid(
         for size in sizes:
             for lengths in itertools.product(*(dims[d] for d in names)):
                 cells.add((-(-size // n_dev) * n_dev, tuple(lengths)))
+    for i, d in enumerate(names):
+        shapes.check_lengths(repr(art.name), d, sorted({c[1][i] for c in cells}), art.bounds)
     return sorted(cells, key=lambda c: (lane_key(c[1]), c[0]))
 
 

@@ -19,7 +19,9 @@ sequence axis ``"length"`` (``{"k": TensorSpec((layers, "length", heads, hd),
 "float32"), ...}``): ``prefill`` returns it with ``b`` rows and ``length = seq``, and
 ``decode`` takes and returns it with ``slots`` rows and ``length = max_length``. Both
 programs are exported with those dimensions symbolic, so slot count, cache length and
-prefill buckets are chosen again at load (``pxrt.load``). Everything else (inserting a
+prefill buckets are chosen again at load (``pxrt.load``), up to the bounds the programs
+know (``seq <= `` the largest prefill length, ``length <= max_length`` unless
+``bounds`` says otherwise: ``pxrt.shapes``). Everything else (inserting a
 prefilled prompt into a free slot, sampling, stop conditions, the loop) is pxrt's:
 ``pxrt.generate``.
 
@@ -31,7 +33,6 @@ names they are exported under, as for one-shot artifacts.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import json
 import os
@@ -44,7 +45,7 @@ import jaxlib
 import numpy as np
 from jax import export as jax_export
 
-from . import _xla
+from . import _xla, shapes
 from .artifact import (
     BATCH_AXIS,
     deserialize,
@@ -60,6 +61,7 @@ from .manifest import (
     MANIFEST,
     PARAMS_FILE,
     ArtifactError,
+    check_bounds,
     check_common,
     check_jax_version,
     check_params,
@@ -96,6 +98,12 @@ class DecoderArtifact:
     @property
     def x64(self) -> bool:
         return bool(self.manifest["x64"])
+
+    @property
+    def bounds(self) -> dict[str, int]:
+        """``"seq"`` (prompt bucket) and ``"length"`` (cache) -> the bound the programs
+        were exported with; absent: unbounded."""
+        return dict(self.manifest.get("bounds", {}))
 
     @property
     def config(self) -> dict:
@@ -157,6 +165,8 @@ def export_decoder(
     name: str | None = None,
     version: str = "1",
     x64: bool | None = None,
+    bounds: Mapping[str, int | None] | None = None,
+    constraints: Sequence[str] = (),
     overwrite: bool = False,
 ) -> str:
     """Export a decoder (``prefill`` and ``decode``, see the module docstring) and its
@@ -182,6 +192,13 @@ def export_decoder(
       chat_template: a Jinja template (as Hugging Face's ``chat_template``) that renders
         ``messages`` (and ``add_generation_prompt``) to the prompt's text:
         ``/v1/chat/completions`` needs it (and a tokenizer).
+      bounds: the largest prompt bucket (``"seq"``) and cache length (``"length"``)
+        the programs will ever run at (None: unbounded); default: the largest of
+        ``prefill_lengths`` and ``max_length``. A decoder with a position table of N
+        rows needs ``length <= N``, which the default gives when ``max_length <= N``.
+        Load refuses sizes beyond them.
+      constraints: more of jax's symbolic constraints, each over one program's
+        dimensions (prefill: ``b``, ``seq``; decode: ``slots``, ``length``).
       name, version, x64, overwrite: as for ``pxrt.export``.
 
     The vocabulary size is read from the logits. Returns the artifact path.
@@ -196,6 +213,7 @@ def export_decoder(
             f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "
             "needs room for at least one generated token"
         )
+    bound = shapes.bounds_for({"seq": lengths, LENGTH_DIM: (max_length,)}, bounds)
     leaves, param_meta = param_entries(params)
     params_np = jax.tree.unflatten(jax.tree.structure(params), leaves)
     if x64 is None:
@@ -224,23 +242,32 @@ def export_decoder(
 
     cache_tree = jax.tree.structure(cache, is_leaf=is_spec)
     specs = jax.tree.leaves(cache, is_leaf=is_spec)
-    with _xla.x64_scope(x64):
+    symbolic = {
+        "prefill": {"b": None, "seq": bound.get("seq")},
+        "decode": {"slots": None, LENGTH_DIM: bound.get(LENGTH_DIM)},
+    }
+    with _xla.export_scope(x64):
         param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
-        b, seq, n_slots, length = jax_export.symbolic_shape(f"b, seq, slots, {LENGTH_DIM}")
+        constraints = shapes.check_constraints(constraints, (("b", "seq"), ("slots", LENGTH_DIM)))
+        b, seq = shapes.symbols(["b", "seq"], bound, constraints).values()
+        n_slots, length = shapes.symbols(["slots", LENGTH_DIM], bound, constraints).values()
         tokens = jax.ShapeDtypeStruct((b, seq), TOKEN_DTYPE)
         prompt_lengths = jax.ShapeDtypeStruct((b,), TOKEN_DTYPE)
         rows_spec = _cache_shapes(cache_tree, specs, b, seq)
         slot_cache = _cache_shapes(cache_tree, specs, n_slots, length)
         step_tokens = jax.ShapeDtypeStruct((n_slots,), TOKEN_DTYPE)
 
-        rows, logits = _pair(
-            jax.eval_shape(prefill, param_specs, tokens, prompt_lengths), "prefill"
-        )
+        with shapes.explained("prefill", symbolic["prefill"]):
+            rows, logits = _pair(
+                jax.eval_shape(prefill, param_specs, tokens, prompt_lengths), "prefill"
+            )
         _check_cache("prefill", "rows", rows, rows_spec)
         vocab = _check_logits("prefill", logits, b)
-        out_cache, step_logits = _pair(
-            jax.eval_shape(decode, param_specs, slot_cache, step_tokens, step_tokens), "decode"
-        )
+        with shapes.explained("decode", symbolic["decode"]):
+            out_cache, step_logits = _pair(
+                jax.eval_shape(decode, param_specs, slot_cache, step_tokens, step_tokens),
+                "decode",
+            )
         _check_cache("decode", "cache", out_cache, slot_cache)
         if _check_logits("decode", step_logits, n_slots) != vocab:
             raise ValueError(
@@ -258,6 +285,8 @@ def export_decoder(
             "version": str(version),
             "x64": bool(x64),
             "params": param_meta,
+            "bounds": bound,
+            "constraints": list(constraints),
             "mesh": {"axes": [BATCH_AXIS], "cache": BATCH_AXIS, "params": "replicated"},
             "decoder": {
                 "vocab": vocab,
@@ -274,16 +303,18 @@ def export_decoder(
         }
         prefill_name, decode_name = program_names(manifest)
         programs, ccv = {}, 0
-        for fname, fn, fun_name, args in (
-            (PREFILL_FILE, prefill, prefill_name, (param_specs, tokens, prompt_lengths)),
-            (DECODE_FILE, decode, decode_name, (param_specs, slot_cache, step_tokens, step_tokens)),
-        ):
+        for fname, what, fn, fun_name, args in (
+            (PREFILL_FILE, "prefill", prefill, prefill_name, (param_specs, tokens, prompt_lengths)),
+            (DECODE_FILE, "decode", decode, decode_name,
+             (param_specs, slot_cache, step_tokens, step_tokens)),
+        ):  # fmt: skip
 
             def named(*a, _fn=fn):
                 return _fn(*a)
 
             named.__name__ = fun_name
-            exported = jax_export.export(jax.jit(named))(*args)
+            with shapes.explained(what, symbolic[what]):
+                exported = jax_export.export(jax.jit(named))(*args)
             programs[fname] = bytes(exported.serialize())
             ccv = exported.calling_convention_version
 
@@ -291,7 +322,6 @@ def export_decoder(
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "calling_convention_version": ccv,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {},
     }
     write_directory(path, manifest, programs | files, leaves, overwrite)
@@ -368,6 +398,7 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
     need = needs(where)
     check_common(m, where)
     check_params(m, where)
+    check_bounds(m, where, ("seq", LENGTH_DIM))
     d: Any = m.get("decoder")
     need(isinstance(d, dict), "'decoder'", "must be an object")
     for key in ("vocab", "max_length", "slots"):

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _xla, compiling, sampling, stored
+from . import _xla, compiling, sampling, shapes, stored
 from .artifact import BATCH_AXIS
 from .decoder import LENGTH_DIM, is_spec, sizes
 from .decoder import read as read_decoder
@@ -74,7 +74,7 @@ def load_decoder(
     if not devices:
         raise ValueError("no devices to load on")
     slots, max_length, lengths, batches = _sizes(
-        art.config, len(devices), slots, max_length, prefill_lengths, prefill_batches
+        art.config, art.bounds, len(devices), slots, max_length, prefill_lengths, prefill_batches
     )
     max_waiting = int_in("max_waiting", max_waiting, 1, None)
 
@@ -149,6 +149,7 @@ def load_decoder(
 
 def _sizes(
     config: dict,
+    bounds: dict[str, int],
     n_dev: int,
     slots: int | None,
     max_length: int | None,
@@ -171,6 +172,8 @@ def _sizes(
             f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "
             "needs room for at least one generated token"
         )
+    shapes.check_lengths("max_length", LENGTH_DIM, [max_length], bounds)
+    shapes.check_lengths("prefill_lengths", "seq", lengths, bounds)
     return slots, max_length, list(lengths), list(batches)
 
 

@@ -354,10 +354,12 @@ def export_lm(
     max_length: int = LM_MAX_LENGTH,
     prefill_lengths=LM_PREFILL_LENGTHS,
     prefill_batches=LM_PREFILL_BATCHES,
+    bounds: dict[str, int | None] | None = None,
     overwrite: bool = True,
     **sizes: int,
 ) -> str:
-    """Export the demo decoder to ``path`` (``sizes``: dim, heads, layers)."""
+    """Export the demo decoder to ``path`` (``sizes``: dim, heads, layers; ``bounds`` as
+    for ``export_decoder``)."""
     from .decoder import export_decoder
 
     return export_decoder(
@@ -376,6 +378,7 @@ def export_lm(
         tokenizer="bytes",
         chat_template=LM_CHAT_TEMPLATE,
         name="lm",
+        bounds=bounds,
         overwrite=overwrite,
     )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -81,6 +81,26 @@ def check_common(m: dict[str, Any], where: str) -> None:
     )
 
 
+def check_bounds(m: dict[str, Any], where: str, dims: Collection[str]) -> None:
+    """The optional ``bounds`` (dimension -> the bound its programs were exported with,
+    ``dim <= n``; see ``pxrt.shapes``) and ``constraints`` (more of jax's symbolic
+    constraints, as given to export)."""
+    need = needs(where)
+    bounds: Any = m.get("bounds", {})
+    need(
+        isinstance(bounds, dict)
+        and all(k in dims and is_int(v, 1) and v <= MAX_BUCKET for k, v in bounds.items()),
+        "'bounds'",
+        f"must map the dimensions {sorted(dims)} to ints from 1 to {MAX_BUCKET}",
+    )
+    constraints: Any = m.get("constraints", [])
+    need(
+        isinstance(constraints, list) and all(isinstance(c, str) for c in constraints),
+        "'constraints'",
+        "must be a list of strings",
+    )
+
+
 def check_manifest(m: dict[str, Any], where: str) -> None:
     """The manifest's structure, field by field: a malformed one is an ArtifactError that
     names the field, never a KeyError or an allocation sized by a typo. (Its values are
@@ -148,6 +168,7 @@ def check_manifest(m: dict[str, Any], where: str) -> None:
         "must be a non-empty list of positive ints",
     )
     need(max(buckets) <= MAX_BUCKET, "'batch_buckets'", f"has a bucket over {MAX_BUCKET} rows")
+    check_bounds(m, where, dim_buckets)
     check_params(m, where)
 
 

@@ -37,6 +37,7 @@ def lm_path(tmp_path_factory):
         max_length=MAX_LENGTH,
         prefill_lengths=LENGTHS,
         prefill_batches=BATCHES,
+        bounds={"length": LONG},  # long_lm loads it with a longer cache
         **SIZES,
     )
 

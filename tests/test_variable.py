@@ -111,10 +111,12 @@ def test_edited_named_dims_or_pads_are_refused(tmp_path):
         (
             lambda m: (
                 [t.update(shape=[4]) for t in m["inputs"] + m["outputs"]]
-                and m.update(dim_buckets={})
+                and m.update(dim_buckets={}, bounds={})
             ),
             "manifest does not match the program",
         ),
+        (lambda m: m.update(bounds={"seq": 0}), "'bounds' must map the dimensions"),
+        (lambda m: m.update(bounds={"len": 4}), "'bounds' must map the dimensions"),
         (lambda m: m.update(dim_buckets={}), r"inputs\[0\].shape must be .* 'dim_buckets'"),
         (
             lambda m: m.update(dim_buckets={"seq": [4], "len": [2]}),

@@ -494,25 +494,38 @@ async def openai_completions(
     created = int(time.time())
     head = {"id": ident, "object": "text_completion", "created": created, "model": name}
 
-    def choice(text: str, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    # Without a tokenizer there is no text to give: the choices carry the token ids
+    # (vLLM's ``token_ids`` and ``prompt_token_ids``) and their text is null.
+    ids_only = decoder.tokenizer is None
+
+    def choice(text: str, finish: str | None, ids: list[int], first: bool = False) -> dict:
+        doc: dict[str, Any] = {"index": 0, "text": None if ids_only else text}
+        doc |= {"logprobs": None, "finish_reason": finish}
+        if ids_only:
+            doc["token_ids"] = ids
+            if first:
+                doc["prompt_token_ids"] = list(prompt.ids)
+        return doc
 
     if not stream:
-        text = []
+        text, ids = [], []
         async for piece in pieces(decoder, gen, prompt):
             text.append(piece.text)
+            ids += piece.ids
         raise_error(gen)
-        return JSONResponse(
-            head | {"choices": [choice("".join(text), gen.finish_reason)], "usage": usage(gen)}
-        )
+        answer = choice("".join(text), gen.finish_reason, ids, first=True)
+        return JSONResponse(head | {"choices": [answer], "usage": usage(gen)})
 
     async def events() -> AsyncIterator[bytes]:
         try:
+            first = True
             async for piece in pieces(decoder, gen, prompt):
-                if piece.text:
-                    yield _event(head | {"choices": [choice(piece.text, None)]})
+                if piece.text or (ids_only and piece.ids):
+                    yield _event(head | {"choices": [choice(piece.text, None, piece.ids, first)]})
+                    first = False
             raise_error(gen)
-            yield _event(head | {"choices": [choice("", gen.finish_reason)], "usage": usage(gen)})
+            last = choice("", gen.finish_reason, [], first)
+            yield _event(head | {"choices": [last], "usage": usage(gen)})
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
             yield _error_event(exc)
