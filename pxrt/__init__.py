@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .generate import Completion, Decoder, Generation
     from .loader import load
     from .multihost import Distributed
+    from .recipes import per_slot
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ _LAZY = {
     "Generation": (".generate", "Generation"),
     "Completion": (".generate", "Completion"),
     "Distributed": (".multihost", "Distributed"),
+    "per_slot": (".recipes", "per_slot"),
 }
 
 
@@ -75,6 +77,7 @@ __all__ = [
     "export",
     "export_decoder",
     "load",
+    "per_slot",
     "read_artifact",
     "using_extensions",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -44,8 +45,10 @@ import jaxlib
 import numpy as np
 from jax import export as jax_export
 
-from . import _xla, shapes
+from . import _xla
+from . import shapes as _shapes
 from .manifest import (
+    CONCRETE_FORMAT_VERSION,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -56,6 +59,7 @@ from .manifest import (
     check_jax_version,
     check_manifest,
     check_program,
+    is_concrete,
     program_name,
 )
 from .specs import (
@@ -70,6 +74,7 @@ from .specs import (
 
 BATCH_AXIS = "data"
 DEFAULT_OUTPUT = "output"
+SYMBOLIC, CONCRETE = "symbolic", "concrete"  # how an artifact's programs were traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +84,15 @@ class Artifact:
     path: str
     manifest: dict
     exported: jax_export.Exported
-    params: Any  # the params pytree, numpy leaves
+    #: The program's params argument, numpy leaves: the list of leaves (the user's pytree
+    #: is rebuilt inside the program; ``params_by_path`` names them), or the pytree
+    #: itself in artifacts exported before that.
+    params: Any
     inputs: dict[str, TensorSpec]
     outputs: dict[str, TensorSpec]
+    #: A concrete-shape artifact's programs by cell (batch, lengths...); None: the one
+    #: symbolic ``exported`` runs every cell.
+    programs: dict[tuple[int, ...], jax_export.Exported] | None = None
 
     @property
     def name(self) -> str:
@@ -94,6 +105,11 @@ class Artifact:
     @property
     def x64(self) -> bool:
         return bool(self.manifest["x64"])
+
+    @property
+    def params_by_path(self) -> dict[str, np.ndarray]:
+        """Each param array by its path in the exported pytree (``"['w']"``)."""
+        return dict(zip((p["path"] for p in self.manifest["params"]), jax.tree.leaves(self.params)))
 
     @property
     def bounds(self) -> dict[str, int]:
@@ -129,6 +145,7 @@ def export(
     x64: bool | None = None,
     bounds: Mapping[str, int | None] | None = None,
     constraints: Sequence[str] = (),
+    shapes: str = "symbolic",
     overwrite: bool = False,
 ) -> str:
     """Export ``fn(params, **inputs)`` and ``params`` to the artifact directory ``path``.
@@ -157,6 +174,12 @@ def export(
         embedding) needs; load refuses lengths beyond it (see ``pxrt.shapes``).
       constraints: more of jax's symbolic constraints over the dimensions (``"seq <=
         2 * b"``), passed to ``jax.export.symbolic_shape``.
+      shapes: ``"symbolic"`` (one program for every cell) or ``"concrete"``: one program
+        per cell of the grid, each traced at its own sizes, for code that needs Python
+        ints (``len(x)``, ``range(x.shape[1])``). Loads and serves the same, but only
+        the cells exported (batch sizes must split evenly over the devices it loads
+        on); an output's dimension is the named one when it equals that dimension's
+        length in every cell.
       overwrite: replace an existing artifact at ``path``.
 
     The same function, params and options give the same bytes from any caller.
@@ -172,12 +195,14 @@ def export(
             raise TypeError(f"input {key!r}: expected a pxrt.TensorSpec, got {type(spec).__name__}")
     buckets = _check_buckets(batch_buckets, num_devices)
     dims = _check_dim_buckets(dim_buckets, inputs)
-    bound = shapes.bounds_for(dims, bounds)
-    names = list(inputs)
+    bound = _shapes.bounds_for(dims, bounds)
+    if shapes not in (SYMBOLIC, CONCRETE):
+        raise ValueError(f"shapes must be {SYMBOLIC!r} or {CONCRETE!r}, got {shapes!r}")
+    if shapes == CONCRETE and (bounds or constraints):
+        raise ValueError("bounds and constraints are for symbolic shapes, not shapes='concrete'")
 
     leaves, param_meta = param_entries(params)
-    treedef = jax.tree.structure(params)
-    params_np = jax.tree.unflatten(treedef, leaves)
+    fn = on_leaves(fn, jax.tree.structure(params))
     if x64 is None:
         x64 = any(
             np.dtype(d).itemsize == 8
@@ -202,47 +227,169 @@ def export(
         "x64": bool(x64),
         "params": param_meta,
         "bounds": bound,
-        "constraints": shapes.check_constraints(constraints, ([BATCH_DIM, *dims],)),
+        "constraints": _shapes.check_constraints(constraints, ([BATCH_DIM, *dims],)),
     }
-    symbolic = {BATCH_DIM: None} | {d: bound.get(d) for d in dims}
-
     with _xla.export_scope(x64):
-        param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
-        # One symbol per dimension name, and the batch's: all in one scope.
-        symbols = shapes.symbols([BATCH_DIM, *dims], bound, constraints)
-        x_specs = [
-            jax.ShapeDtypeStruct((symbols[BATCH_DIM],) + s.at(symbols), s.dtype)
-            for s in inputs.values()
-        ]
-        with shapes.explained(f"{manifest['name']!r}: fn", symbolic):
-            out_shapes = jax.eval_shape(fn, param_specs, **dict(zip(names, x_specs)))
-        out_names = _output_names(out_shapes)
-        outputs = {}
-        for out_name in out_names:
-            shaped = out_shapes[out_name] if isinstance(out_shapes, Mapping) else out_shapes
-            outputs[out_name] = TensorSpec(_output_dims(out_name, shaped.shape, dims), shaped.dtype)
-        manifest["outputs"] = [spec.to_json(k) for k, spec in outputs.items()]
-
-        def flat_fn(params, *xs):
-            out = fn(params, **dict(zip(names, xs)))
-            return tuple(out[k] for k in out_names) if isinstance(out, Mapping) else (out,)
-
-        flat_fn.__name__ = program_name(manifest)  # binds this manifest to the program
-        with shapes.explained(f"{manifest['name']!r}: fn", symbolic):
-            exported = jax_export.export(jax.jit(flat_fn))(param_specs, *x_specs)
-
-    for out_name, aval in zip(out_names, exported.out_avals):
-        if _output_dims(out_name, aval.shape, dims) != outputs[out_name].shape:
-            raise ValueError(f"output {out_name!r} has shape {aval.shape} in the exported program")
+        param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+        trace = _trace_symbolic if shapes == SYMBOLIC else _trace_concrete
+        programs, ccv = trace(fn, param_specs, inputs, buckets, dims, manifest)
 
     manifest |= {
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
-        "calling_convention_version": exported.calling_convention_version,
+        "calling_convention_version": ccv,
         "files": {},
     }
-    write_directory(path, manifest, {PROGRAM_FILE: bytes(exported.serialize())}, leaves, overwrite)
+    write_directory(path, manifest, programs, leaves, overwrite)
     return path
+
+
+def on_leaves(fn: Callable, treedef: Any) -> Callable:
+    """``fn`` taking its params (the first argument) as their list of leaves, which is
+    what the exported program takes: jax.export serializes only the pytree node types
+    it knows, and a params pytree may be of any (flax NNX's ``State``, a dataclass).
+    ``fn`` sees its own pytree again."""
+
+    def with_leaves(leaves: list, *args: Any, **kwargs: Any) -> Any:
+        return fn(jax.tree.unflatten(treedef, leaves), *args, **kwargs)
+
+    return with_leaves
+
+
+def _flat(fn: Callable, names: list[str], out_names: list[str], manifest: dict) -> Callable:
+    """``fn`` over positional inputs, returning its outputs as a tuple, named after the
+    manifest's signature (which binds the manifest to the program)."""
+
+    def flat_fn(params, *xs):
+        out = fn(params, **dict(zip(names, xs)))
+        return tuple(out[k] for k in out_names) if isinstance(out, Mapping) else (out,)
+
+    flat_fn.__name__ = program_name(manifest)
+    return flat_fn
+
+
+def _outputs(manifest: dict, out_names: list[str], specs: dict[str, TensorSpec]) -> None:
+    manifest["outputs"] = [specs[k].to_json(k) for k in out_names]
+
+
+def _trace_symbolic(
+    fn: Callable,
+    param_specs: Any,
+    inputs: Mapping[str, TensorSpec],
+    buckets: tuple[int, ...],
+    dims: dict[str, tuple[int, ...]],
+    manifest: dict,
+) -> tuple[dict[str, bytes], int]:
+    """One program for every cell: the batch and the named dimensions symbolic (in one
+    scope, with the manifest's bounds and constraints)."""
+    bound, names = manifest["bounds"], list(inputs)
+    symbolic = {BATCH_DIM: None} | {d: bound.get(d) for d in dims}
+    symbols = _shapes.symbols([BATCH_DIM, *dims], bound, manifest["constraints"])
+    x_specs = [
+        jax.ShapeDtypeStruct((symbols[BATCH_DIM],) + s.at(symbols), s.dtype)
+        for s in inputs.values()
+    ]
+    with _shapes.explained(f"{manifest['name']!r}: fn", symbolic):
+        out_shapes = jax.eval_shape(fn, param_specs, **dict(zip(names, x_specs)))
+    out_names = _output_names(out_shapes)
+    outputs = {}
+    for out_name in out_names:
+        shaped = out_shapes[out_name] if isinstance(out_shapes, Mapping) else out_shapes
+        outputs[out_name] = TensorSpec(_output_dims(out_name, shaped.shape, dims), shaped.dtype)
+    _outputs(manifest, out_names, outputs)
+    flat_fn = _flat(fn, names, out_names, manifest)
+    with _shapes.explained(f"{manifest['name']!r}: fn", symbolic):
+        exported = jax_export.export(jax.jit(flat_fn))(param_specs, *x_specs)
+    for out_name, aval in zip(out_names, exported.out_avals):
+        if _output_dims(out_name, aval.shape, dims) != outputs[out_name].shape:
+            raise ValueError(f"output {out_name!r} has shape {aval.shape} in the exported program")
+    return {PROGRAM_FILE: bytes(exported.serialize())}, exported.calling_convention_version
+
+
+def cell_file(cell: Sequence[int], dim_names: Sequence[str]) -> str:
+    """The file of a concrete-shape artifact's program for ``cell`` (batch, lengths...)."""
+    return (
+        "model.b"
+        + ".".join([str(cell[0])] + [f"{d}{n}" for d, n in zip(dim_names, cell[1:])])
+        + ".jaxexport"
+    )
+
+
+def _trace_concrete(
+    fn: Callable,
+    param_specs: Any,
+    inputs: Mapping[str, TensorSpec],
+    buckets: tuple[int, ...],
+    dims: dict[str, tuple[int, ...]],
+    manifest: dict,
+) -> tuple[dict[str, bytes], int]:
+    """One program per cell, each traced at its own sizes (``shapes="concrete"``)."""
+    names = list(inputs)
+    cells = [(b, *ls) for b in buckets for ls in itertools.product(*dims.values())]
+    traced = []
+    for cell in cells:
+        at = dict(zip(dims, cell[1:]))
+        x_specs = [jax.ShapeDtypeStruct((cell[0],) + s.at(at), s.dtype) for s in inputs.values()]
+        try:
+            out_shapes = jax.eval_shape(fn, param_specs, **dict(zip(names, x_specs)))
+        except Exception as exc:
+            exc.add_note(f"pxrt: tracing {manifest['name']!r} at batch {cell[0]}"
+                         + "".join(f", {d}={n}" for d, n in at.items()))  # fmt: skip
+            raise
+        traced.append((cell, x_specs, out_shapes))
+    out_names = _output_names(traced[0][2])
+    outputs = {}
+    for out_name in out_names:
+        got = [
+            (cell, out[out_name] if isinstance(out, Mapping) else out) for cell, _, out in traced
+        ]
+        outputs[out_name] = TensorSpec(_concrete_dims(out_name, got, list(dims)), got[0][1].dtype)
+    _outputs(manifest, out_names, outputs)
+    manifest["format_version"] = CONCRETE_FORMAT_VERSION
+    manifest["shapes"] = CONCRETE
+    manifest["bounds"] = {}  # every size is a cell's own
+    manifest["programs"] = [{"cell": list(c), "file": cell_file(c, list(dims))} for c in cells]
+    flat_fn = _flat(fn, names, out_names, manifest)
+    programs, ccv = {}, 0
+    for cell, x_specs, _ in traced:
+        exported = jax_export.export(jax.jit(flat_fn))(param_specs, *x_specs)
+        programs[cell_file(cell, list(dims))] = bytes(exported.serialize())
+        ccv = exported.calling_convention_version
+    return programs, ccv
+
+
+def _concrete_dims(
+    name: str, got: list[tuple[tuple, Any]], dim_names: list[str]
+) -> tuple[Dim, ...]:
+    """An output's per-example shape from its shapes at every cell: the batch first; a
+    dimension that equals a named dimension's length in every cell is that dimension."""
+    ranks = {len(shaped.shape) for _, shaped in got}
+    if len(ranks) > 1 or any(
+        not shaped.shape or shaped.shape[0] != cell[0] for cell, shaped in got
+    ):
+        raise ValueError(
+            f"output {name!r} has shapes {[tuple(s.shape) for _, s in got]} at the cells "
+            f"{[c for c, _ in got]}: every output needs the batch as its leading dimension "
+            "and the same rank in every cell"
+        )
+    out: list[Dim] = []
+    for axis in range(1, ranks.pop()):
+        sizes = [int(shaped.shape[axis]) for _, shaped in got]
+        named = [
+            d
+            for i, d in enumerate(dim_names)
+            if all(n == c[1 + i] for n, (c, _) in zip(sizes, got))
+        ]
+        if named:
+            out.append(named[0])
+        elif len(set(sizes)) == 1:
+            out.append(sizes[0])
+        else:
+            raise ValueError(
+                f"output {name!r}: dimension {axis} is {sizes} at the cells "
+                f"{[c for c, _ in got]}, neither one size nor a named dimension's length"
+            )
+    return tuple(out)
 
 
 def _check_dim_buckets(
@@ -487,16 +634,26 @@ def read(path: str | os.PathLike) -> Artifact:
         )
     manifest_path = os.path.join(path, MANIFEST)
     check_manifest(manifest, manifest_path)
-    verify_files(path, manifest, (PROGRAM_FILE, PARAMS_FILE))
+    concrete = is_concrete(manifest)
+    verify_files(path, manifest, (PARAMS_FILE,) if concrete else (PROGRAM_FILE, PARAMS_FILE))
     check_jax_version(path, manifest)
-    exported = deserialize(path, PROGRAM_FILE)
+    programs = None
+    if concrete:
+        programs = {tuple(p["cell"]): deserialize(path, p["file"]) for p in manifest["programs"]}
+        exported = next(iter(programs.values()))
+    else:
+        exported = deserialize(path, PROGRAM_FILE)
 
     inputs = {
         d["name"]: TensorSpec(d["shape"], d["dtype"], d.get("pad", 0)) for d in manifest["inputs"]
     }
     outputs = {d["name"]: TensorSpec(d["shape"], d["dtype"]) for d in manifest["outputs"]}
     param_meta = manifest["params"]
-    check_program(exported, manifest, inputs, outputs, path)
+    pairs: list[tuple[Any, jax_export.Exported]] = (
+        list(programs.items()) if programs else [(None, exported)]
+    )
+    for cell, program in pairs:
+        check_program(program, manifest, inputs, outputs, path, cell)
 
     params = read_params(path, exported, param_meta)
     return Artifact(
@@ -506,6 +663,7 @@ def read(path: str | os.PathLike) -> Artifact:
         params=params,
         inputs=inputs,
         outputs=outputs,
+        programs=programs,
     )
 
 

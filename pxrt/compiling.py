@@ -98,12 +98,18 @@ class Instance:
         self.param_specs = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), art.params
         )
-        self.jitted = jax.jit(
-            art.exported.call,
-            in_shardings=(params_sh,) + (self.rows,) * len(art.inputs),
-            out_shardings=(self.rows,) * len(art.outputs),
-            keep_unused=True,
-        )
+
+        def jitted(program: Any) -> Any:
+            return jax.jit(
+                program.call,
+                in_shardings=(params_sh,) + (self.rows,) * len(art.inputs),
+                out_shardings=(self.rows,) * len(art.outputs),
+                keep_unused=True,
+            )
+
+        # One program for every cell, or (concrete shapes) one per cell.
+        self.jitted = jitted(art.exported)
+        self.per_cell = {cell: jitted(p) for cell, p in (art.programs or {}).items()}
 
     def key(self, cell: Any, what: str) -> str:
         """The stored key of ``what`` about ``cell`` (a ``Cell`` or ``Bucket``) here."""
@@ -123,9 +129,10 @@ class Instance:
             jax.ShapeDtypeStruct((size,) + s.at(at), s.dtype, sharding=self.rows)
             for s in art.inputs.values()
         ]
+        jitted = self.per_cell[(size, *lengths)] if art.programs is not None else self.jitted
         try:
             return _xla.compile_here(
-                lambda: self.jitted.lower(self.param_specs, *x_specs), art.x64, cache_dir, afresh
+                lambda: jitted.lower(self.param_specs, *x_specs), art.x64, cache_dir, afresh
             )
         except Exception as exc:
             where = f" at {at}" if at else ""
@@ -308,7 +315,37 @@ def grid(
                 cells.add((-(-size // n_dev) * n_dev, tuple(lengths)))
     for i, d in enumerate(names):
         shapes.check_lengths(repr(art.name), d, sorted({c[1][i] for c in cells}), art.bounds)
+    if art.programs is not None:
+        missing = sorted(c for c in cells if (c[0], *c[1]) not in art.programs)
+        if missing:
+            raise ValueError(
+                f"{art.name!r} was exported with shapes='concrete': it runs the cells "
+                f"{sorted(art.programs)} (batch, {', '.join(names) or '...'}) and no other, "
+                f"not {[(c[0], *c[1]) for c in missing]}"
+                + (
+                    f" (batch sizes are rounded up to a multiple of the {n_dev} devices)"
+                    if n_dev > 1
+                    else ""
+                )  # fmt: skip
+            )
     return sorted(cells, key=lambda c: (lane_key(c[1]), c[0]))
+
+
+SOURCE_WORDS = {
+    "compiled": "compiled",
+    "cache": "from jax's persistent cache",
+    "stored": "stored executables",
+}
+
+
+def load_summary(
+    load_s: float, phases: dict[str, float], sources: dict[str, int], what: str
+) -> str:
+    """One line on where a load went (for logs): its phases and where each of its
+    programs (``what``: "cells", "programs") came from."""
+    got = ", ".join(f"{n} {SOURCE_WORDS[s]}" for s, n in sorted(sources.items()))
+    spent = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+    return f"loaded in {load_s:.2f} s ({spent}; {what}: {got})"
 
 
 def progress_bar(total: int, desc: str, unit: str, progress: bool | None) -> Any:

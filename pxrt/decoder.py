@@ -32,11 +32,12 @@ names they are exported under, as for one-shot artifacts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -45,10 +46,14 @@ import jaxlib
 import numpy as np
 from jax import export as jax_export
 
-from . import _xla, shapes
+from . import _xla
+from . import shapes as _shapes
 from .artifact import (
     BATCH_AXIS,
+    CONCRETE,
+    SYMBOLIC,
     deserialize,
+    on_leaves,
     param_entries,
     read_manifest,
     read_params,
@@ -56,6 +61,7 @@ from .artifact import (
     write_directory,
 )
 from .manifest import (
+    CONCRETE_FORMAT_VERSION,
     DECODER_FORMAT_VERSION,
     FORMAT,
     MANIFEST,
@@ -65,6 +71,7 @@ from .manifest import (
     check_common,
     check_jax_version,
     check_params,
+    is_concrete,
     is_int,
     needs,
 )
@@ -90,6 +97,13 @@ class DecoderArtifact:
     decode: jax_export.Exported
     params: Any  # the params pytree, numpy leaves
     cache: Any  # the cache's pytree of per-slot TensorSpecs
+    #: A concrete-shape decoder's prefill programs by (batch, length); None: the one
+    #: symbolic ``prefill`` runs every size.
+    prefills: dict[tuple[int, int], jax_export.Exported] | None = None
+
+    def prefill_for(self, b: int, n: int) -> jax_export.Exported:
+        """The prefill program for ``b`` prompts of ``n`` tokens."""
+        return self.prefill if self.prefills is None else self.prefills[(b, n)]
 
     @property
     def name(self) -> str:
@@ -167,6 +181,8 @@ def export_decoder(
     x64: bool | None = None,
     bounds: Mapping[str, int | None] | None = None,
     constraints: Sequence[str] = (),
+    shapes: str = "symbolic",
+    num_devices: int = 1,
     overwrite: bool = False,
 ) -> str:
     """Export a decoder (``prefill`` and ``decode``, see the module docstring) and its
@@ -199,6 +215,12 @@ def export_decoder(
         Load refuses sizes beyond them.
       constraints: more of jax's symbolic constraints, each over one program's
         dimensions (prefill: ``b``, ``seq``; decode: ``slots``, ``length``).
+      shapes: ``"symbolic"`` (a prefill and a decode program for any sizes) or
+        ``"concrete"``: a prefill program per prefill batch and length, and decode at
+        ``slots / num_devices`` slots of ``max_length``, each traced at its own sizes,
+        for code that needs Python ints (``len(tokens)``). It loads with those sizes
+        only, on ``num_devices`` devices.
+      num_devices: with ``shapes="concrete"``, the devices it will load on.
       name, version, x64, overwrite: as for ``pxrt.export``.
 
     The vocabulary size is read from the logits. Returns the artifact path.
@@ -213,9 +235,16 @@ def export_decoder(
             f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "
             "needs room for at least one generated token"
         )
-    bound = shapes.bounds_for({"seq": lengths, LENGTH_DIM: (max_length,)}, bounds)
+    bound = _shapes.bounds_for({"seq": lengths, LENGTH_DIM: (max_length,)}, bounds)
+    if shapes not in (SYMBOLIC, CONCRETE):
+        raise ValueError(f"shapes must be {SYMBOLIC!r} or {CONCRETE!r}, got {shapes!r}")
+    if shapes == CONCRETE:
+        if bounds or constraints:
+            raise ValueError("bounds and constraints are for symbolic shapes, not concrete")
+        _per_device(slots, num_devices)
     leaves, param_meta = param_entries(params)
-    params_np = jax.tree.unflatten(jax.tree.structure(params), leaves)
+    treedef = jax.tree.structure(params)
+    prefill, decode = on_leaves(prefill, treedef), on_leaves(decode, treedef)
     if x64 is None:
         x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
     stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
@@ -242,37 +271,50 @@ def export_decoder(
 
     cache_tree = jax.tree.structure(cache, is_leaf=is_spec)
     specs = jax.tree.leaves(cache, is_leaf=is_spec)
-    symbolic = {
+    # The programs to trace: (file, "prefill" or "decode", its sizes). Symbolic: one of
+    # each over symbols; concrete: a prefill per (batch, length), decode at each
+    # device's share of the slots.
+    dims = {
         "prefill": {"b": None, "seq": bound.get("seq")},
         "decode": {"slots": None, LENGTH_DIM: bound.get(LENGTH_DIM)},
     }
     with _xla.export_scope(x64):
-        param_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
-        constraints = shapes.check_constraints(constraints, (("b", "seq"), ("slots", LENGTH_DIM)))
-        b, seq = shapes.symbols(["b", "seq"], bound, constraints).values()
-        n_slots, length = shapes.symbols(["slots", LENGTH_DIM], bound, constraints).values()
-        tokens = jax.ShapeDtypeStruct((b, seq), TOKEN_DTYPE)
-        prompt_lengths = jax.ShapeDtypeStruct((b,), TOKEN_DTYPE)
-        rows_spec = _cache_shapes(cache_tree, specs, b, seq)
-        slot_cache = _cache_shapes(cache_tree, specs, n_slots, length)
-        step_tokens = jax.ShapeDtypeStruct((n_slots,), TOKEN_DTYPE)
-
-        with shapes.explained("prefill", symbolic["prefill"]):
-            rows, logits = _pair(
-                jax.eval_shape(prefill, param_specs, tokens, prompt_lengths), "prefill"
-            )
-        _check_cache("prefill", "rows", rows, rows_spec)
-        vocab = _check_logits("prefill", logits, b)
-        with shapes.explained("decode", symbolic["decode"]):
-            out_cache, step_logits = _pair(
-                jax.eval_shape(decode, param_specs, slot_cache, step_tokens, step_tokens),
-                "decode",
-            )
-        _check_cache("decode", "cache", out_cache, slot_cache)
-        if _check_logits("decode", step_logits, n_slots) != vocab:
-            raise ValueError(
-                f"decode's logits have {step_logits.shape[-1]} entries, prefill's {vocab}"
-            )
+        param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+        if shapes == SYMBOLIC:
+            constraints = _shapes.check_constraints(constraints, [list(d) for d in dims.values()])
+            b, seq = _shapes.symbols(["b", "seq"], bound, constraints).values()
+            n_slots, length = _shapes.symbols(["slots", LENGTH_DIM], bound, constraints).values()
+            plan = [(PREFILL_FILE, "prefill", (b, seq)), (DECODE_FILE, "decode", (n_slots, length))]
+        else:
+            per_device = _per_device(slots, num_devices)
+            plan = [(prefill_file(b, n), "prefill", (b, n)) for b in batches for n in lengths]
+            plan.append((DECODE_FILE, "decode", (per_device, max_length)))
+        traced = []
+        vocab = None
+        for fname, what, (rows_dim, seq_dim) in plan:
+            fn = prefill if what == "prefill" else decode
+            step = jax.ShapeDtypeStruct((rows_dim,), TOKEN_DTYPE)
+            args: tuple[Any, ...]
+            if what == "prefill":
+                args = (param_specs, jax.ShapeDtypeStruct((rows_dim, seq_dim), TOKEN_DTYPE), step)
+            else:
+                args = (
+                    param_specs,
+                    _cache_shapes(cache_tree, specs, rows_dim, seq_dim),
+                    step,
+                    step,
+                )
+            where = what if shapes == SYMBOLIC else f"{what} at {rows_dim} x {seq_dim}"
+            with _shapes.explained(where, dims[what]) if shapes == SYMBOLIC else _noted(where):
+                out_cache, logits = _pair(jax.eval_shape(fn, *args), what)
+            want = _cache_shapes(cache_tree, specs, rows_dim, seq_dim)
+            _check_cache(what, "rows" if what == "prefill" else "cache", out_cache, want)
+            got = _check_logits(what, logits, rows_dim)
+            if vocab is not None and got != vocab:
+                raise ValueError(f"{what}'s logits have {got} entries, prefill's {vocab}")
+            vocab = got
+            traced.append((fname, what, where, args))
+        assert vocab is not None
         bad = [t for t in stops if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab})")
@@ -301,19 +343,23 @@ def export_decoder(
                 "chat_template": chat_template,
             },
         }
-        prefill_name, decode_name = program_names(manifest)
+        if shapes == CONCRETE:
+            manifest["format_version"] = CONCRETE_FORMAT_VERSION
+            manifest["shapes"] = CONCRETE
+            manifest["bounds"] = {}
+            manifest["decoder"]["num_devices"] = num_devices
+            manifest["programs"] = [
+                {"program": what, "cell": list(sizes), "file": fname} for fname, what, sizes in plan
+            ]
+        fun_names = dict(zip(("prefill", "decode"), program_names(manifest)))
         programs, ccv = {}, 0
-        for fname, what, fn, fun_name, args in (
-            (PREFILL_FILE, "prefill", prefill, prefill_name, (param_specs, tokens, prompt_lengths)),
-            (DECODE_FILE, "decode", decode, decode_name,
-             (param_specs, slot_cache, step_tokens, step_tokens)),
-        ):  # fmt: skip
+        for fname, what, where, args in traced:
 
-            def named(*a, _fn=fn):
+            def named(*a, _fn=prefill if what == "prefill" else decode):
                 return _fn(*a)
 
-            named.__name__ = fun_name
-            with shapes.explained(what, symbolic[what]):
+            named.__name__ = fun_names[what]
+            with _shapes.explained(where, dims[what]) if shapes == SYMBOLIC else _noted(where):
                 exported = jax_export.export(jax.jit(named))(*args)
             programs[fname] = bytes(exported.serialize())
             ccv = exported.calling_convention_version
@@ -326,6 +372,32 @@ def export_decoder(
     }
     write_directory(path, manifest, programs | files, leaves, overwrite)
     return path
+
+
+def prefill_file(b: int, n: int) -> str:
+    """A concrete-shape decoder's prefill program for ``b`` prompts of ``n`` tokens."""
+    return f"prefill.{b}x{n}.jaxexport"
+
+
+def _per_device(slots: int, num_devices: int) -> int:
+    if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    if slots % num_devices:
+        raise ValueError(
+            f"slots={slots} do not split evenly over num_devices={num_devices}: with "
+            "shapes='concrete' decode is traced at each device's share of the slots"
+        )
+    return slots // num_devices
+
+
+@contextlib.contextmanager
+def _noted(where: str) -> Iterator[None]:
+    """An error while tracing a concrete-shape program says which one."""
+    try:
+        yield
+    except Exception as exc:
+        exc.add_note(f"pxrt: tracing {where}")
+        raise
 
 
 def sizes(name: str, values: Any) -> tuple[int, ...]:
@@ -433,6 +505,25 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
         f'must be null, {{"kind": "{BYTES}"}} or {{"kind": "{TOKENIZERS}"}} with '
         f"{TOKENIZER_FILE} among the files",
     )
+    if is_concrete(m):
+        need(is_int(d.get("num_devices"), 1), "decoder.num_devices", "must be a positive int")
+        need(d["slots"] % d["num_devices"] == 0, "decoder.slots", "must split over num_devices")
+        programs: Any = m.get("programs")
+        want = [
+            {"program": "prefill", "cell": [b, n], "file": prefill_file(b, n)}
+            for b in d["prefill_batches"]
+            for n in d["prefill_lengths"]
+        ]
+        want.append(
+            {
+                "program": "decode",
+                "cell": [d["slots"] // d["num_devices"], d["max_length"]],
+                "file": DECODE_FILE,
+            }
+        )
+        need(
+            programs == want, "'programs'", "must list a prefill per batch and length, then decode"
+        )
     cache: Any = d.get("cache")
     need(isinstance(cache, list) and bool(cache), "decoder.cache", "must be a non-empty list")
     for i, e in enumerate(cache):
@@ -458,11 +549,23 @@ def read(path: str | os.PathLike) -> DecoderArtifact:
     if manifest.get("kind") != KIND:
         raise ArtifactError(f"{path} is not a decoder artifact; load it with pxrt.load")
     check_decoder_manifest(manifest, where)
-    verify_files(path, manifest, (PREFILL_FILE, DECODE_FILE, PARAMS_FILE))
+    concrete = is_concrete(manifest)
+    files = [p["file"] for p in manifest["programs"]] if concrete else [PREFILL_FILE, DECODE_FILE]
+    verify_files(path, manifest, [*files, PARAMS_FILE])
     check_jax_version(path, manifest)
-    prefill = deserialize(path, PREFILL_FILE)
+    prefills = None
+    if concrete:
+        prefills = {
+            (p["cell"][0], p["cell"][1]): deserialize(path, p["file"])
+            for p in manifest["programs"]
+            if p["program"] == "prefill"
+        }
+        prefill = next(iter(prefills.values()))
+    else:
+        prefill = deserialize(path, PREFILL_FILE)
     decode = deserialize(path, DECODE_FILE)
-    if (prefill.fun_name, decode.fun_name) != program_names(manifest):
+    names = {p.fun_name for p in (prefills or {}).values()} | {prefill.fun_name}
+    if (names, decode.fun_name) != ({program_names(manifest)[0]}, program_names(manifest)[1]):
         raise ArtifactError(
             f"{path}: the manifest does not match the programs: its params, x64 flag, "
             "vocabulary or cache are not the ones they were exported with (they were "
@@ -478,4 +581,4 @@ def read(path: str | os.PathLike) -> DecoderArtifact:
             f"manifest lists {len(entries)}; re-export the model"
         )
     cache = jax.tree.unflatten(cache_tree, [TensorSpec(e["shape"], e["dtype"]) for e in entries])
-    return DecoderArtifact(path, manifest, prefill, decode, params, cache)
+    return DecoderArtifact(path, manifest, prefill, decode, params, cache, prefills)

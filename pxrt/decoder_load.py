@@ -77,6 +77,7 @@ def load_decoder(
         art.config, art.bounds, len(devices), slots, max_length, prefill_lengths, prefill_batches
     )
     max_waiting = int_in("max_waiting", max_waiting, 1, None)
+    phases = {"read": time.perf_counter() - t0}
 
     _xla.compile_counter.ensure_registered()
     cache_dir = compiling.cache_dir(compilation_cache)
@@ -85,7 +86,9 @@ def load_decoder(
         programs = DecoderPrograms(art, devices, slots, max_length, in_group=in_group)
         params_dev = programs.place(art.params)
         jobs = programs.jobs(lengths, batches)
+        tp = time.perf_counter()
         got = _obtain_all(programs, jobs, cache_dir, progress, store=not in_group)
+        tw = time.perf_counter()
         try:
             got.warm_up(params_dev, slots)
         except Exception:
@@ -93,8 +96,12 @@ def load_decoder(
                 raise
             # A stored executable that does not run: every program compiled afresh.
             got = _obtain_all(programs, jobs, cache_dir, progress, store=True, fresh=True)
+            tw = time.perf_counter()
             got.warm_up(params_dev, slots)
         state = got.make_state()
+        # Where the time went: tracing and compiling (or loading) the programs, then
+        # one run of each.
+        phases |= {"programs": tw - tp, "warm-up": time.perf_counter() - tw}
     if distributed is not None:
         fp = multihost.fingerprint(
             art.manifest, [list(job) for job in jobs] + [[slots, max_length]], len(devices)
@@ -132,18 +139,13 @@ def load_decoder(
     #: Where each program came from: "compiled", "cache" (jax's persistent cache) or
     #: "stored" (pxrt's stored executables) -> how many.
     decoder.program_sources = dict(got.sources)
+    decoder.load_phases = {k: round(v, 4) for k, v in phases.items()}
     if distributed is not None:
         decoder.group = group
         decoder._gather = multihost.RowGather(
             group, multihost.Layout.of(programs.by_slot, slots, jax.process_index())
         )
-    log.info(
-        "pxrt: %s version %s loaded in %.2f s (programs: %s)",
-        art.name,
-        decoder.version,
-        decoder.load_s,
-        ", ".join(f"{n} {k}" for k, n in sorted(got.sources.items())),
-    )
+    log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
     return decoder
 
 
@@ -174,6 +176,25 @@ def _sizes(
         )
     shapes.check_lengths("max_length", LENGTH_DIM, [max_length], bounds)
     shapes.check_lengths("prefill_lengths", "seq", lengths, bounds)
+    if "num_devices" in config:  # concrete shapes: what was traced, and no other
+        fixed = {
+            "slots": (slots, config["slots"]),
+            "max_length": (max_length, config["max_length"]),
+        }
+        fixed["devices"] = (n_dev, config["num_devices"])
+        for what, (got, want) in fixed.items():
+            if got != want:
+                raise ValueError(
+                    f"this decoder was exported with shapes='concrete' for {want} {what}, "
+                    f"not {got}: load it as exported, or export it again"
+                )
+        for field, chosen in (("prefill_lengths", lengths), ("prefill_batches", batches)):
+            untraced = sorted(set(chosen) - set(config[field]))
+            if untraced:
+                raise ValueError(
+                    f"this decoder was exported with shapes='concrete' for {field} "
+                    f"{config[field]}; {untraced} were not traced"
+                )
     return slots, max_length, list(lengths), list(batches)
 
 
@@ -321,7 +342,7 @@ class DecoderPrograms:
         lengths, slot, top_k = ints[:, sampling.LEN], ints[:, sampling.SLOT], ints[:, sampling.TOPK]
         seed = lax.bitcast_convert_type(ints[:, sampling.SEED], jnp.uint32)
         temperature, top_p = floats[:, sampling.TEMP], floats[:, sampling.TOPP]
-        rows, logits = self.art.prefill.call(params, tokens, lengths)
+        rows, logits = self.art.prefill_for(*tokens.shape).call(params, tokens, lengths)
         first = sample(logits, temperature, top_k, top_p, seed, lengths)
         n = tokens.shape[1]
         cache = jax.tree.unflatten(

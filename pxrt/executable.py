@@ -27,12 +27,6 @@ from .dispatch import Bucket, Engine, StagingRing, lane_key, lane_table
 
 log = logging.getLogger("pxrt")
 
-_SOURCE_WORDS = {
-    "compiled": "compiled",
-    "cache": "from jax's persistent cache",
-    "stored": "stored executables",
-}
-
 
 class Model:
     """A loaded model: every bucket compiled, params resident. Thread-safe.
@@ -115,10 +109,8 @@ class Model:
         """One line on where this model's load went (for logs): the phases of
         ``load_phases`` and where each cell's executable came from."""
         sources = collections.Counter(b.source for b in self.engine.buckets)
-        got = ", ".join(f"{n} {_SOURCE_WORDS[s]}" for s, n in sorted(sources.items()))
-        phases = ", ".join(f"{k} {v:.2f} s" for k, v in self.load_phases.items())
         each = f" for each of {len(self.instances)} instances" if len(self.instances) > 1 else ""
-        return f"loaded in {self.load_s:.2f} s ({phases}; cells{each}: {got})"
+        return compiling.load_summary(self.load_s, self.load_phases, sources, f"cells{each}")
 
     def check_alive(self) -> None:
         """Raise ``pxrt.multihost.GroupBroken`` if this model cannot run batches any more
@@ -131,6 +123,12 @@ class Model:
         told to stop. Idempotent."""
         if self.group is not None:
             self.group.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     @property
     def cells(self) -> list[tuple[int, dict[str, int]]]:
@@ -378,6 +376,8 @@ def _choose_placement(
     if len(devices) == 1:
         return [list(devices)], "placement='auto': one device"
     art = settings.art
+    if art.programs is not None:  # its cells are what they are: no smaller instances
+        return [list(devices)], "placement='auto': a concrete-shape artifact runs sharded"
     per = len(groups[0])
     cells_sh = compiling.grid(art, buckets, dim_buckets, len(devices))
     cells_rep = compiling.grid(art, buckets, dim_buckets, per)

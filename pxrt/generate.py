@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _ext, _xla, sampling
+from . import _ext, _xla, compiling, sampling
 from . import tokenizer as _tokenizer
 from .decoder import LENGTH_DIM, DecoderArtifact, is_spec
 from .finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
@@ -130,6 +130,9 @@ class Decoder:
         self.max_waiting = max_waiting
         self.load_s = load_s
         self.program_sources: dict[str, int] = {}
+        #: Seconds per phase of the load: reading the artifact, its programs (traced and
+        #: compiled, or loaded), their warm-up.
+        self.load_phases: dict[str, float] = {}
         self.step_compile_s = step_compile_s
         #: XLA compiles on this decoder's loop (counted by ``_xla.compile_counter``).
         self.request_path_compiles = 0
@@ -365,6 +368,13 @@ class Decoder:
         self._fail(DecoderClosed(f"decoder {self.name!r} was closed"))
         if self.group is not None:
             self.group.close()  # its followers stop
+
+    def load_summary(self) -> str:
+        """One line on where this decoder's load went (for logs): ``load_phases`` and
+        where each program's executable came from."""
+        return compiling.load_summary(
+            self.load_s, self.load_phases, self.program_sources, "programs"
+        )
 
     def __enter__(self) -> Decoder:
         return self
@@ -677,6 +687,7 @@ class Decoder:
             "kind": "decoder",
             "devices": [str(d) for d in self.devices],
             "load_s": round(self.load_s, 4),
+            "load_phases": dict(self.load_phases),
             "extensions": _ext.using_extensions(),
             "slots": self.slots,
             "max_length": self.max_length,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,7 +24,10 @@ FORMAT_VERSION = 3
 # 4: decoders (``"kind": "decoder"``, see ``pxrt.decoder``). One-shot artifacts are still
 #    written as 3, so a pxrt that predates decoders loads them.
 DECODER_FORMAT_VERSION = 4
-MAX_FORMAT_VERSION = 4  # the newest this pxrt reads
+# 5: programs traced at concrete shapes, one per cell (``"shapes": "concrete"`` and their
+#    ``programs``); symbolic artifacts are still written as 3 and 4.
+CONCRETE_FORMAT_VERSION = 5
+MAX_FORMAT_VERSION = 5  # the newest this pxrt reads
 SIGNATURE_KEYS = ("inputs", "outputs", "params", "x64", "mesh")
 MANIFEST = "manifest.json"
 PROGRAM_FILE = "model.jaxexport"
@@ -169,7 +172,34 @@ def check_manifest(m: dict[str, Any], where: str) -> None:
     )
     need(max(buckets) <= MAX_BUCKET, "'batch_buckets'", f"has a bucket over {MAX_BUCKET} rows")
     check_bounds(m, where, dim_buckets)
+    if is_concrete(m):
+        check_programs(m, where, [buckets, *dim_buckets.values()])
     check_params(m, where)
+
+
+def is_concrete(m: Mapping[str, Any]) -> bool:
+    """Whether an artifact's programs were traced per cell (``shapes="concrete"``)."""
+    return m.get("format_version", 0) >= CONCRETE_FORMAT_VERSION and m.get("shapes") == "concrete"
+
+
+def check_programs(m: dict[str, Any], where: str, axes: list[Any]) -> None:
+    """A concrete-shape manifest's ``programs``: each a cell (one size per axis, from the
+    sizes that axis lists) and a file whose sha256 the manifest has."""
+    need = needs(where)
+    programs: Any = m.get("programs")
+    files = m.get("files") or {}
+    need(isinstance(programs, list) and bool(programs), "'programs'", "must be a non-empty list")
+    for i, p in enumerate(programs):
+        need(
+            isinstance(p, dict)
+            and isinstance(p.get("cell"), list)
+            and len(p["cell"]) == len(axes)
+            and all(is_int(n, 1) and n in axis for n, axis in zip(p["cell"], axes))
+            and isinstance(p.get("file"), str)
+            and p["file"] in files,
+            f"programs[{i}]",
+            "must be a cell of the grid (one of each axis's sizes) and a file among 'files'",
+        )
 
 
 def check_params(m: dict[str, Any], where: str) -> None:
@@ -197,23 +227,31 @@ def check_params(m: dict[str, Any], where: str) -> None:
         )
 
 
-def check_program(exported: Any, manifest: dict, inputs: dict, outputs: dict, path: str) -> None:
+def check_program(
+    exported: Any,
+    manifest: dict,
+    inputs: dict,
+    outputs: dict,
+    path: str,
+    cell: Sequence[int] | None = None,
+) -> None:
     """The manifest against the program it came with: every input and output's dtype and
-    per-example shape in order, and (format 2) the signature the program was named after."""
+    per-example shape in order, and (format 2) the signature the program was named after.
+    ``cell``: a concrete-shape program's (batch, lengths...), which its shapes must be."""
     n_params = len(manifest["params"])
     in_avals, out_avals = exported.in_avals, exported.out_avals
+    at = dict(zip(manifest.get("dim_buckets") or {}, cell[1:])) if cell is not None else None
 
     def mismatch(kind: str, specs: dict, avals: Any) -> str | None:
         if len(avals) != len(specs):
             return f"the program has {len(avals)} {kind}, the manifest lists {len(specs)}"
         for (name, spec), aval in zip(specs.items(), avals):
             dims = tuple(d if isinstance(d, int) else str(d) for d in aval.shape[1:])
-            if (
-                not aval.shape
-                or isinstance(aval.shape[0], int)
-                or np.dtype(aval.dtype) != spec.dtype
-                or dims != spec.shape
-            ):
+            batch_ok = aval.shape and (
+                not isinstance(aval.shape[0], int) if cell is None else aval.shape[0] == cell[0]
+            )
+            want = spec.shape if at is None else spec.at(at)
+            if not batch_ok or np.dtype(aval.dtype) != spec.dtype or dims != want:
                 return (
                     f"{kind[:-1]} {name!r} is {spec.describe()} in the manifest but "
                     f"{np.dtype(aval.dtype).name}{list(aval.shape)} in the program"

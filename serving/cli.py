@@ -271,9 +271,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"devices: {len(info['devices'])} ({', '.join(info['devices'])}); loaded in "
         f"{info['load_s']:.2f} s"
     )
-    phases = info.get("load_phases") or {}
-    if phases:
-        print("load: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+    _print_phases(info)
+    if m.get("shapes") == "concrete":
+        print(f"shapes: concrete ({len(m['programs'])} programs, one per cell)")
     groups = info.get("instances") or []
     if len(groups) > 1:
         print(f"placement: {len(groups)} instances: " + "; ".join(", ".join(g) for g in groups))
@@ -308,6 +308,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_phases(info: dict) -> None:
+    phases = info.get("load_phases") or {}
+    if phases:
+        print("load: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+
+
 def _inspect_decoder(info: dict) -> int:
     m = info["manifest"]
     d = m["decoder"]
@@ -321,6 +327,9 @@ def _inspect_decoder(info: dict) -> int:
         f"devices: {len(info['devices'])} ({', '.join(info['devices'])}); loaded in "
         f"{info['load_s']:.2f} s"
     )
+    _print_phases(info)
+    if m.get("shapes") == "concrete":
+        print(f"shapes: concrete (traced per size, for {d['num_devices']} device(s))")
     print(
         f"slots {info['slots']} x length {info['max_length']}: cache "
         f"{info['cache_bytes'] / 2**20:.2f} MiB, donated through every step and insert"

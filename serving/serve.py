@@ -125,7 +125,8 @@ class _Setup:
                     print(
                         f"pxrt serve: {name or model.name} ready (a decoder: {model.slots} "
                         f"slots, {model.max_length} positions, prefill lengths "
-                        f"{model.prefill_lengths}, {len(model.devices)} device(s))",
+                        f"{model.prefill_lengths}, {len(model.devices)} device(s)); "
+                        f"{model.load_summary()}",
                         file=sys.stderr,
                     )
                     continue

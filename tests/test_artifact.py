@@ -64,8 +64,8 @@ def test_params_are_plain_arrays_without_pickle(artifacts):
             header = z.read(name)[:128]
             assert b"'descr': '|O'" not in header and b"'descr': '<V" not in header
     art = pxrt.read_artifact(artifacts["bf16"])
-    np.testing.assert_array_equal(art.params["w"], MODELS["bf16"]["params"]()["w"])
-    assert art.params["w"].dtype.name == "bfloat16"
+    np.testing.assert_array_equal(art.params_by_path["['w']"], MODELS["bf16"]["params"]()["w"])
+    assert art.params_by_path["['w']"].dtype.name == "bfloat16"
 
 
 def test_object_params_are_refused(tmp_path):

@@ -101,6 +101,88 @@ def test_without_a_bound_export_says_which_dimension_and_what_helps(tmp_path):
         )  # fmt: skip
 
 
+def looped(params, tokens):
+    """Python over the shapes, as library code has it: the batch's ``len`` and a loop
+    over it (no symbol can be a ``range``)."""
+    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+    firsts = jnp.stack([x[i, 0] for i in range(len(tokens))])
+    return {"first": firsts @ params["q"], "y": jnp.tanh(x)}
+
+
+def test_code_that_needs_ints_exports_with_concrete_shapes(tmp_path):
+    params = make_params(4)
+    inputs = {"tokens": pxrt.TensorSpec(("seq",), "int32")}
+    grid = dict(inputs=inputs, batch_buckets=(4, 8), dim_buckets={"seq": LENGTHS})
+    with pytest.raises(ExportError, match="shapes='concrete'"):
+        pxrt.export(looped, params, tmp_path / "sym", **grid)
+    path = pxrt.export(looped, params, tmp_path / "looped", shapes="concrete", **grid)
+    manifest = json.loads((tmp_path / "looped" / "manifest.json").read_text())
+    assert manifest["shapes"] == "concrete" and manifest["format_version"] == 5
+    assert sorted(p["cell"] for p in manifest["programs"]) == [
+        [b, n] for b in (4, 8) for n in LENGTHS
+    ]
+    assert manifest["outputs"] == [
+        {"name": "first", "dtype": "float32", "shape": [DIM]},
+        {"name": "y", "dtype": "float32", "shape": ["seq", DIM]},
+    ]
+    reference = jax.jit(looped)
+    with pxrt.load(path) as model:  # every cell: the batch splits over 1 or 4 devices
+        rng = np.random.default_rng(5)
+        for rows, n in ((1, 3), (3, 16), (6, 9), (8, 8)):
+            tokens = rng.integers(0, VOCAB, (rows, n), dtype=np.int32)
+            got, want = model.run({"tokens": tokens}), reference(params, tokens)
+            for k in ("first", "y"):
+                np.testing.assert_allclose(got[k], want[k], atol=1e-6, err_msg=k)
+    with pytest.raises(ValueError, match=r"shapes='concrete'.*not \[\(8, 12\)\]"):
+        pxrt.load(path, buckets=(8,), dim_buckets={"seq": (12,)})
+
+
+def test_flax_linen_and_nnx_modules_export_as_they_are(tmp_path):
+    """The recipes of docs/bring-your-own-model.md: the weights as params, the module
+    closed over; outputs equal the module's own."""
+    from flax import linen, nnx
+
+    class Tagger(linen.Module):
+        @linen.compact
+        def __call__(self, tokens):
+            x = linen.Embed(VOCAB, DIM)(tokens)
+            pos = self.param("pos", linen.initializers.normal(0.1), (TABLE, DIM))
+            return linen.Dense(DIM)(jax.nn.gelu(x + pos[: tokens.shape[1]]))
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(DIM, 32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    rng = np.random.default_rng(6)
+    linen_model = Tagger()
+    tokens = rng.integers(0, VOCAB, (3, 11), dtype=np.int32)
+    variables = linen_model.init(jax.random.key(0), tokens)
+    path = pxrt.export(
+        lambda params, tokens: linen_model.apply({"params": params}, tokens),
+        variables["params"], tmp_path / "linen", batch_buckets=(4,), dim_buckets={"seq": LENGTHS},
+        inputs={"tokens": pxrt.TensorSpec(("seq",), "int32")},
+    )  # fmt: skip
+    with pxrt.load(path) as model:
+        np.testing.assert_allclose(
+            model.run({"tokens": tokens})["output"], linen_model.apply(variables, tokens),
+            atol=1e-5,
+        )  # fmt: skip
+
+    graphdef, state = nnx.split(Mlp(nnx.Rngs(0)), nnx.Param)
+    path = pxrt.export(
+        lambda state, x: nnx.merge(graphdef, state)(x), state, tmp_path / "nnx",
+        batch_buckets=(4,), inputs={"x": pxrt.TensorSpec((DIM,), "float32")},
+    )  # fmt: skip
+    x = rng.standard_normal((5, DIM)).astype(np.float32)
+    with pxrt.load(path) as model:
+        np.testing.assert_allclose(
+            model.run({"x": x})["output"], nnx.merge(graphdef, state)(x), atol=1e-5
+        )
+
+
 # --------------------------------------------------------------------------- reproducible
 
 EXPORT_SCRIPT = """
@@ -167,7 +249,10 @@ def pt_prefill(params, tokens, lengths):
 
 
 def pt_decode(params, cache, tokens, positions):
-    slots = jnp.arange(tokens.shape[0])
+    return _decode(params, cache, tokens, positions, jnp.arange(tokens.shape[0]))
+
+
+def _decode(params, cache, tokens, positions, slots):
     length = cache["k"].shape[1]
     x = params["embed"][tokens] + params["pos"][positions]
     kc = cache["k"].at[slots, positions].set(x @ params["k"])
@@ -229,6 +314,80 @@ def test_a_decoder_with_position_tables_generates_like_jax(pt_path, tmp_path):
             pt_prefill, pt_decode, params, tmp_path / "x", cache=CACHE, max_length=MAX_LENGTH,
             prefill_lengths=LENGTHS, bounds={"length": None},
         )  # fmt: skip
+
+
+def len_prefill(params, tokens, lengths):
+    """gemma's way to the last prompt token: ``x[jnp.arange(len(x)), lengths - 1]``."""
+    n = tokens.shape[1]
+    x = params["embed"][tokens] + params["pos"][:n]
+    k, v = x @ params["k"], x @ params["v"]
+    idx = jnp.arange(n)
+    keep = (idx[None, :] <= idx[:, None])[None] & (idx < lengths[:, None])[:, None, :]
+    h = jnp.stack(
+        [_attend(params, x[i], k[i], v[i], keep[i], params["bias"][:n]) for i in range(len(x))]
+    )
+    last = h[jnp.arange(len(h)), lengths - 1]
+    return {"k": k, "v": v}, last @ params["head"]
+
+
+def len_decode(params, cache, tokens, positions):
+    slots = jnp.arange(len(tokens))
+    return _decode(params, cache, tokens, positions, slots)
+
+
+def test_a_decoder_that_calls_len_exports_with_concrete_shapes(tmp_path):
+    params = make_params(7)
+    common = dict(cache=CACHE, max_length=MAX_LENGTH, slots=4, prefill_lengths=LENGTHS,
+                  prefill_batches=(1, 2))  # fmt: skip
+    with pytest.raises(ExportError, match="(?s)prefill could not be traced.*shapes='concrete'"):
+        pxrt.export_decoder(len_prefill, len_decode, params, tmp_path / "sym", **common)
+    n_dev = len(jax.devices())
+    path = pxrt.export_decoder(
+        len_prefill, len_decode, params, tmp_path / "conc", shapes="concrete",
+        num_devices=n_dev, **common,
+    )  # fmt: skip
+    manifest = json.loads((tmp_path / "conc" / "manifest.json").read_text())
+    assert manifest["shapes"] == "concrete" and manifest["decoder"]["num_devices"] == n_dev
+    assert [p["cell"] for p in manifest["programs"]][-1] == [4 // n_dev, MAX_LENGTH]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in (2, 16, 7, 11, 4)]
+    with pxrt.load(path) as dec:
+        streams = [dec.submit(p, max_tokens=8) for p in prompts]
+        for prompt, stream in zip(prompts, streams):
+            assert stream.result(timeout=60).tokens == greedy(params, prompt, 8)
+    with pytest.raises(ValueError, match=r"shapes='concrete' for 32 max_length, not 24"):
+        pxrt.load(path, max_length=24)
+    with pytest.raises(ValueError, match=r"prefill_lengths \[8, 16\]; \[12\] were not traced"):
+        pxrt.load(path, prefill_lengths=(12,))
+
+
+def one_index_step(params, cache, tokens, end_index):
+    """A library's cached step: every row of the batch written at one index, as gemma's
+    and keras-hub's attention caches do."""
+    length = cache["k"].shape[1]
+    x = params["embed"][tokens] + params["pos"][end_index]
+    kc = cache["k"].at[:, end_index].set(x @ params["k"])
+    vc = cache["v"].at[:, end_index].set(x @ params["v"])
+    keep = jnp.broadcast_to(jnp.arange(length) <= end_index, (len(tokens), length))
+    h = _attend(
+        params, x[:, None], kc[:, None], vc[:, None], keep[:, None], params["bias"][:length]
+    )
+    return {"k": kc, "v": vc}, h[:, 0] @ params["head"]
+
+
+def test_per_slot_turns_a_one_index_step_into_pxrts_decode(tmp_path):
+    params = make_params(7)
+    decode = pxrt.per_slot(lambda p, cache, tokens, at: one_index_step(p, cache, tokens, at[0]))
+    path = pxrt.export_decoder(
+        pt_prefill, decode, params, tmp_path / "lib", cache=CACHE, max_length=MAX_LENGTH,
+        slots=4, prefill_lengths=LENGTHS, prefill_batches=(1,),
+    )  # fmt: skip
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in (5, 16, 1, 9, 12)]
+    with pxrt.load(path) as dec:
+        streams = [dec.submit(p, max_tokens=9) for p in prompts]
+        for prompt, stream in zip(prompts, streams):
+            assert stream.result(timeout=60).tokens == greedy(params, prompt, 9)
 
 
 def test_openai_completions_without_a_tokenizer_carry_token_ids(pt_path):
