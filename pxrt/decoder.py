@@ -76,7 +76,7 @@ from .manifest import (
     needs,
 )
 from .specs import DTYPES, MAX_BUCKET, TensorSpec
-from .tokenizer import BYTES, TOKENIZER_FILE, TOKENIZERS, TokenizersTokenizer
+from .tokenizer import BYTES, FILES, from_file
 
 KIND = "decoder"
 PREFILL_FILE = "prefill.jaxexport"
@@ -202,9 +202,10 @@ def export_decoder(
       prefill_batches: prompts prefilled together (batch buckets of prefill).
       eos_id: the end-of-sequence token: generation stops after emitting it.
       stop_ids: more tokens that stop every generation (requests may add their own).
-      tokenizer: ``"bytes"`` (built in: token i < 256 is byte i) or the path of a
-        ``tokenizer.json`` for the ``tokenizers`` library (copied into the artifact):
-        what ``pxrt serve`` turns text into tokens and back with. None: token ids only.
+      tokenizer: ``"bytes"`` (built in: token i < 256 is byte i), the path of a
+        ``tokenizer.json`` for the ``tokenizers`` library, or of a SentencePiece
+        ``.model`` (copied into the artifact): what ``pxrt serve`` turns text into tokens
+        and back with. None: token ids only.
       chat_template: a Jinja template (as Hugging Face's ``chat_template``) that renders
         ``messages`` (and ``add_generation_prompt``) to the prompt's text:
         ``/v1/chat/completions`` needs it (and a tokenizer).
@@ -264,10 +265,10 @@ def export_decoder(
         if tokenizer == BYTES:
             tok_config = {"kind": BYTES}
         else:
+            loaded = from_file(os.fspath(tokenizer))  # it must load
             with open(os.fspath(tokenizer), "rb") as f:
-                files[TOKENIZER_FILE] = f.read()
-            TokenizersTokenizer(os.fspath(tokenizer))  # it must load
-            tok_config = {"kind": TOKENIZERS}
+                files[FILES[loaded.kind]] = f.read()
+            tok_config = {"kind": loaded.kind}
 
     cache_tree = jax.tree.structure(cache, is_leaf=is_spec)
     specs = jax.tree.leaves(cache, is_leaf=is_spec)
@@ -500,10 +501,15 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
     need(
         tok is None
         or tok == {"kind": BYTES}
-        or (tok == {"kind": TOKENIZERS} and TOKENIZER_FILE in (m.get("files") or {})),
+        or (
+            isinstance(tok, dict)
+            and list(tok) == ["kind"]
+            and tok["kind"] in FILES
+            and FILES[tok["kind"]] in (m.get("files") or {})
+        ),
         "decoder.tokenizer",
-        f'must be null, {{"kind": "{BYTES}"}} or {{"kind": "{TOKENIZERS}"}} with '
-        f"{TOKENIZER_FILE} among the files",
+        f'must be null, {{"kind": "{BYTES}"}}, or a kind of {sorted(FILES)} whose file '
+        f"({', '.join(FILES.values())}) is among the files",
     )
     if is_concrete(m):
         need(is_int(d.get("num_devices"), 1), "decoder.num_devices", "must be a positive int")

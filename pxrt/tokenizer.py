@@ -5,7 +5,9 @@ A decoder artifact may carry a tokenizer (``export_decoder(..., tokenizer=...)``
 - ``"bytes"``: built in. Token ``i < 256`` is byte ``i``; ids from 256 up are special
   (the demo's BOS and EOS) and decode to nothing.
 - a ``tokenizer.json`` for the ``tokenizers`` library (the optional ``tokenizers``
-  extra), copied into the artifact and hashed with the rest.
+  extra), copied into the artifact and hashed with the rest;
+- a SentencePiece ``.model`` (Gemma's, Llama 2's, T5's; the optional ``sentencepiece``
+  extra), carried the same way as ``tokenizer.model``.
 
 ``TextStream`` turns tokens into text as they come without ever emitting half a UTF-8
 character, and ends the text at a stop string (the stop string itself is not emitted;
@@ -23,6 +25,10 @@ from typing import Any, Protocol
 BYTES = "bytes"
 TOKENIZERS = "tokenizers"
 TOKENIZER_FILE = "tokenizer.json"
+SENTENCEPIECE = "sentencepiece"
+SENTENCEPIECE_FILE = "tokenizer.model"
+# kind -> the file an artifact carries it in
+FILES = {TOKENIZERS: TOKENIZER_FILE, SENTENCEPIECE: SENTENCEPIECE_FILE}
 
 
 class Tokenizer(Protocol):
@@ -93,13 +99,55 @@ class TokenizersTokenizer:
         return _PrefixStream(self)
 
 
+class SentencePieceTokenizer:
+    """A SentencePiece model (``.model``). Text is encoded without BOS or EOS (the
+    prompt is what the client sent); decoding drops control tokens."""
+
+    kind = SENTENCEPIECE
+
+    def __init__(self, path: str) -> None:
+        try:
+            import sentencepiece
+        except ImportError:
+            raise RuntimeError(
+                f"{path} needs the `sentencepiece` package: pip install 'pxrt[sentencepiece]'"
+            ) from None
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(path)
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"{path} is not a SentencePiece model: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self._sp.EncodeAsIds(text)]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        size = self._sp.GetPieceSize()
+        return str(self._sp.DecodeIds([int(t) for t in tokens if 0 <= t < size]))
+
+    def stream(self) -> _PrefixStream:
+        return _PrefixStream(self)
+
+
+class _Decodes(Protocol):
+    def decode(self, tokens: Sequence[int]) -> str: ...
+
+
+def from_file(path: str) -> TokenizersTokenizer | SentencePieceTokenizer:
+    """A tokenizer file as export takes it: a SentencePiece ``.model``, else a
+    ``tokenizer.json``."""
+    if path.endswith(".model"):
+        return SentencePieceTokenizer(path)
+    return TokenizersTokenizer(path)
+
+
 class _PrefixStream:
     """Incremental detokenization for tokenizers whose pieces depend on their neighbours
     (byte-level BPE, SentencePiece spaces): decode a short window of recent tokens, emit
     what it adds to the text already emitted, and hold it back while it ends in the
     replacement character (half a UTF-8 character)."""
 
-    def __init__(self, tokenizer: TokenizersTokenizer) -> None:
+    def __init__(self, tokenizer: _Decodes) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
         self._prefix = 0  # the window starts here
@@ -224,6 +272,8 @@ def load(config: dict | None, directory: str) -> Any:
         return ByteTokenizer()
     if config.get("kind") == TOKENIZERS:
         return TokenizersTokenizer(os.path.join(directory, TOKENIZER_FILE))
+    if config.get("kind") == SENTENCEPIECE:
+        return SentencePieceTokenizer(os.path.join(directory, SENTENCEPIECE_FILE))
     raise ValueError(f"unknown tokenizer kind {config.get('kind')!r}")
 
 

@@ -151,6 +151,46 @@ def test_an_artifact_carries_its_tokenizer_json(tmp_path):
         pxrt.load(art)
 
 
+def _sentencepiece(tmp_path) -> str:
+    """A tiny SentencePiece model trained here (what Gemma and Llama 2 ship)."""
+    spm = pytest.importorskip("sentencepiece")
+    lines = ["pxrt serves JAX programs", "hello world, héllo wörld", "tokens in, text out"] * 20
+    path = str(tmp_path / "sp.model")
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=f, vocab_size=290,
+            character_coverage=1.0, byte_fallback=True, minloglevel=2,
+        )  # fmt: skip
+    return path
+
+
+def test_an_artifact_carries_a_sentencepiece_model(tmp_path):
+    from pxrt.tokenizer import SentencePieceTokenizer
+
+    path = _sentencepiece(tmp_path)
+    art = pxrt.export_decoder(
+        demo.lm_prefill, demo.lm_decode, demo.make_lm_params(dim=32, heads=2, layers=1),
+        tmp_path / "lm", cache=demo.lm_cache_spec(1, 2, 32), max_length=32,
+        prefill_lengths=(16,), prefill_batches=(1,), tokenizer=path,
+    )  # fmt: skip
+    manifest = json.loads((tmp_path / "lm" / "manifest.json").read_text())
+    assert manifest["decoder"]["tokenizer"] == {"kind": "sentencepiece"}
+    assert "tokenizer.model" in manifest["files"]
+    text = "hello wörld, ✓ pxrt"  # ✓ is not in its vocabulary: byte fallback pieces
+    with pxrt.load(art) as dec:
+        assert isinstance(dec.tokenizer, SentencePieceTokenizer)
+        ids = dec.tokenizer.encode(text)
+        assert ids == SentencePieceTokenizer(path).encode(text)
+        pieces, out = stream_all(dec.tokenizer, ids)
+        assert "".join(pieces) == dec.tokenizer.decode(ids) == text
+        assert all("\ufffd" not in p for p in pieces)
+        pieces, out = stream_all(dec.tokenizer, ids, stop=["pxrt"])
+        assert "".join(pieces) == "hello wörld, ✓ " and out.stopped
+    (tmp_path / "lm" / "tokenizer.model").write_bytes(b"x")
+    with pytest.raises(pxrt.ArtifactError, match="tokenizer.model does not match its sha256"):
+        pxrt.load(art)
+
+
 def test_chat_templates_are_checked_at_export(tmp_path):
     common = dict(
         cache=demo.lm_cache_spec(1, 2, 32),
