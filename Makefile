@@ -21,6 +21,13 @@ FOUR := XLA_FLAGS=--xla_force_host_platform_device_count=4
 
 all: $(STAMP)
 
+# keras-hub for tests/test_keras_hub.py, without its tensorflow-text (which pulls
+# TensorFlow, 600 MB): backbones and causal LMs on the JAX backend do not need it (its
+# tokenizers do; users who have keras-hub have them). `pip install 'pxrt[keras-hub]'`
+# is the whole of it.
+KERAS_DEPS := 'keras>=3.15' 'kagglehub!=1.0.1' 'kagglesdk==0.1.28' regex rich
+KERAS_HUB := 'keras-hub==0.32.0'
+
 # uv installs the same packages as pip in under half the time (pip if uv cannot be had).
 # --compile-bytecode: uv (unlike pip) writes no .pyc by default, and where
 # PYTHONDONTWRITEBYTECODE is set no process writes them, so every test process and every
@@ -31,6 +38,9 @@ $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*/*.p
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e '$(EXTRAS)' \
 		|| $(PY) -m pip install -q -e '$(EXTRAS)'
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(KERAS_DEPS) \
+		&& $(VENV)/bin/uv pip install -q --compile-bytecode --no-deps --python $(PY) $(KERAS_HUB) \
+		|| ($(PY) -m pip install -q $(KERAS_DEPS) && $(PY) -m pip install -q --no-deps $(KERAS_HUB))
 	touch $@
 
 demo: $(STAMP)

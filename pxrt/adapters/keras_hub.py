@@ -1,0 +1,194 @@
+"""keras-hub models as pxrt artifacts, on keras's JAX backend (``KERAS_BACKEND=jax``).
+
+- ``export_backbone(backbone, path, ...)``: a backbone (``BertBackbone``,
+  ``GemmaBackbone``...) as a one-shot model. Its inputs are the functional model's
+  (``token_ids``, ``padding_mask``, ``segment_ids``...) with the sequence as the named
+  dimension ``seq``; its outputs are the backbone's (a dict by name, or ``output``).
+- ``export_causal_lm(causal_lm, path, ...)``: a causal LM (``GemmaCausalLM``,
+  ``LlamaCausalLM``, ``MistralCausalLM``, ``QwenCausalLM``... anything with keras-hub's
+  ``call_with_cache(token_ids, cache, cache_update_index)``) as a pxrt decoder. Prefill
+  runs ``call_with_cache`` over the padded prompts from index 0, and decode runs it for
+  one token per slot at the slot's own index (``pxrt.per_slot``: keras-hub writes every
+  row of a batch at one index). The cache is keras-hub's own, per slot.
+
+Both read the weights through ``keras.StatelessScope``: the params are the model's
+variables by path, the model object stays in the closure, and nothing of keras is
+needed where the artifact is served. A SentencePiece tokenizer (``proto``: Gemma's,
+Llama 2's) goes into the artifact, unless ``tokenizer=`` names another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..artifact import export
+from ..decoder import export_decoder
+from ..recipes import per_slot
+from ..specs import TensorSpec
+
+SEQ = "seq"
+
+
+def _keras() -> Any:
+    import keras
+
+    if keras.config.backend() != "jax":
+        raise RuntimeError(
+            f"keras runs on its {keras.config.backend()!r} backend: pxrt exports JAX "
+            "programs. Set KERAS_BACKEND=jax before keras is first imported."
+        )
+    return keras
+
+
+def params_of(model: Any) -> dict[str, np.ndarray]:
+    """The model's variables (trainable or not) by path, as numpy arrays: what the
+    artifact stores and the programs read the weights from."""
+    keras = _keras()
+    out: dict[str, np.ndarray] = {}
+    for v in model.variables:
+        if v.path in out:
+            raise ValueError(f"{type(model).__name__}: two variables at path {v.path!r}")
+        out[v.path] = np.asarray(keras.ops.convert_to_numpy(v.value))
+    return out
+
+
+@contextlib.contextmanager
+def _weights(model: Any, params: Mapping[str, Any]) -> Iterator[None]:
+    """The model's variables read as ``params`` (traced values) while tracing."""
+    keras = _keras()
+    mapping = [(v, params[v.path]) for v in model.variables]
+    with keras.StatelessScope(state_mapping=mapping):
+        yield
+
+
+# --------------------------------------------------------------------------- backbones
+
+
+def backbone_inputs(backbone: Any) -> dict[str, TensorSpec]:
+    """The functional backbone's inputs as specs: the sequence axis named ``seq``."""
+    specs = backbone.input if isinstance(backbone.input, dict) else None
+    if specs is None:
+        raise ValueError(
+            f"{type(backbone).__name__} takes {type(backbone.input).__name__} inputs: "
+            "export_backbone wants a keras-hub backbone with named inputs (a dict)"
+        )
+    out = {}
+    for name, kt in specs.items():
+        shape = tuple(kt.shape[1:])
+        if not shape or shape[0] is not None or any(d is None for d in shape[1:]):
+            raise ValueError(
+                f"input {name!r} has shape {kt.shape}: export_backbone takes sequence "
+                "inputs (batch, sequence, fixed sizes...)"
+            )
+        dtype = "bool" if kt.dtype == "bool" else str(np.dtype(kt.dtype))
+        out[name] = TensorSpec((SEQ, *shape[1:]), dtype)
+    return out
+
+
+def export_backbone(
+    backbone: Any,
+    path: str | os.PathLike,
+    *,
+    seq_lengths: Sequence[int] = (32, 64, 128),
+    batch_buckets: Sequence[int] = (1, 8, 32),
+    **options: Any,
+) -> str:
+    """Export a keras-hub backbone as a one-shot model: its inputs over a named sequence
+    dimension compiled at ``seq_lengths``; ``options`` as for ``pxrt.export`` (``name``,
+    ``bounds``, ``shapes``...). Returns the artifact path."""
+    inputs = backbone_inputs(backbone)
+
+    def fn(params: Any, **xs: Any) -> Any:
+        with _weights(backbone, params):
+            out = backbone(dict(xs), training=False)
+        return dict(out) if isinstance(out, Mapping) else out
+
+    options.setdefault("name", backbone.name)
+    return export(
+        fn, params_of(backbone), path, inputs=inputs, batch_buckets=batch_buckets,
+        dim_buckets={SEQ: tuple(seq_lengths)}, **options,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- causal LMs
+
+
+def cache_spec(causal_lm: Any) -> TensorSpec:
+    """keras-hub's cache for one sequence (what ``_build_cache`` makes, without the
+    batch), its sequence axis named ``length``: found by tracing it at two lengths."""
+    import jax
+
+    params = {v.path: jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in causal_lm.variables}
+
+    def built(params: Any, tokens: Any) -> Any:
+        with _weights(causal_lm, params):
+            return causal_lm._build_cache(tokens)[1]
+
+    a, b = (jax.eval_shape(built, params, jax.ShapeDtypeStruct((1, n), "int32")) for n in (3, 5))
+    axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+    if len(axes) != 1 or a.shape[0] != 1:
+        raise ValueError(
+            f"{type(causal_lm).__name__}'s cache is {a.shape} for 3 tokens and {b.shape} "
+            "for 5: expected a batch of 1 and one axis that follows the length"
+        )
+    shape: list[int | str] = list(a.shape[1:])
+    shape[axes[0] - 1] = "length"
+    return TensorSpec(tuple(shape), str(a.dtype))
+
+
+def export_causal_lm(
+    causal_lm: Any,
+    path: str | os.PathLike,
+    *,
+    max_length: int = 512,
+    slots: int = 8,
+    prefill_lengths: Sequence[int] = (32, 128),
+    prefill_batches: Sequence[int] = (1, 4),
+    eos_id: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    **options: Any,
+) -> str:
+    """Export a keras-hub causal LM as a pxrt decoder (see the module docstring);
+    ``options`` as for ``pxrt.export_decoder``. ``eos_id`` defaults to the tokenizer's
+    end token. Returns the artifact path."""
+    spec = cache_spec(causal_lm)
+    dtype = spec.dtype
+
+    def prefill(params: Any, tokens: Any, lengths: Any) -> Any:
+        import jax.numpy as jnp
+
+        with _weights(causal_lm, params):
+            b, n = tokens.shape
+            cache = jnp.zeros((b, *spec.at({"length": n})), dtype)
+            logits, _, cache = causal_lm.call_with_cache(tokens, cache, 0)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return {"kv": cache}, last.astype(jnp.float32)
+
+    def one_sequence(params: Any, cache: Any, tokens: Any, positions: Any) -> Any:
+        import jax.numpy as jnp
+
+        with _weights(causal_lm, params):
+            logits, _, kv = causal_lm.call_with_cache(tokens[:, None], cache["kv"], positions[0])
+        return {"kv": kv}, logits[:, 0].astype(jnp.float32)
+
+    sp = getattr(getattr(causal_lm.preprocessor, "tokenizer", None), "proto", None)
+    if eos_id is None:
+        eos_id = getattr(getattr(causal_lm.preprocessor, "tokenizer", None), "end_token_id", None)
+    options.setdefault("name", causal_lm.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        if tokenizer is None and isinstance(sp, bytes):
+            tokenizer = os.path.join(tmp, "tokenizer.model")
+            with open(tokenizer, "wb") as f:
+                f.write(sp)
+        return export_decoder(
+            prefill, per_slot(one_sequence), params_of(causal_lm), path,
+            cache={"kv": spec}, max_length=max_length, slots=slots,
+            prefill_lengths=prefill_lengths, prefill_batches=prefill_batches,
+            eos_id=eos_id, tokenizer=tokenizer, **options,
+        )  # fmt: skip
