@@ -91,12 +91,13 @@ def test_a_bert_backbone_serves_like_keras(bert, bert_path):
 
 
 def keras_greedy(lm, prompt, max_tokens):
-    """keras-hub's own generate (its greedy sampler, no stop token) for one prompt."""
+    """keras-hub's own generation (``generate_step``: what ``generate`` runs, with its
+    greedy sampler and no stop token) for one prompt."""
     tokens = np.zeros((1, MAX_LENGTH), np.int32)
     tokens[0, : len(prompt)] = prompt
     mask = np.zeros((1, MAX_LENGTH), bool)
     mask[0, : len(prompt)] = True
-    out = lm.generate({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None)
+    out = lm.generate_step({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None)
     return [int(t) for t in np.asarray(out["token_ids"])[0, len(prompt) : len(prompt) + max_tokens]]
 
 
@@ -146,3 +147,36 @@ def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
         assert out.choices[0].model_extra["token_ids"] == keras_greedy(gemma, prompt, 6)
     finally:
         proc.stop()
+
+
+TINY = dict(vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32)  # fmt: skip
+FAMILIES = {
+    "llama": ("LlamaBackbone", "LlamaCausalLM", {}),
+    "mistral": ("MistralBackbone", "MistralCausalLM", {}),
+    "qwen": ("QwenBackbone", "QwenCausalLM", {}),
+    "qwen3": ("Qwen3Backbone", "Qwen3CausalLM", {"head_dim": 8}),
+    "gemma3": ("Gemma3Backbone", "Gemma3CausalLM", {"head_dim": 8, "image_size": 16}),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_causal_lm_families_generate_like_keras_hub(family, tmp_path):
+    backbone_cls, lm_cls, extra = FAMILIES[family]
+    keras.utils.set_random_seed(3)
+    backbone = getattr(keras_hub.models, backbone_cls)(**TINY, **extra)
+    lm = getattr(keras_hub.models, lm_cls)(backbone=backbone, preprocessor=None)
+    lm.compile(sampler="greedy")
+    rng = np.random.default_rng(4)
+    for v in lm.variables:
+        fan_in = v.shape[0] if len(v.shape) > 1 else 1
+        v.assign(rng.standard_normal(v.shape).astype(np.float32) / np.sqrt(fan_in))
+    path = adapter.export_causal_lm(
+        lm, tmp_path / family, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8,),
+        prefill_batches=(1,),
+    )  # fmt: skip
+    prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in (2, 8, 5)]
+    with pxrt.load(path) as dec:
+        streams = [dec.submit(p, max_tokens=8) for p in prompts]
+        for prompt, stream in zip(prompts, streams):
+            assert stream.result(timeout=120).tokens == keras_greedy(lm, prompt, 8)

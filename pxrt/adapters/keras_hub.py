@@ -5,8 +5,9 @@
   (``token_ids``, ``padding_mask``, ``segment_ids``...) with the sequence as the named
   dimension ``seq``; its outputs are the backbone's (a dict by name, or ``output``).
 - ``export_causal_lm(causal_lm, path, ...)``: a causal LM (``GemmaCausalLM``,
-  ``LlamaCausalLM``, ``MistralCausalLM``, ``QwenCausalLM``... anything with keras-hub's
-  ``call_with_cache(token_ids, cache, cache_update_index)``) as a pxrt decoder. Prefill
+  ``LlamaCausalLM``, ``MistralCausalLM``, ``QwenCausalLM``, ``Qwen3CausalLM``,
+  ``Gemma3CausalLM`` (text)... anything with keras-hub's ``call_with_cache(token_ids,
+  cache, cache_update_index)``) as a pxrt decoder. Prefill
   runs ``call_with_cache`` over the padded prompts from index 0, and decode runs it for
   one token per slot at the slot's own index (``pxrt.per_slot``: keras-hub writes every
   row of a batch at one index). The cache is keras-hub's own, per slot.
@@ -20,6 +21,7 @@ Llama 2's) goes into the artifact, unless ``tokenizer=`` names another.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..artifact import export
-from ..decoder import export_decoder
+from ..decoder import export_decoder, is_spec
 from ..recipes import per_slot
 from ..specs import TensorSpec
 
@@ -119,27 +121,40 @@ def export_backbone(
 # --------------------------------------------------------------------------- causal LMs
 
 
-def cache_spec(causal_lm: Any) -> TensorSpec:
+def cache_spec(causal_lm: Any) -> Any:
     """keras-hub's cache for one sequence (what ``_build_cache`` makes, without the
-    batch), its sequence axis named ``length``: found by tracing it at two lengths."""
+    batch: one array for most models, a pytree for some, such as Gemma3's (key, value)
+    per layer) as ``TensorSpec``s, each sequence axis named ``length``: found by tracing
+    it at two lengths."""
     import jax
 
     params = {v.path: jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in causal_lm.variables}
+    # Arguments beyond the tokens (Gemma3's images) are not given: text only.
+    others = {
+        p.name: None
+        for p in inspect.signature(causal_lm._build_cache).parameters.values()
+        if p.name != "token_ids" and p.default is p.empty
+    }
 
     def built(params: Any, tokens: Any) -> Any:
         with _weights(causal_lm, params):
-            return causal_lm._build_cache(tokens)[1]
+            return causal_lm._build_cache(tokens, **others)[1]
 
     a, b = (jax.eval_shape(built, params, jax.ShapeDtypeStruct((1, n), "int32")) for n in (3, 5))
-    axes = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-    if len(axes) != 1 or a.shape[0] != 1:
-        raise ValueError(
-            f"{type(causal_lm).__name__}'s cache is {a.shape} for 3 tokens and {b.shape} "
-            "for 5: expected a batch of 1 and one axis that follows the length"
-        )
-    shape: list[int | str] = list(a.shape[1:])
-    shape[axes[0] - 1] = "length"
-    return TensorSpec(tuple(shape), str(a.dtype))
+
+    def spec(x: Any, y: Any) -> TensorSpec:
+        axes = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
+        if len(axes) != 1 or x.shape[0] != 1:
+            raise ValueError(
+                f"{type(causal_lm).__name__}'s cache has an array of {x.shape} for 3 tokens "
+                f"and {y.shape} for 5: expected a batch of 1 and one axis that follows "
+                "the length"
+            )
+        shape: list[int | str] = list(x.shape[1:])
+        shape[axes[0] - 1] = "length"
+        return TensorSpec(tuple(shape), str(x.dtype))
+
+    return jax.tree.map(spec, a, b)
 
 
 def export_causal_lm(
@@ -158,14 +173,16 @@ def export_causal_lm(
     ``options`` as for ``pxrt.export_decoder``. ``eos_id`` defaults to the tokenizer's
     end token. Returns the artifact path."""
     spec = cache_spec(causal_lm)
-    dtype = spec.dtype
 
     def prefill(params: Any, tokens: Any, lengths: Any) -> Any:
+        import jax
         import jax.numpy as jnp
 
         with _weights(causal_lm, params):
             b, n = tokens.shape
-            cache = jnp.zeros((b, *spec.at({"length": n})), dtype)
+            cache = jax.tree.map(
+                lambda s: jnp.zeros((b, *s.at({"length": n})), s.dtype), spec, is_leaf=is_spec
+            )
             logits, _, cache = causal_lm.call_with_cache(tokens, cache, 0)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return {"kv": cache}, last.astype(jnp.float32)
