@@ -85,7 +85,7 @@ def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifa
     for t in threads:
         t.join(60)
     assert rc == 0
-    assert not lost, (lost[:2], len(lost), statuses.count(200), statuses.count(503))
+    assert not lost, (lost[:2], len(lost), statuses.count(200), statuses.count(503), output[-3000:])
     assert set(statuses) == {200, 503} and statuses.count(503) == len(threads), statuses[-8:]
     assert "pxrt serve: draining" in output
 
