@@ -108,8 +108,8 @@ class Instance:
             )
 
         # One program for every cell, or (concrete shapes) one per cell.
-        self.jitted = jitted(art.exported)
-        self.per_cell = {cell: jitted(p) for cell, p in (art.programs or {}).items()}
+        programs = art.programs if art.programs is not None else {None: art.exported}
+        self.jitted = {cell: jitted(p) for cell, p in programs.items()}
 
     def key(self, cell: Any, what: str) -> str:
         """The stored key of ``what`` about ``cell`` (a ``Cell`` or ``Bucket``) here."""
@@ -129,7 +129,7 @@ class Instance:
             jax.ShapeDtypeStruct((size,) + s.at(at), s.dtype, sharding=self.rows)
             for s in art.inputs.values()
         ]
-        jitted = self.per_cell[(size, *lengths)] if art.programs is not None else self.jitted
+        jitted = self.jitted[(size, *lengths) if art.programs is not None else None]
         try:
             return _xla.compile_here(
                 lambda: jitted.lower(self.param_specs, *x_specs), art.x64, cache_dir, afresh

@@ -570,8 +570,9 @@ def read(path: str | os.PathLike) -> DecoderArtifact:
     else:
         prefill = deserialize(path, PREFILL_FILE)
     decode = deserialize(path, DECODE_FILE)
-    names = {p.fun_name for p in (prefills or {}).values()} | {prefill.fun_name}
-    if (names, decode.fun_name) != ({program_names(manifest)[0]}, program_names(manifest)[1]):
+    prefill_name, decode_name = program_names(manifest)
+    every_prefill = [prefill, *(prefills or {}).values()]
+    if decode.fun_name != decode_name or any(p.fun_name != prefill_name for p in every_prefill):
         raise ArtifactError(
             f"{path}: the manifest does not match the programs: its params, x64 flag, "
             "vocabulary or cache are not the ones they were exported with (they were "

@@ -194,9 +194,10 @@ def export_causal_lm(
             logits, _, kv = causal_lm.call_with_cache(tokens[:, None], cache["kv"], positions[0])
         return {"kv": kv}, logits[:, 0].astype(jnp.float32)
 
-    sp = getattr(getattr(causal_lm.preprocessor, "tokenizer", None), "proto", None)
+    lm_tokenizer = getattr(causal_lm.preprocessor, "tokenizer", None)
+    sp = getattr(lm_tokenizer, "proto", None)
     if eos_id is None:
-        eos_id = getattr(getattr(causal_lm.preprocessor, "tokenizer", None), "end_token_id", None)
+        eos_id = getattr(lm_tokenizer, "end_token_id", None)
     options.setdefault("name", causal_lm.name)
     with tempfile.TemporaryDirectory() as tmp:
         if tokenizer is None and isinstance(sp, bytes):
