@@ -23,6 +23,17 @@ from .options import OptionError
 # a replica) have to finish before Serve shuts down.
 DRAIN_GRACE_S = 2.0
 
+# Ray Serve's controller kills a proxy that misses 3 health checks in a row (10 s each)
+# and restarts it, which drops every connection it holds; it also gives a starting proxy
+# 5 s to be ready. A proxy that is slow because the host is busy (found on a 2-core
+# machine under load: every client lost its connection mid-run) is better waited for.
+# Read by the controller when a local Ray starts here (set in the environment the
+# started processes inherit); whatever the environment sets already wins.
+PROXY_TIMEOUTS = {
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+}
+
 
 def _wait_draining(args: argparse.Namespace, https: bool, timeout_s: float = 15.0) -> None:
     """Until the proxy's readiness answers "draining" several times in a row (each
@@ -99,6 +110,8 @@ def main_ray(args: argparse.Namespace) -> int:
             if not started.is_set():  # still deploying: stop waiting for it
                 raise KeyboardInterrupt
 
+        for key, value in PROXY_TIMEOUTS.items():
+            os.environ.setdefault(key, value)
         # None: RAY_ADDRESS, else the cluster last started on this machine, else a new one.
         ray.init(address=args.ray_address)
         # After ray.init, which installs its own SIGTERM handler (it aborts the process).
