@@ -17,7 +17,7 @@ cdef class SlotTable:
     cdef public list free
     cdef public Py_ssize_t busy
 
-    cpdef Py_ssize_t assign(self, Generation gen) except -1
+    cpdef Py_ssize_t assign(self, Generation gen, Py_ssize_t slot=*) except -1
     cpdef release(self, Generation gen)
     cdef inline void _vacate(self, Py_ssize_t slot) except *
     cdef inline void _emit(

@@ -48,13 +48,16 @@ cdef class SlotTable:
         self.free = list(range(slots - 1, -1, -1))
         self.busy = 0
 
-    cpdef Py_ssize_t assign(self, Generation gen) except -1:
+    cpdef Py_ssize_t assign(self, Generation gen, Py_ssize_t slot=-1) except -1:
         """Give ``gen`` a free slot for its prefill (which computes its first token);
-        returns it (the caller checked one is free). A generation of one token gives the
-        slot back at once: no step will compute for it."""
+        returns it (the caller checked one is free). ``slot``: the one the caller took
+        from ``free`` earlier (to fill it over several programs before it joins the
+        steps). A generation of one token gives the slot back at once: no step will
+        compute for it."""
         if gen is None:
             raise TypeError("assign() needs a Generation, not None")
-        cdef Py_ssize_t slot = self.free.pop()
+        if slot < 0:
+            slot = self.free.pop()
         self.owners[slot] = gen
         gen.slot = slot
         gen.dispatched = 1

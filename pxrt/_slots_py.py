@@ -59,11 +59,14 @@ class SlotTable:
         self.free: list[int] = list(range(slots - 1, -1, -1))
         self.busy = 0
 
-    def assign(self, gen: Generation) -> int:
+    def assign(self, gen: Generation, slot: int = -1) -> int:
         """Give ``gen`` a free slot for its prefill (which computes its first token);
-        returns it (the caller checked one is free). A generation of one token gives the
-        slot back at once: no step will compute for it."""
-        slot = self.free.pop()
+        returns it (the caller checked one is free). ``slot``: the one the caller took
+        from ``free`` earlier (to fill it over several programs before it joins the
+        steps). A generation of one token gives the slot back at once: no step will
+        compute for it."""
+        if slot < 0:
+            slot = self.free.pop()
         self.owners[slot] = gen
         gen.slot = slot
         gen.dispatched = 1

@@ -13,6 +13,12 @@ The user writes the model math only, as two pure JAX functions over a KV cache:
   device's slots on their own, ``shard_map``: nothing may mix slots, such as batch-wide
   statistics or a capacity shared by the batch); a slot attends to its own positions
   ``<= position`` only (stale entries beyond are masked, never cleared).
+- ``extend(params, cache, tokens, positions) -> (cache, logits)``, optional: ``k`` new
+  tokens for every row, ``tokens`` int32 ``[rows, k]``, token ``j`` of a row at position
+  ``positions[row] + j`` (int32 ``[rows]``), attending to the row's cache up to itself;
+  ``logits`` ``[rows, k, vocab]``. Decode is its ``k = 1``. With it pxrt prefills a
+  prompt longer than the largest prefill length in chunks between decode steps, and a
+  prompt whose start is in the prefix cache from where the cached part ends.
 
 The cache is described per slot by a pytree of ``TensorSpec`` whose shapes name the
 sequence axis ``"length"`` (``{"k": TensorSpec((layers, "length", heads, hd),
@@ -25,7 +31,8 @@ know (``seq <= `` the largest prefill length, ``length <= max_length`` unless
 prefilled prompt into a free slot, sampling, stop conditions, the loop) is pxrt's:
 ``pxrt.generate``.
 
-The directory holds ``prefill.jaxexport``, ``decode.jaxexport``, ``params.npz`` and a
+The directory holds ``prefill.jaxexport``, ``decode.jaxexport`` (and ``extend.jaxexport``),
+``params.npz`` and a
 ``manifest.json`` of kind ``"decoder"`` (format version 4), bound to both programs by the
 names they are exported under, as for one-shot artifacts.
 """
@@ -81,6 +88,8 @@ from .tokenizer import BYTES, FILES, from_file
 KIND = "decoder"
 PREFILL_FILE = "prefill.jaxexport"
 DECODE_FILE = "decode.jaxexport"
+EXTEND_FILE = "extend.jaxexport"
+CHUNK_DIM = "chunk"  # extend's new tokens per row
 LENGTH_DIM = "length"  # the cache's sequence axis, as its spec names it
 TOKEN_DTYPE = np.dtype(np.int32)
 # The fields the programs are bound to (their exported names hash them).
@@ -100,10 +109,21 @@ class DecoderArtifact:
     #: A concrete-shape decoder's prefill programs by (batch, length); None: the one
     #: symbolic ``prefill`` runs every size.
     prefills: dict[tuple[int, int], jax_export.Exported] | None = None
+    #: The optional multi-token step (None: prompts are not chunked or resumed); a
+    #: concrete-shape decoder's by (rows, chunk) in ``extends``.
+    extend: jax_export.Exported | None = None
+    extends: dict[tuple[int, int], jax_export.Exported] | None = None
 
     def prefill_for(self, b: int, n: int) -> jax_export.Exported:
         """The prefill program for ``b`` prompts of ``n`` tokens."""
         return self.prefill if self.prefills is None else self.prefills[(b, n)]
+
+    def extend_for(self, rows: int, k: int) -> jax_export.Exported:
+        """The extend program for ``rows`` rows of ``k`` new tokens."""
+        if self.extends is not None:
+            return self.extends[(rows, k)]
+        assert self.extend is not None
+        return self.extend
 
     @property
     def name(self) -> str:
@@ -120,19 +140,24 @@ class DecoderArtifact:
         return dict(self.manifest.get("bounds", {}))
 
     @property
+    def chunked(self) -> bool:
+        """It has an ``extend`` program (``chunk_lengths`` in its config)."""
+        return "chunk_lengths" in self.manifest["decoder"]
+
+    @property
     def config(self) -> dict:
         """The ``decoder`` section: vocab, max_length, slots, prefill buckets, stop ids."""
         return self.manifest["decoder"]
 
 
-def program_names(manifest: Mapping[str, Any]) -> tuple[str, str]:
-    """The names the prefill and decode programs are exported under: a hash of what the
-    programs depend on (params, x64, vocabulary, cache layout)."""
+def program_names(manifest: Mapping[str, Any]) -> tuple[str, str, str]:
+    """The names the prefill, decode and extend programs are exported under: a hash of
+    what the programs depend on (params, x64, vocabulary, cache layout)."""
     sig = {"params": manifest["params"], "x64": manifest["x64"]}
     sig |= {k: manifest["decoder"][k] for k in ("vocab", "cache")}
     text = json.dumps(sig, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(text.encode()).hexdigest()[:40]
-    return f"pxrt_prefill_{digest}", f"pxrt_decode_{digest}"
+    return f"pxrt_prefill_{digest}", f"pxrt_decode_{digest}", f"pxrt_extend_{digest}"
 
 
 def cache_entries(cache: Any) -> list[dict]:
@@ -168,6 +193,9 @@ def export_decoder(
     path: str | os.PathLike,
     *,
     cache: Any,
+    extend: Callable | None = None,
+    chunk_lengths: Sequence[int] | None = None,
+    chunk_batches: Sequence[int] | None = None,
     max_length: int,
     slots: int = 8,
     prefill_lengths: Sequence[int] = (16, 32, 64, 128),
@@ -185,12 +213,19 @@ def export_decoder(
     num_devices: int = 1,
     overwrite: bool = False,
 ) -> str:
-    """Export a decoder (``prefill`` and ``decode``, see the module docstring) and its
-    params to the artifact directory ``path``; ``pxrt.load`` serves it with
-    ``generate``.
+    """Export a decoder (``prefill``, ``decode`` and optionally ``extend``, see the
+    module docstring) and its params to the artifact directory ``path``; ``pxrt.load``
+    serves it with ``generate``.
 
     Args:
       prefill, decode: the model's two pure functions.
+      extend: its multi-token step (optional): with it, prompts up to the cache's length
+        are taken (prefilled in chunks between decode steps) and the prefix cache
+        reuses the cached start of a prompt.
+      chunk_lengths: the new-token counts ``extend`` is compiled at (default:
+        ``prefill_lengths``); a long prompt is prefilled ``max(chunk_lengths)`` tokens
+        at a time, the rest of one whose start is cached at the smallest that holds it.
+      chunk_batches: rows ``extend`` runs at once (default: ``prefill_batches``).
       params: a pytree of arrays, stored as plain arrays and passed to both.
       cache: the per-slot cache as a pytree of ``pxrt.TensorSpec``, its sequence axis
         named ``"length"``.
@@ -198,7 +233,8 @@ def export_decoder(
         (the default at load).
       slots: sequences decoded at once (the default at load).
       prefill_lengths: the prompt lengths prefill is compiled at; a prompt runs at the
-        smallest that holds it, and one longer than the largest is refused (not chunked).
+        smallest that holds it; one longer than the largest is chunked (with ``extend``)
+        or refused.
       prefill_batches: prompts prefilled together (batch buckets of prefill).
       eos_id: the end-of-sequence token: generation stops after emitting it.
       stop_ids: more tokens that stop every generation (requests may add their own).
@@ -215,7 +251,8 @@ def export_decoder(
         rows needs ``length <= N``, which the default gives when ``max_length <= N``.
         Load refuses sizes beyond them.
       constraints: more of jax's symbolic constraints, each over one program's
-        dimensions (prefill: ``b``, ``seq``; decode: ``slots``, ``length``).
+        dimensions (prefill: ``b``, ``seq``; decode: ``slots``, ``length``; extend:
+        ``rows``, ``chunk``, ``length``).
       shapes: ``"symbolic"`` (a prefill and a decode program for any sizes) or
         ``"concrete"``: a prefill program per prefill batch and length, and decode at
         ``slots / num_devices`` slots of ``max_length``, each traced at its own sizes,
@@ -236,7 +273,18 @@ def export_decoder(
             f"prefill_lengths go up to {lengths[-1]} but max_length is {max_length}: a prompt "
             "needs room for at least one generated token"
         )
-    bound = _shapes.bounds_for({"seq": lengths, LENGTH_DIM: (max_length,)}, bounds)
+    compiled: dict[str, Sequence[int]] = {"seq": lengths, LENGTH_DIM: (max_length,)}
+    chunks: tuple[int, ...] = ()
+    chunk_rows: tuple[int, ...] = ()
+    if extend is not None:
+        chunks = sizes("chunk_lengths", lengths if chunk_lengths is None else chunk_lengths)
+        chunk_rows = sizes("chunk_batches", batches if chunk_batches is None else chunk_batches)
+        if chunks[-1] > max_length:
+            raise ValueError(f"chunk_lengths go up to {chunks[-1]}, over max_length {max_length}")
+        compiled[CHUNK_DIM] = chunks
+    elif chunk_lengths is not None or chunk_batches is not None:
+        raise ValueError("chunk_lengths and chunk_batches are extend's sizes: give extend too")
+    bound = _shapes.bounds_for(compiled, bounds)
     if shapes not in (SYMBOLIC, CONCRETE):
         raise ValueError(f"shapes must be {SYMBOLIC!r} or {CONCRETE!r}, got {shapes!r}")
     if shapes == CONCRETE:
@@ -246,6 +294,9 @@ def export_decoder(
     leaves, param_meta = param_entries(params)
     treedef = jax.tree.structure(params)
     prefill, decode = on_leaves(prefill, treedef), on_leaves(decode, treedef)
+    functions = {"prefill": prefill, "decode": decode}
+    if extend is not None:
+        functions["extend"] = on_leaves(extend, treedef)
     if x64 is None:
         x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
     stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
@@ -279,38 +330,65 @@ def export_decoder(
         "prefill": {"b": None, "seq": bound.get("seq")},
         "decode": {"slots": None, LENGTH_DIM: bound.get(LENGTH_DIM)},
     }
+    if extend is not None:
+        dims["extend"] = {
+            "rows": None,
+            CHUNK_DIM: bound.get(CHUNK_DIM),
+            LENGTH_DIM: bound.get(LENGTH_DIM),
+        }
     with _xla.export_scope(x64):
         param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+        # (file, program, (rows, sequence length, new tokens per row: extend's only))
+        plan: list[tuple[str, str, tuple[Any, ...]]]
         if shapes == SYMBOLIC:
             constraints = _shapes.check_constraints(constraints, [list(d) for d in dims.values()])
             b, seq = _shapes.symbols(["b", "seq"], bound, constraints).values()
             n_slots, length = _shapes.symbols(["slots", LENGTH_DIM], bound, constraints).values()
             plan = [(PREFILL_FILE, "prefill", (b, seq)), (DECODE_FILE, "decode", (n_slots, length))]
+            if extend is not None:
+                # A chunk always fits in the cache (pxrt starts it early enough); library
+                # code that compares the two needs to know.
+                rows, chunk, length = _shapes.symbols(
+                    ["rows", CHUNK_DIM, LENGTH_DIM],
+                    bound,
+                    [*constraints, f"{CHUNK_DIM} <= {LENGTH_DIM}"],
+                ).values()
+                plan.append((EXTEND_FILE, "extend", (rows, length, chunk)))
         else:
             per_device = _per_device(slots, num_devices)
             plan = [(prefill_file(b, n), "prefill", (b, n)) for b in batches for n in lengths]
             plan.append((DECODE_FILE, "decode", (per_device, max_length)))
+            plan += [
+                (extend_file(r, k), "extend", (r, max_length, k))
+                for r in chunk_rows
+                for k in chunks
+            ]
         traced = []
         vocab = None
-        for fname, what, (rows_dim, seq_dim) in plan:
-            fn = prefill if what == "prefill" else decode
+        for fname, what, (rows_dim, seq_dim, *new) in plan:
+            fn = functions[what]
             step = jax.ShapeDtypeStruct((rows_dim,), TOKEN_DTYPE)
             args: tuple[Any, ...]
             if what == "prefill":
                 args = (param_specs, jax.ShapeDtypeStruct((rows_dim, seq_dim), TOKEN_DTYPE), step)
             else:
+                tokens = jax.ShapeDtypeStruct((rows_dim, *new), TOKEN_DTYPE)
                 args = (
                     param_specs,
                     _cache_shapes(cache_tree, specs, rows_dim, seq_dim),
-                    step,
+                    tokens,
                     step,
                 )
-            where = what if shapes == SYMBOLIC else f"{what} at {rows_dim} x {seq_dim}"
+            where = (
+                what
+                if shapes == SYMBOLIC
+                else f"{what} at {' x '.join(map(str, (rows_dim, *new, seq_dim)))}"
+            )
             with _shapes.explained(where, dims[what]) if shapes == SYMBOLIC else _noted(where):
                 out_cache, logits = _pair(jax.eval_shape(fn, *args), what)
             want = _cache_shapes(cache_tree, specs, rows_dim, seq_dim)
             _check_cache(what, "rows" if what == "prefill" else "cache", out_cache, want)
-            got = _check_logits(what, logits, rows_dim)
+            got = _check_logits(what, logits, (rows_dim, *new))
             if vocab is not None and got != vocab:
                 raise ValueError(f"{what}'s logits have {got} entries, prefill's {vocab}")
             vocab = got
@@ -344,19 +422,25 @@ def export_decoder(
                 "chat_template": chat_template,
             },
         }
+        if extend is not None:
+            manifest["decoder"] |= {
+                "chunk_lengths": list(chunks),
+                "chunk_batches": list(chunk_rows),
+            }
         if shapes == CONCRETE:
             manifest["format_version"] = CONCRETE_FORMAT_VERSION
             manifest["shapes"] = CONCRETE
             manifest["bounds"] = {}
             manifest["decoder"]["num_devices"] = num_devices
             manifest["programs"] = [
-                {"program": what, "cell": list(sizes), "file": fname} for fname, what, sizes in plan
+                {"program": what, "cell": _cell(what, dims_), "file": fname}
+                for fname, what, dims_ in plan
             ]
-        fun_names = dict(zip(("prefill", "decode"), program_names(manifest)))
+        fun_names = dict(zip(("prefill", "decode", "extend"), program_names(manifest)))
         programs, ccv = {}, 0
         for fname, what, where, args in traced:
 
-            def named(*a, _fn=prefill if what == "prefill" else decode):
+            def named(*a, _fn=functions[what]):
                 return _fn(*a)
 
             named.__name__ = fun_names[what]
@@ -378,6 +462,17 @@ def export_decoder(
 def prefill_file(b: int, n: int) -> str:
     """A concrete-shape decoder's prefill program for ``b`` prompts of ``n`` tokens."""
     return f"prefill.{b}x{n}.jaxexport"
+
+
+def extend_file(rows: int, k: int) -> str:
+    """A concrete-shape decoder's extend program for ``rows`` rows of ``k`` tokens."""
+    return f"extend.{rows}x{k}.jaxexport"
+
+
+def _cell(what: str, dims: tuple) -> list:
+    """A concrete program's cell in the manifest: prefill (batch, length), decode
+    (slots, length), extend (rows, new tokens)."""
+    return [dims[0], dims[2]] if what == "extend" else [dims[0], dims[1]]
 
 
 def _per_device(slots: int, num_devices: int) -> int:
@@ -447,20 +542,22 @@ def _check_cache(fn: str, what: str, got: Any, want: Any) -> None:
             )
 
 
-def _check_logits(fn: str, logits: Any, rows: Any) -> int:
+def _check_logits(fn: str, logits: Any, lead: tuple) -> int:
+    """``logits`` are floating point ``[*lead, vocab]``; returns the vocabulary size."""
     shape = getattr(logits, "shape", None)
     if (
         shape is None
-        or len(shape) != 2
-        or str(shape[0]) != str(rows)
-        or not isinstance(shape[1], int)
+        or len(shape) != len(lead) + 1
+        or tuple(map(str, shape[:-1])) != tuple(map(str, lead))
+        or not isinstance(shape[-1], int)
         or not jnp.issubdtype(logits.dtype, jnp.floating)
     ):
+        want = ", ".join(map(str, lead))
         raise ValueError(
-            f"{fn} must return logits of shape [{rows}, vocab] (floating point), got "
+            f"{fn} must return logits of shape [{want}, vocab] (floating point), got "
             f"{getattr(logits, 'dtype', type(logits).__name__)}{tuple(map(str, shape or ()))}"
         )
-    return int(shape[1])
+    return int(shape[-1])
 
 
 # --------------------------------------------------------------------------- read
@@ -471,7 +568,7 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
     need = needs(where)
     check_common(m, where)
     check_params(m, where)
-    check_bounds(m, where, ("seq", LENGTH_DIM))
+    check_bounds(m, where, ("seq", LENGTH_DIM, CHUNK_DIM))
     d: Any = m.get("decoder")
     need(isinstance(d, dict), "'decoder'", "must be an object")
     for key in ("vocab", "max_length", "slots"):
@@ -480,7 +577,10 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
             f"decoder.{key}",
             "must be a positive int",
         )
-    for key in ("prefill_lengths", "prefill_batches"):
+    chunked = "chunk_lengths" in d or "chunk_batches" in d
+    for key in ("prefill_lengths", "prefill_batches") + (
+        ("chunk_lengths", "chunk_batches") if chunked else ()
+    ):
         v = d.get(key)
         need(
             isinstance(v, list) and bool(v) and all(is_int(x, 1) and x <= MAX_BUCKET for x in v),
@@ -527,8 +627,17 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
                 "file": DECODE_FILE,
             }
         )
+        if chunked:
+            want += [
+                {"program": "extend", "cell": [r, k], "file": extend_file(r, k)}
+                for r in d["chunk_batches"]
+                for k in d["chunk_lengths"]
+            ]
         need(
-            programs == want, "'programs'", "must list a prefill per batch and length, then decode"
+            programs == want,
+            "'programs'",
+            "must list a prefill per batch and length, then decode (then extend per rows "
+            "and chunk)",
         )
     cache: Any = d.get("cache")
     need(isinstance(cache, list) and bool(cache), "decoder.cache", "must be a non-empty list")
@@ -556,23 +665,42 @@ def read(path: str | os.PathLike) -> DecoderArtifact:
         raise ArtifactError(f"{path} is not a decoder artifact; load it with pxrt.load")
     check_decoder_manifest(manifest, where)
     concrete = is_concrete(manifest)
-    files = [p["file"] for p in manifest["programs"]] if concrete else [PREFILL_FILE, DECODE_FILE]
+    chunked = "chunk_lengths" in manifest["decoder"]
+    files = (
+        [p["file"] for p in manifest["programs"]]
+        if concrete
+        else [PREFILL_FILE, DECODE_FILE] + ([EXTEND_FILE] if chunked else [])
+    )
     verify_files(path, manifest, [*files, PARAMS_FILE])
     check_jax_version(path, manifest)
-    prefills = None
+    prefills = extends = extend = None
     if concrete:
-        prefills = {
-            (p["cell"][0], p["cell"][1]): deserialize(path, p["file"])
-            for p in manifest["programs"]
-            if p["program"] == "prefill"
-        }
+
+        def each(program: str) -> dict[tuple[int, int], jax_export.Exported]:
+            return {
+                (p["cell"][0], p["cell"][1]): deserialize(path, p["file"])
+                for p in manifest["programs"]
+                if p["program"] == program
+            }
+
+        prefills = each("prefill")
         prefill = next(iter(prefills.values()))
+        if chunked:
+            extends = each("extend")
+            extend = next(iter(extends.values()))
     else:
         prefill = deserialize(path, PREFILL_FILE)
+        if chunked:
+            extend = deserialize(path, EXTEND_FILE)
     decode = deserialize(path, DECODE_FILE)
-    prefill_name, decode_name = program_names(manifest)
+    prefill_name, decode_name, extend_name = program_names(manifest)
     every_prefill = [prefill, *(prefills or {}).values()]
-    if decode.fun_name != decode_name or any(p.fun_name != prefill_name for p in every_prefill):
+    every_extend = [extend, *(extends or {}).values()] if chunked else []
+    if (
+        decode.fun_name != decode_name
+        or any(p.fun_name != prefill_name for p in every_prefill)
+        or any(p is None or p.fun_name != extend_name for p in every_extend)
+    ):
         raise ArtifactError(
             f"{path}: the manifest does not match the programs: its params, x64 flag, "
             "vocabulary or cache are not the ones they were exported with (they were "
@@ -588,4 +716,6 @@ def read(path: str | os.PathLike) -> DecoderArtifact:
             f"manifest lists {len(entries)}; re-export the model"
         )
     cache = jax.tree.unflatten(cache_tree, [TensorSpec(e["shape"], e["dtype"]) for e in entries])
-    return DecoderArtifact(path, manifest, prefill, decode, params, cache, prefills)
+    return DecoderArtifact(
+        path, manifest, prefill, decode, params, cache, prefills, extend, extends
+    )

@@ -28,10 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 from . import _xla, compiling, sampling, shapes, stored
 from .artifact import BATCH_AXIS
-from .decoder import LENGTH_DIM, is_spec, sizes
+from .decoder import CHUNK_DIM, LENGTH_DIM, is_spec, sizes
 from .decoder import read as read_decoder
-from .generate import Decoder, PrefillCell, int_in
+from .generate import Decoder, PrefillCell, PrefixPool, int_in
+from .prefix import PrefixIndex
 from .sampling import sample
+
+#: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
+PREFIX_BLOCK = 16
 
 log = logging.getLogger("pxrt")
 
@@ -44,6 +48,10 @@ def load_decoder(
     max_length: int | None = None,
     prefill_lengths: Sequence[int] | None = None,
     prefill_batches: Sequence[int] | None = None,
+    chunk_lengths: Sequence[int] | None = None,
+    chunk_batches: Sequence[int] | None = None,
+    prefix_cache_tokens: int | None = None,
+    prefix_block: int = PREFIX_BLOCK,
     max_waiting: int = 1024,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
@@ -54,7 +62,13 @@ def load_decoder(
 
     ``slots`` (rounded up to a multiple of the device count: the cache is sharded over
     the devices by slot), ``max_length``, ``prefill_lengths`` and ``prefill_batches``
+    (and, for a decoder with ``extend``, ``chunk_lengths`` and ``chunk_batches``)
     default to the artifact's. ``max_waiting`` bounds the prompts waiting for a slot.
+
+    The prefix cache (decoders with ``extend``): ``prefix_cache_tokens`` prompt tokens'
+    cache rows kept on the devices in blocks of ``prefix_block`` (default: half as many
+    as the slots hold; 0: off), so a prompt that starts as an earlier one did
+    prefills only the rest.
 
     ``distributed`` (a ``pxrt.multihost.Distributed``): one process of a multi-host
     group, the cache sharded over every process's devices; process 0 gets the
@@ -76,6 +90,12 @@ def load_decoder(
     slots, max_length, lengths, batches = _sizes(
         art.config, art.bounds, len(devices), slots, max_length, prefill_lengths, prefill_batches
     )
+    chunks, chunk_rows = _chunk_sizes(art, max_length, chunk_lengths, chunk_batches)
+    if distributed is not None and chunks:
+        # Followers run only prefill cells and the step (pxrt.multihost).
+        log.info("pxrt: %s: in a multi-host group prompts are not chunked or cached", art.name)
+        chunks, chunk_rows, prefix_cache_tokens = [], [], 0
+    prefix = _prefix_pool(art, slots, max_length, chunks, prefix_cache_tokens, prefix_block)
     max_waiting = int_in("max_waiting", max_waiting, 1, None)
     phases = {"read": time.perf_counter() - t0}
 
@@ -83,9 +103,11 @@ def load_decoder(
     cache_dir = compiling.cache_dir(compilation_cache)
     in_group = distributed is not None
     with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
-        programs = DecoderPrograms(art, devices, slots, max_length, in_group=in_group)
+        programs = DecoderPrograms(
+            art, devices, slots, max_length, in_group=in_group, prefix=prefix, rows=chunk_rows
+        )
         params_dev = programs.place(art.params)
-        jobs = programs.jobs(lengths, batches)
+        jobs = programs.jobs(lengths, batches, chunks, chunk_rows)
         tp = time.perf_counter()
         got = _obtain_all(programs, jobs, cache_dir, progress, store=not in_group)
         tw = time.perf_counter()
@@ -130,6 +152,8 @@ def load_decoder(
         got.step,
         got.cells,
         got.make_state,
+        extends=got.extends,
+        prefix=got.prefix_pool(programs),
         slots=slots,
         max_length=max_length,
         max_waiting=max_waiting,
@@ -147,6 +171,76 @@ def load_decoder(
         )
     log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
     return decoder
+
+
+def _chunk_sizes(
+    art: Any,
+    max_length: int,
+    chunk_lengths: Sequence[int] | None,
+    chunk_batches: Sequence[int] | None,
+) -> tuple[list[int], list[int]]:
+    """The load's extend sizes (chunk lengths, rows): given, else the artifact's; none
+    for a decoder without ``extend``."""
+    config = art.config
+    if not art.chunked:
+        if chunk_lengths is not None or chunk_batches is not None:
+            raise ValueError(
+                f"{art.name!r} has no extend program, so chunk_lengths and chunk_batches do "
+                "not apply: export it with extend= to chunk prompts"
+            )
+        return [], []
+    chunks = sizes(
+        "chunk_lengths", config["chunk_lengths"] if chunk_lengths is None else chunk_lengths
+    )
+    rows = sizes(
+        "chunk_batches", config["chunk_batches"] if chunk_batches is None else chunk_batches
+    )
+    if chunks[-1] > max_length:
+        raise ValueError(f"chunk_lengths go up to {chunks[-1]}, over max_length {max_length}")
+    shapes.check_lengths("chunk_lengths", CHUNK_DIM, chunks, art.bounds)
+    if "num_devices" in config:
+        for field, chosen in (("chunk_lengths", chunks), ("chunk_batches", rows)):
+            untraced = sorted(set(chosen) - set(config[field]))
+            if untraced:
+                raise ValueError(
+                    f"this decoder was exported with shapes='concrete' for {field} "
+                    f"{config[field]}; {untraced} were not traced"
+                )
+    return list(chunks), list(rows)
+
+
+def _prefix_pool(
+    art: Any,
+    slots: int,
+    max_length: int,
+    chunks: list[int],
+    tokens: int | None,
+    block: int,
+) -> tuple[int, int] | None:
+    """The prefix cache's (pool entries, block tokens), or None: off. It needs extend
+    (to prefill what follows a cached start) and a sequence axis on every cache leaf."""
+    block = int_in("prefix_block", block, 1, max_length - 1)
+    if tokens is not None:
+        tokens = int_in("prefix_cache_tokens", tokens, 0, None)
+    if tokens == 0:
+        return None
+    why = None
+    if not chunks:
+        why = "it has no extend program (export it with extend=)"
+    elif any(LENGTH_DIM not in s.shape for s in jax.tree.leaves(art.cache, is_leaf=is_spec)):
+        why = f"a leaf of its cache has no {LENGTH_DIM!r} axis to cut into blocks"
+    if why is not None:
+        if tokens is not None:
+            raise ValueError(f"prefix_cache_tokens: {art.name!r} cannot cache prefixes: {why}")
+        return None
+    if tokens is None:
+        tokens = slots * max_length // 2
+    blocks = tokens // block
+    if blocks < 1:
+        raise ValueError(
+            f"prefix_cache_tokens={tokens} holds no block of prefix_block={block} tokens"
+        )
+    return blocks, block
 
 
 def _sizes(
@@ -216,10 +310,24 @@ class DecoderPrograms:
     """
 
     def __init__(
-        self, art: Any, devices: list, slots: int, max_length: int, *, in_group: bool
+        self,
+        art: Any,
+        devices: list,
+        slots: int,
+        max_length: int,
+        *,
+        in_group: bool,
+        prefix: tuple[int, int] | None = None,
+        rows: Sequence[int] = (),
     ) -> None:
         self.art, self.devices = art, devices
         self.slots, self.max_length = slots, max_length
+        #: The prefix pool's (entries, block tokens), or None.
+        self.prefix = prefix
+        # A prefix copy fills up to ``width`` blocks of ``load_rows`` slots at once; a
+        # save writes up to ``width`` blocks (one prompt's worth).
+        self.load_rows = max(rows, default=1)
+        self.width = (max_length - 1) // prefix[1] if prefix else 0
         mesh = Mesh(np.array(devices), (BATCH_AXIS,))
         self.replicated = NamedSharding(mesh, P())
         self.by_slot = NamedSharding(mesh, P(BATCH_AXIS))
@@ -256,27 +364,63 @@ class DecoderPrograms:
             donate_argnums=(1,),
             out_shardings=(state_sharding, self.replicated),
         )
+        self._extend_jit = jax.jit(
+            self._extend_insert,
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, self.replicated),
+        )
+        if prefix is not None:
+            # Every leaf has a sequence axis (``_prefix_pool`` checked): its index.
+            self._pool_axes = [a for a in self._length_axes if a is not None]
+            self.pool_shapes = self._pool_specs()
+            pool_sharding = jax.tree.map(lambda s: s.sharding, self.pool_shapes)
+            self._pool_jit = jax.jit(self._make_pool, out_shardings=pool_sharding)
+            self._load_jit = jax.jit(
+                self._load_prefix, donate_argnums=(0,), out_shardings=state_sharding
+            )
+            self._save_jit = jax.jit(
+                self._save_blocks, donate_argnums=(0,), out_shardings=pool_sharding
+            )
 
     def place(self, params: Any) -> Any:
         """``params`` on every device."""
         return jax.device_put(params, jax.tree.map(lambda _: self.replicated, params))
 
-    @staticmethod
-    def jobs(lengths: Sequence[int], batches: Sequence[int]) -> list[tuple[str, int, int]]:
+    def jobs(
+        self,
+        lengths: Sequence[int],
+        batches: Sequence[int],
+        chunks: Sequence[int] = (),
+        rows: Sequence[int] = (),
+    ) -> list[tuple[str, int, int]]:
         """Every program of a load, in order: (what, batch, length)."""
         todo = [("state", 0, 0), ("step", 0, 0)]
-        return todo + [("prefill", b, n) for n in lengths for b in batches]
+        todo += [("prefill", b, n) for n in lengths for b in batches]
+        todo += [("extend", r, k) for k in chunks for r in rows]
+        if self.prefix is not None:
+            todo += [("pool", 0, 0), ("load", 0, 0), ("save", 0, 0)]
+        return todo
 
     def lower(self, what: str, b: int, n: int) -> Any:
+        def ints(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
         if what == "state":
             return self._state_jit.lower()
         if what == "step":
             return self._step_jit.lower(self.param_specs, self.shapes)
-        args = (
-            jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=self.replicated),
-            jax.ShapeDtypeStruct((b, 4), jnp.int32, sharding=self.replicated),
-            jax.ShapeDtypeStruct((b, 2), jnp.float32, sharding=self.replicated),
-        )
+        if what == "pool":
+            return self._pool_jit.lower()
+        if what == "load":
+            r = self.load_rows
+            return self._load_jit.lower(self.shapes, self.pool_shapes, ints(r), ints(r, self.width))
+        if what == "save":
+            m = self.width
+            return self._save_jit.lower(self.pool_shapes, self.shapes, ints(m), ints(m), ints(m))
+        if what == "extend":
+            args = (ints(b, n), ints(b, 6), ints(b, 2, dtype=jnp.float32))
+            return self._extend_jit.lower(self.param_specs, self.shapes, *args)
+        args = (ints(b, n), ints(b, 4), ints(b, 2, dtype=jnp.float32))
         return self._prefill_jit.lower(self.param_specs, self.shapes, *args)
 
     def key(self, what: str, b: int, n: int) -> str:
@@ -286,6 +430,7 @@ class DecoderPrograms:
             {
                 "decoder": self.art.manifest.get("files", {}),
                 "program": [what, b, n, self.slots, self.max_length],
+                "prefix": list(self.prefix or ()) + [self.load_rows],
                 "devices": stored.device_fields(self.devices),
                 "x64": self.art.x64,
             },
@@ -293,9 +438,13 @@ class DecoderPrograms:
         )
 
     def describe(self, what: str, b: int, n: int) -> str:
-        return {"state": "the empty state", "step": "the decode step"}.get(
-            what, f"prefill {b} x {n}"
-        )
+        return {
+            "state": "the empty state",
+            "step": "the decode step",
+            "pool": "the empty prefix pool",
+            "load": "the prefix copy",
+            "save": "the prefix save",
+        }.get(what, f"{what} {b} x {n}")
 
     # The traced programs.
 
@@ -365,20 +514,118 @@ class DecoderPrograms:
             "floats": state["floats"].at[slot].set(floats, mode="drop"),
         }, first
 
+    def _extend_insert(
+        self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
+    ) -> tuple[dict, jax.Array]:
+        """A chunk of a prompt per row, into its slot: the slot's rows are taken out of
+        the cache, extended by ``tokens`` at ``CHUNK_START``, and written back. A
+        chunk that ends its prompt samples the first token at the prompt's end and
+        makes the slot a decode slot; any other leaves it parked at the last
+        position, where the steps that run meanwhile write nothing that is read."""
+        c = sampling
+        start, count, slot = ints[:, c.CHUNK_START], ints[:, c.CHUNK_COUNT], ints[:, c.CHUNK_SLOT]
+        top_k, seed_bits = ints[:, c.CHUNK_TOPK], ints[:, c.CHUNK_SEED]
+        final = ints[:, c.CHUNK_FINAL] > 0
+        seed = lax.bitcast_convert_type(seed_bits, jnp.uint32)
+        temperature, top_p = floats[:, c.TEMP], floats[:, c.TOPP]
+        taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
+        rows = jax.tree.map(lambda leaf: leaf[taken], state["cache"])
+        rows, logits = self.art.extend_for(*tokens.shape).call(params, rows, tokens, start)
+        last = jnp.take_along_axis(logits, (count - 1)[:, None, None], axis=1)[:, 0]
+        following = start + count
+        first = sample(last, temperature, top_k, top_p, seed, following)
+        cache = jax.tree.map(
+            lambda leaf, r: leaf.at[slot].set(r, mode="drop"), state["cache"], rows
+        )
+        parked = jnp.full_like(start, self.max_length - 1)
+        rows_ints = jnp.stack(
+            [jnp.where(final, first, 0), jnp.where(final, following, parked), top_k, seed_bits],
+            axis=1,
+        )
+        return {
+            "cache": cache,
+            "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
+            "floats": state["floats"].at[slot].set(floats, mode="drop"),
+        }, first
+
+    # The prefix pool: per cache leaf, ``entries`` blocks of the per-slot shape with
+    # ``block`` positions on the sequence axis.
+
+    def _pool_specs(self) -> Any:
+        assert self.prefix is not None
+        entries, block = self.prefix
+        return jax.tree.unflatten(
+            self._cache_tree,
+            [
+                jax.ShapeDtypeStruct(
+                    (entries,) + s.at({LENGTH_DIM: block}), s.dtype, sharding=self.replicated
+                )
+                for s in self._specs
+            ],
+        )
+
+    def _make_pool(self) -> Any:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pool_shapes)
+
+    def _load_prefix(self, state: dict, pool: Any, slots: jax.Array, ids: jax.Array) -> dict:
+        """Copy pool entries ``ids[r]`` (``width`` blocks) into the start of slot
+        ``slots[r]`` and park the slot; entries past a prompt's hit are padding whose
+        rows land where the prompt's rest and the steps write before anything reads."""
+        width = ids.shape[1]
+        leaves = []
+        for leaf, blocks, axis in zip(
+            jax.tree.leaves(state["cache"]), jax.tree.leaves(pool), self._pool_axes
+        ):
+            got = blocks[ids]  # [rows, width, *per-slot shape with the block's length]
+            got = jnp.moveaxis(got, 1, axis)  # the width next to the sequence axis
+            shape = got.shape[:axis] + (width * got.shape[axis + 1],) + got.shape[axis + 2 :]
+            at = (slots,) + (slice(None),) * (axis - 1) + (slice(0, shape[axis]),)
+            leaves.append(leaf.at[at].set(got.reshape(shape), mode="drop"))
+        ints = state["ints"].at[slots, sampling.POS].set(self.max_length - 1, mode="drop")
+        return {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints,
+                "floats": state["floats"]}  # fmt: skip
+
+    def _save_blocks(
+        self, pool: Any, state: dict, slots: jax.Array, blocks: jax.Array, ids: jax.Array
+    ) -> Any:
+        """Pool entry ``ids[m]`` := block ``blocks[m]`` of slot ``slots[m]`` (an entry
+        out of range: padding, dropped)."""
+        assert self.prefix is not None
+        size = self.prefix[1]
+        taken = jnp.clip(slots, 0, self.slots - 1)
+        leaves = []
+        for leaf, entries, axis in zip(
+            jax.tree.leaves(state["cache"]), jax.tree.leaves(pool), self._pool_axes
+        ):
+            shape = (1,) + leaf.shape[1:axis] + (size,) + leaf.shape[axis + 1 :]
+
+            def one(s: jax.Array, b: jax.Array, leaf: jax.Array = leaf, axis: int = axis,
+                    shape: tuple = shape) -> jax.Array:  # fmt: skip
+                start = [s] + [0] * (leaf.ndim - 1)
+                start[axis] = b * size
+                return lax.dynamic_slice(leaf, start, shape)[0]
+
+            got = jax.vmap(one)(taken, blocks)
+            leaves.append(entries.at[ids].set(got, mode="drop"))
+        return jax.tree.unflatten(self._cache_tree, leaves)
+
 
 @dataclasses.dataclass
 class _Obtained:
-    """A load's compiled programs: the empty state, the step, the prefill cells."""
+    """A load's compiled programs: the empty state, the step, the prefill cells, the
+    extend cells, and the prefix pool's programs (empty pool, copy, save)."""
 
     make_state: Any
     step: Any
     step_s: float
     cells: list[PrefillCell]
     sources: collections.Counter
+    extends: list[PrefillCell] = dataclasses.field(default_factory=list)
+    pool: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def warm_up(self, params: Any, slots: int) -> None:
-        """One run of each program (on the zero state: no slot is busy) so that the
-        first request does not pay for first-run work."""
+        """One run of each program (on the zero state: no slot is busy, every row is
+        dropped) so that the first request does not pay for first-run work."""
         state = self.make_state()
         for cell in self.cells:
             ints = np.zeros((cell.batch, 4), np.int32)
@@ -387,8 +634,38 @@ class _Obtained:
             floats = np.ones((cell.batch, 2), np.float32)
             tokens = np.zeros((cell.batch, cell.length), np.int32)
             state, first = cell.compiled(params, state, tokens, ints, floats)
+        for cell in self.extends:
+            ints = np.zeros((cell.batch, 6), np.int32)
+            ints[:, sampling.CHUNK_COUNT] = 1
+            ints[:, sampling.CHUNK_SLOT] = slots
+            floats = np.ones((cell.batch, 2), np.float32)
+            tokens = np.zeros((cell.batch, cell.length), np.int32)
+            state, first = cell.compiled(params, state, tokens, ints, floats)
+        if self.pool:
+            pool = self.pool["pool"]()
+            rows, width = self.pool["load_rows"], self.pool["width"]
+            dropped = np.full(rows, slots, np.int32)
+            state = self.pool["load"](state, pool, dropped, np.zeros((rows, width), np.int32))
+            entries = self.pool["entries"]
+            none = np.full(width, entries, np.int32)
+            pool = self.pool["save"](pool, state, none, np.zeros(width, np.int32), none)
+            jax.block_until_ready(pool)
         state, first = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
+
+    def prefix_pool(self, programs: DecoderPrograms) -> PrefixPool | None:
+        """The decoder's prefix cache, its pool allocated; None when off."""
+        if not self.pool or programs.prefix is None:
+            return None
+        entries, block = programs.prefix
+        return PrefixPool(
+            PrefixIndex(entries, block),
+            self.pool["pool"],
+            self.pool["load"],
+            self.pool["save"],
+            programs.load_rows,
+            programs.width,
+        )
 
 
 def _obtain_all(
@@ -424,13 +701,33 @@ def _obtain_all(
 
     workers = max(1, min(os.cpu_count() or 1, len(jobs)))
     with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        got = list(pool.map(one, jobs))
-    cells = [
-        PrefillCell(b, n, compiled, compile_s, i)
-        for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(zip(jobs[2:], got[2:]))
-    ]
+        got = dict(zip(jobs, pool.map(one, jobs)))
+
+    def cells(kind: str) -> list[PrefillCell]:
+        # ``index``: the cell's place among its kind (a multi-host header names it).
+        mine = [(job, out) for job, out in got.items() if job[0] == kind]
+        return [
+            PrefillCell(b, n, compiled, compile_s, i)
+            for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)
+        ]
+
+    extras: dict[str, Any] = {}
+    if programs.prefix is not None:
+        extras = {what: got[(what, 0, 0)][0] for what in ("pool", "load", "save")}
+        extras |= {
+            "load_rows": programs.load_rows,
+            "width": programs.width,
+            "entries": programs.prefix[0],
+        }
+    step = got[("step", 0, 0)]
     return _Obtained(
-        got[0][0], got[1][0], got[1][1], cells, collections.Counter(s for _, _, s in got)
+        got[("state", 0, 0)][0],
+        step[0],
+        step[1],
+        cells("prefill"),
+        collections.Counter(source for _, _, source in got.values()),
+        cells("extend"),
+        extras,
     )
 
 

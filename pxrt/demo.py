@@ -325,6 +325,36 @@ def lm_decode(params, cache, tokens, positions):
     return {"k": kc, "v": vc}, logits
 
 
+def lm_extend(params, cache, tokens, positions):
+    """``k`` tokens for every row at once: ``tokens: int32[rows, k]``, token ``j`` of a
+    row at position ``positions[row] + j``, attending to the row's cache up to itself;
+    the cache ``{"k", "v": [rows, layers, length, heads, hd]}`` -> (cache, logits
+    ``[rows, k, vocab]``). Decode is the case ``k = 1``; a chunk of a long prompt, or
+    the rest of a prompt whose start is cached, is another."""
+    import jax.numpy as jnp
+
+    heads = params["layers"][0]["heads"].shape[0]
+    dim = params["embed"].shape[1]
+    rows, k = tokens.shape
+    at = positions[:, None] + jnp.arange(k)[None, :]  # [rows, k]
+    row = jnp.arange(rows)[:, None]
+    keep = (jnp.arange(cache["k"].shape[2])[None, None, :] <= at[:, :, None])[:, None]
+    x = params["embed"][tokens] + _positions_at(at.reshape(-1), dim).reshape(rows, k, dim)
+    kc, vc = cache["k"], cache["v"]
+    for i, layer in enumerate(params["layers"]):
+
+        def attend(q, k, v, i=i):
+            nonlocal kc, vc
+            kc = kc.at[row, i, at].set(k)
+            vc = vc.at[row, i, at].set(v)
+            out = _attention(q, kc[:, i], vc[:, i], keep, ("rqhd,rlhd->rhql", "rhql,rlhd->rqhd"))
+            return out, k, v
+
+        x, _, _ = _lm_block(layer, x, heads, attend)
+    logits = _layer_norm(x, params["ln_final"]) @ params["head"]
+    return {"k": kc, "v": vc}, logits
+
+
 def _positions_at(positions, dim: int):
     import jax.numpy as jnp
 
@@ -354,12 +384,19 @@ def export_lm(
     max_length: int = LM_MAX_LENGTH,
     prefill_lengths=LM_PREFILL_LENGTHS,
     prefill_batches=LM_PREFILL_BATCHES,
+    chunk_lengths=None,
+    extend: bool = True,
     bounds: dict[str, int | None] | None = None,
     overwrite: bool = True,
     **sizes: int,
 ) -> str:
     """Export the demo decoder to ``path`` (``sizes``: dim, heads, layers; ``bounds`` as
-    for ``export_decoder``)."""
+    for ``export_decoder``; ``extend`` False: without its multi-token step, whose
+    ``chunk_lengths`` default to the shortest and the longest prefill length: a long
+    prompt goes in the longest at a time, the rest of one whose start is cached in the
+    shortest that holds it)."""
+    if chunk_lengths is None:
+        chunk_lengths = sorted({min(prefill_lengths), max(prefill_lengths)})
     from .decoder import export_decoder
 
     return export_decoder(
@@ -374,6 +411,8 @@ def export_lm(
         slots=slots,
         prefill_lengths=prefill_lengths,
         prefill_batches=prefill_batches,
+        extend=lm_extend if extend else None,
+        chunk_lengths=chunk_lengths if extend else None,
         eos_id=LM_EOS,
         tokenizer="bytes",
         chat_template=LM_CHAT_TEMPLATE,

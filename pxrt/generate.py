@@ -50,6 +50,7 @@ from . import tokenizer as _tokenizer
 from .decoder import LENGTH_DIM, DecoderArtifact, is_spec
 from .finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
 from .generation import Completion, DecoderClosed, Generation, QueueFull, wake_async
+from .prefix import PrefixIndex
 from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, sample
 
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
@@ -77,11 +78,32 @@ TIMINGS = ("step", "prefill", "ttft", "tpot")
 
 @dataclasses.dataclass
 class PrefillCell:
+    """A compiled prefill (``batch`` prompts of ``length`` tokens) or extend (``batch``
+    rows of ``length`` new tokens) program."""
+
     batch: int
     length: int
     compiled: Any
     compile_s: float
     index: int = 0  # in the decoder's programs: what a multi-host leader's header names
+
+
+@dataclasses.dataclass
+class PrefixPool:
+    """The prefix cache: its host index and its device programs.
+
+    ``make() -> pool``; ``load(state, pool, slots[rows], entries[rows, width]) ->
+    state`` copies entries into the start of slots (and parks them); ``save(pool,
+    state, slots[width], blocks[width], entries[width]) -> pool`` copies a slot's
+    block into an entry (an entry out of range is padding)."""
+
+    index: PrefixIndex
+    make: Any
+    load: Any
+    save: Any
+    rows: int
+    width: int
+    pool: Any = dataclasses.field(default=None, repr=False)
 
 
 class Decoder:
@@ -104,6 +126,8 @@ class Decoder:
         cells: list[PrefillCell],
         make_state: Any,
         *,
+        extends: Sequence[PrefillCell] = (),
+        prefix: PrefixPool | None = None,
         slots: int,
         max_length: int,
         max_waiting: int,
@@ -126,7 +150,14 @@ class Decoder:
         self.chat_template: str | None = config.get("chat_template")
         self.prefill_lengths = tuple(sorted({c.length for c in cells}))
         self.prefill_batches = tuple(sorted({c.batch for c in cells}))
+        self.chunk_lengths = tuple(sorted({c.length for c in extends}))
+        self.chunk_batches = tuple(sorted({c.batch for c in extends}))
+        #: The longest prompt prefilled in one program; longer ones are chunked (with an
+        #: extend program) up to ``max_length - 1`` tokens, or refused.
         self.max_prompt = self.prefill_lengths[-1]
+        #: New tokens an extend program may take in one turn of the loop (each turn also
+        #: runs a decode step): a long prompt delays the running streams by one chunk.
+        self.chunk_budget = self.chunk_lengths[-1] if extends else 0
         self.max_waiting = max_waiting
         self.load_s = load_s
         self.program_sources: dict[str, int] = {}
@@ -141,6 +172,12 @@ class Decoder:
         self._step = step
         self._make_state = make_state
         self._cells = {(c.batch, c.length): c for c in cells}
+        self._extends = {(c.batch, c.length): c for c in extends}
+        #: Generations filling their reserved slot chunk by chunk, oldest first.
+        self._chunking: collections.deque[Generation] = collections.deque()
+        self.prefix = prefix
+        if prefix is not None:
+            prefix.pool = prefix.make()
         self._table = _slots.SlotTable(slots)
         self._waiting: collections.deque[Generation] = collections.deque()
         self._cancels: list[Generation] = []
@@ -161,6 +198,11 @@ class Decoder:
             "generations": 0,
             "step_wall_s": 0.0,
             "step_host_cpu_s": 0.0,
+            "chunks": 0,
+            "chunk_rows": 0,
+            "prefix_loads": 0,
+            "prompt_tokens": 0,
+            "prefix_hit_tokens": 0,
         }
         #: Outcome -> generations that ended so (stop, length, cancelled, deadline, error).
         self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, DEADLINE, ERROR), 0)
@@ -213,6 +255,7 @@ class Decoder:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_ids: Sequence[int] = (),
+        prefix_cache: bool = True,
     ) -> Generation:
         """Queue one prompt (token ids) for generation; returns its ``Generation``.
 
@@ -221,7 +264,8 @@ class Decoder:
         returned), or when the cache is full (``max_length`` positions in all).
         ``temperature`` 0 is greedy (``MAX_TEMPERATURE`` at most); ``top_k`` 0 and
         ``top_p`` 1 do not cut. ``seed`` (0 .. 2**32-1; default random) fixes the
-        sampled tokens whatever else is generated at the same time.
+        sampled tokens whatever else is generated at the same time. ``prefix_cache``
+        False: neither reuse nor keep this prompt's cached start.
 
         Raises ValueError naming the parameter for a bad request, ``QueueFull`` when
         ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
@@ -254,13 +298,16 @@ class Decoder:
             raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}") from None
         if extra:
             stops = stops | frozenset(extra)
+        if not isinstance(prefix_cache, (bool, np.bool_)):
+            raise ValueError(f"prefix_cache must be true or false, got {prefix_cache!r}")
         gen = Generation(
             self,
             tokens,
             limit,
             stops,
             (float(temperature), min(k, self.vocab), float(top_p), seed),
-            next(n for n in self.prefill_lengths if n >= len(tokens)),
+            next((n for n in self.prefill_lengths if n >= len(tokens)), 0),
+            bool(prefix_cache) and self.prefix is not None,
         )
         with self._cond:
             if self._closed:
@@ -319,15 +366,17 @@ class Decoder:
         n = arr.shape[0]
         if n == 0:
             raise ValueError("prompt: is empty; give at least one token id")
-        if n > self.max_prompt:
-            raise ValueError(
-                f"prompt: {n} tokens is longer than the longest prefill length of "
-                f"{self.name!r} ({self.max_prompt}); prompts are not chunked: shorten it "
-                "or export with longer prefill_lengths"
-            )
         if n >= self.max_length:
             raise ValueError(
-                f"prompt: {n} tokens leave no room in a cache of {self.max_length} positions"
+                f"prompt: {n} tokens leave no room in a cache of {self.max_length} positions "
+                f"(at most {self.max_length - 1} prompt tokens)"
+            )
+        if n > self.max_prompt and not self._extends:
+            raise ValueError(
+                f"prompt: {n} tokens is longer than the longest prefill length of "
+                f"{self.name!r} ({self.max_prompt}), and it has no extend program to "
+                "prefill it in chunks: shorten it, or export with extend= (or longer "
+                "prefill_lengths)"
             )
         low, high = int(arr.min()), int(arr.max())
         if low < 0 or high >= self.vocab:
@@ -384,7 +433,12 @@ class Decoder:
 
     def _has_work(self) -> bool:
         return bool(
-            self._cancels or self._table.busy or self._pending or self._waiting or self._closed
+            self._cancels
+            or self._table.busy
+            or self._pending
+            or self._waiting
+            or self._chunking
+            or self._closed
         )
 
     def _iterate(self) -> bool:
@@ -409,6 +463,7 @@ class Decoder:
                     if gen.slot < 0:  # still waiting: it no longer counts
                         with contextlib.suppress(ValueError):
                             self._waiting.remove(gen)
+                    self._unreserve(gen)
                     table.release(gen)
                     if not gen.counted:
                         gen.counted = True
@@ -418,6 +473,8 @@ class Decoder:
                 if batch:
                     self._prefill(*batch)
                     batch = None  # in _pending now
+                if self._chunking:
+                    self._extend()
                 stepped = table.busy > 0
                 if stepped:
                     self._dispatch_step()
@@ -434,24 +491,159 @@ class Decoder:
     def _admit(self) -> tuple[list, int] | None:
         """The next prefill batch: waiting prompts in order, as many as there are free
         slots and room in the largest prefill batch, up to the first that needs a longer
-        prefill than the first one's (it leads the next batch)."""
+        prefill than the first one's (it leads the next batch). A prompt longer than the
+        longest prefill, or whose start is in the prefix cache, takes a slot of its own
+        to fill chunk by chunk (``_extend``); cached starts are copied in at once."""
         waiting = self._waiting
-        free = len(self._table.free)
+        free = self._table.free
         if not waiting or not free:
             return None
-        room = min(free, self.prefill_batches[-1])
         batch: list[Generation] = []
+        loads: list[tuple[int, list[int]]] = []
         length = 0
-        while waiting and len(batch) < room:
+        block, copies = (self.prefix.index.block, self.prefix.rows) if self.prefix else (0, 0)
+        while waiting and len(free) > len(batch):  # (the batch's slots are taken later)
             gen = waiting[0]
             if gen.finish_reason is not None:  # cancelled while waiting
                 waiting.popleft()
                 continue
-            if length and gen.bucket > length:
+            entries = self._lookup(gen)
+            if entries or not gen.bucket:
+                if entries and len(loads) >= copies:
+                    break  # one copy program per turn
+                waiting.popleft()
+                gen.reserved = free.pop()
+                gen.start = gen.hit = len(entries) * block
+                if entries:
+                    loads.append((gen.reserved, entries))
+                self._admitted(gen)
+                self._chunking.append(gen)
+                continue
+            if len(batch) >= self.prefill_batches[-1] or (length and gen.bucket > length):
                 break
             length = length or gen.bucket
             batch.append(waiting.popleft())
+            self._admitted(gen)
+        if loads:
+            self._load_prefixes(loads)
         return (batch, length) if batch else None
+
+    def _admitted(self, gen: Generation) -> None:
+        self.counters["prompt_tokens"] += len(gen.prompt)
+        self.counters["prefix_hit_tokens"] += gen.hit
+        if self.prefix is not None and gen.use_prefix:
+            self.prefix.index.record(len(gen.prompt), gen.hit)
+
+    def _lookup(self, gen: Generation) -> list[int]:
+        """The pool entries of ``gen``'s cached start (none: the prefix cache is off for
+        it, or nothing of it is cached)."""
+        prefix = self.prefix
+        if prefix is None or not gen.use_prefix:
+            return []
+        if gen.keys is None:
+            gen.keys = prefix.index.keys(gen.prompt)
+        return prefix.index.match(gen.keys) if gen.keys else []
+
+    def _load_prefixes(self, loads: list[tuple[int, list[int]]]) -> None:
+        """Copy cached blocks into the start of slots (one program)."""
+        prefix = self.prefix
+        assert prefix is not None
+        slots = np.full(prefix.rows, self.slots, np.int32)  # out of range: dropped
+        entries = np.zeros((prefix.rows, prefix.width), np.int32)
+        for i, (slot, got) in enumerate(loads):
+            slots[i] = slot
+            entries[i, : len(got)] = got
+        self._state, _ = self._launch(-1, prefix.load, self._state, prefix.pool, slots, entries)
+        self.counters["prefix_loads"] += 1
+
+    def _save_prefixes(self, done: list[tuple[Generation, int]]) -> None:
+        """Keep the full blocks of freshly prefilled prompts (``(generation, slot)``)
+        that the pool lacks: programs of ``width`` blocks each, dispatched after the
+        prefill that wrote them and before anything may overwrite the slots."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        pairs = []
+        for gen, slot in done:
+            if gen.use_prefix and gen.keys is None:
+                gen.keys = prefix.index.keys(gen.prompt)
+            if gen.use_prefix and gen.keys:
+                first = gen.hit // prefix.index.block
+                pairs += [(slot, i, e) for i, e in prefix.index.add(gen.keys, first)]
+        width, none = prefix.width, prefix.index.blocks
+        for at in range(0, len(pairs), width):
+            part = pairs[at : at + width]
+            slots = np.zeros(width, np.int32)
+            blocks = np.zeros(width, np.int32)
+            entries = np.full(width, none, np.int32)  # out of range: dropped
+            for i, (slot, block, entry) in enumerate(part):
+                slots[i], blocks[i], entries[i] = slot, block, entry
+            prefix.pool, _ = self._launch(
+                -1, prefix.save, prefix.pool, self._state, slots, blocks, entries
+            )
+
+    def _extend(self) -> None:
+        """One chunk for up to ``chunk_batches[-1]`` of the slots being filled, oldest
+        first, within ``chunk_budget`` tokens: ``k`` tokens each, the largest chunk
+        length or the smallest that holds what every row has left. A row whose prompt
+        this chunk ends samples its first token and joins the steps."""
+        table = self._table
+        rows: list[Generation] = []
+        for gen in self._chunking:
+            rows.append(gen)
+            if len(rows) == self.chunk_batches[-1]:
+                break
+        left = max(len(g.prompt) - g.start for g in rows)
+        k = next((n for n in self.chunk_lengths if n >= left), self.chunk_lengths[-1])
+        rows = rows[: max(1, self.chunk_budget // k)]
+        size = next(b for b in self.chunk_batches if b >= len(rows))
+        cell = self._extends[(size, k)]
+        rows.sort(key=lambda g: len(g.prompt) - g.start > k)  # the prompts it ends first
+        tokens = np.zeros((size, k), np.int32)
+        ints = np.zeros((size, 6), np.int32)
+        ints[:, sampling.CHUNK_COUNT] = 1
+        ints[:, sampling.CHUNK_SLOT] = self.slots  # out of range: the row is dropped
+        floats = np.zeros((size, 2), np.float32)
+        floats[:, sampling.TOPP] = 1.0
+        finals: list[Generation] = []
+        done: list[tuple[Generation, int]] = []
+        for i, gen in enumerate(rows):
+            prompt = gen.prompt
+            # The chunk ends inside the cache: near its end, it starts earlier and
+            # computes some of the prompt's tokens again (the same rows).
+            start = min(gen.start, self.max_length - k)
+            count = min(len(prompt) - start, k)
+            tokens[i, :count] = prompt[start : start + count]
+            final = start + count >= len(prompt)
+            ints[i] = (start, count, gen.reserved, gen.top_k, _seed_bits(gen.seed), final)
+            floats[i, sampling.TEMP] = gen.temperature
+            floats[i, sampling.TOPP] = gen.top_p
+            gen.start = start + count
+            if final:
+                finals.append(gen)
+        t0 = time.perf_counter()
+        (self._state, first), sync = self._launch(
+            -1, cell.compiled, self._params, self._state, tokens, ints, floats
+        )
+        for gen in finals:
+            self._chunking.remove(gen)
+            slot, gen.reserved = gen.reserved, -1
+            table.assign(gen, slot)
+            done.append((gen, slot))
+        if finals:
+            first.copy_to_host_async()
+            self._pending.append((_PREFILL, first, finals, t0, sync))
+            self._save_prefixes(done)
+        self.counters["chunks"] += 1
+        self.counters["chunk_rows"] += len(rows)
+
+    def _unreserve(self, gen: Generation) -> None:
+        """``gen`` no longer fills a slot chunk by chunk: the slot is free again."""
+        if gen.reserved >= 0:
+            with contextlib.suppress(ValueError):
+                self._chunking.remove(gen)
+            self._table.free.append(gen.reserved)
+            gen.reserved = -1
 
     def _prefill(self, batch: list, length: int) -> None:
         n = len(batch)
@@ -464,13 +656,15 @@ class Decoder:
         floats = np.zeros((size, 2), np.float32)
         floats[:, sampling.TOPP] = 1.0
         assign = self._table.assign
+        done = []
         for i, gen in enumerate(batch):
             prompt = gen.prompt
             tokens[i, : len(prompt)] = prompt
             ints[i, sampling.LEN] = len(prompt)
-            ints[i, sampling.SLOT] = assign(gen)
+            ints[i, sampling.SLOT] = slot = assign(gen)
             ints[i, sampling.TOPK] = gen.top_k
-            ints[i, sampling.SEED] = gen.seed - (1 << 32) if gen.seed >= 1 << 31 else gen.seed
+            ints[i, sampling.SEED] = _seed_bits(gen.seed)
+            done.append((gen, slot))
             floats[i, sampling.TEMP] = gen.temperature
             floats[i, sampling.TOPP] = gen.top_p
         t0 = time.perf_counter()
@@ -481,6 +675,7 @@ class Decoder:
         self._pending.append((_PREFILL, first, batch, t0, sync))
         self.counters["prefills"] += 1
         self.counters["prefill_rows"] += n
+        self._save_prefixes(done)
 
     def _dispatch_step(self) -> None:
         busy = self._table.busy
@@ -582,6 +777,7 @@ class Decoder:
         """Every generation that may still get a token: in a slot, or in a step or
         prefill not read yet (a slot is given back when its last token is dispatched)."""
         gens = [g for g in self._table.owners if g is not None]
+        gens.extend(self._chunking)
         for _, _, who, _, _ in self._pending:
             gens.extend(g for g in who if g is not None)
         return gens
@@ -603,6 +799,10 @@ class Decoder:
             self._state, sync = self._launch(len(self._cells) + 1, self._make_state)
             if sync is not None:
                 self.group.wait(sync)
+            if self.prefix is not None:  # it may have been donated to the failed call
+                self.prefix.pool = None
+                self.prefix.index.clear()
+                self.prefix.pool = self.prefix.make()
         except Exception as again:  # noqa: BLE001 - nothing more can run
             with self._cond:
                 self._closed = True
@@ -628,6 +828,7 @@ class Decoder:
     def _finish_with(self, gens: list, error: BaseException) -> None:
         done = []
         for gen in dict.fromkeys(gens):
+            self._unreserve(gen)
             self._table.release(gen)
             if gen.finish_reason is None:
                 # Its own error (one traceback per reader), caused by the shared one.
@@ -648,6 +849,15 @@ class Decoder:
         at = {LENGTH_DIM: self.max_length}
         specs = jax.tree.leaves(self.artifact.cache, is_leaf=is_spec)
         return self.slots * sum(spec.nbytes_at(at) for spec in specs)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory of the prefix cache's pool (per device: it is replicated)."""
+        if self.prefix is None:
+            return 0
+        at = {LENGTH_DIM: self.prefix.index.block}
+        specs = jax.tree.leaves(self.artifact.cache, is_leaf=is_spec)
+        return self.prefix.index.blocks * sum(spec.nbytes_at(at) for spec in specs)
 
     def describe(self) -> dict:
         """The manifest, the compiled programs (compile time, XLA's memory analysis) and
@@ -672,16 +882,27 @@ class Decoder:
             {"program": "step", "slots": self.slots, "compile_s": round(self.step_compile_s, 4)}
             | {"memory": memory(self._step)}
         ]
-        for (b, length), cell in sorted(self._cells.items()):
-            programs.append(
-                {
-                    "program": "prefill_insert",
-                    "batch": b,
-                    "length": length,
-                    "compile_s": round(cell.compile_s, 4),
-                    "memory": memory(cell.compiled),
-                }
-            )
+        for name, cells in (("prefill_insert", self._cells), ("extend_insert", self._extends)):
+            for (b, length), cell in sorted(cells.items()):
+                programs.append(
+                    {
+                        "program": name,
+                        "batch": b,
+                        "length": length,
+                        "compile_s": round(cell.compile_s, 4),
+                        "memory": memory(cell.compiled),
+                    }
+                )
+        prefix = self.prefix
+        if prefix is not None:
+            cached = {
+                "blocks": prefix.index.blocks,
+                "block_tokens": prefix.index.block,
+                "cached_blocks": len(prefix.index),
+                "pool_bytes": self.pool_bytes,
+                "copy_memory": memory(prefix.load),
+                "save_memory": memory(prefix.save),
+            }
         return {
             "manifest": self.artifact.manifest,
             "kind": "decoder",
@@ -693,6 +914,7 @@ class Decoder:
             "max_length": self.max_length,
             "cache_bytes": self.cache_bytes,
             "programs": programs,
+            "prefix_cache": cached if prefix is not None else None,
         }
 
 
@@ -718,6 +940,11 @@ def _serve(ref: weakref.ref, x64: bool) -> None:
                 decoder._fail(RuntimeError(f"decoder {decoder.name!r}: its loop failed: {exc!r}"))
                 raise
             del decoder
+
+
+def _seed_bits(seed: int) -> int:
+    """A uint32 seed as the int32 with its bits (the programs bitcast it back)."""
+    return seed - (1 << 32) if seed >= 1 << 31 else seed
 
 
 def int_in(name: str, value: Any, low: int, high: int | None) -> int:

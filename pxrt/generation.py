@@ -66,6 +66,11 @@ class Generation(_GenerationBase):
         "top_p",
         "seed",
         "bucket",
+        "keys",
+        "start",
+        "hit",
+        "reserved",
+        "use_prefix",
         "loop",
         "counted",
         "waiter",
@@ -85,11 +90,20 @@ class Generation(_GenerationBase):
         stops: frozenset,
         sampling: tuple[float, int, float, int],
         bucket: int,
+        use_prefix: bool = True,
     ) -> None:
         super().__init__(limit, stops)
         self.prompt = prompt
         self.temperature, self.top_k, self.top_p, self.seed = sampling
-        self.bucket = bucket  # the prefill length it runs at
+        self.bucket = bucket  # the prefill length it runs at; 0: longer, chunked
+        # The prefix cache: may it use it; its blocks' keys (computed when admitted);
+        # prompt tokens in its slot's cache so far, and how many came from the cache;
+        # the slot it fills chunk by chunk before it joins the steps (-1: none).
+        self.use_prefix = use_prefix
+        self.keys: list[bytes] | None = None
+        self.start = 0
+        self.hit = 0
+        self.reserved = -1
         # The event loop of its async reader (set by ``__anext__``): woken there too.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.counted = False  # its outcome is in the decoder's ``outcomes``

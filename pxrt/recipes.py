@@ -28,6 +28,10 @@ def per_slot(step: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, A
     ``decode(params, cache, tokens, positions)`` runs it for every slot at once
     (``jax.vmap``), each at its own position. The step must not mix the rows of its
     batch (it has one) and must mask cache positions beyond ``positions[0]``.
+
+    The same makes pxrt's ``extend`` from a step over a chunk of one sequence: there
+    ``tokens`` is ``int32[1, k]`` (written from ``positions[0]`` on, each attending to
+    the cache before it and to the chunk causally) and the logits ``[1, k, vocab]``.
     """
 
     def one(params: Any, row: Any, token: Any, position: Any) -> tuple[Any, Any]:

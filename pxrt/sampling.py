@@ -27,6 +27,11 @@ MAX_TEMPERATURE = 100.0
 LEN, SLOT, TOPK, SEED = range(4)
 TOK, POS = LEN, SLOT
 TEMP, TOPP = range(2)
+# Columns of an extend call's int32 rows (a chunk of a prompt, for one slot): the
+# position of its first token, how many of its tokens are the prompt's, the slot,
+# top-k, seed bits, and whether it ends the prompt (1: sample the first token and let
+# the slot join the steps; 0: the slot stays parked, out of the steps' way).
+CHUNK_START, CHUNK_COUNT, CHUNK_SLOT, CHUNK_TOPK, CHUNK_SEED, CHUNK_FINAL = range(6)
 
 
 def sample(

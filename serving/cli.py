@@ -143,16 +143,32 @@ def _demo_lm(args: argparse.Namespace) -> int:
             f"vocabulary of {demo.LM_VOCAB}, random weights) to {path}"
         )
         dec = pxrt.load(path, progress=True)
+        kinds = [p["program"] for p in dec.describe()["programs"]]
         print(
-            f"loaded {dec}: the decode step and {len(dec.describe()['programs']) - 1} prefill "
-            f"cells compiled in {dec.load_s:.2f} s; cache {dec.cache_bytes / 2**20:.1f} MiB on "
-            f"the device(s), donated through every step"
+            f"loaded {dec}: the decode step, {kinds.count('prefill_insert')} prefill and "
+            f"{kinds.count('extend_insert')} extend cells compiled in {dec.load_s:.2f} s; cache "
+            f"{dec.cache_bytes / 2**20:.1f} MiB on the device(s), donated through every step"
         )
         prompts = [np.frombuffer(t.encode(), np.uint8).astype(np.int32) for t in _LM_PROMPTS]
         same = all(
             dec.generate(p, max_tokens=24).tokens == demo.lm_reference(p, 24) for p in prompts
         )
         print(f"greedy tokens equal plain JAX one prompt at a time: {'yes' if same else 'NO'}")
+        # A prompt longer than the longest prefill, in chunks; then again, its start
+        # from the prefix cache.
+        long = np.frombuffer((_LM_PROMPTS[0] * 40)[:200].encode(), np.uint8).astype(np.int32)
+        want = demo.lm_reference(long, 16)
+        chunks = dec.counters["chunks"]
+        first = dec.generate(long, max_tokens=16).tokens == want
+        chunks = dec.counters["chunks"] - chunks
+        hit = dec.counters["prefix_hit_tokens"]
+        again = dec.generate(long, max_tokens=16).tokens == want
+        hit = dec.counters["prefix_hit_tokens"] - hit
+        print(
+            f"a {len(long)}-token prompt (the longest prefill is {dec.max_prompt}) in {chunks} "
+            f"chunks, then again with {hit} tokens from the prefix cache: equal to plain JAX: "
+            f"{'yes' if first and again else 'NO'}"
+        )
         print(f"streamed, sampled (temperature 1, top-k 40, seed 7) from {_LM_PROMPTS[0]!r}:")
         text = bytearray()
         for token in dec.stream(prompts[0], max_tokens=32, temperature=1.0, top_k=40, seed=7):
@@ -334,6 +350,17 @@ def _inspect_decoder(info: dict) -> int:
         f"slots {info['slots']} x length {info['max_length']}: cache "
         f"{info['cache_bytes'] / 2**20:.2f} MiB, donated through every step and insert"
     )
+    if "chunk_lengths" in d:
+        print(
+            f"extend: chunks of {d['chunk_lengths']} tokens, {d['chunk_batches']} rows: prompts "
+            f"up to {info['max_length'] - 1} tokens (longer than the longest prefill: chunked)"
+        )
+    cached = info.get("prefix_cache")
+    if cached:
+        print(
+            f"prefix cache: {cached['blocks']} blocks of {cached['block_tokens']} tokens, "
+            f"{cached['pool_bytes'] / 2**20:.2f} MiB per device"
+        )
     print(
         f"{'program':<16} {'batch':>6} {'length':>7} {'compile':>9} {'args MB':>8} {'temp MB':>8}"
     )

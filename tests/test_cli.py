@@ -213,7 +213,9 @@ def test_inspect_shows_a_decoder(tmp_path):
     assert "decoder: vocabulary 258, stop ids [257]" in out
     assert "donated through every step and insert" in out
     assert out.count("prefill_insert") == 4 and "step " in out
+    assert out.count("extend_insert") == 4 and "prompts up to 63 tokens" in out
+    assert "prefix cache: 16 blocks of 16 tokens" in out, out
     assert "load: read " in out and " programs " in out and " warm-up " in out, out
     info = json.loads(_pxrt("inspect", path, "--json").stdout)
-    assert info["kind"] == "decoder" and len(info["programs"]) == 5
+    assert info["kind"] == "decoder" and len(info["programs"]) == 9
     assert set(info["load_phases"]) == {"read", "programs", "warm-up"}

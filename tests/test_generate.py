@@ -27,6 +27,7 @@ LENGTHS = (8, 32)
 BATCHES = (1, 4)
 SLOTS = 4
 LONG = 2048
+CHUNKS = (8, 32)  # extend's (the demo's default: the shortest and longest prefill length)
 
 
 @pytest.fixture(scope="module")
@@ -277,14 +278,122 @@ def test_no_compiles_while_generating(lm):
 
 def test_describe_lists_every_program_and_the_cache(lm):
     info = lm.describe()
-    cells = {
-        (p["batch"], p["length"]) for p in info["programs"] if p["program"] == "prefill_insert"
-    }
-    assert cells == {(b, n) for b in BATCHES for n in LENGTHS}
+    for kind, lengths in (("prefill_insert", LENGTHS), ("extend_insert", CHUNKS)):
+        cells = {(p["batch"], p["length"]) for p in info["programs"] if p["program"] == kind}
+        assert cells == {(b, n) for b in BATCHES for n in lengths}, kind
+    assert info["prefix_cache"]["blocks"] * 16 == SLOTS * MAX_LENGTH // 2
     assert info["slots"] == lm.slots and lm.slots % len(jax.devices()) == 0
     per_slot = 2 * SIZES["layers"] * MAX_LENGTH * SIZES["dim"] * 4
     assert info["cache_bytes"] == lm.slots * per_slot
     json.dumps(info)
+
+
+# --------------------------------------------------------------------------- long prompts
+
+
+def test_prompts_longer_than_any_prefill_are_chunked(lm, reference):
+    """Prompts up to the cache's length (63 tokens; prefill goes to 32) mixed with short
+    ones, more than the slots: every stream equals plain JAX, prefilled whole."""
+    rng = np.random.default_rng(40)
+    long = [rng.integers(0, 256, n).astype(np.int32) for n in (33, 40, 63, 50, 62)]
+    cases = [(p, 6) for p in long] + [(p, 9) for p in prompts(4, seed=41)]
+    cases = [cases[i] for i in rng.permutation(len(cases))]
+    before = dict(lm.counters)
+    gens = [lm.submit(p, max_tokens=m, prefix_cache=False) for p, m in cases]
+    assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
+    assert lm.counters["chunks"] - before["chunks"] >= len(long)
+    assert lm.busy_slots == 0 and len(lm._table.free) == lm.slots
+    assert lm.compiles_after_load == 0
+
+
+def test_running_streams_step_between_the_chunks_of_a_long_prompt(long_lm):
+    """A 2,000-token prompt is 63 chunks; each turn of the loop runs one chunk and one
+    decode step, so a stream already running gets a token per chunk meanwhile."""
+    running = long_lm.submit(prompts(1, seed=42)[0], max_tokens=LONG)
+    it = iter(running)
+    next(it)
+    long = np.random.default_rng(43).integers(0, 256, 2000).astype(np.int32)
+    chunks = long_lm.counters["chunks"]
+    before = len(running.tokens)
+    first = next(iter(long_lm.submit(long, max_tokens=1, prefix_cache=False)))
+    during = len(running.tokens) - before
+    assert long_lm.counters["chunks"] - chunks == 63 and 0 <= first < demo.LM_VOCAB
+    assert during >= 60, during
+    running.cancel()
+    _wait_for(lambda: long_lm.busy_slots == 0)
+
+
+def test_cancelling_a_prompt_being_chunked_frees_its_slot(long_lm, lm, reference):
+    long = np.random.default_rng(44).integers(0, 256, 1500).astype(np.int32)
+    gen = long_lm.submit(long, max_tokens=5, prefix_cache=False)
+    _wait_for(lambda: long_lm._chunking)
+    gen.cancel()
+    _wait_for(lambda: len(long_lm._table.free) == long_lm.slots and not long_lm._chunking)
+    assert gen.finish_reason == "cancelled" and not gen.tokens
+    other = np.random.default_rng(45).integers(0, 256, 40).astype(np.int32)
+    assert lm.generate(other, max_tokens=8).tokens == reference(other, 8)
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+
+def test_a_shared_prefix_is_computed_once_and_the_tokens_do_not_change(lm_path, reference):
+    """A system prompt of 40 tokens before each question: the first request prefills it,
+    the others copy its two cached blocks (16 tokens each) and prefill the rest. Tokens
+    equal plain JAX, with and without the cache, and across evictions (a pool of 4
+    blocks, less than the prompts' blocks together)."""
+    rng = np.random.default_rng(46)
+    system = rng.integers(0, 256, 40).astype(np.int32)
+    asks = [
+        np.concatenate([system, rng.integers(0, 256, n).astype(np.int32)])
+        for n in (3, 9, 20, 1, 15)
+    ]
+    others = [rng.integers(0, 256, n).astype(np.int32) for n in (50, 17, 33)]
+    with pxrt.load(lm_path, prefix_cache_tokens=64) as dec:
+        index = dec.prefix.index
+        first = dec.generate(asks[0], max_tokens=7)
+        assert first.tokens == reference(asks[0], 7) and index.counters["hit_tokens"] == 0
+        gens = [dec.submit(p, max_tokens=7) for p in asks[1:]]
+        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, 7) for p in asks[1:]]
+        assert index.counters["hit_tokens"] == 32 * len(asks[1:])
+        assert dec.counters["prefix_loads"] >= 1
+        # Off per request: nothing reused.
+        hits = index.counters["hit_tokens"]
+        assert dec.generate(asks[2], max_tokens=7, prefix_cache=False).tokens == reference(
+            asks[2], 7
+        )
+        assert index.counters["hit_tokens"] == hits
+        # Other prompts evict blocks; whatever is left or gone, the tokens stay right.
+        for p in others + asks + others[::-1] + asks:
+            assert dec.generate(p, max_tokens=5).tokens == reference(p, 5)
+        assert index.counters["evicted_blocks"] > 0 and len(index) == 4
+        assert dec.compiles_after_load == 0
+    with pxrt.load(lm_path, prefix_cache_tokens=0) as off:
+        assert off.prefix is None
+        assert off.generate(asks[1], max_tokens=7).tokens == reference(asks[1], 7)
+
+
+def test_prefix_index_chains_blocks_and_evicts_least_recently_used():
+    from pxrt.prefix import PrefixIndex
+
+    index = PrefixIndex(blocks=3, block=4)
+    a = np.arange(13, dtype=np.int32)  # 3 cacheable blocks (the last token never is)
+    assert len(index.keys(a)) == 3 and len(index.keys(a[:12])) == 2
+    b = a.copy()
+    b[0] = 99  # the same later blocks after another start: different keys
+    assert not set(index.keys(a)) & set(index.keys(b))
+    assert index.match(index.keys(a)) == []
+    saved = index.add(index.keys(a), 0)
+    assert [i for i, _ in saved] == [0, 1, 2]
+    assert index.match(index.keys(a)) == [e for _, e in saved]
+    assert index.match(index.keys(a[:9])) == [e for _, e in saved[:2]]
+    # A new prompt's blocks evict the least recently used: the continuations first.
+    c = np.full(9, 7, np.int32)
+    index.add(index.keys(c), 0)
+    assert index.match(index.keys(a)) == [saved[0][1]]
+    assert index.counters["evicted_blocks"] == 2
+    # The pool never evicts the prompt's own blocks to save more of them.
+    assert len(index.add(index.keys(np.arange(200, 300, dtype=np.int32)), 0)) == 3
 
 
 # --------------------------------------------------------------------------- cancellation
@@ -356,7 +465,8 @@ def test_cancelling_the_task_frees_the_slot(long_lm, run):
     "prompt, options, message",
     [
         ([], {}, "prompt: is empty"),
-        (list(range(LENGTHS[-1] + 1)), {}, "longer than the longest prefill length"),
+        (list(range(MAX_LENGTH)), {}, "leave no room in a cache of 64 positions"),
+        ([1], {"prefix_cache": "no"}, "prefix_cache must be true or false"),
         ([1, 2, demo.LM_VOCAB], {}, f"token id {demo.LM_VOCAB} is outside the vocabulary"),
         ([1, -1], {}, "token id -1 is outside"),
         ([[1, 2]], {}, "1-D sequence"),

@@ -241,7 +241,7 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
     [
         ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be an int >= 1"),
         ({"text_input": "hi", "temperature": -1}, "temperature"),
-        ({"text_input": "x" * 70}, "longer than the longest prefill length"),
+        ({"text_input": "x" * MAX_LENGTH}, "leave no room in a cache"),
         ({"input_ids": [1, 999]}, "token id 999 is outside the vocabulary"),
         ({}, "exactly one of text_input"),
         ({"text_input": "hi", "stop": 3}, "stop must be a string"),

@@ -103,9 +103,14 @@ def keras_greedy(lm, prompt, max_tokens):
 
 def test_a_gemma_causal_lm_generates_like_keras_hub(gemma, gemma_path):
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in (3, 16, 7, 1, 12, 9)]
+    # Longer than the longest prefill (16): chunked by extend; the last one's first 16
+    # tokens are the first long one's, reused from the prefix cache.
+    prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in (3, 16, 7, 1, 12, 9, 21)]
+    prompts.append(np.concatenate([prompts[-1][:18], [5, 6]]).astype(np.int32))
     with pxrt.load(gemma_path) as dec:
-        streams = [dec.submit(p, max_tokens=10) for p in prompts]  # 6 prompts, 4 slots
+        streams = [dec.submit(p, max_tokens=10) for p in prompts[:-1]]  # 7 prompts, 4 slots
+        streams[-1].result(timeout=120)
+        streams.append(dec.submit(prompts[-1], max_tokens=10))
         seen = set()
         for prompt, stream in zip(prompts, streams):
             want = keras_greedy(gemma, prompt, 10)
@@ -113,6 +118,7 @@ def test_a_gemma_causal_lm_generates_like_keras_hub(gemma, gemma_path):
             seen |= set(want)
         assert len(seen) > 10, seen  # (tokens that follow the context, not one repeated)
         assert set(dec.load_phases) == {"read", "programs", "warm-up"}
+        assert dec.counters["chunks"] >= 1 and dec.counters["prefix_hit_tokens"] == 16
 
 
 def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
@@ -175,8 +181,12 @@ def test_other_causal_lm_families_generate_like_keras_hub(family, tmp_path):
         lm, tmp_path / family, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8,),
         prefill_batches=(1,),
     )  # fmt: skip
-    prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in (2, 8, 5)]
-    with pxrt.load(path) as dec:
+    # 13 tokens: chunked (prefill goes to 8); then again, its first 12 from the prefix
+    # cache (blocks of 4) and the last one computed by extend.
+    prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in (2, 8, 5, 13)]
+    with pxrt.load(path, prefix_block=4) as dec:
         streams = [dec.submit(p, max_tokens=8) for p in prompts]
         for prompt, stream in zip(prompts, streams):
             assert stream.result(timeout=120).tokens == keras_greedy(lm, prompt, 8)
+        assert dec.generate(prompts[-1], max_tokens=8).tokens == keras_greedy(lm, prompts[-1], 8)
+        assert dec.counters["prefix_hit_tokens"] == 12

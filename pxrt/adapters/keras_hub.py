@@ -8,9 +8,11 @@
   ``LlamaCausalLM``, ``MistralCausalLM``, ``QwenCausalLM``, ``Qwen3CausalLM``,
   ``Gemma3CausalLM`` (text)... anything with keras-hub's ``call_with_cache(token_ids,
   cache, cache_update_index)``) as a pxrt decoder. Prefill
-  runs ``call_with_cache`` over the padded prompts from index 0, and decode runs it for
+  runs ``call_with_cache`` over the padded prompts from index 0, decode runs it for
   one token per slot at the slot's own index (``pxrt.per_slot``: keras-hub writes every
-  row of a batch at one index). The cache is keras-hub's own, per slot.
+  row of a batch at one index), and extend for a chunk of tokens per slot the same way
+  (long prompts are chunked, cached prompt starts reused). The cache is keras-hub's
+  own, per slot.
 
 Both read the weights through ``keras.StatelessScope``: the params are the model's
 variables by path, the model object stays in the closure, and nothing of keras is
@@ -194,11 +196,21 @@ def export_causal_lm(
             logits, _, kv = causal_lm.call_with_cache(tokens[:, None], cache["kv"], positions[0])
         return {"kv": kv}, logits[:, 0].astype(jnp.float32)
 
+    def one_chunk(params: Any, cache: Any, tokens: Any, positions: Any) -> Any:
+        # keras-hub's causal mask starts at the update index: a chunk attends to the
+        # cache before it and causally within itself.
+        import jax.numpy as jnp
+
+        with _weights(causal_lm, params):
+            logits, _, kv = causal_lm.call_with_cache(tokens, cache["kv"], positions[0])
+        return {"kv": kv}, logits.astype(jnp.float32)
+
     lm_tokenizer = getattr(causal_lm.preprocessor, "tokenizer", None)
     sp = getattr(lm_tokenizer, "proto", None)
     if eos_id is None:
         eos_id = getattr(lm_tokenizer, "end_token_id", None)
     options.setdefault("name", causal_lm.name)
+    options.setdefault("chunk_lengths", sorted({min(prefill_lengths), max(prefill_lengths)}))
     with tempfile.TemporaryDirectory() as tmp:
         if tokenizer is None and isinstance(sp, bytes):
             tokenizer = os.path.join(tmp, "tokenizer.model")
@@ -206,7 +218,7 @@ def export_causal_lm(
                 f.write(sp)
         return export_decoder(
             prefill, per_slot(one_sequence), params_of(causal_lm), path,
-            cache={"kv": spec}, max_length=max_length, slots=slots,
+            cache={"kv": spec}, extend=per_slot(one_chunk), max_length=max_length, slots=slots,
             prefill_lengths=prefill_lengths, prefill_batches=prefill_batches,
             eos_id=eos_id, tokenizer=tokenizer, **options,
         )  # fmt: skip

@@ -198,6 +198,9 @@ class DecoderMetrics:
             "tokens": src.counters["tokens"],
             "steps": src.counters["steps"],
             "prefills": src.counters["prefills"],
+            "prefill_chunks": src.counters["chunks"],
+            "prompt_tokens": src.counters["prompt_tokens"],
+            "prefix_hit_tokens": src.counters["prefix_hit_tokens"],
             "slots": src.slots,
             "slots_busy": src.busy_slots,
             "waiting": src.waiting,
@@ -346,6 +349,15 @@ class _Collector:
         )
         tokens = CounterMetricFamily("pxrt_generated_tokens", "Tokens generated", labels=labels)
         steps = CounterMetricFamily("pxrt_decode_steps", "Decode steps executed", labels=labels)
+        prompt = CounterMetricFamily("pxrt_prompt_tokens", "Prompt tokens admitted", labels=labels)
+        reused = CounterMetricFamily(
+            "pxrt_prefix_cache_hit_tokens",
+            "Prompt tokens whose cache rows were copied from the prefix cache",
+            labels=labels,
+        )
+        chunks = CounterMetricFamily(
+            "pxrt_prefill_chunks", "Extend programs run (chunks of prompts)", labels=labels
+        )
         slots = GaugeMetricFamily("pxrt_slots", "Decode slots", labels=labels)
         busy = GaugeMetricFamily("pxrt_slots_busy", "Decode slots generating", labels=labels)
         waiting = GaugeMetricFamily(
@@ -363,11 +375,15 @@ class _Collector:
                 generations.add_metric([name, version, reason], n)
             tokens.add_metric([name, version], src.counters["tokens"])
             steps.add_metric([name, version], src.counters["steps"])
+            prompt.add_metric([name, version], src.counters["prompt_tokens"])
+            reused.add_metric([name, version], src.counters["prefix_hit_tokens"])
+            chunks.add_metric([name, version], src.counters["chunks"])
             slots.add_metric([name, version], src.slots)
             busy.add_metric([name, version], src.busy_slots)
             waiting.add_metric([name, version], src.waiting)
             compiles.add_metric([name, version], src.compiles_after_load)
-        yield from (generations, tokens, steps, slots, busy, waiting, compiles)
+        yield from (generations, tokens, steps, prompt, reused, chunks, slots, busy, waiting)
+        yield compiles
         names = {
             "step": "pxrt_decode_step_duration_us",
             "prefill": "pxrt_prefill_duration_us",

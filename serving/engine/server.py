@@ -188,7 +188,7 @@ class Server:
         come: ``async for token in server.generate("lm", ids, max_tokens=64)``.
 
         ``options`` as for ``pxrt.Decoder.submit`` (``max_tokens``, ``temperature``,
-        ``top_k``, ``top_p``, ``seed``, ``stop_ids``). Leaving the loop early, or
+        ``top_k``, ``top_p``, ``seed``, ``stop_ids``, ``prefix_cache``). Leaving the loop early, or
         cancelling the task, cancels the generation: its slot is free for the next step.
         Raises ValueError naming what is wrong with a bad request, ``Overloaded`` when
         the decoder's waiting queue is full, ``DeadlineExceeded`` when ``timeout_s``

@@ -6,7 +6,8 @@ completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
   finish reason and the token counts. The prompt is ``text_input`` (text, through the
   artifact's tokenizer) or ``input_ids`` (token ids); options at the top level or under
   ``parameters``: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-  ``stop`` (strings), ``stop_ids``, ``timeout`` (the generation's deadline in
+  ``stop`` (strings), ``stop_ids``, ``prefix_cache`` (false: this prompt neither uses
+  nor fills the prefix cache), ``timeout`` (the generation's deadline in
   microseconds from arrival, as for inference: when it passes, the generation is
   cancelled and answered as a 504 / a last error event, the tokens before it sent).
 - ``POST /v1/completions`` and ``/v1/chat/completions`` (``messages`` rendered by the
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from ..options import GenerationLimits
     from .backend import Backend, ServedDecoder, TokenStream
 
-OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids")
+OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids", "prefix_cache")
 SSE = "text/event-stream"
 
 
