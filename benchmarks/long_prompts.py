@@ -1,8 +1,8 @@
 """Long prompts and shared prefixes: chunked prefill and the prefix cache, each against
 what a pxrt user had without them, alternated in one process.
 
-The demo decoder (``pxrt.demo``, 2 layers, 64 wide), a 1,024-position cache, 16 slots,
-greedy decoding.
+The demo decoder (``pxrt.demo``, 2 layers, 64 wide; ``--dim``, ``--layers``), a
+1,024-position cache, 16 slots, greedy decoding.
 
 1. **Long prompts beside running streams.** ``--streams`` generations decode long
    outputs while prompts of ``--long`` tokens (4x the largest chunk) arrive every
@@ -144,6 +144,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=192)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--only", choices=("long", "chat"), default=None)
+    p.add_argument("--dim", type=int, default=demo.LM_DIM)
+    p.add_argument("--chunk-tokens", type=int, default=None)
+    p.add_argument("--layers", type=int, default=demo.LM_LAYERS)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         chunked = pxrt.load(
@@ -153,10 +156,13 @@ def main() -> None:
                 max_length=MAX_LENGTH,
                 prefill_lengths=LENGTHS,
                 chunk_lengths=CHUNKS,
-            ),  # fmt: skip
+                dim=args.dim,
+                layers=args.layers,
+            ),
             progress=False,
+            chunk_tokens=args.chunk_tokens,
         )
-        print(chunked, chunked.load_summary())
+        print(chunked, chunked.load_summary(), "chunk tokens per turn", chunked.chunk_tokens)
         if args.only != "chat":
             whole = pxrt.load(
                 demo.export_lm(
@@ -165,7 +171,9 @@ def main() -> None:
                     max_length=MAX_LENGTH,
                     prefill_lengths=(*LENGTHS, args.long),
                     extend=False,
-                ),  # fmt: skip
+                    dim=args.dim,
+                    layers=args.layers,
+                ),
                 progress=False,
             )
             runs: dict[str, list[dict]] = {"none": [], "chunked": [], "whole": []}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -52,6 +53,8 @@ def load_decoder(
     chunk_batches: Sequence[int] | None = None,
     prefix_cache_tokens: int | None = None,
     prefix_block: int = PREFIX_BLOCK,
+    chunk_tokens: int | None = None,
+    step_slots: Sequence[int] | None = None,
     max_waiting: int = 1024,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
@@ -64,6 +67,13 @@ def load_decoder(
     the devices by slot), ``max_length``, ``prefill_lengths`` and ``prefill_batches``
     (and, for a decoder with ``extend``, ``chunk_lengths`` and ``chunk_batches``)
     default to the artifact's. ``max_waiting`` bounds the prompts waiting for a slot.
+    ``step_slots``: the slot counts the decode step is also compiled for (default: a
+    quarter and a half of ``slots``; ``()``: every step over all of them): the loop
+    steps the fewest that hold the busy slots, which it keeps together, so a server at
+    a quarter of its slots pays for a quarter of a step.
+    ``chunk_tokens``: prompt tokens prefilled in chunks per turn of the loop, between two
+    decode steps (default: the largest chunk length): more shortens a long prompt's
+    time to first token, and lengthens the running streams' gaps while it is prefilled.
 
     The prefix cache (decoders with ``extend``): ``prefix_cache_tokens`` prompt tokens'
     cache rows kept on the devices in blocks of ``prefix_block`` (default: half as many
@@ -96,7 +106,10 @@ def load_decoder(
         log.info("pxrt: %s: in a multi-host group prompts are not chunked or cached", art.name)
         chunks, chunk_rows, prefix_cache_tokens = [], [], 0
     prefix = _prefix_pool(art, slots, max_length, chunks, prefix_cache_tokens, prefix_block)
+    parts = _step_slots(art, slots, len(devices), step_slots, distributed is not None)
     max_waiting = int_in("max_waiting", max_waiting, 1, None)
+    if chunk_tokens is not None:
+        chunk_tokens = int_in("chunk_tokens", chunk_tokens, 1, None)
     phases = {"read": time.perf_counter() - t0}
 
     _xla.compile_counter.ensure_registered()
@@ -104,7 +117,14 @@ def load_decoder(
     in_group = distributed is not None
     with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
         programs = DecoderPrograms(
-            art, devices, slots, max_length, in_group=in_group, prefix=prefix, rows=chunk_rows
+            art,
+            devices,
+            slots,
+            max_length,
+            in_group=in_group,
+            prefix=prefix,
+            rows=chunk_rows,
+            step_slots=parts,
         )
         params_dev = programs.place(art.params)
         jobs = programs.jobs(lengths, batches, chunks, chunk_rows)
@@ -154,6 +174,9 @@ def load_decoder(
         got.make_state,
         extends=got.extends,
         prefix=got.prefix_pool(programs),
+        chunk_tokens=chunk_tokens,
+        parts=got.parts,
+        move=got.move,
         slots=slots,
         max_length=max_length,
         max_waiting=max_waiting,
@@ -207,6 +230,31 @@ def _chunk_sizes(
                     f"{config[field]}; {untraced} were not traced"
                 )
     return list(chunks), list(rows)
+
+
+def _step_slots(
+    art: Any, slots: int, n_dev: int, given: Sequence[int] | None, in_group: bool
+) -> list[int]:
+    """The smaller steps' slot counts: given, else a quarter and a half of the slots,
+    each rounded up to a multiple of the devices; none in a multi-host group (its
+    followers run the full step only) or for concrete shapes (decode was traced at the
+    full count only)."""
+    if given is None:
+        if in_group or "num_devices" in art.config:
+            return []
+        given = [slots // 4, slots // 2]
+    elif given:
+        given = sizes("step_slots", given)
+        if in_group or "num_devices" in art.config:
+            raise ValueError(
+                "step_slots: a multi-host group, or a decoder exported with concrete shapes, "
+                "steps all its slots"
+            )
+    out = sorted({-(-max(n, 1) // n_dev) * n_dev for n in given} - {slots})
+    over = [n for n in out if n > slots]
+    if over:
+        raise ValueError(f"step_slots {over} are over slots={slots}")
+    return out
 
 
 def _prefix_pool(
@@ -319,9 +367,13 @@ class DecoderPrograms:
         in_group: bool,
         prefix: tuple[int, int] | None = None,
         rows: Sequence[int] = (),
+        step_slots: Sequence[int] = (),
     ) -> None:
         self.art, self.devices = art, devices
         self.slots, self.max_length = slots, max_length
+        #: The smaller steps' slot counts (multiples of the devices, under ``slots``):
+        #: each device steps the first ``n / devices`` of its slots.
+        self.step_slots = sorted(set(step_slots) - {slots})
         #: The prefix pool's (entries, block tokens), or None.
         self.prefix = prefix
         # A prefix copy fills up to ``width`` blocks of ``load_rows`` slots at once; a
@@ -359,6 +411,21 @@ class DecoderPrograms:
             donate_argnums=(1,),
             out_shardings=(state_sharding, self.by_slot if in_group else self.replicated),
         )
+        self._part_jits = {
+            n: jax.jit(
+                jax.shard_map(
+                    functools.partial(self._step_part, rows=n // len(devices)),
+                    mesh=mesh,
+                    in_specs=(P(), by_slot_specs),
+                    out_specs=(by_slot_specs, P(BATCH_AXIS)),
+                    check_vma=False,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(state_sharding, self.replicated),
+            )
+            for n in self.step_slots
+        }
+        self._move_jit = jax.jit(self._move, donate_argnums=(0,), out_shardings=state_sharding)
         self._prefill_jit = jax.jit(
             self._prefill_insert,
             donate_argnums=(1,),
@@ -395,6 +462,8 @@ class DecoderPrograms:
     ) -> list[tuple[str, int, int]]:
         """Every program of a load, in order: (what, batch, length)."""
         todo = [("state", 0, 0), ("step", 0, 0)]
+        if self.step_slots:
+            todo += [("step", n, 0) for n in self.step_slots] + [("move", 0, 0)]
         todo += [("prefill", b, n) for n in lengths for b in batches]
         todo += [("extend", r, k) for k in chunks for r in rows]
         if self.prefix is not None:
@@ -408,7 +477,11 @@ class DecoderPrograms:
         if what == "state":
             return self._state_jit.lower()
         if what == "step":
-            return self._step_jit.lower(self.param_specs, self.shapes)
+            step = self._part_jits[b] if b else self._step_jit
+            return step.lower(self.param_specs, self.shapes)
+        if what == "move":
+            s = self.slots
+            return self._move_jit.lower(self.shapes, ints(s), ints(s))
         if what == "pool":
             return self._pool_jit.lower()
         if what == "load":
@@ -440,7 +513,8 @@ class DecoderPrograms:
     def describe(self, what: str, b: int, n: int) -> str:
         return {
             "state": "the empty state",
-            "step": "the decode step",
+            "step": "the decode step" + (f" over {b} slots" if b else ""),
+            "move": "the slot move",
             "pool": "the empty prefix pool",
             "load": "the prefix copy",
             "save": "the prefix save",
@@ -484,6 +558,22 @@ class DecoderPrograms:
         tokens = sample(logits, temperature, top_k, top_p, seed, following)
         ints = jnp.stack([tokens, following, top_k, ints[:, sampling.SEED]], axis=1)
         return {"cache": cache, "ints": ints, "floats": floats}, tokens
+
+    def _step_part(self, params: Any, state: dict, rows: int) -> tuple[dict, jax.Array]:
+        """The step over this device's first ``rows`` slots (the busy ones are kept
+        there); the others are left as they are."""
+        part = jax.tree.map(lambda a: a[:rows], state)
+        part, tokens = self._step(params, part)
+        state = jax.tree.map(
+            lambda a, p: lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), state, part
+        )
+        return state, tokens
+
+    def _move(self, state: dict, src: jax.Array, dst: jax.Array) -> dict:
+        """Slot ``dst[i]`` := slot ``src[i]`` (its cache rows and per-slot state); a
+        ``dst`` out of range is padding."""
+        taken = jnp.clip(src, 0, self.slots - 1)
+        return jax.tree.map(lambda a: a.at[dst].set(a[taken], mode="drop"), state)
 
     def _prefill_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
@@ -622,6 +712,9 @@ class _Obtained:
     sources: collections.Counter
     extends: list[PrefillCell] = dataclasses.field(default_factory=list)
     pool: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The steps over fewer slots: slot count -> program; and the slot move.
+    parts: dict[int, Any] = dataclasses.field(default_factory=dict)
+    move: Any = None
 
     def warm_up(self, params: Any, slots: int) -> None:
         """One run of each program (on the zero state: no slot is busy, every row is
@@ -650,6 +743,11 @@ class _Obtained:
             none = np.full(width, entries, np.int32)
             pool = self.pool["save"](pool, state, none, np.zeros(width, np.int32), none)
             jax.block_until_ready(pool)
+        for part in self.parts.values():
+            state, first = part(params, state)
+        if self.move is not None:
+            none = np.full(slots, slots, np.int32)
+            state = self.move(state, none, none)
         state, first = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
 
@@ -728,6 +826,8 @@ def _obtain_all(
         collections.Counter(source for _, _, source in got.values()),
         cells("extend"),
         extras,
+        {n: got[("step", n, 0)][0] for n in programs.step_slots},
+        got[("move", 0, 0)][0] if programs.step_slots else None,
     )
 
 

@@ -128,6 +128,9 @@ class Decoder:
         *,
         extends: Sequence[PrefillCell] = (),
         prefix: PrefixPool | None = None,
+        chunk_tokens: int | None = None,
+        parts: dict[int, Any] | None = None,
+        move: Any = None,
         slots: int,
         max_length: int,
         max_waiting: int,
@@ -155,9 +158,10 @@ class Decoder:
         #: The longest prompt prefilled in one program; longer ones are chunked (with an
         #: extend program) up to ``max_length - 1`` tokens, or refused.
         self.max_prompt = self.prefill_lengths[-1]
-        #: New tokens an extend program may take in one turn of the loop (each turn also
-        #: runs a decode step): a long prompt delays the running streams by one chunk.
-        self.chunk_budget = self.chunk_lengths[-1] if extends else 0
+        #: New prompt tokens the extend programs may take in one turn of the loop (each
+        #: turn also runs a decode step): by default one chunk of the largest length, so
+        #: a long prompt delays the running streams by one chunk at a time.
+        self.chunk_tokens = (chunk_tokens or self.chunk_lengths[-1]) if extends else 0
         self.max_waiting = max_waiting
         self.load_s = load_s
         self.program_sources: dict[str, int] = {}
@@ -172,6 +176,21 @@ class Decoder:
         self._step = step
         self._make_state = make_state
         self._cells = {(c.batch, c.length): c for c in cells}
+        # The steps by rows per device (the full one: slots / devices): the loop runs the
+        # fewest rows that hold the busy slots, kept at the low rows of each device's
+        # share (``_compact``, with the ``move`` program).
+        n_dev = len(devices)
+        self._rows_per_device = slots // n_dev
+        self._steps = {n // n_dev: p for n, p in (parts or {}).items()}
+        self._steps[self._rows_per_device] = step
+        self._move = move
+        #: The slots a step over ``rows`` per device computes, in its tokens' order.
+        self._order = {
+            rows: [d * self._rows_per_device + r for d in range(n_dev) for r in range(rows)]
+            for rows in self._steps
+        }
+        #: Slot counts the decode step is compiled for.
+        self.step_slots = tuple(sorted(rows * n_dev for rows in self._steps))
         self._extends = {(c.batch, c.length): c for c in extends}
         #: Generations filling their reserved slot chunk by chunk, oldest first.
         self._chunking: collections.deque[Generation] = collections.deque()
@@ -201,6 +220,8 @@ class Decoder:
             "chunks": 0,
             "chunk_rows": 0,
             "prefix_loads": 0,
+            "stepped_slots": 0,
+            "moves": 0,
             "prompt_tokens": 0,
             "prefix_hit_tokens": 0,
         }
@@ -473,8 +494,9 @@ class Decoder:
                 if batch:
                     self._prefill(*batch)
                     batch = None  # in _pending now
-                if self._chunking:
-                    self._extend()
+                budget = self.chunk_tokens
+                while self._chunking and budget > 0:
+                    budget -= self._extend(budget)
                 stepped = table.busy > 0
                 if stepped:
                     self._dispatch_step()
@@ -498,6 +520,9 @@ class Decoder:
         free = self._table.free
         if not waiting or not free:
             return None
+        if len(self._steps) > 1:  # the lowest rows first (popped from the end)
+            rows = self._rows_per_device
+            free.sort(key=lambda s: (s % rows, s // rows), reverse=True)
         batch: list[Generation] = []
         loads: list[tuple[int, list[int]]] = []
         length = 0
@@ -582,11 +607,12 @@ class Decoder:
                 -1, prefix.save, prefix.pool, self._state, slots, blocks, entries
             )
 
-    def _extend(self) -> None:
+    def _extend(self, budget: int) -> int:
         """One chunk for up to ``chunk_batches[-1]`` of the slots being filled, oldest
-        first, within ``chunk_budget`` tokens: ``k`` tokens each, the largest chunk
-        length or the smallest that holds what every row has left. A row whose prompt
-        this chunk ends samples its first token and joins the steps."""
+        first, within ``budget`` tokens (one row at least): ``k`` tokens each, the
+        largest chunk length or the smallest that holds what every row has left. A row
+        whose prompt this chunk ends samples its first token and joins the steps.
+        Returns the tokens it took."""
         table = self._table
         rows: list[Generation] = []
         for gen in self._chunking:
@@ -595,7 +621,7 @@ class Decoder:
                 break
         left = max(len(g.prompt) - g.start for g in rows)
         k = next((n for n in self.chunk_lengths if n >= left), self.chunk_lengths[-1])
-        rows = rows[: max(1, self.chunk_budget // k)]
+        rows = rows[: max(1, budget // k)]
         size = next(b for b in self.chunk_batches if b >= len(rows))
         cell = self._extends[(size, k)]
         rows.sort(key=lambda g: len(g.prompt) - g.start > k)  # the prompts it ends first
@@ -636,6 +662,7 @@ class Decoder:
             self._save_prefixes(done)
         self.counters["chunks"] += 1
         self.counters["chunk_rows"] += len(rows)
+        return len(rows) * k
 
     def _unreserve(self, gen: Generation) -> None:
         """``gen`` no longer fills a slot chunk by chunk: the slot is free again."""
@@ -679,13 +706,65 @@ class Decoder:
 
     def _dispatch_step(self) -> None:
         busy = self._table.busy
+        rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
         (self._state, tokens), sync = self._launch(
-            len(self._cells), self._step, self._params, self._state
+            len(self._cells), self._steps[rows], self._params, self._state
         )
         tokens.copy_to_host_async()
-        self._pending.append((_STEP, tokens, self._table.dispatch(), 0.0, sync))
+        owners = self._table.dispatch()
+        if rows < self._rows_per_device:  # the step's tokens are these slots'
+            owners = [owners[s] for s in self._order[rows]]
+        self._pending.append((_STEP, tokens, owners, 0.0, sync))
         self.counters["steps"] += 1
         self.counters["busy_slot_steps"] += busy
+        self.counters["stepped_slots"] += len(owners)
+
+    def _compact(self) -> int:
+        """The rows per device the next step runs: the fewest compiled that hold every
+        device's busy slots. When fewer would hold them than the busy slots' rows reach,
+        the busy slots above are moved down into free rows first (one program, ordered
+        before the step on the device; tokens of steps in flight still go by their
+        snapshots)."""
+        table = self._table
+        owners = table.owners
+        per = self._rows_per_device
+        n_dev = len(self.devices)
+        high, busy, held = [0] * n_dev, [0] * n_dev, [0] * n_dev
+        for slot, gen in enumerate(owners):
+            if gen is not None:
+                d, r = divmod(slot, per)
+                busy[d] += 1
+                high[d] = max(high[d], r + 1)
+        for gen in self._chunking:  # slots being filled hold their row too
+            held[gen.reserved // per] += 1
+        fits = self._fewest_rows
+        rows = fits(max(high))
+        target = fits(max(max(b + h for b, h in zip(busy, held)), 1))
+        if target >= rows:
+            return rows
+        free = set(table.free)
+        moves: list[tuple[int, int]] = []
+        for d in range(n_dev):
+            base = d * per
+            holes = [base + r for r in range(target) if base + r in free]
+            movers = [base + r for r in range(target, high[d]) if owners[base + r] is not None]
+            moves += zip(movers, holes)
+        src = np.full(self.slots, self.slots, np.int32)  # out of range: dropped
+        dst = src.copy()
+        for i, (a, b) in enumerate(moves):
+            src[i], dst[i] = a, b
+            gen = owners[a]
+            owners[b], owners[a] = gen, None
+            gen.slot = b
+            free.discard(b)
+            free.add(a)
+        table.free[:] = sorted(free, reverse=True)
+        self._state, _ = self._launch(-1, self._move, self._state, src, dst)
+        self.counters["moves"] += len(moves)
+        return target
+
+    def _fewest_rows(self, need: int) -> int:
+        return min(rows for rows in self._steps if rows >= need)
 
     def _launch(self, index: int, program: Any, *args: Any) -> tuple[Any, Any]:
         """Start ``program(*args)``: (its outputs, the group's step or None). A
@@ -878,9 +957,12 @@ class Decoder:
                 "generated_code_bytes": mem.generated_code_size_in_bytes,
             }
 
+        n_dev = len(self.devices)
         programs = [
-            {"program": "step", "slots": self.slots, "compile_s": round(self.step_compile_s, 4)}
-            | {"memory": memory(self._step)}
+            {"program": "step", "slots": rows * n_dev}
+            | ({"compile_s": round(self.step_compile_s, 4)} if step is self._step else {})
+            | {"memory": memory(step)}
+            for rows, step in sorted(self._steps.items(), reverse=True)
         ]
         for name, cells in (("prefill_insert", self._cells), ("extend_insert", self._extends)):
             for (b, length), cell in sorted(cells.items()):

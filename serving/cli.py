@@ -367,9 +367,10 @@ def _inspect_decoder(info: dict) -> int:
     for p in info["programs"]:
         mem = p.get("memory", {})
         mb = lambda k, mem=mem: f"{mem[k] / 1e6:.2f}" if k in mem else "-"  # noqa: E731
+        took = f"{p['compile_s'] * 1e3:>7.0f}ms" if "compile_s" in p else f"{'-':>9}"
         print(
             f"{p['program']:<16} {p.get('batch', p.get('slots')):>6} {p.get('length', '-'):>7} "
-            f"{p['compile_s'] * 1e3:>7.0f}ms {mb('argument_bytes'):>8} {mb('temp_bytes'):>8}"
+            f"{took} {mb('argument_bytes'):>8} {mb('temp_bytes'):>8}"
         )
     return 0
 

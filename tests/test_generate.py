@@ -334,6 +334,29 @@ def test_cancelling_a_prompt_being_chunked_frees_its_slot(long_lm, lm, reference
     assert lm.generate(other, max_tokens=8).tokens == reference(other, 8)
 
 
+# --------------------------------------------------------------------------- busy slots
+
+
+def test_steps_run_over_the_busy_slots_only(lm_path, reference):
+    """With few slots busy a step runs over fewer (compiled for a quarter, a half and
+    all); generations that outlive those in the low slots are moved down. The tokens
+    are plain JAX's all the same."""
+    with pxrt.load(lm_path, slots=8) as dec:
+        assert dec.step_slots[-1] == 8 and len(dec.step_slots) >= 2, dec.step_slots
+        # The first four end early; the last four then sit above them and move down.
+        cases = list(zip(prompts(8, seed=50), (2, 3, 4, 5, 20, 22, 24, 26)))
+        gens = [dec.submit(p, max_tokens=m) for p, m in cases]
+        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
+        c = dict(dec.counters)
+        assert c["stepped_slots"] < c["steps"] * 8 and c["moves"] >= 1, c
+        again = [dec.submit(p, max_tokens=m) for p, m in cases[::-1]]
+        assert [g.result(timeout=60).tokens for g in again] == [
+            reference(p, m) for p, m in cases[::-1]
+        ]
+        assert dec.busy_slots == 0 and sorted(dec._table.free) == list(range(8))
+        assert dec.compiles_after_load == 0
+
+
 # --------------------------------------------------------------------------- prefix cache
 
 
@@ -672,19 +695,26 @@ def test_server_generates_with_limits_deadlines_and_metrics(lm_path, reference, 
     run(main)
 
 
+def _patch_steps(dec, wrap):
+    """Every decode step program of ``dec`` (one per step size) wrapped by ``wrap``."""
+    dec._steps = {rows: wrap(program) for rows, program in dec._steps.items()}
+
+
 def test_a_failed_step_fails_its_generations_and_the_next_ones_succeed(lm_path, reference):
     dec = pxrt.load(lm_path)
     try:
-        real = dec._step
         broken = threading.Event()
 
-        def step(params, state):
-            if not broken.is_set():
-                broken.set()
-                raise RuntimeError("injected device failure")
-            return real(params, state)
+        def failing(real):
+            def step(params, state):
+                if not broken.is_set():
+                    broken.set()
+                    raise RuntimeError("injected device failure")
+                return real(params, state)
 
-        dec._step = step
+            return step
+
+        _patch_steps(dec, failing)
         victim = dec.submit(prompts(1, seed=30)[0], max_tokens=10)
         with pytest.raises(RuntimeError, match="generation failed: .*injected device failure"):
             victim.result(timeout=30)
@@ -743,7 +773,6 @@ def test_a_failed_read_fails_generations_only_in_flight(lm_path, reference):
     of that step, including one whose slot was given back at dispatch (its last token)."""
     dec = pxrt.load(lm_path)
     try:
-        real = dec._step
         broken = threading.Event()
 
         class Unreadable:
@@ -753,14 +782,17 @@ def test_a_failed_read_fails_generations_only_in_flight(lm_path, reference):
             def __array__(self, *args, **kwargs):
                 raise RuntimeError("injected read failure")
 
-        def step(params, state):
-            state, tokens = real(params, state)
-            if not broken.is_set():
-                broken.set()
-                return state, Unreadable()
-            return state, tokens
+        def unreadable(real):
+            def step(params, state):
+                state, tokens = real(params, state)
+                if not broken.is_set():
+                    broken.set()
+                    return state, Unreadable()
+                return state, tokens
 
-        dec._step = step
+            return step
+
+        _patch_steps(dec, unreadable)
         victim = dec.submit(prompts(1, seed=42)[0], max_tokens=2)  # given back at dispatch
         with pytest.raises(RuntimeError, match="injected read failure"):
             victim.result(timeout=30)
