@@ -37,6 +37,7 @@ from .sampling import sample
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16
+_POOL = ("pool", "load", "save")  # the prefix pool's programs
 
 log = logging.getLogger("pxrt")
 
@@ -502,8 +503,9 @@ class DecoderPrograms:
         return stored.key_of(
             {
                 "decoder": self.art.manifest.get("files", {}),
-                "program": [what, b, n, self.slots, self.max_length],
-                "prefix": list(self.prefix or ()) + [self.load_rows],
+                "program": [what, b, n, self.slots, self.max_length]
+                # (the pool's programs: its size, and the rows a copy takes)
+                + (list(self.prefix or ()) + [self.load_rows] if what in _POOL else []),
                 "devices": stored.device_fields(self.devices),
                 "x64": self.art.x64,
             },

@@ -479,7 +479,7 @@ def test_bench_measures_a_decoder_in_process(tmp_path):
 
     path = demo.export_lm(
         str(tmp_path / "lm"), slots=2, max_length=64, prefill_lengths=(8,),
-        prefill_batches=(1,), dim=16, heads=2, layers=1,
+        prefill_batches=(1,), dim=16, heads=2, layers=1, extend=False,
     )  # fmt: skip
     result = _bench(
         path, "--concurrency", "2", "--duration", "0.3", "--request-rate", "5",

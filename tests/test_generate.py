@@ -25,7 +25,7 @@ MAX_LENGTH = 64
 SIZES = {"dim": 32, "heads": 2, "layers": 2}
 LENGTHS = (8, 32)
 BATCHES = (1, 4)
-SLOTS = 4
+SLOTS = 8  # (on 4 devices, 2 rows each: steps over 4 slots and over 8)
 LONG = 2048
 CHUNKS = (8, 32)  # extend's (the demo's default: the shortest and longest prefill length)
 
@@ -54,7 +54,7 @@ def lm(lm_path):
 def long_lm(lm_path):
     """The same artifact with a long cache: generations that run for thousands of steps
     unless cancelled."""
-    dec = pxrt.load(lm_path, max_length=LONG)
+    dec = pxrt.load(lm_path, max_length=LONG, prefix_cache_tokens=0, step_slots=())
     yield dec
     dec.close()
 
@@ -337,63 +337,57 @@ def test_cancelling_a_prompt_being_chunked_frees_its_slot(long_lm, lm, reference
 # --------------------------------------------------------------------------- busy slots
 
 
-def test_steps_run_over_the_busy_slots_only(lm_path, reference):
+def test_steps_run_over_the_busy_slots_only(lm, reference):
     """With few slots busy a step runs over fewer (compiled for a quarter, a half and
     all); generations that outlive those in the low slots are moved down. The tokens
     are plain JAX's all the same."""
-    with pxrt.load(lm_path, slots=8) as dec:
-        assert dec.step_slots[-1] == 8 and len(dec.step_slots) >= 2, dec.step_slots
-        # The first four end early; the last four then sit above them and move down.
-        cases = list(zip(prompts(8, seed=50), (2, 3, 4, 5, 20, 22, 24, 26)))
-        gens = [dec.submit(p, max_tokens=m) for p, m in cases]
-        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
-        c = dict(dec.counters)
-        assert c["stepped_slots"] < c["steps"] * 8 and c["moves"] >= 1, c
-        again = [dec.submit(p, max_tokens=m) for p, m in cases[::-1]]
-        assert [g.result(timeout=60).tokens for g in again] == [
-            reference(p, m) for p, m in cases[::-1]
-        ]
-        assert dec.busy_slots == 0 and sorted(dec._table.free) == list(range(8))
-        assert dec.compiles_after_load == 0
+    assert lm.step_slots[-1] == SLOTS and len(lm.step_slots) >= 2, lm.step_slots
+    before = dict(lm.counters)
+    # The first four end early; the last four then sit above them and move down.
+    cases = list(zip(prompts(8, seed=50), (2, 3, 4, 5, 20, 22, 24, 26)))
+    gens = [lm.submit(p, max_tokens=m) for p, m in cases]
+    assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
+    c = {k: lm.counters[k] - before[k] for k in ("steps", "stepped_slots", "moves")}
+    assert c["stepped_slots"] < c["steps"] * SLOTS and c["moves"] >= 1, c
+    again = [lm.submit(p, max_tokens=m) for p, m in cases[::-1]]
+    assert [g.result(timeout=60).tokens for g in again] == [reference(p, m) for p, m in cases[::-1]]
+    assert lm.busy_slots == 0 and sorted(lm._table.free) == list(range(SLOTS))
+    assert lm.compiles_after_load == 0
 
 
 # --------------------------------------------------------------------------- prefix cache
 
 
-def test_a_shared_prefix_is_computed_once_and_the_tokens_do_not_change(lm_path, reference):
+def test_a_shared_prefix_is_computed_once_and_the_tokens_do_not_change(lm, reference):
     """A system prompt of 40 tokens before each question: the first request prefills it,
     the others copy its two cached blocks (16 tokens each) and prefill the rest. Tokens
-    equal plain JAX, with and without the cache, and across evictions (a pool of 4
-    blocks, less than the prompts' blocks together)."""
+    equal plain JAX, with and without the cache, and across evictions (the pool's 16
+    blocks, fewer than the prompts' blocks together)."""
     rng = np.random.default_rng(46)
     system = rng.integers(0, 256, 40).astype(np.int32)
     asks = [
         np.concatenate([system, rng.integers(0, 256, n).astype(np.int32)])
         for n in (3, 9, 20, 1, 15)
     ]
-    others = [rng.integers(0, 256, n).astype(np.int32) for n in (50, 17, 33)]
-    with pxrt.load(lm_path, prefix_cache_tokens=64) as dec:
-        index = dec.prefix.index
-        first = dec.generate(asks[0], max_tokens=7)
-        assert first.tokens == reference(asks[0], 7) and index.counters["hit_tokens"] == 0
-        gens = [dec.submit(p, max_tokens=7) for p in asks[1:]]
-        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, 7) for p in asks[1:]]
-        assert index.counters["hit_tokens"] == 32 * len(asks[1:])
-        assert dec.counters["prefix_loads"] >= 1
-        # Off per request: nothing reused.
-        hits = index.counters["hit_tokens"]
-        assert dec.generate(asks[2], max_tokens=7, prefix_cache=False).tokens == reference(
-            asks[2], 7
-        )
-        assert index.counters["hit_tokens"] == hits
-        # Other prompts evict blocks; whatever is left or gone, the tokens stay right.
-        for p in others + asks + others[::-1] + asks:
-            assert dec.generate(p, max_tokens=5).tokens == reference(p, 5)
-        assert index.counters["evicted_blocks"] > 0 and len(index) == 4
-        assert dec.compiles_after_load == 0
-    with pxrt.load(lm_path, prefix_cache_tokens=0) as off:
-        assert off.prefix is None
-        assert off.generate(asks[1], max_tokens=7).tokens == reference(asks[1], 7)
+    others = [rng.integers(0, 256, n).astype(np.int32) for n in (50, 17, 33, 60, 61, 62, 63)]
+    index = lm.prefix.index
+    hits = lambda: index.counters["hit_tokens"]  # noqa: E731
+    before = hits()
+    first = lm.generate(asks[0], max_tokens=7)
+    assert first.tokens == reference(asks[0], 7) and hits() == before
+    gens = [lm.submit(p, max_tokens=7) for p in asks[1:]]
+    assert [g.result(timeout=60).tokens for g in gens] == [reference(p, 7) for p in asks[1:]]
+    assert hits() - before == 32 * len(asks[1:])
+    # Off per request: nothing reused.
+    now = hits()
+    assert lm.generate(asks[2], max_tokens=7, prefix_cache=False).tokens == reference(asks[2], 7)
+    assert hits() == now
+    # Other prompts evict blocks; whatever is left or gone, the tokens stay right.
+    evicted = index.counters["evicted_blocks"]
+    for p in others + asks + others[::-1] + asks:
+        assert lm.generate(p, max_tokens=5).tokens == reference(p, 5)
+    assert index.counters["evicted_blocks"] > evicted and len(index) == index.blocks
+    assert lm.compiles_after_load == 0
 
 
 def test_prefix_index_chains_blocks_and_evicts_least_recently_used():
@@ -512,8 +506,9 @@ def test_bad_requests_fail_alone(lm, reference, prompt, options, message):
 
 
 def test_queue_full_and_closed(lm_path):
-    dec = pxrt.load(lm_path, max_waiting=2)
+    dec = pxrt.load(lm_path, max_waiting=2, prefix_cache_tokens=0)
     try:
+        assert dec.prefix is None and dec.describe()["prefix_cache"] is None
         running = dec.submit([1, 2, 3], max_tokens=5)
         running.result()
         dec._admit = lambda: None  # no prompt gets a slot from now on
@@ -851,21 +846,22 @@ def test_a_warm_load_runs_the_stored_programs(lm_path, reference, tmp_path):
     from pxrt import _xla
 
     cache = tmp_path / "cache"
-    with pxrt.load(lm_path, compilation_cache=str(cache)) as cold:
+    load = dict(compilation_cache=str(cache), prefix_cache_tokens=0, step_slots=())
+    with pxrt.load(lm_path, **load) as cold:
         assert set(cold.program_sources) <= {"compiled", "cache"}
         programs = sum(cold.program_sources.values())
         want = [cold.generate(p, max_tokens=8).tokens for p in prompts(3, seed=4)]
     files = sorted((cache / "executables").glob("*.bin"))
     assert len(files) == cold.program_sources.get("compiled", 0) > 0
     compiles = _xla.compile_counter.total
-    with pxrt.load(lm_path, compilation_cache=str(cache)) as warm:
+    with pxrt.load(lm_path, **load) as warm:
         assert warm.program_sources.get("stored") == len(files)
         assert [warm.generate(p, max_tokens=8).tokens for p in prompts(3, seed=4)] == want
     assert _xla.compile_counter.total == compiles + programs - len(files) == compiles
     data = bytearray(files[0].read_bytes())
     data[-50] ^= 0xFF
     files[0].write_bytes(bytes(data))
-    with pxrt.load(lm_path, compilation_cache=str(cache)) as healed:
+    with pxrt.load(lm_path, **load) as healed:
         assert healed.program_sources.get("compiled") == 1
         assert [healed.generate(p, max_tokens=8).tokens for p in prompts(3, seed=4)] == want
     assert want[0] == reference(prompts(3, seed=4)[0], 8)

@@ -28,6 +28,7 @@ def lm_path(tmp_path_factory):
         max_length=MAX_LENGTH,
         prefill_lengths=(8, 64),
         prefill_batches=(1, 2),
+        extend=False,  # (the protocols are under test; test_generate.py chunks prompts)
         **SIZES,
     )
 
@@ -241,6 +242,7 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
     [
         ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be an int >= 1"),
         ({"text_input": "hi", "temperature": -1}, "temperature"),
+        ({"text_input": "x" * 70}, "longer than the longest prefill length"),
         ({"text_input": "x" * MAX_LENGTH}, "leave no room in a cache"),
         ({"input_ids": [1, 999]}, "token id 999 is outside the vocabulary"),
         ({}, "exactly one of text_input"),
@@ -250,6 +252,7 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
         ({"text_input": "hi", "stop": ["é" * 200]}, "stop: a string of 400 bytes; at most 256"),
         ({"text_input": "hi", "parameters": {"stop_ids": [1] * 65}}, "stop_ids: 65 ids"),
         ({"text_input": "hi", "stop": ["x"] * 100_000}, "stop: 100000 strings"),
+        ({"text_input": "hi", "prefix_cache": "no"}, "prefix_cache must be true or false"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_problem(served, body, words):

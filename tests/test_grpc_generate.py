@@ -32,6 +32,7 @@ def lm_path(tmp_path_factory):
         dim=32,
         heads=2,
         layers=2,
+        extend=False,  # (the protocols are under test; test_generate.py chunks prompts)
     )
 
 

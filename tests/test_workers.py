@@ -133,6 +133,7 @@ def lm_path(tmp_path_factory):
     return demo.export_lm(
         str(tmp_path_factory.mktemp("lm") / "lm"), slots=2, max_length=1024,
         prefill_lengths=(8, 16), prefill_batches=(1, 2), dim=16, heads=2, layers=1,
+        extend=False,
     )  # fmt: skip
 
 
