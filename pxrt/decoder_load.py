@@ -223,14 +223,19 @@ def _chunk_sizes(
         raise ValueError(f"chunk_lengths go up to {chunks[-1]}, over max_length {max_length}")
     shapes.check_lengths("chunk_lengths", CHUNK_DIM, chunks, art.bounds)
     if "num_devices" in config:
-        for field, chosen in (("chunk_lengths", chunks), ("chunk_batches", rows)):
-            untraced = sorted(set(chosen) - set(config[field]))
-            if untraced:
-                raise ValueError(
-                    f"this decoder was exported with shapes='concrete' for {field} "
-                    f"{config[field]}; {untraced} were not traced"
-                )
+        _traced(config, {"chunk_lengths": chunks, "chunk_batches": rows})
     return list(chunks), list(rows)
+
+
+def _traced(config: dict, chosen: dict[str, Sequence[int]]) -> None:
+    """A concrete-shape decoder loads the sizes it was traced at, no others."""
+    for field, sizes_ in chosen.items():
+        untraced = sorted(set(sizes_) - set(config[field]))
+        if untraced:
+            raise ValueError(
+                f"this decoder was exported with shapes='concrete' for {field} "
+                f"{config[field]}; {untraced} were not traced"
+            )
 
 
 def _step_slots(
@@ -331,13 +336,7 @@ def _sizes(
                     f"this decoder was exported with shapes='concrete' for {want} {what}, "
                     f"not {got}: load it as exported, or export it again"
                 )
-        for field, chosen in (("prefill_lengths", lengths), ("prefill_batches", batches)):
-            untraced = sorted(set(chosen) - set(config[field]))
-            if untraced:
-                raise ValueError(
-                    f"this decoder was exported with shapes='concrete' for {field} "
-                    f"{config[field]}; {untraced} were not traced"
-                )
+        _traced(config, {"prefill_lengths": lengths, "prefill_batches": batches})
     return slots, max_length, list(lengths), list(batches)
 
 

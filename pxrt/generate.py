@@ -625,12 +625,9 @@ class Decoder:
         size = next(b for b in self.chunk_batches if b >= len(rows))
         cell = self._extends[(size, k)]
         rows.sort(key=lambda g: len(g.prompt) - g.start > k)  # the prompts it ends first
-        tokens = np.zeros((size, k), np.int32)
-        ints = np.zeros((size, 6), np.int32)
-        ints[:, sampling.CHUNK_COUNT] = 1
-        ints[:, sampling.CHUNK_SLOT] = self.slots  # out of range: the row is dropped
-        floats = np.zeros((size, 2), np.float32)
-        floats[:, sampling.TOPP] = 1.0
+        tokens, ints, floats = self._host_rows(
+            size, k, 6, sampling.CHUNK_COUNT, sampling.CHUNK_SLOT
+        )
         finals: list[Generation] = []
         done: list[tuple[Generation, int]] = []
         for i, gen in enumerate(rows):
@@ -672,16 +669,25 @@ class Decoder:
             self._table.free.append(gen.reserved)
             gen.reserved = -1
 
+    def _host_rows(
+        self, size: int, length: int, columns: int, count: int, slot: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A prefill or extend call's host arrays for ``size`` rows of ``length``
+        tokens, every row padding until filled in: one token (column ``count``), a
+        slot out of range (column ``slot``: the row is dropped), top-p 1."""
+        tokens = np.zeros((size, length), np.int32)
+        ints = np.zeros((size, columns), np.int32)
+        ints[:, count] = 1
+        ints[:, slot] = self.slots
+        floats = np.zeros((size, 2), np.float32)
+        floats[:, sampling.TOPP] = 1.0
+        return tokens, ints, floats
+
     def _prefill(self, batch: list, length: int) -> None:
         n = len(batch)
         size = next(b for b in self.prefill_batches if b >= n)
         cell = self._cells[(size, length)]
-        tokens = np.zeros((size, length), np.int32)
-        ints = np.zeros((size, 4), np.int32)
-        ints[:, sampling.LEN] = 1
-        ints[:, sampling.SLOT] = self.slots  # out of range: the row is dropped
-        floats = np.zeros((size, 2), np.float32)
-        floats[:, sampling.TOPP] = 1.0
+        tokens, ints, floats = self._host_rows(size, length, 4, sampling.LEN, sampling.SLOT)
         assign = self._table.assign
         done = []
         for i, gen in enumerate(batch):

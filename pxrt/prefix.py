@@ -98,6 +98,9 @@ class PrefixIndex:
                 self.counters["evicted_blocks"] += 1
             self._entries[key] = entry
             out.append((i, entry))
+        for key in reversed(keys):  # the start most recent: evicted after what follows it
+            if key in self._entries:
+                self._entries.move_to_end(key)
         self.counters["saved_blocks"] += len(out)
         return out
 

@@ -334,6 +334,31 @@ def test_cancelling_a_prompt_being_chunked_frees_its_slot(long_lm, lm, reference
     assert lm.generate(other, max_tokens=8).tokens == reference(other, 8)
 
 
+def test_a_concrete_shape_decoder_chunks_and_caches_prompts_too(tmp_path):
+    """``shapes="concrete"`` traces extend per (rows, chunk) as well: prompts longer than
+    its one prefill length go in chunks of 8, a repeated one from the prefix cache."""
+    sizes = {"dim": 16, "heads": 2, "layers": 1}
+    params = demo.make_lm_params(**sizes)
+    n_dev = len(jax.devices())
+    path = decoder.export_decoder(
+        demo.lm_prefill, demo.lm_decode, params, tmp_path / "lm", cache=demo.lm_cache_spec(
+            sizes["layers"], sizes["heads"], sizes["dim"]), extend=demo.lm_extend,
+        chunk_lengths=(8,), chunk_batches=(1,), max_length=48, slots=n_dev,
+        prefill_lengths=(8,), prefill_batches=(1,), shapes="concrete", num_devices=n_dev,
+    )  # fmt: skip
+    programs = json.loads((tmp_path / "lm" / "manifest.json").read_text())["programs"]
+    assert programs[-1] == {"program": "extend", "cell": [1, 8], "file": "extend.1x8.jaxexport"}
+    rng = np.random.default_rng(60)
+    cases = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 30, 20)]
+    with pxrt.load(path, prefix_block=8, prefix_cache_tokens=48) as dec:
+        for prompt in cases + cases[1:2]:
+            want = demo.lm_reference(prompt, 6, params, 48)
+            assert dec.generate(prompt, max_tokens=6).tokens == want
+        assert dec.counters["prefix_hit_tokens"] == 24  # (the repeat: 3 blocks of 8)
+    with pytest.raises(ValueError, match=r"chunk_lengths \[8\]; \[16\] were not traced"):
+        pxrt.load(path, chunk_lengths=(16,))
+
+
 # --------------------------------------------------------------------------- busy slots
 
 
@@ -409,6 +434,11 @@ def test_prefix_index_chains_blocks_and_evicts_least_recently_used():
     index.add(index.keys(c), 0)
     assert index.match(index.keys(a)) == [saved[0][1]]
     assert index.counters["evicted_blocks"] == 2
+    # Saved blocks are used in the same order: a new chain's start outlives its end.
+    index.clear()
+    index.add(index.keys(a), 0)
+    index.add(index.keys(c), 0)  # 2 blocks: a's last two go
+    assert len(index.match(index.keys(a))) == 1
     # The pool never evicts the prompt's own blocks to save more of them.
     assert len(index.add(index.keys(np.arange(200, 300, dtype=np.int32)), 0)) == 3
 
