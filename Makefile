@@ -53,7 +53,8 @@ demo: $(STAMP)
 # build). tritonclient.grpc and kserve register the same protobuf names, so the gRPC
 # tests run in a pytest of their own, on one device. The modules marked `devices` (how
 # batches split over the devices) or `twins` (the Cython modules end to end) run again on
-# one device with the pure-Python twins. Two pytest workers share the cores, a module each
+# one device with the pure-Python twins, less their tests marked `once` (they depend on
+# neither). Two pytest workers share the cores, a module each
 # at a time (a third gained nothing: 429 s against 437 s for the first step); every step
 # shares one compilation cache, so a program is compiled once per device count, not once
 # per process. Ray Serve's module runs last and alone: it mostly waits on Ray's own
@@ -70,7 +71,7 @@ test: lint
 	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); \
 	$(FOUR) $(PYTEST) $(XDIST) $(SUITE) \
 	&& $(PYTEST) $(XDIST) $(GRPC) \
-	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "devices or twins" $(SUITE) \
+	&& PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "(devices or twins) and not once" $(SUITE) \
 	&& $(PYTEST) tests/test_ray.py; \
 	status=$$?; rm -rf "$$PXRT_CACHE_DIR"; exit $$status
 

@@ -204,6 +204,7 @@ def test_seeded_sampling_is_the_same_whatever_shares_the_batch(lm):
     assert other != alone  # the seed matters (high temperature)
 
 
+@pytest.mark.once
 def test_sampling_limits_on_device():
     logits = jnp.asarray(np.log([[0.5, 0.3, 0.1, 0.05, 0.05]] * 64), jnp.float32)
     n = logits.shape[0]
@@ -415,6 +416,7 @@ def test_a_shared_prefix_is_computed_once_and_the_tokens_do_not_change(lm, refer
     assert lm.compiles_after_load == 0
 
 
+@pytest.mark.once
 def test_prefix_index_chains_blocks_and_evicts_least_recently_used():
     from pxrt.prefix import PrefixIndex
 
@@ -535,6 +537,7 @@ def test_bad_requests_fail_alone(lm, reference, prompt, options, message):
     assert running.result().tokens == reference(good, 10)
 
 
+@pytest.mark.once
 def test_queue_full_and_closed(lm_path):
     dec = pxrt.load(lm_path, max_waiting=2, prefix_cache_tokens=0)
     try:
@@ -608,6 +611,7 @@ def test_slot_routing_twins_agree():
 # --------------------------------------------------------------------------- artifacts
 
 
+@pytest.mark.once
 def test_decoder_manifest_and_refusals(lm_path, tmp_path):
     with open(f"{lm_path}/manifest.json") as f:
         m = json.load(f)
@@ -626,6 +630,7 @@ def test_decoder_manifest_and_refusals(lm_path, tmp_path):
         pxrt.load(str(edited))
 
 
+@pytest.mark.once
 def test_export_checks_the_functions(tmp_path, params):
     cache = demo.lm_cache_spec(SIZES["layers"], SIZES["heads"], SIZES["dim"])
     common = dict(cache=cache, max_length=32, prefill_lengths=(8,), prefill_batches=(1,))
@@ -752,6 +757,7 @@ def test_a_failed_step_fails_its_generations_and_the_next_ones_succeed(lm_path, 
         dec.close()
 
 
+@pytest.mark.once
 def test_a_decoder_dropped_without_close_is_collected(lm_path):
     import gc
     import weakref
@@ -870,6 +876,7 @@ def test_a_server_loads_replaces_and_unloads_a_decoder(lm_path, reference, run):
     run(main)
 
 
+@pytest.mark.once
 def test_a_warm_load_runs_the_stored_programs(lm_path, reference, tmp_path):
     """The step and the prefill cells are stored when compiled; a second load runs the
     stored executables and compiles nothing; a corrupted one is compiled afresh."""
