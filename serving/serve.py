@@ -122,9 +122,9 @@ class _Setup:
                     )
                 if isinstance(model, pxrt.Decoder):
                     server.add_decoder(name or model.name, model)
-                    chunked = (
-                        f", chunks {model.chunk_lengths}" if model.chunk_lengths else ""
-                    ) + (", a prefix cache" if model.prefix is not None else "")
+                    chunked = (f", chunks {model.chunk_lengths}" if model.chunk_lengths else "") + (
+                        ", a prefix cache" if model.prefix is not None else ""
+                    )
                     print(
                         f"pxrt serve: {name or model.name} ready (a decoder: {model.slots} "
                         f"slots, {model.max_length} positions, prefill lengths "
