@@ -515,7 +515,8 @@ class Decoder:
         slots and room in the largest prefill batch, up to the first that needs a longer
         prefill than the first one's (it leads the next batch). A prompt longer than the
         longest prefill, or whose start is in the prefix cache, takes a slot of its own
-        to fill chunk by chunk (``_extend``); cached starts are copied in at once."""
+        to fill chunk by chunk (``_extend``); cached starts are copied in at once. A
+        prompt whose next block a prompt admitted before will cache waits for it."""
         waiting = self._waiting
         free = self._table.free
         if not waiting or not free:
@@ -527,12 +528,25 @@ class Decoder:
         loads: list[tuple[int, list[int]]] = []
         length = 0
         block, copies = (self.prefix.index.block, self.prefix.rows) if self.prefix else (0, 0)
+        # Blocks that prompts admitted before will cache (being chunked, or admitted in
+        # this turn: they are saved once prefilled).
+        filling = self._filling_keys() if self.prefix is not None else set()
+        held: list[Generation] = []
         while waiting and len(free) > len(batch):  # (the batch's slots are taken later)
             gen = waiting[0]
             if gen.finish_reason is not None:  # cancelled while waiting
                 waiting.popleft()
                 continue
             entries = self._lookup(gen)
+            if filling and gen.keys and len(entries) < len(gen.keys):
+                if gen.keys[len(entries)] in filling:
+                    # A prompt admitted before will cache more of this one's start: this
+                    # one waits for it (at the head of the queue; the others go on)
+                    # rather than compute the same blocks again.
+                    held.append(waiting.popleft())
+                    if len(held) >= self.slots:  # (a bounded scan per turn)
+                        break
+                    continue
             if entries or not gen.bucket:
                 if entries and len(loads) >= copies:
                     break  # one copy program per turn
@@ -543,15 +557,24 @@ class Decoder:
                     loads.append((gen.reserved, entries))
                 self._admitted(gen)
                 self._chunking.append(gen)
+                if gen.use_prefix and gen.keys:
+                    filling.update(gen.keys)
                 continue
             if len(batch) >= self.prefill_batches[-1] or (length and gen.bucket > length):
                 break
             length = length or gen.bucket
             batch.append(waiting.popleft())
             self._admitted(gen)
+            if gen.use_prefix and gen.keys:
+                filling.update(gen.keys)
+        waiting.extendleft(reversed(held))
         if loads:
             self._load_prefixes(loads)
         return (batch, length) if batch else None
+
+    def _filling_keys(self) -> set[bytes]:
+        """The blocks the prompts being prefilled in chunks will cache when done."""
+        return {key for gen in self._chunking if gen.use_prefix and gen.keys for key in gen.keys}
 
     def _admitted(self, gen: Generation) -> None:
         self.counters["prompt_tokens"] += len(gen.prompt)

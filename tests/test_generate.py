@@ -416,6 +416,20 @@ def test_a_shared_prefix_is_computed_once_and_the_tokens_do_not_change(lm, refer
     assert lm.compiles_after_load == 0
 
 
+def test_prompts_sharing_a_start_wait_for_the_one_being_chunked(lm, reference):
+    """Four prompts that share a 48-token start arrive together: the first is chunked
+    and the others wait for it to cache the start (not prefill it four times)."""
+    rng = np.random.default_rng(47)
+    start = rng.integers(0, 256, 48).astype(np.int32)
+    asks = [
+        np.concatenate([start, rng.integers(0, 256, n).astype(np.int32)]) for n in (9, 2, 14, 5)
+    ]
+    hits = lm.counters["prefix_hit_tokens"]
+    gens = [lm.submit(p, max_tokens=6) for p in asks]
+    assert [g.result(timeout=60).tokens for g in gens] == [reference(p, 6) for p in asks]
+    assert lm.counters["prefix_hit_tokens"] - hits == 3 * 48
+
+
 @pytest.mark.once
 def test_prefix_index_chains_blocks_and_evicts_least_recently_used():
     from pxrt.prefix import PrefixIndex
