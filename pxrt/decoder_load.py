@@ -174,7 +174,7 @@ def load_decoder(
         got.cells,
         got.make_state,
         extends=got.extends,
-        prefix=got.prefix_pool(programs),
+        prefix=got.prefix,
         chunk_tokens=chunk_tokens,
         parts=got.parts,
         move=got.move,
@@ -712,7 +712,7 @@ class _Obtained:
     cells: list[PrefillCell]
     sources: collections.Counter
     extends: list[PrefillCell] = dataclasses.field(default_factory=list)
-    pool: dict[str, Any] = dataclasses.field(default_factory=dict)
+    prefix: PrefixPool | None = None
     #: The steps over fewer slots: slot count -> program; and the slot move.
     parts: dict[int, Any] = dataclasses.field(default_factory=dict)
     move: Any = None
@@ -735,14 +735,15 @@ class _Obtained:
             floats = np.ones((cell.batch, 2), np.float32)
             tokens = np.zeros((cell.batch, cell.length), np.int32)
             state, first = cell.compiled(params, state, tokens, ints, floats)
-        if self.pool:
-            pool = self.pool["pool"]()
-            rows, width = self.pool["load_rows"], self.pool["width"]
+        prefix = self.prefix
+        if prefix is not None:
+            pool = prefix.make()
+            rows, width = prefix.rows, prefix.width
             dropped = np.full(rows, slots, np.int32)
-            state = self.pool["load"](state, pool, dropped, np.zeros((rows, width), np.int32))
-            entries = self.pool["entries"]
+            state = prefix.load(state, pool, dropped, np.zeros((rows, width), np.int32))
+            entries = prefix.index.blocks
             none = np.full(width, entries, np.int32)
-            pool = self.pool["save"](pool, state, none, np.zeros(width, np.int32), none)
+            pool = prefix.save(pool, state, none, np.zeros(width, np.int32), none)
             jax.block_until_ready(pool)
         for part in self.parts.values():
             state, first = part(params, state)
@@ -751,20 +752,6 @@ class _Obtained:
             state = self.move(state, none, none)
         state, first = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
-
-    def prefix_pool(self, programs: DecoderPrograms) -> PrefixPool | None:
-        """The decoder's prefix cache, its pool allocated; None when off."""
-        if not self.pool or programs.prefix is None:
-            return None
-        entries, block = programs.prefix
-        return PrefixPool(
-            PrefixIndex(entries, block),
-            self.pool["pool"],
-            self.pool["load"],
-            self.pool["save"],
-            programs.load_rows,
-            programs.width,
-        )
 
 
 def _obtain_all(
@@ -810,14 +797,13 @@ def _obtain_all(
             for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)
         ]
 
-    extras: dict[str, Any] = {}
+    prefix = None
     if programs.prefix is not None:
-        extras = {what: got[(what, 0, 0)][0] for what in ("pool", "load", "save")}
-        extras |= {
-            "load_rows": programs.load_rows,
-            "width": programs.width,
-            "entries": programs.prefix[0],
-        }
+        entries, block = programs.prefix
+        make, load, save = (got[(what, 0, 0)][0] for what in _POOL)
+        prefix = PrefixPool(
+            PrefixIndex(entries, block), make, load, save, programs.load_rows, programs.width
+        )
     step = got[("step", 0, 0)]
     return _Obtained(
         got[("state", 0, 0)][0],
@@ -826,7 +812,7 @@ def _obtain_all(
         cells("prefill"),
         collections.Counter(source for _, _, source in got.values()),
         cells("extend"),
-        extras,
+        prefix,
         {n: got[("step", n, 0)][0] for n in programs.step_slots},
         got[("move", 0, 0)][0] if programs.step_slots else None,
     )

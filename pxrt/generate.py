@@ -612,9 +612,7 @@ class Decoder:
         if prefix is None:
             return
         pairs = []
-        for gen, slot in done:
-            if gen.use_prefix and gen.keys is None:
-                gen.keys = prefix.index.keys(gen.prompt)
+        for gen, slot in done:  # (admission computed the keys of those that use it)
             if gen.use_prefix and gen.keys:
                 first = gen.hit // prefix.index.block
                 pairs += [(slot, i, e) for i, e in prefix.index.add(gen.keys, first)]
