@@ -178,6 +178,7 @@ def load_decoder(
         chunk_tokens=chunk_tokens,
         parts=got.parts,
         move=got.move,
+        control=got.control,
         slots=slots,
         max_length=max_length,
         max_waiting=max_waiting,
@@ -371,6 +372,8 @@ class DecoderPrograms:
     ) -> None:
         self.art, self.devices = art, devices
         self.slots, self.max_length = slots, max_length
+        self.in_group = in_group
+        self.vocab = int(art.config["vocab"])
         #: The smaller steps' slot counts (multiples of the devices, under ``slots``):
         #: each device steps the first ``n / devices`` of its slots.
         self.step_slots = sorted(set(step_slots) - {slots})
@@ -403,13 +406,19 @@ class DecoderPrograms:
             self._step,
             mesh=mesh,
             in_specs=(P(), by_slot_specs),
-            out_specs=(by_slot_specs, P(BATCH_AXIS)),
+            out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
             check_vma=False,
         )
+        # The tokens on every device (one process reads them all) and the scores left by
+        # slot (read, from each device's share, only when a slot wants them).
         self._step_jit = jax.jit(
             local_step,
             donate_argnums=(1,),
-            out_shardings=(state_sharding, self.by_slot if in_group else self.replicated),
+            out_shardings=(
+                state_sharding,
+                self.by_slot if in_group else self.replicated,
+                self.by_slot,
+            ),
         )
         self._part_jits = {
             n: jax.jit(
@@ -417,11 +426,11 @@ class DecoderPrograms:
                     functools.partial(self._step_part, rows=n // len(devices)),
                     mesh=mesh,
                     in_specs=(P(), by_slot_specs),
-                    out_specs=(by_slot_specs, P(BATCH_AXIS)),
+                    out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
                     check_vma=False,
                 ),
                 donate_argnums=(1,),
-                out_shardings=(state_sharding, self.replicated),
+                out_shardings=(state_sharding, self.replicated, self.by_slot),
             )
             for n in self.step_slots
         }
@@ -429,12 +438,15 @@ class DecoderPrograms:
         self._prefill_jit = jax.jit(
             self._prefill_insert,
             donate_argnums=(1,),
-            out_shardings=(state_sharding, self.replicated),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
         )
         self._extend_jit = jax.jit(
             self._extend_insert,
             donate_argnums=(1,),
-            out_shardings=(state_sharding, self.replicated),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
+        )
+        self._control_jit = jax.jit(
+            self._control, donate_argnums=(0,), out_shardings=state_sharding
         )
         if prefix is not None:
             # Every leaf has a sequence axis (``_prefix_pool`` checked): its index.
@@ -462,6 +474,8 @@ class DecoderPrograms:
     ) -> list[tuple[str, int, int]]:
         """Every program of a load, in order: (what, batch, length)."""
         todo = [("state", 0, 0), ("step", 0, 0)]
+        if not self.in_group:  # (a group's followers run the step and prefills only)
+            todo.append(("control", 0, 0))
         if self.step_slots:
             todo += [("step", n, 0) for n in self.step_slots] + [("move", 0, 0)]
         todo += [("prefill", b, n) for n in lengths for b in batches]
@@ -474,6 +488,9 @@ class DecoderPrograms:
         def ints(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
+        def floats(b: int) -> jax.ShapeDtypeStruct:
+            return ints(b, sampling.FLOATS, dtype=jnp.float32)
+
         if what == "state":
             return self._state_jit.lower()
         if what == "step":
@@ -482,6 +499,16 @@ class DecoderPrograms:
         if what == "move":
             s = self.slots
             return self._move_jit.lower(self.shapes, ints(s), ints(s))
+        if what == "control":
+            c = sampling
+            return self._control_jit.lower(
+                self.shapes,
+                ints(1),
+                ints(1, self.max_length),
+                ints(1, c.MAX_LOGIT_BIAS),
+                ints(1, c.MAX_LOGIT_BIAS, dtype=jnp.float32),
+                ints(1, c.MAX_BANNED),
+            )
         if what == "pool":
             return self._pool_jit.lower()
         if what == "load":
@@ -491,9 +518,9 @@ class DecoderPrograms:
             m = self.width
             return self._save_jit.lower(self.pool_shapes, self.shapes, ints(m), ints(m), ints(m))
         if what == "extend":
-            args = (ints(b, n), ints(b, 6), ints(b, 2, dtype=jnp.float32))
+            args = (ints(b, n), ints(b, sampling.CHUNK_INTS), floats(b))
             return self._extend_jit.lower(self.param_specs, self.shapes, *args)
-        args = (ints(b, n), ints(b, 4), ints(b, 2, dtype=jnp.float32))
+        args = (ints(b, n), ints(b, sampling.INTS), floats(b))
         return self._prefill_jit.lower(self.param_specs, self.shapes, *args)
 
     def key(self, what: str, b: int, n: int) -> str:
@@ -516,6 +543,7 @@ class DecoderPrograms:
             "state": "the empty state",
             "step": "the decode step" + (f" over {b} slots" if b else ""),
             "move": "the slot move",
+            "control": "the sampling controls' insert",
             "pool": "the empty prefix pool",
             "load": "the prefix copy",
             "save": "the prefix save",
@@ -535,40 +563,103 @@ class DecoderPrograms:
                 for s in self._specs
             ],
         )
-        # Per slot: int32 (next input token, its position, top-k, seed bits) and float32
-        # (temperature, top-p): two arrays, so that an insert is two small scatters.
+        # Per slot: int32 (next input token, its position, top-k, seed bits, whether it
+        # wants scores, whether its controls apply, the end of its stop ids' ban) and
+        # float32 (temperature, top-p, penalties): two arrays, so that an insert is two
+        # small scatters; then the controls' rows (``sampling.CONTROL_ROWS``), written
+        # (by ``control``) only for a request that has controls.
+        c = sampling
+
+        def per_slot(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((self.slots, *shape), dtype, sharding=self.by_slot)
+
         return {
             "cache": cache,
-            "ints": jax.ShapeDtypeStruct((self.slots, 4), jnp.int32, sharding=self.by_slot),
-            "floats": jax.ShapeDtypeStruct((self.slots, 2), jnp.float32, sharding=self.by_slot),
+            "ints": per_slot(c.INTS),
+            "floats": per_slot(c.FLOATS, dtype=jnp.float32),
+            "counts": per_slot(self.vocab),
+            "prompted": per_slot(self.vocab, dtype=jnp.bool_),
+            "bias_ids": per_slot(c.MAX_LOGIT_BIAS),
+            "bias": per_slot(c.MAX_LOGIT_BIAS, dtype=jnp.float32),
+            "banned": per_slot(c.MAX_BANNED),
         }
 
     def _make_state(self) -> dict:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)
 
-    def _step(self, params: Any, state: dict) -> tuple[dict, jax.Array]:
-        ints, floats = state["ints"], state["floats"]
-        positions = jnp.minimum(ints[:, sampling.POS], self.max_length - 1)
-        cache, logits = self.art.decode.call(
-            params, state["cache"], ints[:, sampling.TOK], positions
+    def _choose(
+        self,
+        logits: jax.Array,
+        ints: jax.Array,
+        floats: jax.Array,
+        position: jax.Array,
+        state: dict,
+        index: jax.Array | None,
+        cols: tuple[int, int, int, int, int],
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Each row's next token at ``position``: its controls applied to ``logits``
+        (the state's control rows ``index``, or all), then sampled; with its scores
+        (zeros unless a row wants them) and whether its controls apply. ``cols``: the
+        columns of ``ints`` with top-k, the seed bits, and WANT, CTRL, UNTIL."""
+        top_k, seed_bits, want, ctrl, until = (ints[:, i] for i in cols)
+        on = ctrl > 0
+        seed = lax.bitcast_convert_type(seed_bits, jnp.uint32)
+        logits = logits.astype(jnp.float32)
+        adjusted = sampling.controls(logits, on, state, index, floats, position, until)
+        tokens = sample(
+            adjusted, floats[:, sampling.TEMP], top_k, floats[:, sampling.TOPP], seed, position
         )
-        following = positions + 1
-        top_k = ints[:, sampling.TOPK]
-        seed = lax.bitcast_convert_type(ints[:, sampling.SEED], jnp.uint32)
-        temperature, top_p = floats[:, sampling.TEMP], floats[:, sampling.TOPP]
-        tokens = sample(logits, temperature, top_k, top_p, seed, following)
-        ints = jnp.stack([tokens, following, top_k, ints[:, sampling.SEED]], axis=1)
-        return {"cache": cache, "ints": ints, "floats": floats}, tokens
+        return tokens, sampling.maybe_scores(logits, tokens, want), on
 
-    def _step_part(self, params: Any, state: dict, rows: int) -> tuple[dict, jax.Array]:
+    def _step(self, params: Any, state: dict) -> tuple[dict, jax.Array, jax.Array]:
+        c = sampling
+        ints, floats = state["ints"], state["floats"]
+        positions = jnp.minimum(ints[:, c.POS], self.max_length - 1)
+        cache, logits = self.art.decode.call(params, state["cache"], ints[:, c.TOK], positions)
+        following = positions + 1
+        tokens, scores, on = self._choose(
+            logits, ints, floats, following, state, None, (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
+        )
+        counts = state["counts"].at[jnp.arange(tokens.shape[0]), tokens].add(on.astype(jnp.int32))
+        ints = ints.at[:, c.TOK].set(tokens).at[:, c.POS].set(following)
+        return state | {"cache": cache, "ints": ints, "counts": counts}, tokens, scores
+
+    def _step_part(self, params: Any, state: dict, rows: int) -> tuple[dict, jax.Array, jax.Array]:
         """The step over this device's first ``rows`` slots (the busy ones are kept
         there); the others are left as they are."""
         part = jax.tree.map(lambda a: a[:rows], state)
-        part, tokens = self._step(params, part)
+        part, tokens, scores = self._step(params, part)
         state = jax.tree.map(
             lambda a, p: lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), state, part
         )
-        return state, tokens
+        return state, tokens, scores
+
+    def _control(
+        self,
+        state: dict,
+        slot: jax.Array,
+        prompt: jax.Array,
+        bias_ids: jax.Array,
+        bias: jax.Array,
+        banned: jax.Array,
+    ) -> dict:
+        """Slot ``slot[r]``'s control rows, before its prompt is inserted: no token
+        generated yet, the prompt's tokens (``prompt[r]``, padded with ids out of
+        range), the logit bias and the ids ``min_tokens`` bans (the same padding)."""
+        at = jnp.arange(slot.shape[0])[:, None]
+        prompted = jnp.zeros((slot.shape[0], self.vocab), jnp.bool_)
+        prompted = prompted.at[at, prompt].set(True, mode="drop")
+        rows = {"counts": 0, "prompted": prompted, "bias_ids": bias_ids, "bias": bias,
+                "banned": banned}  # fmt: skip
+        # Until its prompt's last chunk (or its prefill) sets them, the slot neither
+        # counts the tokens the steps compute for it nor wants their scores.
+        ints = state["ints"].at[slot, sampling.WANT].set(0, mode="drop")
+        ints = ints.at[slot, sampling.CTRL].set(0, mode="drop")
+        return (
+            state
+            | {k: state[k].at[slot].set(v, mode="drop") for k, v in rows.items()}
+            | {"ints": ints}
+        )
 
     def _move(self, state: dict, src: jax.Array, dst: jax.Array) -> dict:
         """Slot ``dst[i]`` := slot ``src[i]`` (its cache rows and per-slot state); a
@@ -578,36 +669,44 @@ class DecoderPrograms:
 
     def _prefill_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
-    ) -> tuple[dict, jax.Array]:
-        lengths, slot, top_k = ints[:, sampling.LEN], ints[:, sampling.SLOT], ints[:, sampling.TOPK]
-        seed = lax.bitcast_convert_type(ints[:, sampling.SEED], jnp.uint32)
-        temperature, top_p = floats[:, sampling.TEMP], floats[:, sampling.TOPP]
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        c = sampling
+        lengths, slot = ints[:, c.LEN], ints[:, c.SLOT]
         rows, logits = self.art.prefill_for(*tokens.shape).call(params, tokens, lengths)
-        first = sample(logits, temperature, top_k, top_p, seed, lengths)
+        taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
+        first, scores, on = self._choose(
+            logits, ints, floats, lengths, state, taken, (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
+        )
         n = tokens.shape[1]
         cache = jax.tree.unflatten(
             self._cache_tree,
             [
-                c.at[
+                leaf.at[
                     (slot,)
                     if axis is None
                     else (slot,) + (slice(None),) * (axis - 1) + (slice(0, n),)
                 ].set(r, mode="drop")
-                for c, r, axis in zip(
+                for leaf, r, axis in zip(
                     jax.tree.leaves(state["cache"]), jax.tree.leaves(rows), self._length_axes
                 )
             ],
         )
-        rows_ints = jnp.stack([first, lengths, top_k, ints[:, sampling.SEED]], axis=1)
-        return {
-            "cache": cache,
-            "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
-            "floats": state["floats"].at[slot].set(floats, mode="drop"),
-        }, first
+        rows_ints = ints.at[:, sampling.TOK].set(first).at[:, sampling.POS].set(lengths)
+        return (
+            state
+            | {
+                "cache": cache,
+                "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
+                "floats": state["floats"].at[slot].set(floats, mode="drop"),
+                "counts": state["counts"].at[slot, first].add(on.astype(jnp.int32), mode="drop"),
+            },
+            first,
+            scores,
+        )
 
     def _extend_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
-    ) -> tuple[dict, jax.Array]:
+    ) -> tuple[dict, jax.Array, jax.Array]:
         """A chunk of a prompt per row, into its slot: the slot's rows are taken out of
         the cache, extended by ``tokens`` at ``CHUNK_START``, and written back. A
         chunk that ends its prompt samples the first token at the prompt's end and
@@ -615,29 +714,37 @@ class DecoderPrograms:
         position, where the steps that run meanwhile write nothing that is read."""
         c = sampling
         start, count, slot = ints[:, c.CHUNK_START], ints[:, c.CHUNK_COUNT], ints[:, c.CHUNK_SLOT]
-        top_k, seed_bits = ints[:, c.CHUNK_TOPK], ints[:, c.CHUNK_SEED]
         final = ints[:, c.CHUNK_FINAL] > 0
-        seed = lax.bitcast_convert_type(seed_bits, jnp.uint32)
-        temperature, top_p = floats[:, c.TEMP], floats[:, c.TOPP]
         taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
         rows = jax.tree.map(lambda leaf: leaf[taken], state["cache"])
         rows, logits = self.art.extend_for(*tokens.shape).call(params, rows, tokens, start)
         last = jnp.take_along_axis(logits, (count - 1)[:, None, None], axis=1)[:, 0]
         following = start + count
-        first = sample(last, temperature, top_k, top_p, seed, following)
+        # Only the chunk that ends its prompt samples: the others' scores and controls
+        # are off (their first token is not read).
+        chosen = ints.at[:, c.CHUNK_WANT].mul(final).at[:, c.CHUNK_CTRL].mul(final)
+        cols = (c.CHUNK_TOPK, c.CHUNK_SEED, c.CHUNK_WANT, c.CHUNK_CTRL, c.CHUNK_UNTIL)
+        first, scores, on = self._choose(last, chosen, floats, following, state, taken, cols)
         cache = jax.tree.map(
             lambda leaf, r: leaf.at[slot].set(r, mode="drop"), state["cache"], rows
         )
         parked = jnp.full_like(start, self.max_length - 1)
         rows_ints = jnp.stack(
-            [jnp.where(final, first, 0), jnp.where(final, following, parked), top_k, seed_bits],
+            [jnp.where(final, first, 0), jnp.where(final, following, parked)]
+            + [chosen[:, i] for i in cols],
             axis=1,
         )
-        return {
-            "cache": cache,
-            "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
-            "floats": state["floats"].at[slot].set(floats, mode="drop"),
-        }, first
+        return (
+            state
+            | {
+                "cache": cache,
+                "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
+                "floats": state["floats"].at[slot].set(floats, mode="drop"),
+                "counts": state["counts"].at[slot, first].add(on.astype(jnp.int32), mode="drop"),
+            },
+            first,
+            scores,
+        )
 
     # The prefix pool: per cache leaf, ``entries`` blocks of the per-slot shape with
     # ``block`` positions on the sequence axis.
@@ -673,8 +780,7 @@ class DecoderPrograms:
             at = (slots,) + (slice(None),) * (axis - 1) + (slice(0, shape[axis]),)
             leaves.append(leaf.at[at].set(got.reshape(shape), mode="drop"))
         ints = state["ints"].at[slots, sampling.POS].set(self.max_length - 1, mode="drop")
-        return {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints,
-                "floats": state["floats"]}  # fmt: skip
+        return state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
 
     def _save_blocks(
         self, pool: Any, state: dict, slots: jax.Array, blocks: jax.Array, ids: jax.Array
@@ -716,25 +822,38 @@ class _Obtained:
     #: The steps over fewer slots: slot count -> program; and the slot move.
     parts: dict[int, Any] = dataclasses.field(default_factory=dict)
     move: Any = None
+    #: Writes a slot's sampling controls (none in a multi-host group).
+    control: Any = None
+    max_length: int = 0
 
     def warm_up(self, params: Any, slots: int) -> None:
         """One run of each program (on the zero state: no slot is busy, every row is
         dropped) so that the first request does not pay for first-run work."""
         state = self.make_state()
+        c = sampling
         for cell in self.cells:
-            ints = np.zeros((cell.batch, 4), np.int32)
-            ints[:, sampling.LEN] = 1
-            ints[:, sampling.SLOT] = slots  # out of range: the row is dropped
-            floats = np.ones((cell.batch, 2), np.float32)
+            ints = np.zeros((cell.batch, c.INTS), np.int32)
+            ints[:, c.LEN] = 1
+            ints[:, c.SLOT] = slots  # out of range: the row is dropped
+            floats = np.ones((cell.batch, c.FLOATS), np.float32)
             tokens = np.zeros((cell.batch, cell.length), np.int32)
-            state, first = cell.compiled(params, state, tokens, ints, floats)
+            state, first, _ = cell.compiled(params, state, tokens, ints, floats)
         for cell in self.extends:
-            ints = np.zeros((cell.batch, 6), np.int32)
-            ints[:, sampling.CHUNK_COUNT] = 1
-            ints[:, sampling.CHUNK_SLOT] = slots
-            floats = np.ones((cell.batch, 2), np.float32)
+            ints = np.zeros((cell.batch, c.CHUNK_INTS), np.int32)
+            ints[:, c.CHUNK_COUNT] = 1
+            ints[:, c.CHUNK_SLOT] = slots
+            floats = np.ones((cell.batch, c.FLOATS), np.float32)
             tokens = np.zeros((cell.batch, cell.length), np.int32)
-            state, first = cell.compiled(params, state, tokens, ints, floats)
+            state, first, _ = cell.compiled(params, state, tokens, ints, floats)
+        if self.control is not None:
+            state = self.control(
+                state,
+                np.full(1, slots, np.int32),
+                np.zeros((1, self.max_length), np.int32),
+                np.zeros((1, c.MAX_LOGIT_BIAS), np.int32),
+                np.zeros((1, c.MAX_LOGIT_BIAS), np.float32),
+                np.zeros((1, c.MAX_BANNED), np.int32),
+            )
         prefix = self.prefix
         if prefix is not None:
             pool = prefix.make()
@@ -746,11 +865,11 @@ class _Obtained:
             pool = prefix.save(pool, state, none, np.zeros(width, np.int32), none)
             jax.block_until_ready(pool)
         for part in self.parts.values():
-            state, first = part(params, state)
+            state, first, _ = part(params, state)
         if self.move is not None:
             none = np.full(slots, slots, np.int32)
             state = self.move(state, none, none)
-        state, first = self.step(params, state)
+        state, first, _ = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
 
 
@@ -815,6 +934,8 @@ def _obtain_all(
         prefix,
         {n: got[("step", n, 0)][0] for n in programs.step_slots},
         got[("move", 0, 0)][0] if programs.step_slots else None,
+        got[("control", 0, 0)][0] if ("control", 0, 0) in got else None,
+        programs.max_length,
     )
 
 
@@ -838,8 +959,8 @@ class _FollowerProgram:
         self.batch = batch
         self.specs = (
             (np.dtype(np.int32), (length,)),
-            (np.dtype(np.int32), (4,)),
-            (np.dtype(np.float32), (2,)),
+            (np.dtype(np.int32), (sampling.INTS,)),
+            (np.dtype(np.float32), (sampling.FLOATS,)),
         )
         self.payload_bytes = max(0, batch) * sum(math.prod(s) * d.itemsize for d, s in self.specs)
 
@@ -850,9 +971,9 @@ class _FollowerProgram:
         with _xla.x64_scope(h.x64):
             if self.batch > 0:
                 inputs = split_rows(body, self.specs, self.batch)
-                h.state, out = self.compiled(h.params, h.state, *inputs)
+                h.state, out, _ = self.compiled(h.params, h.state, *inputs)
             elif self.batch == 0:  # the step: its slots' tokens go to the leader
-                h.state, out = self.compiled(h.params, h.state)
+                h.state, out, _ = self.compiled(h.params, h.state)
                 return local_rows(out)
             else:
                 h.state = out = self.compiled()

@@ -432,10 +432,29 @@ def lm_reference(
     """Greedy decoding of one prompt in plain JAX with ``lm_prefill`` and ``lm_decode``
     (prefill at the prompt's own length, a one-slot cache): what pxrt's generation is
     checked against. ``params`` default to ``make_lm_params()``."""
+    return lm_reference_steps(prompt, max_tokens, params, max_length, stop_ids)[0]
+
+
+def lm_reference_steps(
+    prompt,
+    max_tokens: int,
+    params=None,
+    max_length: int = LM_MAX_LENGTH,
+    stop_ids=(LM_EOS,),
+    choose=None,
+) -> tuple[list[int], list[np.ndarray]]:
+    """``lm_reference``'s decoding, each token picked by ``choose(logits, tokens)``
+    (the step's float32 logits and the tokens so far; default: argmax): (the tokens,
+    the logits each was picked from)."""
     import jax.numpy as jnp
 
     if params is None:
         params = make_lm_params()
+    if choose is None:
+
+        def choose(logits, tokens):
+            return int(np.argmax(logits))
+
     prefill, decode = _lm_jitted()
     n = len(prompt)
     rows, logits = prefill(params, jnp.asarray([prompt], jnp.int32), jnp.asarray([n], jnp.int32))
@@ -443,13 +462,15 @@ def lm_reference(
         k: jnp.zeros(r.shape[:2] + (max_length,) + r.shape[3:], r.dtype).at[:, :, :n].set(r)
         for k, r in rows.items()
     }
-    tokens = [int(jnp.argmax(logits[0]))]
+    seen = [np.asarray(logits[0], np.float32)]
+    tokens = [choose(seen[-1], [])]
     limit = min(max_tokens, max_length - n)
     while len(tokens) < limit and tokens[-1] not in stop_ids:
         position = jnp.asarray([n + len(tokens) - 1], jnp.int32)
         cache, logits = decode(params, cache, jnp.asarray([tokens[-1]], jnp.int32), position)
-        tokens.append(int(jnp.argmax(logits[0])))
-    return tokens
+        seen.append(np.asarray(logits[0], np.float32))
+        tokens.append(choose(seen[-1], list(tokens)))
+    return tokens, seen
 
 
 @functools.cache

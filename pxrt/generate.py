@@ -39,7 +39,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -51,7 +51,7 @@ from .decoder import LENGTH_DIM, DecoderArtifact, is_spec
 from .finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
 from .generation import Completion, DecoderClosed, Generation, QueueFull, wake_async
 from .prefix import PrefixIndex
-from .sampling import MAX_TEMPERATURE, MIN_TEMPERATURE, sample
+from .sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, sample
 
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
 
@@ -106,6 +106,19 @@ class PrefixPool:
     pool: Any = dataclasses.field(default=None, repr=False)
 
 
+@dataclasses.dataclass
+class Controls:
+    """A request's sampling controls as the programs take them: the penalties
+    (presence, frequency, repetition), the position before which its stop ids are
+    banned, the control program's rows (logit bias ids and values, banned ids) and
+    its prompt (padded with an id out of the vocabulary)."""
+
+    penalties: tuple[float, float, float]
+    until: int
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    prompt: np.ndarray
+
+
 class Decoder:
     """A loaded decoder: the prefill cells, the insert and the decode step compiled, the
     cache resident on the devices, served by one loop thread (started on first use).
@@ -131,6 +144,7 @@ class Decoder:
         chunk_tokens: int | None = None,
         parts: dict[int, Any] | None = None,
         move: Any = None,
+        control: Any = None,
         slots: int,
         max_length: int,
         max_waiting: int,
@@ -184,6 +198,10 @@ class Decoder:
         self._steps = {n // n_dev: p for n, p in (parts or {}).items()}
         self._steps[self._rows_per_device] = step
         self._move = move
+        self._control = control
+        # A generation that wants log-probabilities was admitted: steps read their
+        # scores while a slot of theirs wants them.
+        self._scoring = False
         #: The slots a step over ``rows`` per device computes, in its tokens' order.
         self._order = {
             rows: [d * self._rows_per_device + r for d in range(n_dev) for r in range(rows)]
@@ -277,6 +295,12 @@ class Decoder:
         seed: int | None = None,
         stop_ids: Sequence[int] = (),
         prefix_cache: bool = True,
+        logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int = 0,
     ) -> Generation:
         """Queue one prompt (token ids) for generation; returns its ``Generation``.
 
@@ -287,6 +311,15 @@ class Decoder:
         ``top_p`` 1 do not cut. ``seed`` (0 .. 2**32-1; default random) fixes the
         sampled tokens whatever else is generated at the same time. ``prefix_cache``
         False: neither reuse nor keep this prompt's cached start.
+
+        ``logprobs`` (0 .. 20; None: none): every token comes with its log-probability
+        and that many of the most likely tokens' (``Generation.logprobs``), of the
+        model's distribution (a log-softmax of its logits, before the controls below).
+        The controls, applied on the device before sampling: ``logit_bias`` (token id
+        -> -100 .. 100, added to its logit; at most 300), ``repetition_penalty`` (0 ..
+        2; over the prompt's and the generated tokens), ``presence_penalty`` and
+        ``frequency_penalty`` (-2 .. 2; over the generated tokens), ``min_tokens`` (no
+        stop token before that many tokens).
 
         Raises ValueError naming the parameter for a bad request, ``QueueFull`` when
         ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
@@ -321,6 +354,16 @@ class Decoder:
             stops = stops | frozenset(extra)
         if not isinstance(prefix_cache, (bool, np.bool_)):
             raise ValueError(f"prefix_cache must be true or false, got {prefix_cache!r}")
+        top = None if logprobs is None else int_in("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
+        controls = self._controls(
+            tokens, limit, stops, presence_penalty, frequency_penalty, repetition_penalty,
+            logit_bias, min_tokens,
+        )  # fmt: skip
+        if (top is not None or controls is not None) and self._control is None:
+            raise ValueError(
+                f"decoder {self.name!r} is served by a multi-host group, which does not "
+                "give logprobs or apply logit_bias, penalties or min_tokens"
+            )
         gen = Generation(
             self,
             tokens,
@@ -330,6 +373,9 @@ class Decoder:
             next((n for n in self.prefill_lengths if n >= len(tokens)), 0),
             bool(prefix_cache) and self.prefix is not None,
         )
+        gen.logprobs = None if top is None else []
+        gen.top_logprobs = top or 0
+        gen.controls = controls
         with self._cond:
             if self._closed:
                 raise DecoderClosed(f"decoder {self.name!r} is closed")
@@ -371,6 +417,56 @@ class Decoder:
                 yield token
         finally:
             gen.cancel()
+
+    def _controls(
+        self,
+        prompt: np.ndarray,
+        limit: int,
+        stops: frozenset,
+        presence: Any,
+        frequency: Any,
+        repetition: Any,
+        bias: Any,
+        min_tokens: Any,
+    ) -> Controls | None:
+        """A request's sampling controls, checked (None: it has none)."""
+        presence = number_in("presence_penalty", presence, -2.0, 2.0)
+        frequency = number_in("frequency_penalty", frequency, -2.0, 2.0)
+        repetition = number_in("repetition_penalty", repetition, 0.0, 2.0, low_open=True)
+        min_tokens = int_in("min_tokens", min_tokens, 0, None)
+        if min_tokens > limit:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens ({limit}, or the room the cache "
+                f"leaves after the prompt), got {min_tokens}"
+            )
+        if bias is None:
+            bias = {}
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r:.80}")
+        if len(bias) > sampling.MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: {len(bias)} entries; at most {sampling.MAX_LOGIT_BIAS}")
+        ids = np.full(sampling.MAX_LOGIT_BIAS, self.vocab, np.int32)  # out of range: none
+        values = np.zeros(sampling.MAX_LOGIT_BIAS, np.float32)
+        for i, (key, value) in enumerate(bias.items()):
+            if isinstance(key, str) and key.strip().isdigit():
+                key = int(key)  # (JSON's keys are strings)
+            ids[i] = int_in("logit_bias: a token id", key, 0, self.vocab - 1)
+            values[i] = number_in(f"logit_bias[{key}]", value, -100.0, 100.0)
+        if not (presence or frequency or repetition != 1.0 or bias or min_tokens):
+            return None
+        banned = np.full(sampling.MAX_BANNED, self.vocab, np.int32)
+        if min_tokens:
+            if len(stops) > sampling.MAX_BANNED:
+                raise ValueError(
+                    f"min_tokens holds back {len(stops)} stop ids; at most {sampling.MAX_BANNED}"
+                )
+            banned[: len(stops)] = sorted(stops)
+        prompted = np.full((1, self.max_length), self.vocab, np.int32)
+        prompted[0, : len(prompt)] = prompt
+        return Controls(
+            (presence, frequency, repetition), len(prompt) + min_tokens,
+            (ids[None], values[None], banned[None]), prompted,
+        )  # fmt: skip
 
     def _check_prompt(self, prompt: Any) -> np.ndarray:
         try:
@@ -552,6 +648,7 @@ class Decoder:
                     break  # one copy program per turn
                 waiting.popleft()
                 gen.reserved = free.pop()
+                self._write_controls(gen, gen.reserved)
                 gen.start = gen.hit = len(entries) * block
                 if entries:
                     loads.append((gen.reserved, entries))
@@ -647,7 +744,7 @@ class Decoder:
         cell = self._extends[(size, k)]
         rows.sort(key=lambda g: len(g.prompt) - g.start > k)  # the prompts it ends first
         tokens, ints, floats = self._host_rows(
-            size, k, 6, sampling.CHUNK_COUNT, sampling.CHUNK_SLOT
+            size, k, sampling.CHUNK_INTS, sampling.CHUNK_COUNT, sampling.CHUNK_SLOT
         )
         finals: list[Generation] = []
         done: list[tuple[Generation, int]] = []
@@ -659,14 +756,15 @@ class Decoder:
             count = min(len(prompt) - start, k)
             tokens[i, :count] = prompt[start : start + count]
             final = start + count >= len(prompt)
-            ints[i] = (start, count, gen.reserved, gen.top_k, _seed_bits(gen.seed), final)
-            floats[i, sampling.TEMP] = gen.temperature
-            floats[i, sampling.TOPP] = gen.top_p
+            ints[i, : sampling.CHUNK_WANT] = (
+                start, count, gen.reserved, gen.top_k, _seed_bits(gen.seed), final
+            )  # fmt: skip
+            self._sampling_row(gen, ints[i, sampling.CHUNK_WANT :], floats[i])
             gen.start = start + count
             if final:
                 finals.append(gen)
         t0 = time.perf_counter()
-        (self._state, first), sync = self._launch(
+        (self._state, first, scores), sync = self._launch(
             -1, cell.compiled, self._params, self._state, tokens, ints, floats
         )
         for gen in finals:
@@ -676,7 +774,7 @@ class Decoder:
             done.append((gen, slot))
         if finals:
             first.copy_to_host_async()
-            self._pending.append((_PREFILL, first, finals, t0, sync))
+            self._pending.append((_PREFILL, first, finals, t0, self._scores(finals, scores), sync))
             self._save_prefixes(done)
         self.counters["chunks"] += 1
         self.counters["chunk_rows"] += len(rows)
@@ -700,15 +798,50 @@ class Decoder:
         ints = np.zeros((size, columns), np.int32)
         ints[:, count] = 1
         ints[:, slot] = self.slots
-        floats = np.zeros((size, 2), np.float32)
+        floats = np.zeros((size, sampling.FLOATS), np.float32)
         floats[:, sampling.TOPP] = 1.0
+        floats[:, sampling.REPETITION] = 1.0
         return tokens, ints, floats
+
+    def _sampling_row(self, gen: Generation, ints: np.ndarray, floats: np.ndarray) -> None:
+        """``gen``'s sampling parameters into its row of a prefill or extend call:
+        ``ints`` from WANT on (WANT, CTRL, UNTIL), ``floats`` whole."""
+        controls = gen.controls
+        ints[0] = gen.logprobs is not None
+        floats[sampling.TEMP] = gen.temperature
+        floats[sampling.TOPP] = gen.top_p
+        if controls is not None:
+            ints[1:3] = (1, controls.until)
+            floats[sampling.PRESENCE :] = controls.penalties
+
+    def _write_controls(self, gen: Generation, slot: int) -> None:
+        """Before ``gen``'s prompt goes into ``slot``: the slot's control rows (its
+        prompt's tokens, logit bias, banned ids; no token counted yet), when it has
+        controls."""
+        controls = gen.controls
+        if controls is None:
+            return
+        slots = np.full(1, slot, np.int32)
+        self._state, _ = self._launch(
+            -1, self._control, self._state, slots, controls.prompt, *controls.rows
+        )
+
+    def _scores(self, gens: list, scores: Any) -> Any:
+        """A program's scores, copied to the host, when one of ``gens`` wants them;
+        else None (they are not read)."""
+        if not any(gen is not None and gen.logprobs is not None for gen in gens):
+            return None
+        self._scoring = True
+        scores.copy_to_host_async()
+        return scores
 
     def _prefill(self, batch: list, length: int) -> None:
         n = len(batch)
         size = next(b for b in self.prefill_batches if b >= n)
         cell = self._cells[(size, length)]
-        tokens, ints, floats = self._host_rows(size, length, 4, sampling.LEN, sampling.SLOT)
+        tokens, ints, floats = self._host_rows(
+            size, length, sampling.INTS, sampling.LEN, sampling.SLOT
+        )
         assign = self._table.assign
         done = []
         for i, gen in enumerate(batch):
@@ -718,15 +851,15 @@ class Decoder:
             ints[i, sampling.SLOT] = slot = assign(gen)
             ints[i, sampling.TOPK] = gen.top_k
             ints[i, sampling.SEED] = _seed_bits(gen.seed)
+            self._sampling_row(gen, ints[i, sampling.WANT :], floats[i])
+            self._write_controls(gen, slot)
             done.append((gen, slot))
-            floats[i, sampling.TEMP] = gen.temperature
-            floats[i, sampling.TOPP] = gen.top_p
         t0 = time.perf_counter()
-        (self._state, first), sync = self._launch(
+        (self._state, first, scores), sync = self._launch(
             cell.index, cell.compiled, self._params, self._state, tokens, ints, floats
         )
         first.copy_to_host_async()
-        self._pending.append((_PREFILL, first, batch, t0, sync))
+        self._pending.append((_PREFILL, first, batch, t0, self._scores(batch, scores), sync))
         self.counters["prefills"] += 1
         self.counters["prefill_rows"] += n
         self._save_prefixes(done)
@@ -734,14 +867,19 @@ class Decoder:
     def _dispatch_step(self) -> None:
         busy = self._table.busy
         rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
-        (self._state, tokens), sync = self._launch(
+        (self._state, tokens, scores), sync = self._launch(
             len(self._cells), self._steps[rows], self._params, self._state
         )
         tokens.copy_to_host_async()
         owners = self._table.dispatch()
         if rows < self._rows_per_device:  # the step's tokens are these slots'
             owners = [owners[s] for s in self._order[rows]]
-        self._pending.append((_STEP, tokens, owners, 0.0, sync))
+        if self._scoring:
+            scores = self._scores(owners, scores)
+            self._scoring = scores is not None
+        else:
+            scores = None
+        self._pending.append((_STEP, tokens, owners, 0.0, scores, sync))
         self.counters["steps"] += 1
         self.counters["busy_slot_steps"] += busy
         self.counters["stepped_slots"] += len(owners)
@@ -806,7 +944,7 @@ class Decoder:
             return group.launched(sync, lambda: program(*args)), sync
 
     def _read(self, entry: tuple) -> None:
-        kind, array, owners, t0, sync = entry
+        kind, array, owners, t0, scores, sync = entry
         if sync is None:
             tokens = np.asarray(array)
         else:
@@ -819,6 +957,11 @@ class Decoder:
         finished: list = []
         now = time.perf_counter()
         timings = self._timings
+        if scores is not None:  # (each before its token: whoever reads one has both)
+            rows = np.asarray(scores)
+            for i, gen in enumerate(owners):
+                if gen is not None and gen.logprobs is not None and gen.finish_reason is None:
+                    gen.logprobs.append(rows[i])
         if kind == _STEP:
             routed = self._table.route(tokens, owners, now, woken, finished)
             if self._last_step:
@@ -884,7 +1027,7 @@ class Decoder:
         prefill not read yet (a slot is given back when its last token is dispatched)."""
         gens = [g for g in self._table.owners if g is not None]
         gens.extend(self._chunking)
-        for _, _, who, _, _ in self._pending:
+        for _, _, who, _, _, _ in self._pending:
             gens.extend(g for g in who if g is not None)
         return gens
 
@@ -1054,6 +1197,23 @@ def _serve(ref: weakref.ref, x64: bool) -> None:
 def _seed_bits(seed: int) -> int:
     """A uint32 seed as the int32 with its bits (the programs bitcast it back)."""
     return seed - (1 << 32) if seed >= 1 << 31 else seed
+
+
+def number_in(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> float:
+    """``value`` as a float within [low, high] (``low_open``: above ``low``), or a
+    ValueError naming it."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (low < value if low_open else low <= value)
+        and value <= high
+    ):
+        return float(value)
+    span = f"above {low:g} and at most {high:g}" if low_open else f"from {low:g} to {high:g}"
+    raise ValueError(f"{name} must be a number {span}, got {value!r:.40}")
 
 
 def int_in(name: str, value: Any, low: int, high: int | None) -> int:

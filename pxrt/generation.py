@@ -51,6 +51,9 @@ class Completion:
     prompt_tokens: int
     ttft_s: float  # submit -> first token on the host
     total_s: float  # submit -> last token
+    #: With ``logprobs``: per token, (its log-probability, the most likely tokens'
+    #: (id, log-probability), most likely first); else None.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Generation(_GenerationBase):
@@ -71,6 +74,9 @@ class Generation(_GenerationBase):
         "hit",
         "reserved",
         "use_prefix",
+        "logprobs",
+        "top_logprobs",
+        "controls",
         "loop",
         "counted",
         "waiter",
@@ -104,6 +110,11 @@ class Generation(_GenerationBase):
         self.start = 0
         self.hit = 0
         self.reserved = -1
+        # With ``logprobs``: a scores row (``pxrt.sampling.scores``) per token, each
+        # there before its token; how many alternatives to give; the sampling controls.
+        self.logprobs: list | None = None
+        self.top_logprobs = 0
+        self.controls: Any = None
         # The event loop of its async reader (set by ``__anext__``): woken there too.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.counted = False  # its outcome is in the decoder's ``outcomes``
@@ -164,13 +175,23 @@ class Generation(_GenerationBase):
         if self.error is not None:
             raise self.error
         assert self.finish_reason is not None
+        tokens = list(self.tokens)
         return Completion(
-            list(self.tokens),
+            tokens,
             self.finish_reason,
             len(self.prompt),
-            max(self.t_first - self.t_submit, 0.0) if self.tokens else 0.0,
-            max(self.t_last - self.t_submit, 0.0) if self.tokens else 0.0,
+            max(self.t_first - self.t_submit, 0.0) if tokens else 0.0,
+            max(self.t_last - self.t_submit, 0.0) if tokens else 0.0,
+            None if self.logprobs is None else self.token_logprobs(0, len(tokens)),
         )
+
+    def token_logprobs(self, start: int, stop: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Tokens ``start:stop``'s log-probabilities (with ``logprobs``): per token, its
+        own and the ``top_logprobs`` most likely tokens' (id, log-probability)."""
+        from .sampling import unpack
+
+        assert self.logprobs is not None, "this generation was not asked for logprobs"
+        return [unpack(row, self.top_logprobs) for row in self.logprobs[start:stop]]
 
     # ------------------------------------------------------------------ async
 

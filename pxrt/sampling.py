@@ -5,6 +5,12 @@ programs).
 Greedy, temperature, top-k, top-p: a sampled token's randomness comes from
 ``fold_in(key(seed), position)`` only, so a request with a seed gets the same tokens
 whatever else shares the batch.
+
+The controls a request may add, applied to its row's logits before sampling
+(``controls``): ``logit_bias``, the repetition penalty (over the prompt's and the
+generated tokens), the presence and frequency penalties (over the generated ones), and
+``min_tokens`` (its stop ids banned until then). Log-probabilities (``scores``) are of
+the model's own distribution, before any of them: a log-softmax of its logits.
 """
 
 from __future__ import annotations
@@ -24,14 +30,29 @@ MAX_TEMPERATURE = 100.0
 # Columns of the per-prompt int32 and float32 rows of a prefill call, and of the state's
 # per-slot rows (the same float columns; ints: the next input token and its position
 # where a prompt has its length and slot).
-LEN, SLOT, TOPK, SEED = range(4)
+# After them, in both: whether the row wants log-probabilities (``scores``), whether its
+# controls apply (``controls``; the state's control rows were written for its slot),
+# and the position before which its stop ids are banned (``min_tokens``).
+LEN, SLOT, TOPK, SEED, WANT, CTRL, UNTIL = range(7)
 TOK, POS = LEN, SLOT
-TEMP, TOPP = range(2)
+INTS = 7
+# Floats: temperature, top-p, and the presence, frequency and repetition penalties.
+TEMP, TOPP, PRESENCE, FREQUENCY, REPETITION = range(5)
+FLOATS = 5
 # Columns of an extend call's int32 rows (a chunk of a prompt, for one slot): the
 # position of its first token, how many of its tokens are the prompt's, the slot,
 # top-k, seed bits, and whether it ends the prompt (1: sample the first token and let
-# the slot join the steps; 0: the slot stays parked, out of the steps' way).
+# the slot join the steps; 0: the slot stays parked, out of the steps' way); then
+# WANT, CTRL and UNTIL as above.
 CHUNK_START, CHUNK_COUNT, CHUNK_SLOT, CHUNK_TOPK, CHUNK_SEED, CHUNK_FINAL = range(6)
+CHUNK_WANT, CHUNK_CTRL, CHUNK_UNTIL = range(6, 9)
+CHUNK_INTS = 9
+#: The most alternatives ``scores`` gives per token (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
+#: The most ``logit_bias`` entries a request may give.
+MAX_LOGIT_BIAS = 300
+#: The most stop ids ``min_tokens`` bans (the artifact's and the request's together).
+MAX_BANNED = 64
 
 
 def sample(
@@ -70,3 +91,79 @@ def sample(
 
     drawn = lax.cond(jnp.any(sampled), draw, lambda _: greedy, None)
     return jnp.where(sampled, drawn, greedy)
+
+
+def top_count(vocab: int) -> int:
+    """The alternatives ``scores`` gives per token for a vocabulary of ``vocab``."""
+    return min(MAX_TOP_LOGPROBS, vocab)
+
+
+def scores(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Per row of ``logits`` ``[n, vocab]``: the log-probability of ``tokens[n]`` and the
+    ``top_count`` most likely tokens' (a log-softmax of the logits, in float32), packed
+    as ``[n, 1 + 2 * top]`` float32: the token's, the top ones' log-probabilities, then
+    their ids (exact in float32 below 2**24). ``unpack`` reads a row."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)
+    values, ids = lax.top_k(logp, top_count(logits.shape[-1]))
+    return jnp.concatenate([chosen, values, ids.astype(jnp.float32)], axis=-1)
+
+
+def maybe_scores(logits: jax.Array, tokens: jax.Array, want: jax.Array) -> jax.Array:
+    """``scores`` when a row wants them (``want`` > 0), zeros (and no work) otherwise."""
+    shape = (logits.shape[0], 1 + 2 * top_count(logits.shape[-1]))
+    return lax.cond(
+        jnp.any(want > 0),
+        lambda _: scores(logits, tokens),
+        lambda _: jnp.zeros(shape, jnp.float32),
+        None,
+    )
+
+
+def unpack(row: Any, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """A ``scores`` row on the host: (the token's log-probability, the ``top`` most
+    likely (id, log-probability), most likely first)."""
+    n = (len(row) - 1) // 2
+    top = min(top, n)
+    return float(row[0]), [(int(row[1 + n + i]), float(row[1 + i])) for i in range(top)]
+
+
+def controls(
+    logits: jax.Array,
+    on: jax.Array,
+    source: dict,
+    index: jax.Array | None,
+    floats: jax.Array,
+    position: jax.Array,
+    until: jax.Array,
+) -> jax.Array:
+    """``logits`` ``[n, vocab]`` (float32) with the controls of the rows where ``on``,
+    read from ``source`` (the state's control arrays; rows ``index`` of them, or all):
+    ``bias`` added at ``bias_ids`` (ids out of range: padding), the repetition penalty
+    on the tokens seen (``prompted``, or ``counts`` > 0: a positive logit divided by it,
+    a negative one multiplied), the frequency penalty times each token's count and the
+    presence penalty once per token generated subtracted, and the ``banned`` ids masked
+    while ``position < until``. No work when no row has any."""
+
+    def apply(_: Any) -> jax.Array:
+        rows = {k: source[k] if index is None else source[k][index] for k in CONTROL_ROWS}
+        counts = rows["counts"]
+        n, vocab = logits.shape
+        at = jnp.arange(n)[:, None]
+        out = logits.at[at, rows["bias_ids"]].add(rows["bias"], mode="drop")
+        seen = rows["prompted"] | (counts > 0)
+        rep = floats[:, REPETITION][:, None]
+        out = jnp.where(seen, jnp.where(out > 0, out / rep, out * rep), out)
+        out = out - floats[:, FREQUENCY][:, None] * counts
+        out = out - floats[:, PRESENCE][:, None] * (counts > 0)
+        banned = jnp.zeros((n, vocab), jnp.bool_).at[at, rows["banned"]].set(True, mode="drop")
+        out = jnp.where(banned & (position < until)[:, None], -jnp.inf, out)
+        return jnp.where(on[:, None], out, logits)
+
+    return lax.cond(jnp.any(on), apply, lambda _: logits, None)
+
+
+#: The state's per-slot control arrays (``pxrt.decoder_load`` makes them): generated
+#: tokens' counts and the prompt's tokens (``[slots, vocab]``), the logit bias (ids and
+#: values, ``[slots, MAX_LOGIT_BIAS]``) and the ids ``min_tokens`` bans.
+CONTROL_ROWS = ("counts", "prompted", "bias_ids", "bias", "banned")

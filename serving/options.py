@@ -409,18 +409,22 @@ class GenerationLimits(_Checked):
       max_stop_strings: stop strings in one request (OpenAI's API allows 4).
       max_stop_bytes: the UTF-8 bytes of one stop string.
       max_stop_ids: stop token ids in one request (beyond the artifact's own).
+      max_choices: completions of one OpenAI request (``n``): each is a generation in
+        a slot of its own (they share the prompt's prefill through the prefix cache).
     """
 
     max_request_kb: int = 1024
     max_stop_strings: int = 16
     max_stop_bytes: int = 256
     max_stop_ids: int = 64
+    max_choices: int = 8
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "max_request_kb": number(int, 1),
         "max_stop_strings": number(int, 0),
         "max_stop_bytes": number(int, 1),
         "max_stop_ids": number(int, 0),
+        "max_choices": number(int, 1),
     }
 
 

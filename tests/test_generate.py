@@ -241,6 +241,100 @@ def test_sampling_limits_on_device():
     assert set(np.asarray(mixed)[::2]) == {0}
 
 
+# --------------------------------------------------------------------------- logprobs, controls
+
+
+def _log_softmax(logits):
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)))
+
+
+def test_logprobs_equal_a_log_softmax_in_plain_jax(lm, params):
+    """Each token's log-probability and its 5 likeliest alternatives equal a
+    log-softmax of the model's logits in plain JAX (<= 1e-4): prompts prefilled whole,
+    chunked (longer than any prefill) and copied from the prefix cache, batched with
+    requests that want none (which are unchanged)."""
+    rng = np.random.default_rng(60)
+    shared = rng.integers(0, 256, 40).astype(np.int32)
+    cases = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 30, 45)]
+    cases += [np.concatenate([shared, [7, 8]]), np.concatenate([shared, [9]])]
+    lm.generate(cases[3], max_tokens=1)  # its start cached: the last two hit
+    plain = [lm.submit(p, max_tokens=9) for p in prompts(3, seed=61)]
+    gens = [lm.submit(p, max_tokens=9, logprobs=5) for p in cases]
+    for prompt, gen in zip(cases, gens):
+        out = gen.result(timeout=60)
+        want, logits = demo.lm_reference_steps(prompt, 9, params, MAX_LENGTH)
+        assert out.tokens == want
+        assert len(out.logprobs) == len(out.tokens)
+        for token, (chosen, top), row in zip(out.tokens, out.logprobs, logits):
+            ref = _log_softmax(row)
+            assert abs(chosen - ref[token]) <= 1e-4
+            assert len(top) == 5
+            ids, values = [t for t, _ in top], np.array([v for _, v in top])
+            np.testing.assert_allclose(values, np.sort(ref)[::-1][:5], atol=1e-4)
+            np.testing.assert_allclose(ref[ids], values, atol=1e-4)
+            assert ids[0] == token  # greedy: the likeliest
+    for prompt, gen in zip(prompts(3, seed=61), plain):
+        assert gen.result().tokens == demo.lm_reference(prompt, 9, params, MAX_LENGTH)
+        assert gen.result().logprobs is None
+    assert lm.compiles_after_load == 0
+
+
+def _controlled(prompt, bias=None, presence=0.0, frequency=0.0, repetition=1.0, min_tokens=0,
+                stops=(demo.LM_EOS,)):  # fmt: skip
+    """The controls, as a plain numpy pick over plain JAX's logits (greedy)."""
+    prompted = np.zeros(demo.LM_VOCAB, bool)
+    prompted[np.asarray(prompt)] = True
+
+    def choose(logits, tokens):
+        out = logits.copy()
+        for t, b in (bias or {}).items():
+            out[int(t)] += np.float32(b)
+        counts = np.bincount(np.asarray(tokens, np.int64), minlength=demo.LM_VOCAB)
+        counts = counts.astype(np.float32)
+        seen = prompted | (counts > 0)
+        rep = np.float32(repetition)
+        out = np.where(seen, np.where(out > 0, out / rep, out * rep), out)
+        out = out - np.float32(frequency) * counts - np.float32(presence) * (counts > 0)
+        if len(tokens) < min_tokens:
+            out[list(stops)] = -np.inf
+        return int(np.argmax(out))
+
+    return choose
+
+
+def test_controls_equal_the_same_controls_in_numpy(lm, params, reference):
+    """logit_bias, the penalties and min_tokens on the device pick the tokens plain
+    numpy picks from plain JAX's logits, whole and chunked prompts, batched with
+    requests without controls (unchanged, also in slots controlled ones had)."""
+    rng = np.random.default_rng(62)
+    base = [rng.integers(0, 256, n).astype(np.int32) for n in (6, 20, 44)]
+    first = reference(base[0], 1)[0]
+    cases = [
+        (base[0], {"logit_bias": {first: -100.0, "3": 5.0}}),
+        (base[1], {"repetition_penalty": 1.8}),
+        (base[2], {"presence_penalty": 1.5, "frequency_penalty": 0.7}),
+        (base[0], {"min_tokens": 5, "stop_ids": [first]}),
+        (base[1], {"repetition_penalty": 0.6, "frequency_penalty": -1.0, "logprobs": 0}),
+    ]
+    names = {"logit_bias": "bias", "repetition_penalty": "repetition",
+             "presence_penalty": "presence", "frequency_penalty": "frequency",
+             "min_tokens": "min_tokens"}  # fmt: skip
+    for _ in range(2):  # (again: the slots now hold the controls of the first round)
+        plain = [lm.submit(p, max_tokens=10) for p in base]
+        gens = [lm.submit(p, max_tokens=10, **o) for p, o in cases]
+        for (prompt, options), gen in zip(cases, gens):
+            stops = (demo.LM_EOS, *options.get("stop_ids", ()))
+            kwargs = {names[k]: v for k, v in options.items() if k in names}
+            choose = _controlled(prompt, stops=stops, **kwargs)
+            want, _ = demo.lm_reference_steps(prompt, 10, params, MAX_LENGTH, stops, choose)
+            assert gen.result(timeout=60).tokens == want, options
+        for prompt, gen in zip(base, plain):
+            assert gen.result().tokens == reference(prompt, 10)
+    # min_tokens held the stop back: without it, the stop token ends it at once.
+    assert lm.generate(base[0], max_tokens=10, stop_ids=[first]).tokens == [first]
+    assert lm.compiles_after_load == 0
+
+
 # --------------------------------------------------------------------------- the device side
 
 
@@ -541,6 +635,15 @@ def test_cancelling_the_task_frees_the_slot(long_lm, run):
         ([1], {"top_k": -2}, "top_k"),
         ([1], {"seed": 2**32}, "seed"),
         ([1], {"stop_ids": [demo.LM_VOCAB]}, "stop_ids"),
+        ([1], {"logprobs": 21}, "logprobs must be an int from 0 to 20, got 21"),
+        ([1], {"presence_penalty": 2.5}, "presence_penalty must be a number from -2 to 2"),
+        ([1], {"frequency_penalty": "1"}, "frequency_penalty must be a number"),
+        ([1], {"repetition_penalty": 0.0}, "repetition_penalty must be a number above 0"),
+        ([1], {"logit_bias": {1: 101}}, r"logit_bias\[1\] must be a number from -100 to 100"),
+        ([1], {"logit_bias": {demo.LM_VOCAB: 1}}, "logit_bias: a token id must be an int"),
+        ([1], {"logit_bias": [1]}, "logit_bias must map token ids to numbers"),
+        ([1], {"logit_bias": dict.fromkeys(range(301), 1)}, "301 entries; at most 300"),
+        ([1], {"min_tokens": 11, "max_tokens": 10}, "min_tokens must be at most max_tokens"),
     ],
 )
 def test_bad_requests_fail_alone(lm, reference, prompt, options, message):
@@ -829,11 +932,11 @@ def test_a_failed_read_fails_generations_only_in_flight(lm_path, reference):
 
         def unreadable(real):
             def step(params, state):
-                state, tokens = real(params, state)
+                state, tokens, scores = real(params, state)
                 if not broken.is_set():
                     broken.set()
-                    return state, Unreadable()
-                return state, tokens
+                    return state, Unreadable(), scores
+                return state, tokens, scores
 
             return step
 

@@ -434,23 +434,105 @@ def test_openai_fields_are_honoured_or_refused_never_ignored(served):
                 "frequency_penalty": 0, "logit_bias": {}, "suffix": None, "user": "u1"}  # fmt: skip
     r = httpx.post(f"{url}/completions", json=base | defaults, timeout=30)
     assert r.status_code == 200, r.text
-    for field, value in [("logprobs", 2), ("echo", True), ("best_of", 3), ("suffix", "x"),
-                         ("logit_bias", {"5": 100}), ("presence_penalty", 0.5),
-                         ("frequency_penalty", -1), ("response_format", {"type": "json_object"}),
-                         ("tools", [{"type": "function"}]), ("stop_sequences", ["x"])]:  # fmt: skip
+    for field, value in [("best_of", 3), ("suffix", "x"),
+                         ("response_format", {"type": "json_object"}),
+                         ("tools", [{"type": "function"}]), ("stop_sequences", ["x"]), ("n", 0),
+                         ("n", 9), ("echo", "yes"), ("logprobs", 21), ("logprobs", True),
+                         ("presence_penalty", 3), ("frequency_penalty", "x"),
+                         ("repetition_penalty", 0), ("min_tokens", -1),
+                         ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
+                         ("logit_bias", [5])]:  # fmt: skip
         r = httpx.post(f"{url}/completions", json=base | {field: value}, timeout=30)
         error = r.json()["error"]
         assert r.status_code == 400 and error["type"] == "invalid_request_error", (field, r.text)
         assert field in error["message"], (field, error)
+    r = httpx.post(f"{url}/completions", json=base | {"echo": True, "logprobs": 1}, timeout=30)
+    assert r.status_code == 400 and "echo with logprobs" in r.json()["error"]["message"]
     chat = {"model": "lm", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     r = httpx.post(f"{url}/chat/completions", json=chat | {"max_completion_tokens": 2}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
-    r = httpx.post(f"{url}/chat/completions", json=chat | {"logprobs": True}, timeout=30)
-    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/chat/completions", json=chat | {"top_logprobs": 2}, timeout=30)
+    assert r.status_code == 400 and "needs logprobs: true" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/chat/completions", json=chat | {"echo": True}, timeout=30)
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
     assert httpx.get(f"{url}/models/lm", timeout=10).json()["id"] == "lm"
     for path in ("/models/nope", "/nope"):
         r = httpx.get(url + path, timeout=10)
         assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def _id(text):
+    """A token's id from its text in OpenAI's logprobs (one byte, or ``token_id:N``)."""
+    return int(text[len("token_id:") :]) if text.startswith("token_id:") else ord(text)
+
+
+def _close(got, want):
+    """Log-probabilities the server sent (JSON floats) against the engine's."""
+    assert len(got) == len(want)
+    for (lp, top), (wlp, wtop) in zip(got, want):
+        assert abs(lp - wlp) <= 1e-4 and [t for t, _ in top] == [t for t, _ in wtop]
+        assert all(abs(v - w) <= 1e-4 for (_, v), (_, w) in zip(top, wtop))
+
+
+def test_logprobs_choices_echo_and_controls_over_each_protocol(served, local):
+    """``n`` choices (seeded: seed, seed + 1), ``logprobs`` in OpenAI's completions and
+    chat shapes and the generate extension's, ``echo``, the penalties and logit_bias:
+    each equal to what the engine's own API gives for the same request."""
+    url = served.url
+    ids = ByteTokenizer().encode(PROMPTS[0])
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 8}
+    wants = [local.generate(ids, **(sampled | {"seed": 7 + i}), logprobs=3) for i in range(2)]
+    body = {"model": "lm", "prompt": PROMPTS[0], "n": 2, "logprobs": 3, **sampled}
+    doc = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    assert doc["usage"]["completion_tokens"] == sum(len(w.tokens) for w in wants)
+    for i, (choice, want) in enumerate(zip(doc["choices"], wants)):
+        assert choice["index"] == i
+        marks = choice["logprobs"]
+        assert [_id(t) for t in marks["tokens"]] == want.tokens
+        tops = [[(_id(k), v) for k, v in top.items()] for top in marks["top_logprobs"]]
+        _close(list(zip(marks["token_logprobs"], tops)), want.logprobs)
+        lengths = [len(t) for t in marks["tokens"]]
+        assert marks["text_offset"] == [sum(lengths[:k]) for k in range(len(lengths))]
+    # Streamed: each choice's chunks, in any interleaving, add up to the same.
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as r:
+        *chunks, done = sse(r)
+    assert done == "[DONE]"
+    for i, want in enumerate(wants):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert [_id(t) for t in tokens] == want.tokens
+    # echo: the prompt, then the completion.
+    body = {"model": "lm", "prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0, "echo": True}
+    text = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert text == PROMPTS[1] + expected(local, PROMPTS[1], max_tokens=5)[1]
+    # Chat: logprobs true, top_logprobs 2.
+    messages = [{"role": "user", "content": "Hi"}]
+    from pxrt.tokenizer import render_chat
+
+    chat_ids = ByteTokenizer().encode(render_chat(demo.LM_CHAT_TEMPLATE, messages))
+    want = local.generate(chat_ids, max_tokens=6, temperature=0.0, logprobs=2)
+    body = {"model": "lm", "messages": messages, "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    content = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    content = content["choices"][0]["logprobs"]["content"]
+    assert [e["bytes"] for e in content] == [[t] if t < 128 else None for t in want.tokens]
+    got = [(e["logprob"], [(_id(a["token"]), a["logprob"]) for a in e["top_logprobs"]])
+           for e in content]  # fmt: skip
+    _close(got, want.logprobs)
+    # The generate extension: the controls and logprobs.
+    controls = {"repetition_penalty": 1.7, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+                "min_tokens": 4, "logit_bias": {"101": 3.0}, "logprobs": 1}  # fmt: skip
+    want = local.generate(ids, max_tokens=10, temperature=0.0, **controls)
+    doc = httpx.post(
+        f"{url}/v2/models/lm/generate",
+        json={"input_ids": ids, "max_tokens": 10, "temperature": 0, "parameters": controls},
+        timeout=60,
+    ).json()
+    assert doc["output_ids"] == want.tokens
+    got = [(e["logprob"], [(a["id"], a["logprob"]) for a in e["top_logprobs"]])
+           for e in doc["logprobs"]]  # fmt: skip
+    _close(got, want.logprobs)
+    assert want.tokens != local.generate(ids, max_tokens=10, temperature=0.0).tokens
 
 
 def test_openai_stream_ends_with_done(served):

@@ -96,7 +96,9 @@ def test_decoupled_streams_give_the_engines_tokens(served, local):
         dict(max_tokens=9, seed=1),
         dict(max_tokens=14, temperature=3.0, top_k=40, seed=2),
         dict(max_tokens=5),
+        dict(max_tokens=8, repetition_penalty=1.8, presence_penalty=0.5, min_tokens=3),
     ]
+    texts.append("controls")
     requests = [{"inputs": [_text_input(t)], "parameters": o} for t, o in zip(texts, options)]
     got, finals, errors = _stream(served, requests)
     assert not errors
@@ -152,8 +154,12 @@ def test_unknown_inputs_extra_elements_and_too_many_stops_are_refused(served, lo
         ([prompt, stop_ids], "stop_ids: 65 ids; at most 64"),
         ([prompt, prompt], "input 'text_input' is given twice"),
     ]
+    bad = [({"inputs": inputs}, words) for inputs, words in bad]
+    bad += [
+        ({"inputs": [prompt], "parameters": {"logprobs": 2}}, "logprobs is not given over gRPC")
+    ]
     good = {"inputs": [_text_input("ok")], "parameters": {"max_tokens": 4, "seed": 3}}
-    got, finals, errors = _stream(served, [{"inputs": inputs} for inputs, _ in bad] + [good])
+    got, finals, errors = _stream(served, [request for request, _ in bad] + [good])
     messages = sorted(errors.values())
     assert len(messages) == len(bad)
     for _, words in bad:

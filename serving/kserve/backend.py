@@ -78,7 +78,8 @@ class ServedDecoder(Protocol):
 class TokenStream(Protocol):
     """One generation as the front ends read it (``pxrt.Generation`` or a worker's
     ``RemoteGeneration``): ``async for`` its tokens, or ``listen`` and ``take``;
-    ``cancel``; then ``finish_reason`` and ``error``."""
+    ``cancel``; then ``finish_reason`` and ``error``; with ``logprobs``, each token's
+    ``token_logprobs`` (there before the token is)."""
 
     @property
     def prompt(self) -> Sized: ...
@@ -99,6 +100,11 @@ class TokenStream(Protocol):
     def listen(self, callback: Callable[[Any], None]) -> None: ...
 
     def take(self) -> list[int]: ...
+
+    def token_logprobs(self, start: int, stop: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Tokens ``start:stop``'s log-probabilities (a generation asked for them):
+        each token's and its alternatives' (id, log-probability)."""
+        ...
 
     def __aiter__(self) -> AsyncIterator[int]: ...
 

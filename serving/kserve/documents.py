@@ -93,7 +93,9 @@ def _decoder_tensors(decoder: Any, shape_key: str, type_of: Any) -> tuple[list, 
         inputs.insert(0, ("text_input", "BYTES", [1]))
     inputs += [("max_tokens", "INT32", [1]), ("temperature", "FP32", [1]),
                ("top_k", "INT32", [1]), ("top_p", "FP32", [1]), ("seed", "INT64", [1]),
-               ("stop_ids", "INT32", [-1]), ("prefix_cache", "BOOL", [1])]  # fmt: skip
+               ("stop_ids", "INT32", [-1]), ("prefix_cache", "BOOL", [1]),
+               ("presence_penalty", "FP32", [1]), ("frequency_penalty", "FP32", [1]),
+               ("repetition_penalty", "FP32", [1]), ("min_tokens", "INT32", [1])]  # fmt: skip
     if text:
         inputs.append(("stop", "BYTES", [-1]))
     outputs = [("output_ids", "INT32", [-1])]

@@ -7,12 +7,18 @@ completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
   artifact's tokenizer) or ``input_ids`` (token ids); options at the top level or under
   ``parameters``: ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
   ``stop`` (strings), ``stop_ids``, ``prefix_cache`` (false: this prompt neither uses
-  nor fills the prefix cache), ``timeout`` (the generation's deadline in
+  nor fills the prefix cache), the sampling controls (``presence_penalty``,
+  ``frequency_penalty``, ``repetition_penalty``, ``min_tokens``, ``logit_bias``),
+  ``logprobs`` (0-20: each token's log-probability and that many alternatives, in
+  ``logprobs`` beside ``output_ids``), ``timeout`` (the generation's deadline in
   microseconds from arrival, as for inference: when it passes, the generation is
   cancelled and answered as a 504 / a last error event, the tokens before it sent).
 - ``POST /v1/completions`` and ``/v1/chat/completions`` (``messages`` rendered by the
   artifact's chat template; ``stream`` for server-sent events ending in ``data:
-  [DONE]``) and ``GET /v1/models``, as OpenAI's client expects them.
+  [DONE]``) and ``GET /v1/models``, as OpenAI's client expects them: ``n`` choices,
+  ``logprobs`` (completions: a count; chat: ``logprobs`` and ``top_logprobs``), ``echo``
+  (completions), the penalties, ``logit_bias``, ``max_completion_tokens`` (chat), and
+  vLLM's ``repetition_penalty`` and ``min_tokens``.
 
 A bad request is a 400 JSON error naming what is wrong; a full queue a 429 with
 Retry-After; once a stream has started, an error is its last event. A client that hangs
@@ -41,7 +47,12 @@ if TYPE_CHECKING:
     from ..options import GenerationLimits
     from .backend import Backend, ServedDecoder, TokenStream
 
-OPTIONS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids", "prefix_cache")
+OPTIONS = (
+    "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids", "prefix_cache",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+)  # fmt: skip
+# The JSON protocols' options besides (gRPC's one-element tensors carry neither).
+JSON_OPTIONS = (*OPTIONS, "logprobs", "logit_bias")
 SSE = "text/event-stream"
 
 
@@ -60,8 +71,26 @@ class Prompt:
         self.options = options
         self.stop = stop
         self.text = text  # answer with text (the prompt was text or a tokenizer exists)
+        self.echo: str | None = None  # (completions' echo) the prompt's text to answer
         self.timeout_s = timeout_s  # its deadline, from arrival (None: none)
         self.timer: Any = None  # the deadline's timer once started
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether its tokens come with their log-probabilities."""
+        return self.options.get("logprobs") is not None
+
+    def choice(self, i: int) -> Prompt:
+        """The ``i``-th of ``n`` choices: the same request with its own seed (the
+        next, given one: seeded choices are reproducible, and differ)."""
+        options = self.options
+        if i and options.get("seed") is not None:
+            seed = options["seed"]
+            if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32:
+                options = options | {"seed": (seed + i) % 2**32}
+        choice = Prompt(self.ids, options, self.stop, self.text, self.timeout_s)
+        choice.echo = self.echo
+        return choice
 
 
 def invalid(message: str) -> core.InvalidRequest:
@@ -138,7 +167,7 @@ async def _body(request: Request, server: Backend) -> dict:
 
 
 def _options(source: Mapping[str, Any], limits: GenerationLimits) -> dict:
-    options = {k: source[k] for k in OPTIONS if source.get(k) is not None}
+    options = {k: source[k] for k in JSON_OPTIONS if source.get(k) is not None}
     stop_ids = options.get("stop_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
@@ -169,14 +198,8 @@ def parse_kserve(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -
 # it (what clients send as defaults); any other value is a 400 naming the field, never
 # silently ignored. Fields in neither table nor the ones parsed are refused as unknown.
 _NOT_HONOURED: dict[str, tuple] = {
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "functions": ([],),
@@ -191,8 +214,9 @@ _NOT_HONOURED: dict[str, tuple] = {
 }
 # Fields accepted and not acted on: they ask nothing of the model's answer.
 _INFORMATIONAL = ("user", "metadata", "service_tier", "stream_options")
-_COMPLETIONS = ("model", "prompt", "n", "stream", "stop", "timeout", *OPTIONS)
-_CHAT = ("model", "messages", "n", "stream", "stop", "timeout", "max_completion_tokens", *OPTIONS)
+_COMPLETIONS = ("model", "prompt", "n", "stream", "stop", "timeout", "echo", *JSON_OPTIONS)
+_CHAT = ("model", "messages", "n", "stream", "stop", "timeout", "max_completion_tokens",
+         "top_logprobs", *JSON_OPTIONS)  # fmt: skip
 
 
 def _check_fields(body: dict, known: tuple[str, ...]) -> None:
@@ -204,6 +228,34 @@ def _check_fields(body: dict, known: tuple[str, ...]) -> None:
             raise invalid(f"unknown field {field!r:.60}")
         if not any(v == value and isinstance(v, bool) == isinstance(value, bool) for v in noop):
             raise invalid(f"{field} is not supported by this server, got {value!r:.80}")
+
+
+def choices(body: dict, limits: GenerationLimits) -> int:
+    """An OpenAI request's ``n``: how many completions it asks for."""
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= limits.max_choices):
+        raise invalid(
+            f"n must be an integer from 1 to {limits.max_choices} (pxrt serve --max-choices), "
+            f"got {n!r:.40}"
+        )
+    return n
+
+
+def echoed(body: dict) -> bool:
+    """A completions request's ``echo``: answer with the prompt before the completion."""
+    echo = body.get("echo", False)
+    if echo is None:
+        return False
+    if not isinstance(echo, bool):
+        raise invalid(f"echo must be true or false, got {echo!r:.40}")
+    if echo and body.get("logprobs") is not None:
+        raise invalid(
+            "echo with logprobs: the prompt's tokens' log-probabilities are not computed; "
+            "ask for one or the other"
+        )
+    return echo
 
 
 def parse_openai(
@@ -225,15 +277,16 @@ def parse_openai(
         ids = _ids(prompt, "prompt")
     else:
         raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
-    n = body.get("n", 1)
-    if n != 1:
-        raise invalid(f"n must be 1 (one completion per request), got {n!r:.40}")
     options = {"max_tokens": 16, "temperature": 1.0} | _options(body, limits)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid(f"stream must be true or false, got {stream!r:.40}")
     stop = _stop_strings(body.get("stop"), limits)
-    return Prompt(ids, options, stop, True, codec.timeout_s(body.get("timeout"), "timeout")), stream
+    parsed = Prompt(ids, options, stop, True, codec.timeout_s(body.get("timeout"), "timeout"))
+    if echoed(body):
+        decode = getattr(decoder.tokenizer, "decode", None)
+        parsed.echo = prompt if isinstance(prompt, str) else decode(ids) if decode else None
+    return parsed, stream
 
 
 async def start(server: Backend, name: str, prompt: Prompt) -> TokenStream:
@@ -252,13 +305,15 @@ async def start(server: Backend, name: str, prompt: Prompt) -> TokenStream:
 
 
 class Piece:
-    """One step of a generation as the protocols see it."""
+    """One step of a generation as the protocols see it: its token ids, their text,
+    and (asked for) their log-probabilities (``pxrt.Generation.token_logprobs``)."""
 
-    __slots__ = ("ids", "text")
+    __slots__ = ("ids", "text", "logprobs")
 
-    def __init__(self, ids: list[int], text: str) -> None:
+    def __init__(self, ids: list[int], text: str, logprobs: list | None = None) -> None:
         self.ids = ids
         self.text = text
+        self.logprobs = logprobs
 
 
 class Pieces:
@@ -266,7 +321,7 @@ class Pieces:
     characters, cut at a stop string, which ends the generation with reason ``stop``),
     one token at a time, whoever reads them (``pieces``, or a callback)."""
 
-    __slots__ = ("gen", "prompt", "text", "stopped")
+    __slots__ = ("gen", "prompt", "text", "stopped", "count")
 
     def __init__(self, decoder: ServedDecoder, gen: TokenStream, prompt: Prompt) -> None:
         from pxrt.tokenizer import TextStream
@@ -277,12 +332,15 @@ class Pieces:
             TextStream(decoder.tokenizer, prompt.stop) if decoder.tokenizer is not None else None
         )
         self.stopped = False  # a stop string came: take no more tokens
+        self.count = 0  # tokens made into pieces
 
     def piece(self, token: int) -> Piece:
         text = self.text
+        i = self.count = self.count + 1
+        scores = self.gen.token_logprobs(i - 1, i) if self.prompt.logprobs else None
         if text is None:
-            return Piece([token], "")
-        piece = Piece([token], text.push(token))
+            return Piece([token], "", scores)
+        piece = Piece([token], text.push(token), scores)
         if text.stopped:
             self.stopped = True
             self.gen.cancel(STOP)  # (the piece holds the token that completed it)
@@ -295,9 +353,13 @@ class Pieces:
 
     def close(self) -> None:
         """The reader is done: the deadline is disarmed, the generation ended."""
-        if self.prompt.timer is not None:
-            self.prompt.timer.cancel()
-        self.gen.cancel()
+        self.close_of(self.prompt, self.gen)
+
+    @staticmethod
+    def close_of(prompt: Prompt, gen: TokenStream) -> None:
+        if prompt.timer is not None:
+            prompt.timer.cancel()
+        gen.cancel()
 
 
 async def pieces(decoder: ServedDecoder, gen: TokenStream, prompt: Prompt) -> AsyncIterator[Piece]:
@@ -323,6 +385,120 @@ def usage(gen: TokenStream) -> dict:
         "completion_tokens": n,
         "total_tokens": len(gen.prompt) + n,
     }
+
+
+def kserve_logprobs(ids: list[int], scores: list) -> list[dict]:
+    """The generate extension's ``logprobs``: per token, its id, log-probability and
+    alternatives."""
+    return [
+        {"id": t, "logprob": lp, "top_logprobs": [{"id": i, "logprob": v} for i, v in top]}
+        for t, (lp, top) in zip(ids, scores)
+    ]
+
+
+def token_text(decoder: ServedDecoder, token: int) -> str:
+    """A token's own text, for OpenAI's logprobs: ``token_id:N`` (as vLLM writes it)
+    without a tokenizer, or for a token that is not text on its own (a part of a
+    UTF-8 character): distinct tokens have distinct keys in ``top_logprobs``."""
+    decode = getattr(decoder.tokenizer, "decode", None)
+    text = decode([token]) if decode is not None else "\ufffd"
+    return f"token_id:{token}" if "\ufffd" in text else text
+
+
+class CompletionLogprobs:
+    """``/v1/completions``' ``logprobs`` of a choice, piece by piece (``text_offset``
+    runs on from ``offset``, the characters before the completion)."""
+
+    def __init__(self, decoder: ServedDecoder, offset: int = 0) -> None:
+        self.decoder = decoder
+        self.offset = offset
+
+    def of(self, ids: list[int], scores: list) -> dict:
+        doc: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}  # fmt: skip
+        for token, (lp, top) in zip(ids, scores):
+            text = token_text(self.decoder, token)
+            doc["tokens"].append(text)
+            doc["token_logprobs"].append(lp)
+            doc["top_logprobs"].append({token_text(self.decoder, i): v for i, v in top})
+            doc["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return doc
+
+
+def chat_logprobs(decoder: ServedDecoder, ids: list[int], scores: list) -> dict:
+    """``/v1/chat/completions``' ``logprobs`` of the tokens ``ids``."""
+
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(decoder, token)
+        raw = None if text.startswith("token_id:") else list(text.encode("utf-8"))
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    return {
+        "content": [
+            entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
+            for t, (lp, top) in zip(ids, scores)
+        ]
+    }
+
+
+async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of ``streams`` as they come (one stream: itself). Each is read by a
+    task of its own; leaving early cancels them, and a stream's error is raised once
+    every other one has ended."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait(item)
+        finally:
+            queue.put_nowait(end)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is end:
+                left -= 1
+            else:
+                yield item
+        for task in tasks:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def open_choices(
+    server: Backend, name: str, prompt: Prompt, n: int
+) -> list[tuple[Prompt, TokenStream]]:
+    """``n`` generations of ``prompt`` (``Prompt.choice``), submitted one after the
+    other: the first caches the prompt's start, which the others then share. A refusal
+    cancels those already started."""
+    opened: list[tuple[Prompt, TokenStream]] = []
+    try:
+        for i in range(n):
+            choice = prompt.choice(i)
+            opened.append((choice, await start(server, name, choice)))
+    except BaseException:
+        for choice, gen in opened:
+            Pieces.close_of(choice, gen)
+        raise
+    return opened
+
+
+def usage_of(gens: list[TokenStream]) -> dict:
+    """``usage`` of one request's choices: the prompt once, every choice's tokens."""
+    n = sum(gen.delivered for gen in gens)
+    prompt = len(gens[0].prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
 def _event(doc: Any) -> bytes:
@@ -356,25 +532,31 @@ class KServeCall:
     async def json(self) -> dict:
         ids: list[int] = []
         text: list[str] = []
+        scores: list = []
         async for piece in pieces(self.decoder, self.gen, self.prompt):
             ids += piece.ids
             text.append(piece.text)
+            scores += piece.logprobs or ()
         gen = self.gen
         raise_error(gen)
-        doc = self.head | {
+        doc: dict[str, Any] = self.head | {
             "output_ids": ids,
             "finish_reason": gen.finish_reason,
             "usage": usage(gen),
         }
         if self.prompt.text:
             doc["text_output"] = "".join(text)
+        if self.prompt.logprobs:
+            doc["logprobs"] = kserve_logprobs(ids, scores)
         return doc
 
     def event(self, piece: Piece) -> bytes:
         """A token's event (server-sent)."""
-        doc = self.head | {"output_ids": piece.ids}
+        doc: dict[str, Any] = self.head | {"output_ids": piece.ids}
         if self.prompt.text:
             doc["text_output"] = piece.text
+        if self.prompt.logprobs:
+            doc["logprobs"] = kserve_logprobs(piece.ids, piece.logprobs or [])
         return _event(doc)
 
     def last_event(self) -> bytes:
@@ -490,46 +672,87 @@ async def openai_completions(
     server: Backend, name: str, decoder: ServedDecoder, body: dict
 ) -> Response:
     prompt, stream = parse_openai(decoder, body, server.generation_limits)
-    gen = await start(server, name, prompt)
+    opened = await open_choices(server, name, prompt, choices(body, server.generation_limits))
+    gens = [gen for _, gen in opened]
     ident = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     head = {"id": ident, "object": "text_completion", "created": created, "model": name}
 
     # Without a tokenizer there is no text to give: the choices carry the token ids
-    # (vLLM's ``token_ids`` and ``prompt_token_ids``) and their text is null.
+    # (vLLM's ``token_ids`` and ``prompt_token_ids``) and their text is null. ``echo``:
+    # the prompt comes first (its text, or its ids before the completion's).
     ids_only = decoder.tokenizer is None
+    echo = body.get("echo") is True
 
-    def choice(text: str, finish: str | None, ids: list[int], first: bool = False) -> dict:
-        doc: dict[str, Any] = {"index": 0, "text": None if ids_only else text}
-        doc |= {"logprobs": None, "finish_reason": finish}
+    def choice(
+        i: int, text: str, finish: str | None, ids: list[int], first: bool, scores: Any
+    ) -> dict:
+        doc: dict[str, Any] = {"index": i, "text": None if ids_only else text}
+        doc |= {"logprobs": scores, "finish_reason": finish}
         if ids_only:
-            doc["token_ids"] = ids
+            doc["token_ids"] = (list(prompt.ids) if echo and first else []) + ids
             if first:
                 doc["prompt_token_ids"] = list(prompt.ids)
         return doc
 
-    if not stream:
-        text, ids = [], []
-        async for piece in pieces(decoder, gen, prompt):
+    def logprobs_of(choice_prompt: Prompt) -> CompletionLogprobs | None:
+        if not choice_prompt.logprobs:
+            return None
+        return CompletionLogprobs(decoder, len(choice_prompt.echo or "") if echo else 0)
+
+    async def whole(i: int, choice_prompt: Prompt, gen: TokenStream) -> dict:
+        text = [choice_prompt.echo or ""] if echo else []
+        ids: list[int] = []
+        scores: list = []
+        async for piece in pieces(decoder, gen, choice_prompt):
             text.append(piece.text)
             ids += piece.ids
+            scores += piece.logprobs or ()
         raise_error(gen)
-        answer = choice("".join(text), gen.finish_reason, ids, first=True)
-        return JSONResponse(head | {"choices": [answer], "usage": usage(gen)})
+        marks = logprobs_of(choice_prompt)
+        got = None if marks is None else marks.of(ids, scores)
+        return choice(i, "".join(text), gen.finish_reason, ids, True, got)
+
+    if not stream:
+        try:
+            answers = await asyncio.gather(*(whole(i, *pair) for i, pair in enumerate(opened)))
+        finally:
+            for pair in opened:
+                Pieces.close_of(*pair)
+        return JSONResponse(head | {"choices": list(answers), "usage": usage_of(gens)})
+
+    async def chunks(i: int, choice_prompt: Prompt, gen: TokenStream) -> AsyncIterator[dict]:
+        marks = logprobs_of(choice_prompt)
+        first = True
+        if echo and (choice_prompt.echo or ids_only):
+            yield choice(i, choice_prompt.echo or "", None, [], True, None)
+            first = False
+        held: list = []  # (a token whose text is held back: its scores go with the next)
+        async for piece in pieces(decoder, gen, choice_prompt):
+            held += zip(piece.ids, piece.logprobs or [None] * len(piece.ids))
+            if piece.text or (ids_only and piece.ids):
+                ids = [t for t, _ in held]
+                got = None if marks is None else marks.of(ids, [lp for _, lp in held])
+                yield choice(i, piece.text, None, piece.ids, first, got)
+                first, held = False, []
+        raise_error(gen)
+        yield choice(i, "", gen.finish_reason, [], first, None)
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            first = True
-            async for piece in pieces(decoder, gen, prompt):
-                if piece.text or (ids_only and piece.ids):
-                    yield _event(head | {"choices": [choice(piece.text, None, piece.ids, first)]})
-                    first = False
-            raise_error(gen)
-            last = choice("", gen.finish_reason, [], first)
-            yield _event(head | {"choices": [last], "usage": usage(gen)})
+            last: dict = {}
+            async for doc in merged([chunks(i, *pair) for i, pair in enumerate(opened)]):
+                if len(opened) == 1 and doc["finish_reason"] is not None:
+                    last = doc  # (answered with the usage, as before)
+                    continue
+                yield _event(head | {"choices": [doc]})
+            yield _event(head | {"choices": [last] if last else [], "usage": usage_of(gens)})
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
             yield _error_event(exc)
+        finally:
+            for pair in opened:
+                Pieces.close_of(*pair)
 
     return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
@@ -565,45 +788,82 @@ def parse_chat(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> 
         text = render_chat(decoder.chat_template, messages)
     except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
         raise invalid(f"the chat template failed on these messages: {exc}") from None
-    fields = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens")}
+    fields = {
+        k: v
+        for k, v in body.items()
+        if k not in ("messages", "max_completion_tokens", "top_logprobs", "logprobs")
+    }
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise invalid(f"logprobs must be true or false, got {wanted!r:.40}")
+    if top is not None and not wanted:
+        raise invalid("top_logprobs needs logprobs: true")
+    if wanted:
+        fields["logprobs"] = 0 if top is None else top
+        if isinstance(top, bool) or not isinstance(top, int):
+            raise invalid(f"top_logprobs must be an integer from 0 to 20, got {top!r:.40}")
     return parse_openai(decoder, {**fields, "prompt": text}, limits)
 
 
 @openai_endpoint
 async def openai_chat(server: Backend, name: str, decoder: ServedDecoder, body: dict) -> Response:
     prompt, stream = parse_chat(decoder, body, server.generation_limits)
-    gen = await start(server, name, prompt)
+    opened = await open_choices(server, name, prompt, choices(body, server.generation_limits))
+    gens = [gen for _, gen in opened]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
 
-    if not stream:
-        text = [piece.text async for piece in pieces(decoder, gen, prompt)]
+    def scores_of(ids: list[int], scores: Any) -> dict | None:
+        return chat_logprobs(decoder, ids, scores) if prompt.logprobs else None
+
+    async def whole(i: int, choice_prompt: Prompt, gen: TokenStream) -> dict:
+        text: list[str] = []
+        ids: list[int] = []
+        scores: list = []
+        async for piece in pieces(decoder, gen, choice_prompt):
+            text.append(piece.text)
+            ids += piece.ids
+            scores += piece.logprobs or ()
         raise_error(gen)
         message = {"role": "assistant", "content": "".join(text)}
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": gen.finish_reason,
-        }
+        return {"index": i, "message": message, "logprobs": scores_of(ids, scores),
+                "finish_reason": gen.finish_reason}  # fmt: skip
+
+    if not stream:
+        try:
+            answers = await asyncio.gather(*(whole(i, *pair) for i, pair in enumerate(opened)))
+        finally:
+            for pair in opened:
+                Pieces.close_of(*pair)
         return JSONResponse(
-            head | {"object": "chat.completion", "choices": [choice], "usage": usage(gen)}
+            head | {"object": "chat.completion", "choices": list(answers), "usage": usage_of(gens)}
         )
 
-    def chunk(delta: dict, finish: str | None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(i: int, delta: dict, finish: str | None, scores: Any = None) -> bytes:
+        choice = {"index": i, "delta": delta, "logprobs": scores, "finish_reason": finish}
         return _event(head | {"object": "chat.completion.chunk", "choices": [choice]})
+
+    async def chunks(i: int, choice_prompt: Prompt, gen: TokenStream) -> AsyncIterator[bytes]:
+        yield chunk(i, {"role": "assistant", "content": ""}, None)
+        held: list = []  # (a token whose text is held back: its scores go with the next)
+        async for piece in pieces(decoder, gen, choice_prompt):
+            held += zip(piece.ids, piece.logprobs or [None] * len(piece.ids))
+            if piece.text:
+                got = scores_of([t for t, _ in held], [lp for _, lp in held])
+                yield chunk(i, {"content": piece.text}, None, got)
+                held = []
+        raise_error(gen)
+        yield chunk(i, {}, gen.finish_reason)
 
     async def events() -> AsyncIterator[bytes]:
         try:
-            yield chunk({"role": "assistant", "content": ""}, None)
-            async for piece in pieces(decoder, gen, prompt):
-                if piece.text:
-                    yield chunk({"content": piece.text}, None)
-            raise_error(gen)
-            yield chunk({}, gen.finish_reason)
+            async for data in merged([chunks(i, *pair) for i, pair in enumerate(opened)]):
+                yield data
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
             yield _error_event(exc)
+        finally:
+            for pair in opened:
+                Pieces.close_of(*pair)
 
     return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 

@@ -118,6 +118,11 @@ def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Pr
         else:
             fields[name] = values[0]
     for key, value in message.parameters.items():
+        if key in ("logprobs", "logit_bias"):
+            raise generation.invalid(
+                f"{key} is not given over gRPC (its responses carry the tokens and their "
+                "text): ask over HTTP (the generate extension or /v1)"
+            )
         fields.setdefault(key, _param(value))
     return generation.parse_kserve(decoder, fields, limits)
 

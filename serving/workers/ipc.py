@@ -186,6 +186,8 @@ class Tokens(msgspec.Struct, tag=14, array_like=True):
     tokens: list[int]
     finish_reason: str | None = None
     error: Error | None = None
+    # With logprobs: per token, [its log-probability, [[id, log-probability], ...]].
+    logprobs: list | None = None
 
 
 ToDevice = Hello | Infer | Cancel | Count | Call | Free | Generate | Stop

@@ -79,12 +79,13 @@ class RemoteGeneration:
     ``prompt`` and ``delivered``."""
 
     __slots__ = ("gid", "prompt", "tokens", "finish_reason", "error", "delivered", "_link",
-                 "_waiter", "_accepted", "_loop", "listener")  # fmt: skip
+                 "_waiter", "_accepted", "_loop", "listener", "logprobs")  # fmt: skip
 
     def __init__(self, gid: int, prompt: list[int], link: DeviceLink) -> None:
         self.gid = gid
         self.prompt = prompt
         self.tokens: list[int] = []
+        self.logprobs: list = []  # with logprobs: as the device process sent them
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.delivered = 0  # tokens its reader has taken
@@ -135,6 +136,10 @@ class RemoteGeneration:
         self.delivered += len(tokens)
         return tokens
 
+    def token_logprobs(self, start: int, stop: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """As ``pxrt.Generation.token_logprobs``."""
+        return [(lp, [(t, v) for t, v in top]) for lp, top in self.logprobs[start:stop]]
+
     def on_tokens(self, message: ipc.Tokens) -> bool:
         """News from the device process; True once it has ended."""
         if not self._accepted.done():
@@ -144,6 +149,8 @@ class RemoteGeneration:
             self._accepted.set_result(None)
         if self.finish_reason is not None:  # cancelled here: what still came is dropped
             return message.finish_reason is not None
+        if message.logprobs:
+            self.logprobs += message.logprobs
         self.tokens += message.tokens
         if message.finish_reason is not None:
             self.finish_reason = message.finish_reason

@@ -216,8 +216,11 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
         in one write with everything else sent in that turn), then its end."""
         error = None
         try:
+            scored = gen.logprobs is not None
             async for token in gen:
-                self.send(ipc.Tokens(gid, [token]))
+                n = gen.delivered
+                scores = gen.token_logprobs(n - 1, n) if scored else None
+                self.send(ipc.Tokens(gid, [token], logprobs=scores))
         except asyncio.CancelledError:
             gen.cancel()
             raise
