@@ -56,6 +56,7 @@ def load_decoder(
     prefix_block: int = PREFIX_BLOCK,
     chunk_tokens: int | None = None,
     step_slots: Sequence[int] | None = None,
+    speculative_tokens: int = 0,
     max_waiting: int = 1024,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
@@ -80,6 +81,12 @@ def load_decoder(
     cache rows kept on the devices in blocks of ``prefix_block`` (default: half as many
     as the slots hold; 0: off), so a prompt that starts as an earlier one did
     prefills only the rest.
+
+    ``speculative_tokens`` (decoders with ``extend``; default 0: off): when every busy
+    slot decodes greedily, the loop drafts up to that many tokens per slot from its own
+    text (prompt lookup: what followed the last occurrence of its last tokens) and
+    verifies them all in one ``extend`` over the slots; the tokens are those greedy
+    decoding gives, more of them per program on repetitive text.
 
     ``distributed`` (a ``pxrt.multihost.Distributed``): one process of a multi-host
     group, the cache sharded over every process's devices; process 0 gets the
@@ -108,6 +115,14 @@ def load_decoder(
         chunks, chunk_rows, prefix_cache_tokens = [], [], 0
     prefix = _prefix_pool(art, slots, max_length, chunks, prefix_cache_tokens, prefix_block)
     parts = _step_slots(art, slots, len(devices), step_slots, distributed is not None)
+    speculative_tokens = int_in("speculative_tokens", speculative_tokens, 0, max_length - 2)
+    if speculative_tokens and (
+        not chunks or distributed is not None or "num_devices" in art.config
+    ):
+        raise ValueError(
+            f"speculative_tokens: {art.name!r} cannot verify drafts: that takes an extend "
+            "program with symbolic shapes (export_decoder(extend=...)), in one process"
+        )
     max_waiting = int_in("max_waiting", max_waiting, 1, None)
     if chunk_tokens is not None:
         chunk_tokens = int_in("chunk_tokens", chunk_tokens, 1, None)
@@ -126,6 +141,7 @@ def load_decoder(
             prefix=prefix,
             rows=chunk_rows,
             step_slots=parts,
+            speculate=speculative_tokens,
         )
         params_dev = programs.place(art.params)
         jobs = programs.jobs(lengths, batches, chunks, chunk_rows)
@@ -179,6 +195,8 @@ def load_decoder(
         parts=got.parts,
         move=got.move,
         control=got.control,
+        verify=got.verify,
+        speculative_tokens=got.verify_width,
         slots=slots,
         max_length=max_length,
         max_waiting=max_waiting,
@@ -369,11 +387,14 @@ class DecoderPrograms:
         prefix: tuple[int, int] | None = None,
         rows: Sequence[int] = (),
         step_slots: Sequence[int] = (),
+        speculate: int = 0,
     ) -> None:
         self.art, self.devices = art, devices
         self.slots, self.max_length = slots, max_length
         self.in_group = in_group
         self.vocab = int(art.config["vocab"])
+        #: Draft tokens the verify program checks per slot (0: none).
+        self.speculate = speculate
         #: The smaller steps' slot counts (multiples of the devices, under ``slots``):
         #: each device steps the first ``n / devices`` of its slots.
         self.step_slots = sorted(set(step_slots) - {slots})
@@ -435,6 +456,17 @@ class DecoderPrograms:
             for n in self.step_slots
         }
         self._move_jit = jax.jit(self._move, donate_argnums=(0,), out_shardings=state_sharding)
+        self._verify_jit = jax.jit(
+            jax.shard_map(
+                self._verify,
+                mesh=mesh,
+                in_specs=(P(), by_slot_specs, P(BATCH_AXIS)),
+                out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
+                check_vma=False,
+            ),
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
+        )
         self._prefill_jit = jax.jit(
             self._prefill_insert,
             donate_argnums=(1,),
@@ -476,6 +508,8 @@ class DecoderPrograms:
         todo = [("state", 0, 0), ("step", 0, 0)]
         if not self.in_group:  # (a group's followers run the step and prefills only)
             todo.append(("control", 0, 0))
+        if self.speculate:
+            todo.append(("verify", 0, self.speculate))
         if self.step_slots:
             todo += [("step", n, 0) for n in self.step_slots] + [("move", 0, 0)]
         todo += [("prefill", b, n) for n in lengths for b in batches]
@@ -499,6 +533,9 @@ class DecoderPrograms:
         if what == "move":
             s = self.slots
             return self._move_jit.lower(self.shapes, ints(s), ints(s))
+        if what == "verify":
+            drafts = jax.ShapeDtypeStruct((self.slots, n), jnp.int32, sharding=self.by_slot)
+            return self._verify_jit.lower(self.param_specs, self.shapes, drafts)
         if what == "control":
             c = sampling
             return self._control_jit.lower(
@@ -544,6 +581,7 @@ class DecoderPrograms:
             "step": "the decode step" + (f" over {b} slots" if b else ""),
             "move": "the slot move",
             "control": "the sampling controls' insert",
+            "verify": f"the draft verification of {n} tokens",
             "pool": "the empty prefix pool",
             "load": "the prefix copy",
             "save": "the prefix save",
@@ -633,6 +671,33 @@ class DecoderPrograms:
             lambda a, p: lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), state, part
         )
         return state, tokens, scores
+
+    def _verify(
+        self, params: Any, state: dict, drafts: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """Speculative decoding's step, greedy: each slot's next input token and its
+        ``k`` drafts (-1: none) through ``extend`` at the slot's position; the greedy
+        token after each; the drafts accepted (those equal to the greedy token before
+        them, up to the first that is not). Returns the state (next input token: the
+        greedy one after the last accepted draft), the greedy tokens ``[slots, k + 1]``
+        (the first ``accepted + 1`` of a slot are its new tokens) and ``accepted``. The
+        rows written past the accepted drafts are rewritten by the steps that reach
+        those positions before anything reads them."""
+        c = sampling
+        ints = state["ints"]
+        k = drafts.shape[1]
+        # (a busy slot has room for k more; another's rows are not read)
+        start = jnp.minimum(ints[:, c.POS], self.max_length - 1 - k)
+        tokens = jnp.concatenate([ints[:, c.TOK][:, None], jnp.maximum(drafts, 0)], axis=1)
+        cache, logits = self.art.extend_for(*tokens.shape).call(
+            params, state["cache"], tokens, start
+        )
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        agree = (greedy[:, :k] == drafts).astype(jnp.int32)
+        accepted = jnp.cumprod(agree, axis=1).sum(axis=1)
+        last = jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0]
+        ints = ints.at[:, c.TOK].set(last).at[:, c.POS].set(start + accepted + 1)
+        return state | {"cache": cache, "ints": ints}, greedy, accepted
 
     def _control(
         self,
@@ -825,6 +890,9 @@ class _Obtained:
     #: Writes a slot's sampling controls (none in a multi-host group).
     control: Any = None
     max_length: int = 0
+    #: Speculative decoding's verify program (drafts of ``verify_width``), or None.
+    verify: Any = None
+    verify_width: int = 0
 
     def warm_up(self, params: Any, slots: int) -> None:
         """One run of each program (on the zero state: no slot is busy, every row is
@@ -869,6 +937,9 @@ class _Obtained:
         if self.move is not None:
             none = np.full(slots, slots, np.int32)
             state = self.move(state, none, none)
+        if self.verify is not None:
+            k = self.verify_width
+            state, _, _ = self.verify(params, state, np.full((slots, k), -1, np.int32))
         state, first, _ = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
 
@@ -936,6 +1007,8 @@ def _obtain_all(
         got[("move", 0, 0)][0] if programs.step_slots else None,
         got[("control", 0, 0)][0] if ("control", 0, 0) in got else None,
         programs.max_length,
+        got[("verify", 0, programs.speculate)][0] if programs.speculate else None,
+        programs.speculate,
     )
 
 

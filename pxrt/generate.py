@@ -71,7 +71,10 @@ __all__ = [
 
 log = logging.getLogger("pxrt")
 
-_PREFILL, _STEP = 0, 1
+_PREFILL, _STEP, _VERIFY = 0, 1, 2
+# Speculative decoding's measure of whether it pays: a moving average's weight, and how
+# many turns run plain steps between two verifies while it does not.
+_EMA, _PROBE = 0.1, 32
 #: What ``Decoder.drain_timings`` returns durations of (seconds).
 TIMINGS = ("step", "prefill", "ttft", "tpot")
 
@@ -104,6 +107,41 @@ class PrefixPool:
     rows: int
     width: int
     pool: Any = dataclasses.field(default=None, repr=False)
+
+
+class PromptLookup:
+    """Speculative decoding's drafts for one generation, by prompt lookup: the tokens
+    that followed the last earlier occurrence of its text's last 3 tokens (else 2), its
+    text being the prompt and the tokens generated so far. Each n-gram is indexed once,
+    as the text grows, so a draft costs a dictionary lookup."""
+
+    __slots__ = ("text", "after", "prompt", "hit")
+
+    def __init__(self, prompt: np.ndarray) -> None:
+        self.hit = False  # its last draft found something
+        self.text: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> where the next token is
+        self.prompt = len(prompt)
+        self._extend(prompt.tolist())
+
+    def _extend(self, tokens: list[int]) -> None:
+        text, after = self.text, self.after
+        for token in tokens:
+            end = len(text)  # the n-grams ending at the last token are followed by this
+            if end >= 2:
+                after[(text[-2], text[-1])] = end
+                if end >= 3:
+                    after[(text[-3], text[-2], text[-1])] = end
+            text.append(token)
+
+    def draft(self, generated: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to try after ``generated`` (the generation's tokens)."""
+        self._extend(generated[len(self.text) - self.prompt :])
+        text = self.text
+        at = self.after.get(tuple(text[-3:])) if len(text) >= 3 else None
+        if at is None and len(text) >= 2:
+            at = self.after.get((text[-2], text[-1]))
+        return [] if at is None else text[at : at + k]
 
 
 @dataclasses.dataclass
@@ -145,6 +183,8 @@ class Decoder:
         parts: dict[int, Any] | None = None,
         move: Any = None,
         control: Any = None,
+        verify: Any = None,
+        speculative_tokens: int = 0,
         slots: int,
         max_length: int,
         max_waiting: int,
@@ -199,6 +239,15 @@ class Decoder:
         self._steps[self._rows_per_device] = step
         self._move = move
         self._control = control
+        # Speculative decoding (prompt lookup, greedy): the verify program and the
+        # drafts it takes per slot (0: off).
+        self._verify = verify
+        self.speculative_tokens = speculative_tokens if verify is not None else 0
+        # Whether it pays, measured as it runs (moving averages): the tokens a verify
+        # gives per busy slot beyond the step's one, and the time between two verifies
+        # and between two steps read. While 1 + gain < verify / step time, plain steps
+        # run, with a verify every ``_PROBE`` turns to measure again.
+        self._spec = {"gain": 1.0, "verify_s": 0.0, "step_s": 0.0, "skip": 0}
         # A generation that wants log-probabilities was admitted: steps read their
         # scores while a slot of theirs wants them.
         self._scoring = False
@@ -242,6 +291,9 @@ class Decoder:
             "moves": 0,
             "prompt_tokens": 0,
             "prefix_hit_tokens": 0,
+            "verifies": 0,
+            "drafted_tokens": 0,
+            "accepted_tokens": 0,
         }
         #: Outcome -> generations that ended so (stop, length, cancelled, deadline, error).
         self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, DEADLINE, ERROR), 0)
@@ -593,8 +645,13 @@ class Decoder:
                 budget = self.chunk_tokens
                 while self._chunking and budget > 0:
                     budget -= self._extend(budget)
+                drafts = None
+                if self.speculative_tokens and table.busy and not self._chunking:
+                    drafts = self._drafts()
                 stepped = table.busy > 0
-                if stepped:
+                if drafts is not None:
+                    self._dispatch_verify(drafts)
+                elif stepped:
                     self._dispatch_step()
                 while len(pending) > stepped:
                     self._read(pending[0])
@@ -884,6 +941,103 @@ class Decoder:
         self.counters["busy_slot_steps"] += busy
         self.counters["stepped_slots"] += len(owners)
 
+    def _drafts(self) -> np.ndarray | None:
+        """Speculative decoding: each busy slot's drafts (prompt lookup: what followed
+        the last earlier occurrence of its last 3, else 2, tokens), ``[slots, k]``,
+        -1 past a slot's; or None: a plain step instead (a busy slot samples, has
+        controls or logprobs, or lacks room in the cache for k more; or no slot has a
+        draft). The programs in flight are read first: drafts continue the tokens."""
+        k = self.speculative_tokens
+        spec = self._spec
+        if spec["verify_s"] and spec["step_s"]:
+            if (1 + spec["gain"]) * spec["step_s"] < spec["verify_s"]:
+                spec["skip"] += 1
+                if spec["skip"] < _PROBE:
+                    return None
+            spec["skip"] = 0
+        owners = self._table.owners
+        for gen in owners:
+            if gen is not None and (
+                gen.temperature >= MIN_TEMPERATURE
+                or gen.controls is not None
+                or gen.logprobs is not None
+            ):
+                return None
+        if not any(g is not None and g.lookup is not None and g.lookup.hit for g in owners):
+            # No slot found a draft last time: the step in flight is not waited for
+            # unless one might (a slot new to the lookup).
+            if all(g is None or g.lookup is not None for g in owners):
+                for gen in owners:
+                    if gen is not None:
+                        gen.lookup.hit = bool(gen.lookup.draft(gen.tokens, k))
+                if not any(g is not None and g.lookup.hit for g in owners):
+                    return None
+        pending = self._pending
+        while pending:
+            self._read(pending[0])
+            pending.popleft()
+        drafts = np.full((self.slots, k), -1, np.int32)
+        found = False
+        for slot, gen in enumerate(owners):
+            if gen is None:
+                continue
+            if len(gen.prompt) + len(gen.tokens) + k > self.max_length:
+                return None
+            lookup = gen.lookup
+            if lookup is None:
+                lookup = gen.lookup = PromptLookup(gen.prompt)
+            draft = lookup.draft(gen.tokens, k)
+            lookup.hit = bool(draft)
+            if draft:
+                drafts[slot, : len(draft)] = draft
+                found = True
+        return drafts if found else None
+
+    def _dispatch_verify(self, drafts: np.ndarray) -> None:
+        busy = self._table.busy
+        (self._state, tokens, accepted), sync = self._launch(
+            -1, self._verify, self._params, self._state, drafts
+        )
+        tokens.copy_to_host_async()
+        accepted.copy_to_host_async()
+        owners = self._table.dispatch()
+        self._pending.append((_VERIFY, tokens, owners, 0.0, accepted, sync))
+        counters = self.counters
+        counters["steps"] += 1
+        counters["verifies"] += 1
+        counters["busy_slot_steps"] += busy
+        counters["stepped_slots"] += self.slots
+        counters["drafted_tokens"] += int((drafts >= 0).sum())
+
+    def _route_verified(
+        self, tokens: np.ndarray, accepted: np.ndarray, owners: list, now: float,
+        woken: list, finished: list,
+    ) -> int:  # fmt: skip
+        """A verify program's tokens: a slot's first ``accepted + 1``, column by column
+        (stop conditions apply to each)."""
+        accepted = np.asarray(accepted)
+        routed = 0
+        for j in range(tokens.shape[1]):
+            column = [
+                g if g is not None and accepted[i] >= j else None for i, g in enumerate(owners)
+            ]
+            if not any(g is not None for g in column):
+                break
+            routed += self._table.route(
+                np.ascontiguousarray(tokens[:, j]), column, now, woken, finished
+            )
+        busy = 0
+        gained = 0
+        for i, gen in enumerate(owners):
+            if gen is not None:
+                gen.dispatched += int(accepted[i])  # (dispatch counted one)
+                gained += int(accepted[i])
+                busy += 1
+        self.counters["accepted_tokens"] += gained
+        spec = self._spec
+        spec["gain"] += _EMA * (gained / max(busy, 1) - spec["gain"])
+        return routed
+
     def _compact(self) -> int:
         """The rows per device the next step runs: the fewest compiled that hold every
         device's busy slots. When fewer would hold them than the busy slots' rows reach,
@@ -957,19 +1111,26 @@ class Decoder:
         finished: list = []
         now = time.perf_counter()
         timings = self._timings
-        if scores is not None:  # (each before its token: whoever reads one has both)
+        if scores is not None and kind != _VERIFY:  # (each before its token: both read)
             rows = np.asarray(scores)
             for i, gen in enumerate(owners):
                 if gen is not None and gen.logprobs is not None and gen.finish_reason is None:
                     gen.logprobs.append(rows[i])
-        if kind == _STEP:
-            routed = self._table.route(tokens, owners, now, woken, finished)
-            if self._last_step:
-                timings["step"].append(now - self._last_step)
-            self._last_step = now
-        else:
+        if kind == _PREFILL:
             routed = self._table.first(tokens, owners, now, woken, finished)
             timings["prefill"].append(now - t0)
+        else:
+            if kind == _VERIFY:  # (``scores``: how many drafts each slot accepted)
+                routed = self._route_verified(tokens, scores, owners, now, woken, finished)
+            else:
+                routed = self._table.route(tokens, owners, now, woken, finished)
+            if self._last_step:
+                timings["step"].append(now - self._last_step)
+                if self.speculative_tokens:
+                    which = "verify_s" if kind == _VERIFY else "step_s"
+                    spec = self._spec
+                    spec[which] += _EMA * (now - self._last_step - spec[which])
+            self._last_step = now
         self.counters["tokens"] += routed
         if woken:
             self._wake(woken)
@@ -1167,6 +1328,7 @@ class Decoder:
             "cache_bytes": self.cache_bytes,
             "programs": programs,
             "prefix_cache": cached if prefix is not None else None,
+            "speculative_tokens": self.speculative_tokens,
         }
 
 

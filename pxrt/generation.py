@@ -77,6 +77,7 @@ class Generation(_GenerationBase):
         "logprobs",
         "top_logprobs",
         "controls",
+        "lookup",
         "loop",
         "counted",
         "waiter",
@@ -115,6 +116,7 @@ class Generation(_GenerationBase):
         self.logprobs: list | None = None
         self.top_logprobs = 0
         self.controls: Any = None
+        self.lookup: Any = None  # (speculative decoding) its pxrt.generate.PromptLookup
         # The event loop of its async reader (set by ``__anext__``): woken there too.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.counted = False  # its outcome is in the decoder's ``outcomes``

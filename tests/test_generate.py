@@ -464,8 +464,11 @@ def test_steps_run_over_the_busy_slots_only(lm, reference):
     assert lm.step_slots[-1] == SLOTS and len(lm.step_slots) >= 2, lm.step_slots
     before = dict(lm.counters)
     # The first four end early; the last four then sit above them and move down.
+    # (All queued before the loop looks, so they take the slots in order however
+    # loaded the machine: the loop waits for the decoder's lock when idle.)
     cases = list(zip(prompts(8, seed=50), (2, 3, 4, 5, 20, 22, 24, 26)))
-    gens = [lm.submit(p, max_tokens=m) for p, m in cases]
+    with lm._cond:
+        gens = [lm.submit(p, max_tokens=m) for p, m in cases]
     assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
     c = {k: lm.counters[k] - before[k] for k in ("steps", "stepped_slots", "moves")}
     assert c["stepped_slots"] < c["steps"] * SLOTS and c["moves"] >= 1, c
@@ -473,6 +476,33 @@ def test_steps_run_over_the_busy_slots_only(lm, reference):
     assert [g.result(timeout=60).tokens for g in again] == [reference(p, m) for p, m in cases[::-1]]
     assert lm.busy_slots == 0 and sorted(lm._table.free) == list(range(SLOTS))
     assert lm.compiles_after_load == 0
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+
+def test_speculative_decoding_gives_the_greedy_tokens(lm_path, lm, reference):
+    """Prompt-lookup drafts verified by extend: greedy tokens equal plain JAX for
+    repetitive prompts (drafts accepted) and random ones batched together; a sampled
+    request among them turns speculation off while it runs, and its tokens are those of
+    the same seed without speculation."""
+    rng = np.random.default_rng(70)
+    loops = [np.tile(rng.integers(0, 256, n).astype(np.int32), 4) for n in (3, 5, 7)]
+    cases = loops + prompts(3, seed=71)
+    with pxrt.load(lm_path, speculative_tokens=4, prefix_cache_tokens=0, step_slots=()) as dec:
+        gens = [dec.submit(p, max_tokens=24) for p in cases]
+        for prompt, gen in zip(cases, gens):
+            assert gen.result(timeout=60).tokens == reference(prompt, 24)
+        accepted = dec.counters["accepted_tokens"]
+        assert dec.counters["verifies"] > 0 and accepted > 0
+        sampled = dec.submit(cases[3], max_tokens=12, temperature=2.0, seed=5)
+        greedy = dec.submit(loops[0], max_tokens=24)
+        assert greedy.result(timeout=60).tokens == reference(loops[0], 24)
+        alone = lm.generate(cases[3], max_tokens=12, temperature=2.0, seed=5)
+        assert sampled.result(timeout=60).tokens == alone.tokens
+        assert dec.compiles_after_load == 0
+    with pytest.raises(ValueError, match="speculative_tokens must be an int from 0 to 62"):
+        pxrt.load(lm_path, speculative_tokens=63)
 
 
 # --------------------------------------------------------------------------- prefix cache
