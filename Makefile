@@ -60,7 +60,7 @@ demo: $(STAMP)
 # per process. Ray Serve's module runs last and alone: it mostly waits on Ray's own
 # processes, and beside another module it took 190 s instead of 75.
 # --durations: the slowest tests of each run.
-PYTEST := $(PY) -m pytest -q --durations=20
+PYTEST := $(PY) -m pytest -q --durations=30
 XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
 SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \

@@ -54,7 +54,15 @@ def lm(lm_path):
 def long_lm(lm_path):
     """The same artifact with a long cache: generations that run for thousands of steps
     unless cancelled."""
-    dec = pxrt.load(lm_path, max_length=LONG, prefix_cache_tokens=0, step_slots=())
+    dec = pxrt.load(
+        lm_path,
+        max_length=LONG,
+        prefix_cache_tokens=0,
+        step_slots=(),
+        prefill_batches=(1,),  # (its prompts come one at a time: fewer programs)
+        chunk_lengths=(32,),
+        chunk_batches=(1,),
+    )
     yield dec
     dec.close()
 
@@ -248,6 +256,7 @@ def _log_softmax(logits):
     return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)))
 
 
+@pytest.mark.once  # (device programs: the twins change nothing they run)
 def test_logprobs_equal_a_log_softmax_in_plain_jax(lm, params):
     """Each token's log-probability and its 5 likeliest alternatives equal a
     log-softmax of the model's logits in plain JAX (<= 1e-4): prompts prefilled whole,
@@ -302,6 +311,7 @@ def _controlled(prompt, bias=None, presence=0.0, frequency=0.0, repetition=1.0, 
     return choose
 
 
+@pytest.mark.once  # (device programs: the twins change nothing they run)
 def test_controls_equal_the_same_controls_in_numpy(lm, params, reference):
     """logit_bias, the penalties and min_tokens on the device pick the tokens plain
     numpy picks from plain JAX's logits, whole and chunked prompts, batched with
@@ -489,7 +499,10 @@ def test_speculative_decoding_gives_the_greedy_tokens(lm_path, lm, reference):
     rng = np.random.default_rng(70)
     loops = [np.tile(rng.integers(0, 256, n).astype(np.int32), 4) for n in (3, 5, 7)]
     cases = loops + prompts(3, seed=71)
-    with pxrt.load(lm_path, speculative_tokens=4, prefix_cache_tokens=0, step_slots=()) as dec:
+    only = {"prefill_batches": (4,), "chunk_lengths": (8,), "chunk_batches": (1,)}
+    with pxrt.load(
+        lm_path, speculative_tokens=4, prefix_cache_tokens=0, step_slots=(), **only
+    ) as dec:
         gens = [dec.submit(p, max_tokens=24) for p in cases]
         for prompt, gen in zip(cases, gens):
             assert gen.result(timeout=60).tokens == reference(prompt, 24)
