@@ -242,11 +242,11 @@ def step_overhead(dec, steps: int = 300, repeats: int = 3) -> dict:
         # The step program alone, back to back, on the decoder's own state (idle loop).
         state = dec._state
         for _ in range(10):
-            state, tokens = dec._step(dec._params, state)
+            state, tokens, _ = dec._step(dec._params, state)
         tokens.block_until_ready()
         t0 = time.perf_counter()
         for _ in range(steps):
-            state, tokens = dec._step(dec._params, state)
+            state, tokens, _ = dec._step(dec._params, state)
         tokens.block_until_ready()
         alone.append((time.perf_counter() - t0) / steps)
         dec._state = state

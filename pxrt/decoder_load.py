@@ -197,6 +197,7 @@ def load_decoder(
         control=got.control,
         verify=got.verify,
         speculative_tokens=got.verify_width,
+        full_step=got.full_step,
         slots=slots,
         max_length=max_length,
         max_waiting=max_waiting,
@@ -423,24 +424,30 @@ class DecoderPrograms:
         # devices (21 all-gathers in the demo decoder's), which in a multi-host group
         # cross processes (milliseconds a step over gloo on CPU: docs/multihost.md).
         by_slot_specs = jax.tree.map(lambda _: P(BATCH_AXIS), self.shapes)
-        local_step = jax.shard_map(
-            self._step,
-            mesh=mesh,
-            in_specs=(P(), by_slot_specs),
-            out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
-            check_vma=False,
-        )
-        # The tokens on every device (one process reads them all) and the scores left by
-        # slot (read, from each device's share, only when a slot wants them).
-        self._step_jit = jax.jit(
-            local_step,
-            donate_argnums=(1,),
-            out_shardings=(
-                state_sharding,
-                self.by_slot if in_group else self.replicated,
-                self.by_slot,
-            ),
-        )
+
+        def whole_step(full: bool) -> Any:
+            # The tokens on every device (one process reads them all) and the scores left
+            # by slot (read, from each device's share, only when a slot wants them).
+            return jax.jit(
+                jax.shard_map(
+                    functools.partial(self._step, full=full),
+                    mesh=mesh,
+                    in_specs=(P(), by_slot_specs),
+                    out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
+                    check_vma=False,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(
+                    state_sharding,
+                    self.by_slot if in_group else self.replicated,
+                    self.by_slot,
+                ),
+            )
+
+        # The steps: without the sampling controls and scores (what runs while no busy
+        # slot has either: they cost a cond each on every step), and with them.
+        self._step_jit = whole_step(False)
+        self._full_step_jit = whole_step(True)
         self._part_jits = {
             n: jax.jit(
                 jax.shard_map(
@@ -507,7 +514,7 @@ class DecoderPrograms:
         """Every program of a load, in order: (what, batch, length)."""
         todo = [("state", 0, 0), ("step", 0, 0)]
         if not self.in_group:  # (a group's followers run the step and prefills only)
-            todo.append(("control", 0, 0))
+            todo += [("control", 0, 0), ("step", -1, 0)]
         if self.speculate:
             todo.append(("verify", 0, self.speculate))
         if self.step_slots:
@@ -528,7 +535,7 @@ class DecoderPrograms:
         if what == "state":
             return self._state_jit.lower()
         if what == "step":
-            step = self._part_jits[b] if b else self._step_jit
+            step = self._full_step_jit if b < 0 else self._part_jits[b] if b else self._step_jit
             return step.lower(self.param_specs, self.shapes)
         if what == "move":
             s = self.slots
@@ -578,7 +585,8 @@ class DecoderPrograms:
     def describe(self, what: str, b: int, n: int) -> str:
         return {
             "state": "the empty state",
-            "step": "the decode step" + (f" over {b} slots" if b else ""),
+            "step": "the decode step"
+            + (" with the sampling controls" if b < 0 else f" over {b} slots" if b else ""),
             "move": "the slot move",
             "control": "the sampling controls' insert",
             "verify": f"the draft verification of {n} tokens",
@@ -634,33 +642,42 @@ class DecoderPrograms:
         state: dict,
         index: jax.Array | None,
         cols: tuple[int, int, int, int, int],
+        full: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Each row's next token at ``position``: its controls applied to ``logits``
         (the state's control rows ``index``, or all), then sampled; with its scores
         (zeros unless a row wants them) and whether its controls apply. ``cols``: the
-        columns of ``ints`` with top-k, the seed bits, and WANT, CTRL, UNTIL."""
+        columns of ``ints`` with top-k, the seed bits, and WANT, CTRL, UNTIL.
+        ``full`` False: neither controls nor scores (zeros), whatever the rows say."""
         top_k, seed_bits, want, ctrl, until = (ints[:, i] for i in cols)
-        on = ctrl > 0
+        on = (ctrl > 0) & full
         seed = lax.bitcast_convert_type(seed_bits, jnp.uint32)
         logits = logits.astype(jnp.float32)
+        temperature, top_p = floats[:, sampling.TEMP], floats[:, sampling.TOPP]
+        if not full:
+            tokens = sample(logits, temperature, top_k, top_p, seed, position)
+            width = 1 + 2 * sampling.top_count(logits.shape[-1])
+            return tokens, jnp.zeros((logits.shape[0], width), jnp.float32), on
         adjusted = sampling.controls(logits, on, state, index, floats, position, until)
-        tokens = sample(
-            adjusted, floats[:, sampling.TEMP], top_k, floats[:, sampling.TOPP], seed, position
-        )
+        tokens = sample(adjusted, temperature, top_k, top_p, seed, position)
         return tokens, sampling.maybe_scores(logits, tokens, want), on
 
-    def _step(self, params: Any, state: dict) -> tuple[dict, jax.Array, jax.Array]:
+    def _step(
+        self, params: Any, state: dict, full: bool = False
+    ) -> tuple[dict, jax.Array, jax.Array]:
         c = sampling
         ints, floats = state["ints"], state["floats"]
         positions = jnp.minimum(ints[:, c.POS], self.max_length - 1)
         cache, logits = self.art.decode.call(params, state["cache"], ints[:, c.TOK], positions)
         following = positions + 1
-        tokens, scores, on = self._choose(
-            logits, ints, floats, following, state, None, (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
-        )
-        counts = state["counts"].at[jnp.arange(tokens.shape[0]), tokens].add(on.astype(jnp.int32))
+        cols = (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
+        tokens, scores, on = self._choose(logits, ints, floats, following, state, None, cols, full)
         ints = ints.at[:, c.TOK].set(tokens).at[:, c.POS].set(following)
-        return state | {"cache": cache, "ints": ints, "counts": counts}, tokens, scores
+        state = state | {"cache": cache, "ints": ints}
+        if full:  # (the generated tokens' counts, for the penalties)
+            rows = jnp.arange(tokens.shape[0])
+            state["counts"] = state["counts"].at[rows, tokens].add(on.astype(jnp.int32))
+        return state, tokens, scores
 
     def _step_part(self, params: Any, state: dict, rows: int) -> tuple[dict, jax.Array, jax.Array]:
         """The step over this device's first ``rows`` slots (the busy ones are kept
@@ -893,6 +910,8 @@ class _Obtained:
     #: Speculative decoding's verify program (drafts of ``verify_width``), or None.
     verify: Any = None
     verify_width: int = 0
+    #: The step with the sampling controls and scores (none in a multi-host group).
+    full_step: Any = None
 
     def warm_up(self, params: Any, slots: int) -> None:
         """One run of each program (on the zero state: no slot is busy, every row is
@@ -937,6 +956,8 @@ class _Obtained:
         if self.move is not None:
             none = np.full(slots, slots, np.int32)
             state = self.move(state, none, none)
+        if self.full_step is not None:
+            state, first, _ = self.full_step(params, state)
         if self.verify is not None:
             k = self.verify_width
             state, _, _ = self.verify(params, state, np.full((slots, k), -1, np.int32))
@@ -1009,6 +1030,7 @@ def _obtain_all(
         programs.max_length,
         got[("verify", 0, programs.speculate)][0] if programs.speculate else None,
         programs.speculate,
+        got[("step", -1, 0)][0] if ("step", -1, 0) in got else None,
     )
 
 

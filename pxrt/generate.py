@@ -185,6 +185,7 @@ class Decoder:
         control: Any = None,
         verify: Any = None,
         speculative_tokens: int = 0,
+        full_step: Any = None,
         slots: int,
         max_length: int,
         max_waiting: int,
@@ -239,6 +240,11 @@ class Decoder:
         self._steps[self._rows_per_device] = step
         self._move = move
         self._control = control
+        # The step with the sampling controls and scores, run instead of the plain ones
+        # while a busy slot has controls or wants logprobs (``_special``: one was
+        # admitted since the last step that found none).
+        self._full_step = full_step
+        self._special = False
         # Speculative decoding (prompt lookup, greedy): the verify program and the
         # drafts it takes per slot (0: off).
         self._verify = verify
@@ -865,6 +871,8 @@ class Decoder:
         ``ints`` from WANT on (WANT, CTRL, UNTIL), ``floats`` whole."""
         controls = gen.controls
         ints[0] = gen.logprobs is not None
+        if controls is not None or gen.logprobs is not None:
+            self._special = True  # (the steps that follow its first token: the full one)
         floats[sampling.TEMP] = gen.temperature
         floats[sampling.TOPP] = gen.top_p
         if controls is not None:
@@ -923,9 +931,20 @@ class Decoder:
 
     def _dispatch_step(self) -> None:
         busy = self._table.busy
-        rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
+        program = None
+        if self._special:
+            if any(
+                g is not None and (g.controls is not None or g.logprobs is not None)
+                for g in self._table.owners
+            ):
+                program, rows = self._full_step, self._rows_per_device
+            else:
+                self._special = False
+        if program is None:
+            rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
+            program = self._steps[rows]
         (self._state, tokens, scores), sync = self._launch(
-            len(self._cells), self._steps[rows], self._params, self._state
+            len(self._cells), program, self._params, self._state
         )
         tokens.copy_to_host_async()
         owners = self._table.dispatch()
@@ -1295,6 +1314,11 @@ class Decoder:
             | {"memory": memory(step)}
             for rows, step in sorted(self._steps.items(), reverse=True)
         ]
+        if self._full_step is not None:  # (while a busy slot has controls or logprobs)
+            programs.append(
+                {"program": "step", "slots": self.slots, "sampling_controls": True}
+                | {"memory": memory(self._full_step)}
+            )
         for name, cells in (("prefill_insert", self._cells), ("extend_insert", self._extends)):
             for (b, length), cell in sorted(cells.items()):
                 programs.append(
