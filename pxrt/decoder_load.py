@@ -57,6 +57,7 @@ def load_decoder(
     chunk_tokens: int | None = None,
     step_slots: Sequence[int] | None = None,
     speculative_tokens: int = 0,
+    sampling_controls: bool = True,
     max_waiting: int = 1024,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
@@ -81,6 +82,10 @@ def load_decoder(
     cache rows kept on the devices in blocks of ``prefix_block`` (default: half as many
     as the slots hold; 0: off), so a prompt that starts as an earlier one did
     prefills only the rest.
+
+    ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
+    penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
+    controls' insert).
 
     ``speculative_tokens`` (decoders with ``extend``; default 0: off): when every busy
     slot decodes greedily, the loop drafts up to that many tokens per slot from its own
@@ -124,6 +129,8 @@ def load_decoder(
             "program with symbolic shapes (export_decoder(extend=...)), in one process"
         )
     max_waiting = int_in("max_waiting", max_waiting, 1, None)
+    if not isinstance(sampling_controls, (bool, np.bool_)):
+        raise ValueError(f"sampling_controls must be true or false, got {sampling_controls!r}")
     if chunk_tokens is not None:
         chunk_tokens = int_in("chunk_tokens", chunk_tokens, 1, None)
     phases = {"read": time.perf_counter() - t0}
@@ -142,6 +149,7 @@ def load_decoder(
             rows=chunk_rows,
             step_slots=parts,
             speculate=speculative_tokens,
+            controls=bool(sampling_controls),
         )
         params_dev = programs.place(art.params)
         jobs = programs.jobs(lengths, batches, chunks, chunk_rows)
@@ -389,10 +397,14 @@ class DecoderPrograms:
         rows: Sequence[int] = (),
         step_slots: Sequence[int] = (),
         speculate: int = 0,
+        controls: bool = True,
     ) -> None:
         self.art, self.devices = art, devices
         self.slots, self.max_length = slots, max_length
         self.in_group = in_group
+        # The sampling controls' programs (a group's followers run the step and the
+        # prefills only).
+        self.controls = controls and not in_group
         self.vocab = int(art.config["vocab"])
         #: Draft tokens the verify program checks per slot (0: none).
         self.speculate = speculate
@@ -513,7 +525,7 @@ class DecoderPrograms:
     ) -> list[tuple[str, int, int]]:
         """Every program of a load, in order: (what, batch, length)."""
         todo = [("state", 0, 0), ("step", 0, 0)]
-        if not self.in_group:  # (a group's followers run the step and prefills only)
+        if self.controls:
             todo += [("control", 0, 0), ("step", -1, 0)]
         if self.speculate:
             todo.append(("verify", 0, self.speculate))

@@ -419,8 +419,9 @@ class Decoder:
         )  # fmt: skip
         if (top is not None or controls is not None) and self._control is None:
             raise ValueError(
-                f"decoder {self.name!r} is served by a multi-host group, which does not "
-                "give logprobs or apply logit_bias, penalties or min_tokens"
+                f"decoder {self.name!r} does not give logprobs or apply logit_bias, "
+                "penalties or min_tokens: it was loaded with sampling_controls=False, or "
+                "is served by a multi-host group"
             )
         gen = Generation(
             self,

@@ -62,6 +62,7 @@ def long_lm(lm_path):
         prefill_batches=(1,),  # (its prompts come one at a time: fewer programs)
         chunk_lengths=(32,),
         chunk_batches=(1,),
+        sampling_controls=False,
     )
     yield dec
     dec.close()
@@ -455,7 +456,7 @@ def test_a_concrete_shape_decoder_chunks_and_caches_prompts_too(tmp_path):
     assert programs[-1] == {"program": "extend", "cell": [1, 8], "file": "extend.1x8.jaxexport"}
     rng = np.random.default_rng(60)
     cases = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 30, 20)]
-    with pxrt.load(path, prefix_block=8, prefix_cache_tokens=48) as dec:
+    with pxrt.load(path, prefix_block=8, prefix_cache_tokens=48, sampling_controls=False) as dec:
         for prompt in cases + cases[1:2]:
             want = demo.lm_reference(prompt, 6, params, 48)
             assert dec.generate(prompt, max_tokens=6).tokens == want
@@ -501,8 +502,9 @@ def test_speculative_decoding_gives_the_greedy_tokens(lm_path, lm, reference):
     cases = loops + prompts(3, seed=71)
     only = {"prefill_batches": (4,), "chunk_lengths": (8,), "chunk_batches": (1,)}
     with pxrt.load(
-        lm_path, speculative_tokens=4, prefix_cache_tokens=0, step_slots=(), **only
-    ) as dec:
+        lm_path, speculative_tokens=4, prefix_cache_tokens=0, step_slots=(),
+        sampling_controls=False, **only,
+    ) as dec:  # fmt: skip
         gens = [dec.submit(p, max_tokens=24) for p in cases]
         for prompt, gen in zip(cases, gens):
             assert gen.result(timeout=60).tokens == reference(prompt, 24)
@@ -514,6 +516,9 @@ def test_speculative_decoding_gives_the_greedy_tokens(lm_path, lm, reference):
         alone = lm.generate(cases[3], max_tokens=12, temperature=2.0, seed=5)
         assert sampled.result(timeout=60).tokens == alone.tokens
         assert dec.compiles_after_load == 0
+        with pytest.raises(ValueError, match="loaded with sampling_controls=False"):
+            dec.submit(loops[0], logprobs=1)
+        assert not any(p.get("sampling_controls") for p in dec.describe()["programs"])
     with pytest.raises(ValueError, match="speculative_tokens must be an int from 0 to 62"):
         pxrt.load(lm_path, speculative_tokens=63)
 
@@ -1043,7 +1048,9 @@ def test_a_warm_load_runs_the_stored_programs(lm_path, reference, tmp_path):
     from pxrt import _xla
 
     cache = tmp_path / "cache"
-    load = dict(compilation_cache=str(cache), prefix_cache_tokens=0, step_slots=())
+    load = dict(
+        compilation_cache=str(cache), prefix_cache_tokens=0, step_slots=(), sampling_controls=False
+    )
     with pxrt.load(lm_path, **load) as cold:
         assert set(cold.program_sources) <= {"compiled", "cache"}
         programs = sum(cold.program_sources.values())

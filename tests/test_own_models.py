@@ -300,7 +300,7 @@ def test_a_decoder_with_position_tables_generates_like_jax(pt_path, tmp_path):
     assert manifest["bounds"] == {"seq": max(LENGTHS), "length": MAX_LENGTH}
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in (3, 9, 16, 5, 12, 1)]
-    with pxrt.load(pt_path, step_slots=()) as dec:
+    with pxrt.load(pt_path, step_slots=(), sampling_controls=False) as dec:
         streams = [dec.submit(p, max_tokens=10) for p in prompts]
         for prompt, stream in zip(prompts, streams):
             assert stream.result(timeout=60).tokens == greedy(params, prompt, 10)
@@ -351,7 +351,7 @@ def test_a_decoder_that_calls_len_exports_with_concrete_shapes(tmp_path):
     assert [p["cell"] for p in manifest["programs"]][-1] == [4 // n_dev, MAX_LENGTH]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in (2, 16, 7, 11, 4)]
-    with pxrt.load(path) as dec:
+    with pxrt.load(path, sampling_controls=False) as dec:
         streams = [dec.submit(p, max_tokens=8) for p in prompts]
         for prompt, stream in zip(prompts, streams):
             assert stream.result(timeout=60).tokens == greedy(params, prompt, 8)
@@ -384,7 +384,7 @@ def test_per_slot_turns_a_one_index_step_into_pxrts_decode(tmp_path):
     )  # fmt: skip
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in (5, 16, 1, 9, 12)]
-    with pxrt.load(path, step_slots=()) as dec:
+    with pxrt.load(path, step_slots=(), sampling_controls=False) as dec:
         streams = [dec.submit(p, max_tokens=9) for p in prompts]
         for prompt, stream in zip(prompts, streams):
             assert stream.result(timeout=60).tokens == greedy(params, prompt, 9)
@@ -399,7 +399,7 @@ def test_openai_completions_without_a_tokenizer_carry_token_ids(pt_path):
     want = greedy(params, prompt, 6)
 
     async def main():
-        dec = pxrt.load(pt_path, step_slots=())
+        dec = pxrt.load(pt_path, step_slots=(), sampling_controls=False)
         server = Server()
         server.add_decoder("pt", dec)
         transport = httpx.ASGITransport(app=create_app(server))
