@@ -24,11 +24,13 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import occupancy  # noqa: E402
 
 import pxrt  # noqa: E402
 from pxrt import demo  # noqa: E402
@@ -48,26 +50,13 @@ def workload(kind: str, n: int, max_output: int, seed: int) -> list[tuple[np.nda
 
 
 async def closed(dec, work, callers: int) -> dict:
-    record: dict = {"itl": [], "tokens": 0}
-    it = iter(work)
-
-    async def caller():
-        for prompt, m in it:
-            times = []
-            async for _ in dec.agenerate(prompt, max_tokens=m):
-                times.append(time.perf_counter())
-            record["itl"].extend(np.diff(times).tolist())
-            record["tokens"] += len(times)
-
+    """``occupancy.closed``'s tokens/s and ITL, with the drafts and accepted tokens per
+    verify."""
     c0 = dict(dec.counters)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(callers)))
-    elapsed = time.perf_counter() - t0
+    got = await occupancy.closed(dec, work, callers)
     verifies = max(dec.counters["verifies"] - c0["verifies"], 1)
     return {
-        "tok/s": record["tokens"] / elapsed,
-        "itl p50": float(np.percentile(record["itl"], 50) * 1e3),
-        "itl p99": float(np.percentile(record["itl"], 99) * 1e3),
+        **{k: got[k] for k in ("tok/s", "itl p50", "itl p99")},
         "drafted/verify": (dec.counters["drafted_tokens"] - c0["drafted_tokens"]) / verifies,
         "accepted/verify": (dec.counters["accepted_tokens"] - c0["accepted_tokens"]) / verifies,
     }

@@ -786,17 +786,7 @@ class DecoderPrograms:
             ],
         )
         rows_ints = ints.at[:, sampling.TOK].set(first).at[:, sampling.POS].set(lengths)
-        return (
-            state
-            | {
-                "cache": cache,
-                "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
-                "floats": state["floats"].at[slot].set(floats, mode="drop"),
-                "counts": state["counts"].at[slot, first].add(on.astype(jnp.int32), mode="drop"),
-            },
-            first,
-            scores,
-        )
+        return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
 
     def _extend_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
@@ -828,17 +818,27 @@ class DecoderPrograms:
             + [chosen[:, i] for i in cols],
             axis=1,
         )
-        return (
-            state
-            | {
-                "cache": cache,
-                "ints": state["ints"].at[slot].set(rows_ints, mode="drop"),
-                "floats": state["floats"].at[slot].set(floats, mode="drop"),
-                "counts": state["counts"].at[slot, first].add(on.astype(jnp.int32), mode="drop"),
-            },
-            first,
-            scores,
-        )
+        return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
+
+    @staticmethod
+    def _inserted(
+        state: dict,
+        slot: jax.Array,
+        cache: Any,
+        ints: jax.Array,
+        floats: jax.Array,
+        first: jax.Array,
+        on: jax.Array,
+    ) -> dict:
+        """The state with prompts inserted into ``slot`` (out of range: dropped): the
+        cache written, the rows' per-slot ints and floats, and their first token
+        counted where their controls apply."""
+        return state | {
+            "cache": cache,
+            "ints": state["ints"].at[slot].set(ints, mode="drop"),
+            "floats": state["floats"].at[slot].set(floats, mode="drop"),
+            "counts": state["counts"].at[slot, first].add(on.astype(jnp.int32), mode="drop"),
+        }
 
     # The prefix pool: per cache leaf, ``entries`` blocks of the per-slot shape with
     # ``block`` positions on the sequence axis.

@@ -254,9 +254,6 @@ class Decoder:
         # and between two steps read. While 1 + gain < verify / step time, plain steps
         # run, with a verify every ``_PROBE`` turns to measure again.
         self._spec = {"gain": 1.0, "verify_s": 0.0, "step_s": 0.0, "skip": 0}
-        # A generation that wants log-probabilities was admitted: steps read their
-        # scores while a slot of theirs wants them.
-        self._scoring = False
         #: The slots a step over ``rows`` per device computes, in its tokens' order.
         self._order = {
             rows: [d * self._rows_per_device + r for d in range(n_dev) for r in range(rows)]
@@ -892,12 +889,12 @@ class Decoder:
             -1, self._control, self._state, slots, controls.prompt, *controls.rows
         )
 
-    def _scores(self, gens: list, scores: Any) -> Any:
+    @staticmethod
+    def _scores(gens: list, scores: Any) -> Any:
         """A program's scores, copied to the host, when one of ``gens`` wants them;
         else None (they are not read)."""
         if not any(gen is not None and gen.logprobs is not None for gen in gens):
             return None
-        self._scoring = True
         scores.copy_to_host_async()
         return scores
 
@@ -951,11 +948,8 @@ class Decoder:
         owners = self._table.dispatch()
         if rows < self._rows_per_device:  # the step's tokens are these slots'
             owners = [owners[s] for s in self._order[rows]]
-        if self._scoring:
-            scores = self._scores(owners, scores)
-            self._scoring = scores is not None
-        else:
-            scores = None
+        # (only the full step computes scores)
+        scores = self._scores(owners, scores) if program is self._full_step else None
         self._pending.append((_STEP, tokens, owners, 0.0, scores, sync))
         self.counters["steps"] += 1
         self.counters["busy_slot_steps"] += busy

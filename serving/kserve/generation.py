@@ -494,6 +494,33 @@ async def open_choices(
     return opened
 
 
+async def collected(
+    decoder: ServedDecoder, gen: TokenStream, prompt: Prompt
+) -> tuple[str, list[int], list]:
+    """A whole generation's (text, token ids, their log-probabilities if asked)."""
+    text: list[str] = []
+    ids: list[int] = []
+    scores: list = []
+    async for piece in pieces(decoder, gen, prompt):
+        text.append(piece.text)
+        ids += piece.ids
+        scores += piece.logprobs or ()
+    return "".join(text), ids, scores
+
+
+async def each_choice(
+    opened: list[tuple[Prompt, TokenStream]],
+    answer: Callable[[int, Prompt, TokenStream], Awaitable[dict]],
+) -> list[dict]:
+    """``answer(i, prompt, generation)`` of every choice, at once; all of them ended
+    (their deadlines disarmed) whatever happens."""
+    try:
+        return list(await asyncio.gather(*(answer(i, *pair) for i, pair in enumerate(opened))))
+    finally:
+        for pair in opened:
+            Pieces.close_of(*pair)
+
+
 def usage_of(gens: list[TokenStream]) -> dict:
     """``usage`` of one request's choices: the prompt once, every choice's tokens."""
     n = sum(gen.delivered for gen in gens)
@@ -530,13 +557,7 @@ class KServeCall:
         return cls(name, decoder, prompt, await start(server, name, prompt))
 
     async def json(self) -> dict:
-        ids: list[int] = []
-        text: list[str] = []
-        scores: list = []
-        async for piece in pieces(self.decoder, self.gen, self.prompt):
-            ids += piece.ids
-            text.append(piece.text)
-            scores += piece.logprobs or ()
+        text, ids, scores = await collected(self.decoder, self.gen, self.prompt)
         gen = self.gen
         raise_error(gen)
         doc: dict[str, Any] = self.head | {
@@ -545,7 +566,7 @@ class KServeCall:
             "usage": usage(gen),
         }
         if self.prompt.text:
-            doc["text_output"] = "".join(text)
+            doc["text_output"] = text
         if self.prompt.logprobs:
             doc["logprobs"] = kserve_logprobs(ids, scores)
         return doc
@@ -701,25 +722,16 @@ async def openai_completions(
         return CompletionLogprobs(decoder, len(choice_prompt.echo or "") if echo else 0)
 
     async def whole(i: int, choice_prompt: Prompt, gen: TokenStream) -> dict:
-        text = [choice_prompt.echo or ""] if echo else []
-        ids: list[int] = []
-        scores: list = []
-        async for piece in pieces(decoder, gen, choice_prompt):
-            text.append(piece.text)
-            ids += piece.ids
-            scores += piece.logprobs or ()
+        text, ids, scores = await collected(decoder, gen, choice_prompt)
         raise_error(gen)
         marks = logprobs_of(choice_prompt)
         got = None if marks is None else marks.of(ids, scores)
-        return choice(i, "".join(text), gen.finish_reason, ids, True, got)
+        text = (choice_prompt.echo or "") + text if echo else text
+        return choice(i, text, gen.finish_reason, ids, True, got)
 
     if not stream:
-        try:
-            answers = await asyncio.gather(*(whole(i, *pair) for i, pair in enumerate(opened)))
-        finally:
-            for pair in opened:
-                Pieces.close_of(*pair)
-        return JSONResponse(head | {"choices": list(answers), "usage": usage_of(gens)})
+        answers = await each_choice(opened, whole)
+        return JSONResponse(head | {"choices": answers, "usage": usage_of(gens)})
 
     async def chunks(i: int, choice_prompt: Prompt, gen: TokenStream) -> AsyncIterator[dict]:
         marks = logprobs_of(choice_prompt)
@@ -816,26 +828,16 @@ async def openai_chat(server: Backend, name: str, decoder: ServedDecoder, body: 
         return chat_logprobs(decoder, ids, scores) if prompt.logprobs else None
 
     async def whole(i: int, choice_prompt: Prompt, gen: TokenStream) -> dict:
-        text: list[str] = []
-        ids: list[int] = []
-        scores: list = []
-        async for piece in pieces(decoder, gen, choice_prompt):
-            text.append(piece.text)
-            ids += piece.ids
-            scores += piece.logprobs or ()
+        text, ids, scores = await collected(decoder, gen, choice_prompt)
         raise_error(gen)
-        message = {"role": "assistant", "content": "".join(text)}
+        message = {"role": "assistant", "content": text}
         return {"index": i, "message": message, "logprobs": scores_of(ids, scores),
                 "finish_reason": gen.finish_reason}  # fmt: skip
 
     if not stream:
-        try:
-            answers = await asyncio.gather(*(whole(i, *pair) for i, pair in enumerate(opened)))
-        finally:
-            for pair in opened:
-                Pieces.close_of(*pair)
+        answers = await each_choice(opened, whole)
         return JSONResponse(
-            head | {"object": "chat.completion", "choices": list(answers), "usage": usage_of(gens)}
+            head | {"object": "chat.completion", "choices": answers, "usage": usage_of(gens)}
         )
 
     def chunk(i: int, delta: dict, finish: str | None, scores: Any = None) -> bytes:
