@@ -31,8 +31,13 @@ from pxrt import multihost
 from pxrt.multihost import HEADER, REPLY, Distributed, GroupBroken, LeaderGone
 
 SECRET = "a-test-secret-of-the-group-0123456789"
+# Two devices a process; the suite's other XLA flags kept (its results are compared with
+# this process's, compiled with them).
+_FLAGS = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
 GROUP_ENV = dict(
-    os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", PXRT_GROUP_SECRET=SECRET
+    os.environ,
+    XLA_FLAGS=" ".join([*_FLAGS, "--xla_force_host_platform_device_count=2"]),
+    PXRT_GROUP_SECRET=SECRET,
 )
 GROUP_ENV.pop("PXRT_NO_EXTENSIONS", None)
 
