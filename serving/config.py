@@ -144,10 +144,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     batching = p.add_argument_group("batching (every model; a TOML file sets them per model)")
     for key in SERVE_OPTIONS:
         check = BatchingOptions.CHECKS[key]
+        if isinstance(default := getattr(BatchingOptions(), key), bool):
+            batching.add_argument(
+                "--" + key.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                default=None, help=f"(default {'on' if default else 'off'})",
+            )  # fmt: skip
+            continue
         batching.add_argument(
             "--" + key.replace("_", "-"), type=_arg(check), default=None,
             help=f"{check.expects} (default {getattr(BatchingOptions(), key)})",
         )  # fmt: skip
+    batching.add_argument(
+        "--response-cache-mb", type=_arg(number(float, 0)), default=256.0,
+        help="the response cache's budget, MiB of answers kept for the models that set "
+        "response_cache (least recently used out first; default 256)",
+    )  # fmt: skip
     place = p.add_argument_group(
         "placement (every model; a TOML file sets them per model, Triton's instance_group "
         "spelling too)"

@@ -72,6 +72,18 @@ def _flag(value: Any) -> bool:
 _flag.expects = "true or false"  # type: ignore[attr-defined]
 
 
+def _cache_flag(value: Any) -> bool:
+    """true or false, or Triton's ``{enable = true}``."""
+    if isinstance(value, Mapping) and set(value) == {"enable"}:
+        value = value["enable"]
+    if not isinstance(value, bool):
+        raise OptionError(_cache_flag.expects)  # type: ignore[attr-defined]
+    return value
+
+
+_cache_flag.expects = "true or false (or Triton's {enable = true})"  # type: ignore[attr-defined]
+
+
 def _checked(check: Any, value: Any) -> Any:
     try:
         return check(value)
@@ -151,6 +163,10 @@ class BatchingOptions(_Checked):
       default_priority_level: the level of a request that names none (0: the lowest).
       priority_wait_ms: a request of any level that has waited this long goes before
         the higher levels (oldest first), so a low level never starves.
+      response_cache: keep its answers in the server's response cache, so a request
+        equal to one answered before (the same tensors) is answered from there, not
+        executed: for deterministic models (Triton's ``response_cache {enable: true}``,
+        which is taken too).
     """
 
     max_batch_size: int | None = None
@@ -163,6 +179,7 @@ class BatchingOptions(_Checked):
     priority_levels: int = 1
     default_priority_level: int = 0
     priority_wait_ms: float = 100.0
+    response_cache: bool = False
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "max_batch_size": number(int, 1, none=True),
@@ -175,6 +192,7 @@ class BatchingOptions(_Checked):
         "priority_levels": number(int, 1),
         "default_priority_level": number(int, 0),
         "priority_wait_ms": number(float, 0, inclusive=False),
+        "response_cache": _cache_flag,
     }
 
     # Triton's dynamic_batching keys that map onto these options.

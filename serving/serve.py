@@ -75,7 +75,10 @@ class _Setup:
         #: Models to ``close`` at exit (a multi-host leader's: its followers stop).
         self.closing: list[Any] = []
         self.server = Server(
-            ready=False, on_models_changed=refreeze_gc, generation_limits=generation_limits(args)
+            ready=False,
+            on_models_changed=refreeze_gc,
+            generation_limits=generation_limits(args),
+            response_cache_mb=args.response_cache_mb,
         )
         self.repository: Any = None
         self.poller: list[asyncio.Future] = []
@@ -121,7 +124,7 @@ class _Setup:
                         functools.partial(_on_broken, asyncio.get_running_loop(), server)
                     )
                 if isinstance(model, pxrt.Decoder):
-                    server.add_decoder(name or model.name, model)
+                    server.add_decoder(name or model.name, model, options)
                     chunked = (f", chunks {model.chunk_lengths}" if model.chunk_lengths else "") + (
                         ", a prefix cache" if model.prefix is not None else ""
                     )

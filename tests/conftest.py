@@ -130,7 +130,8 @@ def _serve(artifacts, var_artifacts, tmp_path_factory, *extra: str, grpc: bool =
     conf = tmp_path_factory.mktemp("serve") / "serve.toml"
     conf.write_text(
         "[defaults]\nmax_delay_us = 2000\n\n"
-        f'[models.tiny_queue]\npath = "{artifacts["mlp"]}"\nmax_queue = 1\n'
+        f'[models.tiny_queue]\npath = "{artifacts["mlp"]}"\nmax_queue = 1\n\n'
+        f'[models.cached]\npath = "{artifacts["mlp"]}"\nresponse_cache = {{enable = true}}\n'
     )
     paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
     paths.append(str(var_artifacts["encoder"]))
@@ -140,7 +141,7 @@ def _serve(artifacts, var_artifacts, tmp_path_factory, *extra: str, grpc: bool =
 @pytest.fixture(scope="session")
 def served(artifacts, var_artifacts, tmp_path_factory):
     """One `pxrt serve` process for the session: five models (one with a named
-    dimension), a queue of one row, a 1 MB body limit."""
+    dimension), a queue of one row, one with the response cache, a 1 MB body limit."""
     proc = _serve(artifacts, var_artifacts, tmp_path_factory, grpc=True)
     yield proc
     assert proc.stop() == 0

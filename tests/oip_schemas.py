@@ -157,7 +157,9 @@ MODEL_STATS = _object(
                                 "compute_infer",
                                 "compute_output",
                             )
-                        }
+                        },
+                        # Triton's, for a model with the response cache
+                        {"cache_hit": _DURATION, "cache_miss": _DURATION},
                     ),
                     "batch_stats": {"type": "array"},
                 }

@@ -97,6 +97,26 @@ def test_health_metadata_config_statistics(client):
     assert {s["name"] for s in everyone} >= {"mlp", "two_io", "encoder"}
 
 
+def test_the_response_cache_over_grpc(client):
+    """The session server's ``cached`` model (``response_cache = {enable = true}``):
+    a repeat is answered like the first, and Triton's statistics count it."""
+
+    def counts():
+        stats = client.get_inference_statistics("cached", as_json=True)["model_stats"][0]
+        stats = stats["inference_stats"]
+        return (int(stats.get("cache_hit", {}).get("count", 0)),
+                int(stats.get("cache_miss", {}).get("count", 0)))  # fmt: skip
+
+    request = random_request(MODELS["mlp"]["inputs"], 3, np.random.default_rng(11))
+    before = counts()
+    for _ in range(3):
+        got = client.infer("cached", _inputs(request)).as_numpy("y")
+        assert_matches({"y": got}, reference("mlp", request))
+    assert counts() == (before[0] + 2, before[1] + 1)
+    config = client.get_model_config("cached", as_json=True)["config"]
+    assert config["response_cache"] == {"enable": True}
+
+
 @pytest.mark.parametrize("name", list(OUTPUTS))
 def test_raw_inference_matches_jax(client, name):
     rng = np.random.default_rng(len(name))

@@ -35,12 +35,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from pxrt import Model
 from pxrt.dispatch import Batch, Request
 
 from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
-from ..options import BatchingOptions
+from ..options import BatchingOptions, OptionError
+from .cache import CachedEntry, ResponseCache
 from .metrics import Metrics
 from .policy import Choice, choose_cell, efficient_cap
 
@@ -81,6 +83,7 @@ class Batcher:
         metrics: Metrics,
         options: BatchingOptions = BatchingOptions(),
         quiet: Callable[[], bool] | None = None,
+        cache: ResponseCache | None = None,
     ) -> None:
         self.name = name
         # When re-measuring may run: nothing of this model waits or runs, nor, given
@@ -105,6 +108,17 @@ class Batcher:
         self.queue.default_timeout = INF if default_timeout_s is None else default_timeout_s
         self.queue.default_level = options.default_priority_level or levels
         self.queue.aging = options.priority_wait_ms * 1e-3
+        #: Where requests come in: the queue, or the response cache in front of it.
+        self.entry: Any = self.queue
+        self.cached: CachedEntry | None = None
+        if options.response_cache:
+            if cache is None:
+                raise OptionError(
+                    f"option response_cache: model {name!r} asks for it but the server has "
+                    "no response cache (Server(response_cache_mb=...), pxrt serve "
+                    "--response-cache-mb)"
+                )
+            self.entry = self.cached = CachedEntry(self.queue, cache, copy)
         self.inflight = 0
         self._delay_timer: asyncio.TimerHandle | None = None
         self._delay_at = 0.0  # when the delay timer is due (_clock)
@@ -217,8 +231,9 @@ class Batcher:
 
     def outcomes(self) -> dict[str, int]:
         q = self.queue
+        hits = self.cached.hits if self.cached is not None else 0
         return {
-            "success": self._counts["success"],
+            "success": self._counts["success"] + hits,
             "invalid": q.invalid + self._counts["invalid"],
             "rejected": q.rejected,
             "expired": q.expired,
@@ -228,6 +243,11 @@ class Batcher:
 
     def queued_rows(self) -> int:
         return self.queue.queued_rows
+
+    def cache_counts(self) -> dict[str, float] | None:
+        """The response cache's hits and misses (and the seconds each took), or None
+        when the model does not use it."""
+        return self.cached.counts() if self.cached is not None else None
 
     def compiles(self) -> int:
         return self.model.compiles_after_load
@@ -426,3 +446,5 @@ class Batcher:
             if timer is not None:
                 timer.cancel()
         await asyncio.to_thread(self.pipeline.close)
+        if self.cached is not None:
+            self.cached.close()

@@ -114,6 +114,8 @@ class ModelSource(Protocol):
 
     def queued_rows(self) -> int: ...
 
+    def cache_counts(self) -> dict[str, float] | None: ...  # the response cache's, if used
+
     def compiles(self) -> int: ...
 
     def load_phases(self) -> dict[str, float]: ...  # phase ("total" too) -> seconds
@@ -146,6 +148,9 @@ class ModelMetrics:
         out["padding_ratio"] = self.padding.summary()
         out["queued_rows"] = self.source.queued_rows()
         out["compiles_after_load"] = self.source.compiles()
+        cache = self.source.cache_counts()
+        if cache is not None:
+            out["response_cache"] = cache
         return out
 
 
@@ -211,11 +216,25 @@ class DecoderMetrics:
         return out
 
 
+class CacheSource(Protocol):
+    """What the metrics read from the server's response cache."""
+
+    max_bytes: int
+    evictions: int
+
+    @property
+    def bytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
 class Metrics:
     """All models' metrics, per model and version, and a prometheus-client registry that
-    exposes them (labels ``model`` and ``version``)."""
+    exposes them (labels ``model`` and ``version``); the server's response cache's, if
+    it has one."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: CacheSource | None = None) -> None:
+        self.cache = cache
         #: (name, version) -> its metrics, for every version served.
         self.versions: dict[tuple[str, str], ModelMetrics] = {}
         #: name -> the metrics of the version that unversioned requests reach.
@@ -319,6 +338,7 @@ class _Collector:
         for (name, version), d in self._metrics.decoders.items():
             load.add_metric([name, version, "total"], d.source.load_s)
         yield from (requests, batches, queued, compiles, load, instance_batches)
+        yield from self._cache_families(models)
         yield from self._generation_families()
         families: list[tuple[str, str, Callable[[ModelMetrics], Histogram]]] = [
             (f"pxrt_{stage}_duration_us", f"Microseconds: {doc}", _stage_of(stage))
@@ -338,6 +358,38 @@ class _Collector:
                 hist = pick(m)
                 family.add_metric([name, version], hist.cumulative(), hist.sum)
             yield family
+
+    def _cache_families(
+        self, models: list[tuple[tuple[str, str], ModelMetrics]]
+    ) -> Iterator[Metric]:
+        cache = self._metrics.cache
+        if cache is None:
+            return
+        labels = ["model", "version"]
+        hits = CounterMetricFamily(
+            "pxrt_cache_hits", "Requests answered from the response cache", labels=labels
+        )
+        misses = CounterMetricFamily(
+            "pxrt_cache_misses", "Requests of cached models the cache did not hold", labels=labels
+        )
+        for (name, version), m in models:
+            counts = m.source.cache_counts()
+            if counts is not None:
+                hits.add_metric([name, version], counts["hits"])
+                misses.add_metric([name, version], counts["misses"])
+        yield hits
+        yield misses
+        yield GaugeMetricFamily(
+            "pxrt_cache_bytes", "Bytes of outputs the response cache holds", value=cache.bytes
+        )
+        yield GaugeMetricFamily(
+            "pxrt_cache_entries", "Answers the response cache holds", value=len(cache)
+        )
+        yield CounterMetricFamily(
+            "pxrt_cache_evictions",
+            "Answers evicted from the response cache (least recently used first)",
+            value=cache.evictions,
+        )
 
     def _generation_families(self) -> Iterator[Metric]:
         decoders = list(self._metrics.decoders.items())

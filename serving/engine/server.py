@@ -28,11 +28,12 @@ from pxrt import Model
 
 from ..errors import DeadlineExceeded, Overloaded, ServerClosed, ServingError, no_model, no_version
 from .batcher import Batcher
+from .cache import ResponseCache
 
 if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
 from ..loops import new_event_loop
-from ..options import BatchingOptions, GenerationLimits
+from ..options import BatchingOptions, GenerationLimits, OptionError
 from .metrics import Metrics
 
 
@@ -68,6 +69,9 @@ class Server:
         ``load_model``/``unload_model`` (``pxrt serve`` re-freezes the garbage
         collector there). Without one, an unload runs a collection, which releases the
         model's device memory at once.
+      response_cache_mb: the response cache's budget, in MiB of outputs, shared by the
+        models that enable it (``response_cache=True``); least recently used answers go
+        first. 0: no cache (a model asking for it is refused).
     """
 
     def __init__(
@@ -76,7 +80,10 @@ class Server:
         ready: bool = True,
         on_models_changed: Callable[[], None] | None = None,
         generation_limits: GenerationLimits = GenerationLimits(),
+        response_cache_mb: float = 256,
     ) -> None:
+        if not (isinstance(response_cache_mb, (int, float)) and response_cache_mb >= 0):
+            raise ValueError(f"response_cache_mb must be a number >= 0, got {response_cache_mb!r}")
         self._ready = ready
         #: What one generation request may ask (its stop strings...), every protocol.
         self.generation_limits = generation_limits
@@ -84,7 +91,11 @@ class Server:
         self._draining = asyncio.Event()  # set by drain(): streams end on it
         self._watchers: list[Callable[[], None]] = []
         self.on_models_changed = on_models_changed
-        self.metrics = Metrics()
+        #: Answers of the models that enable it (``response_cache``), or None.
+        self.response_cache = (
+            ResponseCache(int(response_cache_mb * 2**20)) if response_cache_mb else None
+        )
+        self.metrics = Metrics(self.response_cache)
         # name -> version -> its batcher: every version served.
         self._versions: dict[str, dict[str, Batcher]] = {}
         # name -> the batcher of the version that unversioned requests reach (the newest).
@@ -124,14 +135,24 @@ class Server:
             raise ValueError(f"a decoder named {name!r} is already being served")
         if model.version in self._versions.get(name, {}):
             raise ValueError(f"version {model.version!r} of model {name!r} is already being served")
-        batcher = Batcher(name, model, self.metrics, options, quiet=self._quiet)
+        batcher = Batcher(
+            name, model, self.metrics, options, quiet=self._quiet, cache=self.response_cache
+        )
         self._versions.setdefault(name, {})[model.version] = batcher
         self._route(name)
 
-    def add_decoder(self, name: str, decoder: Decoder) -> None:
+    def add_decoder(
+        self, name: str, decoder: Decoder, options: BatchingOptions | None = None
+    ) -> None:
         """Serve a decoder (``pxrt.load`` of a decoder artifact) as ``name``: its
         generations through ``generate``, its numbers in the metrics. Its loop batches
-        continuously on its own thread; ``close`` closes it."""
+        continuously on its own thread; ``close`` closes it. ``options``: what the model's
+        configuration gave it (a decoder batches by itself: only checked)."""
+        if options is not None and options.response_cache:
+            raise OptionError(
+                f"option response_cache: model {name!r} is a decoder; its generations are "
+                "sampled and streamed, and the response cache keeps batched models' answers"
+            )
         if self._closed:
             raise ServerClosed("the server is closed")
         if name in self._decoders or name in self._versions:
@@ -247,7 +268,7 @@ class Server:
         newest = max(versions, key=version_order)
         batcher = versions[newest]
         self._batchers[name] = batcher
-        self._queues[name] = batcher.queue
+        self._queues[name] = batcher.entry
         self.metrics.set_default(name, newest)
         self._changed()
 
@@ -278,6 +299,9 @@ class Server:
         if version is not None:
             model.version = str(version)
         if isinstance(model, pxrt.Decoder):
+            if options.response_cache:
+                await asyncio.to_thread(model.close)
+                self.add_decoder(name, model, options)  # (raises, naming the option)
             old = self._decoders.pop(name, None)
             if old is not None:  # replaced: new generations go to the new one at once
                 self.metrics.remove_decoder(name, old.version)
@@ -487,7 +511,7 @@ class Server:
                 if queue is None:
                     raise no_model(name, self._batchers)
             else:
-                queue = self._batcher(name, version).queue
+                queue = self._batcher(name, version).entry
             return queue.submit(request, timeout_s, priority)
         except Exception as exc:  # raised where the caller awaits, as from a coroutine
             return _raise(self._as_served(exc, name, version))
@@ -506,7 +530,7 @@ class Server:
         ``infer`` raises before queueing are raised here; cancelling the future drops
         the request if it was not dispatched yet."""
         try:
-            return self._batcher(name, version).queue.submit(request, timeout_s, priority).future
+            return self._batcher(name, version).entry.submit(request, timeout_s, priority).future
         except Exception as exc:
             raise self._as_served(exc, name, version) from None
 

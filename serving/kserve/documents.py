@@ -75,6 +75,7 @@ def model_config(name: str, model: Model, options: BatchingOptions, max_batch_si
             "priority_levels": options.priority_levels,
             "default_priority_level": options.default_priority_level or options.priority_levels,
         },
+        "response_cache": {"enable": options.response_cache},
         "instance_group": [
             {
                 "count": 1,
@@ -149,6 +150,16 @@ def decoder_config(name: str, decoder: Any) -> dict:
     }
 
 
+def _cache_stats(counts: dict | None) -> dict:
+    """Triton's ``cache_hit`` and ``cache_miss`` (a model without the cache: none)."""
+    if counts is None:
+        return {}
+    return {
+        "cache_hit": {"count": counts["hits"], "ns": int(counts["hit_s"] * 1e9)},
+        "cache_miss": {"count": counts["misses"], "ns": int(counts["miss_s"] * 1e9)},
+    }
+
+
 def model_stats(name: str, version: str, snap: dict) -> dict:
     """One model version's statistics, in Triton's shape, from its metrics snapshot."""
 
@@ -170,6 +181,7 @@ def model_stats(name: str, version: str, snap: dict) -> dict:
             "compute_input": duration("compute_input_us"),
             "compute_infer": duration("compute_infer_us"),
             "compute_output": duration("compute_output_us"),
+            **_cache_stats(snap.get("response_cache")),
         },
         "batch_stats": [],
     }
