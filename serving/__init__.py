@@ -17,6 +17,7 @@ from .errors import (
     UnknownModel,
 )
 from .options import BatchingOptions, HttpLimits, OptionError
+from .tracing import Tracing
 
 if TYPE_CHECKING:
     from .engine.server import BlockingServer, Server, new_event_loop
@@ -43,6 +44,7 @@ __all__ = [
     "Server",
     "ServerClosed",
     "ServingError",
+    "Tracing",
     "UnknownModel",
     "new_event_loop",
 ]

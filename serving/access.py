@@ -34,7 +34,7 @@ from typing import Any
 from .errors import ServingError
 from .options import OptionError
 
-GROUPS = ("health", "metadata", "inference", "statistics", "model-repository")
+GROUPS = ("health", "metadata", "inference", "statistics", "model-repository", "trace")
 
 
 class Forbidden(ServingError):

@@ -223,6 +223,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests of one gRPC stream read and not yet answered; over it the stream "
         f"is not read (HTTP/2 flow control holds the client) (default {inflight})",
     )  # fmt: skip
+    tracing = p.add_argument_group("tracing (OpenTelemetry: pip install 'pxrt[trace]')")
+    tracing.add_argument(
+        "--trace-rate", type=_arg(number(int, 0)), default=None, metavar="N",
+        help="trace one inference request in N (Triton's trace_rate; 0: none until "
+        "/v2/trace/setting turns it on): its spans (decode, queue, assemble, execute, "
+        "split, encode) go to an OTLP collector, continuing a caller's W3C traceparent "
+        "(default: no tracing)",
+    )  # fmt: skip
+    tracing.add_argument(
+        "--trace-otlp-endpoint", default=None, metavar="URL",
+        help="the collector's OTLP/HTTP traces endpoint (default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else http://localhost:4318/v1/traces)",
+    )  # fmt: skip
     access = p.add_argument_group("access (HTTP and gRPC alike)")
     access.add_argument(
         "--restricted-api", action="append", default=[], metavar="GROUPS:HEADER=VALUE",
@@ -387,6 +400,24 @@ def grpc_limits(args: argparse.Namespace, max_connections: int) -> GrpcLimits:
         handshake_timeout_s=args.header_timeout_s,
         max_stream_inflight=args.max_stream_inflight,
     )
+
+
+def tracing(args: argparse.Namespace) -> Any:
+    """The ``serving.Tracing`` the flags set up, or None (no ``--trace-rate``)."""
+    if args.trace_rate is None:
+        return None
+    from .tracing import otlp_tracing
+
+    fixed = None
+    if args.workers > 1:
+        fixed = (
+            "pxrt serve --workers: each worker traces its own requests at the --trace-rate "
+            "it started with; the settings do not change at run time"
+        )
+    try:
+        return otlp_tracing(args.trace_rate, args.trace_otlp_endpoint, fixed)
+    except ImportError as exc:
+        raise SystemExit(f"pxrt serve: --trace-rate: {exc}") from None
 
 
 def generation_limits(args: argparse.Namespace) -> GenerationLimits:

@@ -35,6 +35,7 @@ from .config import (
     http_limits,
     model_specs,
     repository_config,
+    tracing,
 )
 from .logs import printable
 from .options import OptionError
@@ -79,6 +80,7 @@ class _Setup:
             on_models_changed=refreeze_gc,
             generation_limits=generation_limits(args),
             response_cache_mb=args.response_cache_mb,
+            tracing=tracing(args),
         )
         self.repository: Any = None
         self.poller: list[asyncio.Future] = []

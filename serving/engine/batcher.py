@@ -108,6 +108,9 @@ class Batcher:
         self.queue.default_timeout = INF if default_timeout_s is None else default_timeout_s
         self.queue.default_level = options.default_priority_level or levels
         self.queue.aging = options.priority_wait_ms * 1e-3
+        #: Requests being traced -> their traces (``submit_traced``): their batches'
+        #: clocks go there.
+        self.traced: dict[Any, Any] = {}
         #: Where requests come in: the queue, or the response cache in front of it.
         self.entry: Any = self.queue
         self.cached: CachedEntry | None = None
@@ -388,9 +391,32 @@ class Batcher:
         # On a pipeline worker: one hop to the loop per batch.
         self._loop.call_soon_threadsafe(self._on_done, batch)
 
+    def submit_traced(
+        self, request: Any, timeout_s: float | None, priority: int, trace: Any
+    ) -> asyncio.Future:
+        """Queue a request being traced: ``trace`` gets the clocks of each batch that
+        runs its rows (or, answered from the response cache, notes the hit)."""
+        queued = self.entry.submit(request, timeout_s, priority)
+        future = queued.future
+        if future.done():  # (the response cache answered it)
+            trace.hit = True
+            return future
+        t_queued = trace.marks[-1][2] if trace.marks else trace.t0
+        traced = self.traced
+        traced[queued] = (trace, t_queued)
+        future.add_done_callback(lambda _: traced.pop(queued, None))
+        return future
+
     def _on_done(self, batch: Batch) -> None:
         self.inflight -= 1
         self._flush()  # the next batch goes out before this one's callers are answered
+        if self.traced:
+            for r in batch.requests:
+                seen = self.traced.get(r)
+                if seen is not None:
+                    trace, t_queued = seen
+                    trace.batch(t_queued, batch)
+                    self.traced[r] = (trace, batch.t_done)  # (its next piece waits from here)
         m = self._metrics
         m.batches += 1
         if batch.bucket is not None and batch.error is None:

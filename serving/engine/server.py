@@ -32,6 +32,8 @@ from .cache import ResponseCache
 
 if TYPE_CHECKING:
     from pxrt.generate import Decoder, Generation
+
+    from ..tracing import Trace, Tracing
 from ..loops import new_event_loop
 from ..options import BatchingOptions, GenerationLimits, OptionError
 from .metrics import Metrics
@@ -72,6 +74,8 @@ class Server:
       response_cache_mb: the response cache's budget, in MiB of outputs, shared by the
         models that enable it (``response_cache=True``); least recently used answers go
         first. 0: no cache (a model asking for it is refused).
+      tracing: which inference requests get OpenTelemetry spans (``serving.Tracing``;
+        None: none), through every front end.
     """
 
     def __init__(
@@ -81,10 +85,13 @@ class Server:
         on_models_changed: Callable[[], None] | None = None,
         generation_limits: GenerationLimits = GenerationLimits(),
         response_cache_mb: float = 256,
+        tracing: Tracing | None = None,
     ) -> None:
         if not (isinstance(response_cache_mb, (int, float)) and response_cache_mb >= 0):
             raise ValueError(f"response_cache_mb must be a number >= 0, got {response_cache_mb!r}")
         self._ready = ready
+        #: Which requests are traced (the front ends ask it), or None.
+        self.tracing = tracing
         #: What one generation request may ask (its stop strings...), every protocol.
         self.generation_limits = generation_limits
         self._failed: str | None = None
@@ -524,12 +531,18 @@ class Server:
         timeout_s: float | None = None,
         version: str | None = None,
         priority: int = 0,
+        trace: Trace | None = None,
     ) -> asyncio.Future:
         """``infer`` without the coroutine: queue the request and return its future at
         once (for callers that handle many requests from one task). Errors that
         ``infer`` raises before queueing are raised here; cancelling the future drops
-        the request if it was not dispatched yet."""
+        the request if it was not dispatched yet. ``trace``: its batches' stages are
+        kept there (``serving.tracing``)."""
         try:
+            if trace is not None:
+                return self._batcher(name, version).submit_traced(
+                    request, timeout_s, priority, trace
+                )
             return self._batcher(name, version).entry.submit(request, timeout_s, priority).future
         except Exception as exc:
             raise self._as_served(exc, name, version) from None

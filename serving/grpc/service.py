@@ -181,22 +181,28 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     # ------------------------------------------------------------------ inference
 
-    def _infer(self, message: pb.ModelInferRequest, deadline_s: float | None) -> Any:
+    def _infer(
+        self, message: pb.ModelInferRequest, deadline_s: float | None, context: Any = None
+    ) -> Any:
         if isinstance(message, Malformed):  # in a stream: this request's error
             raise codec.ProtocolError(message.error)
 
         def decode(model: Model) -> InferRequest:
             return InferRequest.from_proto(message, model, deadline_s)
 
+        traceparent = None
+        if self.server.tracing is not None and context is not None:
+            traceparent = dict(context.invocation_metadata() or ()).get("traceparent")
         return core.infer(
-            self.server, message.model_name, message.model_version or None, decode, _encode
-        )
+            self.server, message.model_name, message.model_version or None, decode, _encode,
+            traceparent=traceparent,
+        )  # fmt: skip
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         try:
             remaining = context.time_remaining()
             deadline_s = remaining if remaining is not None and remaining > 0 else None
-            return await self._infer(request, deadline_s)
+            return await self._infer(request, deadline_s, context)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - answered with its status code
@@ -223,7 +229,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
                 if self.server.is_decoder(request.model_name):
                     await generate(request)
                     return
-                response = await self._infer(request, None)
+                response = await self._infer(request, None, context)
                 done.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except asyncio.CancelledError as exc:
                 task = asyncio.current_task()

@@ -40,6 +40,7 @@ from ..kserve import codec, core, documents, generation
 from ..kserve.codec import ProtocolError
 from ..kserve.core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
 from ..options import HttpLimits
+from ..tracing import traceparent_of
 
 if TYPE_CHECKING:
     from ..engine.repository import Repository
@@ -364,6 +365,26 @@ async def all_stats(request: Request) -> Response:
 
 
 @_endpoint
+async def trace_setting(request: Request) -> Response:
+    """Triton's trace extension, server-wide: GET the settings, POST a change."""
+    tracing = _control(request).tracing
+    if request.method == "POST":
+        doc = codec.parse_json(await request.body())
+        if tracing is None:
+            raise ProtocolError(
+                "tracing is not set up: start pxrt serve with --trace-rate (0: off until "
+                "changed here) and the trace extra (pip install 'pxrt[trace]')"
+            )
+        try:
+            return _json(tracing.update(doc))
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+    if tracing is None:
+        return _json({"trace_level": ["OFF"], "trace_mode": "opentelemetry"})
+    return _json(tracing.settings())
+
+
+@_endpoint
 async def metrics(request: Request) -> Response:
     registry = _control(request).metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -465,9 +486,11 @@ class InferEndpoint:
             # The version that answers is the one served now: while the body was read, a
             # newer version may have taken over (or the one picked, been unloaded).
             try:
+                traced = server.tracing is not None
                 body, header_length = await core.infer(
-                    server, name, version, decode, _encode, on_queued
-                )
+                    server, name, version, decode, _encode, on_queued,
+                    traceparent_of(scope["headers"]) if traced else None,
+                )  # fmt: skip
             except asyncio.CancelledError:
                 if queued and queued[0].cancelled():
                     await _send(send, 499, b"", None, None)  # the client is gone
@@ -606,6 +629,7 @@ def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
             methods=["POST"],
         ),
     ]
+    routes.append(Route("/v2/trace/setting", r("trace", trace_setting), methods=["GET", "POST"]))
     routes += _generation_routes(restrictions)
     routes.append(Route("/v1/models", r("metadata", _openai_models)))
     routes.append(Route("/v1/models/{model}", r("metadata", _openai_model)))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..options import GenerationLimits
+    from ..tracing import Trace, Tracing
 
 
 class TensorInfo(Protocol):
@@ -113,6 +114,8 @@ class Backend(Protocol):
     """What serves the models, as the transports and the request core see it."""
 
     generation_limits: GenerationLimits
+    #: Which requests are traced (``serving.tracing.Tracing``), or None: none.
+    tracing: Tracing | None
 
     # readiness
     def not_serving(self) -> str | None:
@@ -140,6 +143,7 @@ class Backend(Protocol):
         timeout_s: float | None = None,
         version: str | None = None,
         priority: int = 0,
+        trace: Trace | None = None,
     ) -> asyncio.Future: ...
 
     def count(self, name: str, version: str, outcome: str) -> None:

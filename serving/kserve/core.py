@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +43,7 @@ from . import codec
 from .codec import ProtocolError
 
 if TYPE_CHECKING:
+    from ..tracing import Trace
     from .backend import Backend, ServedDecoder, ServedModel
 
 
@@ -333,11 +335,26 @@ class Pending:
     model: ServedModel
     request: InferRequest
     future: asyncio.Future
+    trace: Trace | None = None  # (a request sampled for tracing)
 
     def finish(self, encode: Callable[[str, Any, InferRequest, dict], T]) -> T:
         """``encode(name, model, request, outputs)``'s reply once the future is done (and
         not cancelled), or the error it is answered with raised (an unexpected one
         counted failed, logged once, raised as ``InternalError``)."""
+        trace = self.trace
+        if trace is None:
+            return self._finish(encode)
+        t0 = _clock()
+        try:
+            reply = self._finish(encode)
+        except BaseException as exc:
+            trace.end(self.model.version, exc, **_attributes(self.request))
+            raise
+        trace.stage("encode", t0)
+        trace.end(self.model.version, None, **_attributes(self.request))
+        return reply
+
+    def _finish(self, encode: Callable[[str, Any, InferRequest, dict], T]) -> T:
         try:
             return encode(self.name, self.model, self.request, self.future.result())
         except (ServingError, ProtocolError):
@@ -350,15 +367,43 @@ class Pending:
         self.future.cancel()
 
 
+_clock = time.perf_counter
+
+
+def _attributes(request: InferRequest) -> dict:
+    rows = next(iter(request.inputs.values())).shape[0] if request.inputs else 0
+    return {"pxrt.request_id": request.id or "", "pxrt.rows": int(rows)}
+
+
 def start(
     server: Backend,
     name: str,
     version: str | None,
     decode: Callable[[Any], InferRequest],
+    traceparent: str | bytes | None = None,
 ) -> Pending:
     """The first half of ``infer``, for front ends that do not await: the model resolved
     now, the request ``decode(model)`` makes for it, queued (``Pending.finish`` makes the
-    reply once its future is done)."""
+    reply once its future is done). ``traceparent``: the caller's W3C trace context
+    header (its spans continue that trace, if this request is traced)."""
+    tracing = server.tracing
+    trace = tracing.begin(name, traceparent) if tracing is not None else None
+    try:
+        pending = _start(server, name, version, decode, trace)
+    except BaseException as exc:
+        if trace is not None:
+            trace.end(version or "", exc)
+        raise
+    return pending
+
+
+def _start(
+    server: Backend,
+    name: str,
+    version: str | None,
+    decode: Callable[[Any], InferRequest],
+    trace: Trace | None,
+) -> Pending:
     model = resolve(server, name, version)
     try:
         try:
@@ -366,6 +411,8 @@ def start(
         except ProtocolError:
             server.count(name, model.version, "invalid")
             raise
+        if trace is not None:
+            trace.stage("decode", trace.t0)
         try:
             # The version asked for (None: the newest, which is ``model`` here; behind
             # ``pxrt serve --workers``, the newest when the device process takes it, so a
@@ -376,6 +423,7 @@ def start(
                 timeout_s=request.timeout_s,
                 version=version,
                 priority=request.priority,
+                trace=trace,
             )
         except (TypeError, ValueError) as exc:  # the model's validation (its queue counted it)
             raise InvalidRequest(str(exc)) from None
@@ -384,7 +432,7 @@ def start(
     except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
         server.count(name, model.version, "failed")
         raise internal_error(f"{name!r} inference", exc) from exc
-    return Pending(server, name, model, request, future)
+    return Pending(server, name, model, request, future, trace)
 
 
 async def infer(
@@ -394,6 +442,7 @@ async def infer(
     decode: Callable[[Any], InferRequest],
     encode: Callable[[str, Any, InferRequest, dict], T],
     on_queued: Callable[[asyncio.Future], Any] | None = None,
+    traceparent: str | bytes | None = None,
 ) -> T:
     """Answer one inference request: ``encode(name, model, request, outputs)`` for the
     request ``decode(model)`` makes for the model resolved now.
@@ -403,7 +452,7 @@ async def infer(
     what ``status_of`` maps; an unexpected error is counted failed, logged once and
     raised as ``InternalError``.
     """
-    pending = start(server, name, version, decode)
+    pending = start(server, name, version, decode, traceparent)
     if on_queued is not None:
         on_queued(pending.future)
     try:

@@ -202,8 +202,13 @@ def _error(error: ipc.Error) -> BaseException:
 class RemoteServer:
     """What a worker's front ends call instead of ``serving.Server`` (see the module)."""
 
-    def __init__(self, generation_limits: GenerationLimits = GenerationLimits()) -> None:
+    def __init__(
+        self, generation_limits: GenerationLimits = GenerationLimits(), tracing: Any = None
+    ) -> None:
         self.generation_limits = generation_limits  # (checked here: parsed in the worker)
+        #: This worker's tracing (its spans: decode, the wait for the device process's
+        #: answer, encode), or None.
+        self.tracing = tracing
         self.link: DeviceLink | None = None
         self._why: str | None = "the server is starting; not accepting inference requests"
         self._draining = asyncio.Event()
@@ -296,10 +301,12 @@ class RemoteServer:
         timeout_s: float | None = None,
         version: str | None = None,
         priority: int = 0,
+        trace: Any = None,
     ) -> asyncio.Future:
         """Send a request to the device process's queue; its future resolves with the
         outputs (or its error). Cancelling it (a client that hung up) takes the request
-        out of the queue there if it was not dispatched yet."""
+        out of the queue there if it was not dispatched yet. (A ``trace`` gets no batch
+        stages: they happen in the device process.)"""
         link = self.link
         if link is None:
             raise DeviceGone("the device process is gone")

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from ..access import Restrictions, TlsFiles
-    from ..config import connection_shares, generation_limits, grpc_limits, http_limits
+    from ..config import connection_shares, generation_limits, grpc_limits, http_limits, tracing
     from ..grpc.native import GrpcServer
     from ..http.app import AppState, InferEndpoint, KServeApp, generation_app
     from ..http.limits import GuardedServer, guarded_protocol
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
-    remote = RemoteServer(generation_limits(opts))
+    remote = RemoteServer(generation_limits(opts), tracing(opts))
     state = AppState(
         remote,
         limits,
