@@ -46,6 +46,13 @@ KB = 1 << 10
 SERVE_OPTIONS = tuple(k for k in BatchingOptions.CHECKS if k != "copy")
 
 
+# What the on/off batching options do, for --help.
+_FLAG_HELP = {
+    "response_cache": "answer a request equal to one answered before from the server's "
+    "response cache (deterministic models only; --response-cache-mb sizes it)",
+}
+
+
 def _arg(check: Any) -> Any:
     """An argparse type from an option check: argparse names the flag in its error."""
 
@@ -147,7 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if isinstance(default := getattr(BatchingOptions(), key), bool):
             batching.add_argument(
                 "--" + key.replace("_", "-"), action=argparse.BooleanOptionalAction,
-                default=None, help=f"(default {'on' if default else 'off'})",
+                default=None,
+                help=f"{_FLAG_HELP.get(key, key)} (default {'on' if default else 'off'})",
             )  # fmt: skip
             continue
         batching.add_argument(
