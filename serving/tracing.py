@@ -29,6 +29,7 @@ HTTP).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -42,10 +43,11 @@ _BATCH_STAGES = (
 )
 
 
-def traceparent_of(headers: Any) -> bytes | None:
-    """The W3C ``traceparent`` of a request's (lower-case name, value) header pairs."""
+def traceparent_of(headers: Any) -> str | bytes | None:
+    """The W3C ``traceparent`` of a request's (lower-case name, value) header pairs
+    (bytes, as the HTTP and HTTP/2 parsers give them, or str: grpcio's metadata)."""
     for name, value in headers:
-        if name == b"traceparent":
+        if name == b"traceparent" or name == "traceparent":
             return value
     return None
 
@@ -68,7 +70,8 @@ def otlp_tracing(rate: int, endpoint: str | None = None, fixed: str | None = Non
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
         raise _missing() from None
-    provider = TracerProvider(resource=Resource.create({"service.name": "pxrt"}))
+    named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "pxrt"}
+    provider = TracerProvider(resource=Resource.create(named))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     return Tracing(rate, provider, fixed=fixed)
 
@@ -101,9 +104,9 @@ class Tracing:
         self._count = 0
         self.fixed = fixed
 
-    def begin(self, model: str, traceparent: str | bytes | None = None) -> Trace | None:
-        """A ``Trace`` for this request if it is sampled (else None); ``traceparent``:
-        the caller's W3C header, which its spans continue."""
+    def begin(self, model: str, headers: Any = ()) -> Trace | None:
+        """A ``Trace`` for this request if it is sampled (else None); ``headers``: its
+        (name, value) pairs, whose W3C ``traceparent`` its span continues."""
         if not self.rate:
             return None
         self._count += 1
@@ -111,6 +114,7 @@ class Tracing:
             return None
         self._count = 0
         context = None
+        traceparent = traceparent_of(headers)
         if traceparent:
             if isinstance(traceparent, bytes):
                 traceparent = traceparent.decode("latin-1")
@@ -132,7 +136,7 @@ class Tracing:
 
     def update(self, doc: Any) -> dict:
         """Apply a settings update (Triton's: ``trace_level`` ``["OFF"]`` or
-        ``["TIMESTAMPS"]``, ``trace_rate``; null: back to the start-up value); returns
+        ``["TIMESTAMPS"]``, ``trace_rate``; null: left as it is); returns
         the settings now. A setting pxrt does not take is a ValueError naming it."""
         if self.fixed:
             raise ValueError(self.fixed)

@@ -219,7 +219,6 @@ class DecoderMetrics:
 class CacheSource(Protocol):
     """What the metrics read from the server's response cache."""
 
-    max_bytes: int
     evictions: int
 
     @property

@@ -51,7 +51,6 @@ from ..access import Restrictions, TlsFiles, header_values
 from ..kserve import codec, core
 from ..kserve.core import BodyBudget, InferRequest
 from ..options import GrpcLimits
-from ..tracing import traceparent_of
 from . import h2
 from .service import GROUPS, GRPCService, Malformed, _checked, _parser
 
@@ -533,11 +532,7 @@ class GrpcProtocol(h2.H2Protocol[Call]):
         data, call.message = call.message, None
         try:
             name, version, decode = _decoder(data, remaining)
-            traced = self.server.tracing is not None
-            queued = core.start(
-                self.server, name, version or None, decode,
-                traceparent_of(call.headers) if traced else None,
-            )  # fmt: skip
+            queued = core.start(self.server, name, version or None, decode, call.headers)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail_call(call, _malformed_first(exc, data))
             return
@@ -568,11 +563,7 @@ class GrpcProtocol(h2.H2Protocol[Call]):
             if self.server.is_decoder(name):
                 self._generate(call, data, held)
                 return
-            traced = self.server.tracing is not None
-            queued = core.start(
-                self.server, name, version or None, decode,
-                traceparent_of(call.headers) if traced else None,
-            )  # fmt: skip
+            queued = core.start(self.server, name, version or None, decode, call.headers)
         except Exception as exc:  # noqa: BLE001 - this request's answer
             error = _malformed_first(exc, data)
             self._stream_send(

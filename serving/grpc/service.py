@@ -190,12 +190,12 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         def decode(model: Model) -> InferRequest:
             return InferRequest.from_proto(message, model, deadline_s)
 
-        traceparent = None
+        headers: Any = ()  # (grpcio's metadata is a call: made only for tracing)
         if self.server.tracing is not None and context is not None:
-            traceparent = dict(context.invocation_metadata() or ()).get("traceparent")
+            headers = context.invocation_metadata() or ()
         return core.infer(
             self.server, message.model_name, message.model_version or None, decode, _encode,
-            traceparent=traceparent,
+            headers=headers,
         )  # fmt: skip
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:

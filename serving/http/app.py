@@ -40,7 +40,6 @@ from ..kserve import codec, core, documents, generation
 from ..kserve.codec import ProtocolError
 from ..kserve.core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
 from ..options import HttpLimits
-from ..tracing import traceparent_of
 
 if TYPE_CHECKING:
     from ..engine.repository import Repository
@@ -486,11 +485,9 @@ class InferEndpoint:
             # The version that answers is the one served now: while the body was read, a
             # newer version may have taken over (or the one picked, been unloaded).
             try:
-                traced = server.tracing is not None
                 body, header_length = await core.infer(
-                    server, name, version, decode, _encode, on_queued,
-                    traceparent_of(scope["headers"]) if traced else None,
-                )  # fmt: skip
+                    server, name, version, decode, _encode, on_queued, scope["headers"]
+                )
             except asyncio.CancelledError:
                 if queued and queued[0].cancelled():
                     await _send(send, 499, b"", None, None)  # the client is gone

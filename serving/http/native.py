@@ -48,7 +48,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..access import header_values
 from ..kserve import codec, core
 from ..kserve.core import TooLarge, Upload
-from ..tracing import traceparent_of
 from .app import HEADER_LENGTH, AppState, error_reply, fast_route, readiness, request_decoder
 
 if TYPE_CHECKING:
@@ -215,11 +214,7 @@ class NativeCycle:
         try:
             decode = request_decoder(upload.body(), self.header_length, state.limits)
             # The version that answers is the one served now (resolved again).
-            traced = server.tracing is not None
-            queued = core.start(
-                server, self.name, self.version, decode,
-                traceparent_of(self.proto.headers) if traced else None,
-            )  # fmt: skip
+            queued = core.start(server, self.name, self.version, decode, self.proto.headers)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail(exc)
             return

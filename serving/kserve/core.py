@@ -380,14 +380,14 @@ def start(
     name: str,
     version: str | None,
     decode: Callable[[Any], InferRequest],
-    traceparent: str | bytes | None = None,
+    headers: Any = (),
 ) -> Pending:
     """The first half of ``infer``, for front ends that do not await: the model resolved
     now, the request ``decode(model)`` makes for it, queued (``Pending.finish`` makes the
-    reply once its future is done). ``traceparent``: the caller's W3C trace context
-    header (its spans continue that trace, if this request is traced)."""
+    reply once its future is done). ``headers``: the request's (name, value) pairs, read
+    only if it is traced (its span continues their W3C ``traceparent``)."""
     tracing = server.tracing
-    trace = tracing.begin(name, traceparent) if tracing is not None else None
+    trace = tracing.begin(name, headers) if tracing is not None else None
     try:
         pending = _start(server, name, version, decode, trace)
     except BaseException as exc:
@@ -442,7 +442,7 @@ async def infer(
     decode: Callable[[Any], InferRequest],
     encode: Callable[[str, Any, InferRequest, dict], T],
     on_queued: Callable[[asyncio.Future], Any] | None = None,
-    traceparent: str | bytes | None = None,
+    headers: Any = (),
 ) -> T:
     """Answer one inference request: ``encode(name, model, request, outputs)`` for the
     request ``decode(model)`` makes for the model resolved now.
@@ -452,7 +452,7 @@ async def infer(
     what ``status_of`` maps; an unexpected error is counted failed, logged once and
     raised as ``InternalError``.
     """
-    pending = start(server, name, version, decode, traceparent)
+    pending = start(server, name, version, decode, headers)
     if on_queued is not None:
         on_queued(pending.future)
     try:
