@@ -68,9 +68,11 @@ demo: $(STAMP)
 # --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=30
 XDIST := -n 2 --dist loadfile
-GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
+GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py \
+	tests/test_shared_memory.py
 SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
-	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py
+	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py \
+	--ignore=tests/test_shared_memory.py
 
 test: lint
 	$(PY) -m compileall -q -j 0 pxrt serving tests  # (the same, for this tree's own modules)

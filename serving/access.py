@@ -10,7 +10,10 @@ gRPC (the header is gRPC metadata there), before anything else is looked at. The
 - ``metadata``: server and model metadata, model config;
 - ``inference``: infer (and gRPC's stream);
 - ``statistics``: model statistics and ``/metrics``;
-- ``model-repository``: the repository's index, load and unload.
+- ``model-repository``: the repository's index, load and unload;
+- ``trace``: the trace settings;
+- ``shared-memory``: system shared memory (register, unregister, status), and the use
+  of a region by an inference request (``serving.kserve.shm``).
 
 A group is restricted by one key; several groups may share one. Keys are compared in
 constant time. This is an access key, not a user system: keep the value secret, send it
@@ -34,7 +37,10 @@ from typing import Any
 from .errors import ServingError
 from .options import OptionError
 
-GROUPS = ("health", "metadata", "inference", "statistics", "model-repository", "trace")
+GROUPS = (
+    "health", "metadata", "inference", "statistics", "model-repository", "trace",
+    "shared-memory",
+)  # fmt: skip
 
 
 class Forbidden(ServingError):

@@ -248,8 +248,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     access.add_argument(
         "--restricted-api", action="append", default=[], metavar="GROUPS:HEADER=VALUE",
         help="answer the API groups (comma-separated: health, metadata, inference, "
-        "statistics, model-repository) only with this header and value: 403 / "
-        "PERMISSION_DENIED without (repeat for other groups and keys)",
+        "statistics, model-repository, trace, shared-memory) only with this header and "
+        "value: 403 / PERMISSION_DENIED without (repeat for other groups and keys)",
+    )  # fmt: skip
+    access.add_argument(
+        "--allow-client-shm", action="store_true",
+        help="serve Triton's system shared memory extension (/v2/systemsharedmemory, gRPC "
+        "SystemSharedMemory*): local clients register POSIX shared memory and name it in "
+        "requests; only for clients you trust with the process (Triton's flag; default off)",
     )  # fmt: skip
     access.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS and gRPC over TLS "
                         "with this certificate (chain) and --tls-key")  # fmt: skip

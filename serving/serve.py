@@ -81,6 +81,7 @@ class _Setup:
             generation_limits=generation_limits(args),
             response_cache_mb=args.response_cache_mb,
             tracing=tracing(args),
+            allow_client_shm=args.allow_client_shm,
         )
         self.repository: Any = None
         self.poller: list[asyncio.Future] = []
@@ -333,10 +334,12 @@ def _run_workers(setup: _Setup) -> int:
     from .grpc.native import methods
     from .grpc.service import GRPCService
     from .http.app import create_app
+    from .kserve.shm import WORKERS, SharedMemory
     from .loops import new_event_loop
     from .workers.supervisor import Supervisor
 
     args, server = setup.args, setup.server
+    server.shared_memory = SharedMemory(unavailable=WORKERS)  # (see WORKERS)
     # What workers forward (everything but inference) is answered by this app and service.
     app = create_app(
         server, limits=setup.limits, repository=setup.repository, restrictions=setup.restrictions

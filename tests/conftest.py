@@ -135,13 +135,15 @@ def _serve(artifacts, var_artifacts, tmp_path_factory, *extra: str, grpc: bool =
     )
     paths = [str(artifacts[n]) for n in ("mlp", "two_io", "bf16", "all_dtypes")]
     paths.append(str(var_artifacts["encoder"]))
-    return ServeProcess([*paths, "--config", str(conf), "--max-body-mb", "1", *extra], grpc=grpc)
+    args = [*paths, "--config", str(conf), "--max-body-mb", "1", "--allow-client-shm", *extra]
+    return ServeProcess(args, grpc=grpc)
 
 
 @pytest.fixture(scope="session")
 def served(artifacts, var_artifacts, tmp_path_factory):
     """One `pxrt serve` process for the session: five models (one with a named
-    dimension), a queue of one row, one with the response cache, a 1 MB body limit."""
+    dimension), a queue of one row, one with the response cache, a 1 MB body limit,
+    system shared memory."""
     proc = _serve(artifacts, var_artifacts, tmp_path_factory, grpc=True)
     yield proc
     assert proc.stop() == 0

@@ -60,6 +60,7 @@ def restricted(artifacts):
             str(artifacts["mlp"]),
             "--restricted-api", "model-repository,statistics:admin-key=s3cret",
             "--restricted-api", "metadata:meta-key=other",
+            "--restricted-api", "shared-memory:shm-key=k3y", "--allow-client-shm",
         ]
     )  # fmt: skip
     yield proc
@@ -78,6 +79,11 @@ def restricted(artifacts):
         ("GET", "/v2/models/mlp", "metadata"),
         ("GET", "/v2/models/mlp/config", "metadata"),
         ("GET", "/v2", "metadata"),
+        ("GET", "/v2/systemsharedmemory/status", "shared-memory"),
+        ("GET", "/v2/systemsharedmemory/region/r/status", "shared-memory"),
+        ("POST", "/v2/systemsharedmemory/region/r/register", "shared-memory"),
+        ("POST", "/v2/systemsharedmemory/region/r/unregister", "shared-memory"),
+        ("POST", "/v2/systemsharedmemory/unregister", "shared-memory"),
     ],
 )
 def test_a_restricted_api_needs_its_key(restricted, method, path, group):
@@ -86,10 +92,46 @@ def test_a_restricted_api_needs_its_key(restricted, method, path, group):
         r = httpx.request(method, url, headers=headers, timeout=10)
         assert r.status_code == 403, (path, headers)
         assert r.json()["error"].startswith(f"the {group} API is restricted")
-    key = {"admin-key": "s3cret"} if group != "metadata" else {"meta-key": "other"}
+    key = {"metadata": {"meta-key": "other"}, "shared-memory": {"shm-key": "k3y"}}.get(
+        group, {"admin-key": "s3cret"}
+    )
     r = httpx.request(method, url, headers=key, timeout=10)
-    # With the key: answered as without restrictions (no repository here: a 400 for it).
-    assert r.status_code == (400 if "repository" in path else 200), r.text
+    # With the key: answered as without restrictions (no repository here, an empty
+    # register: a 400 for those; no region r: a 404).
+    bad = "repository" in path or path.endswith("/r/register")
+    assert r.status_code == (400 if bad else 404 if path.endswith("/r/status") else 200), r.text
+
+
+def test_regions_belong_to_the_holders_of_the_shared_memory_key(restricted):
+    """An inference client without the ``shared-memory`` key can neither read nor write
+    a region (its inference API is open): 403; with it, the region serves it."""
+    import tritonclient.utils.shared_memory as shm
+
+    handle = shm.create_shared_memory_region("pxrt-access", "/pxrt-access", 1024)
+    client = httpclient.InferenceServerClient(restricted.url.removeprefix("http://"))
+    key = {"shm-key": "k3y"}
+    try:
+        x = np.full((1, 32), 0.5, np.float32)
+        shm.set_shared_memory_region(handle, [x])
+        with pytest.raises(Exception, match="403"):
+            client.register_system_shared_memory("owned", "/pxrt-access", 1024)
+        client.register_system_shared_memory("owned", "/pxrt-access", 1024, headers=key)
+        inp = httpclient.InferInput("x", [1, 32], "FP32")
+        inp.set_shared_memory("owned", 128)
+        with pytest.raises(Exception, match="the shared-memory API is restricted"):
+            client.infer("mlp", [inp])
+        out = httpclient.InferRequestedOutput("y")
+        out.set_shared_memory("owned", 128, offset=512)
+        plain = httpclient.InferInput("x", [1, 32], "FP32")
+        plain.set_data_from_numpy(x)
+        with pytest.raises(Exception, match="the shared-memory API is restricted"):
+            client.infer("mlp", [plain], outputs=[out])
+        got = client.infer("mlp", [inp], headers=key).as_numpy("y")
+        assert got.shape[0] == 1 and np.isfinite(got).all()
+    finally:
+        client.unregister_system_shared_memory(headers=key)
+        client.close()
+        shm.destroy_shared_memory_region(handle)
 
 
 def test_a_key_header_sent_twice_is_a_bad_request_on_every_path(artifacts):
@@ -107,6 +149,9 @@ def test_a_key_header_sent_twice_is_a_bad_request_on_every_path(artifacts):
             assert httpx.request(method, url, headers=[("k", "abc")], timeout=10, **kw).is_success
             r = httpx.request(method, url, headers=twice, timeout=10, **kw)
             assert r.status_code == 400 and "sent 2 times" in r.json()["error"], (path, r.text)
+        # (system shared memory is off without --allow-client-shm, said by name)
+        r = httpx.get(proc.url + "/v2/systemsharedmemory/status", timeout=10)
+        assert r.status_code == 400 and "--allow-client-shm" in r.json()["error"], r.text
     finally:
         assert proc.stop() == 0
 

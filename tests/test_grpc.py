@@ -619,6 +619,7 @@ def test_tls_and_restricted_apis_with_the_triton_client(artifacts, tmp_path):
             str(artifacts["mlp"]),
             "--restricted-api", "model-repository,statistics:admin-key=s3cret",
             "--restricted-api", "inference:infer-key=abc",
+            "--restricted-api", "shared-memory:shm-key=k3y", "--allow-client-shm",
         ],
         grpc=True,
         tls=certs,
@@ -639,6 +640,8 @@ def test_tls_and_restricted_apis_with_the_triton_client(artifacts, tmp_path):
             lambda: client.get_inference_statistics("mlp", headers=wrong),
             lambda: client.get_model_repository_index(headers=wrong),
             lambda: client.load_model("mlp", headers=wrong),
+            lambda: client.get_system_shared_memory_status(headers=wrong),
+            lambda: client.unregister_system_shared_memory(headers={"infer-key": "abc"}),
         ):
             code, message = _status(call)
             assert code == "StatusCode.PERMISSION_DENIED" and "restricted" in message
@@ -648,6 +651,12 @@ def test_tls_and_restricted_apis_with_the_triton_client(artifacts, tmp_path):
             lambda: client.get_model_repository_index(headers={"admin-key": "s3cret"})
         )
         assert code == "StatusCode.FAILED_PRECONDITION"  # allowed; no repository here
+        assert not client.get_system_shared_memory_status(headers={"shm-key": "k3y"}).regions
+        # naming a region at inference needs the shared-memory key too
+        shared = grpcclient.InferInput("x", [1, 32], "FP32")
+        shared.set_shared_memory("any", 128)
+        code, message = _status(lambda: client.infer("mlp", [shared], headers={"infer-key": "abc"}))
+        assert code == "StatusCode.PERMISSION_DENIED" and "shared-memory" in message
         # a key sent twice (which one counts would depend on the reader): INVALID_ARGUMENT
         from tritonclient.grpc import service_pb2_grpc
 

@@ -243,7 +243,7 @@ def test_errors_are_grpc_statuses(models, run):
                 ("ModelInfer", infer_message(np.ones((100, 32), np.float32)), 8,
                  "larger than max (12"),
                 ("Nope", b"", 12, "Method not found: /inference.GRPCInferenceService/Nope"),
-                ("SystemSharedMemoryStatus", b"", 12, "Method not implemented"),
+                ("LogSettings", b"", 12, "Method not implemented"),
                 ("RepositoryIndex", b"", 9, "no model repository"),
             ]  # fmt: skip
             for method, message, code, words in cases:

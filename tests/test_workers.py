@@ -293,6 +293,20 @@ def test_workers_answer_as_one_process_does(served_workers):
         httpx.get(served_workers.url + "/v2/models/mlp/config", timeout=10).json()["name"] == "mlp"
     )
     assert httpx.get(served_workers.url + "/v2/models/mlp/stats", timeout=10).status_code == 403
+    # system shared memory: a registration and the requests that use it would reach
+    # different processes, so it is refused by name, on both paths
+    r = httpx.post(
+        served_workers.url + "/v2/systemsharedmemory/region/r/register",
+        json={"key": "/k", "offset": 0, "byte_size": 64},
+        timeout=10,
+    )
+    assert r.status_code == 400 and "--workers" in r.json()["error"]
+    region = {"shared_memory_region": "r", "shared_memory_byte_size": 128}
+    shared = {"name": "x", "datatype": "FP32", "shape": [1, 32], "parameters": region}
+    r = httpx.post(
+        served_workers.url + "/v2/models/mlp/infer", json={"inputs": [shared]}, timeout=10
+    )
+    assert r.status_code == 400 and "--workers" in r.json()["error"]
     client.close()
 
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 from pxrt import Model
 
 from ..errors import DeadlineExceeded, Overloaded, ServerClosed, ServingError, no_model, no_version
+from ..kserve.shm import OFF as SHM_OFF
+from ..kserve.shm import SharedMemory
 from .batcher import Batcher
 from .cache import ResponseCache
 
@@ -76,6 +78,10 @@ class Server:
         first. 0: no cache (a model asking for it is refused).
       tracing: which inference requests get OpenTelemetry spans (``serving.Tracing``;
         None: none), through every front end.
+      allow_client_shm: serve Triton's system shared memory extension
+        (``serving.kserve.shm``): clients on this host register POSIX shared memory and
+        name it in requests. Off by default (Triton's ``--allow-client-shm``): a client
+        that registers a segment can crash the process by shrinking it mid-request.
     """
 
     def __init__(
@@ -86,12 +92,15 @@ class Server:
         generation_limits: GenerationLimits = GenerationLimits(),
         response_cache_mb: float = 256,
         tracing: Tracing | None = None,
+        allow_client_shm: bool = False,
     ) -> None:
         if not (isinstance(response_cache_mb, (int, float)) and response_cache_mb >= 0):
             raise ValueError(f"response_cache_mb must be a number >= 0, got {response_cache_mb!r}")
         self._ready = ready
         #: Which requests are traced (the front ends ask it), or None.
         self.tracing = tracing
+        #: The system shared memory regions clients registered (every front end's).
+        self.shared_memory = SharedMemory(None if allow_client_shm else SHM_OFF)
         #: What one generation request may ask (its stop strings...), every protocol.
         self.generation_limits = generation_limits
         self._failed: str | None = None
@@ -571,6 +580,7 @@ class Server:
         await asyncio.gather(*(b.close() for b in batchers + list(self._closing)))
         for decoder in self._decoders.values():
             await asyncio.to_thread(decoder.close)
+        self.shared_memory.close()
 
 
 class BlockingServer:

@@ -52,12 +52,13 @@ from ..kserve import codec, core
 from ..kserve.core import BodyBudget, InferRequest
 from ..options import GrpcLimits
 from . import h2
-from .service import GROUPS, GRPCService, Malformed, _checked, _parser
+from .service import GROUPS, GRPCService, Malformed, _checked, _parser, shm_response
 
 if TYPE_CHECKING:
     from ..engine.repository import Repository
     from ..engine.server import Server
     from ..kserve.backend import Backend, ServedModel
+    from ..kserve.shm import Regions
 
 
 log = logging.getLogger("pxrt.grpc")
@@ -113,7 +114,10 @@ def infer_response_parts(
 ) -> list[Any]:
     """A ModelInferResponse as buffers: the message without its raw contents, then each
     output's ``raw_output_contents`` field (tag, length, the array's own bytes). The
-    first part is made once per answer layout (names, dtypes, shapes, id) and kept."""
+    first part is made once per answer layout (names, dtypes, shapes, id) and kept. An
+    output asked for in shared memory is written there (``service.shm_response``)."""
+    if not codec.inline(selected):
+        return [shm_response(name, version, request_id, outputs, selected).SerializeToString()]
     arrays = [np.ascontiguousarray(outputs[out_name]) for out_name, _ in selected]
     key = (name, version, request_id, *[(a.dtype, a.shape) for a in arrays], *selected)
     head = _HEADS.get(key)
@@ -531,13 +535,20 @@ class GrpcProtocol(h2.H2Protocol[Call]):
     def _infer(self, call: Call, remaining: float | None) -> None:
         data, call.message = call.message, None
         try:
-            name, version, decode = _decoder(data, remaining)
+            name, version, decode = _decoder(data, remaining, self._regions(call))
             queued = core.start(self.server, name, version or None, decode, call.headers)
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             self.fail_call(call, _malformed_first(exc, data))
             return
         call.queued = queued
         queued.future.add_done_callback(functools.partial(self._infer_done, call, queued))
+
+    def _regions(self, call: Call) -> Regions:
+        """The system shared memory ``call``'s requests may name."""
+        restrictions, shared = self.owner.restrictions, self.server.shared_memory
+        if not restrictions:
+            return shared.open
+        return shared.for_request(restrictions, header_values(call.headers))
 
     def _infer_done(self, call: Call, queued: core.Pending, future: asyncio.Future) -> None:
         call.queued = None
@@ -559,7 +570,7 @@ class GrpcProtocol(h2.H2Protocol[Call]):
         """Take one request of a stream: queued, or answered at once with its error. A
         request to a decoder generates (``serving.kserve.generation_grpc``)."""
         try:
-            name, version, decode = _decoder(data, None)
+            name, version, decode = _decoder(data, None, self._regions(call))
             if self.server.is_decoder(name):
                 self._generate(call, data, held)
                 return
@@ -803,7 +814,7 @@ def _malformed_first(exc: BaseException, data: Any) -> BaseException:
     return exc
 
 
-def _decoder(data: Any, deadline_s: float | None) -> tuple[str, str, Any]:
+def _decoder(data: Any, deadline_s: float | None, regions: Regions) -> tuple[str, str, Any]:
     """The model name and version a serialized ModelInferRequest asks for, and the
     ``decode`` of the request core for it: from its bytes, where the name comes first
     (``InferRequest.from_proto_bytes``), else from the parsed message."""
@@ -819,13 +830,13 @@ def _decoder(data: Any, deadline_s: float | None) -> tuple[str, str, Any]:
             return message
 
         def decode(model: ServedModel) -> InferRequest:
-            return InferRequest.from_proto_bytes(data, model, parse, deadline_s)
+            return InferRequest.from_proto_bytes(data, model, parse, deadline_s, regions)
 
         return name, version, decode
     message = _parse(data)
 
     def decode_message(model: ServedModel) -> InferRequest:
-        return InferRequest.from_proto(message, model, deadline_s)
+        return InferRequest.from_proto(message, model, deadline_s, regions)
 
     return message.model_name, message.model_version, decode_message
 

@@ -43,7 +43,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from ..access import Forbidden, KeyRepeated, Restrictions, TlsFiles
 from ..errors import UnknownModel, require
-from ..kserve import codec, core, documents
+from ..kserve import codec, core, documents, shm
 from ..kserve.core import InferRequest
 from ..options import GrpcLimits
 
@@ -179,6 +179,57 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
             await self._abort(context, exc, "RepositoryModelUnload")
         return pb.RepositoryModelUnloadResponse()
 
+    # ------------------------------------------------------------------ shared memory
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        try:
+            regions = self.server.shared_memory.status(request.name or None)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc, "SystemSharedMemoryStatus")
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in regions:
+            response.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        try:
+            self.server.shared_memory.register(
+                request.name, request.key, request.offset, request.byte_size
+            )
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc, "SystemSharedMemoryRegister")
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        try:
+            self.server.shared_memory.unregister(request.name or None)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc, "SystemSharedMemoryUnregister")
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        try:
+            shm.no_cuda_region(request.name or None)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc, "CudaSharedMemoryStatus")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        try:
+            shm.no_cuda_region(request.name, register=True)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc, "CudaSharedMemoryRegister")
+        return pb.CudaSharedMemoryRegisterResponse()  # pragma: no cover - always refused
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        try:
+            shm.no_cuda_region(request.name or None)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc, "CudaSharedMemoryUnregister")
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # ------------------------------------------------------------------ inference
 
     def _infer(
@@ -187,8 +238,12 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         if isinstance(message, Malformed):  # in a stream: this request's error
             raise codec.ProtocolError(message.error)
 
+        regions = self.server.shared_memory.open
+        if context is not None and "shared-memory" in self.restrictions.keys:
+            regions = self.server.shared_memory.for_request(self.restrictions, _metadata(context))
+
         def decode(model: Model) -> InferRequest:
-            return InferRequest.from_proto(message, model, deadline_s)
+            return InferRequest.from_proto(message, model, deadline_s, regions)
 
         headers: Any = ()  # (grpcio's metadata is a call: made only for tracing)
         if self.server.tracing is not None and context is not None:
@@ -331,6 +386,12 @@ GROUPS = {
     "RepositoryIndex": "model-repository",
     "RepositoryModelLoad": "model-repository",
     "RepositoryModelUnload": "model-repository",
+    "SystemSharedMemoryStatus": "shared-memory",
+    "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory",
+    "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory",
+    "CudaSharedMemoryUnregister": "shared-memory",
 }
 
 
@@ -389,12 +450,32 @@ def add_service(service: GRPCService, grpc_server: grpc.aio.Server) -> None:
 
 
 def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> Any:
-    """The ModelInferResponse: every output as raw bytes."""
+    """The ModelInferResponse: every output as raw bytes (or written to shared memory)."""
+    if not codec.inline(request.outputs):
+        return shm_response(name, model.version, request.id, outputs, request.outputs)
     response = pb.ModelInferResponse(model_name=name, model_version=model.version, id=request.id)
     for name, _ in request.outputs:
         arr = outputs[name]
         response.outputs.add(name=name, datatype=codec.datatype_of(arr.dtype), shape=arr.shape)
         response.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
+    return response
+
+
+def shm_response(
+    name: str, version: str, request_id: str | None, outputs: dict, selected: list
+) -> Any:
+    """A ModelInferResponse where some outputs go to shared memory: those are written to
+    their region and answered with an empty raw_output_contents (as Triton's: the
+    contents stay one per output, by position, as clients read them); the rest are raw."""
+    response = pb.ModelInferResponse(model_name=name, model_version=version, id=request_id)
+    for out_name, where in selected:
+        arr = np.ascontiguousarray(outputs[out_name])
+        response.outputs.add(name=out_name, datatype=codec.datatype_of(arr.dtype), shape=arr.shape)
+        if where.__class__ is bool:
+            response.raw_output_contents.append(arr.tobytes())
+        else:
+            where.write(out_name, arr)
+            response.raw_output_contents.append(b"")
     return response
 
 

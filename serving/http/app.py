@@ -36,7 +36,7 @@ from starlette.routing import Mount, Route
 
 from ..access import Restrictions
 from ..errors import RepositoryError, ServingError, require
-from ..kserve import codec, core, documents, generation
+from ..kserve import codec, core, documents, generation, shm
 from ..kserve.codec import ProtocolError
 from ..kserve.core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
 from ..options import HttpLimits
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ..engine.repository import Repository
     from ..engine.server import Server
     from ..kserve.backend import Backend, ServedModel
+    from ..kserve.shm import Regions
 
 
 log = logging.getLogger("pxrt.http")
@@ -383,6 +384,50 @@ async def trace_setting(request: Request) -> Response:
     return _json(tracing.settings())
 
 
+# --------------------------------------------------------------------------- shared memory
+
+
+@_endpoint
+async def shm_register(request: Request) -> Response:
+    """Triton's system shared memory extension: register a region (``serving.kserve.shm``)."""
+    state = _state(request)
+    length = request.headers.get("content-length")
+    upload = Upload(state.budget, state.limits.max_json_bytes, length)
+    try:
+        doc = codec.parse_json(await upload.read(request.stream()))
+    finally:
+        upload.release()
+    if not isinstance(doc, dict):
+        raise ProtocolError("the request must be a JSON object with key, offset and byte_size")
+    unknown = set(doc) - {"key", "offset", "byte_size"}
+    if unknown:
+        raise ProtocolError(f"unknown fields {sorted(unknown)}; expected key, offset, byte_size")
+    name = request.path_params["region"]
+    _control(request).shared_memory.register(
+        name, doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
+    )
+    return _json({})
+
+
+@_endpoint
+async def shm_unregister(request: Request) -> Response:
+    _control(request).shared_memory.unregister(request.path_params.get("region"))
+    return _json({})
+
+
+@_endpoint
+async def shm_status(request: Request) -> Response:
+    return _json(_control(request).shared_memory.status(request.path_params.get("region")))
+
+
+@_endpoint
+async def cuda_shm(request: Request) -> Response:
+    """Triton's CUDA shared memory extension: none is served (``shm.no_cuda_region``)."""
+    name = request.path_params.get("region")
+    shm.no_cuda_region(name, register=request.url.path.endswith("/register"))
+    return _json([] if request.url.path.endswith("/status") else {})
+
+
 @_endpoint
 async def metrics(request: Request) -> Response:
     registry = _control(request).metrics.registry
@@ -468,7 +513,10 @@ class InferEndpoint:
                 upload.add(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
-            decode = request_decoder(upload.body(), headers.get(HEADER_LENGTH), state.limits)
+            regions = server.shared_memory.for_request(state.restrictions, headers.getlist)
+            decode = request_decoder(
+                upload.body(), headers.get(HEADER_LENGTH), state.limits, regions
+            )
             queued: list[asyncio.Future] = []
             hangup: list[asyncio.Future] = []
 
@@ -522,10 +570,11 @@ async def _send(
 
 
 def request_decoder(
-    body: bytes, header_length: str | None, limits: HttpLimits
+    body: bytes, header_length: str | None, limits: HttpLimits, regions: Regions | None = None
 ) -> Callable[[ServedModel], InferRequest]:
     """``core.infer``'s ``decode`` for an HTTP request's body (JSON, then any binary
-    tensor data; ``header_length``: the Inference-Header-Content-Length header)."""
+    tensor data; ``header_length``: the Inference-Header-Content-Length header;
+    ``regions``: the system shared memory it may name)."""
     max_json = limits.max_json_bytes
 
     def decode(model: ServedModel) -> InferRequest:
@@ -535,7 +584,7 @@ def request_decoder(
                 f"the request's JSON is {len(header)} bytes; the limit is {max_json} "
                 "(send large tensors as binary data)"
             )
-        return InferRequest.from_json(header, binary, model)
+        return InferRequest.from_json(header, binary, model, regions)
 
     return decode
 
@@ -627,6 +676,21 @@ def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
         ),
     ]
     routes.append(Route("/v2/trace/setting", r("trace", trace_setting), methods=["GET", "POST"]))
+    system, region = "/v2/systemsharedmemory", "/v2/systemsharedmemory/region/{region}"
+    routes += [
+        Route(system + "/status", r("shared-memory", shm_status)),
+        Route(region + "/status", r("shared-memory", shm_status)),
+        Route(region + "/register", r("shared-memory", shm_register), methods=["POST"]),
+        Route(region + "/unregister", r("shared-memory", shm_unregister), methods=["POST"]),
+        Route(system + "/unregister", r("shared-memory", shm_unregister), methods=["POST"]),
+    ]
+    cuda, cuda_region = "/v2/cudasharedmemory", "/v2/cudasharedmemory/region/{region}"
+    for path, method in [
+        (cuda + "/status", "GET"), (cuda_region + "/status", "GET"),
+        (cuda_region + "/register", "POST"), (cuda_region + "/unregister", "POST"),
+        (cuda + "/unregister", "POST"),
+    ]:  # fmt: skip
+        routes.append(Route(path, r("shared-memory", cuda_shm), methods=[method]))
     routes += _generation_routes(restrictions)
     routes.append(Route("/v1/models", r("metadata", _openai_models)))
     routes.append(Route("/v1/models/{model}", r("metadata", _openai_model)))

@@ -212,7 +212,13 @@ class NativeCycle:
             stream.open(state, upload.body())
             return
         try:
-            decode = request_decoder(upload.body(), self.header_length, state.limits)
+            shared, restrictions = server.shared_memory, state.restrictions
+            regions = (
+                shared.for_request(restrictions, header_values(self.proto.headers))
+                if restrictions
+                else shared.open
+            )
+            decode = request_decoder(upload.body(), self.header_length, state.limits, regions)
             # The version that answers is the one served now (resolved again).
             queued = core.start(server, self.name, self.version, decode, self.proto.headers)
         except Exception as exc:  # noqa: BLE001 - answered by the error table

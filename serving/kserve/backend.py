@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..options import GenerationLimits
     from ..tracing import Trace, Tracing
+    from .shm import SharedMemory
 
 
 class TensorInfo(Protocol):
@@ -116,6 +117,8 @@ class Backend(Protocol):
     generation_limits: GenerationLimits
     #: Which requests are traced (``serving.tracing.Tracing``), or None: none.
     tracing: Tracing | None
+    #: The system shared memory regions requests may name (``serving.kserve.shm``).
+    shared_memory: SharedMemory
 
     # readiness
     def not_serving(self) -> str | None:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 import orjson
 
 from pxrt._ext import twin
+
+if TYPE_CHECKING:
+    from .shm import Regions
 
 tensors = twin("serving.kserve._tensors", "serving.kserve._tensors_py")
 
@@ -96,9 +99,13 @@ def request_id(doc: dict) -> str | None:
 
 
 def decode_inputs(
-    doc: dict, binary: memoryview, specs: Mapping[str, Any] | None = None
+    doc: dict,
+    binary: memoryview,
+    specs: Mapping[str, Any] | None = None,
+    regions: Regions | None = None,
 ) -> dict[str, np.ndarray]:
-    """The request's ``inputs`` as arrays; binary ones are views of ``binary``.
+    """The request's ``inputs`` as arrays; binary ones are views of ``binary``, those in
+    shared memory views of their region (of ``regions``: ``serving.kserve.shm``).
 
     Nothing is cast: JSON elements must be exactly of their datatype's JSON type and in
     its range. The work is bounded before it starts: with the model's input ``specs``,
@@ -130,7 +137,13 @@ def decode_inputs(
         count = math.prod(shape)
         params = _parameters(spec, f"input {name!r}")
         size = params.get("binary_data_size")
-        if size is not None:
+        if "shared_memory_region" in params:
+            if "data" in spec or size is not None:
+                raise ProtocolError(
+                    f"input {name!r} names a shared memory region and also has data; give one"
+                )
+            out[name] = _shared(regions).tensor(params, dtype, shape, f"input {name!r}")
+        elif size is not None:
             if "data" in spec:
                 raise ProtocolError(
                     f"input {name!r} has both 'data' and binary_data_size; give one of them"
@@ -187,8 +200,14 @@ class BinaryPlan:
         priority: int,
     ) -> BinaryPlan | None:
         """The plan of a decoded request (``decode_inputs`` laid the binary inputs out
-        in order, end to end), or None when any tensor came as JSON data."""
-        if any("data" in spec for spec in doc["inputs"]):
+        in order, end to end), or None when any tensor came otherwise (as JSON data, in
+        shared memory) or an output goes to shared memory."""
+        if not all(
+            "binary_data_size" in (spec.get("parameters") or ())
+            and "data" not in spec
+            and "shared_memory_region" not in spec["parameters"]
+            for spec in doc["inputs"]
+        ) or not inline(outputs):
             return None
         entries = []
         offset = 0
@@ -300,8 +319,11 @@ def _from_json(name: str, data: Any, dtype: np.dtype, shape: tuple, datatype: An
     return raw.astype(dtype).reshape(shape)  # in range: nothing overflows or wraps
 
 
-def requested_outputs(doc: dict, names: list[str]) -> list[tuple[str, bool]]:
-    """(output name, as binary) for each output to return, in the request's order."""
+def requested_outputs(
+    doc: dict, names: list[str], regions: Regions | None = None
+) -> list[tuple[str, Any]]:
+    """(output name, as binary) for each output to return, in the request's order; an
+    output asked for in shared memory has where it goes instead (``shm.Placed``)."""
     default_binary = _flag(_parameters(doc, "the request"), "binary_data_output", "the request")
     wanted = doc.get("outputs")
     if wanted is None:
@@ -310,7 +332,7 @@ def requested_outputs(doc: dict, names: list[str]) -> list[tuple[str, bool]]:
         raise ProtocolError(f"'outputs' must be a list, got {_short(wanted)}")
     if len(wanted) > len(names):
         raise ProtocolError(f"'outputs' asks for {len(wanted)} outputs; the model has {len(names)}")
-    out = []
+    out: list[tuple[str, Any]] = []
     for i, spec in enumerate(wanted):
         name = spec.get("name") if isinstance(spec, dict) else None
         if not isinstance(name, str) or name not in names:
@@ -318,8 +340,22 @@ def requested_outputs(doc: dict, names: list[str]) -> list[tuple[str, bool]]:
                 f"outputs[{i}]: unknown output {_short(name)}; the model has {', '.join(names)}"
             )
         params = _parameters(spec, f"outputs[{i}]")
+        if "shared_memory_region" in params:
+            out.append((name, _shared(regions).placed(params, f"output {name!r}")))
+            continue
         out.append((name, _flag(params, "binary_data", f"outputs[{i}]", default_binary)))
     return out
+
+
+def inline(outputs: list[tuple[str, Any]]) -> bool:
+    """Whether every output is answered in the reply (none goes to shared memory)."""
+    return all(where.__class__ is bool for _, where in outputs)
+
+
+def _shared(regions: Regions | None) -> Regions:
+    if regions is None:
+        raise ProtocolError("this endpoint does not serve system shared memory")
+    return regions
 
 
 def _flag(params: dict, key: str, where: str, default: bool = False) -> bool:
@@ -361,7 +397,9 @@ def response_parts(
             "datatype": datatype_of(arr.dtype),
             "shape": list(arr.shape),
         }
-        if binary:
+        if binary.__class__ is not bool:  # written to shared memory: no data here
+            binary.write(name, arr)
+        elif binary:
             entry["parameters"] = {"binary_data_size": arr.nbytes}
             blobs.append(memoryview(arr.reshape(-1).view(np.uint8).data))
         elif arr.dtype == DATATYPES["BF16"]:
@@ -433,9 +471,12 @@ CONTENTS = {
 }
 
 
-def decode_proto_inputs(message: Any, specs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def decode_proto_inputs(
+    message: Any, specs: Mapping[str, Any], regions: Regions | None = None
+) -> dict[str, np.ndarray]:
     """A ModelInferRequest's inputs as arrays (raw ones are views of the message's
-    bytes). Nothing is cast: typed contents must fit their datatype's range exactly."""
+    bytes, those in shared memory views of their region). Nothing is cast: typed
+    contents must fit their datatype's range exactly."""
     raw = message.raw_input_contents
     if not message.inputs:
         raise ProtocolError("the request has no inputs")
@@ -443,13 +484,16 @@ def decode_proto_inputs(message: Any, specs: Mapping[str, Any]) -> dict[str, np.
         raise ProtocolError(
             f"the request has {len(message.inputs)} inputs; the model takes {len(specs)}"
         )
-    if raw and len(raw) != len(message.inputs):
+    shared = [i for i, t in enumerate(message.inputs) if SHM_REGION in t.parameters]
+    carried = len(message.inputs) - len(shared)  # inputs whose data the message has
+    if raw and len(raw) != carried:
         raise ProtocolError(
-            f"{len(raw)} raw_input_contents for {len(message.inputs)} inputs: give every "
-            "input's data raw, or every input's as contents"
+            f"{len(raw)} raw_input_contents for {carried} inputs: give every input's data "
+            "raw (but those in shared memory), or every input's as contents"
         )
     out: dict[str, np.ndarray] = {}
-    for i, tensor in enumerate(message.inputs):
+    index = 0  # of the next raw contents
+    for tensor in message.inputs:
         name = tensor.name
         if name not in specs:
             raise ProtocolError(
@@ -460,12 +504,22 @@ def decode_proto_inputs(message: Any, specs: Mapping[str, Any]) -> dict[str, np.
         dtype = tensor_dtype(name, tensor.datatype)
         shape = tensor_shape(name, list(tensor.shape))
         count = math.prod(shape)
+        if SHM_REGION in tensor.parameters:
+            if tensor.HasField("contents"):
+                raise ProtocolError(
+                    f"input {name!r} names a shared memory region and also has contents; give one"
+                )
+            where = f"input {name!r}"
+            params = proto_parameters(tensor.parameters)
+            out[name] = _shared(regions).tensor(params, dtype, shape, where)
+            continue
         if raw:
             if tensor.HasField("contents"):
                 raise ProtocolError(
                     f"input {name!r} has both contents and raw_input_contents; give one"
                 )
-            data = raw[i]
+            data = raw[index]
+            index += 1
             if len(data) != count * dtype.itemsize:
                 raise ProtocolError(
                     f"input {name!r}: shape {list(shape)} of {tensor.datatype} needs "
@@ -494,14 +548,37 @@ def decode_proto_inputs(message: Any, specs: Mapping[str, Any]) -> dict[str, np.
     return out
 
 
-def requested_proto_outputs(message: Any, names: list[str]) -> list[tuple[str, bool]]:
+def requested_proto_outputs(
+    message: Any, names: list[str], regions: Regions | None = None
+) -> list[tuple[str, Any]]:
     """(output name, as raw bytes: always) for each output a ModelInferRequest asks for
-    (all of them when it names none), in its order."""
-    wanted = [o.name for o in message.outputs] or names
-    for name in wanted:
+    (all of them when it names none), in its order; one asked for in shared memory has
+    where it goes instead (``shm.Placed``)."""
+    if not message.outputs:
+        return [(name, True) for name in names]
+    out: list[tuple[str, Any]] = []
+    for wanted in message.outputs:
+        name = wanted.name
         if name not in names:
             raise ProtocolError(f"unknown output {name[:60]!r}; the model has {', '.join(names)}")
-    return [(name, True) for name in wanted]
+        if SHM_REGION in wanted.parameters:
+            params = proto_parameters(wanted.parameters)
+            out.append((name, _shared(regions).placed(params, f"output {name!r}")))
+        else:
+            out.append((name, True))
+    return out
+
+
+SHM_REGION = "shared_memory_region"
+
+
+def proto_parameters(params: Any) -> dict[str, Any]:
+    """A protobuf ``map<string, InferParameter>`` as a dict of plain values."""
+    out = {}
+    for key, value in params.items():
+        kind = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, kind) if kind else None
+    return out
 
 
 RAW_INPUT_TAG = 0x3A  # ModelInferRequest.raw_input_contents: field 7, length-delimited

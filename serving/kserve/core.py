@@ -41,10 +41,12 @@ from ..errors import (
 from ..logs import printable
 from . import codec
 from .codec import ProtocolError
+from .shm import UnknownRegion
 
 if TYPE_CHECKING:
     from ..tracing import Trace
     from .backend import Backend, ServedDecoder, ServedModel
+    from .shm import Regions
 
 
 log = logging.getLogger("pxrt.core")
@@ -165,21 +167,26 @@ class InferRequest:
     """
 
     inputs: dict[str, np.ndarray]
-    outputs: list[tuple[str, bool]]
+    outputs: list[tuple[str, Any]]  # (name, as binary or ``shm.Placed``)
     id: str | None = None
     timeout_s: float | None = None
     priority: int = 0
 
     @classmethod
     def from_json(
-        cls, header: memoryview | bytes, binary: memoryview, model: ServedModel
+        cls,
+        header: memoryview | bytes,
+        binary: memoryview,
+        model: ServedModel,
+        regions: Regions | None = None,
     ) -> InferRequest:
         """A KServe v2 JSON request (``header``) with its binary tensor data.
 
         A header whose tensors all come as binary data is remembered per model with what
         it decoded to (``codec.BinaryPlan``): the same header again (load generators and
         most clients send the same one for every request of a shape) is decoded by one
-        dict lookup and a view per input, not a JSON parse and its checks."""
+        dict lookup and a view per input, not a JSON parse and its checks. ``regions``:
+        the system shared memory the request may name (``serving.kserve.shm``)."""
         plans = _plans(model)
         try:
             plan = plans.get(header)
@@ -190,8 +197,8 @@ class InferRequest:
         doc = codec.parse_json(header)
         rid = codec.request_id(doc)
         request = cls(
-            inputs=codec.decode_inputs(doc, binary, model.inputs),
-            outputs=codec.requested_outputs(doc, list(model.outputs)),
+            inputs=codec.decode_inputs(doc, binary, model.inputs, regions),
+            outputs=codec.requested_outputs(doc, list(model.outputs), regions),
             id=rid,
             timeout_s=codec.timeout_of(doc),
             priority=codec.priority_of(doc),
@@ -213,6 +220,7 @@ class InferRequest:
         model: ServedModel,
         parse: Callable[[Any], Any],
         deadline_s: float | None = None,
+        regions: Regions | None = None,
     ) -> InferRequest:
         """A serialized ModelInferRequest (``parse`` makes the message of its bytes, or
         raises ``ProtocolError``), as ``from_proto``.
@@ -230,8 +238,8 @@ class InferRequest:
                     timeout = plan.timeout_s if plan.timeout_s is not None else deadline_s
                     return cls(plan.views(data), plan.outputs, plan.id, timeout, plan.priority)
         message = parse(data)
-        request = cls.from_proto(message, model, deadline_s)
-        if message.raw_input_contents:
+        request = cls.from_proto(message, model, deadline_s, regions)
+        if message.raw_input_contents and codec.inline(request.outputs):
             plan = codec.ProtoPlan.of(
                 data, request.inputs, request.outputs, message.id,
                 codec.proto_timeout(message), request.priority,
@@ -247,12 +255,16 @@ class InferRequest:
 
     @classmethod
     def from_proto(
-        cls, message: Any, model: ServedModel, deadline_s: float | None = None
+        cls,
+        message: Any,
+        model: ServedModel,
+        deadline_s: float | None = None,
+        regions: Regions | None = None,
     ) -> InferRequest:
         """A ModelInferRequest; its ``timeout`` parameter, else ``deadline_s`` (the
         call's own deadline), is its deadline."""
-        inputs = codec.decode_proto_inputs(message, model.inputs)
-        outputs = codec.requested_proto_outputs(message, list(model.outputs))
+        inputs = codec.decode_proto_inputs(message, model.inputs, regions)
+        outputs = codec.requested_proto_outputs(message, list(model.outputs), regions)
         timeout_s = codec.proto_timeout(message)
         return cls(
             inputs=inputs,
@@ -507,6 +519,7 @@ ERRORS: tuple[tuple[type[BaseException], int, str], ...] = (
     (Forbidden, 403, "PERMISSION_DENIED"),  # a restricted API without its key
     (KeyRepeated, 400, "INVALID_ARGUMENT"),  # ... or with it more than once
     (TooLarge, 413, "RESOURCE_EXHAUSTED"),
+    (UnknownRegion, 404, "NOT_FOUND"),  # a shared memory region nobody registered
     (ProtocolError, 400, "INVALID_ARGUMENT"),  # does not follow the protocol
     (InvalidRequest, 400, "INVALID_ARGUMENT"),  # does not fit the model
     (NoRepository, 400, "FAILED_PRECONDITION"),

@@ -26,6 +26,7 @@ from pxrt.finish import CANCELLED, ERROR
 
 from ..errors import ServerClosed, no_model, no_version
 from ..kserve import core
+from ..kserve.shm import WORKERS, SharedMemory
 from ..options import GenerationLimits
 from . import ipc
 
@@ -209,6 +210,7 @@ class RemoteServer:
         #: This worker's tracing (its spans: decode, the wait for the device process's
         #: answer, encode), or None.
         self.tracing = tracing
+        self.shared_memory = SharedMemory(unavailable=WORKERS)
         self.link: DeviceLink | None = None
         self._why: str | None = "the server is starting; not accepting inference requests"
         self._draining = asyncio.Event()

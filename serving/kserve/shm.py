@@ -1,0 +1,349 @@
+"""Triton's system shared memory extension: tensors a client on the same host leaves in
+POSIX shared memory instead of sending them over the socket. Off unless the server
+allows it (``pxrt serve --allow-client-shm``, Triton's flag; ``Server(allow_client_shm=True)``).
+
+A client creates a segment (``shm_open``: ``tritonclient.utils.shared_memory``), registers
+a window of it under a name (``register(name, key, offset, byte_size)``: HTTP
+``POST /v2/systemsharedmemory/region/{name}/register``, gRPC
+``SystemSharedMemoryRegister``), then names the region in an inference request's input
+or output ``parameters`` (``shared_memory_region``, ``shared_memory_byte_size``,
+``shared_memory_offset``): an input is read from the region where the request says, an
+output is written there and answered without its bytes (its name, datatype and shape
+only, as Triton answers it).
+
+What is checked, so a request never reads or writes outside what was registered:
+
+- a key names one segment of ``/dev/shm`` (no path: ``/name`` or ``name``), opened
+  without following links, a regular file; the window must lie inside it;
+- an input's or output's ``[offset, offset + byte_size)`` must lie inside its region, and
+  an input's byte size must be its tensor's (an output's must hold it);
+- each use checks that the segment still holds the window (a client that shrank its
+  segment gets a 400, not a server killed by SIGBUS; a client that shrinks it *while*
+  its request is read can still crash the server, as Triton's: register only segments
+  of clients you trust with the process, and restrict the API group ``shared-memory``);
+- an unregistered region is gone for every request that comes after; a request that
+  already holds its inputs keeps the mapping alive until it is answered (the memory is
+  unmapped when the last view goes, never under a request), and its outputs are
+  refused if their region was unregistered meanwhile.
+
+With ``--restricted-api shared-memory:HEADER=VALUE``, registering, unregistering and
+status need the key, and so does an inference request that names a region: the regions
+belong to whoever holds that key, and an inference client without it can neither read
+nor write them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..access import Restrictions
+from .codec import ProtocolError
+
+GROUP = "shared-memory"  # the restricted API group (``serving.access``)
+ROOT = "/dev/shm"  # where shm_open's segments are, on Linux
+MAX_REGIONS = 1024  # regions registered at once (each holds a mapping and a descriptor)
+
+# What a server says without the extension.
+OFF = (
+    "system shared memory is off on this server: start pxrt serve with --allow-client-shm "
+    "(Server(allow_client_shm=True))"
+)
+# What a --workers server says to every use of shared memory.
+WORKERS = (
+    "system shared memory is not served with --workers (a registration and the requests "
+    "that use it would reach different processes): serve without --workers to use it"
+)
+
+REGION = "shared_memory_region"
+BYTE_SIZE = "shared_memory_byte_size"
+OFFSET = "shared_memory_offset"
+
+
+class RegionError(ProtocolError):
+    """A bad region: already registered, outside its segment... (HTTP 400, gRPC
+    INVALID_ARGUMENT)."""
+
+
+class UnknownRegion(RegionError):
+    """A region nobody registered (HTTP 404, gRPC NOT_FOUND, as Triton's)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Region:
+    """A registered window of a segment: ``byte_size`` bytes from ``offset`` of ``key``,
+    mapped (``view``: the window as bytes)."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    mapping: mmap.mmap
+    start: int  # where the window begins in ``mapping`` (mappings start page-aligned)
+    registered: bool = True
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset,
+                "byte_size": self.byte_size}  # fmt: skip
+
+    def _window(self, offset: int, size: int, what: str) -> int:
+        """The mapping's offset of ``[offset, offset + size)`` of the region, checked."""
+        if offset < 0 or size < 0 or offset + size > self.byte_size:
+            raise RegionError(
+                f"{what}: bytes {offset}..{offset + size} are outside shared memory region "
+                f"{self.name!r} ({self.byte_size} bytes)"
+            )
+        try:
+            held = self.mapping.size()  # the segment's size now (fstat)
+        except (OSError, ValueError):
+            held = -1
+        if self.offset + self.byte_size > held:
+            raise RegionError(
+                f"{what}: shared memory region {self.name!r}'s segment {self.key!r} no longer "
+                f"holds bytes {self.offset}..{self.offset + self.byte_size} (it was shrunk)"
+            )
+        return self.start + offset
+
+    def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+        """The tensor at ``offset`` of the region: a view (no copy)."""
+        count = 1
+        for d in shape:
+            count *= d
+        at = self._window(offset, count * dtype.itemsize, what)
+        return np.frombuffer(self.mapping, dtype, count, at).reshape(shape)
+
+    def write(self, offset: int, size: int, arr: np.ndarray, what: str) -> None:
+        """``arr``'s bytes at ``offset`` of the region, which has ``size`` bytes for it."""
+        if not self.registered:
+            raise RegionError(
+                f"{what}: shared memory region {self.name!r} was unregistered while the request ran"
+            )
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        if data.nbytes > size:
+            raise RegionError(
+                f"{what}: the output has {data.nbytes} bytes; shared_memory_byte_size gives {size}"
+            )
+        at = self._window(offset, size, what)
+        np.frombuffer(self.mapping, np.uint8, data.nbytes, at)[:] = data
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placed:
+    """An output a request asks to be written to a region (``requested_outputs``' second
+    field, where other outputs have whether they go as binary data)."""
+
+    region: Region
+    offset: int
+    byte_size: int
+
+    def write(self, name: str, arr: np.ndarray) -> None:
+        """Write output ``name`` (its answer then describes it without data, as
+        Triton's: no parameters over HTTP, an empty raw contents over gRPC, which
+        Triton's C++ client, perf_analyzer's, requires)."""
+        self.region.write(self.offset, self.byte_size, arr, f"output {name!r}")
+
+
+class SharedMemory:
+    """The regions registered with a server (``Server.shared_memory``), for every front
+    end: HTTP and gRPC share them. ``unavailable``: why this process serves none (a
+    ``--workers`` worker: its requests and registrations would meet different tables),
+    said to every request that names one."""
+
+    def __init__(self, unavailable: str | None = None, root: str = ROOT) -> None:
+        self.unavailable = unavailable
+        self.root = root
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()  # (registrations may come from several loops)
+        self.open = Regions(self)
+
+    def _refuse(self) -> None:
+        if self.unavailable:
+            raise RegionError(self.unavailable)
+
+    def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
+        """Map ``byte_size`` bytes from ``offset`` of segment ``key`` as region ``name``."""
+        self._refuse()
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise RegionError(
+                f"a region's name must be a string of 1 to 256 characters, got {name!r:.80}"
+            )
+        for field, value in (("offset", offset), ("byte_size", byte_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RegionError(
+                    f"region {name!r}: {field} must be a non-negative integer, got {value!r:.40}"
+                )
+        if byte_size == 0:
+            raise RegionError(f"region {name!r}: byte_size must be at least 1")
+        path = self._path(name, key)
+        with self._lock:
+            if name in self._regions:
+                raise RegionError(f"shared memory region {name!r} is already registered")
+            if len(self._regions) >= MAX_REGIONS:
+                raise RegionError(
+                    f"{MAX_REGIONS} shared memory regions are registered, the most a server "
+                    "holds: unregister some first"
+                )
+            self._regions[name] = _map(name, key, path, offset, byte_size)
+
+    def _path(self, name: str, key: Any) -> str:
+        bare = key[1:] if isinstance(key, str) and key.startswith("/") else key
+        if (
+            not isinstance(bare, str)
+            or not bare
+            or len(bare) > 255
+            or "/" in bare
+            or "\0" in bare
+            or bare in (".", "..")
+        ):
+            raise RegionError(
+                f"region {name!r}: key must name a shared memory segment ('/name', as "
+                f"shm_open takes it), got {key!r:.80}"
+            )
+        return os.path.join(self.root, bare)
+
+    def unregister(self, name: str | None = None) -> None:
+        """Forget region ``name`` (None: every region; one not registered: nothing to do,
+        as Triton's, so a client's cleanup never fails)."""
+        self._refuse()
+        with self._lock:
+            if name is None:
+                gone = list(self._regions.values())
+                self._regions.clear()
+            else:
+                region = self._regions.pop(name, None)
+                gone = [] if region is None else [region]  # (none: done, as Triton's)
+        for region in gone:
+            region.registered = False
+            try:
+                region.mapping.close()
+            except BufferError:  # a request still views it: unmapped when the views go
+                pass
+
+    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Region ``name``'s registration (None: every region's)."""
+        self._refuse()
+        with self._lock:
+            if name is None:
+                return [r.status() for r in self._regions.values()]
+            region = self._regions.get(name)
+        if region is None:
+            raise UnknownRegion(f"no shared memory region {name!r} is registered")
+        return [region.status()]
+
+    def region(self, name: Any, what: str) -> Region:
+        """Registered region ``name``, for ``what`` (an input or output, in messages)."""
+        self._refuse()
+        region = self._regions.get(name) if isinstance(name, str) else None
+        if region is None:
+            raise UnknownRegion(f"{what}: no shared memory region {name!r:.80} is registered")
+        return region
+
+    def close(self) -> None:
+        if not self.unavailable:
+            self.unregister()
+
+    def for_request(self, restrictions: Restrictions, values: Callable[[str], list]) -> Regions:
+        """The regions a request may use: with ``values`` (its header values by lower-case
+        name) showing the ``shared-memory`` group's key, when that group is restricted."""
+        if GROUP not in restrictions.keys:
+            return self.open
+        return Regions(self, lambda: restrictions.check(GROUP, values))
+
+
+class Regions:
+    """The registry as one request sees it: a region by name, once the request has shown
+    the key the ``shared-memory`` API group needs (``check``), if it needs one."""
+
+    __slots__ = ("check", "registry")
+
+    def __init__(self, registry: SharedMemory, check: Callable[[], None] | None = None) -> None:
+        self.registry = registry
+        self.check = check
+
+    def region(self, name: Any, what: str) -> Region:
+        if self.check is not None:
+            self.check()
+        return self.registry.region(name, what)
+
+    def tensor(self, params: Any, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
+        """An input's tensor, from the region its ``params`` name (a dict: JSON's
+        parameters; gRPC's are made into one)."""
+        region = self.region(params.get(REGION), what)
+        size = _int(params, BYTE_SIZE, what, None)
+        offset = _int(params, OFFSET, what, 0)
+        count = 1
+        for d in shape:
+            count *= d
+        if size != count * dtype.itemsize:
+            raise RegionError(
+                f"{what}: shape {list(shape)} of {dtype} needs {count * dtype.itemsize} bytes, "
+                f"{BYTE_SIZE} says {size}"
+            )
+        return region.read(offset, dtype, shape, what)
+
+    def placed(self, params: Any, what: str) -> Placed:
+        """Where an output goes, from its ``params``."""
+        region = self.region(params.get(REGION), what)
+        size = _int(params, BYTE_SIZE, what, None)
+        offset = _int(params, OFFSET, what, 0)
+        region._window(offset, size, what)
+        return Placed(region, offset, size)
+
+
+def no_cuda_region(name: str | None, register: bool = False) -> None:
+    """CUDA shared memory (Triton's other extension), which pxrt does not serve: no region
+    is ever registered, so status lists none and unregistering every one succeeds (as
+    perf_analyzer does on start and exit); a register, or a name, is refused."""
+    if register:
+        raise RegionError(
+            f"CUDA shared memory region {name!r:.80} cannot be registered: pxrt serves "
+            "system shared memory (/v2/systemsharedmemory), not CUDA's"
+        )
+    if name is not None:
+        raise UnknownRegion(
+            f"no CUDA shared memory region {name!r:.80} is registered: pxrt serves system "
+            "shared memory (/v2/systemsharedmemory), not CUDA's"
+        )
+
+
+def _int(params: Any, key: str, what: str, default: int | None) -> int:
+    value = params.get(key, default)
+    if value is None:
+        raise RegionError(f"{what}: names a shared memory region without {key}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise RegionError(f"{what}: {key} must be a non-negative integer, got {value!r:.40}")
+    return value
+
+
+def _map(name: str, key: str, path: str, offset: int, byte_size: int) -> Region:
+    """Map ``[offset, offset + byte_size)`` of the segment at ``path``."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RegionError(
+            f"region {name!r}: cannot open shared memory segment {key!r}: {exc.strerror}"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RegionError(f"region {name!r}: {key!r} is not a shared memory segment")
+        if offset + byte_size > info.st_size:
+            raise RegionError(
+                f"region {name!r}: segment {key!r} has {info.st_size} bytes; offset {offset} + "
+                f"byte_size {byte_size} goes past its end"
+            )
+        start = offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
+    finally:
+        os.close(fd)
+    return Region(name, key, offset, byte_size, mapping, start)
+
+
+__all__ = ["Placed", "Region", "RegionError", "Regions", "SharedMemory", "UnknownRegion"]
