@@ -64,7 +64,9 @@ demo: $(STAMP)
 # device with the pure-Python twins, less their tests marked `once` (they depend on
 # neither). Two pytest workers share the cores, a module each at a time (a third gained
 # nothing: 429 s against 437 s for the first step); every step shares one compilation
-# cache, so a program is compiled once per device count, not once per process.
+# cache, so a program is compiled once per device count, not once per process. The first
+# pass keeps the cores busy; the gRPC pass mostly waits on Ray, so the pure-Python pass
+# and `make lint` run beside it (their output follows it).
 # --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=30
 XDIST := -n 2 --dist loadfile
@@ -74,13 +76,19 @@ SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
 	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py \
 	--ignore=tests/test_shared_memory.py
 
-test: lint
+test: $(STAMP)
 	$(PY) -m compileall -q -j 0 pxrt serving tests  # (the same, for this tree's own modules)
-	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); \
-	$(TEST_FOUR) $(PYTEST) $(XDIST) $(SUITE) \
-	&& $(TEST_ONE) $(PYTEST) $(XDIST) $(GRPC) tests/test_ray.py \
-	&& $(TEST_ONE) PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "(devices or twins) and not once" $(SUITE); \
-	status=$$?; rm -rf "$$PXRT_CACHE_DIR"; exit $$status
+	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); logs=$$(mktemp -d); \
+	$(TEST_FOUR) $(PYTEST) $(XDIST) $(SUITE); status=$$?; \
+	if [ $$status -eq 0 ]; then \
+		$(MAKE) -s lint > $$logs/lint 2>&1 & lint=$$!; \
+		$(TEST_ONE) PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "(devices or twins) and not once" \
+			$(SUITE) > $$logs/twins 2>&1 & twins=$$!; \
+		$(TEST_ONE) $(PYTEST) $(XDIST) $(GRPC) tests/test_ray.py; status=$$?; \
+		wait $$twins || status=1; echo "--- pure-Python pass:"; cat $$logs/twins; \
+		wait $$lint || status=1; echo "--- make lint:"; cat $$logs/lint; \
+	fi; \
+	rm -rf "$$PXRT_CACHE_DIR" $$logs; exit $$status
 
 bench: $(STAMP)
 	$(PY) -m pytest -q benchmarks --benchmark-columns=min,median,mean,ops --benchmark-sort=name

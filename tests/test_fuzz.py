@@ -7,6 +7,7 @@ import json
 
 import httpx
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -71,6 +72,13 @@ requests = st.fixed_dictionaries(
 )
 
 
+@pytest.fixture(scope="module")
+def http():
+    """One client for the fuzzing (a client per request costs more than the request)."""
+    with httpx.Client(timeout=30) as client:
+        yield client
+
+
 def _a_good_request_works(url: str) -> None:
     x = np.ones((2, 32), np.float32)
     body = json.dumps(
@@ -96,7 +104,7 @@ def _a_good_request_works(url: str) -> None:
     tail=st.binary(max_size=300),
     model=st.sampled_from(["mlp", "two_io", "all_dtypes"]),
 )
-def test_fuzzed_infer_requests_never_get_a_5xx(served, doc, raw, header_length, tail, model):
+def test_fuzzed_infer_requests_never_get_a_5xx(served, http, doc, raw, header_length, tail, model):
     body = raw if raw is not None else json.dumps(doc).encode() + tail
     headers = {"content-type": "application/octet-stream"}
     if (
@@ -106,9 +114,7 @@ def test_fuzzed_infer_requests_never_get_a_5xx(served, doc, raw, header_length, 
         and header_length.strip() == header_length
     ):
         headers["inference-header-content-length"] = header_length
-    r = httpx.post(
-        f"{served.url}/v2/models/{model}/infer", content=body, headers=headers, timeout=30
-    )
+    r = http.post(f"{served.url}/v2/models/{model}/infer", content=body, headers=headers)
     assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.text[:500])
     if r.status_code != 200:
         assert r.headers["content-type"] == "application/json"
