@@ -35,6 +35,12 @@ from typing import Any
 
 _clock = time.perf_counter
 
+# What a trace settings update is answered without tracing (HTTP and gRPC).
+NOT_SET_UP = (
+    "tracing is not set up: start pxrt serve with --trace-rate (0: off until changed by "
+    "a trace setting update) and the trace extra (pip install 'pxrt[trace]')"
+)
+
 # The stages made from a batch's clocks: (span, start clock, end clock).
 _BATCH_STAGES = (
     ("assemble", "t_start", "t_dispatched"),
@@ -80,7 +86,8 @@ class Tracing:
     """Which requests are traced, and the tracer their spans go to.
 
     Args:
-      rate: trace one request in ``rate`` (Triton's ``trace_rate``; 1: every one, 0: none).
+      rate: trace one request in ``rate`` (Triton's ``trace_rate``; 1: every one; 0: none
+        until a trace setting update turns tracing on, at Triton's default of 1000).
       tracer_provider: an OpenTelemetry ``TracerProvider`` (default: the global one).
       fixed: why the settings may not change at run time (``update`` refuses, saying
         it), or None.
@@ -96,7 +103,11 @@ class Tracing:
             )
         except ImportError:
             raise _missing() from None
-        self.rate = _rate(rate)
+        self.rate = _rate(rate)  # one request in it is traced (0: none)
+        #: Triton's ``trace_level``: whether it traces at all (the rate stays as it is).
+        self.on = bool(self.rate)
+        self.rate = self.rate or 1000
+        self._every = self.rate if self.on else 0  # (what ``begin`` reads)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         self._tracer = provider.get_tracer("pxrt")
         self._trace = trace
@@ -107,10 +118,11 @@ class Tracing:
     def begin(self, model: str, headers: Any = ()) -> Trace | None:
         """A ``Trace`` for this request if it is sampled (else None); ``headers``: its
         (name, value) pairs, whose W3C ``traceparent`` its span continues."""
-        if not self.rate:
+        every = self._every
+        if not every:
             return None
         self._count += 1
-        if self._count < self.rate:
+        if self._count < every:
             return None
         self._count = 0
         context = None
@@ -126,8 +138,8 @@ class Tracing:
     def settings(self) -> dict:
         """Triton's trace settings document (``/v2/trace/setting``)."""
         return {
-            "trace_level": ["TIMESTAMPS"] if self.rate else ["OFF"],
-            "trace_rate": str(self.rate or 1000),
+            "trace_level": ["TIMESTAMPS"] if self.on else ["OFF"],
+            "trace_rate": str(self.rate),
             "trace_count": "-1",
             "log_frequency": "0",
             "trace_file": "",
@@ -148,23 +160,21 @@ class Tracing:
                 f"trace settings {unknown} are not taken: pxrt traces to OpenTelemetry "
                 "(trace_level and trace_rate are)"
             )
-        rate = self.rate
+        rate, on = self.rate, self.on
         if "trace_rate" in doc and doc["trace_rate"] is not None:
             value = doc["trace_rate"]
             if not (isinstance(value, str) and value.isdigit()) and not (
                 isinstance(value, int) and not isinstance(value, bool)
             ):
                 raise ValueError(f"trace_rate must be a count of requests, got {value!r}")
-            rate = _rate(int(value))
+            rate = _rate(int(value)) or 1000  # (0: Triton's default)
         if "trace_level" in doc and doc["trace_level"] is not None:
             level = doc["trace_level"]
             if level not in (["OFF"], ["TIMESTAMPS"]):
                 raise ValueError(f'trace_level must be ["OFF"] or ["TIMESTAMPS"], got {level!r}')
-            if level == ["OFF"]:
-                rate = 0
-            elif not rate:
-                rate = 1000
-        self.rate = rate
+            on = level == ["TIMESTAMPS"]
+        self.rate, self.on = rate, on
+        self._every = rate if on else 0
         return self.settings()
 
 

@@ -1283,3 +1283,63 @@ def test_a_requests_priority_parameter(models):
         with pytest.raises(codec.ProtocolError, match="parameters.priority must be an integer"):
             InferRequest.from_proto(pb.ModelInferRequest.FromString(message(param, value)),
                                     models["mlp"])  # fmt: skip
+
+
+def test_trace_settings_over_grpc(models, run):
+    """Triton's TraceSetting: read, turned off and back on (an empty value is the
+    default), the same settings as /v2/trace/setting; one request in the rate traced;
+    per-model settings and settings pxrt does not take are refused by name."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from serving import Tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    def setting(model="", **values):
+        request = pb.TraceSettingRequest(model_name=model)
+        for key, value in values.items():
+            request.settings[key].value.extend(value)
+        return request.SerializeToString()
+
+    def settings_of(answer):
+        response = pb.TraceSettingResponse.FromString(messages(answer.data)[0])
+        return {k: list(v.value) for k, v in response.settings.items()}
+
+    async def main():
+        async with Server(tracing=Tracing(2, provider)) as server:
+            server.add_model("mlp", models["mlp"])
+            grpc_server, port = await serve(server)
+            client = await Client.connect(port)
+            x = np.ones((1, 32), np.float32)
+            got = [settings_of(await client.call("TraceSetting", setting()))]
+            for _ in range(4):
+                assert (await client.call("ModelInfer", infer_message(x))).status == 0
+            traced = len(exporter.get_finished_spans())
+            got.append(settings_of(await client.call("TraceSetting", setting(trace_level=["OFF"]))))
+            assert (await client.call("ModelInfer", infer_message(x))).status == 0
+            assert (await client.call("ModelInfer", infer_message(x))).status == 0
+            off = len(exporter.get_finished_spans())
+            got.append(settings_of(await client.call("TraceSetting", setting(trace_rate=[]))))
+            got.append(
+                settings_of(await client.call("TraceSetting", setting(trace_level=["TIMESTAMPS"])))
+            )
+            bad = [await client.call("TraceSetting", setting(model="mlp")),
+                   await client.call("TraceSetting", setting(trace_file=["x"]))]  # fmt: skip
+            await client.close()
+            await grpc_server.stop(1)
+            return got, traced, off, bad
+
+    got, traced, off, bad = run(main)
+    assert got[0]["trace_rate"] == ["2"] and got[0]["trace_level"] == ["TIMESTAMPS"]
+    assert traced == 2  # two requests of four
+    assert got[1]["trace_level"] == ["OFF"] and off == traced
+    assert got[2]["trace_rate"] == ["1000"]  # the default, still off: level and rate apart
+    assert got[2]["trace_level"] == ["OFF"]
+    assert got[3]["trace_level"] == ["TIMESTAMPS"]
+    assert bad[0].status == 3 and "server-wide" in bad[0].message
+    assert bad[1].status == 3 and "trace_file" in bad[1].message

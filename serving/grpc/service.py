@@ -46,12 +46,14 @@ from ..errors import UnknownModel, require
 from ..kserve import codec, core, documents, shm
 from ..kserve.core import InferRequest
 from ..options import GrpcLimits
+from ..tracing import NOT_SET_UP
 
 if TYPE_CHECKING:
     from pxrt import Model
 
     from ..engine.repository import Repository
     from ..engine.server import Server
+    from ..tracing import Tracing
 
 
 log = logging.getLogger("pxrt.grpc")
@@ -178,6 +180,20 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
         except Exception as exc:  # noqa: BLE001 - answered with its status code
             await self._abort(context, exc, "RepositoryModelUnload")
         return pb.RepositoryModelUnloadResponse()
+
+    # ------------------------------------------------------------------ trace settings
+
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        """Triton's trace extension (``/v2/trace/setting`` over HTTP): server-wide; an
+        update sets the settings it names (an empty value: back to the default)."""
+        try:
+            settings = _trace_setting(self.server.tracing, request)
+        except Exception as exc:  # noqa: BLE001 - answered with its status code
+            await self._abort(context, exc, "TraceSetting")
+        response = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
 
     # ------------------------------------------------------------------ shared memory
 
@@ -386,6 +402,7 @@ GROUPS = {
     "RepositoryIndex": "model-repository",
     "RepositoryModelLoad": "model-repository",
     "RepositoryModelUnload": "model-repository",
+    "TraceSetting": "trace",
     "SystemSharedMemoryStatus": "shared-memory",
     "SystemSharedMemoryRegister": "shared-memory",
     "SystemSharedMemoryUnregister": "shared-memory",
@@ -459,6 +476,31 @@ def _encode(name: str, model: Model, request: InferRequest, outputs: dict) -> An
         response.outputs.add(name=name, datatype=codec.datatype_of(arr.dtype), shape=arr.shape)
         response.raw_output_contents.append(np.ascontiguousarray(arr).tobytes())
     return response
+
+
+def _trace_setting(tracing: Tracing | None, request: Any) -> dict:
+    """The settings after ``request`` (a TraceSettingRequest) is applied."""
+    if request.model_name:
+        raise codec.ProtocolError(
+            f"trace settings are server-wide here: no per-model settings (for model "
+            f"{request.model_name[:80]!r}); send the request without model_name"
+        )
+    if request.settings:
+        if tracing is None:
+            raise codec.ProtocolError(NOT_SET_UP)
+        update = {
+            key: (list(v.value) if key == "trace_level" else v.value[0]) if v.value else None
+            for key, v in request.settings.items()
+        }
+        if update.get("trace_rate", "") is None:
+            update["trace_rate"] = "1000"  # (an empty value: Triton's default)
+        try:
+            return tracing.update(update)
+        except ValueError as exc:
+            raise codec.ProtocolError(str(exc)) from None
+    if tracing is None:
+        return {"trace_level": ["OFF"], "trace_mode": "opentelemetry"}
+    return tracing.settings()
 
 
 def shm_response(

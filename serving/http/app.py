@@ -40,6 +40,7 @@ from ..kserve import codec, core, documents, generation, shm
 from ..kserve.codec import ProtocolError
 from ..kserve.core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
 from ..options import HttpLimits
+from ..tracing import NOT_SET_UP
 
 if TYPE_CHECKING:
     from ..engine.repository import Repository
@@ -371,10 +372,7 @@ async def trace_setting(request: Request) -> Response:
     if request.method == "POST":
         doc = codec.parse_json(await request.body())
         if tracing is None:
-            raise ProtocolError(
-                "tracing is not set up: start pxrt serve with --trace-rate (0: off until "
-                "changed here) and the trace extra (pip install 'pxrt[trace]')"
-            )
+            raise ProtocolError(NOT_SET_UP)
         try:
             return _json(tracing.update(doc))
         except ValueError as exc:
