@@ -825,6 +825,8 @@ class Decoder:
             if final:
                 finals.append(gen)
         t0 = time.perf_counter()
+        for gen in rows:
+            gen.t_admit = gen.t_admit or t0
         (self._state, first, scores), sync = self._launch(
             -1, cell.compiled, self._params, self._state, tokens, ints, floats
         )
@@ -918,6 +920,8 @@ class Decoder:
             self._write_controls(gen, slot)
             done.append((gen, slot))
         t0 = time.perf_counter()
+        for gen in batch:
+            gen.t_admit = t0
         (self._state, first, scores), sync = self._launch(
             cell.index, cell.compiled, self._params, self._state, tokens, ints, floats
         )

@@ -84,6 +84,7 @@ class Generation(_GenerationBase):
         "event",
         "error",
         "t_submit",
+        "t_admit",
         "_decoder",
         "_read",
         "listener",
@@ -127,6 +128,7 @@ class Generation(_GenerationBase):
         self.listener: Any = None  # see ``listen``
         self.event = threading.Event()
         self.t_submit = time.perf_counter()
+        self.t_admit = 0.0  # when its prompt's first prefill (or chunk) was dispatched
 
     @property
     def done(self) -> bool:

@@ -696,3 +696,61 @@ def test_pxrt_bench_measures_generation(served, tmp_path):
     # (greedy, no stop token: each stream gives the 12 tokens it asked for, or stops at
     # the end-of-sequence token)
     assert records and all(1 <= r["tokens"] <= 12 and r["ttft_ms"] > 0 for r in records)
+
+
+def test_generations_are_traced_with_their_stages(local):
+    """A sampled generation request gets a ``pxrt.generate`` span under the caller's
+    trace, with its queue, prefill, decode and detokenize events from the engine's own
+    clocks, on the generate extension and OpenAI's endpoint; a refused one, an error span."""
+    import asyncio
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from serving import Server, Tracing
+    from serving.http.app import create_app
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+    async def main():
+        server = Server(tracing=Tracing(1, provider))  # (not closed: it would close `local`)
+        server.add_decoder("lm", local)
+        transport = httpx.ASGITransport(app=create_app(server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
+            one = await http.post(
+                "/v2/models/lm/generate",
+                json={"text_input": PROMPTS[0], "parameters": {"max_tokens": 6}},
+                headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+            )
+            two = await http.post(
+                "/v1/completions",
+                json={"model": "lm", "prompt": PROMPTS[1], "max_tokens": 4, "stream": True},
+            )
+            bad = await http.post(
+                "/v2/models/lm/generate",
+                json={"text_input": "x", "parameters": {"max_tokens": -1}},
+            )
+        return one, two, bad
+
+    one, two, bad = asyncio.run(main())
+    assert one.status_code == 200 and two.status_code == 200 and bad.status_code == 400
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["pxrt.generate"] * 3
+    first, second, refused = spans
+    assert format(first.context.trace_id, "032x") == trace_id
+    assert format(first.parent.span_id, "016x") == parent
+    assert first.attributes["pxrt.output_tokens"] == 6
+    assert first.attributes["pxrt.prompt_tokens"] == len(PROMPTS[0].encode())
+    assert first.attributes["pxrt.model_version"] == local.version
+    names = [e.name for e in first.events]
+    assert names == ["queue", "prefill", "decode", "detokenize"], names
+    decode = first.events[2].attributes
+    assert decode["pxrt.tokens"] == 5 and decode["pxrt.inter_token_us"] > 0
+    stamps = [e.timestamp for e in first.events]
+    assert first.start_time <= stamps[0] <= stamps[1] <= stamps[2] <= first.end_time
+    assert second.parent is None and second.attributes["pxrt.output_tokens"] == 4
+    assert not refused.status.is_ok and "max_tokens" in refused.status.description

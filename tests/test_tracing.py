@@ -39,8 +39,15 @@ def _body(request: dict) -> dict:
     }
 
 
-def test_a_traced_request_has_a_span_per_stage_under_the_callers_trace(run, models):
+@pytest.mark.parametrize("way", ["direct", "api"])
+def test_a_traced_request_has_a_span_per_stage_under_the_callers_trace(run, models, way):
+    """Both ways of making the span (the SDK's provider: built whole; any other: through
+    the span API) give the same span."""
     tracing, exporter = _tracing(1)
+    if way == "api":
+        tracing._direct = None  # (what a provider other than the SDK's gets)
+    else:
+        assert tracing._direct is not None
     request = random_request(models["mlp"].inputs, 2, np.random.default_rng(0))
 
     async def main():
@@ -85,6 +92,12 @@ def test_a_traced_request_has_a_span_per_stage_under_the_callers_trace(run, mode
     assert [e.name for e in hit.events] == ["response_cache_hit", "decode", "encode"]
     # The bad one: an error span saying why.
     assert not roots[2].status.is_ok and "input" in roots[2].status.description
+    assert roots[2].events[-1].name == "exception"
+    # What an OTLP exporter sends of them.
+    otlp = pytest.importorskip("opentelemetry.exporter.otlp.proto.common.trace_encoder")
+    encoded = otlp.encode_spans(roots).resource_spans[0].scope_spans[0].spans
+    assert [len(s.events) for s in encoded] == [6, 3, len(roots[2].events)]
+    assert encoded[0].parent_span_id.hex() == PARENT_ID
 
 
 def test_one_request_in_rate_is_traced_and_settings_change_it(run, models):
@@ -127,3 +140,25 @@ def test_one_request_in_rate_is_traced_and_settings_change_it(run, models):
 def test_tracing_checks_its_rate():
     with pytest.raises(ValueError, match="trace rate must be an integer >= 0"):
         Tracing(-1)
+
+
+@pytest.mark.parametrize("way", ["direct", "api"])
+def test_a_caller_trace_that_is_not_sampled_stays_unsampled(run, models, way):
+    tracing, exporter = _tracing(1)
+    if way == "api":
+        tracing._direct = None
+    request = random_request(models["mlp"].inputs, 1, np.random.default_rng(2))
+
+    async def main():
+        async with Server(tracing=tracing) as server:
+            server.add_model("mlp", models["mlp"])
+            transport = httpx.ASGITransport(app=create_app(server))
+            async with httpx.AsyncClient(transport=transport, base_url="http://pxrt") as http:
+                unsampled = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-00"}
+                r = await http.post("/v2/models/mlp/infer", json=_body(request), headers=unsampled)
+                assert r.status_code == 200
+                await http.post("/v2/models/mlp/infer", json=_body(request))
+
+    run(main)
+    assert [format(s.context.trace_id, "032x") != TRACE_ID
+            for s in exporter.get_finished_spans()] == [True]  # fmt: skip

@@ -621,7 +621,7 @@ class GrpcProtocol(h2.H2Protocol[Call]):
         from ..kserve.generation_grpc import responses
 
         try:
-            async for response in responses(self.server, _parse(data)):
+            async for response in responses(self.server, _parse(data), call.headers):
                 if call.ending:
                     return
                 payload = response.SerializeToString()

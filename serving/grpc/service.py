@@ -319,7 +319,10 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
             last one counts as the request's answer."""
             from ..kserve.generation_grpc import FINAL, responses
 
-            async for response in responses(self.server, request):
+            headers: Any = ()  # (grpcio's metadata is a call: made only for tracing)
+            if self.server.tracing is not None:
+                headers = context.invocation_metadata() or ()
+            async for response in responses(self.server, request, headers):
                 if response.infer_response.parameters[FINAL].bool_param:
                     done.put_nowait(response)
                 else:

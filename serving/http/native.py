@@ -352,7 +352,8 @@ class Stream:
         except Exception as exc:  # noqa: BLE001 - answered by the error table
             cycle.fail(exc)
             return
-        self.task = asyncio.ensure_future(KServeCall.open(state.server, params, doc))
+        headers = cycle.proto.headers
+        self.task = asyncio.ensure_future(KServeCall.open(state.server, params, doc, headers))
         self.task.add_done_callback(self._opened)
 
     def _opened(self, task: asyncio.Task) -> None:
@@ -368,7 +369,7 @@ class Stream:
             return
         call = self.call = task.result()
         if cycle.disconnected or not cycle.proto.can_reply():
-            call.gen.cancel()
+            Pieces.close_of(call.prompt, call.gen)  # (cancels it, ends its trace)
             return
         self.pieces = Pieces(call.decoder, call.gen, call.prompt)
         cycle.proto.transport.write(cycle.head(200, _SSE_HEAD))

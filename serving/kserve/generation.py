@@ -43,6 +43,8 @@ from pxrt.finish import DEADLINE, STOP
 from ..errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError
 from . import codec, core
 
+_clock = time.perf_counter
+
 if TYPE_CHECKING:
     from ..options import GenerationLimits
     from .backend import Backend, ServedDecoder, TokenStream
@@ -74,6 +76,7 @@ class Prompt:
         self.echo: str | None = None  # (completions' echo) the prompt's text to answer
         self.timeout_s = timeout_s  # its deadline, from arrival (None: none)
         self.timer: Any = None  # the deadline's timer once started
+        self.trace: Any = None  # (sampled for tracing) its serving.tracing.GenerationTrace
 
     @property
     def logprobs(self) -> bool:
@@ -289,15 +292,24 @@ def parse_openai(
     return parsed, stream
 
 
-async def start(server: Backend, name: str, prompt: Prompt) -> TokenStream:
+async def start(server: Backend, name: str, prompt: Prompt, headers: Any = ()) -> TokenStream:
     """Submit (``open_generation``: a worker's waits for the device process to accept
-    it), with the prompt's deadline armed; a bad option is a 400 naming it."""
+    it), with the prompt's deadline armed; a bad option is a 400 naming it. ``headers``:
+    the request's (name, value) pairs, read only if it is traced (its span continues
+    their W3C ``traceparent``)."""
+    tracing = server.tracing
+    trace = tracing.begin_generation(name, headers) if tracing is not None else None
     try:
         gen = await server.open_generation(name, prompt.ids, **prompt.options)
-    except ServingError:
+    except BaseException as exc:
+        if trace is not None:
+            trace.failed(exc)
+        if isinstance(exc, (TypeError, ValueError)) and not isinstance(exc, ServingError):
+            raise invalid(str(exc)) from None
         raise
-    except (TypeError, ValueError) as exc:
-        raise invalid(str(exc)) from None
+    if trace is not None:
+        trace.version = server.decoder(name).version
+    prompt.trace = trace
     if prompt.timeout_s is not None:
         loop = asyncio.get_running_loop()
         prompt.timer = loop.call_later(prompt.timeout_s, gen.cancel, DEADLINE)
@@ -340,7 +352,13 @@ class Pieces:
         scores = self.gen.token_logprobs(i - 1, i) if self.prompt.logprobs else None
         if text is None:
             return Piece([token], "", scores)
-        piece = Piece([token], text.push(token), scores)
+        trace = self.prompt.trace
+        if trace is None:
+            piece = Piece([token], text.push(token), scores)
+        else:
+            t0 = _clock()
+            piece = Piece([token], text.push(token), scores)
+            trace.detokenize_s += _clock() - t0
         if text.stopped:
             self.stopped = True
             self.gen.cancel(STOP)  # (the piece holds the token that completed it)
@@ -360,6 +378,9 @@ class Pieces:
         if prompt.timer is not None:
             prompt.timer.cancel()
         gen.cancel()
+        trace, prompt.trace = prompt.trace, None
+        if trace is not None:
+            trace.end(gen)
 
 
 async def pieces(decoder: ServedDecoder, gen: TokenStream, prompt: Prompt) -> AsyncIterator[Piece]:
@@ -477,7 +498,7 @@ async def merged(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
 
 
 async def open_choices(
-    server: Backend, name: str, prompt: Prompt, n: int
+    server: Backend, name: str, prompt: Prompt, n: int, headers: Any = ()
 ) -> list[tuple[Prompt, TokenStream]]:
     """``n`` generations of ``prompt`` (``Prompt.choice``), submitted one after the
     other: the first caches the prompt's start, which the others then share. A refusal
@@ -486,7 +507,7 @@ async def open_choices(
     try:
         for i in range(n):
             choice = prompt.choice(i)
-            opened.append((choice, await start(server, name, choice)))
+            opened.append((choice, await start(server, name, choice, headers)))
     except BaseException:
         for choice, gen in opened:
             Pieces.close_of(choice, gen)
@@ -550,11 +571,13 @@ class KServeCall:
         self.head = {"model_name": name, "model_version": decoder.version}
 
     @classmethod
-    async def open(cls, server: Backend, params: Mapping[str, Any], body: dict) -> KServeCall:
+    async def open(
+        cls, server: Backend, params: Mapping[str, Any], body: dict, headers: Any = ()
+    ) -> KServeCall:
         name = params["model"]
         decoder = core.resolve_decoder(server, name, params.get("version"))
         prompt = parse_kserve(decoder, body, server.generation_limits)
-        return cls(name, decoder, prompt, await start(server, name, prompt))
+        return cls(name, decoder, prompt, await start(server, name, prompt, headers))
 
     async def json(self) -> dict:
         text, ids, scores = await collected(self.decoder, self.gen, self.prompt)
@@ -610,7 +633,9 @@ async def kserve_generate(
 ) -> Response:
     """``POST .../generate``: one JSON answer. ``on_disconnect`` (``pxrt serve``'s scope
     extension) takes a callback for a client that hangs up: its generation is cancelled."""
-    call = await KServeCall.open(server, request.path_params, await _body(request, server))
+    call = await KServeCall.open(
+        server, request.path_params, await _body(request, server), request.scope["headers"]
+    )
     if on_disconnect is not None:
         on_disconnect(call.gen.cancel)
     return JSONResponse(await call.json())
@@ -619,7 +644,9 @@ async def kserve_generate(
 async def kserve_stream(request: Request, server: Backend) -> Response:
     """``POST .../generate_stream``: server-sent events (Starlette cancels the stream,
     and with it the generation, when the client hangs up)."""
-    call = await KServeCall.open(server, request.path_params, await _body(request, server))
+    call = await KServeCall.open(
+        server, request.path_params, await _body(request, server), request.scope["headers"]
+    )
     return StreamingResponse(call.events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
@@ -666,7 +693,7 @@ def openai_error(exc: BaseException) -> Response | None:
 
 
 def openai_endpoint(
-    handler: Callable[[Backend, str, ServedDecoder, dict], Awaitable[Response]],
+    handler: Callable[[Backend, str, ServedDecoder, dict, Any], Awaitable[Response]],
 ) -> Callable[[Request, Backend], Awaitable[Response]]:
     """An OpenAI endpoint: the body read, its ``model`` looked up among the decoders,
     and known errors answered in OpenAI's shape."""
@@ -678,7 +705,8 @@ def openai_endpoint(
             name = body.get("model")
             if not isinstance(name, str):
                 raise invalid("model must be the name of a model served (GET /v1/models)")
-            return await handler(server, name, server.decoder(name), body)
+            decoder = server.decoder(name)
+            return await handler(server, name, decoder, body, request.scope["headers"])
         except Exception as exc:  # noqa: BLE001 - answered in OpenAI's shape when known
             answer = openai_error(exc)
             if answer is None:
@@ -690,10 +718,11 @@ def openai_endpoint(
 
 @openai_endpoint
 async def openai_completions(
-    server: Backend, name: str, decoder: ServedDecoder, body: dict
+    server: Backend, name: str, decoder: ServedDecoder, body: dict, headers: Any = ()
 ) -> Response:
     prompt, stream = parse_openai(decoder, body, server.generation_limits)
-    opened = await open_choices(server, name, prompt, choices(body, server.generation_limits))
+    n = choices(body, server.generation_limits)
+    opened = await open_choices(server, name, prompt, n, headers)
     gens = [gen for _, gen in opened]
     ident = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -818,9 +847,12 @@ def parse_chat(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> 
 
 
 @openai_endpoint
-async def openai_chat(server: Backend, name: str, decoder: ServedDecoder, body: dict) -> Response:
+async def openai_chat(
+    server: Backend, name: str, decoder: ServedDecoder, body: dict, headers: Any = ()
+) -> Response:
     prompt, stream = parse_chat(decoder, body, server.generation_limits)
-    opened = await open_choices(server, name, prompt, choices(body, server.generation_limits))
+    n = choices(body, server.generation_limits)
+    opened = await open_choices(server, name, prompt, n, headers)
     gens = [gen for _, gen in opened]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": name}
 

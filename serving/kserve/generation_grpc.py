@@ -157,13 +157,14 @@ def _final(name: str, version: str, ident: str, gen: Any) -> Any:
     return pb.ModelStreamInferResponse(infer_response=response)
 
 
-async def responses(server: Backend, message: Any) -> AsyncIterator[Any]:
+async def responses(server: Backend, message: Any, headers: Any = ()) -> AsyncIterator[Any]:
     """The responses of one decoupled request (``ModelStreamInferResponse``s). A bad
-    request raises before the first (the caller answers it with its error)."""
+    request raises before the first (the caller answers it with its error). ``headers``:
+    the call's metadata pairs, read only if it is traced."""
     name = message.model_name
     decoder = core.resolve_decoder(server, name, message.model_version)
     prompt = parse(decoder, message, server.generation_limits)
-    gen = await generation.start(server, name, prompt)
+    gen = await generation.start(server, name, prompt, headers)
     async for piece in generation.pieces(decoder, gen, prompt):
         yield _response(name, decoder.version, message.id, piece, prompt.text)
     generation.raise_error(gen)
