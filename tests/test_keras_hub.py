@@ -91,13 +91,16 @@ def test_a_bert_backbone_serves_like_keras(bert, bert_path):
 
 
 def keras_greedy(lm, prompt, max_tokens):
-    """keras-hub's own generation (``generate_step``: what ``generate`` runs, with its
-    greedy sampler and no stop token) for one prompt."""
+    """keras-hub's own generation (``generate_step``, jitted as ``generate`` runs it, with
+    its greedy sampler and no stop token) for one prompt."""
     tokens = np.zeros((1, MAX_LENGTH), np.int32)
     tokens[0, : len(prompt)] = prompt
     mask = np.zeros((1, MAX_LENGTH), bool)
     mask[0, : len(prompt)] = True
-    out = lm.generate_step({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None)
+    # ``make_generate_function``: generate_step under jax.jit, compiled once per model and
+    # shape (called as is, every call traced and compiled its while loop again).
+    generate = lm.make_generate_function()
+    out = generate({"token_ids": tokens, "padding_mask": mask}, stop_token_ids=None)
     return [int(t) for t in np.asarray(out["token_ids"])[0, len(prompt) : len(prompt) + max_tokens]]
 
 
