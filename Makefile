@@ -58,8 +58,8 @@ demo: $(STAMP)
 
 # One pass runs every module but the gRPC and Ray ones (4 virtual devices, the Cython
 # build). tritonclient.grpc and kserve register the same protobuf names, so the gRPC
-# tests run in a pytest of their own, on one device, with Ray Serve's module beside them
-# (it mostly waits on Ray's own processes). The modules marked `devices` (how batches
+# tests run in a pytest of their own, on one device, with Ray Serve's two modules beside
+# them (they mostly wait on Ray's own processes; each starts its own local Ray). The modules marked `devices` (how batches
 # split over the devices) or `twins` (the Cython modules end to end) run again on one
 # device with the pure-Python twins, less their tests marked `once` (they depend on
 # neither). Two pytest workers share the cores, a module each at a time (a third gained
@@ -71,10 +71,8 @@ demo: $(STAMP)
 PYTEST := $(PY) -m pytest -q --durations=30
 XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py \
-	tests/test_shared_memory.py
-SUITE := tests --ignore=tests/test_grpc.py --ignore=tests/test_grpc_native.py \
-	--ignore=tests/test_grpc_generate.py --ignore=tests/test_ray.py \
-	--ignore=tests/test_shared_memory.py
+	tests/test_shared_memory.py tests/test_ray.py tests/test_serve_ray.py
+SUITE := tests $(addprefix --ignore=,$(GRPC))
 
 test: $(STAMP)
 	$(PY) -m compileall -q -j 0 pxrt serving tests  # (the same, for this tree's own modules)
@@ -84,7 +82,7 @@ test: $(STAMP)
 		$(MAKE) -s lint > $$logs/lint 2>&1 & lint=$$!; \
 		$(TEST_ONE) PXRT_NO_EXTENSIONS=1 $(PYTEST) $(XDIST) -m "(devices or twins) and not once" \
 			$(SUITE) > $$logs/twins 2>&1 & twins=$$!; \
-		$(TEST_ONE) $(PYTEST) $(XDIST) $(GRPC) tests/test_ray.py; status=$$?; \
+		$(TEST_ONE) $(PYTEST) $(XDIST) $(GRPC); status=$$?; \
 		wait $$twins || status=1; echo "--- pure-Python pass:"; cat $$logs/twins; \
 		wait $$lint || status=1; echo "--- make lint:"; cat $$logs/lint; \
 	fi; \

@@ -440,6 +440,7 @@ def test_cancelling_a_prompt_being_chunked_frees_its_slot(long_lm, lm, reference
     assert lm.generate(other, max_tokens=8).tokens == reference(other, 8)
 
 
+@pytest.mark.once  # (an export path: neither the twins nor the device count matter)
 def test_a_concrete_shape_decoder_chunks_and_caches_prompts_too(tmp_path):
     """``shapes="concrete"`` traces extend per (rows, chunk) as well: prompts longer than
     its one prefill length go in chunks of 8, a repeated one from the prefix cache."""
