@@ -27,11 +27,11 @@ def lm_path(tmp_path_factory):
         str(tmp_path_factory.mktemp("lm") / "lm"),
         slots=4,
         max_length=512,
-        prefill_lengths=(8, 16, 32),
+        prefill_lengths=(8, 32),
         prefill_batches=(1, 2),
         dim=32,
         heads=2,
-        layers=2,
+        layers=1,
         extend=False,  # (the protocols are under test; test_generate.py chunks prompts)
     )
 
