@@ -141,14 +141,8 @@ class Tracing:
     def begin_generation(self, model: str, headers: Any = ()) -> GenerationTrace | None:
         """A ``GenerationTrace`` for this generation request if it is sampled (the same
         count as ``begin``'s), else None."""
-        every = self._every
-        if not every:
-            return None
-        self._count += 1
-        if self._count < every:
-            return None
-        self._count = 0
-        return GenerationTrace(self, model, self._context(headers))
+        sampled = self.begin(model, headers)
+        return None if sampled is None else GenerationTrace(self, model, sampled.context)
 
     def _context(self, headers: Any) -> Any:
         traceparent = traceparent_of(headers)
