@@ -693,12 +693,28 @@ class DecoderPrograms:
 
     def _step_part(self, params: Any, state: dict, rows: int) -> tuple[dict, jax.Array, jax.Array]:
         """The step over this device's first ``rows`` slots (the busy ones are kept
-        there); the others are left as they are."""
-        part = jax.tree.map(lambda a: a[:rows], state)
+        there); the others are left as they are. Only what the plain step reads is taken
+        out, and of the cache only the entries the step wrote go back: each slot's at
+        its position (decode writes nothing else), or the whole rows of a leaf without
+        a sequence axis."""
+        c = sampling
+        part = {k: jax.tree.map(lambda a: a[:rows], state[k]) for k in ("cache", "ints", "floats")}
+        written = jnp.minimum(part["ints"][:, c.POS], self.max_length - 1)
         part, tokens, scores = self._step(params, part)
-        state = jax.tree.map(
-            lambda a, p: lax.dynamic_update_slice_in_dim(a, p, 0, axis=0), state, part
-        )
+        at = jnp.arange(rows)
+        leaves = []
+        for old, new, axis in zip(
+            jax.tree.leaves(state["cache"]), jax.tree.leaves(part["cache"]), self._length_axes
+        ):
+            if axis is None:
+                leaves.append(lax.dynamic_update_slice_in_dim(old, new, 0, axis=0))
+            else:
+                where = (at,) + (slice(None),) * (axis - 1) + (written,)
+                leaves.append(
+                    old.at[where].set(new[where], indices_are_sorted=True, unique_indices=True)
+                )
+        ints = lax.dynamic_update_slice_in_dim(state["ints"], part["ints"], 0, axis=0)
+        state = state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
         return state, tokens, scores
 
     def _verify(

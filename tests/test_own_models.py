@@ -316,6 +316,57 @@ def test_a_decoder_with_position_tables_generates_like_jax(pt_path, tmp_path):
         )  # fmt: skip
 
 
+def mix_prefill(params, tokens, lengths):
+    """A cache leaf with no sequence axis beside k and v: ``mix``, a running mean of
+    the inputs, updated by every step (what a recurrent layer's state is)."""
+    rows, logits = pt_prefill(params, tokens, lengths)
+    x = params["embed"][tokens] * (jnp.arange(tokens.shape[1]) < lengths[:, None])[..., None]
+    mix = x.sum(axis=1) / lengths[:, None]
+    return rows | {"mix": mix}, logits + mix @ params["head"]
+
+
+def mix_decode(params, cache, tokens, positions):
+    kv, logits = pt_decode(params, {"k": cache["k"], "v": cache["v"]}, tokens, positions)
+    mix = 0.5 * cache["mix"] + 0.5 * params["embed"][tokens]
+    return kv | {"mix": mix}, logits + mix @ params["head"]
+
+
+def test_a_cache_leaf_without_a_sequence_axis_steps_over_the_busy_slots(tmp_path):
+    """The steps over fewer slots write a slot's k and v back at its position only,
+    and a leaf without a sequence axis whole: tokens equal plain JAX while requests of
+    different lengths end and the busy slots are moved down."""
+    params = make_params(5)
+    cache = CACHE | {"mix": pxrt.TensorSpec((DIM,), "float32")}
+    path = pxrt.export_decoder(
+        mix_prefill, mix_decode, params, str(tmp_path / "mix"), cache=cache,
+        max_length=MAX_LENGTH, slots=8, prefill_lengths=(16,), prefill_batches=(1,),
+    )  # fmt: skip
+    prefill, decode = jax.jit(mix_prefill), jax.jit(mix_decode)
+
+    def greedy_mix(prompt, max_tokens):
+        n = len(prompt)
+        rows, logits = prefill(params, jnp.asarray([prompt]), jnp.asarray([n], jnp.int32))
+        state = {k: jnp.zeros((1, MAX_LENGTH, DIM)).at[:, :n].set(rows[k]) for k in "kv"}
+        state["mix"] = rows["mix"]
+        tokens = [int(jnp.argmax(logits[0]))]
+        while len(tokens) < max_tokens:
+            at = jnp.asarray([n + len(tokens) - 1], jnp.int32)
+            state, logits = decode(params, state, jnp.asarray([tokens[-1]], jnp.int32), at)
+            tokens.append(int(jnp.argmax(logits[0])))
+        return tokens
+
+    rng = np.random.default_rng(4)
+    work = [(rng.integers(0, VOCAB, n).astype(np.int32), m)
+            for n, m in ((5, 3), (12, 14), (2, 6), (9, 2), (16, 10), (7, 12))]  # fmt: skip
+    with pxrt.load(path, prefix_cache_tokens=0, sampling_controls=False) as dec:
+        assert len(dec.step_slots) > 1
+        streams = [dec.submit(p, max_tokens=m) for p, m in work]
+        for (prompt, m), stream in zip(work, streams):
+            assert stream.result(timeout=60).tokens == greedy_mix(prompt, m)
+        counters = dec.counters
+        assert counters["stepped_slots"] < counters["steps"] * dec.slots  # (fewer ran)
+
+
 def len_prefill(params, tokens, lengths):
     """gemma's way to the last prompt token: ``x[jnp.arange(len(x)), lengths - 1]``."""
     n = tokens.shape[1]
