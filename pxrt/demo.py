@@ -430,7 +430,7 @@ def lm_reference(
     stop_ids=(LM_EOS,),
 ) -> list[int]:
     """Greedy decoding of one prompt in plain JAX with ``lm_prefill`` and ``lm_decode``
-    (prefill at the prompt's own length, a one-slot cache): what pxrt's generation is
+    (one prompt, padded to a power of two, a one-slot cache): what pxrt's generation is
     checked against. ``params`` default to ``make_lm_params()``."""
     return lm_reference_steps(prompt, max_tokens, params, max_length, stop_ids)[0]
 
@@ -457,9 +457,17 @@ def lm_reference_steps(
 
     prefill, decode = _lm_jitted()
     n = len(prompt)
-    rows, logits = prefill(params, jnp.asarray([prompt], jnp.int32), jnp.asarray([n], jnp.int32))
+    # Padded to a power of two (at least 8) with ``lengths`` saying where it ends, as
+    # prefill's contract allows: a reference per prompt length would compile per length.
+    # The rows past the prompt are masked until decode writes them.
+    width = min(max(8, 1 << (n - 1).bit_length()), max_length)
+    padded = np.zeros((1, max(width, n)), np.int32)
+    padded[0, :n] = prompt
+    rows, logits = prefill(params, jnp.asarray(padded), jnp.asarray([n], jnp.int32))
     cache = {
-        k: jnp.zeros(r.shape[:2] + (max_length,) + r.shape[3:], r.dtype).at[:, :, :n].set(r)
+        k: jnp.zeros(r.shape[:2] + (max_length,) + r.shape[3:], r.dtype)
+        .at[:, :, : r.shape[2]]
+        .set(r)
         for k, r in rows.items()
     }
     seen = [np.asarray(logits[0], np.float32)]
