@@ -200,7 +200,7 @@ def test_serving_works_without_ray_and_says_how_to_get_it():
     assert proc.returncode == 2 and "--ray needs the ray extra" in proc.stderr, proc.stderr
 
 
-def test_inspect_shows_a_decoder(tmp_path):
+def test_inspect_shows_a_decoder(tmp_path, capsys):
     from pxrt import demo
 
     path = demo.export_lm(
@@ -216,7 +216,11 @@ def test_inspect_shows_a_decoder(tmp_path):
     assert out.count("extend_insert") == 2 and "prompts up to 63 tokens" in out
     assert "prefix cache: 16 blocks of 16 tokens" in out, out
     assert "load: read " in out and " programs " in out and " warm-up " in out, out
-    info = json.loads(_pxrt("inspect", path, "--json").stdout)
+    # (the JSON in this process: the command's path is the same, without a second start)
+    from serving import cli
+
+    assert cli.main(["inspect", path, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
     kinds = [p["program"] for p in info["programs"]]
     assert info["kind"] == "decoder" and len(kinds) == 4 + kinds.count("step")
     assert kinds.count("step") >= 2  # over all the slots, and over fewer

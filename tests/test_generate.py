@@ -1050,8 +1050,9 @@ def test_a_warm_load_runs_the_stored_programs(lm_path, reference, tmp_path):
 
     cache = tmp_path / "cache"
     load = dict(
-        compilation_cache=str(cache), prefix_cache_tokens=0, step_slots=(), sampling_controls=False
-    )
+        compilation_cache=str(cache), prefix_cache_tokens=0, step_slots=(), sampling_controls=False,
+        prefill_batches=(1,), chunk_lengths=(32,), chunk_batches=(1,),  # (fewer programs)
+    )  # fmt: skip
     with pxrt.load(lm_path, **load) as cold:
         assert set(cold.program_sources) <= {"compiled", "cache"}
         programs = sum(cold.program_sources.values())
