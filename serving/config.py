@@ -30,6 +30,7 @@ from typing import Any
 
 from .options import (
     BatchingOptions,
+    DecoderLoad,
     GenerationLimits,
     GrpcLimits,
     HttpLimits,
@@ -535,7 +536,9 @@ def _config(args: argparse.Namespace) -> tuple[BatchingOptions, Placement, dict]
     return defaults, place, conf.get("models", {})
 
 
-TOML_KEYS = (*SERVE_OPTIONS, *Placement.CHECKS, "instance_group", "dynamic_batching")
+TOML_KEYS = (
+    *SERVE_OPTIONS, *Placement.CHECKS, *DecoderLoad.CHECKS, "instance_group", "dynamic_batching"
+)  # fmt: skip
 
 
 def _options(
@@ -549,10 +552,14 @@ def _options(
         raise SystemExit(
             f"pxrt serve: unknown option(s) {unknown} in {where}; known: {', '.join(TOML_KEYS)}"
         )
-    checked, placed = {}, {}
+    checked, placed, decoder = {}, {}, {}
     for key, value in section.items():
         try:
-            if key == "instance_group":
+            if key in DecoderLoad.CHECKS:
+                if where == "[defaults]":
+                    raise OptionError("a decoder's load option goes in its [models.NAME] section")
+                decoder[key] = DecoderLoad.check(key, value)
+            elif key == "instance_group":
                 placed.update(Placement.from_instance_group(value))
             elif key == "dynamic_batching":
                 checked.update(BatchingOptions.from_dynamic_batching(value))
@@ -562,6 +569,8 @@ def _options(
                 checked[key] = BatchingOptions.check(key, value)
         except OptionError as exc:
             raise SystemExit(f"pxrt serve: {key} in {where}: {exc}") from None
+    if decoder:
+        placed["decoder"] = place.decoder.replace(**decoder)
     return base.replace(**checked), place.replace(**_implied(placed))
 
 

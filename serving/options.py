@@ -84,6 +84,30 @@ def _cache_flag(value: Any) -> bool:
 _cache_flag.expects = "true or false (or Triton's {enable = true})"  # type: ignore[attr-defined]
 
 
+def sizes(low: int):
+    """A check for a list of integers >= ``low`` (a TOML array; or None): a tuple."""
+    text = f"a list of integers >= {low}"
+
+    def check(value: Any) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value
+        ):
+            raise OptionError(text)
+        return tuple(value)
+
+    check.expects = text  # type: ignore[attr-defined]
+    return check
+
+
+def _maybe_flag(value: Any) -> bool | None:
+    return None if value is None else _flag(value)
+
+
+_maybe_flag.expects = "true or false"  # type: ignore[attr-defined]
+
+
 def _checked(check: Any, value: Any) -> Any:
     try:
         return check(value)
@@ -229,15 +253,58 @@ _TRITON_KINDS = ("KIND_AUTO", "KIND_GPU", "KIND_CPU", "KIND_MODEL")
 
 
 @dataclasses.dataclass(frozen=True)
+class DecoderLoad(_Checked):
+    """How a decoder is loaded (``pxrt.load``'s options of the same names, a TOML
+    ``[models.NAME]`` section's keys): its slots and cache length, the prefill and
+    chunk cells compiled, the prefix cache, the steps over fewer slots, speculative
+    decoding and whether the sampling controls' programs are built. None: the
+    artifact's or ``pxrt.load``'s default."""
+
+    slots: int | None = None
+    max_length: int | None = None
+    prefill_lengths: tuple[int, ...] | None = None
+    prefill_batches: tuple[int, ...] | None = None
+    chunk_lengths: tuple[int, ...] | None = None
+    chunk_batches: tuple[int, ...] | None = None
+    chunk_tokens: int | None = None
+    prefix_cache_tokens: int | None = None
+    prefix_block: int | None = None
+    step_slots: tuple[int, ...] | None = None
+    speculative_tokens: int | None = None
+    sampling_controls: bool | None = None
+
+    CHECKS: ClassVar[dict[str, Any]] = {
+        "slots": number(int, 1, none=True),
+        "max_length": number(int, 2, none=True),
+        "prefill_lengths": sizes(1),
+        "prefill_batches": sizes(1),
+        "chunk_lengths": sizes(1),
+        "chunk_batches": sizes(1),
+        "chunk_tokens": number(int, 1, none=True),
+        "prefix_cache_tokens": number(int, 0, none=True),
+        "prefix_block": number(int, 1, none=True),
+        "step_slots": sizes(1),
+        "speculative_tokens": number(int, 0, none=True),
+        "sampling_controls": _maybe_flag,
+    }
+
+    def load_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``pxrt.load``: the ones set."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement(_Checked):
     """How one model is laid out on the devices (``pxrt.load``'s options of the same
     names): one program sharded over all of them, or ``instances`` of it, each on its
     own ``devices_per_instance`` devices, or ``auto``: whichever runs faster, measured
-    at load. None: ``pxrt.load``'s default (``auto``, or ``$PXRT_PLACEMENT``)."""
+    at load. None: ``pxrt.load``'s default (``auto``, or ``$PXRT_PLACEMENT``). A
+    decoder's own load options ride along in ``decoder``."""
 
     placement: str | None = None
     instances: int | None = None
     devices_per_instance: int | None = None
+    decoder: DecoderLoad = DecoderLoad()
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "placement": choice(*PLACEMENTS, none=True),
@@ -247,7 +314,10 @@ class Placement(_Checked):
 
     def load_options(self) -> dict[str, Any]:
         """Keyword arguments of ``pxrt.load``: the ones that differ from its defaults."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v != getattr(Placement, k)}
+        placed = {
+            k: getattr(self, k) for k in self.CHECKS if getattr(self, k) != getattr(Placement, k)
+        }
+        return placed | self.decoder.load_options()
 
     @staticmethod
     def from_instance_group(groups: Any) -> dict[str, Any]:
@@ -450,6 +520,7 @@ __all__ = [
     "CELL_POLICIES",
     "PLACEMENTS",
     "BatchingOptions",
+    "DecoderLoad",
     "GenerationLimits",
     "GrpcLimits",
     "HttpLimits",

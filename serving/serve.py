@@ -128,8 +128,10 @@ class _Setup:
                     )
                 if isinstance(model, pxrt.Decoder):
                     server.add_decoder(name or model.name, model, options)
-                    chunked = (f", chunks {model.chunk_lengths}" if model.chunk_lengths else "") + (
-                        ", a prefix cache" if model.prefix is not None else ""
+                    chunked = (
+                        (f", chunks {model.chunk_lengths}" if model.chunk_lengths else "")
+                        + (", a prefix cache" if model.prefix is not None else "")
+                        + f", steps over {list(model.step_slots)} slots"
                     )
                     print(
                         f"pxrt serve: {name or model.name} ready (a decoder: {model.slots} "

@@ -47,6 +47,23 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def decoder_config(folder, path, name: str = "lm", **options) -> str:
+    """A ``pxrt serve --config`` TOML serving the decoder at ``path`` as ``name`` with
+    ``options`` (its pxrt.load options: ``step_slots=[]``...); returns its path."""
+
+    def toml(value) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return repr(list(value)) if isinstance(value, (list, tuple)) else repr(value)
+
+    lines = [f"[models.{name}]", f"path = {str(path)!r}"]
+    lines += [f"{key} = {toml(value)}" for key, value in options.items()]
+    conf = os.path.join(str(folder), f"{name}.toml")
+    with open(conf, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return conf
+
+
 def make_certs(folder) -> dict[str, str]:
     """A CA, a server certificate it signed for 127.0.0.1 and localhost, and a client
     certificate it signed: name -> PEM path (``ca``, ``cert``, ``key``, ``client_cert``,

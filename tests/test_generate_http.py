@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from servers import ServeProcess
+from servers import ServeProcess, decoder_config
 
 import pxrt
 from pxrt import demo
@@ -41,12 +41,14 @@ def local(lm_path):
 
 
 @pytest.fixture(scope="module", params=["one", "asgi", "workers"])
-def served(request, lm_path, artifacts):
+def served(request, lm_path, artifacts, tmp_path_factory):
     """`pxrt serve` of the decoder beside a one-shot model (streams on its native HTTP
     path); the same with every request through the ASGI app; and with two front-end
-    workers, which stream generations running in the device process."""
+    workers, which stream generations running in the device process. The decoder loads
+    as the local one (its TOML: no steps over fewer slots)."""
     extra = {"one": [], "asgi": ["--no-native-http"], "workers": ["--workers", "2"]}[request.param]
-    proc = ServeProcess([lm_path, str(artifacts["mlp"]), *extra])
+    conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[])
+    proc = ServeProcess(["--config", conf, str(artifacts["mlp"]), *extra])
     yield proc
     proc.stop()
 

@@ -14,7 +14,7 @@ if "kserve" in sys.modules:  # its protobufs claim the same names as tritonclien
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from servers import ServeProcess
+from servers import ServeProcess, decoder_config
 
 import pxrt
 from pxrt import demo
@@ -44,11 +44,14 @@ def local(lm_path):
 
 
 @pytest.fixture(scope="module", params=["native", "grpcio", "workers"])
-def served(request, lm_path):
+def served(request, lm_path, tmp_path_factory):
     extra = {"native": [], "grpcio": ["--no-native-grpc"], "workers": ["--workers", "2"]}[
         request.param
     ]
-    proc = ServeProcess([lm_path, *extra], grpc=True)
+    # The decoder's load options from the TOML, as the local one's: no steps over fewer
+    # slots (test_generate.py has those).
+    conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[])
+    proc = ServeProcess(["--config", conf, *extra], grpc=True)
     yield proc
     assert proc.stop() == 0
 
@@ -181,6 +184,7 @@ def test_a_deadline_ends_a_stream_with_an_error_after_its_tokens(served):
 
 
 def test_a_decoder_has_readiness_metadata_and_config(served):
+    assert "steps over [4] slots" in served.output()  # (the TOML's load options)
     client = grpcclient.InferenceServerClient(served.grpc_url)
     try:
         assert client.is_model_ready("lm") and not client.is_model_ready("lm", "7")

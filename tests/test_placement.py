@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -383,6 +384,37 @@ def test_serve_flags_and_toml_set_the_placement(tmp_path):
     # No flag: pxrt.load's own default (auto, or $PXRT_PLACEMENT).
     [(_, _, _, place)] = model_specs(_serve_args(str(tmp_path / "m")), str(tmp_path))
     assert place == Placement() and place.load_options() == {}
+
+
+def test_serve_toml_sets_a_decoders_load_options(tmp_path):
+    """A decoder's own pxrt.load options (slots, cells, prefix cache, steps...) come
+    from its [models.NAME] section, checked by name; not from [defaults]."""
+    from serving.config import model_specs
+
+    conf = tmp_path / "serve.toml"
+    conf.write_text(
+        "[models.lm]\npath = 'x'\nslots = 8\nmax_length = 128\nprefill_lengths = [16, 64]\n"
+        "step_slots = []\nprefix_cache_tokens = 0\nsampling_controls = false\n"
+        "placement = 'sharded'\n"
+    )
+    [(name, _, _, place)] = model_specs(_serve_args("--config", str(conf)), str(tmp_path))
+    assert name == "lm" and place.load_options() == {
+        "placement": "sharded", "slots": 8, "max_length": 128, "prefill_lengths": (16, 64),
+        "step_slots": (), "prefix_cache_tokens": 0, "sampling_controls": False,
+    }  # fmt: skip
+    for toml, words in [
+        ("[models.lm]\npath = 'x'\nstep_slots = [0]\n", "step_slots in [models.lm]: [0] is not "
+         "a list of integers >= 1"),
+        ("[models.lm]\npath = 'x'\nslots = 'many'\n", "slots in [models.lm]: 'many' is not an "
+         "integer >= 1"),
+        ("[models.lm]\npath = 'x'\nsampling_controls = 1\n", "sampling_controls in [models.lm]: "
+         "1 is not true or false"),
+        ("[defaults]\nslots = 8\n", "slots in [defaults]: a decoder's load option goes in its "
+         "[models.NAME] section"),
+    ]:  # fmt: skip
+        conf.write_text(toml)
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            model_specs(_serve_args("--config", str(conf)), str(tmp_path))
 
 
 def test_serve_with_instances_answers_like_plain_jax(artifacts):
