@@ -271,12 +271,16 @@ CACHE = {
 }
 
 
-def greedy(params, prompt, max_tokens):
-    """Plain JAX: prefill at the prompt's own length, then one slot."""
-    prefill, decode = jax.jit(pt_prefill), jax.jit(pt_decode)
+def greedy(params, prompt, max_tokens, prefill=pt_prefill, decode=pt_decode):
+    """Plain JAX: prefill at the prompt's own length, then one slot (a cache leaf without
+    a sequence axis as prefill gave it)."""
+    prefill, decode = jax.jit(prefill), jax.jit(decode)
     n = len(prompt)
     rows, logits = prefill(params, jnp.asarray([prompt], jnp.int32), jnp.asarray([n], jnp.int32))
-    cache = {k: jnp.zeros((1, MAX_LENGTH, DIM)).at[:, :n].set(r) for k, r in rows.items()}
+    cache = {
+        k: jnp.zeros((1, MAX_LENGTH, DIM)).at[:, :n].set(r) if r.ndim == 3 else r
+        for k, r in rows.items()
+    }
     tokens = [int(jnp.argmax(logits[0]))]
     while len(tokens) < max_tokens:
         at = jnp.asarray([n + len(tokens) - 1], jnp.int32)
@@ -341,20 +345,6 @@ def test_a_cache_leaf_without_a_sequence_axis_steps_over_the_busy_slots(tmp_path
         mix_prefill, mix_decode, params, str(tmp_path / "mix"), cache=cache,
         max_length=MAX_LENGTH, slots=8, prefill_lengths=(16,), prefill_batches=(1,),
     )  # fmt: skip
-    prefill, decode = jax.jit(mix_prefill), jax.jit(mix_decode)
-
-    def greedy_mix(prompt, max_tokens):
-        n = len(prompt)
-        rows, logits = prefill(params, jnp.asarray([prompt]), jnp.asarray([n], jnp.int32))
-        state = {k: jnp.zeros((1, MAX_LENGTH, DIM)).at[:, :n].set(rows[k]) for k in "kv"}
-        state["mix"] = rows["mix"]
-        tokens = [int(jnp.argmax(logits[0]))]
-        while len(tokens) < max_tokens:
-            at = jnp.asarray([n + len(tokens) - 1], jnp.int32)
-            state, logits = decode(params, state, jnp.asarray([tokens[-1]], jnp.int32), at)
-            tokens.append(int(jnp.argmax(logits[0])))
-        return tokens
-
     rng = np.random.default_rng(4)
     work = [(rng.integers(0, VOCAB, n).astype(np.int32), m)
             for n, m in ((5, 3), (12, 14), (2, 6), (9, 2), (16, 10), (7, 12))]  # fmt: skip
@@ -362,7 +352,9 @@ def test_a_cache_leaf_without_a_sequence_axis_steps_over_the_busy_slots(tmp_path
         assert len(dec.step_slots) > 1
         streams = [dec.submit(p, max_tokens=m) for p, m in work]
         for (prompt, m), stream in zip(work, streams):
-            assert stream.result(timeout=60).tokens == greedy_mix(prompt, m)
+            assert stream.result(timeout=60).tokens == greedy(
+                params, prompt, m, mix_prefill, mix_decode
+            )
         counters = dec.counters
         assert counters["stepped_slots"] < counters["steps"] * dec.slots  # (fewer ran)
 
