@@ -349,7 +349,10 @@ def requested_outputs(
 
 def inline(outputs: list[tuple[str, Any]]) -> bool:
     """Whether every output is answered in the reply (none goes to shared memory)."""
-    return all(where.__class__ is bool for _, where in outputs)
+    for _, where in outputs:  # (a loop: all() over a generator costs ~0.3 us an answer)
+        if where.__class__ is not bool:
+            return False
+    return True
 
 
 def _shared(regions: Regions | None) -> Regions:
