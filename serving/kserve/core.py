@@ -408,49 +408,42 @@ def start(
     tracing = server.tracing
     trace = tracing.begin(name, headers) if tracing is not None else None
     try:
-        pending = _start(server, name, version, decode, trace)
+        # (``resolve``, inlined: a call less on every request's path)
+        why = server.not_serving()
+        if why:
+            raise NotServing(why)
+        model = server.model(name, version)
+        try:
+            try:
+                request = decode(model)
+            except ProtocolError:
+                server.count(name, model.version, "invalid")
+                raise
+            if trace is not None:
+                trace.stage("decode", trace.t0)
+            try:
+                # The version asked for (None: the newest, which is ``model`` here;
+                # behind ``pxrt serve --workers``, the newest when the device process
+                # takes it, so a reload between the two does not fail the request).
+                future = server.submit(
+                    name,
+                    request.inputs,
+                    timeout_s=request.timeout_s,
+                    version=version,
+                    priority=request.priority,
+                    trace=trace,
+                )
+            except (TypeError, ValueError) as exc:  # the model's validation (counted)
+                raise InvalidRequest(str(exc)) from None
+        except (ServingError, ProtocolError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
+            server.count(name, model.version, "failed")
+            raise internal_error(f"{name!r} inference", exc) from exc
     except BaseException as exc:
         if trace is not None:
             trace.end(version or "", exc)
         raise
-    return pending
-
-
-def _start(
-    server: Backend,
-    name: str,
-    version: str | None,
-    decode: Callable[[Any], InferRequest],
-    trace: Trace | None,
-) -> Pending:
-    model = resolve(server, name, version)
-    try:
-        try:
-            request = decode(model)
-        except ProtocolError:
-            server.count(name, model.version, "invalid")
-            raise
-        if trace is not None:
-            trace.stage("decode", trace.t0)
-        try:
-            # The version asked for (None: the newest, which is ``model`` here; behind
-            # ``pxrt serve --workers``, the newest when the device process takes it, so a
-            # reload between the two does not fail the request).
-            future = server.submit(
-                name,
-                request.inputs,
-                timeout_s=request.timeout_s,
-                version=version,
-                priority=request.priority,
-                trace=trace,
-            )
-        except (TypeError, ValueError) as exc:  # the model's validation (its queue counted it)
-            raise InvalidRequest(str(exc)) from None
-    except (ServingError, ProtocolError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on
-        server.count(name, model.version, "failed")
-        raise internal_error(f"{name!r} inference", exc) from exc
     if trace is not None:
         return TracedPending(server, name, model, request, future, trace)
     return Pending(server, name, model, request, future)
