@@ -116,10 +116,8 @@ def infer_response_parts(
     output's ``raw_output_contents`` field (tag, length, the array's own bytes). The
     first part is made once per answer layout (names, dtypes, shapes, id) and kept. An
     output asked for in shared memory is written there (``service.shm_response``)."""
-    for _, where in selected:  # (``codec.inline``, without a call per answer)
-        if where.__class__ is not bool:  # to shared memory
-            response = shm_response(name, version, request_id, outputs, selected)
-            return [response.SerializeToString()]
+    if not codec.inline(selected):
+        return [shm_response(name, version, request_id, outputs, selected).SerializeToString()]
     arrays = [np.ascontiguousarray(outputs[out_name]) for out_name, _ in selected]
     key = (name, version, request_id, *[(a.dtype, a.shape) for a in arrays], *selected)
     head = _HEADS.get(key)
@@ -548,7 +546,7 @@ class GrpcProtocol(h2.H2Protocol[Call]):
     def _regions(self, call: Call) -> Regions:
         """The system shared memory ``call``'s requests may name."""
         restrictions, shared = self.owner.restrictions, self.server.shared_memory
-        if not restrictions.keys:  # (not ``restrictions``: its __bool__ is a call)
+        if not restrictions:
             return shared.open
         return shared.for_request(restrictions, header_values(call.headers))
 

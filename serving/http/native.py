@@ -215,7 +215,7 @@ class NativeCycle:
             shared, restrictions = server.shared_memory, state.restrictions
             regions = (
                 shared.for_request(restrictions, header_values(self.proto.headers))
-                if restrictions.keys  # (not ``restrictions``: its __bool__ is a call)
+                if restrictions
                 else shared.open
             )
             decode = request_decoder(upload.body(), self.header_length, state.limits, regions)

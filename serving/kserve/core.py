@@ -408,11 +408,7 @@ def start(
     tracing = server.tracing
     trace = tracing.begin(name, headers) if tracing is not None else None
     try:
-        # (``resolve``, inlined: a call less on every request's path)
-        why = server.not_serving()
-        if why:
-            raise NotServing(why)
-        model = server.model(name, version)
+        model = resolve(server, name, version)
         try:
             try:
                 request = decode(model)
