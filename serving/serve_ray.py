@@ -35,16 +35,7 @@ PROXY_TIMEOUTS = {
 }
 
 
-# How long the drain waits for every replica to answer "draining". Ray Serve gives each
-# ``serve.run`` a new code version when the deployment sets none (its client's
-# ``deployment._version or get_random_string()``), so the draining deploy can replace the
-# replicas instead of reconfiguring them: new replicas load the model first. On a loaded
-# 2-core machine that took longer than the 15 s waited before, and Serve was shut down
-# under requests the old replicas still held (lost, not answered).
-DRAIN_WAIT_S = 60.0
-
-
-def _wait_draining(args: argparse.Namespace, https: bool, timeout_s: float = DRAIN_WAIT_S) -> None:
+def _wait_draining(args: argparse.Namespace, https: bool, timeout_s: float = 15.0) -> None:
     """Until the proxy's readiness answers "draining" several times in a row (each
     answer from a replica Ray picks), or ``timeout_s``: ``serve.run`` may return before
     every replica has taken the update."""
