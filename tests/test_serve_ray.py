@@ -61,6 +61,11 @@ def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifa
         inp.set_data_from_numpy(request["x"])
         assert_matches({"y": client.infer("mlp", [inp]).as_numpy("y")}, reference("mlp", request))
         client.close()
+        # The proxy answers before ``serve.run`` returns; a SIGTERM before then is a stop
+        # while deploying (its own test, below), which does not drain.
+        deadline = time.time() + 120
+        while "pxrt serve: ready on" not in proc.output() and time.time() < deadline:
+            time.sleep(0.1)
         threads = [threading.Thread(target=traffic) for _ in range(4)]
         for t in threads:
             t.start()
