@@ -218,6 +218,12 @@ class Decoder:
         #: a long prompt delays the running streams by one chunk at a time.
         self.chunk_tokens = (chunk_tokens or self.chunk_lengths[-1]) if extends else 0
         self.max_waiting = max_waiting
+        #: Request priorities (``set_priorities``): levels (1 the highest), the level of
+        #: a request that names none, and the wait (s) after which a prompt of any level
+        #: goes before every level, oldest first, so that none starves.
+        self.priority_levels = 1
+        self.default_priority_level = 1
+        self.priority_wait_s = math.inf
         self.load_s = load_s
         self.program_sources: dict[str, int] = {}
         #: Seconds per phase of the load: reading the artifact, its programs (traced and
@@ -356,6 +362,7 @@ class Decoder:
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int = 0,
+        priority: int = 0,
     ) -> Generation:
         """Queue one prompt (token ids) for generation; returns its ``Generation``.
 
@@ -376,9 +383,13 @@ class Decoder:
         ``frequency_penalty`` (-2 .. 2; over the generated tokens), ``min_tokens`` (no
         stop token before that many tokens).
 
+        ``priority``: the prompt's level among the waiting ones (1 the highest, up to
+        ``priority_levels``; 0: ``default_priority_level``; see ``set_priorities``).
+
         Raises ValueError naming the parameter for a bad request, ``QueueFull`` when
         ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
         """
+        level = int_in("priority", priority, 0, self.priority_levels)
         tokens = self._check_prompt(prompt)
         limit = int_in("max_tokens", max_tokens, 1, None)
         limit = min(limit, self.max_length - len(tokens))
@@ -432,6 +443,7 @@ class Decoder:
         gen.logprobs = None if top is None else []
         gen.top_logprobs = top or 0
         gen.controls = controls
+        gen.level = level or self.default_priority_level
         with self._cond:
             if self._closed:
                 raise DecoderClosed(f"decoder {self.name!r} is closed")
@@ -447,6 +459,19 @@ class Decoder:
             elif self._idle:
                 self._cond.notify()
         return gen
+
+    def set_priorities(self, levels: int, default_level: int = 0, wait_s: float = 0.1) -> None:
+        """Admit waiting prompts by priority: ``levels`` levels (1 the highest), a
+        prompt without one at ``default_level`` (0: the lowest), and any prompt that has
+        waited ``wait_s`` seconds before every level, oldest first (the batcher's
+        ``priority_levels``, ``default_priority_level`` and ``priority_wait_ms``).
+        Within a level prompts keep their order. ``levels`` 1: one queue, in order."""
+        levels = int_in("priority_levels", levels, 1, None)
+        default = int_in("default_priority_level", default_level, 0, levels) or levels
+        wait = number_in("priority_wait_s", wait_s, 0.0, math.inf, low_open=True)
+        with self._cond:
+            self.priority_levels, self.default_priority_level = levels, default
+            self.priority_wait_s = wait if levels > 1 else math.inf
 
     def generate(self, prompt: Sequence[int] | np.ndarray, **options: Any) -> Completion:
         """Generate for one prompt and wait for all of it (sync). ``options`` as for
@@ -678,6 +703,8 @@ class Decoder:
         free = self._table.free
         if not waiting or not free:
             return None
+        if self.priority_levels > 1 and len(waiting) > 1:
+            self._by_priority()
         if len(self._steps) > 1:  # the lowest rows first (popped from the end)
             rows = self._rows_per_device
             free.sort(key=lambda s: (s % rows, s // rows), reverse=True)
@@ -729,6 +756,18 @@ class Decoder:
         if loads:
             self._load_prefixes(loads)
         return (batch, length) if batch else None
+
+    def _by_priority(self) -> None:
+        """Order the waiting prompts: those that waited ``priority_wait_s`` first,
+        oldest first; then by level, each level in order of arrival."""
+        aged = time.perf_counter() - self.priority_wait_s
+        with self._cond:  # (submit appends from other threads)
+            order = sorted(
+                self._waiting,
+                key=lambda g: (0 if g.t_submit <= aged else g.level, g.t_submit),
+            )
+            self._waiting.clear()
+            self._waiting.extend(order)
 
     def _filling_keys(self) -> set[bytes]:
         """The blocks the prompts being prefilled in chunks will cache when done."""

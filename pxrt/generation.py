@@ -85,6 +85,7 @@ class Generation(_GenerationBase):
         "error",
         "t_submit",
         "t_admit",
+        "level",
         "_decoder",
         "_read",
         "listener",
@@ -129,6 +130,7 @@ class Generation(_GenerationBase):
         self.event = threading.Event()
         self.t_submit = time.perf_counter()
         self.t_admit = 0.0  # when its prompt's first prefill (or chunk) was dispatched
+        self.level = 1  # its priority level (1 the highest; ``Decoder.set_priorities``)
 
     @property
     def done(self) -> bool:

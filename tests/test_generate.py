@@ -664,6 +664,34 @@ def test_cancelling_the_task_frees_the_slot(long_lm, run):
     assert _tokens_after(long_lm, lambda: run(main)) < LONG // 4
 
 
+def test_waiting_prompts_are_admitted_by_priority_then_by_age(long_lm):
+    """With every slot busy, a freed slot goes to the highest level waiting, whatever
+    came first; once prompts have waited ``wait_s``, to the oldest."""
+
+    def admitted_first(wait_s):
+        long_lm.set_priorities(2, default_level=2, wait_s=wait_s)
+        running = [long_lm.submit([i + 1], max_tokens=LONG) for i in range(SLOTS)]
+        _wait_for(lambda: long_lm.busy_slots == SLOTS)
+        low = long_lm.submit([3, 4], max_tokens=LONG)  # (the default level: 2)
+        high = long_lm.submit([5, 6], max_tokens=LONG, priority=1)
+        running[0].cancel()
+        _wait_for(lambda: low.tokens or high.tokens)
+        first = "high" if high.tokens else "low"
+        assert not (low.tokens and high.tokens)  # (one slot was freed)
+        for gen in [*running, low, high]:
+            gen.cancel()
+        _wait_for(lambda: long_lm.busy_slots == 0 and long_lm.waiting == 0)
+        return first
+
+    try:
+        assert admitted_first(wait_s=60.0) == "high"
+        assert admitted_first(wait_s=1e-9) == "low"  # (both aged: the oldest first)
+        with pytest.raises(ValueError, match="priority must be an int from 0 to 2, got 3"):
+            long_lm.submit([1], priority=3)
+    finally:
+        long_lm.set_priorities(1)
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -693,6 +721,9 @@ def test_cancelling_the_task_frees_the_slot(long_lm, run):
         ([1], {"logit_bias": [1]}, "logit_bias must map token ids to numbers"),
         ([1], {"logit_bias": dict.fromkeys(range(301), 1)}, "301 entries; at most 300"),
         ([1], {"min_tokens": 11, "max_tokens": 10}, "min_tokens must be at most max_tokens"),
+        ([1], {"priority": 2}, "priority must be an int from 0 to 1, got 2"),
+        ([1], {"priority": 2**64}, "priority must be an int from 0 to 1"),
+        ([1], {"priority": 1.0}, "priority must be an int"),
     ],
 )
 def test_bad_requests_fail_alone(lm, reference, prompt, options, message):
@@ -1071,3 +1102,35 @@ def test_a_warm_load_runs_the_stored_programs(lm_path, reference, tmp_path):
         assert healed.program_sources.get("compiled") == 1
         assert [healed.generate(p, max_tokens=8).tokens for p in prompts(3, seed=4)] == want
     assert want[0] == reference(prompts(3, seed=4)[0], 8)
+
+
+@pytest.mark.once
+def test_a_decoder_load_that_would_not_fit_is_refused_before_allocating(lm_path, monkeypatch):
+    """An absurd slot count is refused at once, naming slots and the bytes, with nothing
+    compiled or placed (it used to allocate until the kernel killed the process)."""
+    from pxrt import _xla, compiling, decoder_load
+
+    placed = []
+    monkeypatch.setattr(decoder_load.DecoderPrograms, "place", lambda *a: placed.append(a))
+    monkeypatch.setattr(compiling, "available_host_bytes", lambda: 1 << 30)
+    compiles = _xla.compile_counter.total
+    t0 = time.perf_counter()
+    message = (
+        r"'lm' with slots=100000 and max_length=64 needs about .* GiB of host memory for its "
+        r"\d+ CPU devices \(the cache state .* GiB, 3\d{4} bytes a slot; the prefix cache "
+        r".*\) and 1.00 GiB is available: load it with fewer slots"
+    )
+    with pytest.raises(ValueError, match=message):
+        pxrt.load(lm_path, slots=100000)
+    assert time.perf_counter() - t0 < 30  # (nothing compiled: it was 40 s to a kill)
+    assert _xla.compile_counter.total == compiles and not placed
+    # What fits before compiling and not with the programs' work space: refused once
+    # compiled, before the params or the cache are placed.
+    free = iter([1 << 40, 64 << 10])
+    monkeypatch.setattr(compiling, "available_host_bytes", lambda: next(free))
+    with pytest.raises(ValueError, match=r"slots=8 .*; the programs' work space .* is avail"):
+        pxrt.load(
+            lm_path, prefix_cache_tokens=0, step_slots=(), sampling_controls=False,
+            prefill_batches=(1,), chunk_lengths=(32,), chunk_batches=(1,),
+        )  # fmt: skip
+    assert not placed

@@ -163,7 +163,8 @@ class Server:
         """Serve a decoder (``pxrt.load`` of a decoder artifact) as ``name``: its
         generations through ``generate``, its numbers in the metrics. Its loop batches
         continuously on its own thread; ``close`` closes it. ``options``: what the model's
-        configuration gave it (a decoder batches by itself: only checked)."""
+        configuration gave it (a decoder batches by itself: only checked, but for its
+        priorities, which order the prompts waiting for a slot)."""
         if options is not None and options.response_cache:
             raise OptionError(
                 f"option response_cache: model {name!r} is a decoder; its generations are "
@@ -173,6 +174,12 @@ class Server:
             raise ServerClosed("the server is closed")
         if name in self._decoders or name in self._versions:
             raise ValueError(f"a model named {name!r} is already being served")
+        if options is not None and options.priority_levels > 1:
+            decoder.set_priorities(
+                options.priority_levels,
+                options.default_priority_level,
+                options.priority_wait_ms * 1e-3,
+            )
         self._decoders[name] = decoder
         self.metrics.add_decoder(name, decoder, decoder.version)
         self._changed()
@@ -321,7 +328,7 @@ class Server:
             old = self._decoders.pop(name, None)
             if old is not None:  # replaced: new generations go to the new one at once
                 self.metrics.remove_decoder(name, old.version)
-            self.add_decoder(name, model)
+            self.add_decoder(name, model, options)
             if old is not None:
                 await _retire(old)
             if self.on_models_changed is not None:

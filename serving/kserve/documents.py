@@ -147,6 +147,11 @@ def decoder_config(name: str, decoder: Any) -> dict:
         "output": outputs,
         "model_transaction_policy": {"decoupled": True},
         "parameters": {k: {"string_value": str(v)} for k, v in sizes.items()},
+        # (a decoder queues its waiting prompts by these: Decoder.set_priorities)
+        "dynamic_batching": {
+            "priority_levels": decoder.priority_levels,
+            "default_priority_level": decoder.default_priority_level,
+        },
     }
 
 
