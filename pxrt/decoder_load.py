@@ -151,11 +151,17 @@ def load_decoder(
             speculate=speculative_tokens,
             controls=bool(sampling_controls),
         )
-        params_dev = programs.place(art.params)
+        # Refused before anything is placed or compiled when the cache alone cannot fit
+        # (slots = 100000 would otherwise allocate until the kernel kills the process),
+        # and again, with the programs' work space, before the params and the cache are
+        # placed.
+        check_memory(programs)
         jobs = programs.jobs(lengths, batches, chunks, chunk_rows)
         tp = time.perf_counter()
         got = _obtain_all(programs, jobs, cache_dir, progress, store=not in_group)
         tw = time.perf_counter()
+        check_memory(programs, got.work_bytes)
+        params_dev = programs.place(art.params)
         try:
             got.warm_up(params_dev, slots)
         except Exception:
@@ -167,7 +173,7 @@ def load_decoder(
             got.warm_up(params_dev, slots)
         state = got.make_state()
         # Where the time went: tracing and compiling (or loading) the programs, then
-        # one run of each.
+        # placing the params and one run of each.
         phases |= {"programs": tw - tp, "warm-up": time.perf_counter() - tw}
     if distributed is not None:
         fp = multihost.fingerprint(
@@ -223,6 +229,73 @@ def load_decoder(
         )
     log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
     return decoder
+
+
+def check_memory(programs: DecoderPrograms, work: int = 0) -> None:
+    """Refuse a load whose memory would not fit, before any of it is allocated: on each
+    device the params, its share of the cache state (sharded by slot), the prefix pool
+    and ``work`` (the programs' work space, once compiled), against the host's available
+    memory for CPU devices (``compiling.available_host_bytes``) and what its backend
+    reports free for the others (as ``compiling.check_memory`` does for one-shot
+    loads)."""
+    art, slots = programs.art, programs.slots
+    params = sum(_nbytes(a) for a in jax.tree.leaves(art.params))
+    state = sum(_nbytes(s) for s in jax.tree.leaves(programs.shapes))
+    pool = sum(_nbytes(s) for s in jax.tree.leaves(programs.pool_shapes)) if programs.prefix else 0
+    per_device = params + pool + work + -(-state // len(programs.devices))
+    gib = compiling._gib
+    parts = [f"the cache state {gib(state)}, {state // slots} bytes a slot"]
+    if pool:
+        parts.append(f"the prefix cache {gib(pool)} on each device")
+    parts.append(f"params {gib(params)} on each device")
+    if work:
+        parts.append(f"the programs' work space {gib(work)} on each device")
+    what = f"{art.name!r} with slots={slots} and max_length={programs.max_length}"
+    advice = "load it with fewer slots, a smaller max_length" + (
+        " or fewer prefix_cache_tokens" if pool else ""
+    )
+    here = jax.process_index()
+    local = [d for d in programs.devices if d.process_index == here]
+    on_host = [d for d in local if d.platform == "cpu"]
+    free = compiling.available_host_bytes() if on_host else None
+    if free is not None and per_device * len(on_host) > free:
+        raise ValueError(
+            f"{what} needs about {gib(per_device * len(on_host))} of host memory, "
+            f"{gib(per_device)} for each of {len(on_host)} CPU devices ({'; '.join(parts)}), "
+            f"and {gib(free)} is available: {advice}"
+        )
+    for d in local:
+        if d.platform == "cpu":
+            continue
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a backend that does not report memory
+            continue
+        limit = stats.get("bytes_limit")
+        if not limit:
+            continue
+        left = limit - stats.get("bytes_in_use", 0)
+        if per_device > left:
+            raise ValueError(
+                f"{what} needs about {gib(per_device)} on {d} ({'; '.join(parts)}) and "
+                f"{gib(left)} is free there: {advice}"
+            )
+
+
+def _nbytes(a: Any) -> int:
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+
+def _work_bytes(compiled: Any) -> int:
+    """A compiled program's work space on a device (its temporaries and code), 0 where
+    the backend does not say."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - an executable that cannot analyse itself
+        return 0
+    if stats is None:
+        return 0
+    return int(stats.temp_size_in_bytes) + int(stats.generated_code_size_in_bytes)
 
 
 def _chunk_sizes(
@@ -940,6 +1013,8 @@ class _Obtained:
     verify_width: int = 0
     #: The step with the sampling controls and scores (none in a multi-host group).
     full_step: Any = None
+    #: The largest work space (bytes on a device) of one of the programs.
+    work_bytes: int = 0
 
     def warm_up(self, params: Any, slots: int) -> None:
         """One run of each program (on the zero state: no slot is busy, every row is
@@ -1059,6 +1134,7 @@ def _obtain_all(
         got[("verify", 0, programs.speculate)][0] if programs.speculate else None,
         programs.speculate,
         got[("step", -1, 0)][0] if ("step", -1, 0) in got else None,
+        max((_work_bytes(compiled) for compiled, _, _ in got.values()), default=0),
     )
 
 

@@ -1116,9 +1116,9 @@ def test_a_decoder_load_that_would_not_fit_is_refused_before_allocating(lm_path,
     compiles = _xla.compile_counter.total
     t0 = time.perf_counter()
     message = (
-        r"'lm' with slots=100000 and max_length=64 needs about .* GiB of host memory for its "
-        r"\d+ CPU devices \(the cache state .* GiB, 3\d{4} bytes a slot; the prefix cache "
-        r".*\) and 1.00 GiB is available: load it with fewer slots"
+        r"'lm' with slots=100000 and max_length=64 needs about .* GiB of host memory, .* for "
+        r"each of \d+ CPU devices \(the cache state .* GiB, 3\d{4} bytes a slot; the prefix "
+        r"cache .*\), and 1.00 GiB is available: load it with fewer slots"
     )
     with pytest.raises(ValueError, match=message):
         pxrt.load(lm_path, slots=100000)
