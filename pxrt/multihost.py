@@ -903,8 +903,9 @@ class Follower:
     """A follower process of a multi-host group, loaded: ``follow()`` connects to the
     leader and runs its batches until the leader stops the group (it returns, having
     left jax's distributed runtime) or goes away (``LeaderGone``: leave the process
-    with ``os._exit``, as jax's exit hook would wait for the gone leader). ``state``:
-    "loaded", "connecting", "following", "stopped" or "leader gone"."""
+    with ``os._exit``, as jax's exit hook would wait for the gone leader). ``stop()``
+    (on SIGTERM) ends it sooner. ``state``: "loaded", "connecting", "following",
+    "stopped", "left" (``stop``'s grace ran out) or "leader gone"."""
 
     def __init__(
         self, cfg: Distributed, name: str, programs: list[Any], fingerprint: str, load_s: float
@@ -919,6 +920,9 @@ class Follower:
         self.state = "loaded"
         #: Batches run so far.
         self.steps = 0
+        self._sock: socket.socket | None = None
+        self._stopping: threading.Timer | None = None
+        self._left = False
 
     def __repr__(self) -> str:
         return (
@@ -958,20 +962,28 @@ class Follower:
         return sock
 
     def follow(self) -> None:
-        """Run the leader's batches, in its order, until it stops the group."""
+        """Run the leader's batches, in its order, until it stops the group (or
+        ``stop``'s grace runs out: state "left")."""
         self.state = "connecting"
         try:
             sock = self._connect()
         except LeaderGone:
             self.state = "leader gone"
             raise
+        self._sock = sock
         self.state = "following"
         last = 0
         try:
+            if self._left:  # stop()'s grace ran out while it connected
+                self.state = "left"
+                return
             while True:
                 try:
                     last = self._step(sock, last)
                 except (OSError, ConnectionError) as exc:
+                    if self._left:  # stop()'s grace ran out: this process hung up
+                        self.state = "left"
+                        return
                     raise LeaderGone(
                         f"distributed: the leader went away after batch {last} ({exc}): it "
                         f"stopped, or broke the group; process {self.cfg.process_id} stops"
@@ -983,7 +995,38 @@ class Follower:
             self.state = "leader gone"
             raise
         finally:
+            if self._stopping is not None:
+                self._stopping.cancel()
             sock.close()
+
+    def stop(self, grace_s: float) -> None:
+        """This process was asked to stop (``pxrt serve``'s follower calls this on
+        SIGTERM; safe from a signal handler): ``follow`` goes on until the leader stops
+        the group, as it does when the whole group is stopped (the leader drains, and
+        every batch it still runs needs every follower), but for at most ``grace_s``.
+        Then it hangs up and returns (state "left"): the group is broken, its leader
+        turns not ready, and this process, still in jax's distributed runtime whose
+        service the leader runs, should leave with ``os._exit``. Called again: nothing
+        changes."""
+        if self._stopping is not None:
+            return
+        self._stopping = threading.Timer(grace_s, self._hang_up)
+        self._stopping.daemon = True
+        self._stopping.start()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop`` was called."""
+        return self._stopping is not None
+
+    def _hang_up(self) -> None:
+        self._left = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes follow()'s read
+            except OSError:
+                pass
 
     def _step(self, sock: socket.socket, last: int) -> int:
         """Receive, run and answer one batch (the leader's ``STOP``: state "stopped");

@@ -2,7 +2,10 @@
 
 It loads the model onto the group's global mesh, then runs the leader's batches
 (``pxrt.multihost.Follower.follow``) until the leader stops the group (exit 0) or goes
-away (exit 3, with a message that says so). It serves no inference: on ``--port`` it
+away (exit 3, with a message that says so). SIGTERM or Ctrl-C: a requested stop, exit 0;
+while it follows, it follows on until the leader stops the group (a group stopped whole
+gets the signal on every process, and the batches its leader drains need every
+follower), for at most ``STOP_GRACE_S``. It serves no inference: on ``--port`` it
 answers ``/v2/health/live`` (200 while the process runs) and ``/v2/health/ready`` (200
 while it follows the leader, 503 before and after) with its state as JSON; any other
 path gets 503 naming the leader.
@@ -14,11 +17,16 @@ import argparse
 import http.server
 import json
 import os
+import signal
 import sys
 import threading
 from typing import Any
 
 LEADER_GONE = 3
+# How long a follower told to stop follows on, waiting for its leader to stop the group:
+# more than the leader's own drain (uvicorn's 30 s graceful shutdown, then gRPC's 5 s).
+# Past it, the follower leaves on its own and the group is broken.
+STOP_GRACE_S = 45.0
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -83,6 +91,26 @@ def run_follower(cfg: Any, path: str, args: argparse.Namespace) -> int:
         print(f"pxrt serve: error: health on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     threading.Thread(target=health.serve_forever, name="pxrt-follower-health", daemon=True).start()
+
+    def say(line: str) -> None:  # (not print: the main thread may be inside one)
+        os.write(2, f"pxrt serve: process {cfg.process_id}: {line}\n".encode())
+
+    def on_signal(*_: Any) -> None:
+        follower = held["follower"]
+        state = follower.state if follower is not None else held["state"]
+        if state == "following":
+            if not follower.stopping:
+                say(f"stopping: following the leader until it stops the group "
+                    f"(at most {STOP_GRACE_S:g} s)")  # fmt: skip
+            follower.stop(STOP_GRACE_S)
+        elif state in ("loading", "loaded", "connecting"):
+            # No batch has run: nothing to finish, and the leader may not be there.
+            say(f"stopped while {'loading' if state == 'loading' else 'connecting'}")
+            os._exit(0)
+        # else it is leaving already
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     code = 0
     try:
         follower = held["follower"] = pxrt.load(path, distributed=cfg)
@@ -94,11 +122,19 @@ def run_follower(cfg: Any, path: str, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         follower.follow()
-        print(
-            f"pxrt serve: process {cfg.process_id}: the leader stopped the group "
-            f"after {follower.steps} batches",
-            file=sys.stderr,
-        )
+        if follower.state == "left":
+            print(
+                f"pxrt serve: process {cfg.process_id}: left the group after "
+                f"{follower.steps} batches, {STOP_GRACE_S:g} s after it was told to stop, "
+                "before the leader stopped the group (the group is broken: restart it)",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"pxrt serve: process {cfg.process_id}: the leader stopped the group "
+                f"after {follower.steps} batches",
+                file=sys.stderr,
+            )
     except LeaderGone as exc:
         print(f"pxrt serve: process {cfg.process_id}: {exc}", file=sys.stderr)
         code = LEADER_GONE

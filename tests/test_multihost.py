@@ -378,6 +378,51 @@ def test_serve_leader_stops_its_followers(artifacts):
         group.stop()
 
 
+def test_serve_group_stopped_whole_drains_and_every_process_exits_0(artifacts):
+    # SIGTERM to every process at once (an orchestrator stopping the group), the
+    # follower's first: it follows the batches the leader drains, and leaves when the
+    # leader stops the group. Every request is answered, 200 or (drained) 503, and
+    # every process exits 0.
+    group = Group(artifacts["mlp"])
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def caller(seed: int) -> None:
+        local = np.random.default_rng(seed)
+        while not stop.is_set():
+            xi = local.standard_normal((int(local.integers(1, 9)), 32)).astype(np.float32)
+            try:
+                r = group.infer(xi)
+            except httpx.ConnectError:  # the leader closed its port: drained
+                return
+            answers.append(r.status_code)
+            if r.status_code != 200:
+                assert r.status_code == 503 and "draining" in r.json()["error"], r.text
+                return
+            _check(r, xi)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            calls = [pool.submit(caller, s) for s in range(4)]
+            deadline = time.time() + 60
+            while answers.count(200) < 20:
+                assert time.time() < deadline and not any(c.done() for c in calls), [
+                    c.exception() for c in calls if c.done()
+                ]
+                time.sleep(0.01)
+            for proc in reversed(group.procs):
+                proc.send_signal(signal.SIGTERM)
+            codes = [group.wait(pid, 60) for pid in range(len(group.procs))]
+            stop.set()
+            for call in calls:
+                call.result(timeout=60)  # no request failed: none met a broken group
+        assert codes == [0, 0], f"exit codes {codes}:\n{group.output(0)}\n{group.output(1)}"
+        assert "the leader stopped the group" in group.output(1), group.output(1)
+    finally:
+        stop.set()
+        group.stop()
+
+
 # --------------------------------------------------------------------------- protocol
 
 
@@ -416,6 +461,36 @@ def test_follower_refuses_a_step_out_of_sequence():
             following.result(timeout=10)
         sock.close()
     assert follower.state == "leader gone"
+
+
+def test_a_follower_told_to_stop_follows_until_its_leader_stops_or_its_grace_ends():
+    class One:
+        payload_bytes = 8
+
+        def run(self, body):
+            return [bytes(body)]
+
+    for leader_stops in (True, False):
+        cfg, accept = _fake_leader()
+        follower = multihost.Follower(cfg, "m", [One()], "fp", 0.0)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            leader = pool.submit(accept)
+            following = pool.submit(follower.follow)
+            sock = leader.result(timeout=10)
+            follower.stop(grace_s=60 if leader_stops else 0.2)
+            # Told to stop, it still runs the leader's batches (a draining leader's).
+            sock.sendall(HEADER.pack(b"PXST", 1, 0, 8) + b"12345678")
+            reply = multihost._recv_exact(sock, REPLY.size)
+            assert REPLY.unpack(reply)[1:3] == (1, 0)
+            assert multihost._recv_exact(sock, 8) == b"12345678"
+            if leader_stops:
+                sock.sendall(HEADER.pack(b"PXST", 2, multihost.STOP, 0))
+            following.result(timeout=30)  # no LeaderGone: a requested stop
+            # Past its grace it hung up: the leader reads the end of the connection.
+            assert leader_stops or sock.recv(1) == b""
+            sock.close()
+        assert follower.steps == 1
+        assert follower.state == ("stopped" if leader_stops else "left")
 
 
 @pytest.mark.parametrize(
