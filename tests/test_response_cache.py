@@ -9,9 +9,9 @@ import asyncio
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from models import assert_matches, random_request, reference
+from models import assert_matches, inject, random_request, reference, until
 
-from serving import BatchingOptions, OptionError, Server
+from serving import BatchingOptions, OptionError, Server, ServerClosed
 from serving.engine.cache import request_digest
 
 
@@ -86,6 +86,44 @@ def test_the_cache_is_bounded_in_bytes_least_recently_used_out(run, models):
     assert 'pxrt_cache_hits_total{model="m",version="1"} 1.0' in text
     assert 'pxrt_cache_misses_total{model="c",version="1"} 1.0' in text
     assert "pxrt_cache_evictions_total" in text and "pxrt_cache_bytes" in text
+
+
+def test_a_request_the_queue_refuses_is_refused_before_the_lookup(run, models):
+    """A hit answers nothing a miss would refuse: a priority that is no level of the
+    model is refused (and counted invalid) though its inputs are cached, and so is any
+    request once the model is closing, while its accepted ones drain."""
+    model = models["mlp"]
+    x = np.ones((1, 32), np.float32)
+
+    async def main():
+        with inject(model, hold=True) as gate:
+            async with Server() as server:
+                server.add_model(
+                    "m", model, response_cache=True, priority_levels=2, max_batch_size=1,
+                    max_inflight=1,
+                )  # fmt: skip
+                gate.release.set()
+                await server.infer("m", {"x": x})  # kept
+                await server.infer("m", {"x": x}, priority=2)  # a hit at a level it has
+                with pytest.raises(ValueError, match="priority 3 is not a level of this model"):
+                    await server.infer("m", {"x": x}, priority=3)
+                snap = server.metrics_snapshot()["m"]
+                gate.release.clear()
+                gate.started.clear()
+                busy = asyncio.ensure_future(server.infer("m", {"x": 2 * x}))
+                await gate.wait_started()  # the device is busy: closing waits for it
+                closing = asyncio.ensure_future(server.close())
+                await until(lambda: server._batcher("m").queue.closed)
+                with pytest.raises(ServerClosed):
+                    await server.infer("m", {"x": x})
+                gate.release.set()
+                await busy
+                await closing
+        return snap
+
+    snap = run(main)
+    assert snap["response_cache"]["hits"] == 1
+    assert snap["requests"]["invalid"] == 1
 
 
 def _exposition(server) -> str:

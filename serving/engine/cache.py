@@ -129,6 +129,11 @@ class CachedEntry:
         self.miss_s = 0.0  # looking up misses, keeping their answers
 
     def submit(self, request: Any, timeout: float | None = None, priority: int = 0) -> Any:
+        queue = self.queue
+        if queue.closed or (priority and not 1 <= priority <= queue.levels):
+            # What the queue refuses, it refuses before any lookup (and counts): a hit
+            # must not answer a request that a miss would refuse.
+            return queue.submit(request, timeout, priority)
         t0 = _clock()
         digest = (
             request_digest(request)
