@@ -288,8 +288,8 @@ def test_a_binary_header_seen_before_decodes_as_the_first_time(models):
 
 def test_a_requests_priority_and_its_remembered_header(models):
     """``parameters.priority`` (Triton's) is read from the JSON header, and a header seen
-    before (its plan remembered) gives the same; anything but an integer >= 0 is a
-    protocol error naming it."""
+    before (its plan remembered) gives the same; anything but an integer from 0 to
+    2**63-1 is a protocol error naming it."""
     from serving.kserve.core import InferRequest
 
     x = np.ones((2, 32), np.float32)
@@ -302,6 +302,7 @@ def test_a_requests_priority_and_its_remembered_header(models):
         for _ in range(2):  # (the second: from the remembered plan)
             request = InferRequest.from_json(header, memoryview(x.tobytes()), models["mlp"])
             assert request.priority == (priority or 0)
-    for bad in (-1, 1.5, "1", True):
+    for bad in (-1, 1.5, "1", True, 2**63, 2**64 - 1):  # (2**63: beyond the queue's C int)
         with pytest.raises(codec.ProtocolError, match="parameters.priority must be an integer"):
             codec.priority_of({"parameters": {"priority": bad}})
+    assert codec.priority_of({"parameters": {"priority": 2**63 - 1}}) == 2**63 - 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import queue
 import shutil
@@ -199,6 +200,24 @@ def test_errors_map_to_status_codes(client):
         lambda: client.infer("mlp", x, outputs=[grpcclient.InferRequestedOutput("z")])
     )
     assert code == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_a_priority_out_of_range_is_invalid_argument_naming_it(client):
+    """Triton's ``priority`` (uint64) from 2**63, beyond the queue's C integer (it was
+    INTERNAL), is INVALID_ARGUMENT naming it; one in range that is no level of the
+    model is the queue's INVALID_ARGUMENT, from a model with the response cache too."""
+    x = _inputs({"x": np.ones((1, 32), np.float32)})
+    for model in ("mlp", "cached"):
+        client.infer(model, x, priority=1)  # (cached: kept, then hits)
+        for bad in (2**63, 2**64 - 1):
+            code, message = _status(functools.partial(client.infer, model, x, priority=bad))
+            assert code == "StatusCode.INVALID_ARGUMENT", (model, bad, message)
+            assert "parameters.priority must be an integer" in message
+        for no_level in (2, 2**63 - 1):
+            ask = functools.partial(client.infer, model, x, priority=no_level)
+            code, message = _status(ask)
+            assert code == "StatusCode.INVALID_ARGUMENT", (model, no_level, message)
+            assert f"priority {no_level} is not a level" in message
 
 
 def test_a_malformed_protobuf_is_invalid_argument_in_plain_words(grpc_served):
@@ -719,3 +738,6 @@ def test_grpc_through_workers(served_workers):
         c.stop_stream()
         assert all(error is None for _, error in got)
         assert sorted(int(r.get_response().id) for r, _ in got) == list(range(50))
+        # A priority beyond the queue's C integer is refused in the worker, naming it.
+        code, message = _status(lambda: c.infer("mlp", _inputs({"x": x[:1]}), priority=2**63))
+        assert code == "StatusCode.INVALID_ARGUMENT" and "parameters.priority" in message

@@ -1279,7 +1279,9 @@ def test_a_requests_priority_parameter(models):
         for _ in range(2):  # (the second: from the remembered layout)
             parse = pb.ModelInferRequest.FromString
             assert InferRequest.from_proto_bytes(data, models["mlp"], parse).priority == want
-    for param, value in [("string_param", "1"), ("int64_param", -1), ("bool_param", True)]:
+    for param, value in [("string_param", "1"), ("int64_param", -1), ("bool_param", True),
+                         ("uint64_param", 2**63), ("uint64_param", 2**64 - 1),
+                         ("double_param", 1.0)]:  # fmt: skip
         with pytest.raises(codec.ProtocolError, match="parameters.priority must be an integer"):
             InferRequest.from_proto(pb.ModelInferRequest.FromString(message(param, value)),
                                     models["mlp"])  # fmt: skip

@@ -215,6 +215,41 @@ def _binary_request(x: np.ndarray, claim: int) -> tuple[bytes, dict]:
     return header + x.tobytes(), {"Inference-Header-Content-Length": str(len(header))}
 
 
+@pytest.mark.parametrize("server", ["served", "served_workers"])
+def test_a_priority_out_of_range_is_a_400_naming_it(request, server):
+    """Triton's ``priority`` from 2**63 (beyond the queue's C integer: it was a 500) or
+    not an integer is a 400 naming it, on the JSON and binary-tensor paths and through
+    ``--workers``; one in range that is no level of the model is the queue's 400, from a
+    model with the response cache too (a hit does not skip it)."""
+    proc = request.getfixturevalue(server)
+    x = np.ones((1, 32), np.float32)
+    binary, headers = _binary_request(x, x.nbytes)
+    split = int(headers["Inference-Header-Content-Length"])
+    doc = json.loads(binary[:split])
+
+    def ask(model, priority, as_binary):
+        params = {"priority": priority}
+        if as_binary:
+            header = json.dumps(doc | {"parameters": doc["parameters"] | params}).encode()
+            body = header + x.tobytes()
+            sizes = {"Inference-Header-Content-Length": str(len(header))}
+            return post(proc, f"/v2/models/{model}/infer", body, sizes)
+        return post(proc, f"/v2/models/{model}/infer", infer_json([X], parameters=params))
+
+    models = ["mlp", "cached"] if server == "served" else ["mlp"]
+    for model in models:
+        for as_binary in (False, True):
+            assert ask(model, 1, as_binary).status_code == 200  # (cached: kept, then hits)
+            for bad in (2**63, 2**64 - 1, 2**64, -1, 1.5, "1", True):
+                r = ask(model, bad, as_binary)
+                assert r.status_code == 400, (model, bad, as_binary, r.text)
+                assert "parameters.priority must be an integer" in r.json()["error"]
+            for no_level in (2, 2**63 - 1):
+                r = ask(model, no_level, as_binary)
+                assert r.status_code == 400, (model, no_level, as_binary, r.text)
+                assert f"priority {no_level} is not a level" in r.json()["error"]
+
+
 def test_truncated_binary_data(served):
     x = np.ones((2, 32), np.float32)
     body, headers = _binary_request(x, x.nbytes)

@@ -433,16 +433,21 @@ def timeout_of(doc: dict) -> float | None:
     return timeout_s(params.get("timeout")) if isinstance(params, dict) else None
 
 
+# The largest priority a queue takes (its levels are C ``Py_ssize_t``s): beyond it the
+# queue's call would fail converting it (OverflowError, a 500), not refuse it as no level.
+MAX_PRIORITY = 2**63 - 1
+
+
 def priority(value: Any) -> int:
     """A request's priority level (Triton's ``priority`` parameter: 1 the highest, up to
     the model's levels; 0 or none: its default), on every protocol; whether the model has
     that level is its queue's check."""
     if value is None:
         return 0
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_PRIORITY:
         raise ProtocolError(
-            f"parameters.priority must be an integer >= 0 (1 the highest level, 0 the "
-            f"model's default), got {value!r:.40}"
+            f"parameters.priority must be an integer from 0 to {MAX_PRIORITY} (1 the "
+            f"highest level, 0 the model's default), got {value!r:.40}"
         )
     return value
 
@@ -738,7 +743,7 @@ def proto_priority(message: Any) -> int:
         return 0
     param = message.parameters["priority"]
     kind = param.WhichOneof("parameter_choice")
-    return priority(getattr(param, kind) if kind in ("int64_param", "uint64_param") else -1)
+    return priority(getattr(param, kind) if kind is not None else "no value")
 
 
 def proto_timeout(message: Any) -> float | None:
