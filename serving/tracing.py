@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 import time
 from typing import Any
 
@@ -56,6 +57,13 @@ NOT_SET_UP = (
 )
 
 _first = operator.itemgetter(0)
+
+# Triton's bounds: its trace_rate is a uint32, its trace_count an int32 (-1: no limit).
+MAX_RATE = 2**32 - 1
+MAX_COUNT = 2**31 - 1
+# A setting's integer: decimal digits as Triton's strings give them (no sign but a
+# count's -1, no spaces, no other digits Python's int() would read).
+_DECIMAL = re.compile(r"-?[0-9]{1,20}")
 
 
 def traceparent_of(headers: Any) -> str | bytes | None:
@@ -95,8 +103,9 @@ class Tracing:
     """Which requests are traced, and the tracer their spans go to.
 
     Args:
-      rate: trace one request in ``rate`` (Triton's ``trace_rate``; 1: every one; 0: none
-        until a trace setting update turns tracing on, at Triton's default of 1000).
+      rate: trace one request in ``rate`` (Triton's ``trace_rate``, up to 2^32 - 1; 1:
+        every one; 0: none until a trace setting update turns tracing on, at Triton's
+        default of 1000).
       tracer_provider: an OpenTelemetry ``TracerProvider`` (default: the global one).
       fixed: why the settings may not change at run time (``update`` refuses, saying
         it), or None.
@@ -116,6 +125,8 @@ class Tracing:
         #: Triton's ``trace_level``: whether it traces at all (the rate stays as it is).
         self.on = bool(self.rate)
         self.rate = self.rate or 1000
+        #: Triton's ``trace_count``: the traces left to make (-1: no limit).
+        self.count = -1
         self._every = self.rate if self.on else 0  # (what ``begin`` reads)
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         self._tracer = provider.get_tracer("pxrt")
@@ -135,6 +146,10 @@ class Tracing:
         if self._count < every:
             return None
         self._count = 0
+        if self.count > 0:  # (a trace_count: this is one of them; none after the last)
+            self.count -= 1
+            if not self.count:
+                self._every = 0
         context = self._context(headers)
         return Trace(self, model, context)
 
@@ -185,7 +200,7 @@ class Tracing:
         return {
             "trace_level": ["TIMESTAMPS"] if self.on else ["OFF"],
             "trace_rate": str(self.rate),
-            "trace_count": "-1",
+            "trace_count": str(self.count),
             "log_frequency": "0",
             "trace_file": "",
             "trace_mode": "opentelemetry",
@@ -193,40 +208,79 @@ class Tracing:
 
     def update(self, doc: Any) -> dict:
         """Apply a settings update (Triton's: ``trace_level`` ``["OFF"]`` or
-        ``["TIMESTAMPS"]``, ``trace_rate``; null: left as it is); returns
-        the settings now. A setting pxrt does not take is a ValueError naming it."""
+        ``["TIMESTAMPS"]``; ``trace_rate``, 1 to 2^32 - 1 while tracing is on;
+        ``trace_count``, the traces left to make, -1: no limit; each a string of digits,
+        or a list of one as gRPC sends it; null: left as it is); returns the settings
+        now. A setting pxrt does not take is a ValueError naming it, unless it is sent
+        with the value ``settings`` reports (a document read back and sent again)."""
         if self.fixed:
             raise ValueError(self.fixed)
         if not isinstance(doc, dict):
             raise ValueError(f"a trace setting update is a JSON object, got {type(doc).__name__}")
-        unknown = sorted(set(doc) - {"trace_level", "trace_rate"})
+        now = self.settings()
+        unknown = sorted(
+            k for k in set(doc) - {"trace_level", "trace_rate", "trace_count"}
+            if k not in now or doc[k] not in (now[k], [now[k]])
+        )  # fmt: skip
         if unknown:
             raise ValueError(
-                f"trace settings {unknown} are not taken: pxrt traces to OpenTelemetry "
-                "(trace_level and trace_rate are)"
+                f"trace settings {[str(k)[:40] for k in unknown[:5]]} are not taken: pxrt "
+                "traces to OpenTelemetry (trace_level, trace_rate and trace_count are)"
             )
-        rate, on = self.rate, self.on
-        if "trace_rate" in doc and doc["trace_rate"] is not None:
-            value = doc["trace_rate"]
-            if not (isinstance(value, str) and value.isdigit()) and not (
-                isinstance(value, int) and not isinstance(value, bool)
-            ):
-                raise ValueError(f"trace_rate must be a count of requests, got {value!r}")
-            rate = _rate(int(value)) or 1000  # (0: Triton's default)
-        if "trace_level" in doc and doc["trace_level"] is not None:
+        rate, on, count = self.rate, self.on, self.count
+        if doc.get("trace_rate") is not None:
+            rate = _setting_int("trace_rate", doc["trace_rate"], 0, MAX_RATE)
+        if doc.get("trace_count") is not None:
+            count = _setting_int("trace_count", doc["trace_count"], -1, MAX_COUNT)
+        if doc.get("trace_level") is not None:
             level = doc["trace_level"]
             if level not in (["OFF"], ["TIMESTAMPS"]):
-                raise ValueError(f'trace_level must be ["OFF"] or ["TIMESTAMPS"], got {level!r}')
+                raise ValueError(
+                    f'trace_level must be ["OFF"] or ["TIMESTAMPS"], got {_shown(level)}'
+                )
             on = level == ["TIMESTAMPS"]
-        self.rate, self.on = rate, on
-        self._every = rate if on else 0
+        if on and not rate:
+            # (Triton's rule: a rate of 0 is taken only with tracing off.)
+            raise ValueError(
+                f'trace_rate must be from 1 to {MAX_RATE} while trace_level is ["TIMESTAMPS"], '
+                'got 0: send trace_level ["OFF"] to stop tracing'
+            )
+        self.rate, self.on, self.count = rate, on, count
+        self._every = rate if on and count else 0
         return self.settings()
 
 
 def _rate(rate: Any) -> int:
-    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 0:
-        raise ValueError(f"trace rate must be an integer >= 0 (one request in it), got {rate!r}")
+    if isinstance(rate, bool) or not isinstance(rate, int) or not 0 <= rate <= MAX_RATE:
+        raise ValueError(
+            f"trace rate must be an integer from 0 to {MAX_RATE} (one request in it), got {rate!r}"
+        )
     return rate
+
+
+def _setting_int(name: str, value: Any, low: int, high: int) -> int:
+    """A trace setting's integer from ``low`` to ``high``: Triton's string of decimal
+    digits, or a list of one such string (a JSON integer is taken too)."""
+    given = value
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
+        number = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        raise ValueError(
+            f"{name} must be a string of decimal digits (from {low} to {high}), got {_shown(given)}"
+        )
+    if not low <= number <= high:
+        raise ValueError(f"{name} must be from {low} to {high}, got {_shown(given)}")
+    return number
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, cut short: it came from a request."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Trace:

@@ -138,8 +138,99 @@ def test_one_request_in_rate_is_traced_and_settings_change_it(run, models):
 
 
 def test_tracing_checks_its_rate():
-    with pytest.raises(ValueError, match="trace rate must be an integer >= 0"):
+    with pytest.raises(ValueError, match="trace rate must be an integer from 0 to 4294967295"):
         Tracing(-1)
+    with pytest.raises(ValueError, match="trace rate must be an integer from 0 to 4294967295"):
+        Tracing(2**32)
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"trace_rate": str(2**64)}, r"trace_rate must be from 0 to 4294967295, got '1844"),
+        ({"trace_rate": "4294967296"}, "trace_rate must be from 0 to 4294967295"),
+        ({"trace_rate": "0"}, r"trace_rate must be from 1 to 4294967295 while trace_level is"),
+        ({"trace_rate": ["0"], "trace_level": ["TIMESTAMPS"]}, "got 0: send trace_level"),
+        ({"trace_rate": "-2"}, "trace_rate must be from 0 to"),
+        ({"trace_rate": " 5"}, "trace_rate must be a string of decimal digits .*got ' 5'"),
+        ({"trace_rate": "5\n"}, "trace_rate must be a string of decimal digits"),
+        ({"trace_rate": "+5"}, "trace_rate must be a string of decimal digits"),
+        ({"trace_rate": "1_000"}, "trace_rate must be a string of decimal digits"),
+        ({"trace_rate": "\u0665"}, "trace_rate must be a string of decimal digits"),  # (Arabic 5)
+        ({"trace_rate": "1e3"}, "trace_rate must be a string of decimal digits"),
+        ({"trace_rate": "9" * 5000}, r"decimal digits .*got '9{56}\.\.\.$"),
+        ({"trace_rate": 5.0}, "trace_rate must be a string of decimal digits"),
+        ({"trace_rate": True}, "trace_rate must be a string of decimal digits"),
+        ({"trace_rate": ["5", "6"]}, r"decimal digits .*got \['5', '6'\]"),
+        ({"trace_rate": []}, "trace_rate must be a string of decimal digits"),
+        ({"trace_count": "-2"}, "trace_count must be from -1 to 2147483647, got '-2'"),
+        ({"trace_count": str(2**31)}, "trace_count must be from -1 to 2147483647"),
+        ({"trace_count": "--1"}, "trace_count must be a string of decimal digits"),
+        ({"trace_level": "OFF"}, r'trace_level must be \["OFF"\] or \["TIMESTAMPS"\]'),
+        ({"log_frequency": "10"}, r"trace settings \['log_frequency'\] are not taken"),
+        ({"trace_mode": "triton"}, r"\['trace_mode'\] are not taken"),
+        ({"something": None}, r"\['something'\] are not taken"),
+    ],
+)
+def test_trace_settings_are_parsed_strictly_and_bounded(doc, message):
+    """Triton's settings are strings (or lists of one): a rate over its uint32, a "0"
+    that left tracing on at 1000, Python's looser int() (spaces, signs, underscores,
+    other scripts' digits) are refused, naming the setting and what came; a refused
+    update changes nothing."""
+    tracing, _ = _tracing(7)
+    before = tracing.settings()
+    with pytest.raises(ValueError, match=message):
+        tracing.update(doc)
+    assert tracing.settings() == before and tracing.begin("m") is None  # (1 of 7)
+
+
+def test_trace_settings_take_triton_values_rate_count_and_level():
+    tracing, _ = _tracing(1)
+    # A document read back and sent again is taken (the settings pxrt reports).
+    assert tracing.update(tracing.settings()) == tracing.settings()
+    got = tracing.update({"trace_rate": ["4294967295"], "trace_count": "-1"})
+    assert got["trace_rate"] == "4294967295" and got["trace_count"] == "-1"
+    # Off with a rate of 0 (Triton takes it while tracing is off), and back on: refused
+    # until the rate is one again.
+    off = tracing.update({"trace_level": ["OFF"], "trace_rate": "0"})
+    assert off["trace_rate"] == "0" and off["trace_level"] == ["OFF"]
+    assert tracing.begin("m") is None
+    with pytest.raises(ValueError, match="trace_rate must be from 1"):
+        tracing.update({"trace_level": ["TIMESTAMPS"]})
+    tracing.update({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "3"})
+    # trace_count: that many traces, then none (-1: no limit again).
+    sampled = [tracing.begin("m") is not None for _ in range(5)]
+    assert sampled == [True, True, True, False, False]
+    assert tracing.settings()["trace_count"] == "0"
+    tracing.update({"trace_count": "-1"})
+    assert all(tracing.begin("m") is not None for _ in range(3))
+    assert tracing.update({"trace_count": 0})["trace_count"] == "0"
+    assert tracing.begin("m") is None
+
+
+def test_grpc_trace_settings_take_one_value_per_setting():
+    """gRPC sends each setting as a list of strings: a rate of two values is refused
+    (it used to take the first), an empty one is Triton's default."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    from serving.grpc.service import _trace_setting
+    from serving.kserve.codec import ProtocolError
+
+    def request(**values):
+        out = pb.TraceSettingRequest()
+        for key, value in values.items():
+            out.settings[key].value.extend(value)
+        return out
+
+    tracing, _ = _tracing(5)
+    with pytest.raises(ProtocolError, match=r"trace_rate must be .*got \['2', '3'\]"):
+        _trace_setting(tracing, request(trace_rate=["2", "3"]))
+    with pytest.raises(ProtocolError, match="trace_rate must be from 0 to 4294967295"):
+        _trace_setting(tracing, request(trace_rate=[str(2**64)]))
+    got = _trace_setting(tracing, request(trace_rate=["9"], trace_count=["4"]))
+    assert got["trace_rate"] == "9" and got["trace_count"] == "4"
+    got = _trace_setting(tracing, request(trace_rate=[], trace_count=[]))
+    assert got["trace_rate"] == "1000" and got["trace_count"] == "-1"
 
 
 @pytest.mark.parametrize("way", ["direct", "api"])

@@ -491,12 +491,13 @@ def _trace_setting(tracing: Tracing | None, request: Any) -> dict:
     if request.settings:
         if tracing is None:
             raise codec.ProtocolError(NOT_SET_UP)
-        update = {
-            key: (list(v.value) if key == "trace_level" else v.value[0]) if v.value else None
-            for key, v in request.settings.items()
-        }
-        if update.get("trace_rate", "") is None:
-            update["trace_rate"] = "1000"  # (an empty value: Triton's default)
+        # Each value as its list of strings (a setting of one value takes a list of
+        # one: ``Tracing.update`` refuses more); an empty value is None (left as it is),
+        # but Triton's default for the rate and the count.
+        update: dict = {key: list(v.value) or None for key, v in request.settings.items()}
+        for key, default in (("trace_rate", "1000"), ("trace_count", "-1")):
+            if update.get(key, "") is None:
+                update[key] = default
         try:
             return tracing.update(update)
         except ValueError as exc:
