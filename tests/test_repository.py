@@ -170,6 +170,56 @@ def test_model_names_cannot_leave_the_repository(tmp_path, built, run):
 
 
 @pytest.mark.slow
+def test_a_load_reloads_a_served_version_whose_files_changed(tmp_path, built, run):
+    """Triton's reload: ``load`` of a version served whose files changed (exported again:
+    the same sizes, a new manifest) loads them while the model it serves keeps serving,
+    then swaps; every request is answered, by one or the other. Unchanged files: load
+    changes nothing. Changed files that fail to load: load says so, the served stays."""
+    import asyncio
+
+    root = _repo(tmp_path, built, [1])
+    x = np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)
+    want = {seed: _want(seed, x) for seed in (1, 2)}
+
+    async def main():
+        async with Server() as server:
+            repo = Repository(str(root), server, mode="explicit")
+            assert await repo.load("mlp") == ["1"]
+            first = server.model("mlp")
+            assert await repo.load("mlp") == ["1"]
+            assert server.model("mlp") is first  # the same files: nothing loaded
+            shutil.rmtree(root / "mlp" / "1")
+            shutil.copytree(built[2], root / "mlp" / "1")
+            seen, stop = [], asyncio.Event()
+
+            async def client():
+                while not stop.is_set():
+                    y = (await server.infer("mlp", {"x": x}))["y"]
+                    seen.append(next(s for s in (1, 2) if np.allclose(y, want[s], atol=1e-5)))
+
+            clients = [asyncio.ensure_future(client()) for _ in range(4)]
+            assert await repo.load("mlp") == ["1"]
+            answered_before = len(seen)
+            while len(seen) < answered_before + 8:  # the new model answers too
+                await asyncio.sleep(0.01)
+            stop.set()
+            await asyncio.gather(*clients)  # none failed
+            assert server.model("mlp") is not first and server.versions("mlp") == ["1"]
+            assert seen[-1] == 2 and set(seen) == {1, 2}, seen
+            second = server.model("mlp")
+            assert await repo.load("mlp") == ["1"]
+            assert server.model("mlp") is second
+            (root / "mlp" / "1" / "params.npz").write_bytes(b"not the params")
+            with pytest.raises(RepositoryError, match=r"version 1: its changed files .*sha256"):
+                await repo.load("mlp")
+            assert server.model("mlp") is second
+            assert [(r["version"], r["state"]) for r in repo.index()] == [("1", "READY")]
+            np.testing.assert_allclose((await server.infer("mlp", {"x": x}))["y"], want[2],
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+
+    run(main)
+
+
 def test_reload_under_load_over_http(tmp_path, built):
     root = _repo(tmp_path, built, [1])
     proc = ServeProcess(

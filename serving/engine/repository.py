@@ -15,11 +15,17 @@ a version that fails to load is reported (``index``) and changes nothing served.
 new version whose inputs or outputs (names, dtypes, shapes) differ from those of the
 version unversioned requests reach now, unless the model is allowed to change them
 (``allow_signature_change``): its clients would break without having changed anything.
+
+``load`` of a version served already reloads it when its files changed since it loaded
+(Triton's reload; its fingerprint: the files' names, sizes and times, and the manifest's
+hash, which holds every file's): the new files compile while the old ones' model serves,
+which answers what it accepted once the new one takes over. Unchanged: a no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -146,6 +152,9 @@ class Repository:
         # Versions that failed to load or were refused, and their directory's state
         # then: a poll tries (and warns) again only once the directory changes.
         self._failed: dict[tuple[str, str], tuple | None] = {}
+        # Versions this repository serves, and their directory's fingerprint when their
+        # load began: ``load`` reloads one whose files changed since.
+        self._loaded: dict[tuple[str, str], tuple | None] = {}
 
     # ------------------------------------------------------------------ the directory
 
@@ -218,11 +227,15 @@ class Repository:
         for name in names:
             await self.sync(name)
 
-    async def sync(self, name: str, retry_failed: bool = True) -> list[str]:
+    async def sync(
+        self, name: str, retry_failed: bool = True, reload_changed: bool = False
+    ) -> list[str]:
         """Serve the versions of ``name`` its policy picks now: load the new ones (a
         failure is recorded and leaves the rest alone; without ``retry_failed``, one
         that failed is tried again only once its directory changes), then unload the
-        others. Returns the versions served after."""
+        others. ``reload_changed``: also reload the versions served whose files changed
+        since they loaded (one that fails raises ``RepositoryError`` once the rest is
+        done; it still serves as it loaded). Returns the versions served after."""
         check_name(name)
         async with self._lock(name):
             available = self.scan_model(name)
@@ -236,10 +249,15 @@ class Repository:
             if len(want) > 1 and self._decoder_dir(name, want[-1]):
                 # A decoder serves one version (a load replaces it): its newest wanted.
                 want = want[-1:]
+            reload_failed = []
             for version in want:
-                if version in self._served(name):
-                    continue
                 key = (name, version)
+                if version in self._served(name):
+                    if reload_changed and self._changed(name, version):
+                        why = await self._load(name, version, replace=True)
+                        if why is not None:
+                            reload_failed.append(f"version {version}: its changed files {why}")
+                    continue
                 if not retry_failed and key in self._failed:
                     if self._failed[key] == self._stamp(name, version):
                         continue  # as it was when it failed: the same failure, once told
@@ -247,7 +265,14 @@ class Repository:
             for version in self._served(name):
                 if version not in want and self._loaded_ok(name, want):
                     await self._unload(name, version)
-            return self._served(name)
+            served = self._served(name)
+            for key in [k for k in self._loaded if k[0] == name and k[1] not in served]:
+                del self._loaded[key]  # (a decoder's version replaced by a newer one)
+            if reload_failed:
+                raise RepositoryError(
+                    f"model {name!r}: {'; '.join(reload_failed)} (it serves as it loaded)"
+                )
+            return served
 
     def _forget(self, name: str, available: list[str]) -> None:
         """What is known of versions of ``name`` whose directory is gone (a failure, a
@@ -268,6 +293,24 @@ class Repository:
                 )
         except OSError:
             return None
+
+    def _fingerprint(self, name: str, version: str) -> tuple | None:
+        """What says whether a version directory's files changed: ``_stamp`` (names,
+        sizes, times) and the manifest's hash (it holds each file's sha256: files written
+        again within the times' resolution, with the same sizes, differ there)."""
+        stamp = self._stamp(name, version)
+        try:
+            with open(os.path.join(self.root, name, version, "manifest.json"), "rb") as f:
+                manifest = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return None
+        return stamp, manifest
+
+    def _changed(self, name: str, version: str) -> bool:
+        """Whether a version served, loaded by this repository, has changed files since
+        its load began (one served by other means is not this repository's to reload)."""
+        key = (name, version)
+        return key in self._loaded and self._loaded[key] != self._fingerprint(name, version)
 
     def _loaded_ok(self, name: str, want: list[str]) -> bool:
         # Old versions go only once a wanted one serves: never nothing served by a reload.
@@ -303,16 +346,22 @@ class Repository:
             "(--allow-signature-change, or the model's config section)"
         )
 
-    async def _load(self, name: str, version: str) -> None:
+    async def _load(self, name: str, version: str, replace: bool = False) -> str | None:
+        """Load a version (``replace``: reload one served); None, or why it was not.
+        A reload that fails is not in the index: the version served is still READY."""
         key = (name, version)
         path = os.path.join(self.root, name, version)
-        self._failed[key] = self._stamp(name, version)  # (until it loads)
+        fingerprint = self._fingerprint(name, version)  # before the load reads the files
+        if not replace:
+            self._failed[key] = self._stamp(name, version)  # (until it loads)
         refused = self._signature_change(name, path)
         if refused is not None:
-            self._states[key] = ("UNAVAILABLE", refused)
+            if not replace:
+                self._states[key] = ("UNAVAILABLE", refused)
             log.warning("pxrt: %r version %s not loaded: %s", name, version, printable(refused))
-            return
-        self._states[key] = ("LOADING", "")
+            return f"were not loaded: {refused}"
+        if not replace:
+            self._states[key] = ("LOADING", "")
         try:
             model = await self.server.load_model(
                 name,
@@ -320,14 +369,17 @@ class Repository:
                 load_options=self.model_load_options.get(name, self.load_options),
                 version=version,
                 options=self.options.get(name, self.defaults),
+                replace=replace,
             )
         except Exception as exc:  # noqa: BLE001 - reported, and nothing served changes
             reason = f"{type(exc).__name__}: {exc}"
-            self._states[key] = ("UNAVAILABLE", reason)
+            if not replace:
+                self._states[key] = ("UNAVAILABLE", reason)
             log.warning("pxrt: %r version %s failed to load: %s", name, version, printable(reason))
-            return
-        del self._states[key]
-        del self._failed[key]
+            return f"failed to load: {reason}"
+        self._states.pop(key, None)
+        self._failed.pop(key, None)
+        self._loaded[key] = fingerprint
         self._ours.add(name)
         summary = getattr(model, "load_summary", None)  # (a decoder has programs, not cells)
         log.info(
@@ -336,6 +388,7 @@ class Repository:
             version,
             summary() if summary else f"loaded in {model.load_s:.2f} s",
         )
+        return None
 
     async def _unload(self, name: str, version: str) -> None:
         key = (name, version)
@@ -346,6 +399,7 @@ class Repository:
             pass  # already gone (unloaded by other means meanwhile)
         finally:
             self._states.pop(key, None)
+            self._loaded.pop(key, None)
 
     async def load(self, name: str) -> list[str]:
         """``load`` of the repository API: (re)serve ``name`` as its policy says now."""
@@ -354,7 +408,7 @@ class Repository:
                 "the model control mode is none: models cannot be loaded or unloaded "
                 "(start pxrt serve with --model-control-mode explicit or poll)"
             )
-        served = await self.sync(name)
+        served = await self.sync(name, reload_changed=True)
         failed = [r for (n, _), (s, r) in self._states.items() if n == name and s == "UNAVAILABLE"]
         if not served and failed:
             raise RepositoryError(f"model {name!r} failed to load: {failed[-1]}")

@@ -303,14 +303,17 @@ class Server:
         version: str | None = None,
         load_options: dict | None = None,
         options: BatchingOptions | None = None,
+        replace: bool = False,
         **changes: Any,
     ) -> Model | Decoder:
         """Load the artifact at ``path`` (compiling every bucket on a worker thread while
         everything served keeps serving) and serve it as a version of ``name``: its
-        manifest's version (or ``version``), which must be new. Once it is compiled and
-        warm, requests without a version go to the newest version; older versions stay
-        reachable by version until ``unload_model``. A load that fails raises and
-        changes nothing.
+        manifest's version (or ``version``), which must be new unless ``replace``. Once
+        it is compiled and warm, requests without a version go to the newest version;
+        older versions stay reachable by version until ``unload_model``. ``replace``: a
+        version served already (its files changed) is served by the new load from then
+        on, and the old one answers what it accepted, then is released. A load that
+        fails raises and changes nothing.
         ``load_options`` go to ``pxrt.load``, ``options`` and ``changes`` to
         ``add_model`` (checked before anything loads); returns the loaded model."""
         import pxrt
@@ -334,10 +337,32 @@ class Server:
             if self.on_models_changed is not None:
                 self.on_models_changed()
             return model
-        self.add_model(name, model, options)
+        if replace and model.version in self._versions.get(name, {}):
+            await self._replace(name, model, options)
+        else:
+            self.add_model(name, model, options)
         if self.on_models_changed is not None:
             self.on_models_changed()
         return model
+
+    async def _replace(self, name: str, model: Model, options: BatchingOptions) -> None:
+        """Serve ``model`` as its version of ``name`` instead of the batcher serving it:
+        new requests go to it at once (one assignment on the loop's thread); the old one
+        answers what it accepted, then closes, as on ``unload_model``."""
+        if self._closed:
+            raise ServerClosed("the server is closed")
+        versions = self._versions[name]
+        batcher = Batcher(
+            name, model, self.metrics, options, quiet=self._quiet, cache=self.response_cache
+        )
+        old = versions[model.version]
+        versions[model.version] = batcher
+        self._route(name)
+        self._closing.add(old)
+        task = old.closing()
+        task.add_done_callback(functools.partial(self._closed_one, name, model.version, old))
+        del old
+        await asyncio.shield(task)
 
     async def unload_model(self, name: str, version: str | None = None) -> None:
         """Stop serving ``version`` of ``name`` (None: every version). New requests for
