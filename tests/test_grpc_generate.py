@@ -171,6 +171,37 @@ def test_unknown_inputs_extra_elements_and_too_many_stops_are_refused(served, lo
     assert [int(t) for r in got[str(len(bad))] for t in r.as_numpy("output_ids")] == want.tokens
 
 
+def _tensor(name: str, datatype: str, values: list):
+    dtypes = {"FP32": np.float32, "FP64": np.float64, "BYTES": object, "INT32": np.int32,
+              "INT64": np.int64, "UINT16": np.uint16}  # fmt: skip
+    inp = grpcclient.InferInput(name, [len(values)], datatype)
+    inp.set_data_from_numpy(np.array(values, dtypes[datatype]))
+    return inp
+
+
+def test_token_ids_are_integer_tensors_never_cast(served, local):
+    """``input_ids`` and ``stop_ids`` of a datatype other than an integer one are
+    INVALID_ARGUMENT naming them: FP32 72.5 was cast to 72, -0.5 to 0, and NaN was an
+    internal error. Ids of any integer datatype are the same ids."""
+    bad_ids = [("FP32", [72.5, 3.0]), ("FP32", [-0.5]), ("FP32", [float("nan")]),
+               ("FP64", [72.0]), ("BYTES", [b"72"])]  # fmt: skip
+    bad = [{"inputs": [_tensor("input_ids", *ids)]} for ids in bad_ids]
+    prompt = _tensor("input_ids", "INT32", [72, 105])
+    bad.append({"inputs": [prompt, _tensor("stop_ids", "FP32", [1.5])]})
+    options = {"max_tokens": 4, "seed": 3}
+    good = [{"inputs": [_tensor("input_ids", datatype, [72, 105])], "parameters": options}
+            for datatype in ("INT64", "UINT16")]  # fmt: skip
+    got, finals, errors = _stream(served, bad + good)
+    messages = list(errors.values())
+    assert len(messages) == len(bad), messages
+    takes = "takes token ids, an integer datatype"
+    assert sum(f"input 'input_ids' {takes}" in m for m in messages) == len(bad_ids), messages
+    assert sum(f"input 'stop_ids' {takes}" in m for m in messages) == 1, messages
+    want = local.generate([72, 105], **options)
+    for i in range(len(bad), len(bad) + len(good)):
+        assert [int(t) for r in got[str(i)] for t in r.as_numpy("output_ids")] == want.tokens
+
+
 def test_a_deadline_ends_a_stream_with_an_error_after_its_tokens(served):
     ids = grpcclient.InferInput("input_ids", [2], "INT32")
     ids.set_data_from_numpy(np.array([1, 2], np.int32))

@@ -86,6 +86,9 @@ def _param(value: Any) -> Any:
 # The inputs a decoupled request may give: lists of elements, and one-element options.
 _LISTS = ("input_ids", "stop", "stop_ids")
 _ONE = ("text_input", "timeout", *(o for o in generation.OPTIONS if o not in _LISTS))
+# Token ids come as integers: another datatype's values are never cast (72.5 is no id).
+_IDS = ("input_ids", "stop_ids")
+_INTEGERS = ("INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64")
 
 
 def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Prompt:
@@ -109,12 +112,17 @@ def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Pr
             )
         if name in most and count > most[name]:
             generation.check_limit(name, count, most[name])
+        if name in _IDS and tensor.datatype not in _INTEGERS:
+            raise generation.invalid(
+                f"input {name!r} takes token ids, an integer datatype ({', '.join(_INTEGERS)}), "
+                f"got {tensor.datatype:.20}"
+            )
         values = _values(message, i)
         if name in ("text_input", "stop"):
             texts = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
             fields[name] = texts[0] if name == "text_input" else texts
-        elif name in ("input_ids", "stop_ids"):
-            fields[name] = [int(v) for v in values]
+        elif name in _IDS:
+            fields[name] = values  # (integers: the datatype is one)
         else:
             fields[name] = values[0]
     for key, value in message.parameters.items():
