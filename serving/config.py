@@ -460,17 +460,23 @@ def model_specs(
     defaults, place, sections = _config(args)
     specs: list[tuple[str | None, str, BatchingOptions, Placement]] = []
     for name, section in sections.items():
+        where = f"[models.{name}]"
         if "path" not in section:
             if args.model_repository:
                 continue  # a repository model's options: see repository_config
-            raise SystemExit(f"pxrt serve: [models.{name}] in {args.config} needs a path")
+            raise SystemExit(f"pxrt serve: {args.config}: {where} needs a path")
+        if not isinstance(section["path"], str):
+            raise SystemExit(
+                f"pxrt serve: {args.config}: {where} path: {section['path']!r} is not a "
+                "string (the artifact directory)"
+            )
         if "version_policy" in section:
             raise SystemExit(
-                f"pxrt serve: version_policy in [models.{name}] is for models of the "
-                "--model-repository"
+                f"pxrt serve: {args.config}: {where} version_policy: for models of the "
+                "--model-repository (this one has a path)"
             )
         extra = {k: v for k, v in section.items() if k != "path"}
-        specs.append((name, section["path"], *_options(extra, f"[models.{name}]", defaults, place)))
+        specs.append((name, section["path"], *_options(extra, args.config, where, defaults, place)))
     specs += [(None, path, defaults, place) for path in args.model_dirs]
     if not specs and not args.model_repository:
         from pxrt import demo
@@ -498,20 +504,26 @@ def repository_config(
     for name, section in sections.items():
         if "path" in section:
             continue
+        where = f"[models.{name}]"
         own = ("version_policy", "allow_signature_change")
         extra = {k: v for k, v in section.items() if k not in own}
-        options[name], placements[name] = _options(extra, f"[models.{name}]", defaults, place)
+        options[name], placements[name] = _options(extra, args.config, where, defaults, place)
         if "version_policy" in section:
+            policy = section["version_policy"]
             try:
-                parse_policy(section["version_policy"])
+                if not isinstance(policy, str):
+                    raise ValueError(f"{policy!r} is not a string: latest:N, all or specific:V")
+                parse_policy(policy)
             except ValueError as exc:
-                raise SystemExit(f"pxrt serve: [models.{name}] in {args.config}: {exc}") from None
-            policies[name] = section["version_policy"]
+                raise SystemExit(
+                    f"pxrt serve: {args.config}: {where} version_policy: {exc}"
+                ) from None
+            policies[name] = policy
         allow = section.get("allow_signature_change", False)
         if not isinstance(allow, bool):
             raise SystemExit(
-                f"pxrt serve: [models.{name}] in {args.config}: allow_signature_change "
-                f"must be true or false, got {allow!r}"
+                f"pxrt serve: {args.config}: {where} allow_signature_change: {allow!r} is "
+                "not true or false"
             )
         if allow:
             may_change.add(name)
@@ -530,10 +542,42 @@ def _config(args: argparse.Namespace) -> tuple[BatchingOptions, Placement, dict]
     )
     if not args.config:
         return defaults, place, {}
-    with open(args.config, "rb") as f:
-        conf = tomllib.load(f)
-    defaults, place = _options(conf.get("defaults", {}), "[defaults]", defaults, place)
-    return defaults, place, conf.get("models", {})
+    conf = _read_toml(args.config)
+    defaults, place = _options(conf["defaults"], args.config, "[defaults]", defaults, place)
+    return defaults, place, conf["models"]
+
+
+# The tables of pxrt serve's TOML file.
+TOML_TABLES = ("defaults", "models")
+
+
+def _read_toml(path: str) -> dict:
+    """``path``'s TOML, its shape checked: a ``[defaults]`` table and a table of
+    ``[models.NAME]`` tables (each present, maybe empty), no other; any error a
+    SystemExit naming the file (and where in it)."""
+    try:
+        with open(path, "rb") as f:
+            conf = tomllib.load(f)
+    except OSError as exc:
+        raise SystemExit(f"pxrt serve: --config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:  # (its message says the line and column)
+        raise SystemExit(f"pxrt serve: {path}: not valid TOML: {exc}") from None
+    unknown = sorted(set(conf) - set(TOML_TABLES))
+    if unknown:
+        raise SystemExit(
+            f"pxrt serve: {path}: unknown table(s) or key(s) {unknown} at the top; known: "
+            "[defaults] and [models.NAME]"
+        )
+    conf.setdefault("defaults", {})
+    models = conf.setdefault("models", {})
+    tables = {"[defaults]": conf["defaults"], "models": models}
+    tables |= {f"[models.{name}]": section for name, section in models.items()}
+    for where, table in tables.items():
+        if not isinstance(table, dict):
+            raise SystemExit(
+                f"pxrt serve: {path}: {where} must be a table of options, got {table!r:.80}"
+            )
+    return conf
 
 
 TOML_KEYS = (
@@ -542,15 +586,17 @@ TOML_KEYS = (
 
 
 def _options(
-    section: dict, where: str, base: BatchingOptions, place: Placement
+    section: dict, path: str, where: str, base: BatchingOptions, place: Placement
 ) -> tuple[BatchingOptions, Placement]:
-    """``base`` and ``place`` with a TOML section's options over them, each checked
-    (``instance_group`` and ``dynamic_batching`` in Triton's spelling, where they
-    map)."""
+    """``base`` and ``place`` with a TOML section's options over them (``where`` in the
+    file ``path``), each checked, of its own type (TOML's values are typed: ``"8"`` is
+    not 8), ``instance_group`` and ``dynamic_batching`` in Triton's spelling, where they
+    map."""
     unknown = sorted(set(section) - set(TOML_KEYS))
     if unknown:
         raise SystemExit(
-            f"pxrt serve: unknown option(s) {unknown} in {where}; known: {', '.join(TOML_KEYS)}"
+            f"pxrt serve: {path}: unknown option(s) {unknown} in {where}; known: "
+            f"{', '.join(TOML_KEYS)}"
         )
     checked, placed, decoder = {}, {}, {}
     for key, value in section.items():
@@ -558,20 +604,23 @@ def _options(
             if key in DecoderLoad.CHECKS:
                 if where == "[defaults]":
                     raise OptionError("a decoder's load option goes in its [models.NAME] section")
-                decoder[key] = DecoderLoad.check(key, value)
+                decoder[key] = DecoderLoad.check(key, value, typed=True)
             elif key == "instance_group":
-                placed.update(Placement.from_instance_group(value))
+                placed.update(Placement.from_instance_group(value, typed=True))
             elif key == "dynamic_batching":
-                checked.update(BatchingOptions.from_dynamic_batching(value))
+                checked.update(BatchingOptions.from_dynamic_batching(value, typed=True))
             elif key in Placement.CHECKS:
-                placed[key] = Placement.check(key, value)
+                placed[key] = Placement.check(key, value, typed=True)
             else:
-                checked[key] = BatchingOptions.check(key, value)
+                checked[key] = BatchingOptions.check(key, value, typed=True)
         except OptionError as exc:
-            raise SystemExit(f"pxrt serve: {key} in {where}: {exc}") from None
-    if decoder:
-        placed["decoder"] = place.decoder.replace(**decoder)
-    return base.replace(**checked), place.replace(**_implied(placed))
+            raise SystemExit(f"pxrt serve: {path}: {where} {key}: {exc}") from None
+    try:  # (the checks across options: a default level over the levels, say)
+        if decoder:
+            placed["decoder"] = place.decoder.replace(**decoder)
+        return base.replace(**checked), place.replace(**_implied(placed))
+    except OptionError as exc:
+        raise SystemExit(f"pxrt serve: {path}: {where}: {exc}") from None
 
 
 def _implied(placed: dict) -> dict:

@@ -46,7 +46,28 @@ def number(kind: type, low: float, inclusive: bool = True, none: bool = False):
         return number
 
     check.expects = text  # type: ignore[attr-defined]
+    check.kind = kind  # type: ignore[attr-defined]  # (what ``strict`` holds a value to)
     return check
+
+
+def strict(check: Any, value: Any) -> None:
+    """Refuse a value of the wrong type for ``check`` as a TOML file (or JSON) gives it,
+    where the checks themselves convert (``pxrt serve``'s flags are strings): a number
+    option takes a number, not ``"8"``; an integer option an integer, a float option an
+    integer or a float; neither a bool. (The other checks take only their own types.)"""
+    kind = getattr(check, "kind", None)
+    if kind is None or value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        try:
+            quoted = isinstance(value, str) and kind(value) is not None
+        except ValueError:
+            quoted = False  # (not a number at all: said as for any other value)
+        if quoted:
+            raise OptionError(
+                f"{value!r} is a string, not {check.expects}: write the number without quotes"
+            )
+        raise OptionError(f"{value!r} is not {check.expects}")
 
 
 def choice(*choices: str, none: bool = False):
@@ -129,11 +150,14 @@ class _Checked:
             object.__setattr__(self, key, value)
 
     @classmethod
-    def check(cls, key: str, value: Any) -> Any:
+    def check(cls, key: str, value: Any, *, typed: bool = False) -> Any:
         """One option's value, checked (and converted: ``"8"`` -> 8 for an int); an
-        ``OptionError`` says ``'<value>' is not <what it takes>``."""
+        ``OptionError`` says ``'<value>' is not <what it takes>``. ``typed``: a value
+        from a typed file (TOML), converted from no other type (``strict``)."""
         if key not in cls.CHECKS:
             raise OptionError(f"unknown option {key!r}; known: {', '.join(cls.CHECKS)}")
+        if typed:
+            strict(cls.CHECKS[key], value)
         return _checked(cls.CHECKS[key], value)
 
     @classmethod
@@ -227,17 +251,17 @@ class BatchingOptions(_Checked):
     }
 
     @classmethod
-    def from_dynamic_batching(cls, table: Any) -> dict[str, Any]:
+    def from_dynamic_batching(cls, table: Any, *, typed: bool = False) -> dict[str, Any]:
         """Triton's ``dynamic_batching`` (``{priority_levels = 2, ...}``) as these
-        options' values, each checked; a key that does not map is refused, naming those
-        that do."""
+        options' values, each checked (``typed``: as ``check``'s); a key that does not
+        map is refused, naming those that do."""
         if not isinstance(table, Mapping):
             raise OptionError(f"dynamic_batching takes a table of Triton's keys, got {table!r}")
         mapped = cls.TRITON_DYNAMIC_BATCHING
         unknown = sorted(set(table) - set(mapped))
         if unknown:
             raise OptionError(f"dynamic_batching: pxrt maps {', '.join(mapped)}, not {unknown}")
-        return {mapped[k]: cls.check(mapped[k], v) for k, v in table.items()}
+        return {mapped[k]: cls.check(mapped[k], v, typed=typed) for k, v in table.items()}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -320,13 +344,13 @@ class Placement(_Checked):
         return placed | self.decoder.load_options()
 
     @staticmethod
-    def from_instance_group(groups: Any) -> dict[str, Any]:
+    def from_instance_group(groups: Any, *, typed: bool = False) -> dict[str, Any]:
         """Triton's ``instance_group`` (``[{count = 1, kind = "KIND_GPU"}]``) where it
         maps: ``KIND_GPU``, ``KIND_CPU`` or ``KIND_AUTO`` with count 1 is an instance on
         each device (``replicated``); ``KIND_MODEL`` (the model places itself) is one
         program over them all (``sharded``). Triton's count of several instances on one
         device is ``max_inflight`` here; which devices (``gpus``) is what ``pxrt.load``
-        is given."""
+        is given. ``typed``: its count as ``check``'s."""
         if not isinstance(groups, list) or len(groups) != 1 or not isinstance(groups[0], Mapping):
             raise OptionError(
                 'instance_group takes one group, [{count = 1, kind = "KIND_GPU"}], '
@@ -346,7 +370,10 @@ class Placement(_Checked):
             )
         if kind == "KIND_MODEL":
             return {"placement": "sharded"}
-        count = _checked(number(int, 1), group.get("count", 1))
+        count_check = number(int, 1)
+        if typed:
+            strict(count_check, group.get("count", 1))
+        count = _checked(count_check, group.get("count", 1))
         if count != 1:
             raise OptionError(
                 f"instance_group count {count}: pxrt runs one instance per device (or "

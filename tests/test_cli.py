@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,18 +128,18 @@ def test_serve_refuses_bad_flags_at_start_up(args, words):
 @pytest.mark.parametrize(
     "toml,words",
     [
-        ("[defaults]\nmax_queue = -3\n", "max_queue in [defaults]: -3 is not an integer >= 1"),
-        ("[models.m]\npath = 'x'\nmax_delay_us = true\n", "max_delay_us in [models.m]: True"),
+        ("[defaults]\nmax_queue = -3\n", "[defaults] max_queue: -3 is not an integer >= 1"),
+        ("[models.m]\npath = 'x'\nmax_delay_us = true\n", "[models.m] max_delay_us: True"),
         ("[defaults]\nmax_batch = 8\n", "unknown option(s) ['max_batch']"),
         (
             "[defaults]\ninstance_group = [{count = 2, kind = 'KIND_GPU'}]\n",
-            "instance_group in [defaults]: instance_group count 2: pxrt runs one instance",
+            "[defaults] instance_group: instance_group count 2: pxrt runs one instance",
         ),
         (
             "[models.m]\npath = 'x'\ninstance_group = [{kind = 'KIND_TPU'}]\n",
             "instance_group kind 'KIND_TPU' is not one of",
         ),
-        ("[defaults]\ninstances = 0\n", "instances in [defaults]: 0 is not an integer >= 1"),
+        ("[defaults]\ninstances = 0\n", "[defaults] instances: 0 is not an integer >= 1"),
     ],
 )
 def test_serve_refuses_bad_config_at_start_up(tmp_path, toml, words):
@@ -146,6 +147,82 @@ def test_serve_refuses_bad_config_at_start_up(tmp_path, toml, words):
     conf.write_text(toml)
     result = _pxrt("serve", "--config", str(conf), timeout=60)
     assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
+def _model_specs(tmp_path, toml, *flags):
+    import argparse
+
+    from serving.config import add_arguments, model_specs, repository_config
+
+    conf = tmp_path / "serve.toml"
+    conf.write_text(toml)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--config", str(conf), *flags])
+    return repository_config(args) if flags else model_specs(args, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "toml, words",
+    [
+        ("[models.lm]\npath = 'x'\nslots = '8'\n", "[models.lm] slots: '8' is a string, not an "
+         "integer >= 1 (or none): write the number without quotes"),
+        ('[defaults]\nmax_delay_us = "100"\n', "[defaults] max_delay_us: '100' is a string, not a"),
+        ("[defaults]\nmax_queue = 8.0\n", "[defaults] max_queue: 8.0 is not an integer >= 1"),
+        ("[defaults]\nmax_queue = true\n", "[defaults] max_queue: True is not an integer"),
+        ("[defaults]\ndefault_timeout_s = false\n", "[defaults] default_timeout_s: False is not"),
+        ("[defaults]\ninstances = '2'\n", "[defaults] instances: '2' is a string, not an"),
+        ("[models.lm]\npath = 'x'\ndynamic_batching = {priority_levels = '2'}\n",
+         "[models.lm] dynamic_batching: '2' is a string, not an integer"),
+        ("[defaults]\ninstance_group = [{count = '1'}]\n",
+         "[defaults] instance_group: '1' is a string, not an integer"),
+        ("[defaults]\npriority_levels = 2\ndefault_priority_level = 3\n",
+         "[defaults]: option default_priority_level: 3 is not a level of priority_levels 2"),
+        ("[defaults\nmax_queue = 3\n", "not valid TOML: Expected ']' at the end of a table "
+         "declaration (at line 1, column 10)"),
+        ("[model.lm]\npath = 'x'\n", "unknown table(s) or key(s) ['model'] at the top"),
+        ("defaults = 3\n", "[defaults] must be a table of options, got 3"),
+        ("[models]\nlm = 'x'\n", "[models.lm] must be a table of options, got 'x'"),
+        ("[models.lm]\npath = 3\n", "[models.lm] path: 3 is not a string"),
+        ("[models.lm]\nslots = 8\n", "[models.lm] needs a path"),
+        ("[models.lm]\npath = 'x'\nversion_policy = 'all'\n",
+         "[models.lm] version_policy: for models of the --model-repository"),
+        ("[defaults]\nmax_batch = 8\n", "unknown option(s) ['max_batch'] in [defaults]"),
+    ],
+)  # fmt: skip
+def test_serve_config_errors_name_the_file_the_section_and_the_key(tmp_path, toml, words):
+    """TOML's values are typed: an integer option takes an integer (not "8", not 8.0,
+    not true), a number option an integer or a float; and every error, a TOML syntax
+    error too, names the file, then the section and the key."""
+    with pytest.raises(SystemExit) as err:
+        _model_specs(tmp_path, toml)
+    message = str(err.value)
+    assert message.startswith(f"pxrt serve: {tmp_path / 'serve.toml'}: ") and words in message
+
+
+def test_serve_config_takes_typed_values_and_checks_the_repositorys(tmp_path):
+    [(name, path, options, place)] = _model_specs(
+        tmp_path, "[models.lm]\npath = 'x'\nslots = 8\nmax_delay_us = 100\nmax_queue = 16\n"
+    )
+    assert (name, path, options.max_delay_us, options.max_queue) == ("lm", "x", 100.0, 16)
+    assert isinstance(options.max_delay_us, float) and place.decoder.slots == 8
+    conf = tmp_path / "serve.toml"
+    for toml, words in [
+        ("[models.r]\nversion_policy = 2\n", "[models.r] version_policy: 2 is not a string"),
+        ("[models.r]\nallow_signature_change = 1\n",
+         "[models.r] allow_signature_change: 1 is not true or false"),
+        ("[models.r]\nmax_queue = '3'\n", "[models.r] max_queue: '3' is a string, not an integer"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit, match=re.escape(f"pxrt serve: {conf}: {words}")):
+            _model_specs(tmp_path, toml, "--model-repository", str(tmp_path))
+    with pytest.raises(SystemExit, match=re.escape(f"--config {tmp_path / 'none.toml'}: No such")):
+        import argparse
+
+        from serving.config import add_arguments, model_specs
+
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        model_specs(p.parse_args(["--config", str(tmp_path / "none.toml")]), str(tmp_path))
 
 
 def test_inspect_shows_the_grid(var_artifacts):

@@ -403,13 +403,13 @@ def test_serve_toml_sets_a_decoders_load_options(tmp_path):
         "step_slots": (), "prefix_cache_tokens": 0, "sampling_controls": False,
     }  # fmt: skip
     for toml, words in [
-        ("[models.lm]\npath = 'x'\nstep_slots = [0]\n", "step_slots in [models.lm]: [0] is not "
+        ("[models.lm]\npath = 'x'\nstep_slots = [0]\n", "[models.lm] step_slots: [0] is not "
          "a list of integers >= 1"),
-        ("[models.lm]\npath = 'x'\nslots = 'many'\n", "slots in [models.lm]: 'many' is not an "
+        ("[models.lm]\npath = 'x'\nslots = 'many'\n", "[models.lm] slots: 'many' is not an "
          "integer >= 1"),
-        ("[models.lm]\npath = 'x'\nsampling_controls = 1\n", "sampling_controls in [models.lm]: "
+        ("[models.lm]\npath = 'x'\nsampling_controls = 1\n", "[models.lm] sampling_controls: "
          "1 is not true or false"),
-        ("[defaults]\nslots = 8\n", "slots in [defaults]: a decoder's load option goes in its "
+        ("[defaults]\nslots = 8\n", "[defaults] slots: a decoder's load option goes in its "
          "[models.NAME] section"),
     ]:  # fmt: skip
         conf.write_text(toml)
