@@ -423,3 +423,56 @@ def test_two_guarded_servers_on_one_loop_both_time_out_idle_sockets(run):
 
     for answer in run(main):
         assert answer.startswith(b"HTTP/1.1 408 "), answer
+
+
+def test_malformed_requests_are_logged_a_line_per_interval_with_their_count(run, caplog):
+    """A client sending garbage on connection after connection (each answered 400 and
+    closed) writes a line per interval with the count, not uvicorn's line each (736 in
+    3 minutes, once)."""
+    import asyncio
+    import logging
+
+    import uvicorn
+    from models import until
+    from servers import free_ports
+    from starlette.applications import Starlette
+
+    from serving.http.limits import guarded_protocol
+    from serving.options import HttpLimits
+
+    protocol = guarded_protocol(HttpLimits())
+    [port] = free_ports(1)
+
+    async def garbage() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x16\x03\x01 not HTTP at all\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return answer
+
+    async def main():
+        config = uvicorn.Config(
+            Starlette(), port=port, log_level="warning", log_config=None, lifespan="off",
+            http=protocol,
+        )  # fmt: skip
+        uv = uvicorn.Server(config)
+        task = asyncio.ensure_future(uv.serve())
+        await until(lambda: uv.started)
+        answers = [await garbage() for _ in range(40)]
+        protocol.malformed._next = 0.0  # (the interval is over: the next one writes a line)
+        answers.append(await garbage())
+        uv.should_exit = True
+        await task
+        return answers
+
+    with caplog.at_level(logging.WARNING):
+        answers = run(main)
+    assert all(a.startswith(b"HTTP/1.1 400 ") for a in answers), answers[0]
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [m for m in lines if "Invalid HTTP request" in m], lines[:3]
+    malformed = [m for m in lines if "malformed HTTP request" in m]
+    assert len(malformed) == 2, lines
+    assert malformed[0].startswith("pxrt: answered 1 malformed HTTP request(s) 400 in the last")
+    # The second line counts the 39 not written and itself.
+    assert malformed[1].startswith("pxrt: answered 40 malformed HTTP request(s) 400")
+    assert "(the last from 127.0.0.1:" in malformed[1] and protocol.malformed.total == 41

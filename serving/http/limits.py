@@ -50,7 +50,7 @@ import orjson
 import uvicorn
 
 from ..accept import Acceptor, linger_allowance
-from ..logs import RefusalLog
+from ..logs import RefusalLog, Throttled
 from ..options import HttpLimits
 from .app import DISCONNECT_EXTENSION, AppState
 from .native import NativeInferProtocol
@@ -87,14 +87,52 @@ def canned(status: int, message: str, *extra: bytes) -> bytes:
 _SWEEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# What uvicorn logs, once per connection, for a request its parser refuses (then 400).
+_INVALID = "Invalid HTTP request received."
+
+
+def _malformed_log() -> Throttled:
+    return Throttled(
+        "pxrt: answered {count} malformed HTTP request(s) 400 in the last {interval:.0f} s "
+        "(the last from {0})"
+    )
+
+
+class _ConnectionLogger:
+    """uvicorn's logger for one connection, but its line per malformed request goes to
+    the protocol class's ``malformed`` (``serving.logs.Throttled``): a client sending
+    garbage on connection after connection writes a line per interval, with the count,
+    not a line each (736 in 3 minutes, once). The rest goes to uvicorn's logger."""
+
+    __slots__ = ("_logger", "_proto")
+
+    def __init__(self, logger: logging.Logger, proto: GuardedHttpToolsProtocol) -> None:
+        self._logger = logger
+        self._proto = proto
+
+    def warning(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        if msg == _INVALID and not args:
+            proto = self._proto
+            client = proto.client
+            peer = f"{client[0]}:{client[1]}" if client else "an unknown peer"
+            proto.malformed.event(proto.loop.time(), peer)
+            return
+        self._logger.warning(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
 class GuardedHttpToolsProtocol(NativeInferProtocol):
     limits = HttpLimits()
     pxrt_server: Any = None  # the serving.Server whose drain (when given) closes connections
     refusals = RefusalLog()  # per protocol class (guarded_protocol makes one per server)
+    malformed = _malformed_log()  # (likewise)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         too_many = len(self.connections) >= self.limits.max_connections
         super().connection_made(transport)
+        self.logger = _ConnectionLogger(self.logger, self)  # type: ignore[assignment]
         self._header_bytes = 0
         self._refused = False
         self._in_body = False  # headers complete, body not yet
@@ -296,6 +334,7 @@ def guarded_protocol(
             "limits": limits,
             "pxrt_server": server,
             "refusals": RefusalLog(),
+            "malformed": _malformed_log(),
             "native_state": native,
         },
     )
@@ -350,6 +389,7 @@ class GuardedServer(uvicorn.Server):
 
 # The internals of uvicorn's protocol this module reads or overrides (checked by a test).
 UVICORN_INTERNALS = (
+    "logger",
     "connections",
     "cycle",
     "scope",
