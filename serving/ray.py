@@ -26,6 +26,7 @@ Ray wraps them in a ``RayTaskError`` that is also an instance of the original ty
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -245,7 +246,8 @@ def pxrt_app(
     options = BatchingOptions.from_mapping(changes, options)
     deployment_options: dict[str, Any] = {
         "max_ongoing_requests": max_ongoing_requests or options.max_queue,
-        # Always set, so that setting draining is an in-place update (no new replicas).
+        # Always set, and a stable code version (below), so that setting draining is an
+        # in-place update (no new replicas).
         "user_config": {"draining": draining},
     }
     if num_replicas is not None:
@@ -255,6 +257,39 @@ def pxrt_app(
     if ray_actor_options is not None:
         deployment_options["ray_actor_options"] = dict(ray_actor_options)
     # @serve.deployment made the class a Deployment, which mypy does not see.
-    return PxrtDeployment.options(**deployment_options).bind(  # type: ignore[attr-defined]
-        path, name=name, load_options=load_options, options=options
-    )
+    deployment = PxrtDeployment.options(**deployment_options)  # type: ignore[attr-defined]
+    version = code_version(path, name, load_options, options)
+    try:
+        # Ray Serve no longer takes ``version`` from users (``_internal``: as its own
+        # deploy path sets it); without it, each ``serve.run`` gets a random one.
+        deployment = deployment.options(version=version, _internal=True)
+    except (TypeError, ValueError) as exc:  # pragma: no cover - depends on Ray's version
+        log.warning("pxrt: Ray Serve takes no code version (%s): a drain replaces replicas", exc)
+    return deployment.bind(path, name=name, load_options=load_options, options=options)
+
+
+def code_version(
+    path: str,
+    name: str | None,
+    load_options: Mapping[str, Any] | None,
+    options: BatchingOptions,
+) -> str:
+    """Ray Serve's code version of a ``pxrt_app``: the same for the same artifact and
+    options, so that a ``serve.run`` that changes only the ``user_config`` (draining)
+    reconfigures the replicas in place. Ray gives a deployment without one a new version
+    on every ``serve.run`` (its client's ``deployment._version or get_random_string()``),
+    which replaces every replica: the new ones load the model first, and the old ones,
+    never told to drain, stop under the requests they hold. What a replica is built from
+    is in it: pxrt's version, the path, the name, the options, and the artifact's
+    manifest (it holds each file's sha256) when this process can read it, so an artifact
+    exported again at the same path gets new replicas."""
+    import pxrt
+
+    try:
+        with open(os.path.join(path, "manifest.json"), "rb") as f:
+            manifest = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        manifest = ""  # (a path only the replicas' nodes can read)
+    loads = sorted((str(k), repr(v)) for k, v in dict(load_options or {}).items())
+    what = repr((pxrt.__version__, os.fspath(path), name, loads, options, manifest))
+    return "pxrt-" + hashlib.sha256(what.encode()).hexdigest()[:16]

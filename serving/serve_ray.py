@@ -56,6 +56,22 @@ def _wait_draining(args: argparse.Namespace, https: bool, timeout_s: float = 15.
         time.sleep(0.05)
 
 
+def _replicas_serve(serve: Any) -> bool:
+    """Whether a replica of the application runs (takes requests), whatever the state
+    of the others (``serve.run`` returns once every replica runs)."""
+    try:
+        status = serve.status().applications.get("pxrt")
+    except Exception:  # noqa: BLE001 - Serve did not start: nothing serves
+        return False
+    if status is None:
+        return False
+    return any(
+        count and state in ("RUNNING", "UPDATING")
+        for deployment in status.deployments.values()
+        for state, count in deployment.replica_states.items()
+    )
+
+
 def main_ray(args: argparse.Namespace) -> int:
     """``pxrt serve --ray``: one model on ``--replicas`` Ray Serve replicas, until
     SIGTERM or Ctrl-C."""
@@ -139,9 +155,12 @@ def main_ray(args: argparse.Namespace) -> int:
 
             def drain() -> None:
                 # Every replica answers 503 to new requests from now on (an in-place
-                # update), the requests it accepted finish, then Serve stops.
+                # update: pxrt_app's code version stays), the requests it accepted
+                # finish, then Serve stops. Not waiting for the application to run:
+                # replicas still starting (one that cannot be placed may never start)
+                # hold no request, and readiness says when the serving ones drain.
                 print("pxrt serve: draining", file=sys.stderr)
-                serve.run(app(draining=True), name="pxrt", route_prefix="/")
+                serve._run(app(draining=True), name="pxrt", route_prefix="/", _blocking=False)
                 _wait_draining(args, tls is not None)
                 time.sleep(DRAIN_GRACE_S)
 
@@ -155,14 +174,10 @@ def main_ray(args: argparse.Namespace) -> int:
             stop.wait()
             drain()
         except KeyboardInterrupt:  # a requested stop, as any other: exit 0
-            try:
-                status = serve.status().applications.get("pxrt")
-            except Exception:  # noqa: BLE001 - Serve did not start: nothing to drain
-                status = None
-            if status is not None and str(status.status).endswith("RUNNING"):
-                # Stopped as serve.run returned: the replicas serve already (readiness
-                # said so), so they drain as on any other stop.
-                started.set()
+            started.set()  # (another signal now only asks again)
+            if _replicas_serve(serve):
+                # Stopped before serve.run returned, with replicas serving already
+                # (the proxy answers as soon as one does): they drain as on any stop.
                 drain()
             else:
                 print("pxrt serve: stopped while deploying", file=sys.stderr)

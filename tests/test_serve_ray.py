@@ -5,6 +5,7 @@ while deploying. (Ray Serve through the library, on a cluster the tests start: t
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -25,12 +26,10 @@ from servers import ServeProcess, free_ports, make_certs  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifacts, tmp_path):
-    # Ray's proxy serves TLS (the unmodified Triton client over HTTPS), and drains on
-    # SIGTERM.
-    certs = make_certs(tmp_path)
-    proc = ServeProcess([str(artifacts["mlp"]), "--ray", "--replicas", "2",
-                         "--replica-cpus", "0.5", "--max-delay-us", "500"], tls=certs)  # fmt: skip
+def _sigterm_under_traffic(proc: ServeProcess) -> str:
+    """SIGTERM ``proc`` while 4 clients send requests: it drains (exit 0, every request
+    answered, 200 until each client gets 503 + Connection: close) without replacing its
+    replicas (an in-place update). Returns its output."""
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}]}
     statuses: list = []
     lost: list = []
@@ -39,7 +38,8 @@ def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifa
     def traffic():
         # Every request in flight when the drain begins is answered; from then on the
         # replicas answer 503 + Connection: close, and a client told so stops.
-        with httpx.Client(timeout=60, verify=proc.ssl_context()) as http:
+        verify = proc.ssl_context() if proc.tls else True
+        with httpx.Client(timeout=60, verify=verify) as http:
             while not done.is_set():
                 try:
                     r = http.post(proc.url + "/v2/models/mlp/infer", json=body)
@@ -52,24 +52,11 @@ def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifa
                     assert r.headers["connection"] == "close"
                     return
 
+    threads = [threading.Thread(target=traffic) for _ in range(4)]
     try:
-        client = httpclient.InferenceServerClient(
-            f"localhost:{proc.port}", ssl=True, ssl_options={"ca_certs": certs["ca"]}
-        )
-        request = random_request(MODELS["mlp"]["inputs"], 3, np.random.default_rng(5))
-        inp = httpclient.InferInput("x", [3, 32], "FP32")
-        inp.set_data_from_numpy(request["x"])
-        assert_matches({"y": client.infer("mlp", [inp]).as_numpy("y")}, reference("mlp", request))
-        client.close()
-        # The proxy answers before ``serve.run`` returns; a SIGTERM before then is a stop
-        # while deploying (its own test, below), which does not drain.
-        deadline = time.time() + 120
-        while "pxrt serve: ready on" not in proc.output() and time.time() < deadline:
-            time.sleep(0.1)
-        threads = [threading.Thread(target=traffic) for _ in range(4)]
         for t in threads:
             t.start()
-        while len(statuses) < 50:
+        while len(statuses) < 50 and not lost:
             time.sleep(0.05)
         proc.proc.send_signal(signal.SIGTERM)
         proc.proc.wait(120)
@@ -79,7 +66,7 @@ def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifa
         rc = proc.stop()
     for t in threads:
         t.join(60)
-    assert rc == 0
+    assert rc == 0, output[-6000:]
     if lost:  # (pytest.fail: its message is shown whole, an assertion's is cut short)
         pytest.fail(
             f"{len(lost)} requests lost, e.g. {lost[:2]}; {statuses.count(200)} answered 200, "
@@ -87,6 +74,61 @@ def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifa
         )
     assert set(statuses) == {200, 503} and statuses.count(503) == len(threads), statuses[-8:]
     assert "pxrt serve: draining" in output
+    # Reconfigured, not replaced (Ray Serve says "Stopping N replicas ... with outdated
+    # versions" when the code version changes).
+    assert "with outdated versions" not in output, output[-6000:]
+    return output
+
+
+def test_pxrt_serve_ray_over_https_runs_replicas_until_sigterm_and_drains(artifacts, tmp_path):
+    # Ray's proxy serves TLS (the unmodified Triton client over HTTPS), and drains on
+    # SIGTERM.
+    certs = make_certs(tmp_path)
+    proc = ServeProcess([str(artifacts["mlp"]), "--ray", "--replicas", "2",
+                         "--replica-cpus", "0.5", "--max-delay-us", "500"], tls=certs)  # fmt: skip
+    try:
+        client = httpclient.InferenceServerClient(
+            f"localhost:{proc.port}", ssl=True, ssl_options={"ca_certs": certs["ca"]}
+        )
+        request = random_request(MODELS["mlp"]["inputs"], 3, np.random.default_rng(5))
+        inp = httpclient.InferInput("x", [3, 32], "FP32")
+        inp.set_data_from_numpy(request["x"])
+        assert_matches({"y": client.infer("mlp", [inp]).as_numpy("y")}, reference("mlp", request))
+        client.close()
+    except BaseException:
+        proc.stop()
+        raise
+    # (The proxy answers before ``serve.run`` returns: a SIGTERM then drains too.)
+    _sigterm_under_traffic(proc)
+
+
+def test_pxrt_serve_ray_drains_replicas_serving_before_serve_run_returns(artifacts, monkeypatch):
+    # Two replicas of every CPU Ray has: one runs and serves through the proxy, the other
+    # cannot be placed, so ``serve.run`` does not return. A SIGTERM then drains the one
+    # that serves, as on any stop.
+    monkeypatch.setenv("RAY_USE_MULTIPROCESSING_CPU_COUNT", "1")  # Ray's CPUs: os.cpu_count()
+    proc = ServeProcess([str(artifacts["mlp"]), "--ray", "--replicas", "2",
+                         "--replica-cpus", str(os.cpu_count())])  # fmt: skip
+    assert "pxrt serve: ready on" not in proc.output()
+    output = _sigterm_under_traffic(proc)
+    assert "stopped while deploying" not in output and "ready on" not in output
+
+
+def test_pxrt_serve_ray_gives_its_replicas_a_stable_code_version(artifacts):
+    # Ray Serve replaces the replicas of a deployment whose code version changes, and
+    # gives each serve.run a new one unless the deployment sets it: the draining app must
+    # keep it (reconfigured in place), another artifact or options must not.
+    from serving.ray import pxrt_app
+
+    def version(path, **kw):
+        return pxrt_app(str(path), **kw)._bound_deployment.version
+
+    first = version(artifacts["mlp"], num_replicas=2)
+    assert first and first == version(artifacts["mlp"], num_replicas=2, draining=True)
+    assert first == version(artifacts["mlp"], num_replicas=3)  # Ray's own: in place too
+    assert first != version(artifacts["mlp"], max_batch_size=8)
+    assert first != version(artifacts["mlp"], load_options={"buckets": [8]})
+    assert first != version(artifacts["two_io"])
 
 
 def test_pxrt_serve_ray_refuses_what_rays_proxy_cannot_enforce(artifacts, tmp_path):
@@ -139,4 +181,5 @@ def test_pxrt_serve_ray_stops_when_signalled_while_deploying(artifacts, tmp_path
             pytest.fail("pxrt serve --ray did not stop on SIGTERM while deploying")
     text = log.read_text()
     assert rc == 0, text[-2000:]
-    assert "stopped while deploying" in text or "ready on" in text, text[-2000:]
+    said = ("stopped while deploying", "ready on", "draining")  # (replicas serving: drained)
+    assert any(s in text for s in said), text[-2000:]
