@@ -255,6 +255,25 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
         ({"text_input": "hi", "parameters": {"stop_ids": [1] * 65}}, "stop_ids: 65 ids"),
         ({"text_input": "hi", "stop": ["x"] * 100_000}, "stop: 100000 strings"),
         ({"text_input": "hi", "prefix_cache": "no"}, "prefix_cache must be true or false"),
+        # Unknown fields and parameters are refused by name, never ignored.
+        (
+            {"text_input": "hi", "max_token": 4},
+            "unknown field 'max_token'; known: text_input, input_ids, parameters, stop, timeout, "
+            "max_tokens, temperature",
+        ),
+        (
+            {"text_input": "hi", "parameters": {"temprature": 0.5}},
+            "unknown parameter 'temprature'; known: stop, timeout, max_tokens, temperature",
+        ),
+        ({"text_input": "hi", "parameters": {"text_input": "x"}}, "unknown parameter 'text_input'"),
+        # A priority that is no level of the decoder (2**64: a float once parsed).
+        ({"text_input": "hi", "priority": 2}, "priority must be an int from 0 to 1, got 2"),
+        ({"text_input": "hi", "priority": 2**63}, "priority must be an int from 0 to 1, got 9"),
+        ({"text_input": "hi", "parameters": {"priority": 2**64}}, "priority must be an int"),
+        ({"text_input": "hi", "parameters": {"priority": "1"}}, "priority must be an int"),
+        # Token ids are integers, never cast.
+        ({"input_ids": [72.5, 3.0], "max_tokens": 2}, "input_ids must be a non-empty list of"),
+        ({"input_ids": [72], "stop_ids": [1.5]}, "stop_ids must be an int from 0 to"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_problem(served, body, words):
@@ -434,7 +453,7 @@ def test_openai_fields_are_honoured_or_refused_never_ignored(served):
     base = {"model": "lm", "prompt": [72, 105], "max_tokens": 3, "temperature": 0}
     defaults = {"echo": False, "logprobs": None, "n": 1, "best_of": 1, "presence_penalty": 0.0,
                 "frequency_penalty": 0, "logit_bias": {}, "suffix": None, "user": "u1"}  # fmt: skip
-    r = httpx.post(f"{url}/completions", json=base | defaults, timeout=30)
+    r = httpx.post(f"{url}/completions", json=base | defaults | {"priority": 1}, timeout=30)
     assert r.status_code == 200, r.text
     for field, value in [("best_of", 3), ("suffix", "x"),
                          ("response_format", {"type": "json_object"}),
@@ -443,7 +462,7 @@ def test_openai_fields_are_honoured_or_refused_never_ignored(served):
                          ("presence_penalty", 3), ("frequency_penalty", "x"),
                          ("repetition_penalty", 0), ("min_tokens", -1),
                          ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
-                         ("logit_bias", [5])]:  # fmt: skip
+                         ("logit_bias", [5]), ("priority", 2**63), ("priority", 1.5)]:  # fmt: skip
         r = httpx.post(f"{url}/completions", json=base | {field: value}, timeout=30)
         error = r.json()["error"]
         assert r.status_code == 400 and error["type"] == "invalid_request_error", (field, r.text)

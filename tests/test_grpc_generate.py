@@ -138,8 +138,9 @@ def _bytes_input(name: str, values: list[bytes]):
 
 
 def test_unknown_inputs_extra_elements_and_too_many_stops_are_refused(served, local):
-    """Each bad request fails alone, naming what is wrong; the good one after them is
-    answered. Stop strings and ids are counted against the limits before they are read."""
+    """Each bad request fails alone, naming what is wrong (an unknown input or parameter
+    with what is known); the good one after them is answered. Stop strings and ids are
+    counted against the limits before they are read."""
     temps = grpcclient.InferInput("temperature", [2], "FP32")
     temps.set_data_from_numpy(np.array([0.5, 0.7], np.float32))
     hot = grpcclient.InferInput("temperature", [1], "FP64")
@@ -158,10 +159,18 @@ def test_unknown_inputs_extra_elements_and_too_many_stops_are_refused(served, lo
         ([prompt, prompt], "input 'text_input' is given twice"),
     ]
     bad = [({"inputs": inputs}, words) for inputs, words in bad]
+    known = "known: input_ids, stop, stop_ids, text_input, timeout, max_tokens, temperature"
     bad += [
-        ({"inputs": [prompt], "parameters": {"logprobs": 2}}, "logprobs is not given over gRPC")
+        ({"inputs": [prompt], "parameters": {"logprobs": 2}}, "logprobs is not given over gRPC"),
+        # Unknown parameters are refused by name, never ignored.
+        ({"inputs": [prompt], "parameters": {"max_token": 4}}, f"'max_token'; {known}"),
+        ({"inputs": [prompt], "parameters": {"temprature": 0.5}}, "parameter 'temprature'"),
+        # Triton's priority (uint64) that is no level of the decoder.
+        ({"inputs": [prompt], "priority": 2**63}, "priority must be an int from 0 to 1, got 9"),
+        ({"inputs": [prompt], "priority": 2**64 - 1}, "priority must be an int from 0 to 1, got 1"),
     ]
-    good = {"inputs": [_text_input("ok")], "parameters": {"max_tokens": 4, "seed": 3}}
+    good = {"inputs": [_text_input("ok")], "parameters": {"max_tokens": 4, "seed": 3},
+            "priority": 1}  # fmt: skip
     got, finals, errors = _stream(served, [request for request, _ in bad] + [good])
     messages = sorted(errors.values())
     assert len(messages) == len(bad)

@@ -12,13 +12,15 @@ completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
   ``logprobs`` (0-20: each token's log-probability and that many alternatives, in
   ``logprobs`` beside ``output_ids``), ``timeout`` (the generation's deadline in
   microseconds from arrival, as for inference: when it passes, the generation is
-  cancelled and answered as a 504 / a last error event, the tokens before it sent).
+  cancelled and answered as a 504 / a last error event, the tokens before it sent),
+  ``priority`` (its level among the prompts waiting for a slot, as for inference: the
+  decoder's ``priority_levels``). Any other field or parameter is refused by name.
 - ``POST /v1/completions`` and ``/v1/chat/completions`` (``messages`` rendered by the
   artifact's chat template; ``stream`` for server-sent events ending in ``data:
   [DONE]``) and ``GET /v1/models``, as OpenAI's client expects them: ``n`` choices,
   ``logprobs`` (completions: a count; chat: ``logprobs`` and ``top_logprobs``), ``echo``
   (completions), the penalties, ``logit_bias``, ``max_completion_tokens`` (chat), and
-  vLLM's ``repetition_penalty`` and ``min_tokens``.
+  vLLM's ``repetition_penalty``, ``min_tokens`` and ``priority``.
 
 A bad request is a 400 JSON error naming what is wrong; a full queue a 429 with
 Retry-After; once a stream has started, an error is its last event. A client that hangs
@@ -31,7 +33,7 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 
 OPTIONS = (
     "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids", "prefix_cache",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "priority",
 )  # fmt: skip
 # The JSON protocols' options besides (gRPC's one-element tensors carry neither).
 JSON_OPTIONS = (*OPTIONS, "logprobs", "logit_bias")
@@ -179,12 +181,30 @@ def _options(source: Mapping[str, Any], limits: GenerationLimits) -> dict:
     return options
 
 
+# The generate extension's fields: the prompt, the options at the top level or under
+# ``parameters``. Any other is refused by name: a misspelt option (``max_token``) must
+# not run the request with its default, unsaid.
+_KSERVE_PARAMETERS = ("stop", "timeout", *JSON_OPTIONS)
+_KSERVE = ("text_input", "input_ids", "parameters", *_KSERVE_PARAMETERS)
+
+
+def check_known(fields: Iterable[str], known: tuple[str, ...], kind: str) -> None:
+    """Refuse the first of ``fields`` not in ``known``, naming it (a ``kind``: field,
+    input, parameter) and listing what is accepted."""
+    for field in fields:
+        if field not in known:
+            raise invalid(f"unknown {kind} {field!r:.60}; known: {', '.join(known)}")
+
+
 def parse_kserve(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> Prompt:
     """The generate extension's request: ``text_input`` or ``input_ids``, options at the
-    top level or under ``parameters`` (these win), within ``limits``."""
+    top level or under ``parameters`` (these win), within ``limits``; an unknown field
+    or parameter is refused."""
+    check_known(body, _KSERVE, "field")
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise invalid("parameters must be an object")
+    check_known(params, _KSERVE_PARAMETERS, "parameter")
     merged = {**body, **params}
     if ("text_input" in body) == ("input_ids" in body):
         raise invalid("give the prompt as exactly one of text_input (text) or input_ids")

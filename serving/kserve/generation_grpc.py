@@ -2,9 +2,10 @@
 servers (pxrt's HTTP/2 and grpcio's).
 
 A request to a decoder is a ``ModelInferRequest`` whose inputs are ``text_input``
-(BYTES, through the artifact's tokenizer) or ``input_ids`` (INT32/INT64); the options
-(``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
-``stop_ids``) come as inputs of those names or as request parameters. It gets many
+(BYTES, through the artifact's tokenizer) or ``input_ids`` (an integer datatype); the
+options (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
+``stop_ids``, Triton's ``priority``...) come as inputs of those names or as request
+parameters; any other input or parameter is refused by name. It gets many
 responses: one per token (``output_ids``, and ``text_output`` with a tokenizer), each
 with the parameter ``triton_final_response`` false, then an empty one with it true and
 the finish reason and token counts as parameters, as Triton sends with
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 _LEN = struct.Struct("<I")
 FINAL = "triton_final_response"
+ASK_FINAL = "triton_enable_empty_final_response"  # (tritonclient's, asking for FINAL)
 # The protocol's tables (codec's), and BYTES: prompts and stop strings come as text.
 _CONTENTS = {**codec.CONTENTS, "BYTES": "bytes_contents"}
 
@@ -86,6 +88,7 @@ def _param(value: Any) -> Any:
 # The inputs a decoupled request may give: lists of elements, and one-element options.
 _LISTS = ("input_ids", "stop", "stop_ids")
 _ONE = ("text_input", "timeout", *(o for o in generation.OPTIONS if o not in _LISTS))
+_KNOWN = (*_LISTS, *_ONE)  # as inputs or request parameters; any other is refused
 # Token ids come as integers: another datatype's values are never cast (72.5 is no id).
 _IDS = ("input_ids", "stop_ids")
 _INTEGERS = ("INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64")
@@ -100,9 +103,7 @@ def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Pr
     most = {"stop": limits.max_stop_strings, "stop_ids": limits.max_stop_ids}
     for i, tensor in enumerate(message.inputs):
         name = tensor.name
-        if name not in _LISTS and name not in _ONE:
-            known = ", ".join((*_LISTS, *_ONE))
-            raise generation.invalid(f"unknown input {name!r:.60}; known: {known}")
+        generation.check_known((name,), _KNOWN, "input")
         if name in fields:
             raise generation.invalid(f"input {name!r} is given twice")
         count = math.prod(tensor.shape)
@@ -131,6 +132,9 @@ def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Pr
                 f"{key} is not given over gRPC (its responses carry the tokens and their "
                 "text): ask over HTTP (the generate extension or /v1)"
             )
+        if key == ASK_FINAL:
+            continue  # (the empty final response is always sent)
+        generation.check_known((key,), _KNOWN, "parameter")
         fields.setdefault(key, _param(value))
     return generation.parse_kserve(decoder, fields, limits)
 
