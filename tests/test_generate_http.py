@@ -122,6 +122,14 @@ def test_answers_have_the_documented_shapes(served):
         ).json(),
         GENERATE,
     )
+    # (Triton's own generate examples say "stream": false: the endpoint decides)
+    jsonschema.validate(
+        httpx.post(
+            f"{url}/v2/models/lm/generate",
+            json={"text_input": "hi", "parameters": {"stream": False, "max_tokens": 3}},
+        ).json(),
+        GENERATE,
+    )
     with httpx.stream(
         "POST", f"{url}/v2/models/lm/generate_stream", json={"text_input": "hi", "max_tokens": 3}
     ) as r:
@@ -259,13 +267,14 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
         (
             {"text_input": "hi", "max_token": 4},
             "unknown field 'max_token'; known: text_input, input_ids, parameters, stop, timeout, "
-            "max_tokens, temperature",
+            "stream, max_tokens, temperature",
         ),
         (
             {"text_input": "hi", "parameters": {"temprature": 0.5}},
-            "unknown parameter 'temprature'; known: stop, timeout, max_tokens, temperature",
+            "unknown parameter 'temprature'; known: stop, timeout, stream, max_tokens, temperature",
         ),
         ({"text_input": "hi", "parameters": {"text_input": "x"}}, "unknown parameter 'text_input'"),
+        ({"text_input": "hi", "parameters": {"stream": "no"}}, "stream must be true or false"),
         # A priority that is no level of the decoder (2**64: a float once parsed).
         ({"text_input": "hi", "priority": 2}, "priority must be an int from 0 to 1, got 2"),
         ({"text_input": "hi", "priority": 2**63}, "priority must be an int from 0 to 1, got 9"),

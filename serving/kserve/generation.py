@@ -184,7 +184,10 @@ def _options(source: Mapping[str, Any], limits: GenerationLimits) -> dict:
 # The generate extension's fields: the prompt, the options at the top level or under
 # ``parameters``. Any other is refused by name: a misspelt option (``max_token``) must
 # not run the request with its default, unsaid.
-_KSERVE_PARAMETERS = ("stop", "timeout", *JSON_OPTIONS)
+# ``stream`` (Triton's own generate examples send ``"stream": false``) is taken as a bool
+# and asks nothing more: the endpoint decides, ``generate`` whole, ``generate_stream`` as
+# server-sent events.
+_KSERVE_PARAMETERS = ("stop", "timeout", "stream", *JSON_OPTIONS)
 _KSERVE = ("text_input", "input_ids", "parameters", *_KSERVE_PARAMETERS)
 
 
@@ -206,6 +209,8 @@ def parse_kserve(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -
         raise invalid("parameters must be an object")
     check_known(params, _KSERVE_PARAMETERS, "parameter")
     merged = {**body, **params}
+    if not isinstance(merged.get("stream", False), bool):
+        raise invalid(f"stream must be true or false, got {merged['stream']!r:.40}")
     if ("text_input" in body) == ("input_ids" in body):
         raise invalid("give the prompt as exactly one of text_input (text) or input_ids")
     if "text_input" in body:
