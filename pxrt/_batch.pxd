@@ -72,12 +72,12 @@ cdef class BatchQueue:
     cdef TimeLog _waits                 # per request: queued -> taken into a batch
     cdef TimeLog _latencies             # per request: queued -> answered
 
-    cdef Py_ssize_t _level(self, Py_ssize_t priority) except -1
+    cdef Py_ssize_t _level(self, object priority) except -1
     cdef Request _push(self, tuple arrays, Py_ssize_t rows, object future, double now,
                        double deadline, Py_ssize_t lane, Py_ssize_t level)
     cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=*,
-                       double deadline=*, Py_ssize_t lane=*, Py_ssize_t priority=*)
-    cpdef Request submit(self, object request, object timeout=*, Py_ssize_t priority=*)
+                       double deadline=*, Py_ssize_t lane=*, object priority=*)
+    cpdef Request submit(self, object request, object timeout=*, object priority=*)
     cpdef Batch take(self, Py_ssize_t max_rows, double now, Py_ssize_t lane=*, object fold=*)
     cdef Batch _take_lane(self, Batch batch, Py_ssize_t lane, Py_ssize_t* room, double now,
                           bint split)

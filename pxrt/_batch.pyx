@@ -307,7 +307,9 @@ cdef class BatchQueue:
 
     # ------------------------------------------------------------------ accepting
 
-    cdef Py_ssize_t _level(self, Py_ssize_t priority) except -1:
+    cdef Py_ssize_t _level(self, object priority) except -1:
+        # (an object: a priority past Py_ssize_t is refused here by name, not an
+        # OverflowError at the call)
         if priority == 0:
             return self.default_level
         if not 1 <= priority <= self.levels:
@@ -345,7 +347,7 @@ cdef class BatchQueue:
         return r
 
     cpdef Request push(self, tuple arrays, Py_ssize_t rows, object future=None,
-                       double deadline=INFINITY, Py_ssize_t lane=0, Py_ssize_t priority=0):
+                       double deadline=INFINITY, Py_ssize_t lane=0, object priority=0):
         """Queue a prepared request (``InputHandler.prepare``'s arrays and rows) in
         ``lane`` at level ``priority`` (0: the default); None when its rows do not fit
         under ``max_queued_rows`` (requests whose callers gave up are dropped first, so
@@ -353,7 +355,7 @@ cdef class BatchQueue:
         cdef Py_ssize_t level = self._level(priority)
         return self._push(arrays, rows, future, _clock(), deadline, lane, level)
 
-    cpdef Request submit(self, object request, object timeout=None, Py_ssize_t priority=0):
+    cpdef Request submit(self, object request, object timeout=None, object priority=0):
         """Admit one request for serving: validate it, give it a future and a deadline
         ``timeout`` seconds from now (None: ``default_timeout``) and its priority level
         (``priority``; 0: ``default_level``), queue it, and kick the policy when

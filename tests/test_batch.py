@@ -348,6 +348,10 @@ def test_priority_levels_go_first_and_an_aged_request_before_them(impl):
     assert [int(p[0][0]) // 1000 for p in queue.take(10, 0.0).pieces] == [2, 4, 3, 5]
     with pytest.raises(ValueError, match="priority 4 is not a level of this model: 1"):
         queue.push(request(9, 1), 1, None, math.inf, 0, 4)
+    # (past a C integer too: the same refusal, not an OverflowError)
+    for huge in (2**63, -(2**64)):
+        with pytest.raises(ValueError, match=f"priority {huge} is not a level of this model"):
+            queue.push(request(9, 1), 1, None, math.inf, 0, huge)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
