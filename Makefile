@@ -113,7 +113,8 @@ debug: $(STAMP)
 	$(PY) -m pip install -q 'cython>=3.0.11' 'setuptools>=77'
 	PXRT_DEBUG=1 $(PY) setup.py build_ext --inplace --force
 
-STUBS := pxrt._batch pxrt._handlers pxrt._keys pxrt._slots serving.kserve._tensors serving.grpc._hpack
+STUBS := pxrt._batch pxrt._handlers pxrt._keys pxrt._slots serving.kserve._tensors serving.grpc._hpack \
+	serving.kserve._shmguard
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py

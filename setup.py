@@ -40,6 +40,7 @@ extensions = [
         "pxrt._slots",
         "serving.kserve._tensors",
         "serving.grpc._hpack",
+        "serving.kserve._shmguard",
     )
 ]
 

@@ -222,3 +222,164 @@ def test_shared_memory_parameters_are_checked_in_the_codec():
     registry = SharedMemory(unavailable="not here: --workers")
     with pytest.raises(RegionError, match="not here: --workers"):
         codec.decode_inputs(doc, memoryview(b""), None, registry.open)
+
+
+# --------------------------------------------------------------------------- hardening
+
+
+def _segment_path(key: str) -> str:
+    return os.path.join("/dev/shm", key.lstrip("/"))
+
+
+@pytest.fixture(scope="module")
+def paired(artifacts, tmp_path_factory):
+    """`pxrt serve` with mlp twice: ``pair``, whose batch goes once two rows wait (a
+    request waits for its neighbour), and ``mlp``, at once."""
+    from servers import ServeProcess
+
+    conf = tmp_path_factory.mktemp("paired") / "serve.toml"
+    conf.write_text(
+        f'[models.pair]\npath = "{artifacts["mlp"]}"\nmax_batch_size = 2\nmax_delay_us = 60000000\n'
+    )
+    proc = ServeProcess([str(artifacts["mlp"]), "--config", str(conf), "--allow-client-shm"])
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+def _queued(proc, model: str) -> float:
+    text = proc.get("/metrics", timeout=10).text
+    found = re.search(rf'^pxrt_queued_rows{{model="{model}"[^}}]*}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _until_queued(proc, model: str, rows: int) -> None:
+    """Wait (polling the server's gauge: nothing to await from here) until ``rows`` wait."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while _queued(proc, model) < rows:
+        assert time.monotonic() < deadline, f"{rows} rows never waited: {proc.output()[-2000:]}"
+        time.sleep(0.01)
+
+
+def test_a_segment_shrunk_under_a_request_is_a_400_and_its_neighbour_is_answered(paired, segment):
+    """A client that shrinks (ftruncate) its segment after registering it, while its
+    request waits for its batch (input read, then output written), and while requests
+    read it, gets a 400 that names the region: the server stays up (no SIGBUS), and the
+    request beside it in the batch is answered as plain JAX."""
+    import threading
+
+    client = httpclient.InferenceServerClient(paired.url.removeprefix("http://"), concurrency=2)
+    x = np.random.default_rng(4).standard_normal((1, 32), dtype=np.float32)
+    neighbour = np.random.default_rng(5).standard_normal((1, 32), dtype=np.float32)
+    plain = httpclient.InferInput("x", [1, 32], "FP32")
+    plain.set_data_from_numpy(neighbour)
+    try:
+        # Shrunk between the register and the request: refused at once.
+        key, handle = segment(4096)
+        name = _name()
+        client.register_system_shared_memory(name, key, 4096)
+        os.truncate(_segment_path(key), 1024)
+        with pytest.raises(InferenceServerException, match=f"'{name}'.*no longer holds"):
+            client.infer("mlp", [_x_input(httpclient, name, 128, shape=(1, 32))])
+
+        # Shrunk while the request waits for its neighbour: its input, then its output.
+        for where in ("input", "output"):
+            key, handle = segment(4096)
+            name = _name()
+            shm.set_shared_memory_region(handle, [x])
+            client.register_system_shared_memory(name, key, 4096)
+            if where == "input":
+                inputs, outputs = [_x_input(httpclient, name, 128, shape=(1, 32))], None
+            else:
+                inputs = [httpclient.InferInput("x", [1, 32], "FP32")]
+                inputs[0].set_data_from_numpy(x)
+                outputs = [httpclient.InferRequestedOutput("y")]
+                outputs[0].set_shared_memory(name, 1024, offset=2048)
+            shrunk = client.async_infer("pair", inputs, outputs=outputs)
+            _until_queued(paired, "pair", 1)
+            os.truncate(_segment_path(key), 0)
+            answered = client.async_infer("pair", [plain])
+            got = answered.get_result().as_numpy("y")
+            assert_matches({"y": got}, reference("mlp", {"x": neighbour}))
+            with pytest.raises(InferenceServerException) as info:
+                shrunk.get_result()
+            assert info.value.status() == "400", info.value
+            assert ("input 'x'" if where == "input" else "output 'y'") in info.value.message()
+            assert f"region '{name}'" in info.value.message() and "shrunk" in info.value.message()
+            client.unregister_system_shared_memory(name)
+
+        # Shrunk and grown back over and over while requests read and write it: each is
+        # answered or refused by name (a region that broke is registered again).
+        key, handle = segment(4096)
+        path, stop = _segment_path(key), threading.Event()
+        name, refused = _name(), 0
+        client.register_system_shared_memory(name, key, 4096)
+
+        def shrink():
+            while not stop.is_set():
+                os.truncate(path, 0)
+                os.truncate(path, 4096)
+
+        shrinker = threading.Thread(target=shrink)
+        shrinker.start()
+        try:
+            for _ in range(60):
+                out = httpclient.InferRequestedOutput("y")
+                out.set_shared_memory(name, 1024, offset=2048)
+                try:
+                    client.infer("mlp", [_x_input(httpclient, name, 128, shape=(1, 32))],
+                                 outputs=[out])  # fmt: skip
+                except InferenceServerException as exc:
+                    assert exc.status() == "400" and f"region '{name}'" in exc.message(), exc
+                    refused += 1
+                    client.unregister_system_shared_memory(name)
+                    name = _name()
+                    while True:  # (it may be shrunk right now: the register says so)
+                        try:
+                            client.register_system_shared_memory(name, key, 4096)
+                            break
+                        except InferenceServerException as again:
+                            assert f"region '{name}'" in again.message(), again
+        finally:
+            stop.set()
+            shrinker.join()
+        assert paired.proc.poll() is None, paired.output()[-2000:]
+        assert paired.get("/v2/health/live").status_code == 200
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+def test_a_read_or_write_of_a_shrunk_mapping_is_refused_by_name(tmp_path, monkeypatch):
+    """In process, both ways of reading a region: guarded mappings (the Cython module,
+    ``_shmguard``) and, without it, through the descriptor (``_shmguard_py``)."""
+    from serving.kserve import _shmguard_py
+    from serving.kserve import shm as shm_module
+
+    for guard in ([shm_module._guard, _shmguard_py] if shm_module._guard.PROTECTS else
+                  [_shmguard_py]):  # fmt: skip
+        monkeypatch.setattr(shm_module, "_guard", guard)
+        path = tmp_path / f"segment-{guard.PROTECTS}"
+        data = np.arange(4096, dtype=np.float32)
+        path.write_bytes(data.tobytes())
+        registry = SharedMemory(root=str(tmp_path))
+        registry.register("r", "/" + path.name, 0, data.nbytes)
+        spec = {"shared_memory_region": "r", "shared_memory_byte_size": 8192}
+        x = registry.open.tensor(spec, np.dtype(np.float32), (2048,), "input 'x'")
+        placed = registry.open.placed(spec, "output 'y'")
+        os.truncate(path, 0)
+        if guard.PROTECTS:  # the view reads zeros, the request is refused after it ran
+            assert not x[-2048:].any()
+            with pytest.raises(RegionError, match="input 'x': shared memory region 'r'"):
+                shm_module.check_read({"x": x})
+            with pytest.raises(RegionError, match="output 'y': .* 'r'.*shrunk"):
+                placed.write("y", np.ones(4, np.float32))
+        else:  # read before: the request holds its copy
+            np.testing.assert_array_equal(x, data[:2048])
+            with pytest.raises(RegionError, match="output 'y': .* 'r'.*shrunk"):
+                placed.write("y", np.ones(4, np.float32))
+        with pytest.raises(RegionError, match="input 'x': .*'r'.*shrunk"):
+            registry.open.tensor(spec, np.dtype(np.float32), (2048,), "input 'x'")
+        del x, placed
+        registry.close()

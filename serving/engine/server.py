@@ -81,7 +81,7 @@ class Server:
       allow_client_shm: serve Triton's system shared memory extension
         (``serving.kserve.shm``): clients on this host register POSIX shared memory and
         name it in requests. Off by default (Triton's ``--allow-client-shm``): a client
-        that registers a segment can crash the process by shrinking it mid-request.
+        that registers a segment reads and writes what the server's user may.
     """
 
     def __init__(

@@ -41,7 +41,7 @@ from ..errors import (
 from ..logs import printable
 from . import codec
 from .codec import ProtocolError
-from .shm import UnknownRegion
+from .shm import UnknownRegion, check_read, faults
 
 if TYPE_CHECKING:
     from ..tracing import Trace
@@ -351,9 +351,13 @@ class Pending:
     def finish(self, encode: Callable[[str, Any, InferRequest, dict], T]) -> T:
         """``encode(name, model, request, outputs)``'s reply once the future is done (and
         not cancelled), or the error it is answered with raised (an unexpected one
-        counted failed, logged once, raised as ``InternalError``)."""
+        counted failed, logged once, raised as ``InternalError``). A request that read
+        an input from a segment its client shrank meanwhile (read as zeros) is a 400."""
         try:
-            return encode(self.name, self.model, self.request, self.future.result())
+            outputs = self.future.result()
+            if faults():  # (a segment shrank under a request since start: this one's?)
+                check_read(self.request.inputs)
+            return encode(self.name, self.model, self.request, outputs)
         except (ServingError, ProtocolError):
             raise
         except Exception as exc:  # noqa: BLE001 - a bug: one line, a 500, the server goes on

@@ -17,10 +17,12 @@ What is checked, so a request never reads or writes outside what was registered:
   without following links, a regular file; the window must lie inside it;
 - an input's or output's ``[offset, offset + byte_size)`` must lie inside its region, and
   an input's byte size must be its tensor's (an output's must hold it);
-- each use checks that the segment still holds the window (a client that shrank its
-  segment gets a 400, not a server killed by SIGBUS; a client that shrinks it *while*
-  its request is read can still crash the server, as Triton's: register only segments
-  of clients you trust with the process, and restrict the API group ``shared-memory``);
+- a client that shrinks its segment cannot crash the server: each use checks the
+  segment's size, and a shrink *while* a request reads or writes the mapping (which
+  would be SIGBUS) is caught (``_shmguard``: the mapping becomes zeros, marked broken):
+  that request is a 400 naming the region, its neighbours in the batch are answered,
+  and the region is refused from then on. Without the Cython extensions, regions are
+  read and written through the segment's descriptor instead (a copy per read);
 - an unregistered region is gone for every request that comes after; a request that
   already holds its inputs keeps the mapping alive until it is answered (the memory is
   unmapped when the last view goes, never under a request), and its outputs are
@@ -39,17 +41,25 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable
-from typing import Any
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import numpy as np
+
+from pxrt._ext import twin
 
 from ..access import Restrictions
 from .codec import ProtocolError
 
+_guard = twin("serving.kserve._shmguard", "serving.kserve._shmguard_py")
+#: How many mappings broke under a request since the process started (``_shmguard``):
+#: while 0, no answered request needs its inputs checked again.
+faults: Callable[[], int] = _guard.faults
+
 GROUP = "shared-memory"  # the restricted API group (``serving.access``)
 ROOT = "/dev/shm"  # where shm_open's segments are, on Linux
-MAX_REGIONS = 1024  # regions registered at once (each holds a mapping and a descriptor)
+MAX_REGIONS = 1024  # regions registered at once (each holds a mapping or a descriptor)
 
 # What a server says without the extension.
 OFF = (
@@ -79,19 +89,31 @@ class UnknownRegion(RegionError):
 @dataclasses.dataclass(eq=False)
 class Region:
     """A registered window of a segment: ``byte_size`` bytes from ``offset`` of ``key``,
-    mapped (``view``: the window as bytes)."""
+    ``mapping`` (from ``start``: mappings start page-aligned) guarded by ``_shmguard``
+    in ``slot``; without the extensions, no mapping: read and written through ``fd``."""
 
     name: str
     key: str
     offset: int
     byte_size: int
-    mapping: mmap.mmap
-    start: int  # where the window begins in ``mapping`` (mappings start page-aligned)
+    mapping: mmap.mmap | None
+    start: int  # where the window begins in ``mapping``
+    slot: int = -1
+    fd: int = -1
     registered: bool = True
+    # Stops guarding the mapping, once (when it is unmapped: ``_unmap``, or its last view
+    # going).
+    unguard: Callable[[], Any] | None = dataclasses.field(default=None, repr=False)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size}  # fmt: skip
+
+    def _shrunk(self, what: str) -> RegionError:
+        return RegionError(
+            f"{what}: shared memory region {self.name!r}'s segment {self.key!r} no longer "
+            f"holds bytes {self.offset}..{self.offset + self.byte_size} (it was shrunk)"
+        )
 
     def _window(self, offset: int, size: int, what: str) -> int:
         """The mapping's offset of ``[offset, offset + size)`` of the region, checked."""
@@ -100,24 +122,31 @@ class Region:
                 f"{what}: bytes {offset}..{offset + size} are outside shared memory region "
                 f"{self.name!r} ({self.byte_size} bytes)"
             )
-        try:
-            held = self.mapping.size()  # the segment's size now (fstat)
+        try:  # the segment's size now
+            held = self.mapping.size() if self.mapping is not None else os.fstat(self.fd).st_size
         except (OSError, ValueError):
             held = -1
-        if self.offset + self.byte_size > held:
-            raise RegionError(
-                f"{what}: shared memory region {self.name!r}'s segment {self.key!r} no longer "
-                f"holds bytes {self.offset}..{self.offset + self.byte_size} (it was shrunk)"
-            )
+        if self.offset + self.byte_size > held or _guard.broken(self.slot):
+            raise self._shrunk(what)
         return self.start + offset
 
     def read(self, offset: int, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
-        """The tensor at ``offset`` of the region: a view (no copy)."""
+        """The tensor at ``offset`` of the region: a view (no copy; without the
+        extensions, a copy read through the descriptor)."""
         count = 1
         for d in shape:
             count *= d
         at = self._window(offset, count * dtype.itemsize, what)
-        return np.frombuffer(self.mapping, dtype, count, at).reshape(shape)
+        if self.mapping is not None:
+            return np.frombuffer(self.mapping, dtype, count, at).reshape(shape)
+        out = np.empty(shape, dtype)
+        try:
+            got = os.preadv(self.fd, [cast(Any, out)], self.offset + offset) if out.nbytes else 0
+        except OSError:
+            got = -1
+        if got != out.nbytes:  # (shrunk since the check)
+            raise self._shrunk(what)
+        return out
 
     def write(self, offset: int, size: int, arr: np.ndarray, what: str) -> None:
         """``arr``'s bytes at ``offset`` of the region, which has ``size`` bytes for it."""
@@ -131,7 +160,14 @@ class Region:
                 f"{what}: the output has {data.nbytes} bytes; shared_memory_byte_size gives {size}"
             )
         at = self._window(offset, size, what)
-        np.frombuffer(self.mapping, np.uint8, data.nbytes, at)[:] = data
+        if self.mapping is not None:
+            np.frombuffer(self.mapping, np.uint8, data.nbytes, at)[:] = data
+            if _guard.broken(self.slot):  # shrunk while written: the bytes went nowhere
+                raise self._shrunk(what)
+        elif data.nbytes:
+            # (through the descriptor, a segment shrunk since the check grows back, which
+            # cannot fault; the client that shrank it gets its bytes, or its 400 next time)
+            os.pwrite(self.fd, cast(Any, data), self.offset + offset)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +184,36 @@ class Placed:
         Triton's: no parameters over HTTP, an empty raw contents over gRPC, which
         Triton's C++ client, perf_analyzer's, requires)."""
         self.region.write(self.offset, self.byte_size, arr, f"output {name!r}")
+
+
+# The guarded mappings by id: their region's name, key and guard slot, for the views of
+# them that requests hold (kept until the mapping goes, which may be after its region).
+_MAPPED: dict[int, tuple[str, str, int]] = {}
+
+
+def _mapped(arr: Any) -> tuple[str, str, int] | None:
+    """What ``arr`` is a view of, if of a region's mapping (the client's memory)."""
+    base = arr
+    while type(base) is np.ndarray:
+        base = base.base
+    if type(base) is memoryview:
+        base = base.obj
+    return _MAPPED.get(id(base)) if type(base) is mmap.mmap else None
+
+
+def check_read(inputs: Mapping[str, Any]) -> None:
+    """Refuse a request that read an input from a region whose segment shrank under it
+    (read as zeros: ``_shmguard``), once it ran: only it, not its batch."""
+    if not _MAPPED:
+        return
+    for name, arr in inputs.items():
+        seen = _mapped(arr)
+        if seen is not None and _guard.broken(seen[2]):
+            region, key, _ = seen
+            raise RegionError(
+                f"input {name!r}: shared memory region {region!r}'s segment {key!r} was "
+                "shrunk while the request read it"
+            )
 
 
 class SharedMemory:
@@ -220,11 +286,7 @@ class SharedMemory:
                 region = self._regions.pop(name, None)
                 gone = [] if region is None else [region]  # (none: done, as Triton's)
         for region in gone:
-            region.registered = False
-            try:
-                region.mapping.close()
-            except BufferError:  # a request still views it: unmapped when the views go
-                pass
+            _unmap(region)
 
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         """Region ``name``'s registration (None: every region's)."""
@@ -323,7 +385,8 @@ def _int(params: Any, key: str, what: str, default: int | None) -> int:
 
 
 def _map(name: str, key: str, path: str, offset: int, byte_size: int) -> Region:
-    """Map ``[offset, offset + byte_size)`` of the segment at ``path``."""
+    """Map ``[offset, offset + byte_size)`` of the segment at ``path``, guarded (without
+    the extensions: keep its descriptor)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -339,11 +402,55 @@ def _map(name: str, key: str, path: str, offset: int, byte_size: int) -> Region:
                 f"region {name!r}: segment {key!r} has {info.st_size} bytes; offset {offset} + "
                 f"byte_size {byte_size} goes past its end"
             )
+        if not _guard.PROTECTS:
+            region = Region(name, key, offset, byte_size, None, 0, fd=fd)
+            weakref.finalize(region, os.close, fd)  # (a Placed may outlive the unregister)
+            fd = -1
+            return region
         start = offset % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
+        try:
+            mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
+        except (OSError, ValueError) as exc:  # (shrunk since the fstat: mmap checks again)
+            raise RegionError(
+                f"region {name!r}: cannot map segment {key!r}'s bytes {offset}.."
+                f"{offset + byte_size}: {exc}"
+            ) from None
     finally:
-        os.close(fd)
-    return Region(name, key, offset, byte_size, mapping, start)
+        if fd >= 0:
+            os.close(fd)
+    slot = _guard.protect(mapping)
+    if slot < 0:
+        mapping.close()
+        raise RegionError(
+            f"region {name!r}: {_guard.SLOTS} shared memory mappings are held (regions, and "
+            "unregistered ones that requests still read): unregister some first"
+        )
+    _MAPPED[id(mapping)] = (name, key, slot)
+    # Guarded until the mapping is unmapped: at the unregister, or once the last view a
+    # request holds goes (a finalizer runs once: the slot is not released twice).
+    unguard = weakref.finalize(mapping, _forget, id(mapping), slot)
+    return Region(name, key, offset, byte_size, mapping, start, slot, unguard=unguard)
 
 
-__all__ = ["Placed", "Region", "RegionError", "Regions", "SharedMemory", "UnknownRegion"]
+def _forget(ident: int, slot: int) -> None:
+    del _MAPPED[ident]
+    _guard.release(slot)
+
+
+def _unmap(region: Region) -> None:
+    """``region`` is no longer registered: unmapped now, or when requests' views go."""
+    region.registered = False
+    mapping = region.mapping
+    if mapping is None:
+        return
+    try:
+        mapping.close()
+    except BufferError:  # a request still views it: unmapped when the views go
+        return
+    if region.unguard is not None:
+        region.unguard()
+
+
+__all__ = [
+    "Placed", "Region", "RegionError", "Regions", "SharedMemory", "UnknownRegion", "check_read",
+]  # fmt: skip
