@@ -231,6 +231,45 @@ def _segment_path(key: str) -> str:
     return os.path.join("/dev/shm", key.lstrip("/"))
 
 
+def test_a_cached_answer_is_kept_under_the_bytes_that_ran(served, segment):
+    """The response cache and a client racing its own region: it asks for ``a`` through
+    its region while rewriting it (``a`` or ``b``), so what the server hashed and what
+    the batch read could differ; whoever then asks for ``a`` (as JSON, no region) must get
+    ``a``'s answer: plain JAX on ``a``, every round."""
+    import threading
+
+    client = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
+    key, handle = segment(1024)
+    name = _name()
+    client.register_system_shared_memory(name, key, 1024)
+    rng = np.random.default_rng(48)
+    try:
+        for _ in range(30):
+            a, b = rng.standard_normal((2, 1, 32), dtype=np.float32)
+            shm.set_shared_memory_region(handle, [a])
+            stop = threading.Event()
+
+            def rewrite(a=a, b=b, stop=stop):
+                while not stop.is_set():
+                    shm.set_shared_memory_region(handle, [b])
+                    shm.set_shared_memory_region(handle, [a])
+
+            writer = threading.Thread(target=rewrite)
+            writer.start()
+            try:
+                client.infer("cached", [_x_input(httpclient, name, 128, shape=(1, 32))])
+            finally:
+                stop.set()
+                writer.join()
+            asked = httpclient.InferInput("x", [1, 32], "FP32")
+            asked.set_data_from_numpy(a, binary_data=False)
+            got = client.infer("cached", [asked]).as_numpy("y")
+            assert_matches({"y": got}, reference("mlp", {"x": a}))
+    finally:
+        client.unregister_system_shared_memory(name)
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def paired(artifacts, tmp_path_factory):
     """`pxrt serve` with mlp twice: ``pair``, whose batch goes once two rows wait (a

@@ -7,7 +7,10 @@ eviction (``cachetools.LRUCache``), shared by the models that enable it
 serves that version: a version loaded again starts empty) and a BLAKE2b digest of its
 inputs, names, dtypes, shapes and bytes: a cryptographic hash, so no client can make a
 request that collides with another client's to read or poison its answer. Only answers
-that succeeded are kept; requests with object (string) tensors are never cached.
+that succeeded are kept; requests with object (string) tensors are never cached. Inputs
+in a client's shared memory (``serving.kserve.shm``), which the client can rewrite until
+its batch reads them, are copied before they are hashed: the copy is what runs, so an
+answer is only ever kept under the bytes that produced it.
 
 ``CachedEntry`` stands in front of a model's queue: ``submit`` answers a hit at once (a
 done future) and queues a miss, keeping its answer once it comes.
@@ -25,6 +28,8 @@ from typing import Any, cast
 
 import cachetools
 import numpy as np
+
+from ..kserve.shm import private
 
 _clock = time.perf_counter
 
@@ -135,11 +140,10 @@ class CachedEntry:
             # must not answer a request that a miss would refuse.
             return queue.submit(request, timeout, priority)
         t0 = _clock()
-        digest = (
-            request_digest(request)
-            if type(request) is dict or isinstance(request, Mapping)
-            else None
-        )
+        digest = None
+        if type(request) is dict or isinstance(request, Mapping):
+            request = private(request)  # (hashed as it runs: see the module)
+            digest = request_digest(request)
         if digest is None:
             return self.queue.submit(request, timeout, priority)
         key = (self.owner, digest)

@@ -216,6 +216,20 @@ def check_read(inputs: Mapping[str, Any]) -> None:
             )
 
 
+def private(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``inputs`` with those in a client's shared memory copied (the same mapping when
+    none is): what a response cache hashes must be what runs, and the client can
+    rewrite its region until the batch reads it."""
+    if not _MAPPED or not any(_mapped(arr) is not None for arr in inputs.values()):
+        return inputs
+    out = dict(inputs)
+    for name, arr in inputs.items():
+        if _mapped(arr) is not None:
+            out[name] = arr.copy()
+    check_read(inputs)  # (a copy of a segment shrunk meanwhile is zeros)
+    return out
+
+
 class SharedMemory:
     """The regions registered with a server (``Server.shared_memory``), for every front
     end: HTTP and gRPC share them. ``unavailable``: why this process serves none (a
@@ -453,4 +467,5 @@ def _unmap(region: Region) -> None:
 
 __all__ = [
     "Placed", "Region", "RegionError", "Regions", "SharedMemory", "UnknownRegion", "check_read",
+    "private",
 ]  # fmt: skip
