@@ -258,6 +258,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "SystemSharedMemory*): local clients register POSIX shared memory and name it in "
         "requests; only for clients you trust with the process (Triton's flag; default off)",
     )  # fmt: skip
+    access.add_argument(
+        "--allow-remote-shm", action="store_true",
+        help="with --allow-client-shm: take shared memory registrations from clients on "
+        "other hosts too (default: from loopback only; a remote client cannot use this "
+        "host's memory, only reach into it)",
+    )  # fmt: skip
     access.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS and gRPC over TLS "
                         "with this certificate (chain) and --tls-key")  # fmt: skip
     access.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")

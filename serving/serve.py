@@ -82,6 +82,7 @@ class _Setup:
             response_cache_mb=args.response_cache_mb,
             tracing=tracing(args),
             allow_client_shm=args.allow_client_shm,
+            allow_remote_shm=args.allow_remote_shm,
         )
         self.repository: Any = None
         self.poller: list[asyncio.Future] = []

@@ -422,3 +422,68 @@ def test_a_read_or_write_of_a_shrunk_mapping_is_refused_by_name(tmp_path, monkey
             registry.open.tensor(spec, np.dtype(np.float32), (2048,), "input 'x'")
         del x, placed
         registry.close()
+
+
+def test_pxrt_s_own_segments_and_remote_clients_are_refused(run, artifacts):
+    """A --workers server's tensors (any pxrt process's segments) are never a client's
+    to register; a client on another host may not register unless the server allows it
+    (--allow-remote-shm)."""
+    import httpx
+
+    import pxrt
+    from serving import Server
+    from serving.grpc import native, service
+    from serving.http.app import create_app
+    from serving.kserve.shm import OWN_PREFIX
+    from serving.workers import ipc
+
+    arena = ipc.Arena(4096)
+    try:
+        assert arena.name.startswith(OWN_PREFIX)
+        with pytest.raises(RegionError, match="one of pxrt's own"):
+            SharedMemory().register("r", "/" + arena.name, 0, 4096)
+    finally:
+        arena.close()
+
+    assert [service._local_peer(p) for p in (
+        "ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000", "ipv6:[::ffff:127.0.0.1]:1", "unix:",
+        "ipv4:10.1.2.3:5000", "ipv6:[2001:db8::1]:5000", "", None,
+    )] == [True] * 4 + [False] * 4  # fmt: skip
+
+    class Transport:
+        def __init__(self, address):
+            self.address = address
+
+        def get_extra_info(self, name):
+            return self.address
+
+    assert [service._local_peer(native._peer(Transport(a))) for a in (
+        ("127.0.0.1", 1), ("::1", 1, 0, 0), "", ("10.1.2.3", 1), None,
+    )] == [True] * 3 + [False] * 2  # fmt: skip
+
+    model = pxrt.load(artifacts["mlp"])
+    key = f"/pxrt-test-{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region(key[1:], key, 1024)
+
+    async def main():
+        for remote in (False, True):
+            async with Server(allow_client_shm=True, allow_remote_shm=remote) as server:
+                server.add_model("mlp", model)
+                for peer, allowed in ((("127.0.0.1", 1), True), (("192.0.2.7", 1), remote)):
+                    transport = httpx.ASGITransport(app=create_app(server), client=peer)
+                    async with httpx.AsyncClient(transport=transport, base_url="http://p") as h:
+                        r = await h.post(
+                            "/v2/systemsharedmemory/region/r/register",
+                            json={"key": key, "offset": 0, "byte_size": 1024},
+                        )
+                        if allowed:
+                            assert r.status_code == 200, r.text
+                            await h.post("/v2/systemsharedmemory/region/r/unregister")
+                        else:
+                            assert r.status_code == 403, r.text
+                            assert "--allow-remote-shm" in r.json()["error"]
+
+    try:
+        run(main)
+    finally:
+        shm.destroy_shared_memory_region(handle)

@@ -82,6 +82,8 @@ class Server:
         (``serving.kserve.shm``): clients on this host register POSIX shared memory and
         name it in requests. Off by default (Triton's ``--allow-client-shm``): a client
         that registers a segment reads and writes what the server's user may.
+      allow_remote_shm: with ``allow_client_shm``, take registrations from clients on
+        other hosts too (``--allow-remote-shm``; default: from loopback only).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class Server:
         response_cache_mb: float = 256,
         tracing: Tracing | None = None,
         allow_client_shm: bool = False,
+        allow_remote_shm: bool = False,
     ) -> None:
         if not (isinstance(response_cache_mb, (int, float)) and response_cache_mb >= 0):
             raise ValueError(f"response_cache_mb must be a number >= 0, got {response_cache_mb!r}")
@@ -100,7 +103,9 @@ class Server:
         #: Which requests are traced (the front ends ask it), or None.
         self.tracing = tracing
         #: The system shared memory regions clients registered (every front end's).
-        self.shared_memory = SharedMemory(None if allow_client_shm else SHM_OFF)
+        self.shared_memory = SharedMemory(
+            None if allow_client_shm else SHM_OFF, allow_remote=allow_remote_shm
+        )
         #: What one generation request may ask (its stop strings...), every protocol.
         self.generation_limits = generation_limits
         self._failed: str | None = None

@@ -168,13 +168,18 @@ class Abort(Exception):
 class Context:
     """What ``GRPCService``'s coroutines read of a call (as of grpc.aio's context)."""
 
-    __slots__ = ("code", "details", "headers", "remaining")
+    __slots__ = ("address", "code", "details", "headers", "remaining")
 
-    def __init__(self, headers: list, remaining: float | None) -> None:
+    def __init__(self, headers: list, remaining: float | None, address: str = "") -> None:
         self.headers = headers
         self.remaining = remaining
+        self.address = address
         self.code: Any = None
         self.details = ""
+
+    def peer(self) -> str:
+        """The client's address as grpcio says it (``ipv4:127.0.0.1:port``...)."""
+        return self.address
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return [
@@ -231,11 +236,12 @@ def methods(service: GRPCService | None) -> dict[bytes, Method]:
 
 
 async def run_method(
-    method: Method, data: bytes, headers: list, remaining: float | None
+    method: Method, data: bytes, headers: list, remaining: float | None, peer: str = ""
 ) -> tuple[int, str, bytes]:
     """Run a method that ``GRPCService`` answers (not inference): its status code, its
-    message, and its response message serialized (when the code is OK)."""
-    context = Context(headers, remaining)
+    message, and its response message serialized (when the code is OK). ``peer``: the
+    client's address, as grpcio's ``context.peer()`` ("": not known)."""
+    context = Context(headers, remaining, peer)
     try:
         response = await method.impl(method.parse(data), context)
     except Abort as exc:
@@ -247,6 +253,17 @@ async def run_method(
         status = core.answer(exc, method.name)
         return _CODES[status.grpc], status.message, b""
     return _OK, "", method.serialize(response)
+
+
+def _peer(transport: Any) -> str:
+    """A connection's client address, as grpcio writes it (``Context.peer``)."""
+    address = transport.get_extra_info("peername") if transport is not None else None
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[0], address[1]
+        return f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
+    if isinstance(address, str):  # (a Unix socket's path)
+        return f"unix:{address}"
+    return ""
 
 
 # --------------------------------------------------------------------------- calls
@@ -705,8 +722,14 @@ class GrpcProtocol(h2.H2Protocol[Call]):
 
     async def _unary(self, call: Call, method: Method, remaining: float | None) -> None:
         data, call.message = call.message, None
-        run = self.owner.forward or run_method
-        code, message, body = await run(method, bytes(data), call.headers, remaining)
+        if self.owner.forward is not None:  # (a worker: the device process answers)
+            code, message, body = await self.owner.forward(
+                method, bytes(data), call.headers, remaining
+            )
+        else:
+            code, message, body = await run_method(
+                method, bytes(data), call.headers, remaining, _peer(self.transport)
+            )
         if code == _OK:
             self.respond(call, [body])
         else:

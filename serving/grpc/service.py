@@ -32,6 +32,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import grpc
 import numpy as np
@@ -212,8 +213,9 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         try:
             self.server.shared_memory.register(
-                request.name, request.key, request.offset, request.byte_size
-            )
+                request.name, request.key, request.offset, request.byte_size,
+                local=_local_peer(context.peer()),
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - answered with its status code
             await self._abort(context, exc, "SystemSharedMemoryRegister")
         return pb.SystemSharedMemoryRegisterResponse()
@@ -419,6 +421,19 @@ def _metadata(context: Any) -> Callable[[str], list[str]]:
     """A call's metadata values by (lower-case) key (``Restrictions.check``'s)."""
     pairs = list(context.invocation_metadata() or ())
     return lambda name: [v for k, v in pairs if k == name]
+
+
+def _local_peer(peer: Any) -> bool:
+    """Whether a call's ``peer`` (gRPC's form: ``ipv4:127.0.0.1:port``,
+    ``ipv6:[::1]:port``, its brackets maybe %-escaped, ``unix:path``) is on this host."""
+    if not isinstance(peer, str):
+        return False
+    scheme, _, address = peer.partition(":")
+    if scheme.startswith("unix"):
+        return True
+    if scheme not in ("ipv4", "ipv6"):
+        return False
+    return shm.local_peer(unquote(address).rpartition(":")[0])
 
 
 def _checked(method: Any, group: str | None, restrictions: Restrictions) -> Any:

@@ -401,9 +401,11 @@ async def shm_register(request: Request) -> Response:
     if unknown:
         raise ProtocolError(f"unknown fields {sorted(unknown)}; expected key, offset, byte_size")
     name = request.path_params["region"]
+    client = request.client
     _control(request).shared_memory.register(
-        name, doc.get("key"), doc.get("offset", 0), doc.get("byte_size")
-    )
+        name, doc.get("key"), doc.get("offset", 0), doc.get("byte_size"),
+        local=shm.local_peer(client.host if client is not None else None),
+    )  # fmt: skip
     return _json({})
 
 

@@ -14,7 +14,11 @@ only, as Triton answers it).
 What is checked, so a request never reads or writes outside what was registered:
 
 - a key names one segment of ``/dev/shm`` (no path: ``/name`` or ``name``), opened
-  without following links, a regular file; the window must lie inside it;
+  without following links, a regular file; the window must lie inside it. pxrt's own
+  segments (``OWN_PREFIX``: a ``--workers`` server's tensors, of any pxrt process) are
+  refused, and so is a registration from another host (not loopback) unless the server
+  allows it (``--allow-remote-shm``): such a client cannot use the memory, only reach
+  into this host's;
 - an input's or output's ``[offset, offset + byte_size)`` must lie inside its region, and
   an input's byte size must be its tensor's (an output's must hold it);
 - a client that shrinks its segment cannot crash the server: each use checks the
@@ -37,6 +41,7 @@ nor write them.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import mmap
 import os
 import stat
@@ -49,7 +54,7 @@ import numpy as np
 
 from pxrt._ext import twin
 
-from ..access import Restrictions
+from ..access import Forbidden, Restrictions
 from .codec import ProtocolError
 
 _guard = twin("serving.kserve._shmguard", "serving.kserve._shmguard_py")
@@ -60,6 +65,9 @@ faults: Callable[[], int] = _guard.faults
 GROUP = "shared-memory"  # the restricted API group (``serving.access``)
 ROOT = "/dev/shm"  # where shm_open's segments are, on Linux
 MAX_REGIONS = 1024  # regions registered at once (each holds a mapping or a descriptor)
+# How every pxrt process names the segments it makes itself (``serving.workers.ipc``: a
+# --workers server's tensors): never a client's to register.
+OWN_PREFIX = "pxrt-ipc-"
 
 # What a server says without the extension.
 OFF = (
@@ -230,15 +238,32 @@ def private(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
+def local_peer(host: Any) -> bool:
+    """Whether a client at ``host`` (its IP address as a string; None: not known) is on
+    this host: a loopback address."""
+    if not isinstance(host, str):
+        return False
+    try:
+        address = ipaddress.ip_address(host.strip("[]").partition("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # (::ffff:127.0.0.1)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
 class SharedMemory:
     """The regions registered with a server (``Server.shared_memory``), for every front
     end: HTTP and gRPC share them. ``unavailable``: why this process serves none (a
     ``--workers`` worker: its requests and registrations would meet different tables),
-    said to every request that names one."""
+    said to every request that names one. ``allow_remote``: take registrations from
+    clients on other hosts too (``--allow-remote-shm``)."""
 
-    def __init__(self, unavailable: str | None = None, root: str = ROOT) -> None:
+    def __init__(
+        self, unavailable: str | None = None, root: str = ROOT, allow_remote: bool = False
+    ) -> None:
         self.unavailable = unavailable
         self.root = root
+        self.allow_remote = allow_remote
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()  # (registrations may come from several loops)
         self.open = Regions(self)
@@ -247,9 +272,18 @@ class SharedMemory:
         if self.unavailable:
             raise RegionError(self.unavailable)
 
-    def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
-        """Map ``byte_size`` bytes from ``offset`` of segment ``key`` as region ``name``."""
+    def register(
+        self, name: Any, key: Any, offset: Any, byte_size: Any, local: bool = True
+    ) -> None:
+        """Map ``byte_size`` bytes from ``offset`` of segment ``key`` as region ``name``;
+        ``local``: whether the client is on this host."""
         self._refuse()
+        if not local and not self.allow_remote:
+            raise Forbidden(
+                f"region {name!r:.80}: shared memory is registered from this host only "
+                "(a client on another host cannot use it, only reach into this host's): "
+                "connect over loopback, or start pxrt serve with --allow-remote-shm"
+            )
         if not isinstance(name, str) or not name or len(name) > 256:
             raise RegionError(
                 f"a region's name must be a string of 1 to 256 characters, got {name!r:.80}"
@@ -285,6 +319,11 @@ class SharedMemory:
             raise RegionError(
                 f"region {name!r}: key must name a shared memory segment ('/name', as "
                 f"shm_open takes it), got {key!r:.80}"
+            )
+        if bare.startswith(OWN_PREFIX):
+            raise RegionError(
+                f"region {name!r}: segment {key!r:.80} is one of pxrt's own (a --workers "
+                f"server's tensors: {OWN_PREFIX}*), not a client's"
             )
         return os.path.join(self.root, bare)
 
@@ -467,5 +506,5 @@ def _unmap(region: Region) -> None:
 
 __all__ = [
     "Placed", "Region", "RegionError", "Regions", "SharedMemory", "UnknownRegion", "check_read",
-    "private",
+    "local_peer", "private",
 ]  # fmt: skip

@@ -25,6 +25,7 @@ refusal, then its tokens as they come, then its end).
 
 from __future__ import annotations
 
+import secrets
 import struct
 from bisect import bisect_left, insort
 from multiprocessing import shared_memory
@@ -33,6 +34,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy: np.dtype("bfloat16")
 import msgspec
 import numpy as np
+
+from ..kserve.shm import OWN_PREFIX
 
 SHARED_MIN = 64 << 10  # tensors at least this large cross through shared memory
 _LENGTH = struct.Struct("<I")
@@ -261,6 +264,18 @@ class Reader:
 _OWNED: set[str] = set()  # the arenas this process made
 
 
+def _create(size: int) -> shared_memory.SharedMemory:
+    """A new segment named as every pxrt process names its own (``shm.OWN_PREFIX``), so
+    that no pxrt server lets a client register it (--allow-client-shm)."""
+    while True:
+        try:
+            return shared_memory.SharedMemory(
+                name=OWN_PREFIX + secrets.token_hex(8), create=True, size=size
+            )
+        except FileExistsError:  # (as multiprocessing's own names: another one)
+            continue
+
+
 class Arena:
     """One side's shared memory for the tensors it sends: first-fit allocation over a
     sorted free list (coalesced as it is freed). ``attach`` opens the other side's."""
@@ -268,7 +283,10 @@ class Arena:
     ALIGN = 64
 
     def __init__(self, size: int, name: str | None = None) -> None:
-        self.shm = shared_memory.SharedMemory(name=name, create=name is None, size=size)
+        if name is None:
+            self.shm = _create(size)
+        else:
+            self.shm = shared_memory.SharedMemory(name=name, size=size)
         self.size = self.shm.size
         self.owner = name is None
         if self.owner:
