@@ -15,7 +15,10 @@ gRPC (the header is gRPC metadata there), before anything else is looked at. The
 - ``shared-memory``: system shared memory (register, unregister, status), and the use
   of a region by an inference request (``serving.kserve.shm``).
 
-A group is restricted by one key; several groups may share one. Keys are compared in
+A group is restricted by a key; several groups may share one, and a group may take
+several values of its header (the flag repeated: ``shared-memory:shm-key=A`` and
+``shared-memory:shm-key=B``), any of which opens it: the ``shared-memory`` group gives
+each its own regions (``holder`` says which key a request holds). Keys are compared in
 constant time. This is an access key, not a user system: keep the value secret, send it
 over TLS, and rotate it by restarting.
 
@@ -54,16 +57,18 @@ class KeyRepeated(ServingError):
 
 @dataclasses.dataclass(frozen=True)
 class Restrictions:
-    """Per restricted group: the header (lower case) and the value it must carry."""
+    """Per restricted group: the header (lower case) and the values it may carry (one
+    of them: the group's keys)."""
 
-    keys: Mapping[str, tuple[str, bytes]] = dataclasses.field(
+    keys: Mapping[str, tuple[str, tuple[bytes, ...]]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({})
     )
 
     @classmethod
     def parse(cls, specs: Iterable[str]) -> Restrictions:
-        """From ``GROUP[,GROUP...]:HEADER=VALUE`` strings (``--restricted-api``)."""
-        keys: dict[str, tuple[str, bytes]] = {}
+        """From ``GROUP[,GROUP...]:HEADER=VALUE`` strings (``--restricted-api``); a group
+        given again with its header takes another key."""
+        keys: dict[str, tuple[str, tuple[bytes, ...]]] = {}
         for spec in specs:
             groups, sep, key = spec.partition(":")
             header, eq, value = key.partition("=")
@@ -81,9 +86,14 @@ class Restrictions:
                         f"--restricted-api {spec!r}: no API group {group!r} "
                         f"(groups: {', '.join(GROUPS)})"
                     )
-                if group in keys:
-                    raise OptionError(f"--restricted-api: group {group!r} is restricted twice")
-                keys[group] = (header, value.encode())
+                had, values = keys.get(group, (header, ()))
+                if had != header:
+                    raise OptionError(
+                        f"--restricted-api: group {group!r} is restricted twice, by headers "
+                        f"{had!r} and {header!r}: give its keys in one header"
+                    )
+                if value.encode() not in values:
+                    keys[group] = (header, (*values, value.encode()))
         return cls(MappingProxyType(keys))
 
     def __bool__(self) -> bool:
@@ -91,20 +101,31 @@ class Restrictions:
 
     def check(self, group: str, values: Callable[[str], Sequence[str | bytes]]) -> None:
         """Raise ``Forbidden`` unless ``group`` is open or ``values(name)`` (the
-        request's values of a header: none, one, or more) is its key, once
+        request's values of a header: none, one, or more) is one of its keys, once
         (``KeyRepeated`` if the header comes more than once)."""
+        self.holder(group, values)
+
+    def holder(self, group: str, values: Callable[[str], Sequence[str | bytes]]) -> int | None:
+        """Which of ``group``'s keys the request holds (its index, in the order given;
+        None: the group is open), as ``check`` raises otherwise."""
         key = self.keys.get(group)
         if key is None:
-            return
-        name, want = key
+            return None
+        name, wants = key
         got = values(name)
         if len(got) > 1:
             raise KeyRepeated(f"the {name!r} header was sent {len(got)} times: send it once")
         value = got[0] if got else None
         if isinstance(value, str):
             value = value.encode("latin-1", "replace")
-        if value is None or not hmac.compare_digest(value, want):
+        held = None
+        if value is not None:
+            for i, want in enumerate(wants):  # (every key compared: the time says none)
+                if hmac.compare_digest(value, want) and held is None:
+                    held = i
+        if held is None:
             raise Forbidden(f"the {group} API is restricted: send its key in the {name!r} header")
+        return held
 
 
 def header_values(headers: Sequence[tuple[bytes, bytes]]) -> Callable[[str], list[bytes]]:

@@ -487,3 +487,74 @@ def test_pxrt_s_own_segments_and_remote_clients_are_refused(run, artifacts):
         run(main)
     finally:
         shm.destroy_shared_memory_region(handle)
+
+
+def test_a_region_belongs_to_the_key_that_registered_it(run, artifacts):
+    """Two keys of the ``shared-memory`` group: each has its own region names. The
+    second cannot see, use, replace or unregister the first's region (it registers a
+    region of the same name: its own), so the first's outputs land in its own segment."""
+    import httpx
+
+    import pxrt
+    from serving import Server
+    from serving.access import Restrictions
+    from serving.http.app import create_app
+
+    restrictions = Restrictions.parse(["shared-memory:shm-key=alice", "shared-memory:shm-key=bob"])
+    model = pxrt.load(artifacts["mlp"])
+    keys = [f"/pxrt-test-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    handles = [shm.create_shared_memory_region(k[1:], k, 4096) for k in keys]
+    x = np.random.default_rng(7).standard_normal((1, 32), dtype=np.float32)
+    shm.set_shared_memory_region(handles[0], [x])
+    alice, bob = {"shm-key": "alice"}, {"shm-key": "bob"}
+    request = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "parameters": {
+            "shared_memory_region": "out", "shared_memory_byte_size": 128}}],
+        "outputs": [{"name": "y", "parameters": {
+            "shared_memory_region": "out", "shared_memory_byte_size": 1024,
+            "shared_memory_offset": 2048}}],
+    }  # fmt: skip
+
+    async def main():
+        async with Server(allow_client_shm=True) as server:
+            server.add_model("mlp", model)
+            app = create_app(server, restrictions=restrictions)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://p") as h:
+
+                async def post(path, headers, **kw):
+                    return await h.post("/v2/systemsharedmemory" + path, headers=headers, **kw)
+
+                def register(k):
+                    return {"json": {"key": k, "offset": 0, "byte_size": 4096}}
+
+                assert (await post("/region/out/register", alice, **register(keys[0]))).is_success
+                # Bob: no such region for him; his unregister is nothing to do.
+                r = await h.get("/v2/systemsharedmemory/region/out/status", headers=bob)
+                assert r.status_code == 404 and "no shared memory region 'out'" in r.text
+                r = await h.post("/v2/models/mlp/infer", json=request, headers=bob)
+                assert r.status_code == 404 and "no shared memory region 'out'" in r.text
+                assert (await post("/region/out/unregister", bob)).is_success
+                assert (await post("/unregister", bob)).is_success
+                # ... and his own "out" (his segment), which Alice's requests never reach.
+                assert (await post("/region/out/register", bob, **register(keys[1]))).is_success
+                r = await h.post("/v2/models/mlp/infer", json=request, headers=alice)
+                assert r.status_code == 200, r.text
+                for who, k in ((alice, keys[0]), (bob, keys[1])):
+                    r = await h.get("/v2/systemsharedmemory/status", headers=who)
+                    assert [s["key"] for s in r.json()] == [k]
+                assert (await post("/unregister", bob)).is_success
+                assert (await h.get("/v2/systemsharedmemory/status", headers=bob)).json() == []
+                assert len((await h.get("/v2/systemsharedmemory/status", headers=alice)).json())
+                r = await h.post("/v2/models/mlp/infer", json=request)  # no key: 403
+                assert r.status_code == 403, r.text
+
+    try:
+        run(main)
+        y = shm.get_contents_as_numpy(handles[0], np.float32, [1, 32], offset=2048).copy()
+        assert_matches({"y": y}, reference("mlp", {"x": x}))
+        untouched = shm.get_contents_as_numpy(handles[1], np.uint8, [4096]).copy()
+        assert not untouched.any()
+    finally:
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)

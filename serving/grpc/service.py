@@ -198,9 +198,13 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     # ------------------------------------------------------------------ shared memory
 
+    def _regions(self, context: Any) -> shm.Regions:
+        """The shared memory regions of the key the call holds."""
+        return self.server.shared_memory.for_request(self.restrictions, _metadata(context))
+
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         try:
-            regions = self.server.shared_memory.status(request.name or None)
+            regions = self._regions(context).status(request.name or None)
         except Exception as exc:  # noqa: BLE001 - answered with its status code
             await self._abort(context, exc, "SystemSharedMemoryStatus")
         response = pb.SystemSharedMemoryStatusResponse()
@@ -212,7 +216,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         try:
-            self.server.shared_memory.register(
+            self._regions(context).register(
                 request.name, request.key, request.offset, request.byte_size,
                 local=_local_peer(context.peer()),
             )  # fmt: skip
@@ -222,7 +226,7 @@ class GRPCService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         try:
-            self.server.shared_memory.unregister(request.name or None)
+            self._regions(context).unregister(request.name or None)
         except Exception as exc:  # noqa: BLE001 - answered with its status code
             await self._abort(context, exc, "SystemSharedMemoryUnregister")
         return pb.SystemSharedMemoryUnregisterResponse()

@@ -402,7 +402,7 @@ async def shm_register(request: Request) -> Response:
         raise ProtocolError(f"unknown fields {sorted(unknown)}; expected key, offset, byte_size")
     name = request.path_params["region"]
     client = request.client
-    _control(request).shared_memory.register(
+    _regions(request).register(
         name, doc.get("key"), doc.get("offset", 0), doc.get("byte_size"),
         local=shm.local_peer(client.host if client is not None else None),
     )  # fmt: skip
@@ -411,13 +411,20 @@ async def shm_register(request: Request) -> Response:
 
 @_endpoint
 async def shm_unregister(request: Request) -> Response:
-    _control(request).shared_memory.unregister(request.path_params.get("region"))
+    _regions(request).unregister(request.path_params.get("region"))
     return _json({})
 
 
 @_endpoint
 async def shm_status(request: Request) -> Response:
-    return _json(_control(request).shared_memory.status(request.path_params.get("region")))
+    return _json(_regions(request).status(request.path_params.get("region")))
+
+
+def _regions(request: Request) -> Regions:
+    """The shared memory regions of the key the request holds (``shm.Regions``)."""
+    return _control(request).shared_memory.for_request(
+        _state(request).restrictions, request.headers.getlist
+    )
 
 
 @_endpoint

@@ -33,9 +33,10 @@ What is checked, so a request never reads or writes outside what was registered:
   refused if their region was unregistered meanwhile.
 
 With ``--restricted-api shared-memory:HEADER=VALUE``, registering, unregistering and
-status need the key, and so does an inference request that names a region: the regions
-belong to whoever holds that key, and an inference client without it can neither read
-nor write them.
+status need the key, and so does an inference request that names a region. A region
+belongs to the key that registered it: with several keys for the group (the flag
+repeated with other values), each key has its own names, and another key's regions do
+not exist for it (it cannot use, replace, unregister or list them).
 """
 
 from __future__ import annotations
@@ -256,7 +257,11 @@ class SharedMemory:
     end: HTTP and gRPC share them. ``unavailable``: why this process serves none (a
     ``--workers`` worker: its requests and registrations would meet different tables),
     said to every request that names one. ``allow_remote``: take registrations from
-    clients on other hosts too (``--allow-remote-shm``)."""
+    clients on other hosts too (``--allow-remote-shm``).
+
+    Each region has an owner: the key of the ``shared-memory`` API group that
+    registered it (None: the group is open); an owner sees only its own regions
+    (``for_request`` gives a request's view)."""
 
     def __init__(
         self, unavailable: str | None = None, root: str = ROOT, allow_remote: bool = False
@@ -264,7 +269,7 @@ class SharedMemory:
         self.unavailable = unavailable
         self.root = root
         self.allow_remote = allow_remote
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[tuple[Any, str], Region] = {}  # (owner, name) -> region
         self._lock = threading.Lock()  # (registrations may come from several loops)
         self.open = Regions(self)
 
@@ -273,10 +278,16 @@ class SharedMemory:
             raise RegionError(self.unavailable)
 
     def register(
-        self, name: Any, key: Any, offset: Any, byte_size: Any, local: bool = True
+        self,
+        name: Any,
+        key: Any,
+        offset: Any,
+        byte_size: Any,
+        owner: Any = None,
+        local: bool = True,
     ) -> None:
-        """Map ``byte_size`` bytes from ``offset`` of segment ``key`` as region ``name``;
-        ``local``: whether the client is on this host."""
+        """Map ``byte_size`` bytes from ``offset`` of segment ``key`` as ``owner``'s
+        region ``name``; ``local``: whether the client is on this host."""
         self._refuse()
         if not local and not self.allow_remote:
             raise Forbidden(
@@ -297,14 +308,14 @@ class SharedMemory:
             raise RegionError(f"region {name!r}: byte_size must be at least 1")
         path = self._path(name, key)
         with self._lock:
-            if name in self._regions:
+            if (owner, name) in self._regions:
                 raise RegionError(f"shared memory region {name!r} is already registered")
             if len(self._regions) >= MAX_REGIONS:
                 raise RegionError(
                     f"{MAX_REGIONS} shared memory regions are registered, the most a server "
                     "holds: unregister some first"
                 )
-            self._regions[name] = _map(name, key, path, offset, byte_size)
+            self._regions[owner, name] = _map(name, key, path, offset, byte_size)
 
     def _path(self, name: str, key: Any) -> str:
         bare = key[1:] if isinstance(key, str) and key.startswith("/") else key
@@ -327,65 +338,82 @@ class SharedMemory:
             )
         return os.path.join(self.root, bare)
 
-    def unregister(self, name: str | None = None) -> None:
-        """Forget region ``name`` (None: every region; one not registered: nothing to do,
-        as Triton's, so a client's cleanup never fails)."""
+    def unregister(self, name: str | None = None, owner: Any = None) -> None:
+        """Forget ``owner``'s region ``name`` (None: every region of ``owner``; one not
+        registered: nothing to do, as Triton's, so a client's cleanup never fails)."""
         self._refuse()
         with self._lock:
             if name is None:
-                gone = list(self._regions.values())
-                self._regions.clear()
+                gone = [k for k in self._regions if k[0] == owner]
             else:
-                region = self._regions.pop(name, None)
-                gone = [] if region is None else [region]  # (none: done, as Triton's)
-        for region in gone:
+                gone = [(owner, name)] if (owner, name) in self._regions else []
+            regions = [self._regions.pop(k) for k in gone]
+        for region in regions:
             _unmap(region)
 
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
-        """Region ``name``'s registration (None: every region's)."""
+    def status(self, name: str | None = None, owner: Any = None) -> list[dict[str, Any]]:
+        """``owner``'s region ``name``'s registration (None: every region's)."""
         self._refuse()
         with self._lock:
             if name is None:
-                return [r.status() for r in self._regions.values()]
-            region = self._regions.get(name)
+                return [r.status() for (o, _), r in self._regions.items() if o == owner]
+            region = self._regions.get((owner, name))
         if region is None:
             raise UnknownRegion(f"no shared memory region {name!r} is registered")
         return [region.status()]
 
-    def region(self, name: Any, what: str) -> Region:
-        """Registered region ``name``, for ``what`` (an input or output, in messages)."""
+    def region(self, name: Any, what: str, owner: Any = None) -> Region:
+        """``owner``'s registered region ``name``, for ``what`` (an input or output, in
+        messages)."""
         self._refuse()
-        region = self._regions.get(name) if isinstance(name, str) else None
+        region = self._regions.get((owner, name)) if isinstance(name, str) else None
         if region is None:
             raise UnknownRegion(f"{what}: no shared memory region {name!r:.80} is registered")
         return region
 
     def close(self) -> None:
+        """Forget every owner's regions."""
         if not self.unavailable:
-            self.unregister()
+            with self._lock:
+                regions = list(self._regions.values())
+                self._regions.clear()
+            for region in regions:
+                _unmap(region)
 
     def for_request(self, restrictions: Restrictions, values: Callable[[str], list]) -> Regions:
         """The regions a request may use: with ``values`` (its header values by lower-case
-        name) showing the ``shared-memory`` group's key, when that group is restricted."""
+        name) showing a key of the ``shared-memory`` group, when that group is
+        restricted: that key's regions."""
         if GROUP not in restrictions.keys:
             return self.open
-        return Regions(self, lambda: restrictions.check(GROUP, values))
+        return Regions(self, lambda: restrictions.holder(GROUP, values))
 
 
 class Regions:
-    """The registry as one request sees it: a region by name, once the request has shown
-    the key the ``shared-memory`` API group needs (``check``), if it needs one."""
+    """The registry as one request sees it: its owner's regions, once the request has
+    shown a key of the ``shared-memory`` API group (``holder``: which key, or
+    ``Forbidden``), if the group needs one."""
 
-    __slots__ = ("check", "registry")
+    __slots__ = ("holder", "registry")
 
-    def __init__(self, registry: SharedMemory, check: Callable[[], None] | None = None) -> None:
+    def __init__(self, registry: SharedMemory, holder: Callable[[], Any] | None = None) -> None:
         self.registry = registry
-        self.check = check
+        self.holder = holder
+
+    def owner(self) -> Any:
+        return self.holder() if self.holder is not None else None
+
+    def register(self, name: Any, key: Any, offset: Any, byte_size: Any, local: bool) -> None:
+        self.registry.register(name, key, offset, byte_size, self.owner(), local)
+
+    def unregister(self, name: str | None = None) -> None:
+        self.registry.unregister(name, self.owner())
+
+    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+        return self.registry.status(name, self.owner())
 
     def region(self, name: Any, what: str) -> Region:
-        if self.check is not None:
-            self.check()
-        return self.registry.region(name, what)
+        return self.registry.region(name, what, self.owner())
 
     def tensor(self, params: Any, dtype: np.dtype, shape: tuple[int, ...], what: str) -> np.ndarray:
         """An input's tensor, from the region its ``params`` name (a dict: JSON's
