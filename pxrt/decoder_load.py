@@ -31,7 +31,7 @@ from . import _xla, compiling, sampling, shapes, stored
 from .artifact import BATCH_AXIS
 from .decoder import CHUNK_DIM, LENGTH_DIM, is_spec, sizes
 from .decoder import read as read_decoder
-from .generate import Decoder, PrefillCell, PrefixPool, int_in
+from .generate import Decoder, PrefillCell, PrefixPool, int_in, number_in
 from .prefix import PrefixIndex
 from .sampling import sample
 
@@ -59,6 +59,7 @@ def load_decoder(
     speculative_tokens: int = 0,
     sampling_controls: bool = True,
     max_waiting: int = 1024,
+    itl_bound_ms: float | None = None,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
     distributed: Any = None,
@@ -82,6 +83,12 @@ def load_decoder(
     cache rows kept on the devices in blocks of ``prefix_block`` (default: half as many
     as the slots hold; 0: off), so a prompt that starts as an earlier one did
     prefills only the rest.
+
+    ``itl_bound_ms``: the time a turn of the loop may spend prefilling new prompts
+    beside its decode step, so the running streams' inter-token gap stays near the bound:
+    the scheduler prices each choice (which waiting prompts, at which prefill cell) with
+    the programs' times measured at load (default: a full step plus the longest
+    single-prompt prefill, so one prompt of any length is admitted per turn at least).
 
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
@@ -133,6 +140,8 @@ def load_decoder(
         raise ValueError(f"sampling_controls must be true or false, got {sampling_controls!r}")
     if chunk_tokens is not None:
         chunk_tokens = int_in("chunk_tokens", chunk_tokens, 1, None)
+    if itl_bound_ms is not None:
+        itl_bound_ms = number_in("itl_bound_ms", itl_bound_ms, 0.0, 1e6, low_open=True)
     phases = {"read": time.perf_counter() - t0}
 
     _xla.compile_counter.ensure_registered()
@@ -171,10 +180,18 @@ def load_decoder(
             got = _obtain_all(programs, jobs, cache_dir, progress, store=True, fresh=True)
             tw = time.perf_counter()
             got.warm_up(params_dev, slots)
+        tm = time.perf_counter()
+        # The scheduler's prices: what each prefill cell and step takes here (not in a
+        # multi-host group, whose followers run every program the leader runs).
+        costs = {} if in_group else got.measure(params_dev, slots)
         state = got.make_state()
         # Where the time went: tracing and compiling (or loading) the programs, then
-        # placing the params and one run of each.
-        phases |= {"programs": tw - tp, "warm-up": time.perf_counter() - tw}
+        # placing the params and one run of each, then timing them.
+        phases |= {
+            "programs": tw - tp,
+            "warm-up": tm - tw,
+            "measure": time.perf_counter() - tm,
+        }
     if distributed is not None:
         fp = multihost.fingerprint(
             art.manifest, [list(job) for job in jobs] + [[slots, max_length]], len(devices)
@@ -215,6 +232,8 @@ def load_decoder(
         slots=slots,
         max_length=max_length,
         max_waiting=max_waiting,
+        costs=costs,
+        itl_bound_ms=itl_bound_ms,
         step_compile_s=got.step_s,
         load_s=time.perf_counter() - t0,
     )
@@ -1066,6 +1085,49 @@ class _Obtained:
             state, _, _ = self.verify(params, state, np.full((slots, k), -1, np.int32))
         state, first, _ = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
+
+    def measure(self, params: Any, slots: int, budget_s: float = 0.05) -> dict[str, float]:
+        """Seconds per run of the programs the loop's scheduler chooses among (each
+        prefill cell, each step size), on the zero state (every row dropped: the same
+        shapes and work as a real call): the median of up to 5 runs, fewer where a
+        program takes over ``budget_s``; and ``dispatch``, the host's own time to hand one
+        prefill to the device. Warm programs only (``warm_up`` first)."""
+        c = sampling
+        holder = [self.make_state()]
+        costs: dict[str, float] = {}
+
+        def timed(key: str, run: Any) -> None:
+            times: list[float] = []
+            while len(times) < 5 and sum(times) < budget_s:
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                times.append(time.perf_counter() - t0)
+            costs[key] = float(np.median(times))
+
+        dispatch: list[float] = []
+        for cell in self.cells:
+            ints = np.zeros((cell.batch, c.INTS), np.int32)
+            ints[:, c.LEN] = 1
+            ints[:, c.SLOT] = slots  # out of range: the row is dropped
+            floats = np.ones((cell.batch, c.FLOATS), np.float32)
+            tokens = np.zeros((cell.batch, cell.length), np.int32)
+
+            def prefill(cell: Any = cell, args: tuple = (tokens, ints, floats)) -> Any:
+                t0 = time.perf_counter()
+                holder[0], first, _ = cell.compiled(params, holder[0], *args)
+                dispatch.append(time.perf_counter() - t0)
+                return first
+
+            timed(f"prefill[{cell.batch},{cell.length}]", prefill)
+        for rows, part in sorted({**self.parts, slots: self.step}.items()):
+
+            def step(part: Any = part) -> Any:
+                holder[0], first, _ = part(params, holder[0])
+                return first
+
+            timed(f"step[{rows}]", step)
+        costs["dispatch"] = float(np.median(dispatch)) if dispatch else 0.0
+        return costs
 
 
 def _obtain_all(

@@ -157,6 +157,18 @@ class Controls:
     prompt: np.ndarray
 
 
+@dataclasses.dataclass
+class _Scan:
+    """What one turn's admission has met so far: the prefix blocks that prompts
+    admitted before will cache, the prompts held until they are, the cached starts to
+    copy in, and the prompts admitted to go in chunks."""
+
+    filling: set[bytes]
+    held: list[Generation]
+    loads: list[tuple[int, list[int]]]
+    chunked: list[Generation] = dataclasses.field(default_factory=list)
+
+
 class Decoder:
     """A loaded decoder: the prefill cells, the insert and the decode step compiled, the
     cache resident on the devices, served by one loop thread (started on first use).
@@ -191,6 +203,8 @@ class Decoder:
         max_waiting: int,
         step_compile_s: float,
         load_s: float,
+        costs: Mapping[str, float] | None = None,
+        itl_bound_ms: float | None = None,
     ) -> None:
         self.artifact = art
         self.name: str = art.name
@@ -316,6 +330,7 @@ class Decoder:
         #: this decoder runs, in the same order), else None.
         self.group: Any = None
         self._gather: Any = None  # (multi-host) a step's tokens, whole: a RowGather
+        self._price_programs(costs or {}, itl_bound_ms)
 
     def __repr__(self) -> str:
         return (
@@ -654,7 +669,8 @@ class Decoder:
             if self._closed:
                 return False
             cancels, self._cancels = self._cancels, []
-        batch: tuple[list, int] | None = None
+        batch: tuple[list, int, int] | None = None
+        units: list[tuple[list, int, int]] = []
         with _xla.compile_counter.request_path(self):
             try:
                 for gen in cancels:
@@ -667,10 +683,12 @@ class Decoder:
                         gen.counted = True
                         self.outcomes[gen.finish_reason or CANCELLED] += 1  # (set: cancelled)
                 t0, c0 = time.perf_counter(), time.thread_time()
-                batch = self._admit()
-                if batch:
+                units = self._admit()
+                while units:
+                    batch = units[0]
                     self._prefill(*batch)
                     batch = None  # in _pending now
+                    units.pop(0)
                 budget = self.chunk_tokens
                 while self._chunking and budget > 0:
                     budget -= self._extend(budget)
@@ -689,34 +707,69 @@ class Decoder:
                     self.counters["step_wall_s"] += time.perf_counter() - t0
                     self.counters["step_host_cpu_s"] += time.thread_time() - c0
             except Exception as exc:  # noqa: BLE001 - a failed step fails its generations
+                if units and batch is not None:  # (the prefills not begun wait again)
+                    self._waiting.extendleft(reversed([g for u in units[1:] for g in u[0]]))
                 self._recover(exc, batch[0] if batch else [])
         return True
 
-    def _admit(self) -> tuple[list, int] | None:
-        """The next prefill batch: waiting prompts in order, as many as there are free
-        slots and room in the largest prefill batch, up to the first that needs a longer
-        prefill than the first one's (it leads the next batch). A prompt longer than the
-        longest prefill, or whose start is in the prefix cache, takes a slot of its own
-        to fill chunk by chunk (``_extend``); cached starts are copied in at once. A
-        prompt whose next block a prompt admitted before will cache waits for it."""
+    def _admit(self) -> list[tuple[list, int, int]]:
+        """This turn's prefills, each (prompts, length, batch cell): waiting prompts in
+        order, each unit up to the first that needs a longer prefill than its head's (it
+        leads the next unit), at the cell the measured prices choose (``_price``), for
+        as long as the turn's prefill budget lasts (one unit at least). A prompt longer
+        than the longest prefill, or whose start is in the prefix cache, takes a slot
+        of its own to fill chunk by chunk (``_extend``); cached starts are copied in at
+        once. A prompt whose next block a prompt admitted before will cache waits for
+        it."""
         waiting = self._waiting
         free = self._table.free
         if not waiting or not free:
-            return None
+            return []
         if self.priority_levels > 1 and len(waiting) > 1:
             self._by_priority()
         if len(self._steps) > 1:  # the lowest rows first (popped from the end)
             rows = self._rows_per_device
             free.sort(key=lambda s: (s % rows, s // rows), reverse=True)
-        batch: list[Generation] = []
-        loads: list[tuple[int, list[int]]] = []
-        length = 0
-        block, copies = (self.prefix.index.block, self.prefix.rows) if self.prefix else (0, 0)
         # Blocks that prompts admitted before will cache (being chunked, or admitted in
         # this turn: they are saved once prefilled).
-        filling = self._filling_keys() if self.prefix is not None else set()
-        held: list[Generation] = []
-        while waiting and len(free) > len(batch):  # (the batch's slots are taken later)
+        base = self._filling_keys() if self.prefix is not None else set()
+        scan = _Scan(set(base), [], [])
+        units: list[tuple[list, int, int]] = []
+        taken, left = 0, self._prefill_budget()
+        while waiting and len(free) > taken:  # (the units' slots are taken later)
+            batch, length = self._gather_unit(scan, taken)
+            if not batch:
+                break
+            size, rows, cost = self._price(len(batch), length, left, first=not units)
+            waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
+            if self.prefix is not None and rows < len(batch):
+                scan.filling = base | {
+                    k for g in [*scan.chunked, *batch[:rows]] if g.use_prefix and g.keys
+                    for k in g.keys
+                }  # fmt: skip
+            for gen in batch[:rows]:
+                self._admitted(gen)
+            if rows:
+                units.append((batch[:rows], length, size))
+                taken, left = taken + rows, left - cost
+                self.counters["priced_prefills"] += self._priced
+            if not rows or not self._priced:  # (unpriced: one unit a turn)
+                break
+        waiting.extendleft(reversed(scan.held))
+        if scan.loads:
+            self._load_prefixes(scan.loads)
+        return units
+
+    def _gather_unit(self, scan: _Scan, taken: int) -> tuple[list, int]:
+        """The next unit's prompts (up to the largest prefill batch, from the queue's
+        head; none may need a longer prefill than the first) and its length; admits the
+        prompts met on the way that go in chunks (into ``_chunking``)."""
+        waiting, free = self._waiting, self._table.free
+        block, copies = (self.prefix.index.block, self.prefix.rows) if self.prefix else (0, 0)
+        filling, held = scan.filling, scan.held
+        batch: list[Generation] = []
+        length = 0
+        while waiting and len(free) > taken + len(batch):
             gen = waiting[0]
             if gen.finish_reason is not None:  # cancelled while waiting
                 waiting.popleft()
@@ -732,16 +785,17 @@ class Decoder:
                         break
                     continue
             if entries or not gen.bucket:
-                if entries and len(loads) >= copies:
+                if entries and len(scan.loads) >= copies:
                     break  # one copy program per turn
                 waiting.popleft()
                 gen.reserved = free.pop()
                 self._write_controls(gen, gen.reserved)
                 gen.start = gen.hit = len(entries) * block
                 if entries:
-                    loads.append((gen.reserved, entries))
+                    scan.loads.append((gen.reserved, entries))
                 self._admitted(gen)
                 self._chunking.append(gen)
+                scan.chunked.append(gen)
                 if gen.use_prefix and gen.keys:
                     filling.update(gen.keys)
                 continue
@@ -749,13 +803,65 @@ class Decoder:
                 break
             length = length or gen.bucket
             batch.append(waiting.popleft())
-            self._admitted(gen)
             if gen.use_prefix and gen.keys:
                 filling.update(gen.keys)
-        waiting.extendleft(reversed(held))
-        if loads:
-            self._load_prefixes(loads)
-        return (batch, length) if batch else None
+        return batch, length
+
+    def _price_programs(self, costs: Mapping[str, float], itl_bound_ms: float | None) -> None:
+        """The scheduler's prices from the times measured at load (``costs``: seconds
+        per ``prefill[b,L]``, ``step[slots]``, and ``dispatch``), and the turn's bound
+        (``itl_bound_ms``; default: a full step and the longest single-prompt
+        prefill, each as measured, its dispatch included). Without them (a multi-host
+        group) each turn runs one prefill sized by the queue."""
+        #: The programs' measured seconds, as measured at load.
+        self.costs = dict(costs)
+        pre = {(b, n): costs.get(f"prefill[{b},{n}]") for b, n in self._cells}
+        steps = {n: costs.get(f"step[{n}]") for n in self.step_slots}
+        self._priced = int(all(v is not None for v in (*pre.values(), *steps.values())))
+        self._prefill_cost = {k: v or 0.0 for k, v in pre.items()}
+        self._step_cost = {n: v or 0.0 for n, v in steps.items()}
+        if itl_bound_ms is not None:
+            self.itl_bound_s = itl_bound_ms * 1e-3
+        elif self._priced:
+            least = self.prefill_batches[0]
+            longest = max(self._prefill_cost[(least, n)] for n in self.prefill_lengths)
+            self.itl_bound_s = self._step_cost[self.slots] + longest
+        else:
+            self.itl_bound_s = math.inf
+        self.counters["priced_prefills"] = 0
+
+    def _prefill_budget(self) -> float:
+        """Seconds of prefill this turn may take: the bound less the coming step's
+        price (the fewest slots that hold the busy ones and no more); no bound while no
+        slot is busy (no stream waits for its next token: the prompts go in at the
+        densest cells)."""
+        busy = self._table.busy
+        if not self._priced or not busy:
+            return math.inf if self._priced else self.itl_bound_s
+        step = next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
+        return self.itl_bound_s - step
+
+    def _price(self, n: int, length: int, left: float, *, first: bool) -> tuple[int, int, float]:
+        """(batch cell, prompts it takes, its price) for a unit of ``n`` prompts at
+        ``length`` with ``left`` seconds of the turn's budget: the cell giving the most
+        prompts per second among those that fit (a padded cell pays for its padding);
+        when none fits, the cheapest if it is the turn's first unit (so every turn
+        admits), else none. Unpriced: the smallest cell that holds them all."""
+        if not self._priced:
+            return next(b for b in self.prefill_batches if b >= n), n, 0.0
+        best: tuple[float, int, int, float] | None = None
+        cheapest: tuple[float, int, int] | None = None
+        for b in self.prefill_batches:
+            cost, rows = self._prefill_cost[(b, length)], min(b, n)
+            if cheapest is None or cost < cheapest[0]:
+                cheapest = (cost, b, rows)
+            if cost <= left and (best is None or rows / cost > best[0]):
+                best = (rows / cost, b, rows, cost)
+        if best is not None:
+            return best[1], best[2], best[3]
+        if first and cheapest is not None:
+            return cheapest[1], cheapest[2], cheapest[0]
+        return 0, 0, 0.0
 
     def _by_priority(self) -> None:
         """Order the waiting prompts: those that waited ``priority_wait_s`` first,
@@ -939,9 +1045,9 @@ class Decoder:
         scores.copy_to_host_async()
         return scores
 
-    def _prefill(self, batch: list, length: int) -> None:
+    def _prefill(self, batch: list, length: int, size: int = 0) -> None:
         n = len(batch)
-        size = next(b for b in self.prefill_batches if b >= n)
+        size = size or next(b for b in self.prefill_batches if b >= n)
         cell = self._cells[(size, length)]
         tokens, ints, floats = self._host_rows(
             size, length, sampling.INTS, sampling.LEN, sampling.SLOT
@@ -1346,9 +1452,13 @@ class Decoder:
             }
 
         n_dev = len(self.devices)
+        run = lambda key: (  # noqa: E731
+            {"run_ms": round(self.costs[key] * 1e3, 4)} if key in self.costs else {}
+        )
         programs = [
             {"program": "step", "slots": rows * n_dev}
             | ({"compile_s": round(self.step_compile_s, 4)} if step is self._step else {})
+            | run(f"step[{rows * n_dev}]")
             | {"memory": memory(step)}
             for rows, step in sorted(self._steps.items(), reverse=True)
         ]
@@ -1365,8 +1475,9 @@ class Decoder:
                         "batch": b,
                         "length": length,
                         "compile_s": round(cell.compile_s, 4),
-                        "memory": memory(cell.compiled),
                     }
+                    | (run(f"prefill[{b},{length}]") if name == "prefill_insert" else {})
+                    | {"memory": memory(cell.compiled)}
                 )
         prefix = self.prefix
         if prefix is not None:
@@ -1391,6 +1502,31 @@ class Decoder:
             "programs": programs,
             "prefix_cache": cached if prefix is not None else None,
             "speculative_tokens": self.speculative_tokens,
+            "scheduler": self.scheduler_choices(),
+        }
+
+    def scheduler_choices(self) -> dict:
+        """How the loop's scheduler chooses, from the times measured at load: the
+        turn's bound, and for 1, 2, 4... prompts of each prefill length waiting, the
+        first prefill it runs (batch cell and prompts taken) with no slot busy and with
+        every slot busy."""
+        if not self._priced:
+            return {"priced": False}
+        full = self.itl_bound_s - self._step_cost[self.slots]
+        waiting = sorted({1, 2, *self.prefill_batches})
+        choices = []
+        for length in self.prefill_lengths:
+            for n in waiting:
+                idle = self._price(n, length, math.inf, first=True)
+                busy = self._price(n, length, full, first=True)
+                choices.append(
+                    {"waiting": n, "length": length, "idle": list(idle[:2]), "busy": list(busy[:2])}
+                )
+        return {
+            "priced": True,
+            "itl_bound_ms": round(self.itl_bound_s * 1e3, 4),
+            "dispatch_ms": round(self.costs.get("dispatch", 0.0) * 1e3, 4),
+            "choices": choices,
         }
 
 

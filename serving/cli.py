@@ -362,17 +362,37 @@ def _inspect_decoder(info: dict) -> int:
             f"{cached['pool_bytes'] / 2**20:.2f} MiB per device"
         )
     print(
-        f"{'program':<16} {'batch':>6} {'length':>7} {'compile':>9} {'args MB':>8} {'temp MB':>8}"
+        f"{'program':<16} {'batch':>6} {'length':>7} {'compile':>9} {'run':>9} {'args MB':>8} "
+        f"{'temp MB':>8}"
     )
     for p in info["programs"]:
         mem = p.get("memory", {})
         mb = lambda k, mem=mem: f"{mem[k] / 1e6:.2f}" if k in mem else "-"  # noqa: E731
         took = f"{p['compile_s'] * 1e3:>7.0f}ms" if "compile_s" in p else f"{'-':>9}"
+        ran = f"{p['run_ms']:>7.2f}ms" if "run_ms" in p else f"{'-':>9}"
         print(
             f"{p['program']:<16} {p.get('batch', p.get('slots')):>6} {p.get('length', '-'):>7} "
-            f"{took} {mb('argument_bytes'):>8} {mb('temp_bytes'):>8}"
+            f"{took} {ran} {mb('argument_bytes'):>8} {mb('temp_bytes'):>8}"
         )
+    _print_scheduler(info.get("scheduler") or {})
     return 0
+
+
+def _print_scheduler(sched: dict) -> None:
+    """The scheduler's measured prices and what it chooses with them."""
+    if not sched.get("priced"):
+        print("scheduler: unpriced (a multi-host group): one prefill a turn, sized by the queue")
+        return
+    print(
+        f"scheduler: a turn prefills within {sched['itl_bound_ms']:.2f} ms with its decode "
+        f"step (itl_bound_ms), at the cells with the most prompts per measured second "
+        f"(dispatch {sched['dispatch_ms']:.2f} ms a call); the first prefill of a turn:"
+    )
+    print(f"  {'waiting':>7} {'length':>6}   {'no slot busy':<16} every slot busy")
+    for c in sched["choices"]:
+        idle = f"[{c['idle'][0]}] x {c['idle'][1]}"
+        busy = f"[{c['busy'][0]}] x {c['busy'][1]}"
+        print(f"  {c['waiting']:>7} {c['length']:>6}   {idle:<16} {busy}")
 
 
 def main(argv: list[str] | None = None) -> int:

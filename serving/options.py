@@ -281,7 +281,8 @@ class DecoderLoad(_Checked):
     """How a decoder is loaded (``pxrt.load``'s options of the same names, a TOML
     ``[models.NAME]`` section's keys): its slots and cache length, the prefill and
     chunk cells compiled, the prefix cache, the steps over fewer slots, speculative
-    decoding and whether the sampling controls' programs are built. None: the
+    decoding, whether the sampling controls' programs are built and the time a turn of
+    its loop may spend prefilling beside its step (``itl_bound_ms``). None: the
     artifact's or ``pxrt.load``'s default."""
 
     slots: int | None = None
@@ -296,6 +297,7 @@ class DecoderLoad(_Checked):
     step_slots: tuple[int, ...] | None = None
     speculative_tokens: int | None = None
     sampling_controls: bool | None = None
+    itl_bound_ms: float | None = None
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "slots": number(int, 1, none=True),
@@ -310,6 +312,7 @@ class DecoderLoad(_Checked):
         "step_slots": sizes(1),
         "speculative_tokens": number(int, 0, none=True),
         "sampling_controls": _maybe_flag,
+        "itl_bound_ms": number(float, 0, inclusive=False, none=True),
     }
 
     def load_options(self) -> dict[str, Any]:

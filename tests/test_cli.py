@@ -301,4 +301,5 @@ def test_inspect_shows_a_decoder(tmp_path, capsys):
     kinds = [p["program"] for p in info["programs"]]
     assert info["kind"] == "decoder" and len(kinds) == 4 + kinds.count("step")
     assert kinds.count("step") >= 2  # over all the slots, and over fewer
-    assert set(info["load_phases"]) == {"read", "programs", "warm-up"}
+    assert set(info["load_phases"]) == {"read", "programs", "warm-up", "measure"}
+    assert "scheduler: a turn prefills within" in out, out

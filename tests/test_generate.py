@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 
@@ -464,6 +465,38 @@ def test_a_concrete_shape_decoder_chunks_and_caches_prompts_too(tmp_path):
         assert dec.counters["prefix_hit_tokens"] == 24  # (the repeat: 3 blocks of 8)
     with pytest.raises(ValueError, match=r"chunk_lengths \[8\]; \[16\] were not traced"):
         pxrt.load(path, chunk_lengths=(16,))
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+def test_the_scheduler_prices_prefill_cells_with_the_measured_costs(lm):
+    """Each turn's prefills go at the cell with the most prompts per measured second
+    that fits the turn's budget: a padded cell pays for its padding where rows cost
+    (CPU-like), and is taken where they do not (accelerator-like); with no room left, a
+    turn's first prefill still goes, at the cheapest cell, and no other."""
+    measured = dict(lm.costs)
+    assert all(f"prefill[{b},{n}]" in measured for b in BATCHES for n in LENGTHS), measured
+    assert lm.describe()["scheduler"]["priced"] and lm.itl_bound_s > 0
+    steps = {f"step[{n}]": 1e-3 for n in lm.step_slots}
+
+    def priced(per_row, fixed):  # a cell's seconds: fixed + per_row * rows * length
+        costs = {f"prefill[{b},{n}]": fixed + per_row * b * n for b in BATCHES for n in LENGTHS}
+        lm._price_programs(costs | steps, itl_bound_ms=None)
+
+    try:
+        priced(per_row=1e-5, fixed=1e-4)  # rows cost: 2 waiting go one at a time
+        assert lm._price(2, 32, math.inf, first=True) == (1, 1, pytest.approx(4.2e-4))
+        assert lm._price(4, 32, math.inf, first=True)[:2] == (4, 4)
+        priced(per_row=1e-7, fixed=1e-3)  # rows nearly free: 2 go together, padded
+        assert lm._price(2, 32, math.inf, first=True)[:2] == (4, 2)
+        # With little of the turn left: the cheapest for its first prefill, else none.
+        assert lm._price(4, 32, 1e-6, first=True)[:2] == (1, 1)
+        assert lm._price(4, 32, 1e-6, first=False) == (0, 0, 0.0)
+        # The default bound: a full step and the longest one-prompt prefill.
+        assert lm.itl_bound_s == pytest.approx(1e-3 + 1e-3 + 1e-7 * 32)
+    finally:
+        lm._price_programs(measured, itl_bound_ms=None)
 
 
 # --------------------------------------------------------------------------- busy slots

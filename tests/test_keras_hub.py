@@ -122,7 +122,7 @@ def test_a_gemma_causal_lm_generates_like_keras_hub(gemma, gemma_path):
             assert stream.result(timeout=120).tokens == want
             seen |= set(want)
         assert len(seen) > 10, seen  # (tokens that follow the context, not one repeated)
-        assert set(dec.load_phases) == {"read", "programs", "warm-up"}
+        assert set(dec.load_phases) == {"read", "programs", "warm-up", "measure"}
         assert dec.counters["chunks"] >= 1 and dec.counters["prefix_hit_tokens"] == 16
 
 

@@ -1,0 +1,79 @@
+"""The decoder's priced admission against the rule before it, same decoder, alternated.
+
+The rule before: one prefill a turn of the loop, at the smallest cell that holds the
+queue's head run (up to the largest prefill batch). Priced: each turn's prefills at the
+cells with the most prompts per measured second, within the turn's bound
+(``itl_bound_ms``). One decoder serves both (the rule is switched between runs), the
+demo decoder's math at the shape given, a closed loop of ``--slots`` callers over
+lognormal prompt and output lengths. Prints each run, then medians and ratios.
+
+    python benchmarks/scheduler.py [--dim 128 --heads 4 --layers 2 --slots 16]
+        [--max-length 512] [--requests 300] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from generation import closed, summary  # noqa: E402
+
+import pxrt  # noqa: E402
+from pxrt import demo  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    lengths = tuple(n for n in (16, 32, 64, 128, 256) if n < args.max_length)
+    path = demo.export_lm(
+        os.path.join(tempfile.mkdtemp(), "lm"), slots=args.slots, max_length=args.max_length,
+        prefill_lengths=lengths, dim=args.dim, heads=args.heads, layers=args.layers,
+    )  # fmt: skip
+    dec = pxrt.load(path)
+    print("measured ms:", {k: round(v * 1e3, 3) for k, v in dec.costs.items()})
+    print(f"turn bound: {dec.itl_bound_s * 1e3:.2f} ms")
+    rng = np.random.default_rng(0)
+
+    def lognormal(median: float, low: int, high: int) -> np.ndarray:
+        drawn = rng.lognormal(np.log(median), 0.8, args.requests)
+        return np.clip(np.round(drawn), low, high).astype(int)
+
+    prompts, outputs = lognormal(48, 8, max(lengths)), lognormal(24, 8, 128)
+    work = [
+        (rng.integers(0, demo.LM_VOCAB - 2, size=n).astype(np.int32), int(m))
+        for n, m in zip(prompts, outputs)
+    ]
+    priced = dec._priced
+    runs: dict[str, list[dict]] = {"priced": [], "before": []}
+    for rep in range(args.repeats):
+        for mode in runs:
+            dec._priced = priced if mode == "priced" else 0  # (the rule before: unpriced)
+            runs[mode].append(summary(asyncio.run(closed("pxrt", dec, work, args.slots))))
+            print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
+    dec.close()
+    print(f"\n{'':<10} {'priced':>10} {'before':>10} {'ratio':>7}")
+    for key in ("tok/s", "itl p50", "itl p99", "ttft p50", "ttft p99"):
+        a = float(np.median([r[key] for r in runs["priced"]]))
+        b = float(np.median([r[key] for r in runs["before"]]))
+        print(f"{key:<10} {a:>10.2f} {b:>10.2f} {a / b:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
