@@ -1,14 +1,16 @@
-"""The decoder's priced admission against the rule before it, same decoder, alternated.
+"""The decoder loop's choices against the rules before them, same decoder, alternated.
 
-The rule before: one prefill a turn of the loop, at the smallest cell that holds the
-queue's head run (up to the largest prefill batch). Priced: each turn's prefills at the
-cells with the most prompts per measured second, within the turn's bound
-(``itl_bound_ms``). One decoder serves both (the rule is switched between runs), the
-demo decoder's math at the shape given, a closed loop of ``--slots`` callers over
-lognormal prompt and output lengths. Prints each run, then medians and ratios.
+``--ab pricing``: the priced admission against the rule before it (one prefill a turn
+of the loop, at the smallest cell that holds the queue's head run). Priced: each turn's
+prefills at the cells with the most prompts per measured second, within the turn's
+bound (``itl_bound_ms``). ``--ab windows``: steps over a window of the cache while every
+busy slot is inside it (``step_lengths``) against steps over the whole cache always.
+One decoder serves both sides (switched between runs), the demo decoder's math at the
+shape given, a closed loop of ``--slots`` callers over lognormal prompt and output
+lengths. Prints each run, then medians and ratios.
 
-    python benchmarks/scheduler.py [--dim 128 --heads 4 --layers 2 --slots 16]
-        [--max-length 512] [--requests 300] [--repeats 3]
+    python benchmarks/scheduler.py [--ab pricing|windows] [--dim 128 --heads 4
+        --layers 2 --slots 16] [--max-length 512] [--requests 300] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ab", choices=("pricing", "windows"), default="pricing")
     args = p.parse_args()
     lengths = tuple(n for n in (16, 32, 64, 128, 256) if n < args.max_length)
     path = demo.export_lm(
@@ -60,17 +63,21 @@ def main() -> None:
         (rng.integers(0, demo.LM_VOCAB - 2, size=n).astype(np.int32), int(m))
         for n, m in zip(prompts, outputs)
     ]
-    priced = dec._priced
-    runs: dict[str, list[dict]] = {"priced": [], "before": []}
+    priced, windows = dec._priced, dec.step_lengths
+    new = "priced" if args.ab == "pricing" else "windows"
+    runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
         for mode in runs:
-            dec._priced = priced if mode == "priced" else 0  # (the rule before: unpriced)
+            if args.ab == "pricing":  # (the rule before: unpriced)
+                dec._priced = priced if mode == new else 0
+            else:  # (before: every step over the whole cache)
+                dec.step_lengths = windows if mode == new else ()
             runs[mode].append(summary(asyncio.run(closed("pxrt", dec, work, args.slots))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
     dec.close()
-    print(f"\n{'':<10} {'priced':>10} {'before':>10} {'ratio':>7}")
+    print(f"\n{'':<10} {new:>10} {'before':>10} {'ratio':>7}")
     for key in ("tok/s", "itl p50", "itl p99", "ttft p50", "ttft p99"):
-        a = float(np.median([r[key] for r in runs["priced"]]))
+        a = float(np.median([r[key] for r in runs[new]]))
         b = float(np.median([r[key] for r in runs["before"]]))
         print(f"{key:<10} {a:>10.2f} {b:>10.2f} {a / b:>6.2f}x")
 

@@ -56,6 +56,7 @@ def load_decoder(
     prefix_block: int = PREFIX_BLOCK,
     chunk_tokens: int | None = None,
     step_slots: Sequence[int] | None = None,
+    step_lengths: Sequence[int] | None = None,
     speculative_tokens: int = 0,
     sampling_controls: bool = True,
     max_waiting: int = 1024,
@@ -75,6 +76,10 @@ def load_decoder(
     quarter and a half of ``slots``; ``()``: every step over all of them): the loop
     steps the fewest that hold the busy slots, which it keeps together, so a server at
     a quarter of its slots pays for a quarter of a step.
+    ``step_lengths``: the cache windows the steps are also compiled for (default, for a
+    ``max_length`` of 256 or more: a quarter and a half of it; ``()``: none): a step
+    whose busy slots are all within the first ``n`` positions reads and attends over
+    those only, so short sequences in a long cache pay for their own length.
     ``chunk_tokens``: prompt tokens prefilled in chunks per turn of the loop, between two
     decode steps (default: the largest chunk length): more shortens a long prompt's
     time to first token, and lengthens the running streams' gaps while it is prefilled.
@@ -127,6 +132,7 @@ def load_decoder(
         chunks, chunk_rows, prefix_cache_tokens = [], [], 0
     prefix = _prefix_pool(art, slots, max_length, chunks, prefix_cache_tokens, prefix_block)
     parts = _step_slots(art, slots, len(devices), step_slots, distributed is not None)
+    windows = _step_lengths(art, max_length, step_lengths, distributed is not None)
     speculative_tokens = int_in("speculative_tokens", speculative_tokens, 0, max_length - 2)
     if speculative_tokens and (
         not chunks or distributed is not None or "num_devices" in art.config
@@ -157,6 +163,7 @@ def load_decoder(
             prefix=prefix,
             rows=chunk_rows,
             step_slots=parts,
+            step_lengths=windows,
             speculate=speculative_tokens,
             controls=bool(sampling_controls),
         )
@@ -224,6 +231,7 @@ def load_decoder(
         prefix=got.prefix,
         chunk_tokens=chunk_tokens,
         parts=got.parts,
+        windows=got.windows,
         move=got.move,
         control=got.control,
         verify=got.verify,
@@ -383,6 +391,35 @@ def _step_slots(
     return out
 
 
+def _step_lengths(
+    art: Any, max_length: int, given: Sequence[int] | None, in_group: bool
+) -> list[int]:
+    """The cache windows the steps are also compiled for: given, else a quarter and a
+    half of ``max_length`` when it is 256 or more; none in a multi-host group, for
+    concrete shapes (decode was traced at the full length only) or when a cache leaf
+    has no sequence axis (a state the window could not cut)."""
+    cannot = (
+        "a multi-host group" if in_group
+        else "a decoder exported with concrete shapes" if "num_devices" in art.config
+        else f"a decoder with a cache leaf without a {LENGTH_DIM!r} axis"
+        if any(LENGTH_DIM not in s.shape for s in jax.tree.leaves(art.cache, is_leaf=is_spec))
+        else None
+    )  # fmt: skip
+    if given is None:
+        if cannot or max_length < 256:
+            return []
+        return [max_length // 4, max_length // 2]
+    if not given:
+        return []
+    if cannot:
+        raise ValueError(f"step_lengths: {cannot} steps over its whole cache")
+    out = sorted(set(sizes("step_lengths", given)) - {max_length})
+    over = [n for n in out if n > max_length]
+    if over:
+        raise ValueError(f"step_lengths {over} are over max_length={max_length}")
+    return out
+
+
 def _prefix_pool(
     art: Any,
     slots: int,
@@ -488,6 +525,7 @@ class DecoderPrograms:
         prefix: tuple[int, int] | None = None,
         rows: Sequence[int] = (),
         step_slots: Sequence[int] = (),
+        step_lengths: Sequence[int] = (),
         speculate: int = 0,
         controls: bool = True,
     ) -> None:
@@ -503,6 +541,8 @@ class DecoderPrograms:
         #: The smaller steps' slot counts (multiples of the devices, under ``slots``):
         #: each device steps the first ``n / devices`` of its slots.
         self.step_slots = sorted(set(step_slots) - {slots})
+        #: The cache windows (positions, under ``max_length``) the steps also run over.
+        self.step_lengths = sorted(set(step_lengths) - {max_length})
         #: The prefix pool's (entries, block tokens), or None.
         self.prefix = prefix
         # A prefix copy fills up to ``width`` blocks of ``load_rows`` slots at once; a
@@ -566,6 +606,21 @@ class DecoderPrograms:
             )
             for n in self.step_slots
         }
+        self._window_jits = {
+            (n, w): jax.jit(
+                jax.shard_map(
+                    functools.partial(self._step_part, rows=n // len(devices), window=w),
+                    mesh=mesh,
+                    in_specs=(P(), by_slot_specs),
+                    out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
+                    check_vma=False,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(state_sharding, self.replicated, self.by_slot),
+            )
+            for n in [*self.step_slots, slots]
+            for w in self.step_lengths
+        }
         self._move_jit = jax.jit(self._move, donate_argnums=(0,), out_shardings=state_sharding)
         self._verify_jit = jax.jit(
             jax.shard_map(
@@ -623,6 +678,7 @@ class DecoderPrograms:
             todo.append(("verify", 0, self.speculate))
         if self.step_slots:
             todo += [("step", n, 0) for n in self.step_slots] + [("move", 0, 0)]
+        todo += [("step", n, w) for n, w in self._window_jits]
         todo += [("prefill", b, n) for n in lengths for b in batches]
         todo += [("extend", r, k) for k in chunks for r in rows]
         if self.prefix is not None:
@@ -639,7 +695,12 @@ class DecoderPrograms:
         if what == "state":
             return self._state_jit.lower()
         if what == "step":
-            step = self._full_step_jit if b < 0 else self._part_jits[b] if b else self._step_jit
+            step = (
+                self._window_jits[(b, n)] if n
+                else self._full_step_jit if b < 0
+                else self._part_jits[b] if b
+                else self._step_jit
+            )  # fmt: skip
             return step.lower(self.param_specs, self.shapes)
         if what == "move":
             s = self.slots
@@ -690,7 +751,8 @@ class DecoderPrograms:
         return {
             "state": "the empty state",
             "step": "the decode step"
-            + (" with the sampling controls" if b < 0 else f" over {b} slots" if b else ""),
+            + (" with the sampling controls" if b < 0 else f" over {b} slots" if b else "")
+            + (f" within {n} positions" if n else ""),
             "move": "the slot move",
             "control": "the sampling controls' insert",
             "verify": f"the draft verification of {n} tokens",
@@ -767,11 +829,11 @@ class DecoderPrograms:
         return tokens, sampling.maybe_scores(logits, tokens, want), on
 
     def _step(
-        self, params: Any, state: dict, full: bool = False
+        self, params: Any, state: dict, full: bool = False, length: int | None = None
     ) -> tuple[dict, jax.Array, jax.Array]:
         c = sampling
         ints, floats = state["ints"], state["floats"]
-        positions = jnp.minimum(ints[:, c.POS], self.max_length - 1)
+        positions = jnp.minimum(ints[:, c.POS], (length or self.max_length) - 1)
         cache, logits = self.art.decode.call(params, state["cache"], ints[:, c.TOK], positions)
         following = positions + 1
         cols = (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
@@ -783,29 +845,52 @@ class DecoderPrograms:
             state["counts"] = state["counts"].at[rows, tokens].add(on.astype(jnp.int32))
         return state, tokens, scores
 
-    def _step_part(self, params: Any, state: dict, rows: int) -> tuple[dict, jax.Array, jax.Array]:
+    def _step_part(
+        self, params: Any, state: dict, rows: int, window: int | None = None
+    ) -> tuple[dict, jax.Array, jax.Array]:
         """The step over this device's first ``rows`` slots (the busy ones are kept
-        there); the others are left as they are. Only what the plain step reads is taken
-        out, and of the cache only the entries the step wrote go back: each slot's at
-        its position (decode writes nothing else), or the whole rows of a leaf without
-        a sequence axis."""
+        there), and with a ``window`` over the first ``window`` positions of their cache
+        only (every busy slot's position is under it); the others are left as they are.
+        Only what the plain step reads is taken out, and of the cache only the entries
+        the step wrote go back: each slot's at its position (decode writes nothing
+        else), or the whole rows of a leaf without a sequence axis. A slot at or past
+        the window (an idle one, parked at the cache's end) is stepped on a clamped
+        position and nothing of it goes back."""
         c = sampling
-        part = {k: jax.tree.map(lambda a: a[:rows], state[k]) for k in ("cache", "ints", "floats")}
-        written = jnp.minimum(part["ints"][:, c.POS], self.max_length - 1)
-        part, tokens, scores = self._step(params, part)
+        length = window or self.max_length
+        part = {k: jax.tree.map(lambda a: a[:rows], state[k]) for k in ("ints", "floats")}
+        part["cache"] = jax.tree.unflatten(
+            self._cache_tree,
+            [
+                lax.slice_in_dim(a[:rows], 0, length, axis=axis)
+                if window and axis is not None else a[:rows]
+                for a, axis in zip(jax.tree.leaves(state["cache"]), self._length_axes)
+            ],
+        )  # fmt: skip
+        before = part["ints"]
+        written = jnp.minimum(before[:, c.POS], length - 1)
+        part, tokens, scores = self._step(params, part, length=length)
         at = jnp.arange(rows)
+        inside = before[:, c.POS] < length
         leaves = []
         for old, new, axis in zip(
             jax.tree.leaves(state["cache"]), jax.tree.leaves(part["cache"]), self._length_axes
         ):
             if axis is None:
                 leaves.append(lax.dynamic_update_slice_in_dim(old, new, 0, axis=0))
+            elif window:
+                # (a slot past the window goes to a position out of range: dropped)
+                dst = jnp.where(inside, written, self.max_length)
+                rest = (slice(None),) * (axis - 1)
+                got = new[(at,) + rest + (written,)]
+                leaves.append(old.at[(at,) + rest + (dst,)].set(got, mode="drop"))
             else:
                 where = (at,) + (slice(None),) * (axis - 1) + (written,)
                 leaves.append(
                     old.at[where].set(new[where], indices_are_sorted=True, unique_indices=True)
                 )
-        ints = lax.dynamic_update_slice_in_dim(state["ints"], part["ints"], 0, axis=0)
+        ints = part["ints"] if not window else jnp.where(inside[:, None], part["ints"], before)
+        ints = lax.dynamic_update_slice_in_dim(state["ints"], ints, 0, axis=0)
         state = state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
         return state, tokens, scores
 
@@ -1034,6 +1119,8 @@ class _Obtained:
     full_step: Any = None
     #: The largest work space (bytes on a device) of one of the programs.
     work_bytes: int = 0
+    #: The steps over a cache window: (slot count, window) -> program.
+    windows: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
 
     def warm_up(self, params: Any, slots: int) -> None:
         """One run of each program (on the zero state: no slot is busy, every row is
@@ -1073,7 +1160,7 @@ class _Obtained:
             none = np.full(width, entries, np.int32)
             pool = prefix.save(pool, state, none, np.zeros(width, np.int32), none)
             jax.block_until_ready(pool)
-        for part in self.parts.values():
+        for part in [*self.parts.values(), *self.windows.values()]:
             state, first, _ = part(params, state)
         if self.move is not None:
             none = np.full(slots, slots, np.int32)
@@ -1126,6 +1213,13 @@ class _Obtained:
                 return first
 
             timed(f"step[{rows}]", step)
+        for (rows, window), part in sorted(self.windows.items()):
+
+            def windowed(part: Any = part) -> Any:
+                holder[0], first, _ = part(params, holder[0])
+                return first
+
+            timed(f"step[{rows},{window}]", windowed)
         costs["dispatch"] = float(np.median(dispatch)) if dispatch else 0.0
         return costs
 
@@ -1197,6 +1291,7 @@ def _obtain_all(
         programs.speculate,
         got[("step", -1, 0)][0] if ("step", -1, 0) in got else None,
         max((_work_bytes(compiled) for compiled, _, _ in got.values()), default=0),
+        {(n, w): got[("step", n, w)][0] for n, w in programs._window_jits},
     )
 
 

@@ -193,6 +193,7 @@ class Decoder:
         prefix: PrefixPool | None = None,
         chunk_tokens: int | None = None,
         parts: dict[int, Any] | None = None,
+        windows: Mapping[tuple[int, int], Any] | None = None,
         move: Any = None,
         control: Any = None,
         verify: Any = None,
@@ -281,6 +282,11 @@ class Decoder:
         }
         #: Slot counts the decode step is compiled for.
         self.step_slots = tuple(sorted(rows * n_dev for rows in self._steps))
+        # The steps over the first positions of the cache only, by (rows per device,
+        # window): run when every busy slot's position is within the window.
+        self._windows = {(n // n_dev, w): p for (n, w), p in (windows or {}).items()}
+        #: The cache windows the steps are compiled for (positions; the whole cache too).
+        self.step_lengths = tuple(sorted({w for _, w in self._windows}))
         self._extends = {(c.batch, c.length): c for c in extends}
         #: Generations filling their reserved slot chunk by chunk, oldest first.
         self._chunking: collections.deque[Generation] = collections.deque()
@@ -311,6 +317,7 @@ class Decoder:
             "chunk_rows": 0,
             "prefix_loads": 0,
             "stepped_slots": 0,
+            "window_steps": 0,
             "moves": 0,
             "prompt_tokens": 0,
             "prefix_hit_tokens": 0,
@@ -1090,6 +1097,11 @@ class Decoder:
         if program is None:
             rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
             program = self._steps[rows]
+            if self.step_lengths:
+                window = self._window()
+                if window:
+                    program = self._windows[(rows, window)]
+                    self.counters["window_steps"] += 1
         (self._state, tokens, scores), sync = self._launch(
             len(self._cells), program, self._params, self._state
         )
@@ -1244,6 +1256,18 @@ class Decoder:
         self._state, _ = self._launch(-1, self._move, self._state, src, dst)
         self.counters["moves"] += len(moves)
         return target
+
+    def _window(self) -> int:
+        """The smallest cache window every busy slot's next position is under (0: the
+        whole cache). A slot's position on the device runs ahead of the tokens read by
+        the steps and the prefill not read yet (and a verify's drafts): bounded here by
+        its prompt, its tokens read and that margin."""
+        margin = 3 + self.speculative_tokens
+        need = max(
+            (len(g.prompt) + len(g.tokens) for g in self._table.owners if g is not None),
+            default=0,
+        )
+        return next((w for w in self.step_lengths if w >= need + margin), 0)
 
     def _fewest_rows(self, need: int) -> int:
         return min(rows for rows in self._steps if rows >= need)
@@ -1461,6 +1485,12 @@ class Decoder:
             | run(f"step[{rows * n_dev}]")
             | {"memory": memory(step)}
             for rows, step in sorted(self._steps.items(), reverse=True)
+        ]
+        programs += [
+            {"program": "step", "slots": rows * n_dev, "length": window}
+            | run(f"step[{rows * n_dev},{window}]")
+            | {"memory": memory(step)}
+            for (rows, window), step in sorted(self._windows.items(), reverse=True)
         ]
         if self._full_step is not None:  # (while a busy slot has controls or logprobs)
             programs.append(

@@ -295,6 +295,7 @@ class DecoderLoad(_Checked):
     prefix_cache_tokens: int | None = None
     prefix_block: int | None = None
     step_slots: tuple[int, ...] | None = None
+    step_lengths: tuple[int, ...] | None = None
     speculative_tokens: int | None = None
     sampling_controls: bool | None = None
     itl_bound_ms: float | None = None
@@ -310,6 +311,7 @@ class DecoderLoad(_Checked):
         "prefix_cache_tokens": number(int, 0, none=True),
         "prefix_block": number(int, 1, none=True),
         "step_slots": sizes(1),
+        "step_lengths": sizes(1),
         "speculative_tokens": number(int, 0, none=True),
         "sampling_controls": _maybe_flag,
         "itl_bound_ms": number(float, 0, inclusive=False, none=True),

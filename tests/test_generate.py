@@ -46,7 +46,9 @@ def lm_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(lm_path):
-    dec = pxrt.load(lm_path)
+    # (its steps also run over the cache's first 16 and 32 positions when every busy
+    # slot is within them: every test of it checks those against plain JAX too)
+    dec = pxrt.load(lm_path, step_lengths=(16, 32))
     yield dec
     dec.close()
 
@@ -500,6 +502,24 @@ def test_the_scheduler_prices_prefill_cells_with_the_measured_costs(lm):
 
 
 # --------------------------------------------------------------------------- busy slots
+
+
+def test_steps_run_over_the_first_positions_while_the_busy_slots_are_there(lm, reference):
+    """Short prompts generating past 16, then 32 positions: the steps run over a window
+    of the cache (16, then 32 positions) while every busy slot is inside it, then over
+    all of it; the tokens are plain JAX's all the same, sampled ones included."""
+    before = dict(lm.counters)
+    cases = [(p[:6], m) for p, m in zip(prompts(6, seed=70), (8, 12, 20, 30, 40, 50))]
+    with lm._cond:
+        gens = [lm.submit(p, max_tokens=m) for p, m in cases]
+    assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
+    c = {k: lm.counters[k] - before[k] for k in ("steps", "window_steps")}
+    assert 0 < c["window_steps"] < c["steps"], c
+    sampled = dict(temperature=0.9, top_k=20, seed=5)
+    alone = lm.generate(cases[4][0], max_tokens=40, **sampled).tokens  # (windows, then not)
+    with lm._cond:
+        together = [lm.submit(p, max_tokens=40, **sampled) for p, _ in cases[3:6]]
+    assert together[1].result(timeout=60).tokens == alone
 
 
 def test_steps_run_over_the_busy_slots_only(lm, reference):
@@ -958,6 +978,7 @@ def test_server_generates_with_limits_deadlines_and_metrics(lm_path, reference, 
 def _patch_steps(dec, wrap):
     """Every decode step program of ``dec`` (one per step size) wrapped by ``wrap``."""
     dec._steps = {rows: wrap(program) for rows, program in dec._steps.items()}
+    dec._windows = {key: wrap(program) for key, program in dec._windows.items()}
 
 
 def test_a_failed_step_fails_its_generations_and_the_next_ones_succeed(lm_path, reference):
