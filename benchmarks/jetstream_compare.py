@@ -1,29 +1,50 @@
 """Generation: pxrt vs JetStream 0.2.2's orchestrator, same model, same workload.
 
-The demo decoder (``pxrt.demo``'s ``lm_prefill``/``lm_decode``, the same params) served
-two ways in one process, greedy decoding:
+One decoder (``benchmarks/decoder_shapes.py``: ``pxrt.demo``'s, a parametrized one of
+any size and cache layout, or keras-hub's Llama; the same params and the same functions)
+served two ways in one process, greedy decoding:
 
-- pxrt: the model exported with ``pxrt.demo.export_lm`` (``--slots`` slots, prefill
-  lengths 16/32/64/128) and ``Decoder.agenerate``;
+- pxrt: the model exported once (``decoder_shapes.Model.export``: prefill lengths the
+  powers of two from 16 to the longest prompt's, prefill batches 1 and 4) and loaded at
+  ``--slots`` slots with every other load option at its default; ``Decoder.agenerate``;
 - JetStream: ``google-jetstream==0.2.2``'s ``Driver`` + ``LLMOrchestrator`` driven in
   process (``Decode`` called directly, no gRPC server), over an ``Engine`` written here
   the way JetStream's own engines are: ``max_concurrent_decodes = --slots``, one jitted
-  prefill per bucket (JetStream pads prompts to 16/32/64/128, max_prefill_length 128),
-  a jitted ``insert`` and ``generate`` that donate the decode state (KV cache and
-  per-slot vectors), greedy sampling on device, all compiled and warmed before timing.
-  Interleaved mode (prefill and generate on the same engine and device). Token ids in
-  and out (client-side tokenization).
+  prefill per bucket (the same prefill lengths: JetStream's buckets up to
+  ``max_prefill_length``), a jitted ``insert`` and ``generate`` that donate the decode
+  state (KV cache and per-slot vectors), greedy sampling on device, all compiled and
+  warmed before timing. The engine calls the functions pxrt exported (for keras-hub's
+  Llama, those ``pxrt.adapters.keras_hub.export_causal_lm`` traced). Interleaved mode
+  (prefill and generate on the same engine and device). Token ids in and out.
 
-Same requests as ``benchmarks/generation.py`` (its ``workload``: Pareto prompt and
-output lengths), a closed loop of ``--concurrency`` callers, measured as there (output
-tokens/s, time to first token and inter-token latency p50/p99). The runs alternate,
-``--repeats`` times; the table shows medians and the pxrt/JetStream ratios. Before
-that, a correctness check: the first prompts through both, token for token.
+The workload (``decoder_shapes.workload``): ``--requests`` requests (default 8 per slot,
+at least 128; ``--quick`` 2 per slot, at least 32: the same first requests at every slot
+count), prompt and output lengths from ``--prompts`` and ``--outputs`` (lognormal by
+default, Pareto as an option), a closed loop of ``--callers`` callers (default: one per
+slot), measured as ``benchmarks/generation.py`` measures (output tokens/s, time to
+first token and inter-token latency p50/p99). The runs alternate, ``--repeats`` times;
+the table shows medians and the pxrt/JetStream ratios. Before that, a correctness check:
+the first ``--check`` prompts through both, token for token. For keras-hub's Llama,
+keras-hub's own ``generate()`` too, on length-sorted batches of ``--slots`` of the same
+prompts (``decoder_shapes.keras_generate``), checked token for token against pxrt's.
 
 Needs the side venv (``bash benchmarks/jetstream_env.sh``):
 
     .venv-jetstream/bin/python benchmarks/jetstream_compare.py \\
-        [--requests 1024] [--slots 32] [--repeats 3] [--concurrency 64]
+        [--shape demo|js-small|js-wide|keras-llama] [--layers N] [--d-model N] \\
+        [--heads N] [--mlp N] [--max-length N] [--vocab N] [--layout array|layers] \\
+        [--positions learned|sinusoid] [--prompts lognormal:48:8:256] \\
+        [--outputs lognormal:24:8:128] [--requests N] [--slots 32] [--callers N] \\
+        [--repeats 3] [--quick]
+    .venv-jetstream/bin/python benchmarks/jetstream_compare.py --sweep [--quick]
+
+``--sweep``: demo, js-small, js-wide and keras-llama at 8, 16, 32 and 64 slots (callers =
+slots; ``--shapes``, ``--slots`` to change them), then one table. ``--quick``: fewer
+requests and one repeat (a smoke test, not a measurement). Loading compiles, untimed:
+pxrt some 25 programs per slot count (kept in its persistent compilation cache, so a
+first sweep spends minutes of it on 2 cores and a second seconds), JetStream its own
+dozen (each time). The old default workload:
+``--shape demo --prompts pareto:4:64 --outputs pareto:8:192 --requests 1024 --callers 64``.
 
 Aligning JetStream 0.2.2 with pxrt (see the report at the end of a run):
 
@@ -59,19 +80,17 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import decoder_shapes as ds  # noqa: E402
 import generation  # noqa: E402
 
-import pxrt  # noqa: E402
-from pxrt import demo  # noqa: E402
-
-PREFILL_LENGTHS = (16, 32, 64, 128)
 NO_BOS = "no-bos"  # a non-empty session_cache: JetStream 0.2.2 then prepends no BOS
+SWEEP_SHAPES = ("demo", "js-small", "js-wide", "keras-llama")
+SWEEP_SLOTS = (8, 16, 32, 64)
 
 
 # --------------------------------------------------------------------------- JetStream
@@ -132,8 +151,8 @@ def import_jetstream() -> types.SimpleNamespace:
     )
 
 
-def make_engine(js: types.SimpleNamespace, params, slots: int, max_length: int):
-    """A JetStream 0.2.2 ``Engine`` over ``pxrt.demo``'s decoder."""
+def make_engine(js: types.SimpleNamespace, model: ds.Model, slots: int, lengths: tuple[int, ...]):
+    """A JetStream 0.2.2 ``Engine`` over ``model``'s prefill and decode."""
     engine_api, tokenizer_api, tokenizer_pb2 = js.engine_api, js.tokenizer_api, js.tokenizer_pb2
 
     class IdTokenizer(tokenizer_api.Tokenizer):
@@ -151,55 +170,48 @@ def make_engine(js: types.SimpleNamespace, params, slots: int, max_length: int):
 
         @property
         def eos_id(self) -> int:
-            return demo.LM_EOS
+            return model.eos
 
         @property
         def bos_id(self) -> int:
-            return demo.LM_BOS
+            return model.bos
 
         @property
         def stop_tokens(self) -> set[int]:
-            # Not the default {eos, pad}: pad 0 is a byte the model can generate.
-            return {demo.LM_EOS}
+            # Not the default {eos, pad}: pad 0 is a token the model can generate.
+            return {model.eos}
 
-    class DemoEngine(engine_api.Engine):
-        """Prefix: the prompt's KV rows ``[1, layers, bucket, heads, hd]``, its first
-        token (sampled in prefill) and length. Decode state: the KV cache ``[slots,
-        layers, max_length, heads, hd]`` and per slot the next token to send, its
-        position and the tokens sent so far. Each ``generate`` sends every slot's next
-        token and runs it through the model for the one after."""
+    class ModelEngine(engine_api.Engine):
+        """Prefix: the prompt's cache rows (the model's cache layout, one row of
+        ``bucket`` positions), its first token (sampled in prefill) and length. Decode
+        state: the cache of ``slots`` rows of ``max_length`` positions and per slot the
+        next token to send, its position and the tokens sent so far. Each ``generate``
+        sends every slot's next token and runs it through the model for the one after."""
 
         def __init__(self) -> None:
             self.slots = slots
-            self.max_length = max_length
-            self.params = jax.device_put(params)
+            self.max_length = model.max_length
+            self.params = jax.device_put(model.params)
             self.device = jax.devices()[0]
             self.steps = 0
-            layers = len(params["layers"])
-            heads = params["layers"][0]["heads"].shape[0]
-            hd = params["embed"].shape[1] // heads
-            shape = (slots, layers, max_length, heads, hd)
-            last = max_length - 1
+            last = model.max_length - 1
 
             def init():
                 return {
-                    "k": jnp.zeros(shape, jnp.float32),
-                    "v": jnp.zeros(shape, jnp.float32),
+                    "cache": model.empty_cache(slots),
                     "tokens": jnp.zeros(slots, jnp.int32),
                     "positions": jnp.zeros(slots, jnp.int32),
                     "generated": jnp.zeros(slots, jnp.int32),
                 }
 
             def prefill(params, tokens, true_length):
-                rows, logits = demo.lm_prefill(params, tokens[None], true_length[None])
+                rows, logits = model.prefill(params, tokens[None], true_length[None])
                 first = jnp.argmax(logits[0], axis=-1).astype(jnp.int32)
-                return {"k": rows["k"], "v": rows["v"], "token": first, "length": true_length}
+                return {"cache": rows, "token": first, "length": true_length}
 
             def insert(prefix, state, slot):
-                at = (slot, 0, 0, 0, 0)
                 return {
-                    "k": lax.dynamic_update_slice(state["k"], prefix["k"], at),
-                    "v": lax.dynamic_update_slice(state["v"], prefix["v"], at),
+                    "cache": model.put_rows(state["cache"], prefix["cache"], slot),
                     "tokens": state["tokens"].at[slot].set(prefix["token"]),
                     "positions": state["positions"].at[slot].set(prefix["length"]),
                     "generated": state["generated"].at[slot].set(0),
@@ -208,16 +220,13 @@ def make_engine(js: types.SimpleNamespace, params, slots: int, max_length: int):
             def generate(params, state):
                 tokens = state["tokens"]
                 positions = jnp.minimum(state["positions"], last)  # finished slots run on
-                cache, logits = demo.lm_decode(
-                    params, {"k": state["k"], "v": state["v"]}, tokens, positions
-                )
+                cache, logits = model.decode(params, state["cache"], tokens, positions)
                 generated = state["generated"] + 1
                 # ResultTokens.data: [slots, token | valid | length]; a new array, never
                 # a leaf of the state (donated by the next step).
                 data = jnp.stack([tokens, jnp.ones_like(tokens), generated], axis=1)
                 return {
-                    "k": cache["k"],
-                    "v": cache["v"],
+                    "cache": cache,
                     "tokens": jnp.argmax(logits, axis=-1).astype(jnp.int32),
                     "positions": state["positions"] + 1,
                     "generated": generated,
@@ -231,7 +240,7 @@ def make_engine(js: types.SimpleNamespace, params, slots: int, max_length: int):
         def warm(self) -> None:
             """Compile and run every program once (each prefill bucket and its insert)."""
             state = self.init_decode_state()
-            for n in PREFILL_LENGTHS:
+            for n in lengths:
                 prefix = self.prefill(
                     params=self.params, padded_tokens=jnp.zeros(n, jnp.int32), true_length=n
                 )
@@ -283,7 +292,7 @@ def make_engine(js: types.SimpleNamespace, params, slots: int, max_length: int):
 
         @property
         def max_prefill_length(self) -> int:
-            return PREFILL_LENGTHS[-1]
+            return lengths[-1]
 
         @property
         def mesh(self):
@@ -293,17 +302,19 @@ def make_engine(js: types.SimpleNamespace, params, slots: int, max_length: int):
         def colocated_cpus(self):
             return None
 
-    return DemoEngine()
+    return ModelEngine()
 
 
 class JetStreamTarget:
     """JetStream's Driver + LLMOrchestrator in this process; ``Decode`` called directly."""
 
-    def __init__(self, js: types.SimpleNamespace, params, slots: int, max_length: int) -> None:
+    def __init__(
+        self, js: types.SimpleNamespace, model: ds.Model, slots: int, lengths: tuple[int, ...]
+    ) -> None:
         self.js = js
-        self.engine = make_engine(js, params, slots, max_length)
+        self.engine = make_engine(js, model, slots, lengths)
         self.engine.warm()
-        self.max_length = max_length
+        self.max_length = model.max_length
         self.driver = js.orchestrator.Driver(
             prefill_engines=[self.engine],
             generate_engines=[self.engine],
@@ -363,24 +374,25 @@ async def one_of_either(kind: str, target, prompt, max_tokens, record) -> None:
         await one_jetstream(target, prompt, max_tokens, record)
 
 
-async def closed(kind: str, target, work, concurrency: int) -> dict:
+async def closed(kind: str, target, work, callers: int) -> dict:
     """``generation.closed``, for either target."""
-    return await generation.closed(kind, target, work, concurrency, one=one_of_either)
+    return await generation.closed(kind, target, work, callers, one=one_of_either)
 
 
 async def pxrt_tokens(dec, prompt: np.ndarray, max_tokens: int) -> list[int]:
     return [t async for t in dec.agenerate(prompt, max_tokens=max_tokens)]
 
 
-async def check(dec, js: JetStreamTarget, work) -> list[str]:
+async def check(dec, js: JetStreamTarget, work, eos: int) -> tuple[list[str], dict, bool]:
     """Both targets on the same prompts at once (so several slots are busy): JetStream's
-    tokens should be pxrt's, less a final EOS (JetStream does not send stop tokens)."""
+    tokens should be pxrt's, less a final EOS (JetStream does not send stop tokens).
+    Returns the report, pxrt's tokens by request and whether all were the same."""
     a = await asyncio.gather(*(pxrt_tokens(dec, p, m) for p, m in work))
     b = await asyncio.gather(*(js.tokens(p, m) for p, m in work))
     lines = []
     same = stops = 0
     for i, ((prompt, m), x, y) in enumerate(zip(work, a, b)):
-        stopped = bool(x) and x[-1] == demo.LM_EOS
+        stopped = bool(x) and x[-1] == eos
         stops += stopped
         want = x[:-1] if stopped else x
         if want == y:
@@ -397,100 +409,121 @@ async def check(dec, js: JetStreamTarget, work) -> list[str]:
         f"correctness: {same}/{len(work)} requests give the same greedy tokens in pxrt and "
         f"JetStream ({stops} stopped at EOS; {sum(map(len, a))} pxrt tokens)",
     )
-    return lines
+    return lines, dict(enumerate(a)), same == len(work)
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- one configuration
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=1024)
-    p.add_argument("--slots", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-prompt", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=192)
-    p.add_argument("--check", type=int, default=16, help="requests in the correctness check")
-    args = p.parse_args()
-    if args.max_prompt > PREFILL_LENGTHS[-1]:
-        p.error(f"--max-prompt: at most {PREFILL_LENGTHS[-1]} (the largest prefill length)")
-
-    js_modules = import_jetstream()
-    from importlib.metadata import version
-
+def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: int, args) -> dict:
+    """pxrt and JetStream at ``slots`` slots on ``work``: the check, then the runs
+    alternated; for keras-hub's Llama, its ``generate`` after them. Returns the medians
+    per system, the check's report and the peer's numbers."""
+    t0 = time.perf_counter()
+    dec = model.load(slots)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    js = JetStreamTarget(js_modules, model, slots, lengths)
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].platform}; google-jetstream "
-        f"{version('google-jetstream')}"
+        f"[{model.shape.name} x {slots} slots] pxrt: {dec!r} ({load_s:.1f}s to load); "
+        f"JetStream: Driver + LLMOrchestrator, interleaved, {slots} slots, "
+        f"max_prefill_length {lengths[-1]} ({time.perf_counter() - t0:.1f}s to compile "
+        "and warm)",
+        flush=True,
     )
-    params = demo.make_lm_params()
-    work = generation.workload(args.requests, 0, args.max_prompt, args.max_output)
-    with tempfile.TemporaryDirectory(prefix="pxrt-js-") as tmp:
-        t0 = time.perf_counter()
-        path = demo.export_lm(
-            os.path.join(tmp, "lm"), slots=args.slots, prefill_lengths=PREFILL_LENGTHS
-        )
-        dec = pxrt.load(path)
-        print(f"pxrt: {dec!r} ({time.perf_counter() - t0:.1f}s to export and load)")
-        t0 = time.perf_counter()
-        js = JetStreamTarget(js_modules, params, args.slots, dec.max_length)
-        print(
-            f"JetStream: Driver + LLMOrchestrator, interleaved, {args.slots} slots, "
-            f"max_prefill_length {PREFILL_LENGTHS[-1]} ({time.perf_counter() - t0:.1f}s "
-            "to compile and warm)"
-        )
-        targets = {"pxrt": dec, "jetstream": js}
-        runs: dict[str, list[dict]] = {}
-        report: list[str] = []
+    targets = {"pxrt": dec, "jetstream": js}
+    runs: dict[str, list[dict]] = {}
+    report: list[str] = []
+    out: dict = {"shape": model.shape.name, "slots": slots, "callers": callers, "n": len(work)}
 
-        async def bench() -> None:
-            try:
-                await runs_of_both()
-            finally:
-                # Inside the loop: the detokenize thread's last call_soon_threadsafe for a
-                # finished request can come after its stream ended, and an exception in
-                # that thread (a closed loop) SIGKILLs the process.
-                js.stop()
-
-        async def runs_of_both() -> None:
-            # The check doubles as the warm-up of both paths.
-            report.extend(await check(dec, js, work[: args.check]))
-            print("\n".join(report), flush=True)
-            gc.collect()
-            gc.freeze()
-            for rep in range(args.repeats):
-                order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
-                for kind in order:
-                    steps0 = dec.counters["steps"] if kind == "pxrt" else js.engine.steps
-                    r = await closed(kind, targets[kind], work, args.concurrency)
-                    steps = (dec.counters["steps"] if kind == "pxrt" else js.engine.steps) - steps0
-                    s = generation.summary(r) | {"steps": steps, "tokens": r["tokens"]}
-                    runs.setdefault(kind, []).append(s)
-                    print(
-                        f"  run {rep + 1} {kind:<9} {s['tok/s']:>7.0f} tok/s, ttft p99 "
-                        f"{s['ttft p99']:.1f} ms, itl p99 {s['itl p99']:.2f} ms, "
-                        f"{r['tokens']} tokens in {steps} steps ({r['elapsed']:.1f}s)",
-                        flush=True,
-                    )
-
+    async def bench() -> None:
         try:
-            asyncio.run(bench())
+            await runs_of_both()
         finally:
+            # Inside the loop: the detokenize thread's last call_soon_threadsafe for a
+            # finished request can come after its stream ended, and an exception in
+            # that thread (a closed loop) SIGKILLs the process.
             js.stop()
-            dec.close()
 
+    async def runs_of_both() -> None:
+        # The check doubles as the warm-up of both paths.
+        lines, out["pxrt tokens"], out["check ok"] = await check(
+            dec, js, work[: args.check], model.eos
+        )
+        out["check"] = lines[0].split(" requests")[0].split(": ")[1]
+        report.extend(lines)
+        print("\n".join(report), flush=True)
+        gc.collect()
+        gc.freeze()
+        for rep in range(args.repeats):
+            order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+            for kind in order:
+                c0 = dict(dec.counters)
+                steps0 = js.engine.steps
+                r = await closed(kind, targets[kind], work, callers)
+                c = {k: v - c0.get(k, 0) for k, v in dec.counters.items()}
+                steps = c["steps"] if kind == "pxrt" else js.engine.steps - steps0
+                s = generation.summary(r) | {"steps": steps, "tokens": r["tokens"]}
+                runs.setdefault(kind, []).append(s)
+                # pxrt's own account: its prefills (prompts per program) and its steps'
+                # mean wall time (the loop's step, host and device).
+                more = (
+                    f"; {c.get('prefills', 0)} prefills of {c.get('prefill_rows', 0)} "
+                    f"prompts, step {1e3 * c.get('step_wall_s', 0) / max(steps, 1):.2f} ms"
+                    if kind == "pxrt"
+                    else ""
+                )
+                print(
+                    f"  run {rep + 1} {kind:<9} {s['tok/s']:>7.0f} tok/s, ttft p50 "
+                    f"{s['ttft p50']:.1f} ms, itl p50/p99 {s['itl p50']:.2f}/"
+                    f"{s['itl p99']:.2f} ms, {r['tokens']} tokens in {steps} steps{more} "
+                    f"({r['elapsed']:.1f}s)",
+                    flush=True,
+                )
+
+    try:
+        asyncio.run(bench())
+    finally:
+        js.stop()
+        dec.close()
+        gc.unfreeze()
+    out["report"] = report
+    out["runs"] = runs
+    out["med"] = {
+        kind: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        for kind, rows in runs.items()
+    }
+    if model.lm is not None and args.keras_peer:
+        k = ds.keras_generate(model, work, slots)
+        want = {i: out["pxrt tokens"][i] for i in range(min(args.check, len(work)))}
+        same, lines = ds.compare_tokens(want, k["outputs"])
+        out["keras"] = k | {"same": same, "checked": len(want)}
+        line = (
+            f"keras-hub generate(): {k['tok/s']:.0f} tok/s ({k['tokens']} tokens in "
+            f"{k['batches']} length-sorted batches of {slots}, {k['shapes']} padded lengths; "
+            f"{k['elapsed']:.1f}s); {same}/{len(want)} requests token-equal with pxrt"
+        )
+        report.append(line)
+        report.extend(lines)
+        print(line, *lines, sep="\n", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def print_detail(res: dict, requests: int, repeats: int) -> None:
+    """One configuration's table (as before the sweep existed)."""
     print()
     print(
-        f"closed loop, {args.requests} requests, {args.concurrency} callers, {args.slots} "
-        f"slots; medians of {args.repeats}"
+        f"{res['shape']}: closed loop, {requests} requests, {res['callers']} callers, "
+        f"{res['slots']} slots; medians of {repeats}"
     )
     head = ("tok/s", "steady tok/s", "ttft p50", "ttft p99", "itl p50", "itl p99", "steps")
     widths = [13 if h == "steady tok/s" else 10 for h in head]
     print(f"{'':<10}" + "".join(f"{h:>{w}}" for h, w in zip(head, widths)))
-    med = {}
-    for kind, rows in runs.items():
-        med[kind] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        m = med[kind]
+    med = res["med"]
+    for kind, m in med.items():
         print(
             f"{kind:<10}{m['tok/s']:>10.0f}{m['steady tok/s']:>13.0f}"
             f"{m['ttft p50']:>9.1f}m{m['ttft p99']:>9.1f}m"
@@ -505,8 +538,126 @@ def main() -> None:
                 for k, w in zip(head, widths)
             )
         )
+    if "keras" in res:
+        k = res["keras"]
+        print(
+            f"keras-hub generate() {k['tok/s']:.0f} tok/s: pxrt/keras-hub "
+            f"{med['pxrt']['tok/s'] / k['tok/s']:.2f}x"
+        )
+
+
+def print_sweep(results: list[dict]) -> None:
+    """One line per shape and slot count."""
     print()
-    print("\n".join(report))
+    print(
+        f"{'shape':<12}{'slots':>6}{'reqs':>6}{'pxrt tok/s':>11}{'js tok/s':>10}{'ratio':>7}"
+        f"{'itl p50 px/js':>15}{'itl p99 px/js':>15}{'ttft p50 px/js':>16}"
+        f"{'check':>8}{'keras tok/s':>12}{'px/keras':>9}"
+    )
+    for r in results:
+        a, b = r["med"]["pxrt"], r["med"]["jetstream"]
+        keras = r.get("keras")
+        ktok = f"{keras['tok/s']:>12.0f}" if keras else f"{'':>12}"
+        kratio = f"{a['tok/s'] / keras['tok/s']:>8.2f}x" if keras else f"{'':>9}"
+        print(
+            f"{r['shape']:<12}{r['slots']:>6}{r['n']:>6}{a['tok/s']:>11.0f}{b['tok/s']:>10.0f}"
+            f"{a['tok/s'] / b['tok/s']:>6.2f}x"
+            f"{a['itl p50']:>7.2f}/{b['itl p50']:<7.2f}{a['itl p99']:>7.2f}/{b['itl p99']:<7.2f}"
+            f"{a['ttft p50']:>8.1f}/{b['ttft p50']:<7.1f}{r['check']:>8}{ktok}{kratio}"
+        )
+    print("(ITL and TTFT in ms; check: greedy requests token-equal pxrt/JetStream)")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def requests_for(args: argparse.Namespace, slots: int) -> int:
+    if args.requests:
+        return args.requests
+    return max(32, 2 * slots) if args.quick else max(128, 8 * slots)
+
+
+def requests_note(args: argparse.Namespace) -> str:
+    if args.requests:
+        return f"{args.requests} requests"
+    return "2 requests per slot (at least 32)" if args.quick else "8 per slot (at least 128)"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ds.add_shape_args(p)
+    ds.add_workload_args(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--requests", type=int, help="default 8 per slot (--quick 2), >= 128 (32)")
+    g.add_argument("--slots", help="slot count(s), comma-separated (default 32; sweep 8,16,32,64)")
+    g.add_argument("--callers", "--concurrency", type=int, help="closed loop (default: slots)")
+    g.add_argument("--repeats", type=int, help="alternated runs of each (default 3, --quick 1)")
+    g.add_argument("--check", type=int, default=16, help="requests in the correctness check")
+    g.add_argument("--no-keras-peer", dest="keras_peer", action="store_false",
+                   help="skip keras-hub's generate() on keras-llama")  # fmt: skip
+    g.add_argument("--sweep", action="store_true", help="every shape of --shapes at every --slots")
+    g.add_argument("--shapes", default=",".join(SWEEP_SHAPES), help="the sweep's shapes")
+    g.add_argument("--quick", action="store_true", help="fewer requests, one repeat")
+    args = p.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    default_slots = SWEEP_SLOTS if args.sweep else (32,)
+    slot_counts = tuple(int(x) for x in args.slots.split(",")) if args.slots else default_slots
+    names = [x for x in args.shapes.split(",") if x] if args.sweep else [args.shape]
+    for name in names:
+        if name not in ds.SHAPES:
+            p.error(f"--shapes: {name!r} is not one of {', '.join(ds.SHAPES)}")
+
+    js_modules = import_jetstream()
+    from importlib.metadata import version
+
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; google-jetstream "
+        f"{version('google-jetstream')}; {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    results = []
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pxrt-js-") as tmp:
+        for name in names:
+            shape = ds.shape_from_args(args, name)
+            most = max(requests_for(args, n) for n in slot_counts)
+            work = ds.workload(most, shape, args.prompts, args.outputs, args.seed)
+            lengths = ds.prefill_lengths(work, shape.max_length)
+            model = ds.Model(shape, args.seed)
+            model.export(tmp, lengths)
+            print(
+                f"\n{shape.describe()}\n  {ds.describe_work(work, args.prompts, args.outputs)}"
+                f"\n  prefill lengths {lengths}; exported in {model.export_s:.1f}s",
+                flush=True,
+            )
+            for slots in slot_counts:
+                callers = args.callers or slots
+                n = requests_for(args, slots)
+                res = run_config(js_modules, model, lengths, work[:n], slots, callers, args)
+                results.append(res)
+                if not args.sweep:
+                    print_detail(res, n, args.repeats)
+                    print()
+                    print("\n".join(res["report"]))
+    if len(results) > 1:
+        print(
+            f"\n{requests_note(args)}, prompts {args.prompts}, outputs {args.outputs}; "
+            f"closed loop, callers {args.callers or '= slots'}; medians of {args.repeats} "
+            f"alternated runs; {time.perf_counter() - t_start:.0f}s in all"
+        )
+        print_sweep(results)
+    bad = [f"{r['shape']} x {r['slots']}" for r in results if not r["check ok"]]
+    bad += [
+        f"{r['shape']} x {r['slots']} (keras-hub)"
+        for r in results
+        if "keras" in r and r["keras"]["same"] != r["keras"]["checked"]
+    ]
+    if bad:
+        print(f"\nTOKENS DIFFER: {', '.join(bad)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,14 @@ JS_DEPS=(flax tiktoken blobfile protobuf absl-py grpcio shortuuid prometheus_cli
 echo "jetstream_env: installing JetStream's import-time dependencies: ${JS_DEPS[*]}"
 "${PIP[@]}" "$JAX" "$JAXLIB" "$NUMPY" "${JS_DEPS[@]}"
 
+# keras-hub for the keras-llama shape (pxrt.adapters.keras_hub, keras-hub's generate()), as
+# the Makefile installs it in .venv: without tensorflow-text (TensorFlow), which causal LMs
+# on the JAX backend do not need; tokenizers is what importing keras_hub needs of the rest.
+KERAS_DEPS=(keras kagglehub kagglesdk regex rich tokenizers)
+echo "jetstream_env: installing keras-hub (--no-deps) and ${KERAS_DEPS[*]}"
+"${PIP[@]}" "$JAX" "$JAXLIB" "$NUMPY" "${KERAS_DEPS[@]}"
+"${PIP[@]}" --no-deps "$(pin keras-hub)"
+
 echo "jetstream_env: checking"
 "$PY" - <<'EOF'
 import sys, types
@@ -87,11 +95,15 @@ handlers, level = list(root.handlers), root.level
 from jetstream.core import orchestrator  # noqa: F401
 from jetstream.engine import engine_api, token_utils  # noqa: F401
 root.handlers[:], root.level = handlers, level
+import os
+os.environ.setdefault("KERAS_BACKEND", "jax")
+import keras_hub  # noqa: F401
 from importlib.metadata import version
 import pxrt
 print(
     f"jetstream_env: ok: jax {jax.__version__}, jaxlib {jaxlib.__version__}, numpy "
     f"{numpy.__version__}, google-jetstream {version('google-jetstream')}, flax "
-    f"{version('flax')}, protobuf {version('protobuf')}, pxrt from {pxrt.__file__}"
+    f"{version('flax')}, protobuf {version('protobuf')}, keras-hub {version('keras-hub')}, "
+    f"pxrt from {pxrt.__file__}"
 )
 EOF
