@@ -1,29 +1,42 @@
 """Generation: pxrt's continuous batching vs static batching, side by side in one process.
 
-The demo decoder (``pxrt.demo``: a byte-level transformer, 2 layers, 64 wide, a 256
-position cache), prompts and output lengths both long-tailed (Pareto: most short, a few
-long), greedy decoding:
+One decoder (``benchmarks/decoder_shapes.py``: ``--shape``, by default ``pxrt.demo``'s
+byte-level transformer, 2 layers, 64 wide, a 256-position cache; any size, cache layout
+or keras-hub's Llama by flags), prompts and output lengths both long-tailed (``--prompts``,
+``--outputs``: lognormal by default, Pareto as an option), greedy decoding:
 
-- pxrt: ``Decoder.agenerate`` (continuous batching over ``--slots`` slots; tokens
-  streamed as they come);
+- pxrt: the model exported once and loaded at ``--slots`` slots, every other load option
+  at its default; ``Decoder.agenerate`` (continuous batching; tokens streamed as they
+  come);
 - static: what a JAX user writes without pxrt: a worker takes up to ``--slots`` waiting
   prompts, pads them to the longest (rounded up to a prefill length, so it compiles once
   per length), prefills them and runs a jitted decode loop (``lax.while_loop``, compiled
   before the run) for as many steps as the longest of them asks, then hands every prompt
-  all its tokens at once. Its first token arrives with its last.
+  all its tokens at once. Its first token arrives with its last. The same prefill and
+  decode functions as pxrt's.
 
-Both serve the same requests: a closed loop of ``--concurrency`` callers, then Poisson
+Both serve the same requests: a closed loop of ``--callers`` callers, then Poisson
 arrivals at fractions of pxrt's closed-loop request rate. Reported per run: output
 tokens/s over the whole run and in the closed loop's steady window (while every caller
 still has a request: without the ramp-up and the drain), time to first token
 (p50/p99), inter-token latency (pxrt; p50/p99). The runs
 alternate, ``--repeats`` times; the table shows medians and the ratios.
 
+For keras-hub's Llama (``--shape keras-llama``), keras-hub's own ``generate()`` too, on
+length-sorted batches of ``--slots`` of the same prompts (``decoder_shapes.keras_generate``),
+its tokens checked against pxrt's greedy ones.
+
 Then the per-step host overhead at ``--slots`` busy slots: the loop's step time (every
 slot generating, steady state) minus the decode step's device time (the compiled step
 called back to back with nothing else on the host).
 
-    python benchmarks/generation.py [--requests 256] [--slots 32] [--repeats 3]
+    python benchmarks/generation.py [--shape demo|js-small|js-wide|keras-llama] \\
+        [--layers N] [--d-model N] [--heads N] [--mlp N] [--max-length N] [--vocab N] \\
+        [--layout array|layers] [--positions learned|sinusoid] \\
+        [--prompts lognormal:48:8:256] [--outputs lognormal:24:8:128] \\
+        [--requests 1024] [--slots 32] [--callers 64] [--repeats 3] [--quick]
+
+The workload before these flags: ``--prompts pareto:4:64 --outputs pareto:8:192``.
 """
 
 from __future__ import annotations
@@ -44,13 +57,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
-import pxrt  # noqa: E402
+import decoder_shapes as ds  # noqa: E402
+
 from pxrt import demo  # noqa: E402
 
 
 def workload(n: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[np.ndarray, int]]:
+    """The Pareto workload of the demo decoder (``benchmarks/generation_wire.py``'s)."""
     prompts = demo.lm_prompts(n, seed=seed, low=4, high=max_prompt)
     outputs = demo.token_lengths(n, low=8, high=max_output, seed=seed + 1)
     return [(p, int(m)) for p, m in zip(prompts, outputs)]
@@ -62,27 +79,23 @@ def workload(n: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[
 class StaticBatcher:
     """A batch of up to ``batch`` prompts at a time, decoded until its longest is done."""
 
-    def __init__(self, params, batch: int, max_length: int, lengths: tuple[int, ...]) -> None:
+    def __init__(self, model: ds.Model, batch: int, lengths: tuple[int, ...]) -> None:
         self.batch = batch
         self.lengths = lengths
-        self.max_length = max_length
-        self.params = jax.device_put(params)
+        self.max_length = max_length = model.max_length
+        self.eos = model.eos
+        self.params = jax.device_put(model.params)
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        layers = len(params["layers"])
-        heads = params["layers"][0]["heads"].shape[0]
-        dim = params["embed"].shape[1]
-        shape = (batch, layers, max_length, heads, dim // heads)
 
         def run(params, tokens, lengths, steps):
-            rows, logits = demo.lm_prefill(params, tokens, lengths)
-            n = tokens.shape[1]
-            cache = {k: jnp.zeros(shape, jnp.float32).at[:, :, :n].set(r) for k, r in rows.items()}
+            rows, logits = model.prefill(params, tokens, lengths)
+            cache = model.put_rows(model.empty_cache(batch), rows, 0)
             first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             out = jnp.zeros((batch, max_length), jnp.int32).at[:, 0].set(first)
 
             def body(carry):
                 i, cache, token, position, out = carry
-                cache, logits = demo.lm_decode(params, cache, token, position)
+                cache, logits = model.decode(params, cache, token, position)
                 token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
                 return i + 1, cache, token, position + 1, out.at[:, i].set(token)
 
@@ -129,8 +142,8 @@ class StaticBatcher:
             out = np.asarray(self.compiled[n](self.params, tokens, lengths, np.int32(max(want))))
             for i, (_, _, loop, future) in enumerate(items):
                 row = out[i, : want[i]].tolist()
-                if demo.LM_EOS in row:
-                    row = row[: row.index(demo.LM_EOS) + 1]
+                if self.eos in row:
+                    row = row[: row.index(self.eos) + 1]
                 loop.call_soon_threadsafe(_resolve, future, row)
 
 
@@ -262,36 +275,56 @@ def step_overhead(dec, steps: int = 300, repeats: int = 3) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=1024)
-    p.add_argument("--slots", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rates", default="0.25,0.5", help="Poisson rates, as fractions of pxrt's")
-    p.add_argument("--max-prompt", type=int, default=64)
-    p.add_argument("--max-output", type=int, default=192)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ds.add_shape_args(p)
+    ds.add_workload_args(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--requests", type=int, help="default 1024 (--quick 128)")
+    g.add_argument("--slots", type=int, default=32)
+    g.add_argument("--callers", "--concurrency", type=int, default=64, help="closed loop")
+    g.add_argument("--repeats", type=int, help="alternated runs of each (default 3, --quick 1)")
+    g.add_argument("--rates", default="0.25,0.5", help="Poisson rates, as fractions of pxrt's")
+    g.add_argument("--check", type=int, default=16, help="requests checked against keras-hub")
+    g.add_argument("--quick", action="store_true", help="fewer requests, one repeat")
     args = p.parse_args()
-    lengths = (16, 32, 64, 128)
+    if args.requests is None:
+        args.requests = 128 if args.quick else 1024
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    shape = ds.shape_from_args(args)
+    work = ds.workload(args.requests, shape, args.prompts, args.outputs, args.seed)
+    lengths = ds.prefill_lengths(work, shape.max_length)
+    model = ds.Model(shape, args.seed)
+    print(shape.describe())
+    print(ds.describe_work(work, args.prompts, args.outputs))
     with tempfile.TemporaryDirectory(prefix="pxrt-gen-") as tmp:
-        path = demo.export_lm(os.path.join(tmp, "lm"), slots=args.slots, prefill_lengths=lengths)
-        dec = pxrt.load(path, progress=True)
-        static = StaticBatcher(demo.make_lm_params(), args.slots, dec.max_length, lengths)
+        model.export(tmp, lengths, slots=args.slots)
+        dec = model.load(args.slots)
+        static = StaticBatcher(model, args.slots, lengths)
         print(f"{dec!r}; static batching: {args.slots} rows per batch")
         overhead = step_overhead(dec)
-        work = workload(args.requests, 0, args.max_prompt, args.max_output)
         gc.collect()
         gc.freeze()
         targets = {"pxrt": dec, "static": static}
         runs: dict = {}
+        checked: dict[int, list[int]] = {}
+
+        async def pxrt_tokens(prompt, m):
+            return [t async for t in dec.agenerate(prompt, max_tokens=m)]
 
         async def bench():
             # Warm-up: both, a few requests.
             for kind, target in targets.items():
                 await closed(kind, target, work[:8], 8)
+            if model.lm is not None:  # pxrt's tokens, for keras-hub's
+                got = await asyncio.gather(*(pxrt_tokens(pr, m) for pr, m in work[: args.check]))
+                checked.update(enumerate(got))
             for rep in range(args.repeats):
                 order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
                 for kind in order:
-                    r = await closed(kind, targets[kind], work, args.concurrency)
+                    r = await closed(kind, targets[kind], work, args.callers)
                     runs.setdefault(("closed", kind), []).append(summary(r))
             rate = statistics.median(r["tok/s"] for r in runs[("closed", "pxrt")])
             mean_tokens = np.mean([min(m, dec.max_length - len(pr)) for pr, m in work])
@@ -305,6 +338,10 @@ def main() -> None:
 
         asyncio.run(bench())
         dec.close()
+    keras = None
+    if model.lm is not None:
+        keras = ds.keras_generate(model, work, args.slots)
+        same, mismatches = ds.compare_tokens(checked, keras["outputs"])
     print()
     print(
         f"{'run':<16} {'':<7} {'tok/s':>9} {'steady':>9} {'ttft p50':>9} {'ttft p99':>9} "
@@ -328,6 +365,13 @@ def main() -> None:
             f"{a['steady tok/s'] / b['steady tok/s']:>8.2f}x "
             f"{a['ttft p50'] / b['ttft p50']:>8.2f}x {a['ttft p99'] / b['ttft p99']:>8.2f}x"
         )
+        if keras is not None and scenario == "closed":
+            print(
+                f"{'':<16} {'keras':<7} {keras['tok/s']:>9.0f}   (keras-hub generate(), "
+                f"{keras['batches']} length-sorted batches of {args.slots}, "
+                f"{keras['shapes']} padded lengths): pxrt/keras-hub "
+                f"{a['tok/s'] / keras['tok/s']:.2f}x"
+            )
     print()
     o = overhead
     print(
@@ -337,6 +381,15 @@ def main() -> None:
         f"({o['loop_step_us'] / o['device_step_us']:.2f}x)"
     )
     print(f"compiles after load: {dec.compiles_after_load}")
+    if keras is not None:
+        print(
+            f"keras-hub generate(): {same}/{len(checked)} requests token-equal with pxrt's "
+            "greedy tokens",
+            *mismatches,
+            sep="\n",
+        )
+        if same != len(checked):
+            sys.exit(1)
 
 
 if __name__ == "__main__":
