@@ -50,6 +50,7 @@ def main() -> None:
         prefill_lengths=lengths, dim=args.dim, heads=args.heads, layers=args.layers,
     )  # fmt: skip
     dec = pxrt.load(path)
+    dec.wait_programs()  # (none compiling beside the runs)
     print("measured ms:", {k: round(v * 1e3, 3) for k, v in dec.costs.items()})
     print(f"turn bound: {dec.itl_bound_s * 1e3:.2f} ms")
     rng = np.random.default_rng(0)

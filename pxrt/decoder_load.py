@@ -8,6 +8,7 @@ a ``pxrt.multihost.Follower``).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
@@ -16,7 +17,9 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +64,7 @@ def load_decoder(
     sampling_controls: bool = True,
     max_waiting: int = 1024,
     itl_bound_ms: float | None = None,
+    defer: bool = True,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
     distributed: Any = None,
@@ -88,6 +92,16 @@ def load_decoder(
     cache rows kept on the devices in blocks of ``prefix_block`` (default: half as many
     as the slots hold; 0: off), so a prompt that starts as an earlier one did
     prefills only the rest.
+
+    ``defer`` (default True): the decoder is ready once the state, the step and a way
+    in for every prompt are compiled (the 1-row extend cells: prompts go in chunks
+    meanwhile; without extend, the smallest prefill cells); the others (the prefill
+    cells, the steps over fewer slots or positions, larger cells, the sampling
+    controls', the prefix cache's and speculation's programs) compile on a thread of
+    their own after, and the loop takes them between two turns (``Decoder.deferred``,
+    ``Decoder.wait_programs``). Until then a request that asks for logprobs or controls
+    waits for them, prompts are not cached and nothing is speculated. False: every
+    program before the load returns. A multi-host group compiles every program first.
 
     ``itl_bound_ms``: the time a turn of the loop may spend prefilling new prompts
     beside its decode step, so the running streams' inter-token gap stays near the bound:
@@ -173,6 +187,9 @@ def load_decoder(
         # placed.
         check_memory(programs)
         jobs = programs.jobs(lengths, batches, chunks, chunk_rows)
+        if not isinstance(defer, (bool, np.bool_)):
+            raise ValueError(f"defer must be true or false, got {defer!r}")
+        jobs, later = _split(jobs, bool(defer) and not in_group)
         tp = time.perf_counter()
         got = _obtain_all(programs, jobs, cache_dir, progress, store=not in_group)
         tw = time.perf_counter()
@@ -242,6 +259,9 @@ def load_decoder(
         max_waiting=max_waiting,
         costs=costs,
         itl_bound_ms=itl_bound_ms,
+        deferred=len(later),
+        prefill_lengths=lengths,
+        wanted={"controls": programs.controls, "speculative_tokens": speculative_tokens},
         step_compile_s=got.step_s,
         load_s=time.perf_counter() - t0,
     )
@@ -255,6 +275,8 @@ def load_decoder(
             group, multihost.Layout.of(programs.by_slot, slots, jax.process_index())
         )
     log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
+    if later:
+        _compile_later(decoder, programs, later, cache_dir)
     return decoder
 
 
@@ -1232,13 +1254,18 @@ def _obtain_all(
     *,
     store: bool,
     fresh: bool = False,
+    stop: Any = None,
 ) -> _Obtained:
     """Every program of ``jobs``, on a pool (XLA's compile releases the GIL), each by
-    ``pxrt.compiling.obtain``."""
+    ``pxrt.compiling.obtain``; those of ``jobs`` it holds, for a part of a load (the
+    state and the step must be in the first part). ``stop()`` true: the jobs not yet
+    begun are left out."""
     art = programs.art
     bar = compiling.progress_bar(len(jobs), f"pxrt: compiling {art.name}", "program", progress)
 
-    def one(job: tuple[str, int, int]) -> tuple[Any, float, str]:
+    def one(job: tuple[str, int, int]) -> tuple[Any, float, str] | None:
+        if stop is not None and stop():
+            return None
         tc = time.perf_counter()
 
         def compile_it(afresh: bool) -> tuple[Any, str]:
@@ -1257,7 +1284,7 @@ def _obtain_all(
 
     workers = max(1, min(os.cpu_count() or 1, len(jobs)))
     with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        got = dict(zip(jobs, pool.map(one, jobs)))
+        got = {job: out for job, out in zip(jobs, pool.map(one, jobs)) if out is not None}
 
     def cells(kind: str) -> list[PrefillCell]:
         # ``index``: the cell's place among its kind (a multi-host header names it).
@@ -1267,32 +1294,106 @@ def _obtain_all(
             for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)
         ]
 
+    def program(*job: Any) -> Any:
+        return got[job][0] if job in got else None
+
     prefix = None
-    if programs.prefix is not None:
+    if programs.prefix is not None and all((what, 0, 0) in got for what in _POOL):
         entries, block = programs.prefix
         make, load, save = (got[(what, 0, 0)][0] for what in _POOL)
         prefix = PrefixPool(
             PrefixIndex(entries, block), make, load, save, programs.load_rows, programs.width
         )
-    step = got[("step", 0, 0)]
+    step = got.get(("step", 0, 0), (None, 0.0, ""))
+    verify = program("verify", 0, programs.speculate) if programs.speculate else None
     return _Obtained(
-        got[("state", 0, 0)][0],
+        program("state", 0, 0),
         step[0],
         step[1],
         cells("prefill"),
         collections.Counter(source for _, _, source in got.values()),
         cells("extend"),
         prefix,
-        {n: got[("step", n, 0)][0] for n in programs.step_slots},
-        got[("move", 0, 0)][0] if programs.step_slots else None,
-        got[("control", 0, 0)][0] if ("control", 0, 0) in got else None,
+        {n: got[("step", n, 0)][0] for n in programs.step_slots if ("step", n, 0) in got},
+        program("move", 0, 0),
+        program("control", 0, 0),
         programs.max_length,
-        got[("verify", 0, programs.speculate)][0] if programs.speculate else None,
-        programs.speculate,
-        got[("step", -1, 0)][0] if ("step", -1, 0) in got else None,
+        verify,
+        programs.speculate if verify is not None else 0,
+        program("step", -1, 0),
         max((_work_bytes(compiled) for compiled, _, _ in got.values()), default=0),
-        {(n, w): got[("step", n, w)][0] for n, w in programs._window_jits},
+        {(n, w): got[("step", n, w)][0] for n, w in programs._window_jits if ("step", n, w) in got},
     )
+
+
+def _split(
+    jobs: list[tuple[str, int, int]], defer: bool
+) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(the programs a decoder needs to be ready, those compiled after it is): with
+    ``defer``, the state, the step over every slot and the cache, and a way in for
+    every prompt (the 1-row extend cells, or without extend the smallest prefill cells)
+    first; the steps over fewer slots or positions, the other cells, and the sampling
+    controls', the prefix cache's and speculation's programs after."""
+    if not defer:
+        return jobs, []
+    # The way in: the smallest extend cell of each chunk length (a prompt of any length
+    # goes in chunks until its prefill cell comes), else the smallest prefill cells.
+    way_in = "extend" if any(job[0] == "extend" for job in jobs) else "prefill"
+    least = min(b for k, b, _ in jobs if k == way_in)
+    core = [
+        job for job in jobs
+        if job[:2] in (("state", 0), ("step", 0)) and job[2] == 0
+        or job[0] == way_in and job[1] == least
+    ]  # fmt: skip
+    return core, [job for job in jobs if job not in core]
+
+
+# Threads compiling a load's later programs: joined at exit (a compile that outlived the
+# interpreter would run while jax tears its backends down).
+_LATER: set[threading.Thread] = set()
+_STOPPING = threading.Event()
+
+
+@atexit.register
+def _join_later() -> None:
+    _STOPPING.set()
+    for thread in list(_LATER):
+        thread.join(timeout=60)
+
+
+def _compile_later(
+    decoder: Any,
+    programs: DecoderPrograms,
+    jobs: list[tuple[str, int, int]],
+    cache_dir: str | None,
+) -> None:
+    """Compile ``jobs`` on a thread of their own and hand them to ``decoder``'s loop
+    (``Decoder.install``), which takes them between two turns; the jobs not begun are
+    left out once the decoder is closed or dropped."""
+    ref = weakref.ref(decoder)
+    art = programs.art
+
+    def stop() -> bool:
+        dec = ref()
+        return _STOPPING.is_set() or dec is None or dec.closed
+
+    def run() -> None:
+        got, error = None, None
+        try:
+            with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
+                got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop)
+        except Exception as exc:  # noqa: BLE001 - the decoder serves on without them
+            error = exc
+            log.error("pxrt: %s: compiling its later programs failed: %r", art.name, exc)
+        finally:
+            _LATER.discard(threading.current_thread())
+        dec = ref()
+        if dec is not None:
+            dec.install(got, error)
+
+    thread = threading.Thread(target=run, name=f"pxrt-compile-{art.name}", daemon=True)
+    _LATER.add(thread)
+    thread.start()
 
 
 class _FollowerState:

@@ -206,6 +206,9 @@ class Decoder:
         load_s: float,
         costs: Mapping[str, float] | None = None,
         itl_bound_ms: float | None = None,
+        deferred: int = 0,
+        wanted: Mapping[str, Any] | None = None,
+        prefill_lengths: Sequence[int] = (),
     ) -> None:
         self.artifact = art
         self.name: str = art.name
@@ -221,7 +224,8 @@ class Decoder:
         self.tokenizer = _tokenizer.load(config.get("tokenizer"), art.path)
         #: The artifact's chat template (Jinja), or None.
         self.chat_template: str | None = config.get("chat_template")
-        self.prefill_lengths = tuple(sorted({c.length for c in cells}))
+        # (the load's: its cells may come after it, with ``defer``)
+        self.prefill_lengths = tuple(sorted(prefill_lengths or {c.length for c in cells}))
         self.prefill_batches = tuple(sorted({c.batch for c in cells}))
         self.chunk_lengths = tuple(sorted({c.length for c in extends}))
         self.chunk_batches = tuple(sorted({c.batch for c in extends}))
@@ -337,7 +341,20 @@ class Decoder:
         #: this decoder runs, in the same order), else None.
         self.group: Any = None
         self._gather: Any = None  # (multi-host) a step's tokens, whole: a RowGather
+        self._itl_bound_ms = itl_bound_ms
         self._price_programs(costs or {}, itl_bound_ms)
+        #: Programs still compiling after the load (``pxrt.load(defer=True)``): the loop
+        #: takes them between two turns (``install``); 0 once it has.
+        self.deferred = deferred
+        #: Why the programs compiled after the load are missing, when they failed.
+        self.deferred_error: BaseException | None = None
+        self._arrivals: list[tuple[Any, BaseException | None]] = []
+        self._programs = threading.Event()
+        if not deferred:
+            self._programs.set()
+        # What the load asked for and may not be compiled yet: the sampling controls'
+        # programs, speculation's drafts per slot.
+        self._wanted = dict(wanted or {})
 
     def __repr__(self) -> str:
         return (
@@ -447,7 +464,8 @@ class Decoder:
             tokens, limit, stops, presence_penalty, frequency_penalty, repetition_penalty,
             logit_bias, min_tokens,
         )  # fmt: skip
-        if (top is not None or controls is not None) and self._control is None:
+        coming = self.deferred and self._wanted.get("controls")
+        if (top is not None or controls is not None) and self._control is None and not coming:
             raise ValueError(
                 f"decoder {self.name!r} does not give logprobs or apply logit_bias, "
                 "penalties or min_tokens: it was loaded with sampling_controls=False, or "
@@ -651,9 +669,91 @@ class Decoder:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def wait_programs(self, timeout: float | None = None) -> bool:
+        """Wait until the programs compiled after the load are in use (at once when
+        there were none); False if ``timeout`` seconds passed first."""
+        return self._programs.wait(timeout)
+
+    def install(self, got: Any, error: BaseException | None = None) -> None:
+        """Hand the loop the programs compiled after the load (``pxrt.decoder_load``'s,
+        from its compiling thread): it takes them between two turns."""
+        with self._cond:
+            if self._closed:
+                self._programs.set()
+                return
+            self._arrivals.append((got, error))
+            if self._thread is None:
+                self._start()
+            elif self._idle:
+                self._cond.notify()
+
+    def _install(self, got: Any, error: BaseException | None) -> None:
+        """(the loop's thread) Put the programs compiled after the load to use: the
+        steps over fewer slots or positions, the larger cells (timed first, on rows
+        dropped: nothing of the state changes), the sampling controls', the prefix
+        cache's and speculation's programs; then price again."""
+        if got is not None:
+            n_dev = len(self.devices)
+            self._steps.update({n // n_dev: p for n, p in got.parts.items()})
+            self._move = got.move or self._move
+            self._order = {
+                rows: [d * self._rows_per_device + r for d in range(n_dev) for r in range(rows)]
+                for rows in self._steps
+            }
+            self.step_slots = tuple(sorted(rows * n_dev for rows in self._steps))
+            self._windows.update({(n // n_dev, w): p for (n, w), p in got.windows.items()})
+            self.step_lengths = tuple(sorted({w for _, w in self._windows}))
+            self._extends.update({(c.batch, c.length): c for c in got.extends})
+            self.chunk_batches = tuple(sorted({b for b, _ in self._extends}))
+            self._control = got.control or self._control
+            self._full_step = got.full_step or self._full_step
+            if got.verify is not None:
+                self._verify = got.verify
+                self.speculative_tokens = got.verify_width
+            if got.prefix is not None:
+                self.prefix = got.prefix
+                got.prefix.pool = got.prefix.make()
+            timed = self._time_cells(got.cells)
+            self._cells.update({(c.batch, c.length): c for c in got.cells})
+            self.prefill_batches = tuple(sorted({b for b, _ in self._cells}))
+            for kind, n in got.sources.items():
+                self.program_sources[kind] = self.program_sources.get(kind, 0) + n
+            self._price_programs(self.costs | timed, self._itl_bound_ms)
+        self.deferred = 0
+        self.deferred_error = error
+        self._programs.set()
+
+    def _time_cells(self, cells: list) -> dict[str, float]:
+        """Each prefill cell's seconds a run (the median of 3, after one), all its rows
+        dropped, on the state in use: the same shapes and work as a real call, and
+        nothing of the state changes."""
+        c = sampling
+        costs = {}
+        for cell in cells:
+            ints = np.zeros((cell.batch, c.INTS), np.int32)
+            ints[:, c.LEN] = 1
+            ints[:, c.SLOT] = self.slots  # out of range: dropped
+            floats = np.ones((cell.batch, c.FLOATS), np.float32)
+            tokens = np.zeros((cell.batch, cell.length), np.int32)
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                self._state, first, _ = cell.compiled(
+                    self._params, self._state, tokens, ints, floats
+                )
+                jax.block_until_ready(first)
+                times.append(time.perf_counter() - t0)
+            costs[f"prefill[{cell.batch},{cell.length}]"] = float(np.median(times[1:]))
+        return costs
+
     def _has_work(self) -> bool:
         return bool(
-            self._cancels
+            self._arrivals
+            or self._cancels
             or self._table.busy
             or self._pending
             or self._waiting
@@ -676,6 +776,9 @@ class Decoder:
             if self._closed:
                 return False
             cancels, self._cancels = self._cancels, []
+            arrivals, self._arrivals = self._arrivals, []
+        for got, error in arrivals:
+            self._install(got, error)
         batch: tuple[list, int, int] | None = None
         units: list[tuple[list, int, int]] = []
         with _xla.compile_counter.request_path(self):
@@ -781,6 +884,11 @@ class Decoder:
             if gen.finish_reason is not None:  # cancelled while waiting
                 waiting.popleft()
                 continue
+            if self._control is None and (gen.controls is not None or gen.logprobs is not None):
+                held.append(waiting.popleft())  # (until its programs are compiled)
+                if len(held) >= self.slots:
+                    break
+                continue
             entries = self._lookup(gen)
             if filling and gen.keys and len(entries) < len(gen.keys):
                 if gen.keys[len(entries)] in filling:
@@ -791,7 +899,7 @@ class Decoder:
                     if len(held) >= self.slots:  # (a bounded scan per turn)
                         break
                     continue
-            if entries or not gen.bucket:
+            if entries or not gen.bucket or not self._cells:  # (no cell yet: in chunks)
                 if entries and len(scan.loads) >= copies:
                     break  # one copy program per turn
                 waiting.popleft()
@@ -824,9 +932,13 @@ class Decoder:
         self.costs = dict(costs)
         pre = {(b, n): costs.get(f"prefill[{b},{n}]") for b, n in self._cells}
         steps = {n: costs.get(f"step[{n}]") for n in self.step_slots}
-        self._priced = int(all(v is not None for v in (*pre.values(), *steps.values())))
+        self._priced = int(
+            bool(pre) and all(v is not None for v in (*pre.values(), steps[self.slots]))
+        )
         self._prefill_cost = {k: v or 0.0 for k, v in pre.items()}
-        self._step_cost = {n: v or 0.0 for n, v in steps.items()}
+        # (a step not timed, compiled after the load: priced as the whole one)
+        self._step_cost = {n: v if v is not None else steps[self.slots] or 0.0
+                           for n, v in steps.items()}  # fmt: skip
         if itl_bound_ms is not None:
             self.itl_bound_s = itl_bound_ms * 1e-3
         elif self._priced:
@@ -835,7 +947,7 @@ class Decoder:
             self.itl_bound_s = self._step_cost[self.slots] + longest
         else:
             self.itl_bound_s = math.inf
-        self.counters["priced_prefills"] = 0
+        self.counters.setdefault("priced_prefills", 0)
 
     def _prefill_budget(self) -> float:
         """Seconds of prefill this turn may take: the bound less the coming step's
@@ -1533,6 +1645,7 @@ class Decoder:
             "prefix_cache": cached if prefix is not None else None,
             "speculative_tokens": self.speculative_tokens,
             "scheduler": self.scheduler_choices(),
+            "deferred": self.deferred,
         }
 
     def scheduler_choices(self) -> dict:

@@ -260,6 +260,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if getattr(args, k) is not None
     }
     model = pxrt.load(args.path, progress=not args.json, **place)
+    if hasattr(model, "wait_programs"):  # (a decoder: every program, those compiled after)
+        model.wait_programs()
     info = model.describe()
     if args.json:
         json.dump(info, sys.stdout, indent=2)

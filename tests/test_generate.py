@@ -49,6 +49,7 @@ def lm(lm_path):
     # (its steps also run over the cache's first 16 and 32 positions when every busy
     # slot is within them: every test of it checks those against plain JAX too)
     dec = pxrt.load(lm_path, step_lengths=(16, 32))
+    assert dec.wait_programs(120)  # (those compiled after the load: the tests use them)
     yield dec
     dec.close()
 
@@ -67,6 +68,7 @@ def long_lm(lm_path):
         chunk_batches=(1,),
         sampling_controls=False,
     )
+    assert dec.wait_programs(120)
     yield dec
     dec.close()
 
@@ -461,6 +463,7 @@ def test_a_concrete_shape_decoder_chunks_and_caches_prompts_too(tmp_path):
     rng = np.random.default_rng(60)
     cases = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 30, 20)]
     with pxrt.load(path, prefix_block=8, prefix_cache_tokens=48, sampling_controls=False) as dec:
+        assert dec.wait_programs(120)
         for prompt in cases + cases[1:2]:
             want = demo.lm_reference(prompt, 6, params, 48)
             assert dec.generate(prompt, max_tokens=6).tokens == want
@@ -470,6 +473,45 @@ def test_a_concrete_shape_decoder_chunks_and_caches_prompts_too(tmp_path):
 
 
 # --------------------------------------------------------------------------- scheduling
+
+
+def test_a_decoder_serves_before_its_later_programs_and_takes_them_as_they_come(
+    lm_path, reference, monkeypatch
+):
+    """Ready with the state, the step and the smallest cells; the rest (steps over
+    fewer slots or positions, larger cells, the controls', prefix cache's and
+    speculation's programs) compile after, on a thread of their own, and the loop
+    takes them between turns. Meanwhile a request for logprobs waits for them."""
+    from pxrt import decoder_load
+
+    gate = threading.Event()
+    real = decoder_load._obtain_all
+
+    def held(*args, **kwargs):
+        if kwargs.get("stop") is not None:  # (the later programs: held until the gate)
+            gate.wait(120)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoder_load, "_obtain_all", held)
+    with pxrt.load(lm_path, step_lengths=(32,)) as dec:
+        cases = prompts(3, seed=80)
+        assert dec.deferred > 0 and dec.step_slots == (SLOTS,) and dec.prefill_batches == ()
+        assert dec.prefix is None and dec.step_lengths == ()
+        wants = dec.submit(cases[0], max_tokens=6, logprobs=2)
+        assert dec.generate(cases[1], max_tokens=8).tokens == reference(cases[1], 8)
+        assert wants.tokens == [] and dec.waiting == 1  # (held: no controls' programs yet)
+        gate.set()
+        assert dec.wait_programs(120) and dec.deferred == 0 and dec.deferred_error is None
+        assert wants.result(timeout=60).tokens == reference(cases[0], 6)
+        assert len(wants.logprobs) == 6
+        assert len(dec.step_slots) >= 2 and dec.prefill_batches == BATCHES
+        assert dec.step_lengths == (32,) and dec.prefix is not None
+        assert all(f"prefill[{b},{n}]" in dec.costs for b in BATCHES for n in LENGTHS)
+        together = [dec.submit(p, max_tokens=7) for p in cases]
+        assert [g.result(timeout=60).tokens for g in together] == [reference(p, 7) for p in cases]
+        assert dec.compiles_after_load == 0
+        kinds = [p["program"] for p in dec.describe()["programs"]]
+        assert kinds.count("prefill_insert") == len(BATCHES) * len(LENGTHS)
 
 
 def test_the_scheduler_prices_prefill_cells_with_the_measured_costs(lm):
@@ -559,6 +601,7 @@ def test_speculative_decoding_gives_the_greedy_tokens(lm_path, lm, reference):
         lm_path, speculative_tokens=4, prefix_cache_tokens=0, step_slots=(),
         sampling_controls=False, **only,
     ) as dec:  # fmt: skip
+        assert dec.wait_programs(120)
         gens = [dec.submit(p, max_tokens=24) for p in cases]
         for prompt, gen in zip(cases, gens):
             assert gen.result(timeout=60).tokens == reference(prompt, 24)
@@ -1137,6 +1180,7 @@ def test_a_warm_load_runs_the_stored_programs(lm_path, reference, tmp_path):
     load = dict(
         compilation_cache=str(cache), prefix_cache_tokens=0, step_slots=(), sampling_controls=False,
         prefill_batches=(1,), chunk_lengths=(32,), chunk_batches=(1,),  # (fewer programs)
+        defer=False,  # (every program before the load returns: none compiling beside)
     )  # fmt: skip
     with pxrt.load(lm_path, **load) as cold:
         assert set(cold.program_sources) <= {"compiled", "cache"}

@@ -36,6 +36,7 @@ def lm_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local(lm_path):
     dec = pxrt.load(lm_path, step_slots=())  # (steps over fewer slots: test_generate.py)
+    assert dec.wait_programs(120)
     yield dec
     dec.close()
 

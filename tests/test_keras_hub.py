@@ -113,6 +113,7 @@ def test_a_gemma_causal_lm_generates_like_keras_hub(gemma, gemma_path):
     with pxrt.load(
         gemma_path, step_slots=(), sampling_controls=False
     ) as dec:  # (fewer slots: test_generate.py)
+        assert dec.wait_programs(120)
         streams = [dec.submit(p, max_tokens=10) for p in prompts[:-1]]  # 7 prompts, 4 slots
         streams[-1].result(timeout=120)
         streams.append(dec.submit(prompts[-1], max_tokens=10))
@@ -190,6 +191,7 @@ def test_other_causal_lm_families_generate_like_keras_hub(family, tmp_path):
     # cache (blocks of 4) and the last one computed by extend.
     prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in (2, 8, 5, 13)]
     with pxrt.load(path, prefix_block=4, step_slots=(), sampling_controls=False) as dec:
+        assert dec.wait_programs(120)
         streams = [dec.submit(p, max_tokens=8) for p in prompts]
         for prompt, stream in zip(prompts, streams):
             assert stream.result(timeout=120).tokens == keras_greedy(lm, prompt, 8)
