@@ -419,13 +419,12 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
     """pxrt and JetStream at ``slots`` slots on ``work``: the check, then the runs
     alternated; for keras-hub's Llama, its ``generate`` after them. Returns the medians
     per system, the check's report and the peer's numbers."""
-    t0 = time.perf_counter()
     dec = model.load(slots)
-    load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     js = JetStreamTarget(js_modules, model, slots, lengths)
     print(
-        f"[{model.shape.name} x {slots} slots] pxrt: {dec!r} ({load_s:.1f}s to load); "
+        f"[{model.shape.name} x {slots} slots] pxrt: {dec!r} ({model.load_s:.1f}s to "
+        f"ready, {model.all_s:.1f}s to every program); "
         f"JetStream: Driver + LLMOrchestrator, interleaved, {slots} slots, "
         f"max_prefill_length {lengths[-1]} ({time.perf_counter() - t0:.1f}s to compile "
         "and warm)",
@@ -469,7 +468,8 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
                 # mean wall time (the loop's step, host and device).
                 more = (
                     f"; {c.get('prefills', 0)} prefills of {c.get('prefill_rows', 0)} "
-                    f"prompts, step {1e3 * c.get('step_wall_s', 0) / max(steps, 1):.2f} ms"
+                    f"prompts, {c.get('chunks', 0)} chunks of {c.get('chunk_rows', 0)} rows, "
+                    f"step {1e3 * c.get('step_wall_s', 0) / max(steps, 1):.2f} ms"
                     if kind == "pxrt"
                     else ""
                 )
