@@ -32,10 +32,10 @@ from jax.sharding import PartitionSpec as P
 
 from . import _xla, compiling, sampling, shapes, stored
 from .artifact import BATCH_AXIS
-from .decoder import CHUNK_DIM, LENGTH_DIM, is_spec, sizes
-from .decoder import read as read_decoder
+from .decoder.export import CHUNK_DIM, LENGTH_DIM, is_spec, sizes
+from .decoder.export import read as read_decoder
+from .decoder.prefix import PrefixIndex
 from .generate import Decoder, PrefillCell, PrefixPool, int_in, number_in
-from .prefix import PrefixIndex
 from .sampling import sample
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.

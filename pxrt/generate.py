@@ -47,10 +47,11 @@ import numpy as np
 
 from . import _ext, _xla, compiling, sampling
 from . import tokenizer as _tokenizer
-from .decoder import LENGTH_DIM, DecoderArtifact, is_spec
+from .decoder.export import LENGTH_DIM, DecoderArtifact, is_spec
+from .decoder.params import int_in, number_in
+from .decoder.prefix import PrefixPool
+from .decoder.request import Completion, DecoderClosed, Generation, QueueFull, wake_async
 from .finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
-from .generation import Completion, DecoderClosed, Generation, QueueFull, wake_async
-from .prefix import PrefixIndex
 from .sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TEMPERATURE, sample
 
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
@@ -89,24 +90,6 @@ class PrefillCell:
     compiled: Any
     compile_s: float
     index: int = 0  # in the decoder's programs: what a multi-host leader's header names
-
-
-@dataclasses.dataclass
-class PrefixPool:
-    """The prefix cache: its host index and its device programs.
-
-    ``make() -> pool``; ``load(state, pool, slots[rows], entries[rows, width]) ->
-    state`` copies entries into the start of slots (and parks them); ``save(pool,
-    state, slots[width], blocks[width], entries[width]) -> pool`` copies a slot's
-    block into an entry (an entry out of range is padding)."""
-
-    index: PrefixIndex
-    make: Any
-    load: Any
-    save: Any
-    rows: int
-    width: int
-    pool: Any = dataclasses.field(default=None, repr=False)
 
 
 class PromptLookup:
@@ -1700,37 +1683,6 @@ def _serve(ref: weakref.ref, x64: bool) -> None:
 def _seed_bits(seed: int) -> int:
     """A uint32 seed as the int32 with its bits (the programs bitcast it back)."""
     return seed - (1 << 32) if seed >= 1 << 31 else seed
-
-
-def number_in(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> float:
-    """``value`` as a float within [low, high] (``low_open``: above ``low``), or a
-    ValueError naming it."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (low < value if low_open else low <= value)
-        and value <= high
-    ):
-        return float(value)
-    span = f"above {low:g} and at most {high:g}" if low_open else f"from {low:g} to {high:g}"
-    raise ValueError(f"{name} must be a number {span}, got {value!r:.40}")
-
-
-def int_in(name: str, value: Any, low: int, high: int | None) -> int:
-    if isinstance(value, np.integer):
-        value = int(value)
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        span = f"from {low} to {high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an int {span}, got {value!r}")
-    return value
 
 
 # Decoders whose loop runs: closed at interpreter exit, before jax tears its backends

@@ -53,9 +53,9 @@ import jaxlib
 import numpy as np
 from jax import export as jax_export
 
-from . import _xla
-from . import shapes as _shapes
-from .artifact import (
+from .. import _xla
+from .. import shapes as _shapes
+from ..artifact import (
     BATCH_AXIS,
     CONCRETE,
     SYMBOLIC,
@@ -67,7 +67,7 @@ from .artifact import (
     verify_files,
     write_directory,
 )
-from .manifest import (
+from ..manifest import (
     CONCRETE_FORMAT_VERSION,
     DECODER_FORMAT_VERSION,
     FORMAT,
@@ -82,8 +82,8 @@ from .manifest import (
     is_int,
     needs,
 )
-from .specs import DTYPES, MAX_BUCKET, TensorSpec
-from .tokenizer import BYTES, FILES, from_file
+from ..specs import DTYPES, MAX_BUCKET, TensorSpec
+from ..tokenizer import BYTES, FILES, from_file
 
 KIND = "decoder"
 PREFILL_FILE = "prefill.jaxexport"
