@@ -24,7 +24,7 @@ per event loop).
 Sampling (greedy, temperature, top-k, top-p) runs per slot on the device
 (``pxrt.sampling``). The files: ``pxrt.generation`` (the request handle),
 ``pxrt.sampling`` (device sampling), this module (the decoder and its loop),
-``pxrt.decoder_load`` (building and compiling the programs: ``load_decoder``).
+``pxrt.decoder.load`` (building and compiling the programs: ``load_decoder``).
 """
 
 from __future__ import annotations
@@ -662,7 +662,7 @@ class Decoder:
         return self._programs.wait(timeout)
 
     def install(self, got: Any, error: BaseException | None = None) -> None:
-        """Hand the loop the programs compiled after the load (``pxrt.decoder_load``'s,
+        """Hand the loop the programs compiled after the load (``pxrt.decoder.load``'s,
         from its compiling thread): it takes them between two turns."""
         with self._cond:
             if self._closed:

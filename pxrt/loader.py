@@ -1,6 +1,6 @@
 """``pxrt.load``: the front door. It reads an artifact's manifest and hands the artifact
 to the loader of its kind: a model (``pxrt.executable``), a decoder
-(``pxrt.decoder_load``) or one process of a multi-host group (``pxrt.multihost``). Each
+(``pxrt.decoder.load``) or one process of a multi-host group (``pxrt.multihost``). Each
 loader builds on the shared compiling pieces in ``pxrt.compiling``; none imports
 another's private names, and none imports this module. (Named ``loader``: a submodule
 ``pxrt.load`` would replace the function ``pxrt.load`` once imported.)
@@ -37,7 +37,7 @@ def load(
 ) -> Any:
     """Load an artifact directory and compile every bucket; returns a ``Model``, or for
     a decoder artifact (``pxrt.export_decoder``) a ``pxrt.generate.Decoder``, loaded by
-    ``pxrt.decoder_load.load_decoder`` with ``devices``, ``progress``,
+    ``pxrt.decoder.load.load_decoder`` with ``devices``, ``progress``,
     ``compilation_cache`` and ``decoder_options`` (``slots``, ``max_length``,
     ``prefill_lengths``, ``prefill_batches``, ``chunk_lengths``, ``chunk_batches``,
     ``chunk_tokens``, ``prefix_cache_tokens``, ``prefix_block``, ``step_slots``,
@@ -90,7 +90,7 @@ def load(
         whose ``follow()`` runs them (``docs/multihost.md``).
     """
     if artifact.kind(artifact.read_manifest(os.fspath(path))) == "decoder":
-        from .decoder_load import load_decoder
+        from .decoder.load import load_decoder
 
         if placement is not None or instances or devices_per_instance:
             warnings.warn(

@@ -1,5 +1,5 @@
 """Sampling on the device, per row, and the layout of the per-row parameters that the
-decoder's programs read (``pxrt.generate`` writes them; ``pxrt.decoder_load`` builds the
+decoder's programs read (``pxrt.generate`` writes them; ``pxrt.decoder.programs`` builds the
 programs).
 
 Greedy, temperature, top-k, top-p: a sampled token's randomness comes from
@@ -163,7 +163,7 @@ def controls(
     return lax.cond(jnp.any(on), apply, lambda _: logits, None)
 
 
-#: The state's per-slot control arrays (``pxrt.decoder_load`` makes them): generated
+#: The state's per-slot control arrays (``pxrt.decoder.programs`` makes them): generated
 #: tokens' counts and the prompt's tokens (``[slots, vocab]``), the logit bias (ids and
 #: values, ``[slots, MAX_LOGIT_BIAS]``) and the ids ``min_tokens`` bans.
 CONTROL_ROWS = ("counts", "prompted", "bias_ids", "bias", "banned")

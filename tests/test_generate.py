@@ -482,7 +482,7 @@ def test_a_decoder_serves_before_its_later_programs_and_takes_them_as_they_come(
     fewer slots or positions, larger cells, the controls', prefix cache's and
     speculation's programs) compile after, on a thread of their own, and the loop
     takes them between turns. Meanwhile a request for logprobs waits for them."""
-    from pxrt import decoder_load
+    from pxrt.decoder import load as decoder_load
 
     gate = threading.Event()
     real = decoder_load._obtain_all

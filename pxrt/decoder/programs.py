@@ -1,0 +1,628 @@
+"""The programs pxrt builds around a decoder artifact's prefill, decode and extend
+(``DecoderPrograms``): the empty state, the decode steps with sampling fused in, the
+prefill- and extend-inserts, the slot move, the sampling controls' insert, the verify
+step and the prefix pool's programs, traced here and lowered for ``pxrt.decoder.load``.
+The stored executables' key hashes this module (and ``pxrt.sampling``): the code they
+are traced from.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import sampling, stored
+from ..artifact import BATCH_AXIS
+from ..sampling import sample
+from .export import LENGTH_DIM, is_spec
+
+#: The prefix pool's programs.
+POOL = ("pool", "load", "save")
+
+
+class DecoderPrograms:
+    """The programs pxrt builds around a decoder artifact's prefill and decode, for
+    ``slots`` cache slots of ``max_length`` tokens on ``devices`` (made inside the
+    artifact's x64 scope):
+
+    - ``make_state() -> state``: the empty state (the cache, and each slot's next token,
+      position and sampling parameters);
+    - ``step(params, state) -> (state, tokens)``: one decode step for every slot, with
+      sampling fused in; the state is donated, so the cache is updated in place;
+    - ``prefill_insert[b, L](params, state, tokens, ints, floats) -> (state, first)``:
+      prefill ``b`` prompts of up to ``L`` tokens, sample each one's first token and
+      write the rows, the token and the sampling parameters into the given slots.
+
+    ``in_group``: in a multi-host group the step's tokens stay sharded by slot (each
+    follower sends the leader its slots'); in one process they are on every device.
+    """
+
+    def __init__(
+        self,
+        art: Any,
+        devices: list,
+        slots: int,
+        max_length: int,
+        *,
+        in_group: bool,
+        prefix: tuple[int, int] | None = None,
+        rows: Sequence[int] = (),
+        step_slots: Sequence[int] = (),
+        step_lengths: Sequence[int] = (),
+        speculate: int = 0,
+        controls: bool = True,
+    ) -> None:
+        self.art, self.devices = art, devices
+        self.slots, self.max_length = slots, max_length
+        self.in_group = in_group
+        # The sampling controls' programs (a group's followers run the step and the
+        # prefills only).
+        self.controls = controls and not in_group
+        self.vocab = int(art.config["vocab"])
+        #: Draft tokens the verify program checks per slot (0: none).
+        self.speculate = speculate
+        #: The smaller steps' slot counts (multiples of the devices, under ``slots``):
+        #: each device steps the first ``n / devices`` of its slots.
+        self.step_slots = sorted(set(step_slots) - {slots})
+        #: The cache windows (positions, under ``max_length``) the steps also run over.
+        self.step_lengths = sorted(set(step_lengths) - {max_length})
+        #: The prefix pool's (entries, block tokens), or None.
+        self.prefix = prefix
+        # A prefix copy fills up to ``width`` blocks of ``load_rows`` slots at once; a
+        # save writes up to ``width`` blocks (one prompt's worth).
+        self.load_rows = max(rows, default=1)
+        self.width = (max_length - 1) // prefix[1] if prefix else 0
+        mesh = Mesh(np.array(devices), (BATCH_AXIS,))
+        self.replicated = NamedSharding(mesh, P())
+        self.by_slot = NamedSharding(mesh, P(BATCH_AXIS))
+        self._specs = jax.tree.leaves(art.cache, is_leaf=is_spec)
+        self._cache_tree = jax.tree.structure(art.cache, is_leaf=is_spec)
+        self._length_axes = [
+            s.shape.index(LENGTH_DIM) + 1 if LENGTH_DIM in s.shape else None for s in self._specs
+        ]
+        self.shapes = self._state_specs()
+        state_sharding = jax.tree.map(lambda s: s.sharding, self.shapes)
+        self.param_specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.replicated), art.params
+        )
+        self._state_jit = jax.jit(self._make_state, out_shardings=state_sharding)
+        self._step_jits(mesh, state_sharding)
+        self._insert_jits(state_sharding)
+        if prefix is not None:
+            self._pool_jits(state_sharding)
+
+    def _step_jits(self, mesh: Mesh, state_sharding: Any) -> None:
+        """The steps (whole, with the sampling controls, over fewer slots, over cache
+        windows), the verify step and the slot move, jitted."""
+        devices, slots, in_group = self.devices, self.slots, self.in_group
+        # Slots are independent: each device steps its own (shard_map), with no
+        # collective; partitioned by jax instead, the step gathers the cache between
+        # devices (21 all-gathers in the demo decoder's), which in a multi-host group
+        # cross processes (milliseconds a step over gloo on CPU: docs/multihost.md).
+        by_slot_specs = jax.tree.map(lambda _: P(BATCH_AXIS), self.shapes)
+
+        def whole_step(full: bool) -> Any:
+            # The tokens on every device (one process reads them all) and the scores left
+            # by slot (read, from each device's share, only when a slot wants them).
+            return jax.jit(
+                jax.shard_map(
+                    functools.partial(self._step, full=full),
+                    mesh=mesh,
+                    in_specs=(P(), by_slot_specs),
+                    out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
+                    check_vma=False,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(
+                    state_sharding,
+                    self.by_slot if in_group else self.replicated,
+                    self.by_slot,
+                ),
+            )
+
+        def part_step(n: int, window: int | None = None) -> Any:
+            return jax.jit(
+                jax.shard_map(
+                    functools.partial(self._step_part, rows=n // len(devices), window=window),
+                    mesh=mesh,
+                    in_specs=(P(), by_slot_specs),
+                    out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
+                    check_vma=False,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(state_sharding, self.replicated, self.by_slot),
+            )
+
+        # The steps: without the sampling controls and scores (what runs while no busy
+        # slot has either: they cost a cond each on every step), and with them.
+        self._step_jit = whole_step(False)
+        self._full_step_jit = whole_step(True)
+        self._part_jits = {n: part_step(n) for n in self.step_slots}
+        self._window_jits = {
+            (n, w): part_step(n, w) for n in [*self.step_slots, slots] for w in self.step_lengths
+        }
+        self._move_jit = jax.jit(self._move, donate_argnums=(0,), out_shardings=state_sharding)
+        self._verify_jit = jax.jit(
+            jax.shard_map(
+                self._verify,
+                mesh=mesh,
+                in_specs=(P(), by_slot_specs, P(BATCH_AXIS)),
+                out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
+                check_vma=False,
+            ),
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
+        )
+
+    def _insert_jits(self, state_sharding: Any) -> None:
+        """The prefill- and extend-inserts and the sampling controls' insert, jitted."""
+        self._prefill_jit = jax.jit(
+            self._prefill_insert,
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
+        )
+        self._extend_jit = jax.jit(
+            self._extend_insert,
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
+        )
+        self._control_jit = jax.jit(
+            self._control, donate_argnums=(0,), out_shardings=state_sharding
+        )
+
+    def _pool_jits(self, state_sharding: Any) -> None:
+        """The prefix pool's programs (empty pool, copy into slots, save), jitted."""
+        # Every leaf has a sequence axis (``_prefix_pool`` checked): its index.
+        self._pool_axes = [a for a in self._length_axes if a is not None]
+        self.pool_shapes = self._pool_specs()
+        pool_sharding = jax.tree.map(lambda s: s.sharding, self.pool_shapes)
+        self._pool_jit = jax.jit(self._make_pool, out_shardings=pool_sharding)
+        self._load_jit = jax.jit(
+            self._load_prefix, donate_argnums=(0,), out_shardings=state_sharding
+        )
+        self._save_jit = jax.jit(
+            self._save_blocks, donate_argnums=(0,), out_shardings=pool_sharding
+        )
+
+    def place(self, params: Any) -> Any:
+        """``params`` on every device."""
+        return jax.device_put(params, jax.tree.map(lambda _: self.replicated, params))
+
+    def jobs(
+        self,
+        lengths: Sequence[int],
+        batches: Sequence[int],
+        chunks: Sequence[int] = (),
+        rows: Sequence[int] = (),
+    ) -> list[tuple[str, int, int]]:
+        """Every program of a load, in order: (what, batch, length)."""
+        todo = [("state", 0, 0), ("step", 0, 0)]
+        if self.controls:
+            todo += [("control", 0, 0), ("step", -1, 0)]
+        if self.speculate:
+            todo.append(("verify", 0, self.speculate))
+        if self.step_slots:
+            todo += [("step", n, 0) for n in self.step_slots] + [("move", 0, 0)]
+        todo += [("step", n, w) for n, w in self._window_jits]
+        todo += [("prefill", b, n) for n in lengths for b in batches]
+        todo += [("extend", r, k) for k in chunks for r in rows]
+        if self.prefix is not None:
+            todo += [("pool", 0, 0), ("load", 0, 0), ("save", 0, 0)]
+        return todo
+
+    def lower(self, what: str, b: int, n: int) -> Any:
+        def ints(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
+        def floats(b: int) -> jax.ShapeDtypeStruct:
+            return ints(b, sampling.FLOATS, dtype=jnp.float32)
+
+        if what == "state":
+            return self._state_jit.lower()
+        if what == "step":
+            step = (
+                self._window_jits[(b, n)] if n
+                else self._full_step_jit if b < 0
+                else self._part_jits[b] if b
+                else self._step_jit
+            )  # fmt: skip
+            return step.lower(self.param_specs, self.shapes)
+        if what == "move":
+            s = self.slots
+            return self._move_jit.lower(self.shapes, ints(s), ints(s))
+        if what == "verify":
+            drafts = jax.ShapeDtypeStruct((self.slots, n), jnp.int32, sharding=self.by_slot)
+            return self._verify_jit.lower(self.param_specs, self.shapes, drafts)
+        if what == "control":
+            c = sampling
+            return self._control_jit.lower(
+                self.shapes,
+                ints(1),
+                ints(1, self.max_length),
+                ints(1, c.MAX_LOGIT_BIAS),
+                ints(1, c.MAX_LOGIT_BIAS, dtype=jnp.float32),
+                ints(1, c.MAX_BANNED),
+            )
+        if what == "pool":
+            return self._pool_jit.lower()
+        if what == "load":
+            r = self.load_rows
+            return self._load_jit.lower(self.shapes, self.pool_shapes, ints(r), ints(r, self.width))
+        if what == "save":
+            m = self.width
+            return self._save_jit.lower(self.pool_shapes, self.shapes, ints(m), ints(m), ints(m))
+        if what == "extend":
+            args = (ints(b, n), ints(b, sampling.CHUNK_INTS), floats(b))
+            return self._extend_jit.lower(self.param_specs, self.shapes, *args)
+        args = (ints(b, n), ints(b, sampling.INTS), floats(b))
+        return self._prefill_jit.lower(self.param_specs, self.shapes, *args)
+
+    def key(self, what: str, b: int, n: int) -> str:
+        """The stored key of one program: the artifact's files, the program and its
+        sizes, the devices, and this code, from which the programs are traced."""
+        return stored.key_of(
+            {
+                "decoder": self.art.manifest.get("files", {}),
+                "program": [what, b, n, self.slots, self.max_length]
+                # (the pool's programs: its size, and the rows a copy takes)
+                + (list(self.prefix or ()) + [self.load_rows] if what in POOL else []),
+                "devices": stored.device_fields(self.devices),
+                "x64": self.art.x64,
+            },
+            code=(sys.modules[__name__], sampling),
+        )
+
+    def describe(self, what: str, b: int, n: int) -> str:
+        return {
+            "state": "the empty state",
+            "step": "the decode step"
+            + (" with the sampling controls" if b < 0 else f" over {b} slots" if b else "")
+            + (f" within {n} positions" if n else ""),
+            "move": "the slot move",
+            "control": "the sampling controls' insert",
+            "verify": f"the draft verification of {n} tokens",
+            "pool": "the empty prefix pool",
+            "load": "the prefix copy",
+            "save": "the prefix save",
+        }.get(what, f"{what} {b} x {n}")
+
+    # The traced programs.
+
+    def _state_specs(self) -> dict:
+        cache = jax.tree.unflatten(
+            self._cache_tree,
+            [
+                jax.ShapeDtypeStruct(
+                    (self.slots,) + s.at({LENGTH_DIM: self.max_length}),
+                    s.dtype,
+                    sharding=self.by_slot,
+                )
+                for s in self._specs
+            ],
+        )
+        # Per slot: int32 (next input token, its position, top-k, seed bits, whether it
+        # wants scores, whether its controls apply, the end of its stop ids' ban) and
+        # float32 (temperature, top-p, penalties): two arrays, so that an insert is two
+        # small scatters; then the controls' rows (``sampling.CONTROL_ROWS``), written
+        # (by ``control``) only for a request that has controls.
+        c = sampling
+
+        def per_slot(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((self.slots, *shape), dtype, sharding=self.by_slot)
+
+        return {
+            "cache": cache,
+            "ints": per_slot(c.INTS),
+            "floats": per_slot(c.FLOATS, dtype=jnp.float32),
+            "counts": per_slot(self.vocab),
+            "prompted": per_slot(self.vocab, dtype=jnp.bool_),
+            "bias_ids": per_slot(c.MAX_LOGIT_BIAS),
+            "bias": per_slot(c.MAX_LOGIT_BIAS, dtype=jnp.float32),
+            "banned": per_slot(c.MAX_BANNED),
+        }
+
+    def _make_state(self) -> dict:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)
+
+    def _choose(
+        self,
+        logits: jax.Array,
+        ints: jax.Array,
+        floats: jax.Array,
+        position: jax.Array,
+        state: dict,
+        index: jax.Array | None,
+        cols: tuple[int, int, int, int, int],
+        full: bool = True,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Each row's next token at ``position``: its controls applied to ``logits``
+        (the state's control rows ``index``, or all), then sampled; with its scores
+        (zeros unless a row wants them) and whether its controls apply. ``cols``: the
+        columns of ``ints`` with top-k, the seed bits, and WANT, CTRL, UNTIL.
+        ``full`` False: neither controls nor scores (zeros), whatever the rows say."""
+        top_k, seed_bits, want, ctrl, until = (ints[:, i] for i in cols)
+        on = (ctrl > 0) & full
+        seed = lax.bitcast_convert_type(seed_bits, jnp.uint32)
+        logits = logits.astype(jnp.float32)
+        temperature, top_p = floats[:, sampling.TEMP], floats[:, sampling.TOPP]
+        if not full:
+            tokens = sample(logits, temperature, top_k, top_p, seed, position)
+            width = 1 + 2 * sampling.top_count(logits.shape[-1])
+            return tokens, jnp.zeros((logits.shape[0], width), jnp.float32), on
+        adjusted = sampling.controls(logits, on, state, index, floats, position, until)
+        tokens = sample(adjusted, temperature, top_k, top_p, seed, position)
+        return tokens, sampling.maybe_scores(logits, tokens, want), on
+
+    def _step(
+        self, params: Any, state: dict, full: bool = False, length: int | None = None
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        c = sampling
+        ints, floats = state["ints"], state["floats"]
+        positions = jnp.minimum(ints[:, c.POS], (length or self.max_length) - 1)
+        cache, logits = self.art.decode.call(params, state["cache"], ints[:, c.TOK], positions)
+        following = positions + 1
+        cols = (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
+        tokens, scores, on = self._choose(logits, ints, floats, following, state, None, cols, full)
+        ints = ints.at[:, c.TOK].set(tokens).at[:, c.POS].set(following)
+        state = state | {"cache": cache, "ints": ints}
+        if full:  # (the generated tokens' counts, for the penalties)
+            rows = jnp.arange(tokens.shape[0])
+            state["counts"] = state["counts"].at[rows, tokens].add(on.astype(jnp.int32))
+        return state, tokens, scores
+
+    def _step_part(
+        self, params: Any, state: dict, rows: int, window: int | None = None
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """The step over this device's first ``rows`` slots (the busy ones are kept
+        there), and with a ``window`` over the first ``window`` positions of their cache
+        only (every busy slot's position is under it); the others are left as they are.
+        Only what the plain step reads is taken out, and of the cache only the entries
+        the step wrote go back: each slot's at its position (decode writes nothing
+        else), or the whole rows of a leaf without a sequence axis. A slot at or past
+        the window (an idle one, parked at the cache's end) is stepped on a clamped
+        position and nothing of it goes back."""
+        c = sampling
+        length = window or self.max_length
+        part = {k: jax.tree.map(lambda a: a[:rows], state[k]) for k in ("ints", "floats")}
+        part["cache"] = jax.tree.unflatten(
+            self._cache_tree,
+            [
+                lax.slice_in_dim(a[:rows], 0, length, axis=axis)
+                if window and axis is not None else a[:rows]
+                for a, axis in zip(jax.tree.leaves(state["cache"]), self._length_axes)
+            ],
+        )  # fmt: skip
+        before = part["ints"]
+        written = jnp.minimum(before[:, c.POS], length - 1)
+        part, tokens, scores = self._step(params, part, length=length)
+        at = jnp.arange(rows)
+        inside = before[:, c.POS] < length
+        leaves = []
+        for old, new, axis in zip(
+            jax.tree.leaves(state["cache"]), jax.tree.leaves(part["cache"]), self._length_axes
+        ):
+            if axis is None:
+                leaves.append(lax.dynamic_update_slice_in_dim(old, new, 0, axis=0))
+            elif window:
+                # (a slot past the window goes to a position out of range: dropped)
+                dst = jnp.where(inside, written, self.max_length)
+                rest = (slice(None),) * (axis - 1)
+                got = new[(at,) + rest + (written,)]
+                leaves.append(old.at[(at,) + rest + (dst,)].set(got, mode="drop"))
+            else:
+                where = (at,) + (slice(None),) * (axis - 1) + (written,)
+                leaves.append(
+                    old.at[where].set(new[where], indices_are_sorted=True, unique_indices=True)
+                )
+        ints = part["ints"] if not window else jnp.where(inside[:, None], part["ints"], before)
+        ints = lax.dynamic_update_slice_in_dim(state["ints"], ints, 0, axis=0)
+        state = state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
+        return state, tokens, scores
+
+    def _verify(
+        self, params: Any, state: dict, drafts: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """Speculative decoding's step, greedy: each slot's next input token and its
+        ``k`` drafts (-1: none) through ``extend`` at the slot's position; the greedy
+        token after each; the drafts accepted (those equal to the greedy token before
+        them, up to the first that is not). Returns the state (next input token: the
+        greedy one after the last accepted draft), the greedy tokens ``[slots, k + 1]``
+        (the first ``accepted + 1`` of a slot are its new tokens) and ``accepted``. The
+        rows written past the accepted drafts are rewritten by the steps that reach
+        those positions before anything reads them."""
+        c = sampling
+        ints = state["ints"]
+        k = drafts.shape[1]
+        # (a busy slot has room for k more; another's rows are not read)
+        start = jnp.minimum(ints[:, c.POS], self.max_length - 1 - k)
+        tokens = jnp.concatenate([ints[:, c.TOK][:, None], jnp.maximum(drafts, 0)], axis=1)
+        cache, logits = self.art.extend_for(*tokens.shape).call(
+            params, state["cache"], tokens, start
+        )
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        agree = (greedy[:, :k] == drafts).astype(jnp.int32)
+        accepted = jnp.cumprod(agree, axis=1).sum(axis=1)
+        last = jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0]
+        ints = ints.at[:, c.TOK].set(last).at[:, c.POS].set(start + accepted + 1)
+        return state | {"cache": cache, "ints": ints}, greedy, accepted
+
+    def _control(
+        self,
+        state: dict,
+        slot: jax.Array,
+        prompt: jax.Array,
+        bias_ids: jax.Array,
+        bias: jax.Array,
+        banned: jax.Array,
+    ) -> dict:
+        """Slot ``slot[r]``'s control rows, before its prompt is inserted: no token
+        generated yet, the prompt's tokens (``prompt[r]``, padded with ids out of
+        range), the logit bias and the ids ``min_tokens`` bans (the same padding)."""
+        at = jnp.arange(slot.shape[0])[:, None]
+        prompted = jnp.zeros((slot.shape[0], self.vocab), jnp.bool_)
+        prompted = prompted.at[at, prompt].set(True, mode="drop")
+        rows = {"counts": 0, "prompted": prompted, "bias_ids": bias_ids, "bias": bias,
+                "banned": banned}  # fmt: skip
+        # Until its prompt's last chunk (or its prefill) sets them, the slot neither
+        # counts the tokens the steps compute for it nor wants their scores.
+        ints = state["ints"].at[slot, sampling.WANT].set(0, mode="drop")
+        ints = ints.at[slot, sampling.CTRL].set(0, mode="drop")
+        return (
+            state
+            | {k: state[k].at[slot].set(v, mode="drop") for k, v in rows.items()}
+            | {"ints": ints}
+        )
+
+    def _move(self, state: dict, src: jax.Array, dst: jax.Array) -> dict:
+        """Slot ``dst[i]`` := slot ``src[i]`` (its cache rows and per-slot state); a
+        ``dst`` out of range is padding."""
+        taken = jnp.clip(src, 0, self.slots - 1)
+        return jax.tree.map(lambda a: a.at[dst].set(a[taken], mode="drop"), state)
+
+    def _prefill_insert(
+        self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        c = sampling
+        lengths, slot = ints[:, c.LEN], ints[:, c.SLOT]
+        rows, logits = self.art.prefill_for(*tokens.shape).call(params, tokens, lengths)
+        taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
+        first, scores, on = self._choose(
+            logits, ints, floats, lengths, state, taken, (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
+        )
+        n = tokens.shape[1]
+        cache = jax.tree.unflatten(
+            self._cache_tree,
+            [
+                leaf.at[
+                    (slot,)
+                    if axis is None
+                    else (slot,) + (slice(None),) * (axis - 1) + (slice(0, n),)
+                ].set(r, mode="drop")
+                for leaf, r, axis in zip(
+                    jax.tree.leaves(state["cache"]), jax.tree.leaves(rows), self._length_axes
+                )
+            ],
+        )
+        rows_ints = ints.at[:, sampling.TOK].set(first).at[:, sampling.POS].set(lengths)
+        return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
+
+    def _extend_insert(
+        self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """A chunk of a prompt per row, into its slot: the slot's rows are taken out of
+        the cache, extended by ``tokens`` at ``CHUNK_START``, and written back. A
+        chunk that ends its prompt samples the first token at the prompt's end and
+        makes the slot a decode slot; any other leaves it parked at the last
+        position, where the steps that run meanwhile write nothing that is read."""
+        c = sampling
+        start, count, slot = ints[:, c.CHUNK_START], ints[:, c.CHUNK_COUNT], ints[:, c.CHUNK_SLOT]
+        final = ints[:, c.CHUNK_FINAL] > 0
+        taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
+        rows = jax.tree.map(lambda leaf: leaf[taken], state["cache"])
+        rows, logits = self.art.extend_for(*tokens.shape).call(params, rows, tokens, start)
+        last = jnp.take_along_axis(logits, (count - 1)[:, None, None], axis=1)[:, 0]
+        following = start + count
+        # Only the chunk that ends its prompt samples: the others' scores and controls
+        # are off (their first token is not read).
+        chosen = ints.at[:, c.CHUNK_WANT].mul(final).at[:, c.CHUNK_CTRL].mul(final)
+        cols = (c.CHUNK_TOPK, c.CHUNK_SEED, c.CHUNK_WANT, c.CHUNK_CTRL, c.CHUNK_UNTIL)
+        first, scores, on = self._choose(last, chosen, floats, following, state, taken, cols)
+        cache = jax.tree.map(
+            lambda leaf, r: leaf.at[slot].set(r, mode="drop"), state["cache"], rows
+        )
+        parked = jnp.full_like(start, self.max_length - 1)
+        rows_ints = jnp.stack(
+            [jnp.where(final, first, 0), jnp.where(final, following, parked)]
+            + [chosen[:, i] for i in cols],
+            axis=1,
+        )
+        return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
+
+    @staticmethod
+    def _inserted(
+        state: dict,
+        slot: jax.Array,
+        cache: Any,
+        ints: jax.Array,
+        floats: jax.Array,
+        first: jax.Array,
+        on: jax.Array,
+    ) -> dict:
+        """The state with prompts inserted into ``slot`` (out of range: dropped): the
+        cache written, the rows' per-slot ints and floats, and their first token
+        counted where their controls apply."""
+        return state | {
+            "cache": cache,
+            "ints": state["ints"].at[slot].set(ints, mode="drop"),
+            "floats": state["floats"].at[slot].set(floats, mode="drop"),
+            "counts": state["counts"].at[slot, first].add(on.astype(jnp.int32), mode="drop"),
+        }
+
+    # The prefix pool: per cache leaf, ``entries`` blocks of the per-slot shape with
+    # ``block`` positions on the sequence axis.
+
+    def _pool_specs(self) -> Any:
+        assert self.prefix is not None
+        entries, block = self.prefix
+        return jax.tree.unflatten(
+            self._cache_tree,
+            [
+                jax.ShapeDtypeStruct(
+                    (entries,) + s.at({LENGTH_DIM: block}), s.dtype, sharding=self.replicated
+                )
+                for s in self._specs
+            ],
+        )
+
+    def _make_pool(self) -> Any:
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.pool_shapes)
+
+    def _load_prefix(self, state: dict, pool: Any, slots: jax.Array, ids: jax.Array) -> dict:
+        """Copy pool entries ``ids[r]`` (``width`` blocks) into the start of slot
+        ``slots[r]`` and park the slot; entries past a prompt's hit are padding whose
+        rows land where the prompt's rest and the steps write before anything reads."""
+        width = ids.shape[1]
+        leaves = []
+        for leaf, blocks, axis in zip(
+            jax.tree.leaves(state["cache"]), jax.tree.leaves(pool), self._pool_axes
+        ):
+            got = blocks[ids]  # [rows, width, *per-slot shape with the block's length]
+            got = jnp.moveaxis(got, 1, axis)  # the width next to the sequence axis
+            shape = got.shape[:axis] + (width * got.shape[axis + 1],) + got.shape[axis + 2 :]
+            at = (slots,) + (slice(None),) * (axis - 1) + (slice(0, shape[axis]),)
+            leaves.append(leaf.at[at].set(got.reshape(shape), mode="drop"))
+        ints = state["ints"].at[slots, sampling.POS].set(self.max_length - 1, mode="drop")
+        return state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
+
+    def _save_blocks(
+        self, pool: Any, state: dict, slots: jax.Array, blocks: jax.Array, ids: jax.Array
+    ) -> Any:
+        """Pool entry ``ids[m]`` := block ``blocks[m]`` of slot ``slots[m]`` (an entry
+        out of range: padding, dropped)."""
+        assert self.prefix is not None
+        size = self.prefix[1]
+        taken = jnp.clip(slots, 0, self.slots - 1)
+        leaves = []
+        for leaf, entries, axis in zip(
+            jax.tree.leaves(state["cache"]), jax.tree.leaves(pool), self._pool_axes
+        ):
+            shape = (1,) + leaf.shape[1:axis] + (size,) + leaf.shape[axis + 1 :]
+
+            def one(s: jax.Array, b: jax.Array, leaf: jax.Array = leaf, axis: int = axis,
+                    shape: tuple = shape) -> jax.Array:  # fmt: skip
+                start = [s] + [0] * (leaf.ndim - 1)
+                start[axis] = b * size
+                return lax.dynamic_slice(leaf, start, shape)[0]
+
+            got = jax.vmap(one)(taken, blocks)
+            leaves.append(entries.at[ids].set(got, mode="drop"))
+        return jax.tree.unflatten(self._cache_tree, leaves)
