@@ -23,6 +23,17 @@ connection, trailing slashes with a forged Host, generate requests with a millio
 strings (to the demo decoder, served too). A client reads /v2/health/ready every 50 ms
 throughout: its latency percentiles are reported (the goal: p99 under 50 ms).
 
+The MLP keeps its answers in the response cache (``--response-cache-mb``, default 16),
+and two priority levels. Shared-memory clients (``shm_race``, with ``--allow-client-shm``;
+not with ``--workers``) name their region in requests while a thread of theirs rewrites
+its bytes and now and then shrinks the segment to nothing and back; beside them, askers
+send the region's first contents as JSON and check every answer against the model run
+in plain JAX: an answer to bytes the racer wrote, cached under the asker's, would show
+there (``POISONED``). ``bad_values`` sends out-of-range and mistyped values the parsers
+must refuse by name (priorities past 2**63, unknown generate fields, float token ids,
+trace settings). The memory check: from the end of the first minute to the end, RSS
+may grow by the response cache's budget plus 10% at most.
+
     python benchmarks/soak.py [--minutes 5] [--reload-every-s 20] [--workers 1]
 """
 
@@ -89,7 +100,8 @@ def open_fds(pid: int) -> int:
     return total
 
 
-ATTACKS = ("settings_flood", "zero_window", "made_you_reset", "odd_http")
+ATTACKS = ("settings_flood", "zero_window", "made_you_reset", "odd_http", "shm_race",
+           "bad_values")  # fmt: skip
 
 
 def main() -> None:
@@ -104,16 +116,25 @@ def main() -> None:
         help="the hardening attacks to run beside the traffic: all, none, or a comma-separated "
         f"list of {', '.join(ATTACKS)}",
     )  # fmt: skip
+    parser.add_argument(
+        "--response-cache-mb", type=float, default=16.0, help="pxrt serve --response-cache-mb"
+    )
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="pxrt-soak-")
     repo = os.path.join(work, "repo")
     demo.export_demo(os.path.join(repo, "mlp", "1"))
     demo.export_lm(os.path.join(repo, "lm", "1"))
     spare = shutil.copytree(os.path.join(repo, "mlp", "1"), os.path.join(work, "spare"))
+    conf = os.path.join(work, "serve.toml")
+    with open(conf, "w") as f:
+        f.write("[models.mlp]\nresponse_cache = true\npriority_levels = 2\n")
+    shm = args.workers == 1  # (shared memory is not served with --workers)
     proc = ServeProcess(
         ["--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "mlp",
          "--load-model", "lm", "--header-timeout-s", "2", "--body-timeout-s", "2",
-         "--max-connections", "64", "--workers", str(args.workers)],
+         "--max-connections", "72", "--workers", str(args.workers), "--config", conf,
+         "--response-cache-mb", str(args.response_cache_mb),
+         *(["--allow-client-shm"] if shm else [])],
         grpc=True,
     )  # fmt: skip
     url, port, pid = proc.url, proc.port, proc.proc.pid
@@ -424,6 +445,110 @@ def main() -> None:
                 except httpx.HTTPError as exc:
                     count(f"odd http {type(exc).__name__}")
 
+    expected = np.asarray(demo.mlp(demo.make_params(), x)["y"])
+
+    def shm_race(index: int) -> None:
+        # A client whose requests name its region while its own thread rewrites the
+        # bytes and now and then shrinks the segment to nothing and back.
+        region, size = f"soak-race-{index}", 2 * x.nbytes
+        path = f"/dev/shm/pxrt-soak-race-{os.getpid()}-{index}"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+        os.pwrite(fd, x.tobytes(), 0)
+        racing = threading.Event()
+
+        def racer() -> None:
+            # (a write each millisecond, the segment shrunk to nothing and back every
+            # 200 ms: a tight loop would only measure two cores shared with it)
+            noise = np.random.default_rng(index).standard_normal(x.shape).astype(np.float32)
+            noise = noise.tobytes()
+            n = 0
+            while not racing.wait(0.001):
+                n += 1
+                os.pwrite(fd, noise if n % 2 else x.tobytes(), 0)
+                if n % 200 == 0:
+                    os.ftruncate(fd, 0)
+                    time.sleep(0.001)
+                    os.ftruncate(fd, size)
+
+        body = json.dumps({
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [3, 256], "parameters": {
+                "shared_memory_region": region, "shared_memory_byte_size": x.nbytes}}],
+            "outputs": [{"name": "y", "parameters": {
+                "shared_memory_region": region, "shared_memory_offset": x.nbytes,
+                "shared_memory_byte_size": x.nbytes}}],
+        })  # fmt: skip
+        where = {"key": os.path.basename(path), "offset": 0, "byte_size": size}
+        thread = threading.Thread(target=racer)
+        try:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                r = http.post(f"/v2/systemsharedmemory/region/{region}/register", json=where)
+                count(key("shm register", r))
+                thread.start()
+                while not draining.is_set():
+                    try:
+                        r = http.post("/v2/models/mlp/infer", content=body)
+                    except httpx.HTTPError as exc:
+                        count("shm refused (not sent)" if draining.is_set()
+                              else f"shm UNANSWERED ({exc!r:.60})")  # fmt: skip
+                        continue
+                    count(key("shm", r))
+                    if r.status_code in (400, 404):
+                        # (a region that shrank stays refused: register it again; while
+                        # the segment is shrunk, that is refused too)
+                        http.post(f"/v2/systemsharedmemory/region/{region}/unregister")
+                        r = http.post(
+                            f"/v2/systemsharedmemory/region/{region}/register", json=where
+                        )
+                        count(key("shm register", r))
+        finally:
+            racing.set()
+            if thread.is_alive():
+                thread.join()
+            os.close(fd)
+            os.unlink(path)
+
+    def asker() -> None:
+        # The racers' first contents as JSON: every answer is the model's for them.
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while not draining.is_set():
+                try:
+                    r = http.post("/v2/models/mlp/infer", content=good_json)
+                except httpx.HTTPError as exc:
+                    count("asker refused (not sent)" if draining.is_set()
+                          else f"asker UNANSWERED ({exc!r:.60})")  # fmt: skip
+                    continue
+                if r.status_code == 200:
+                    y = np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(3, 256)
+                    ok = np.allclose(y, expected, rtol=1e-4, atol=1e-5)
+                    count("asker 200" if ok else "asker 200 POISONED")
+                else:
+                    count(key("asker", r))
+
+    mlp_doc = {"inputs": json.loads(good_json)["inputs"]}
+    bad_values = [  # (path, body): each must be a 400 naming what is wrong
+        ("/v2/models/mlp/infer", {**mlp_doc, "parameters": {"priority": 2**64}}),
+        ("/v2/models/mlp/infer", {**mlp_doc, "parameters": {"priority": 2**63}}),
+        ("/v2/models/mlp/infer", {**mlp_doc, "parameters": {"priority": 3}}),
+        ("/v2/models/mlp/infer", {**mlp_doc, "parameters": {"priority": "1"}}),
+        ("/v2/models/lm/generate", {"text_input": "hi", "max_token": 4}),
+        ("/v2/models/lm/generate", {"text_input": "hi", "parameters": {"priority": 2**64}}),
+        ("/v2/models/lm/generate", {"input_ids": [72.5, 3.0], "max_tokens": 2}),
+        ("/v1/completions", {"model": "lm", "prompt": "hi", "max_tokens": 2, "priority": 2**70}),
+        ("/v2/trace/setting", {"trace_rate": str(2**64)}),
+    ]
+
+    def bad_value() -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while not draining.wait(0.05):
+                path, doc = random.choice(bad_values)
+                try:
+                    r = http.post(path, content=json.dumps(doc))
+                except httpx.HTTPError as exc:
+                    count(f"values {type(exc).__name__}")
+                    continue
+                count(key("values", r))
+
     def reload() -> None:
         version2 = os.path.join(repo, "mlp", "2")
         with httpx.Client(base_url=url, timeout=300) as http:
@@ -444,13 +569,16 @@ def main() -> None:
     threads.append(threading.Thread(target=flood))
     attacks = {
         "settings_flood": settings_flood, "zero_window": zero_window,
-        "made_you_reset": made_you_reset, "odd_http": odd_http,
+        "made_you_reset": made_you_reset, "odd_http": odd_http, "bad_values": bad_value,
     }  # fmt: skip
     chosen = ATTACKS if args.attacks == "all" else [a for a in args.attacks.split(",") if a]
     if args.attacks == "none":
         chosen = []
     threads += [threading.Thread(target=health)]
-    threads += [threading.Thread(target=attacks[a]) for a in chosen]
+    threads += [threading.Thread(target=attacks[a]) for a in chosen if a in attacks]
+    if "shm_race" in chosen and shm:
+        threads += [threading.Thread(target=shm_race, args=(i,)) for i in range(2)]
+        threads += [threading.Thread(target=asker) for _ in range(2)]
     threads += [
         threading.Thread(target=raw, args=(k,))
         for k in ("slowloris", "slowloris", "hangup", "big-header", "idle")
@@ -491,7 +619,8 @@ def main() -> None:
     fives = sum(
         n
         for k, n in outcomes.items()
-        if k.split()[0] in ("good", "bad", "reload", "stop") and k.split()[-1].startswith("5")
+        if k.split()[0] in ("good", "bad", "reload", "stop", "shm", "asker", "values")
+        and k.split()[-1].startswith("5")
         and "(" not in k  # not while draining, not beyond the connection budget
     )  # fmt: skip
     if health_ms:
@@ -501,10 +630,15 @@ def main() -> None:
     draining_503 = sum(n for k, n in outcomes.items() if k.endswith("503 (draining)"))
     unanswered = sum(n for k, n in outcomes.items() if "UNANSWERED" in k)
     print(f"  5xx answers: {fives} (503 while draining: {draining_503}); unanswered: {unanswered}")
+    poisoned = sum(n for k, n in outcomes.items() if "POISONED" in k)
+    print(f"  poisoned answers: {poisoned}")
+    budget = args.response_cache_mb + 0.1 * after_warmup[1]
+    grown = end[1] - after_warmup[1]
     print(
         f"RSS MB: start {samples[0][1]:.0f}, at {after_warmup[0]:.0f} s {after_warmup[1]:.0f}, "
         f"end {end[1]:.0f}, max {max(s[1] for s in samples):.0f} "
-        f"(end / after warm-up {end[1] / after_warmup[1]:.3f}x)"
+        f"(end / after warm-up {end[1] / after_warmup[1]:.3f}x; grew {grown:.0f} MB, "
+        f"within the cache's budget + 10%: {'yes' if grown <= budget else 'NO'})"
     )
     print(
         f"open fds: start {samples[0][2]}, at {after_warmup[0]:.0f} s {after_warmup[2]}, "
