@@ -22,8 +22,8 @@ with it (its Cython extensions copied from this tree when their sources are the 
 else both trees run with ``PXRT_NO_EXTENSIONS=1``). Each tree has its own cache
 directories.
 
-    python benchmarks/load_times.py [--model encoder|mlp|lm] [--repeats 3] [--baseline REV]
-        [--ray]
+    python benchmarks/load_times.py [--model encoder|mlp|lm|keras-llama] [--repeats 3]
+        [--baseline REV] [--ray]
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def baseline_tree(rev: str, env: dict[str, str]) -> tuple[Tree, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("encoder", "mlp", "lm"), default="encoder")
+    p.add_argument("--model", choices=("encoder", "mlp", "lm", "keras-llama"), default="encoder")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baseline", metavar="REV", help="a git revision to compare with")
     p.add_argument("--ray", action="store_true", help="also a Ray Serve replica's start")
@@ -218,8 +218,16 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="pxrt-load-times-")
     repository = os.path.join(work, "repo")
     artifact = os.path.join(repository, args.model, "1")
-    export = {"encoder": demo.export_encoder, "mlp": demo.export_demo, "lm": demo.export_lm}
-    export[args.model](artifact)
+    if args.model == "keras-llama":  # (benchmarks/decoder_shapes.py's, exported as it does)
+        sys.path.insert(0, HERE)
+        from decoder_shapes import SHAPES, Model
+
+        model = Model(SHAPES["keras-llama"])
+        built = model.export(os.path.dirname(artifact), prefill_lengths=(16, 32, 64, 128))
+        os.rename(built, artifact)
+    else:
+        export = {"encoder": demo.export_encoder, "mlp": demo.export_demo, "lm": demo.export_lm}
+        export[args.model](artifact)
     env: dict[str, str] = {}
     trees = [Tree("this tree", ROOT, env)]
     worktree = None
