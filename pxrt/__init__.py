@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from .artifact import Artifact, ArtifactError, TensorSpec, export
     from .artifact import read as read_artifact
     from .compiling import example_inputs
-    from .decoder import export_decoder
+    from .decoder.engine import Decoder
+    from .decoder.export import export_decoder
+    from .decoder.request import Completion, Generation
     from .executable import Model
-    from .generate import Completion, Decoder, Generation
     from .loader import load
     from .multihost import Distributed
     from .recipes import per_slot
@@ -38,10 +39,10 @@ _LAZY = {
     "Model": (".executable", "Model"),
     "example_inputs": (".compiling", "example_inputs"),
     "load": (".loader", "load"),
-    "export_decoder": (".decoder", "export_decoder"),
-    "Decoder": (".generate", "Decoder"),
-    "Generation": (".generate", "Generation"),
-    "Completion": (".generate", "Completion"),
+    "export_decoder": (".decoder.export", "export_decoder"),
+    "Decoder": (".decoder.engine", "Decoder"),
+    "Generation": (".decoder.request", "Generation"),
+    "Completion": (".decoder.request", "Completion"),
     "Distributed": (".multihost", "Distributed"),
     "per_slot": (".recipes", "per_slot"),
 }

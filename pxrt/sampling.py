@@ -1,6 +1,6 @@
 """Sampling on the device, per row, and the layout of the per-row parameters that the
-decoder's programs read (``pxrt.generate`` writes them; ``pxrt.decoder.programs`` builds the
-programs).
+decoder's programs read (``pxrt.decoder.runner`` writes them; ``pxrt.decoder.programs`` builds
+the programs).
 
 Greedy, temperature, top-k, top-p: a sampled token's randomness comes from
 ``fold_in(key(seed), position)`` only, so a request with a seed gets the same tokens
@@ -21,11 +21,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-#: Temperatures below this are greedy (dividing by them would overflow float32).
-MIN_TEMPERATURE = 1e-5
-#: The highest temperature taken: the logits are divided by it in float32 (1e300 would
-#: overflow to a uniform draw), and beyond it sampling is near uniform already.
-MAX_TEMPERATURE = 100.0
+# The limits a request is checked against (``pxrt.decoder.params``: no jax there).
+from .decoder.params import (  # noqa: F401 - re-exported
+    MAX_BANNED,
+    MAX_LOGIT_BIAS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    MIN_TEMPERATURE,
+)
 
 # Columns of the per-prompt int32 and float32 rows of a prefill call, and of the state's
 # per-slot rows (the same float columns; ints: the next input token and its position
@@ -47,12 +50,6 @@ FLOATS = 5
 CHUNK_START, CHUNK_COUNT, CHUNK_SLOT, CHUNK_TOPK, CHUNK_SEED, CHUNK_FINAL = range(6)
 CHUNK_WANT, CHUNK_CTRL, CHUNK_UNTIL = range(6, 9)
 CHUNK_INTS = 9
-#: The most alternatives ``scores`` gives per token (OpenAI's ``top_logprobs`` limit).
-MAX_TOP_LOGPROBS = 20
-#: The most ``logit_bias`` entries a request may give.
-MAX_LOGIT_BIAS = 300
-#: The most stop ids ``min_tokens`` bans (the artifact's and the request's together).
-MAX_BANNED = 64
 
 
 def sample(

@@ -265,6 +265,133 @@ def export_decoder(
     """
     path = os.fspath(path)
     entries = cache_entries(cache)
+    lengths, batches, max_length, slots, chunks, chunk_rows, bound = _export_sizes(
+        prefill_lengths, prefill_batches, max_length, slots, extend, chunk_lengths,
+        chunk_batches, bounds, shapes, constraints, num_devices,
+    )  # fmt: skip
+    leaves, param_meta = param_entries(params)
+    treedef = jax.tree.structure(params)
+    functions = {"prefill": on_leaves(prefill, treedef), "decode": on_leaves(decode, treedef)}
+    if extend is not None:
+        functions["extend"] = on_leaves(extend, treedef)
+    if x64 is None:
+        x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
+    stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
+    files, tok_config = _tokenizer_files(tokenizer, chat_template)
+    dims = _dims(bound, extend is not None)
+    with _xla.export_scope(x64):
+        param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+        if shapes == SYMBOLIC:
+            constraints = _shapes.check_constraints(constraints, [list(d) for d in dims.values()])
+        plan = _trace_plan(
+            shapes, bound, constraints, extend is not None, slots, num_devices, batches,
+            lengths, chunk_rows, chunks, max_length,
+        )  # fmt: skip
+        traced, vocab = _trace(plan, functions, param_specs, cache, shapes, dims)
+        _check_stops(stops, vocab)
+        manifest = _manifest(
+            name or os.path.basename(os.path.normpath(path)), version, x64, param_meta, bound,
+            constraints, shapes, num_devices, plan,
+            {
+                "vocab": vocab,
+                "cache": entries,
+                "max_length": max_length,
+                "slots": slots,
+                "prefill_lengths": list(lengths),
+                "prefill_batches": list(batches),
+                "stop_ids": stops,
+                "eos_id": None if eos_id is None else int(eos_id),
+                "tokenizer": tok_config,
+                "chat_template": chat_template,
+            }
+            | ({"chunk_lengths": list(chunks), "chunk_batches": list(chunk_rows)}
+               if extend is not None else {}),
+        )  # fmt: skip
+        programs, ccv = _export_traced(traced, functions, manifest, shapes, dims)
+
+    manifest |= {"jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__}
+    manifest |= {"calling_convention_version": ccv, "files": {}}
+    write_directory(path, manifest, programs | files, leaves, overwrite)
+    return path
+
+
+def _manifest(
+    name: str,
+    version: str,
+    x64: bool,
+    param_meta: Any,
+    bound: dict,
+    constraints: Sequence[str],
+    shapes: str,
+    num_devices: int,
+    plan: list[tuple[str, str, tuple[Any, ...]]],
+    decoder: dict[str, Any],
+) -> dict[str, Any]:
+    """A decoder artifact's manifest (but the versions and files ``export_decoder``
+    adds once the programs are exported)."""
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": DECODER_FORMAT_VERSION,
+        "kind": KIND,
+        "name": name,
+        "version": str(version),
+        "x64": bool(x64),
+        "params": param_meta,
+        "bounds": bound,
+        "constraints": list(constraints),
+        "mesh": {"axes": [BATCH_AXIS], "cache": BATCH_AXIS, "params": "replicated"},
+        "decoder": decoder,
+    }
+    if shapes == CONCRETE:
+        manifest["format_version"] = CONCRETE_FORMAT_VERSION
+        manifest["shapes"] = CONCRETE
+        manifest["bounds"] = {}
+        manifest["decoder"]["num_devices"] = num_devices
+        manifest["programs"] = [
+            {"program": what, "cell": _cell(what, dims_), "file": fname}
+            for fname, what, dims_ in plan
+        ]
+    return manifest
+
+
+def _dims(bound: dict, extend: bool) -> dict[str, dict]:
+    """The programs' dimensions (symbols: their bounds, None for none), by program."""
+    dims = {
+        "prefill": {"b": None, "seq": bound.get("seq")},
+        "decode": {"slots": None, LENGTH_DIM: bound.get(LENGTH_DIM)},
+    }
+    if extend:
+        dims["extend"] = {
+            "rows": None,
+            CHUNK_DIM: bound.get(CHUNK_DIM),
+            LENGTH_DIM: bound.get(LENGTH_DIM),
+        }
+    return dims
+
+
+def _check_stops(stops: list[int], vocab: int) -> None:
+    bad = [t for t in stops if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab})")
+
+
+def _export_sizes(
+    prefill_lengths: Sequence[int],
+    prefill_batches: Sequence[int],
+    max_length: int,
+    slots: int,
+    extend: Callable | None,
+    chunk_lengths: Sequence[int] | None,
+    chunk_batches: Sequence[int] | None,
+    bounds: Mapping[str, int | None] | None,
+    shapes: str,
+    constraints: Sequence[str],
+    num_devices: int,
+) -> tuple[
+    tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...], tuple[int, ...], dict
+]:  # fmt: skip
+    """``export_decoder``'s sizes checked: (prefill lengths, prefill batches,
+    max_length, slots, chunk lengths, chunk rows, the bounds)."""
     lengths = sizes("prefill_lengths", prefill_lengths)
     batches = sizes("prefill_batches", prefill_batches)
     max_length, slots = _positive("max_length", max_length), _positive("slots", slots)
@@ -291,15 +418,14 @@ def export_decoder(
         if bounds or constraints:
             raise ValueError("bounds and constraints are for symbolic shapes, not concrete")
         _per_device(slots, num_devices)
-    leaves, param_meta = param_entries(params)
-    treedef = jax.tree.structure(params)
-    prefill, decode = on_leaves(prefill, treedef), on_leaves(decode, treedef)
-    functions = {"prefill": prefill, "decode": decode}
-    if extend is not None:
-        functions["extend"] = on_leaves(extend, treedef)
-    if x64 is None:
-        x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
-    stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
+    return lengths, batches, max_length, slots, chunks, chunk_rows, bound
+
+
+def _tokenizer_files(
+    tokenizer: str | os.PathLike | None, chat_template: str | None
+) -> tuple[dict[str, bytes], dict | None]:
+    """The tokenizer's files to write into the artifact and its config (the chat
+    template checked: it must parse, and needs a tokenizer)."""
     if chat_template is not None:
         if tokenizer is None:
             raise ValueError("a chat_template needs a tokenizer (to turn its text into tokens)")
@@ -320,143 +446,116 @@ def export_decoder(
             with open(os.fspath(tokenizer), "rb") as f:
                 files[FILES[loaded.kind]] = f.read()
             tok_config = {"kind": loaded.kind}
+    return files, tok_config
 
+
+def _trace_plan(
+    shapes: str,
+    bound: dict,
+    constraints: Sequence[str],
+    extend: bool,
+    slots: int,
+    num_devices: int,
+    batches: Sequence[int],
+    lengths: Sequence[int],
+    chunk_rows: Sequence[int],
+    chunks: Sequence[int],
+    max_length: int,
+) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """The programs to trace: (file, "prefill", "decode" or "extend", (rows, sequence
+    length, new tokens per row: extend's only)). Symbolic: one of each over symbols
+    (in the export scope); concrete: a prefill per (batch, length), decode at each
+    device's share of the slots, an extend per (rows, chunk)."""
+    plan: list[tuple[str, str, tuple[Any, ...]]]
+    if shapes == SYMBOLIC:
+        b, seq = _shapes.symbols(["b", "seq"], bound, constraints).values()
+        n_slots, length = _shapes.symbols(["slots", LENGTH_DIM], bound, constraints).values()
+        plan = [(PREFILL_FILE, "prefill", (b, seq)), (DECODE_FILE, "decode", (n_slots, length))]
+        if extend:
+            # A chunk always fits in the cache (pxrt starts it early enough); library
+            # code that compares the two needs to know.
+            rows, chunk, length = _shapes.symbols(
+                ["rows", CHUNK_DIM, LENGTH_DIM],
+                bound,
+                [*constraints, f"{CHUNK_DIM} <= {LENGTH_DIM}"],
+            ).values()
+            plan.append((EXTEND_FILE, "extend", (rows, length, chunk)))
+        return plan
+    per_device = _per_device(slots, num_devices)
+    plan = [(prefill_file(b, n), "prefill", (b, n)) for b in batches for n in lengths]
+    plan.append((DECODE_FILE, "decode", (per_device, max_length)))
+    plan += [(extend_file(r, k), "extend", (r, max_length, k)) for r in chunk_rows for k in chunks]
+    return plan
+
+
+def _trace(
+    plan: list[tuple[str, str, tuple[Any, ...]]],
+    functions: dict[str, Callable],
+    param_specs: list,
+    cache: Any,
+    shapes: str,
+    dims: dict[str, dict],
+) -> tuple[list[tuple[str, str, str, tuple]], int]:
+    """Each program of ``plan`` traced (``eval_shape``) and its outputs checked:
+    ((file, program, where, its argument specs) each, the vocabulary)."""
     cache_tree = jax.tree.structure(cache, is_leaf=is_spec)
     specs = jax.tree.leaves(cache, is_leaf=is_spec)
-    # The programs to trace: (file, "prefill" or "decode", its sizes). Symbolic: one of
-    # each over symbols; concrete: a prefill per (batch, length), decode at each
-    # device's share of the slots.
-    dims = {
-        "prefill": {"b": None, "seq": bound.get("seq")},
-        "decode": {"slots": None, LENGTH_DIM: bound.get(LENGTH_DIM)},
-    }
-    if extend is not None:
-        dims["extend"] = {
-            "rows": None,
-            CHUNK_DIM: bound.get(CHUNK_DIM),
-            LENGTH_DIM: bound.get(LENGTH_DIM),
-        }
-    with _xla.export_scope(x64):
-        param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
-        # (file, program, (rows, sequence length, new tokens per row: extend's only))
-        plan: list[tuple[str, str, tuple[Any, ...]]]
-        if shapes == SYMBOLIC:
-            constraints = _shapes.check_constraints(constraints, [list(d) for d in dims.values()])
-            b, seq = _shapes.symbols(["b", "seq"], bound, constraints).values()
-            n_slots, length = _shapes.symbols(["slots", LENGTH_DIM], bound, constraints).values()
-            plan = [(PREFILL_FILE, "prefill", (b, seq)), (DECODE_FILE, "decode", (n_slots, length))]
-            if extend is not None:
-                # A chunk always fits in the cache (pxrt starts it early enough); library
-                # code that compares the two needs to know.
-                rows, chunk, length = _shapes.symbols(
-                    ["rows", CHUNK_DIM, LENGTH_DIM],
-                    bound,
-                    [*constraints, f"{CHUNK_DIM} <= {LENGTH_DIM}"],
-                ).values()
-                plan.append((EXTEND_FILE, "extend", (rows, length, chunk)))
+    traced = []
+    vocab = None
+    for fname, what, (rows_dim, seq_dim, *new) in plan:
+        fn = functions[what]
+        step = jax.ShapeDtypeStruct((rows_dim,), TOKEN_DTYPE)
+        args: tuple[Any, ...]
+        if what == "prefill":
+            args = (param_specs, jax.ShapeDtypeStruct((rows_dim, seq_dim), TOKEN_DTYPE), step)
         else:
-            per_device = _per_device(slots, num_devices)
-            plan = [(prefill_file(b, n), "prefill", (b, n)) for b in batches for n in lengths]
-            plan.append((DECODE_FILE, "decode", (per_device, max_length)))
-            plan += [
-                (extend_file(r, k), "extend", (r, max_length, k))
-                for r in chunk_rows
-                for k in chunks
-            ]
-        traced = []
-        vocab = None
-        for fname, what, (rows_dim, seq_dim, *new) in plan:
-            fn = functions[what]
-            step = jax.ShapeDtypeStruct((rows_dim,), TOKEN_DTYPE)
-            args: tuple[Any, ...]
-            if what == "prefill":
-                args = (param_specs, jax.ShapeDtypeStruct((rows_dim, seq_dim), TOKEN_DTYPE), step)
-            else:
-                tokens = jax.ShapeDtypeStruct((rows_dim, *new), TOKEN_DTYPE)
-                args = (
-                    param_specs,
-                    _cache_shapes(cache_tree, specs, rows_dim, seq_dim),
-                    tokens,
-                    step,
-                )
-            where = (
-                what
-                if shapes == SYMBOLIC
-                else f"{what} at {' x '.join(map(str, (rows_dim, *new, seq_dim)))}"
+            tokens = jax.ShapeDtypeStruct((rows_dim, *new), TOKEN_DTYPE)
+            args = (
+                param_specs,
+                _cache_shapes(cache_tree, specs, rows_dim, seq_dim),
+                tokens,
+                step,
             )
-            with _shapes.explained(where, dims[what]) if shapes == SYMBOLIC else _noted(where):
-                out_cache, logits = _pair(jax.eval_shape(fn, *args), what)
-            want = _cache_shapes(cache_tree, specs, rows_dim, seq_dim)
-            _check_cache(what, "rows" if what == "prefill" else "cache", out_cache, want)
-            got = _check_logits(what, logits, (rows_dim, *new))
-            if vocab is not None and got != vocab:
-                raise ValueError(f"{what}'s logits have {got} entries, prefill's {vocab}")
-            vocab = got
-            traced.append((fname, what, where, args))
-        assert vocab is not None
-        bad = [t for t in stops if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab})")
+        where = (
+            what
+            if shapes == SYMBOLIC
+            else f"{what} at {' x '.join(map(str, (rows_dim, *new, seq_dim)))}"
+        )
+        with _shapes.explained(where, dims[what]) if shapes == SYMBOLIC else _noted(where):
+            out_cache, logits = _pair(jax.eval_shape(fn, *args), what)
+        want = _cache_shapes(cache_tree, specs, rows_dim, seq_dim)
+        _check_cache(what, "rows" if what == "prefill" else "cache", out_cache, want)
+        got = _check_logits(what, logits, (rows_dim, *new))
+        if vocab is not None and got != vocab:
+            raise ValueError(f"{what}'s logits have {got} entries, prefill's {vocab}")
+        vocab = got
+        traced.append((fname, what, where, args))
+    assert vocab is not None
+    return traced, vocab
 
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "format_version": DECODER_FORMAT_VERSION,
-            "kind": KIND,
-            "name": name or os.path.basename(os.path.normpath(path)),
-            "version": str(version),
-            "x64": bool(x64),
-            "params": param_meta,
-            "bounds": bound,
-            "constraints": list(constraints),
-            "mesh": {"axes": [BATCH_AXIS], "cache": BATCH_AXIS, "params": "replicated"},
-            "decoder": {
-                "vocab": vocab,
-                "cache": entries,
-                "max_length": max_length,
-                "slots": slots,
-                "prefill_lengths": list(lengths),
-                "prefill_batches": list(batches),
-                "stop_ids": stops,
-                "eos_id": None if eos_id is None else int(eos_id),
-                "tokenizer": tok_config,
-                "chat_template": chat_template,
-            },
-        }
-        if extend is not None:
-            manifest["decoder"] |= {
-                "chunk_lengths": list(chunks),
-                "chunk_batches": list(chunk_rows),
-            }
-        if shapes == CONCRETE:
-            manifest["format_version"] = CONCRETE_FORMAT_VERSION
-            manifest["shapes"] = CONCRETE
-            manifest["bounds"] = {}
-            manifest["decoder"]["num_devices"] = num_devices
-            manifest["programs"] = [
-                {"program": what, "cell": _cell(what, dims_), "file": fname}
-                for fname, what, dims_ in plan
-            ]
-        fun_names = dict(zip(("prefill", "decode", "extend"), program_names(manifest)))
-        programs, ccv = {}, 0
-        for fname, what, where, args in traced:
 
-            def named(*a, _fn=functions[what]):
-                return _fn(*a)
+def _export_traced(
+    traced: list[tuple[str, str, str, tuple]],
+    functions: dict[str, Callable],
+    manifest: dict[str, Any],
+    shapes: str,
+    dims: dict[str, dict],
+) -> tuple[dict[str, bytes], int]:
+    """Each traced program exported under the name the manifest binds it by:
+    (file -> serialized program, the calling convention version)."""
+    fun_names = dict(zip(("prefill", "decode", "extend"), program_names(manifest)))
+    programs, ccv = {}, 0
+    for fname, what, where, args in traced:
 
-            named.__name__ = fun_names[what]
-            with _shapes.explained(where, dims[what]) if shapes == SYMBOLIC else _noted(where):
-                exported = jax_export.export(jax.jit(named))(*args)
-            programs[fname] = bytes(exported.serialize())
-            ccv = exported.calling_convention_version
+        def named(*a, _fn=functions[what]):
+            return _fn(*a)
 
-    manifest |= {
-        "jax_version": jax.__version__,
-        "jaxlib_version": jaxlib.__version__,
-        "calling_convention_version": ccv,
-        "files": {},
-    }
-    write_directory(path, manifest, programs | files, leaves, overwrite)
-    return path
+        named.__name__ = fun_names[what]
+        with _shapes.explained(where, dims[what]) if shapes == SYMBOLIC else _noted(where):
+            exported = jax_export.export(jax.jit(named))(*args)
+        programs[fname] = bytes(exported.serialize())
+        ccv = exported.calling_convention_version
+    return programs, ccv
 
 
 def prefill_file(b: int, n: int) -> str:
@@ -612,33 +711,7 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
         f"({', '.join(FILES.values())}) is among the files",
     )
     if is_concrete(m):
-        need(is_int(d.get("num_devices"), 1), "decoder.num_devices", "must be a positive int")
-        need(d["slots"] % d["num_devices"] == 0, "decoder.slots", "must split over num_devices")
-        programs: Any = m.get("programs")
-        want = [
-            {"program": "prefill", "cell": [b, n], "file": prefill_file(b, n)}
-            for b in d["prefill_batches"]
-            for n in d["prefill_lengths"]
-        ]
-        want.append(
-            {
-                "program": "decode",
-                "cell": [d["slots"] // d["num_devices"], d["max_length"]],
-                "file": DECODE_FILE,
-            }
-        )
-        if chunked:
-            want += [
-                {"program": "extend", "cell": [r, k], "file": extend_file(r, k)}
-                for r in d["chunk_batches"]
-                for k in d["chunk_lengths"]
-            ]
-        need(
-            programs == want,
-            "'programs'",
-            "must list a prefill per batch and length, then decode (then extend per rows "
-            "and chunk)",
-        )
+        _check_concrete(m, d, need, chunked)
     cache: Any = d.get("cache")
     need(isinstance(cache, list) and bool(cache), "decoder.cache", "must be a non-empty list")
     for i, e in enumerate(cache):
@@ -653,6 +726,36 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
             f"{field}.shape",
             f"must be a list of non-negative ints and at most one {LENGTH_DIM!r}",
         )
+
+
+def _check_concrete(m: dict[str, Any], d: Any, need: Any, chunked: bool) -> None:
+    """A concrete-shape decoder manifest's devices and programs: one per cell traced."""
+    need(is_int(d.get("num_devices"), 1), "decoder.num_devices", "must be a positive int")
+    need(d["slots"] % d["num_devices"] == 0, "decoder.slots", "must split over num_devices")
+    programs: Any = m.get("programs")
+    want = [
+        {"program": "prefill", "cell": [b, n], "file": prefill_file(b, n)}
+        for b in d["prefill_batches"]
+        for n in d["prefill_lengths"]
+    ]
+    want.append(
+        {
+            "program": "decode",
+            "cell": [d["slots"] // d["num_devices"], d["max_length"]],
+            "file": DECODE_FILE,
+        }
+    )
+    if chunked:
+        want += [
+            {"program": "extend", "cell": [r, k], "file": extend_file(r, k)}
+            for r in d["chunk_batches"]
+            for k in d["chunk_lengths"]
+        ]
+    need(
+        programs == want,
+        "'programs'",
+        "must list a prefill per batch and length, then decode (then extend per rows and chunk)",
+    )
 
 
 def read(path: str | os.PathLike) -> DecoderArtifact:

@@ -2,7 +2,7 @@
 programs built around the user's two exported functions (``DecoderPrograms``: the empty
 state, the decode step with sampling fused in, a prefill-and-insert per prefill cell),
 each obtained once (``pxrt.compiling.obtain``: stored, or compiled and stored), warmed
-up, and handed to a ``pxrt.generate.Decoder`` (or, in a multi-host group's followers, to
+up, and handed to a ``pxrt.decoder.engine.Decoder`` (or, in a multi-host group's followers, to
 a ``pxrt.multihost.Follower``).
 """
 
@@ -25,12 +25,13 @@ import jax
 import numpy as np
 
 from .. import _xla, compiling, sampling, shapes
-from ..generate import Decoder, PrefillCell
+from .engine import Decoder
 from .export import CHUNK_DIM, LENGTH_DIM, is_spec, sizes
 from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
+from .runner import PrefillCell
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .. import sampling, stored
 from ..artifact import BATCH_AXIS
 from ..sampling import sample
+from . import params as _params
 from .export import LENGTH_DIM, is_spec
 
 #: The prefix pool's programs.
@@ -268,7 +269,8 @@ class DecoderPrograms:
 
     def key(self, what: str, b: int, n: int) -> str:
         """The stored key of one program: the artifact's files, the program and its
-        sizes, the devices, and this code, from which the programs are traced."""
+        sizes, the devices, and this code, from which the programs are traced (with
+        ``pxrt.sampling`` and the limits in ``pxrt.decoder.params``)."""
         return stored.key_of(
             {
                 "decoder": self.art.manifest.get("files", {}),
@@ -278,7 +280,7 @@ class DecoderPrograms:
                 "devices": stored.device_fields(self.devices),
                 "x64": self.art.x64,
             },
-            code=(sys.modules[__name__], sampling),
+            code=(sys.modules[__name__], sampling, _params),
         )
 
     def describe(self, what: str, b: int, n: int) -> str:

@@ -1,6 +1,6 @@
 """A request being generated, as its reader sees it: ``Generation`` (iterate it, sync or
 async, or wait for its ``Completion``), and the errors a submit raises. Made by
-``pxrt.generate.Decoder.submit``; the decoder's loop fills it.
+``pxrt.decoder.engine.Decoder.submit``; the decoder's loop fills it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..finish import CANCELLED
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
 if TYPE_CHECKING:  # both builds have the twin's API
     from .._slots_py import Generation as _GenerationBase
-    from ..generate import Decoder
+    from .engine import Decoder
 else:
     _GenerationBase = _slots.Generation
 
@@ -118,7 +118,7 @@ class Generation(_GenerationBase):
         self.logprobs: list | None = None
         self.top_logprobs = 0
         self.controls: Any = None
-        self.lookup: Any = None  # (speculative decoding) its pxrt.generate.PromptLookup
+        self.lookup: Any = None  # (speculative decoding) its pxrt.decoder.speculative.PromptLookup
         # The event loop of its async reader (set by ``__anext__``): woken there too.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.counted = False  # its outcome is in the decoder's ``outcomes``

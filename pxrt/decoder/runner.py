@@ -1,0 +1,425 @@
+"""The runner: the decoder's programs and its device state. It fills the host arrays
+of a prefill, a chunk, a step or a verify, dispatches the program (through a multi-host
+group's leader when there is one), keeps it in flight (``_pending``) and reads it back,
+routing the tokens to their generations (``SlotTable``). A part of
+``pxrt.decoder.engine.Decoder`` (a mixin, like ``pxrt.decoder.scheduler``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .. import sampling
+from .export import LENGTH_DIM, is_spec
+from .speculative import _EMA
+
+if TYPE_CHECKING:
+    from .core import Core
+    from .request import Generation
+else:
+    Core = object
+
+# What an entry of ``_pending`` (a program in flight) is.
+_PREFILL, _STEP, _VERIFY = 0, 1, 2
+
+
+@dataclasses.dataclass
+class PrefillCell:
+    """A compiled prefill (``batch`` prompts of ``length`` tokens) or extend (``batch``
+    rows of ``length`` new tokens) program."""
+
+    batch: int
+    length: int
+    compiled: Any
+    compile_s: float
+    index: int = 0  # in the decoder's programs: what a multi-host leader's header names
+
+
+@dataclasses.dataclass
+class Controls:
+    """A request's sampling controls as the programs take them: the penalties
+    (presence, frequency, repetition), the position before which its stop ids are
+    banned, the control program's rows (logit bias ids and values, banned ids) and
+    its prompt (padded with an id out of the vocabulary)."""
+
+    penalties: tuple[float, float, float]
+    until: int
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    prompt: np.ndarray
+
+
+class Runner(Core):
+    """Dispatch and read: the programs run on the state, their tokens routed."""
+
+    # (what the runner assigns, as ``pxrt.decoder.core.Core`` declares it)
+    _state: Any
+    _last_step: float
+
+    def _time_cells(self, cells: list) -> dict[str, float]:
+        """Each prefill cell's seconds a run (the median of 3, after one), all its rows
+        dropped, on the state in use: the same shapes and work as a real call, and
+        nothing of the state changes."""
+        c = sampling
+        costs = {}
+        for cell in cells:
+            ints = np.zeros((cell.batch, c.INTS), np.int32)
+            ints[:, c.LEN] = 1
+            ints[:, c.SLOT] = self.slots  # out of range: dropped
+            floats = np.ones((cell.batch, c.FLOATS), np.float32)
+            tokens = np.zeros((cell.batch, cell.length), np.int32)
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                self._state, first, _ = cell.compiled(
+                    self._params, self._state, tokens, ints, floats
+                )
+                jax.block_until_ready(first)
+                times.append(time.perf_counter() - t0)
+            costs[f"prefill[{cell.batch},{cell.length}]"] = float(np.median(times[1:]))
+        return costs
+
+    def _load_prefixes(self, loads: list[tuple[int, list[int]]]) -> None:
+        """Copy cached blocks into the start of slots (one program)."""
+        prefix = self.prefix
+        assert prefix is not None
+        slots = np.full(prefix.rows, self.slots, np.int32)  # out of range: dropped
+        entries = np.zeros((prefix.rows, prefix.width), np.int32)
+        for i, (slot, got) in enumerate(loads):
+            slots[i] = slot
+            entries[i, : len(got)] = got
+        self._state, _ = self._launch(-1, prefix.load, self._state, prefix.pool, slots, entries)
+        self.counters["prefix_loads"] += 1
+
+    def _save_prefixes(self, done: list[tuple[Generation, int]]) -> None:
+        """Keep the full blocks of freshly prefilled prompts (``(generation, slot)``)
+        that the pool lacks: programs of ``width`` blocks each, dispatched after the
+        prefill that wrote them and before anything may overwrite the slots."""
+        prefix = self.prefix
+        if prefix is None:
+            return
+        pairs = []
+        for gen, slot in done:  # (admission computed the keys of those that use it)
+            if gen.use_prefix and gen.keys:
+                first = gen.hit // prefix.index.block
+                pairs += [(slot, i, e) for i, e in prefix.index.add(gen.keys, first)]
+        width, none = prefix.width, prefix.index.blocks
+        for at in range(0, len(pairs), width):
+            part = pairs[at : at + width]
+            slots = np.zeros(width, np.int32)
+            blocks = np.zeros(width, np.int32)
+            entries = np.full(width, none, np.int32)  # out of range: dropped
+            for i, (slot, block, entry) in enumerate(part):
+                slots[i], blocks[i], entries[i] = slot, block, entry
+            prefix.pool, _ = self._launch(
+                -1, prefix.save, prefix.pool, self._state, slots, blocks, entries
+            )
+
+    def _extend(self, budget: int) -> int:
+        """One chunk for up to ``chunk_batches[-1]`` of the slots being filled, oldest
+        first, within ``budget`` tokens (one row at least): ``k`` tokens each, the
+        largest chunk length or the smallest that holds what every row has left. A row
+        whose prompt this chunk ends samples its first token and joins the steps.
+        Returns the tokens it took."""
+        table = self._table
+        rows: list[Generation] = []
+        for gen in self._chunking:
+            rows.append(gen)
+            if len(rows) == self.chunk_batches[-1]:
+                break
+        left = max(len(g.prompt) - g.start for g in rows)
+        k = next((n for n in self.chunk_lengths if n >= left), self.chunk_lengths[-1])
+        rows = rows[: max(1, budget // k)]
+        size = next(b for b in self.chunk_batches if b >= len(rows))
+        cell = self._extends[(size, k)]
+        rows.sort(key=lambda g: len(g.prompt) - g.start > k)  # the prompts it ends first
+        tokens, ints, floats = self._host_rows(
+            size, k, sampling.CHUNK_INTS, sampling.CHUNK_COUNT, sampling.CHUNK_SLOT
+        )
+        finals: list[Generation] = []
+        done: list[tuple[Generation, int]] = []
+        for i, gen in enumerate(rows):
+            prompt = gen.prompt
+            # The chunk ends inside the cache: near its end, it starts earlier and
+            # computes some of the prompt's tokens again (the same rows).
+            start = min(gen.start, self.max_length - k)
+            count = min(len(prompt) - start, k)
+            tokens[i, :count] = prompt[start : start + count]
+            final = start + count >= len(prompt)
+            ints[i, : sampling.CHUNK_WANT] = (
+                start, count, gen.reserved, gen.top_k, _seed_bits(gen.seed), final
+            )  # fmt: skip
+            self._sampling_row(gen, ints[i, sampling.CHUNK_WANT :], floats[i])
+            gen.start = start + count
+            if final:
+                finals.append(gen)
+        t0 = time.perf_counter()
+        for gen in rows:
+            gen.t_admit = gen.t_admit or t0
+        (self._state, first, scores), sync = self._launch(
+            -1, cell.compiled, self._params, self._state, tokens, ints, floats
+        )
+        for gen in finals:
+            self._chunking.remove(gen)
+            slot, gen.reserved = gen.reserved, -1
+            table.assign(gen, slot)
+            done.append((gen, slot))
+        if finals:
+            first.copy_to_host_async()
+            self._pending.append((_PREFILL, first, finals, t0, self._scores(finals, scores), sync))
+            self._save_prefixes(done)
+        self.counters["chunks"] += 1
+        self.counters["chunk_rows"] += len(rows)
+        return len(rows) * k
+
+    def _host_rows(
+        self, size: int, length: int, columns: int, count: int, slot: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A prefill or extend call's host arrays for ``size`` rows of ``length``
+        tokens, every row padding until filled in: one token (column ``count``), a
+        slot out of range (column ``slot``: the row is dropped), top-p 1."""
+        tokens = np.zeros((size, length), np.int32)
+        ints = np.zeros((size, columns), np.int32)
+        ints[:, count] = 1
+        ints[:, slot] = self.slots
+        floats = np.zeros((size, sampling.FLOATS), np.float32)
+        floats[:, sampling.TOPP] = 1.0
+        floats[:, sampling.REPETITION] = 1.0
+        return tokens, ints, floats
+
+    def _sampling_row(self, gen: Generation, ints: np.ndarray, floats: np.ndarray) -> None:
+        """``gen``'s sampling parameters into its row of a prefill or extend call:
+        ``ints`` from WANT on (WANT, CTRL, UNTIL), ``floats`` whole."""
+        controls = gen.controls
+        ints[0] = gen.logprobs is not None
+        if controls is not None or gen.logprobs is not None:
+            self._special = True  # (the steps that follow its first token: the full one)
+        floats[sampling.TEMP] = gen.temperature
+        floats[sampling.TOPP] = gen.top_p
+        if controls is not None:
+            ints[1:3] = (1, controls.until)
+            floats[sampling.PRESENCE :] = controls.penalties
+
+    def _write_controls(self, gen: Generation, slot: int) -> None:
+        """Before ``gen``'s prompt goes into ``slot``: the slot's control rows (its
+        prompt's tokens, logit bias, banned ids; no token counted yet), when it has
+        controls."""
+        controls = gen.controls
+        if controls is None:
+            return
+        slots = np.full(1, slot, np.int32)
+        self._state, _ = self._launch(
+            -1, self._control, self._state, slots, controls.prompt, *controls.rows
+        )
+
+    @staticmethod
+    def _scores(gens: list, scores: Any) -> Any:
+        """A program's scores, copied to the host, when one of ``gens`` wants them;
+        else None (they are not read)."""
+        if not any(gen is not None and gen.logprobs is not None for gen in gens):
+            return None
+        scores.copy_to_host_async()
+        return scores
+
+    def _prefill(self, batch: list, length: int, size: int = 0) -> None:
+        n = len(batch)
+        size = size or next(b for b in self.prefill_batches if b >= n)
+        cell = self._cells[(size, length)]
+        tokens, ints, floats = self._host_rows(
+            size, length, sampling.INTS, sampling.LEN, sampling.SLOT
+        )
+        assign = self._table.assign
+        done = []
+        for i, gen in enumerate(batch):
+            prompt = gen.prompt
+            tokens[i, : len(prompt)] = prompt
+            ints[i, sampling.LEN] = len(prompt)
+            ints[i, sampling.SLOT] = slot = assign(gen)
+            ints[i, sampling.TOPK] = gen.top_k
+            ints[i, sampling.SEED] = _seed_bits(gen.seed)
+            self._sampling_row(gen, ints[i, sampling.WANT :], floats[i])
+            self._write_controls(gen, slot)
+            done.append((gen, slot))
+        t0 = time.perf_counter()
+        for gen in batch:
+            gen.t_admit = t0
+        (self._state, first, scores), sync = self._launch(
+            cell.index, cell.compiled, self._params, self._state, tokens, ints, floats
+        )
+        first.copy_to_host_async()
+        self._pending.append((_PREFILL, first, batch, t0, self._scores(batch, scores), sync))
+        self.counters["prefills"] += 1
+        self.counters["prefill_rows"] += n
+        self._save_prefixes(done)
+
+    def _dispatch_step(self) -> None:
+        busy = self._table.busy
+        program = None
+        if self._special:
+            if any(
+                g is not None and (g.controls is not None or g.logprobs is not None)
+                for g in self._table.owners
+            ):
+                program, rows = self._full_step, self._rows_per_device
+            else:
+                self._special = False
+        if program is None:
+            rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
+            program = self._steps[rows]
+            if self.step_lengths:
+                window = self._window()
+                if window:
+                    program = self._windows[(rows, window)]
+                    self.counters["window_steps"] += 1
+        (self._state, tokens, scores), sync = self._launch(
+            len(self._cells), program, self._params, self._state
+        )
+        tokens.copy_to_host_async()
+        owners = self._table.dispatch()
+        if rows < self._rows_per_device:  # the step's tokens are these slots'
+            owners = [owners[s] for s in self._order[rows]]
+        # (only the full step computes scores)
+        scores = self._scores(owners, scores) if program is self._full_step else None
+        self._pending.append((_STEP, tokens, owners, 0.0, scores, sync))
+        self.counters["steps"] += 1
+        self.counters["busy_slot_steps"] += busy
+        self.counters["stepped_slots"] += len(owners)
+
+    def _dispatch_verify(self, drafts: np.ndarray) -> None:
+        busy = self._table.busy
+        (self._state, tokens, accepted), sync = self._launch(
+            -1, self._verify, self._params, self._state, drafts
+        )
+        tokens.copy_to_host_async()
+        accepted.copy_to_host_async()
+        owners = self._table.dispatch()
+        self._pending.append((_VERIFY, tokens, owners, 0.0, accepted, sync))
+        counters = self.counters
+        counters["steps"] += 1
+        counters["verifies"] += 1
+        counters["busy_slot_steps"] += busy
+        counters["stepped_slots"] += self.slots
+        counters["drafted_tokens"] += int((drafts >= 0).sum())
+
+    def _compact(self) -> int:
+        """The rows per device the next step runs: the fewest compiled that hold every
+        device's busy slots. When fewer would hold them than the busy slots' rows reach,
+        the busy slots above are moved down into free rows first (one program, ordered
+        before the step on the device; tokens of steps in flight still go by their
+        snapshots)."""
+        table = self._table
+        owners = table.owners
+        per = self._rows_per_device
+        n_dev = len(self.devices)
+        high, busy, held = [0] * n_dev, [0] * n_dev, [0] * n_dev
+        for slot, gen in enumerate(owners):
+            if gen is not None:
+                d, r = divmod(slot, per)
+                busy[d] += 1
+                high[d] = max(high[d], r + 1)
+        for gen in self._chunking:  # slots being filled hold their row too
+            held[gen.reserved // per] += 1
+        fits = self._fewest_rows
+        rows = fits(max(high))
+        target = fits(max(max(b + h for b, h in zip(busy, held)), 1))
+        if target >= rows:
+            return rows
+        free = set(table.free)
+        moves: list[tuple[int, int]] = []
+        for d in range(n_dev):
+            base = d * per
+            holes = [base + r for r in range(target) if base + r in free]
+            movers = [base + r for r in range(target, high[d]) if owners[base + r] is not None]
+            moves += zip(movers, holes)
+        src = np.full(self.slots, self.slots, np.int32)  # out of range: dropped
+        dst = src.copy()
+        for i, (a, b) in enumerate(moves):
+            src[i], dst[i] = a, b
+            gen = owners[a]
+            owners[b], owners[a] = gen, None
+            gen.slot = b
+            free.discard(b)
+            free.add(a)
+        table.free[:] = sorted(free, reverse=True)
+        self._state, _ = self._launch(-1, self._move, self._state, src, dst)
+        self.counters["moves"] += len(moves)
+        return target
+
+    def _launch(self, index: int, program: Any, *args: Any) -> tuple[Any, Any]:
+        """Start ``program(*args)``: (its outputs, the group's step or None). A
+        multi-host leader sends program ``index`` and its host inputs (the numpy
+        arrays of ``args``) to the followers first, under the group's lock."""
+        group = self.group
+        if group is None:
+            return program(*args), None
+        host = [a for a in args if isinstance(a, np.ndarray)]
+        with group.lock:
+            sync = group.send(index, [host] * len(group.peers))
+            return group.launched(sync, lambda: program(*args)), sync
+
+    def _read(self, entry: tuple) -> None:
+        kind, array, owners, t0, scores, sync = entry
+        if sync is None:
+            tokens = np.asarray(array)
+        else:
+            replies = self.group.wait(sync)  # every follower ran it: nothing diverged
+            if kind == _STEP:  # sharded by slot: the followers sent their slots' tokens
+                tokens = self._gather(array, replies)
+            else:
+                tokens = np.asarray(array.addressable_data(0))
+        woken: list = []
+        finished: list = []
+        now = time.perf_counter()
+        timings = self._timings
+        if scores is not None and kind != _VERIFY:  # (each before its token: both read)
+            rows = np.asarray(scores)
+            for i, gen in enumerate(owners):
+                if gen is not None and gen.logprobs is not None and gen.finish_reason is None:
+                    gen.logprobs.append(rows[i])
+        if kind == _PREFILL:
+            routed = self._table.first(tokens, owners, now, woken, finished)
+            timings["prefill"].append(now - t0)
+        else:
+            if kind == _VERIFY:  # (``scores``: how many drafts each slot accepted)
+                routed = self._route_verified(tokens, scores, owners, now, woken, finished)
+            else:
+                routed = self._table.route(tokens, owners, now, woken, finished)
+            if self._last_step:
+                timings["step"].append(now - self._last_step)
+                if self.speculative_tokens:
+                    which = "verify_s" if kind == _VERIFY else "step_s"
+                    spec = self._spec
+                    spec[which] += _EMA * (now - self._last_step - spec[which])
+            self._last_step = now
+        self.counters["tokens"] += routed
+        if woken:
+            self._wake(woken)
+        if finished:
+            self._finished(finished)
+        if not self._table.busy:
+            self._last_step = 0.0  # idle: the next step's interval starts afresh
+
+    @property
+    def cache_bytes(self) -> int:
+        """Device memory of the cache (all slots, all devices together)."""
+        at = {LENGTH_DIM: self.max_length}
+        specs = jax.tree.leaves(self.artifact.cache, is_leaf=is_spec)
+        return self.slots * sum(spec.nbytes_at(at) for spec in specs)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory of the prefix cache's pool (per device: it is replicated)."""
+        if self.prefix is None:
+            return 0
+        at = {LENGTH_DIM: self.prefix.index.block}
+        specs = jax.tree.leaves(self.artifact.cache, is_leaf=is_spec)
+        return self.prefix.index.blocks * sum(spec.nbytes_at(at) for spec in specs)
+
+
+def _seed_bits(seed: int) -> int:
+    """A uint32 seed as the int32 with its bits (the programs bitcast it back)."""
+    return seed - (1 << 32) if seed >= 1 << 31 else seed

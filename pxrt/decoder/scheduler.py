@@ -1,0 +1,291 @@
+"""The loop's scheduler: which waiting prompts go in each turn and how (whole, at the
+prefill cell the measured prices choose, or chunk by chunk), in which order (priorities,
+aging), and the size of the coming step (the fewest rows, the smallest cache window that
+hold the busy slots). Pure host code, no jax: a part of ``pxrt.decoder.engine.Decoder``
+(a mixin: the decoder's attributes, ``pxrt.decoder.core``, are its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from .params import int_in, number_in
+
+if TYPE_CHECKING:
+    from .core import Core
+    from .request import Generation
+else:
+    Core = object
+
+
+@dataclasses.dataclass
+class _Scan:
+    """What one turn's admission has met so far: the prefix blocks that prompts
+    admitted before will cache, the prompts held until they are, the cached starts to
+    copy in, and the prompts admitted to go in chunks."""
+
+    filling: set[bytes]
+    held: list[Generation]
+    loads: list[tuple[int, list[int]]]
+    chunked: list[Generation] = dataclasses.field(default_factory=list)
+
+
+class Scheduler(Core):
+    """Admission and its prices, the waiting queue's order, and the steps' size."""
+
+    def set_priorities(self, levels: int, default_level: int = 0, wait_s: float = 0.1) -> None:
+        """Admit waiting prompts by priority: ``levels`` levels (1 the highest), a
+        prompt without one at ``default_level`` (0: the lowest), and any prompt that has
+        waited ``wait_s`` seconds before every level, oldest first (the batcher's
+        ``priority_levels``, ``default_priority_level`` and ``priority_wait_ms``).
+        Within a level prompts keep their order. ``levels`` 1: one queue, in order."""
+        levels = int_in("priority_levels", levels, 1, None)
+        default = int_in("default_priority_level", default_level, 0, levels) or levels
+        wait = number_in("priority_wait_s", wait_s, 0.0, math.inf, low_open=True)
+        with self._cond:
+            self.priority_levels, self.default_priority_level = levels, default
+            self.priority_wait_s = wait if levels > 1 else math.inf
+
+    def _admit(self) -> list[tuple[list, int, int]]:
+        """This turn's prefills, each (prompts, length, batch cell): waiting prompts in
+        order, each unit up to the first that needs a longer prefill than its head's (it
+        leads the next unit), at the cell the measured prices choose (``_price``), for
+        as long as the turn's prefill budget lasts (one unit at least). A prompt longer
+        than the longest prefill, or whose start is in the prefix cache, takes a slot
+        of its own to fill chunk by chunk (``_extend``); cached starts are copied in at
+        once. A prompt whose next block a prompt admitted before will cache waits for
+        it."""
+        waiting = self._waiting
+        free = self._table.free
+        if not waiting or not free:
+            return []
+        if self.priority_levels > 1 and len(waiting) > 1:
+            self._by_priority()
+        if len(self._steps) > 1:  # the lowest rows first (popped from the end)
+            rows = self._rows_per_device
+            free.sort(key=lambda s: (s % rows, s // rows), reverse=True)
+        # Blocks that prompts admitted before will cache (being chunked, or admitted in
+        # this turn: they are saved once prefilled).
+        base = self._filling_keys() if self.prefix is not None else set()
+        scan = _Scan(set(base), [], [])
+        units: list[tuple[list, int, int]] = []
+        taken, left = 0, self._prefill_budget()
+        while waiting and len(free) > taken:  # (the units' slots are taken later)
+            batch, length = self._gather_unit(scan, taken)
+            if not batch:
+                break
+            size, rows, cost = self._price(len(batch), length, left, first=not units)
+            waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
+            if self.prefix is not None and rows < len(batch):
+                scan.filling = base | {
+                    k for g in [*scan.chunked, *batch[:rows]] if g.use_prefix and g.keys
+                    for k in g.keys
+                }  # fmt: skip
+            for gen in batch[:rows]:
+                self._admitted(gen)
+            if rows:
+                units.append((batch[:rows], length, size))
+                taken, left = taken + rows, left - cost
+                self.counters["priced_prefills"] += self._priced
+            if not rows or not self._priced:  # (unpriced: one unit a turn)
+                break
+        waiting.extendleft(reversed(scan.held))
+        if scan.loads:
+            self._load_prefixes(scan.loads)
+        return units
+
+    def _gather_unit(self, scan: _Scan, taken: int) -> tuple[list, int]:
+        """The next unit's prompts (up to the largest prefill batch, from the queue's
+        head; none may need a longer prefill than the first) and its length; admits the
+        prompts met on the way that go in chunks (into ``_chunking``)."""
+        waiting, free = self._waiting, self._table.free
+        block, copies = (self.prefix.index.block, self.prefix.rows) if self.prefix else (0, 0)
+        filling, held = scan.filling, scan.held
+        batch: list[Generation] = []
+        length = 0
+        while waiting and len(free) > taken + len(batch):
+            gen = waiting[0]
+            if gen.finish_reason is not None:  # cancelled while waiting
+                waiting.popleft()
+                continue
+            if self._control is None and (gen.controls is not None or gen.logprobs is not None):
+                held.append(waiting.popleft())  # (until its programs are compiled)
+                if len(held) >= self.slots:
+                    break
+                continue
+            entries = self._lookup(gen)
+            if filling and gen.keys and len(entries) < len(gen.keys):
+                if gen.keys[len(entries)] in filling:
+                    # A prompt admitted before will cache more of this one's start: this
+                    # one waits for it (at the head of the queue; the others go on)
+                    # rather than compute the same blocks again.
+                    held.append(waiting.popleft())
+                    if len(held) >= self.slots:  # (a bounded scan per turn)
+                        break
+                    continue
+            if entries or not gen.bucket or not self._cells:  # (no cell yet: in chunks)
+                if entries and len(scan.loads) >= copies:
+                    break  # one copy program per turn
+                waiting.popleft()
+                gen.reserved = free.pop()
+                self._write_controls(gen, gen.reserved)
+                gen.start = gen.hit = len(entries) * block
+                if entries:
+                    scan.loads.append((gen.reserved, entries))
+                self._admitted(gen)
+                self._chunking.append(gen)
+                scan.chunked.append(gen)
+                if gen.use_prefix and gen.keys:
+                    filling.update(gen.keys)
+                continue
+            if len(batch) >= self.prefill_batches[-1] or (length and gen.bucket > length):
+                break
+            length = length or gen.bucket
+            batch.append(waiting.popleft())
+            if gen.use_prefix and gen.keys:
+                filling.update(gen.keys)
+        return batch, length
+
+    def _price_programs(self, costs: Mapping[str, float], itl_bound_ms: float | None) -> None:
+        """The scheduler's prices from the times measured at load (``costs``: seconds
+        per ``prefill[b,L]``, ``step[slots]``, and ``dispatch``), and the turn's bound
+        (``itl_bound_ms``; default: a full step and the longest single-prompt
+        prefill, each as measured, its dispatch included). Without them (a multi-host
+        group) each turn runs one prefill sized by the queue."""
+        #: The programs' measured seconds, as measured at load.
+        self.costs = dict(costs)
+        pre = {(b, n): costs.get(f"prefill[{b},{n}]") for b, n in self._cells}
+        steps = {n: costs.get(f"step[{n}]") for n in self.step_slots}
+        self._priced = int(
+            bool(pre) and all(v is not None for v in (*pre.values(), steps[self.slots]))
+        )
+        self._prefill_cost = {k: v or 0.0 for k, v in pre.items()}
+        # (a step not timed, compiled after the load: priced as the whole one)
+        self._step_cost = {n: v if v is not None else steps[self.slots] or 0.0
+                           for n, v in steps.items()}  # fmt: skip
+        if itl_bound_ms is not None:
+            self.itl_bound_s = itl_bound_ms * 1e-3
+        elif self._priced:
+            least = self.prefill_batches[0]
+            longest = max(self._prefill_cost[(least, n)] for n in self.prefill_lengths)
+            self.itl_bound_s = self._step_cost[self.slots] + longest
+        else:
+            self.itl_bound_s = math.inf
+        self.counters.setdefault("priced_prefills", 0)
+
+    def _prefill_budget(self) -> float:
+        """Seconds of prefill this turn may take: the bound less the coming step's
+        price (the fewest slots that hold the busy ones and no more); no bound while no
+        slot is busy (no stream waits for its next token: the prompts go in at the
+        densest cells)."""
+        busy = self._table.busy
+        if not self._priced or not busy:
+            return math.inf if self._priced else self.itl_bound_s
+        step = next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
+        return self.itl_bound_s - step
+
+    def _price(self, n: int, length: int, left: float, *, first: bool) -> tuple[int, int, float]:
+        """(batch cell, prompts it takes, its price) for a unit of ``n`` prompts at
+        ``length`` with ``left`` seconds of the turn's budget: the cell giving the most
+        prompts per second among those that fit (a padded cell pays for its padding);
+        when none fits, the cheapest if it is the turn's first unit (so every turn
+        admits), else none. Unpriced: the smallest cell that holds them all."""
+        if not self._priced:
+            return next(b for b in self.prefill_batches if b >= n), n, 0.0
+        best: tuple[float, int, int, float] | None = None
+        cheapest: tuple[float, int, int] | None = None
+        for b in self.prefill_batches:
+            cost, rows = self._prefill_cost[(b, length)], min(b, n)
+            if cheapest is None or cost < cheapest[0]:
+                cheapest = (cost, b, rows)
+            if cost <= left and (best is None or rows / cost > best[0]):
+                best = (rows / cost, b, rows, cost)
+        if best is not None:
+            return best[1], best[2], best[3]
+        if first and cheapest is not None:
+            return cheapest[1], cheapest[2], cheapest[0]
+        return 0, 0, 0.0
+
+    def _by_priority(self) -> None:
+        """Order the waiting prompts: those that waited ``priority_wait_s`` first,
+        oldest first; then by level, each level in order of arrival."""
+        aged = time.perf_counter() - self.priority_wait_s
+        with self._cond:  # (submit appends from other threads)
+            order = sorted(
+                self._waiting,
+                key=lambda g: (0 if g.t_submit <= aged else g.level, g.t_submit),
+            )
+            self._waiting.clear()
+            self._waiting.extend(order)
+
+    def _filling_keys(self) -> set[bytes]:
+        """The blocks the prompts being prefilled in chunks will cache when done."""
+        return {key for gen in self._chunking if gen.use_prefix and gen.keys for key in gen.keys}
+
+    def _admitted(self, gen: Generation) -> None:
+        self.counters["prompt_tokens"] += len(gen.prompt)
+        self.counters["prefix_hit_tokens"] += gen.hit
+        if self.prefix is not None and gen.use_prefix:
+            self.prefix.index.record(len(gen.prompt), gen.hit)
+
+    def _lookup(self, gen: Generation) -> list[int]:
+        """The pool entries of ``gen``'s cached start (none: the prefix cache is off for
+        it, or nothing of it is cached)."""
+        prefix = self.prefix
+        if prefix is None or not gen.use_prefix:
+            return []
+        if gen.keys is None:
+            gen.keys = prefix.index.keys(gen.prompt)
+        return prefix.index.match(gen.keys) if gen.keys else []
+
+    def _unreserve(self, gen: Generation) -> None:
+        """``gen`` no longer fills a slot chunk by chunk: the slot is free again."""
+        if gen.reserved >= 0:
+            with contextlib.suppress(ValueError):
+                self._chunking.remove(gen)
+            self._table.free.append(gen.reserved)
+            gen.reserved = -1
+
+    def _window(self) -> int:
+        """The smallest cache window every busy slot's next position is under (0: the
+        whole cache). A slot's position on the device runs ahead of the tokens read by
+        the steps and the prefill not read yet (and a verify's drafts): bounded here by
+        its prompt, its tokens read and that margin."""
+        margin = 3 + self.speculative_tokens
+        need = max(
+            (len(g.prompt) + len(g.tokens) for g in self._table.owners if g is not None),
+            default=0,
+        )
+        return next((w for w in self.step_lengths if w >= need + margin), 0)
+
+    def _fewest_rows(self, need: int) -> int:
+        return min(rows for rows in self._steps if rows >= need)
+
+    def scheduler_choices(self) -> dict:
+        """How the loop's scheduler chooses, from the times measured at load: the
+        turn's bound, and for 1, 2, 4... prompts of each prefill length waiting, the
+        first prefill it runs (batch cell and prompts taken) with no slot busy and with
+        every slot busy."""
+        if not self._priced:
+            return {"priced": False}
+        full = self.itl_bound_s - self._step_cost[self.slots]
+        waiting = sorted({1, 2, *self.prefill_batches})
+        choices = []
+        for length in self.prefill_lengths:
+            for n in waiting:
+                idle = self._price(n, length, math.inf, first=True)
+                busy = self._price(n, length, full, first=True)
+                choices.append(
+                    {"waiting": n, "length": length, "idle": list(idle[:2]), "busy": list(busy[:2])}
+                )
+        return {
+            "priced": True,
+            "itl_bound_ms": round(self.itl_bound_s * 1e3, 4),
+            "dispatch_ms": round(self.costs.get("dispatch", 0.0) * 1e3, 4),
+            "choices": choices,
+        }
