@@ -211,16 +211,16 @@ def test_trace_settings_take_triton_values_rate_count_and_level():
 def test_grpc_trace_settings_take_one_value_per_setting():
     """gRPC sends each setting as a list of strings: a rate of two values is refused
     (it used to take the first), an empty one is Triton's default."""
-    from tritonclient.grpc import service_pb2 as pb
+    import types
 
     from serving.grpc.service import _trace_setting
     from serving.kserve.codec import ProtocolError
 
     def request(**values):
-        out = pb.TraceSettingRequest()
-        for key, value in values.items():
-            out.settings[key].value.extend(value)
-        return out
+        # (a TraceSettingRequest's shape: this module runs beside kserve's client, whose
+        # protobuf names tritonclient.grpc's would clash with)
+        settings = {k: types.SimpleNamespace(value=list(v)) for k, v in values.items()}
+        return types.SimpleNamespace(model_name="", settings=settings)
 
     tracing, _ = _tracing(5)
     with pytest.raises(ProtocolError, match=r"trace_rate must be .*got \['2', '3'\]"):
