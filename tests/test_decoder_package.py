@@ -20,13 +20,27 @@ def test_the_artifact_names_are_the_packages_too():
     assert decoder.read is export.read
 
 
-def test_the_request_side_does_not_import_jax():
+def test_the_request_side_and_the_scheduler_do_not_import_jax():
     code = (
         "import sys, pxrt.decoder, pxrt.decoder.params, pxrt.decoder.request, "
-        "pxrt.decoder.prefix, pxrt.generation, pxrt.prefix\n"
+        "pxrt.decoder.prefix, pxrt.decoder.scheduler, pxrt.decoder.speculative, "
+        "pxrt.generation, pxrt.prefix\n"
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_prompt_lookup_drafts_what_followed_the_last_tokens_before():
+    """Speculation's drafts need no device: what followed the text's last 3 tokens
+    (else 2) where they occurred before, the prompt and the tokens generated so far."""
+    import numpy as np
+
+    from pxrt.decoder.speculative import PromptLookup
+
+    lookup = PromptLookup(np.array([1, 2, 3, 4, 1, 2]))
+    assert lookup.draft([], 2) == [3, 4]  # (1, 2) came before 3, 4
+    assert lookup.draft([3], 2) == [4, 1]  # (1, 2, 3) before 4, 1
+    assert lookup.draft([3, 9], 2) == []  # (3, 9) and (2, 3, 9): never before
 
 
 def _lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
