@@ -741,3 +741,31 @@ def test_grpc_through_workers(served_workers):
         # A priority beyond the queue's C integer is refused in the worker, naming it.
         code, message = _status(lambda: c.infer("mlp", _inputs({"x": x[:1]}), priority=2**63))
         assert code == "StatusCode.INVALID_ARGUMENT" and "parameters.priority" in message
+
+
+def test_grpc_trace_settings_take_one_value_per_setting():
+    """gRPC sends each setting as a list of strings: a rate of two values is refused
+    (it used to take the first), an empty one is Triton's default. (Here, not in
+    test_tracing.py: serving.grpc.service imports tritonclient.grpc's protobufs.)"""
+    from opentelemetry.sdk.trace import TracerProvider
+    from tritonclient.grpc import service_pb2 as pb
+
+    from serving.grpc.service import _trace_setting
+    from serving.kserve.codec import ProtocolError
+    from serving.tracing import Tracing
+
+    def request(**values):
+        out = pb.TraceSettingRequest()
+        for key, value in values.items():
+            out.settings[key].value.extend(value)
+        return out
+
+    tracing = Tracing(5, TracerProvider())
+    with pytest.raises(ProtocolError, match=r"trace_rate must be .*got \['2', '3'\]"):
+        _trace_setting(tracing, request(trace_rate=["2", "3"]))
+    with pytest.raises(ProtocolError, match="trace_rate must be from 0 to 4294967295"):
+        _trace_setting(tracing, request(trace_rate=[str(2**64)]))
+    got = _trace_setting(tracing, request(trace_rate=["9"], trace_count=["4"]))
+    assert got["trace_rate"] == "9" and got["trace_count"] == "4"
+    got = _trace_setting(tracing, request(trace_rate=[], trace_count=[]))
+    assert got["trace_rate"] == "1000" and got["trace_count"] == "-1"

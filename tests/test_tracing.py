@@ -208,31 +208,6 @@ def test_trace_settings_take_triton_values_rate_count_and_level():
     assert tracing.begin("m") is None
 
 
-def test_grpc_trace_settings_take_one_value_per_setting():
-    """gRPC sends each setting as a list of strings: a rate of two values is refused
-    (it used to take the first), an empty one is Triton's default."""
-    import types
-
-    from serving.grpc.service import _trace_setting
-    from serving.kserve.codec import ProtocolError
-
-    def request(**values):
-        # (a TraceSettingRequest's shape: this module runs beside kserve's client, whose
-        # protobuf names tritonclient.grpc's would clash with)
-        settings = {k: types.SimpleNamespace(value=list(v)) for k, v in values.items()}
-        return types.SimpleNamespace(model_name="", settings=settings)
-
-    tracing, _ = _tracing(5)
-    with pytest.raises(ProtocolError, match=r"trace_rate must be .*got \['2', '3'\]"):
-        _trace_setting(tracing, request(trace_rate=["2", "3"]))
-    with pytest.raises(ProtocolError, match="trace_rate must be from 0 to 4294967295"):
-        _trace_setting(tracing, request(trace_rate=[str(2**64)]))
-    got = _trace_setting(tracing, request(trace_rate=["9"], trace_count=["4"]))
-    assert got["trace_rate"] == "9" and got["trace_count"] == "4"
-    got = _trace_setting(tracing, request(trace_rate=[], trace_count=[]))
-    assert got["trace_rate"] == "1000" and got["trace_count"] == "-1"
-
-
 @pytest.mark.parametrize("way", ["direct", "api"])
 def test_a_caller_trace_that_is_not_sampled_stays_unsampled(run, models, way):
     tracing, exporter = _tracing(1)
