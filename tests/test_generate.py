@@ -50,6 +50,9 @@ def lm(lm_path):
     # slot is within them: every test of it checks those against plain JAX too)
     dec = pxrt.load(lm_path, step_lengths=(16, 32))
     assert dec.wait_programs(120)  # (those compiled after the load: the tests use them)
+    # (the steps chosen by rule, not by their measured prices: the fewest rows and the
+    # smallest window, which the tests below count; test_steps_are_priced prices them)
+    dec._step_prices = {}
     yield dec
     dec.close()
 
@@ -562,6 +565,28 @@ def test_steps_run_over_the_first_positions_while_the_busy_slots_are_there(lm, r
     with lm._cond:
         together = [lm.submit(p, max_tokens=40, **sampled) for p, _ in cases[3:6]]
     assert together[1].result(timeout=60).tokens == alone
+
+
+def test_the_loop_runs_the_cheapest_step_that_holds_the_busy_slots(lm):
+    """Priced, the loop runs the cheapest measured step of those that hold the busy
+    slots (over fewer slots or positions, or the whole one: a part can cost more than
+    the whole); its tokens are the busy slots' whatever it is."""
+    rows = lm._rows_per_device
+    parts = sorted(lm._steps)
+    try:
+        lm._step_prices = {(r, w): 1.0 for r in lm._steps for w in (0, *lm.step_lengths)}
+        lm._step_prices[(rows, 0)] = 0.5  # the whole step cheapest: taken for any busy slots
+        assert lm._cheapest_step(parts[0]) == (rows, 0)
+        lm._step_prices[(parts[0], lm.step_lengths[0])] = 0.1  # a window cheaper still
+        # (no busy slot: every window holds them)
+        assert lm._cheapest_step(parts[0]) == (parts[0], lm.step_lengths[0])
+        assert lm._cheapest_step(rows) == (rows, 0)  # (the cheap window is over fewer rows)
+        del lm._step_prices[(parts[0], 0)]  # one not measured: by rule, the least of each
+        assert lm._cheapest_step(parts[0]) == (parts[0], lm.step_lengths[0])
+    finally:
+        lm._step_prices = {}
+    prompt = prompts(1, seed=90)[0]
+    assert lm.generate(prompt, max_tokens=5).tokens == lm.generate(prompt, max_tokens=5).tokens
 
 
 def test_steps_run_over_the_busy_slots_only(lm, reference):

@@ -84,6 +84,7 @@ class Core(Protocol):
     _priced: int
     _prefill_cost: dict[tuple[int, int], float]
     _step_cost: dict[int, float]
+    _step_prices: dict[tuple[int, int], float]
     itl_bound_s: float
 
     # What one part calls on another.
@@ -95,6 +96,7 @@ class Core(Protocol):
     def _window(self) -> int: ...
 
     def _fewest_rows(self, need: int) -> int: ...
+    def _cheapest_step(self, rows: int) -> tuple[int, int]: ...
 
     def _drafts(self) -> np.ndarray | None: ...
 

@@ -608,7 +608,7 @@ class Decoder(Loop, Runner, Speculation, Scheduler):
             self.prefill_batches = tuple(sorted({b for b, _ in self._cells}))
             for kind, n in got.sources.items():
                 self.program_sources[kind] = self.program_sources.get(kind, 0) + n
-            self._price_programs(self.costs | timed, self._itl_bound_ms)
+            self._price_programs(self.costs | timed | got.step_costs, self._itl_bound_ms)
         self.deferred = 0
         self.deferred_error = error
         self._programs.set()

@@ -156,7 +156,9 @@ def load_decoder(
         )
     log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
     if built.later:
-        _compile_later(decoder, built.programs, built.later, cache_dir)
+        _compile_later(
+            decoder, built.programs, built.later, cache_dir, built.params, built.got.make_state
+        )
     return decoder
 
 
@@ -663,6 +665,25 @@ class _Obtained:
     work_bytes: int = 0
     #: The steps over a cache window: (slot count, window) -> program.
     windows: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    #: Seconds a run of the steps compiled after the load (``time_steps``).
+    step_costs: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def time_steps(self, params: Any, state: Any, budget_s: float = 0.05) -> None:
+        """Time the steps over fewer slots and over cache windows (``step_costs``, as
+        ``measure`` names them) on ``state``, a state of their own (zeros: the same
+        work as a real call)."""
+        holder = [state]
+        for key, part in [
+            *((f"step[{n}]", p) for n, p in sorted(self.parts.items())),
+            *((f"step[{n},{w}]", p) for (n, w), p in sorted(self.windows.items())),
+        ]:
+            times: list[float] = []
+            while len(times) < 4 and sum(times) < budget_s:
+                t0 = time.perf_counter()
+                holder[0], first, _ = part(params, holder[0])
+                jax.block_until_ready(first)
+                times.append(time.perf_counter() - t0)
+            self.step_costs[key] = float(np.median(times[1:] or times))
 
     def warm_up(self, params: Any, slots: int) -> None:
         """One run of each program (on the zero state: no slot is busy, every row is
@@ -881,13 +902,36 @@ def _join_later() -> None:
         thread.join(timeout=60)
 
 
+def _room_for_a_state(programs: DecoderPrograms) -> bool:
+    """Whether a second state fits beside the decoder's (to time the later steps on):
+    in the host's available memory for CPU devices, in what the others report free."""
+    state = sum(_nbytes(s) for s in jax.tree.leaves(programs.shapes))
+    per_device = -(-state // len(programs.devices))
+    if all(d.platform == "cpu" for d in programs.devices):
+        free = compiling.available_host_bytes()
+        return free is not None and 2 * state < free
+    for d in programs.devices:
+        try:
+            stats = d.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - a backend that does not report memory
+            return False
+        left = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        if 2 * per_device >= left:
+            return False
+    return True
+
+
 def _compile_later(
     decoder: Any,
     programs: DecoderPrograms,
     jobs: list[tuple[str, int, int]],
     cache_dir: str | None,
+    params: Any,
+    make_state: Any,
 ) -> None:
-    """Compile ``jobs`` on a thread of their own and hand them to ``decoder``'s loop
+    """Compile ``jobs`` on a thread of their own, time the steps among them on a
+    state of their own when one fits beside the decoder's (the loop runs the cheapest
+    step that holds its busy slots), and hand them to ``decoder``'s loop
     (``Decoder.install``), which takes them between two turns; the jobs not begun are
     left out once the decoder is closed or dropped."""
     ref = weakref.ref(decoder)
@@ -902,6 +946,8 @@ def _compile_later(
         try:
             with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
                 got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop)
+                if (got.parts or got.windows) and not stop() and _room_for_a_state(programs):
+                    got.time_steps(params, make_state())
         except Exception as exc:  # noqa: BLE001 - the decoder serves on without them
             error = exc
             log.error("pxrt: %s: compiling its later programs failed: %r", art.name, exc)

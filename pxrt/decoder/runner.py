@@ -269,12 +269,10 @@ class Runner(Core):
                 self._special = False
         if program is None:
             rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
-            program = self._steps[rows]
-            if self.step_lengths:
-                window = self._window()
-                if window:
-                    program = self._windows[(rows, window)]
-                    self.counters["window_steps"] += 1
+            rows, window = self._cheapest_step(rows)
+            program = self._windows[(rows, window)] if window else self._steps[rows]
+            if window:
+                self.counters["window_steps"] += 1
         (self._state, tokens, scores), sync = self._launch(
             len(self._cells), program, self._params, self._state
         )

@@ -165,8 +165,17 @@ class Scheduler(Core):
             bool(pre) and all(v is not None for v in (*pre.values(), steps[self.slots]))
         )
         self._prefill_cost = {k: v or 0.0 for k, v in pre.items()}
-        # (a step not timed, compiled after the load: priced as the whole one)
-        self._step_cost = {n: v if v is not None else steps[self.slots] or 0.0
+        # Every step program timed (over rows per device, and a window of the cache; 0:
+        # all of it): the loop runs the cheapest that holds the busy slots.
+        n_dev = len(self.devices)
+        self._step_prices = {
+            (int(n) // n_dev, int(w or 0)): v
+            for key, v in costs.items() if key.startswith("step[")
+            for n, _, w in [key[5:-1].partition(",")]
+        }  # fmt: skip
+        full = steps[self.slots] or 0.0
+        # (a step not timed is priced as the whole one, which the loop may run instead)
+        self._step_cost = {n: min(v, full) if v is not None else full
                            for n, v in steps.items()}  # fmt: skip
         if itl_bound_ms is not None:
             self.itl_bound_s = itl_bound_ms * 1e-3
@@ -262,6 +271,20 @@ class Scheduler(Core):
             default=0,
         )
         return next((w for w in self.step_lengths if w >= need + margin), 0)
+
+    def _cheapest_step(self, rows: int) -> tuple[int, int]:
+        """(rows per device, cache window; 0: all of it) of the step to run, the busy
+        slots being within the first ``rows`` of each device: the cheapest measured of
+        those that hold them (a step over fewer slots or positions can cost more than
+        the whole one: XLA may copy the cache to update a part of it); the fewest rows
+        and the smallest window while they are not all measured."""
+        window = self._window() if self.step_lengths else 0
+        widths = [0, *(w for w in self.step_lengths if window and w >= window)]
+        options = [(r, w) for r in self._steps if r >= rows for w in widths]
+        prices = self._step_prices
+        if all(o in prices for o in options):
+            return min(options, key=lambda o: (prices[o], o))
+        return rows, window
 
     def _fewest_rows(self, need: int) -> int:
         return min(rows for rows in self._steps if rows >= need)
