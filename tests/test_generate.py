@@ -502,7 +502,7 @@ def test_a_decoder_serves_before_its_later_programs_and_takes_them_as_they_come(
         assert dec.prefix is None and dec.step_lengths == ()
         wants = dec.submit(cases[0], max_tokens=6, logprobs=2)
         assert dec.generate(cases[1], max_tokens=8).tokens == reference(cases[1], 8)
-        assert wants.tokens == [] and dec.waiting == 1  # (held: no controls' programs yet)
+        assert wants.tokens == [] and not wants.done  # (held: no controls' programs yet)
         gate.set()
         assert dec.wait_programs(120) and dec.deferred == 0 and dec.deferred_error is None
         assert wants.result(timeout=60).tokens == reference(cases[0], 6)
