@@ -544,6 +544,7 @@ def test_the_scheduler_prices_prefill_cells_with_the_measured_costs(lm):
         assert lm.itl_bound_s == pytest.approx(1e-3 + 1e-3 + 1e-7 * 32)
     finally:
         lm._price_programs(measured, itl_bound_ms=None)
+        lm._step_prices = {}  # (the steps by rule, as the lm fixture has them)
 
 
 # --------------------------------------------------------------------------- busy slots
@@ -553,6 +554,7 @@ def test_steps_run_over_the_first_positions_while_the_busy_slots_are_there(lm, r
     """Short prompts generating past 16, then 32 positions: the steps run over a window
     of the cache (16, then 32 positions) while every busy slot is inside it, then over
     all of it; the tokens are plain JAX's all the same, sampled ones included."""
+    lm._step_prices = {}  # (by rule: the smallest window that holds the busy slots)
     before = dict(lm.counters)
     cases = [(p[:6], m) for p, m in zip(prompts(6, seed=70), (8, 12, 20, 30, 40, 50))]
     with lm._cond:
@@ -594,6 +596,7 @@ def test_steps_run_over_the_busy_slots_only(lm, reference):
     all); generations that outlive those in the low slots are moved down. The tokens
     are plain JAX's all the same."""
     assert lm.step_slots[-1] == SLOTS and len(lm.step_slots) >= 2, lm.step_slots
+    lm._step_prices = {}  # (by rule: the fewest rows that hold the busy slots)
     before = dict(lm.counters)
     # The first four end early; the last four then sit above them and move down.
     # (All queued before the loop looks, so they take the slots in order however
