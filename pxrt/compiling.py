@@ -394,21 +394,26 @@ def check_memory(
         )
     per_device = params + staging // max(1, len(devices))
     for d in devices:
-        if d.platform == "cpu":
-            continue
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - a backend that does not report memory
-            continue
-        limit = stats.get("bytes_limit")
-        if not limit:
-            continue
-        left = limit - stats.get("bytes_in_use", 0)
-        if per_device > left:
+        left = device_free_bytes(d)
+        if left is not None and per_device > left:
             raise ValueError(
                 f"{art.name!r} needs about {_gib(per_device)} on {d} (params {_gib(params)} "
                 f"and its share of the staging) and {_gib(left)} is free there: {advice}"
             )
+
+
+def device_free_bytes(device: Any) -> int | None:
+    """What an accelerator reports free (its limit less what is in use); None for a CPU
+    device (its memory is the host's: ``available_host_bytes``) or a backend that does
+    not say."""
+    if device.platform == "cpu":
+        return None
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend that does not report memory
+        return None
+    limit = stats.get("bytes_limit")
+    return limit - stats.get("bytes_in_use", 0) if limit else None
 
 
 def _gib(n: float) -> str:

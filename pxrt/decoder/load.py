@@ -31,7 +31,7 @@ from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
-from .runner import PrefillCell
+from .runner import PrefillCell, dropped_prefill
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16
@@ -433,17 +433,8 @@ def check_memory(programs: DecoderPrograms, work: int = 0) -> None:
             f"and {gib(free)} is available: {advice}"
         )
     for d in local:
-        if d.platform == "cpu":
-            continue
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - a backend that does not report memory
-            continue
-        limit = stats.get("bytes_limit")
-        if not limit:
-            continue
-        left = limit - stats.get("bytes_in_use", 0)
-        if per_device > left:
+        left = compiling.device_free_bytes(d)
+        if left is not None and per_device > left:
             raise ValueError(
                 f"{what} needs about {gib(per_device)} on {d} ({'; '.join(parts)}) and "
                 f"{gib(left)} is free there: {advice}"
@@ -691,12 +682,8 @@ class _Obtained:
         state = self.make_state()
         c = sampling
         for cell in self.cells:
-            ints = np.zeros((cell.batch, c.INTS), np.int32)
-            ints[:, c.LEN] = 1
-            ints[:, c.SLOT] = slots  # out of range: the row is dropped
-            floats = np.ones((cell.batch, c.FLOATS), np.float32)
-            tokens = np.zeros((cell.batch, cell.length), np.int32)
-            state, first, _ = cell.compiled(params, state, tokens, ints, floats)
+            args = dropped_prefill(cell.batch, cell.length, slots)
+            state, first, _ = cell.compiled(params, state, *args)
         for cell in self.extends:
             ints = np.zeros((cell.batch, c.CHUNK_INTS), np.int32)
             ints[:, c.CHUNK_COUNT] = 1
@@ -742,7 +729,6 @@ class _Obtained:
         shapes and work as a real call): the median of up to 5 runs, fewer where a
         program takes over ``budget_s``; and ``dispatch``, the host's own time to hand one
         prefill to the device. Warm programs only (``warm_up`` first)."""
-        c = sampling
         holder = [self.make_state()]
         costs: dict[str, float] = {}
 
@@ -756,13 +742,10 @@ class _Obtained:
 
         dispatch: list[float] = []
         for cell in self.cells:
-            ints = np.zeros((cell.batch, c.INTS), np.int32)
-            ints[:, c.LEN] = 1
-            ints[:, c.SLOT] = slots  # out of range: the row is dropped
-            floats = np.ones((cell.batch, c.FLOATS), np.float32)
-            tokens = np.zeros((cell.batch, cell.length), np.int32)
 
-            def prefill(cell: Any = cell, args: tuple = (tokens, ints, floats)) -> Any:
+            def prefill(
+                cell: Any = cell, args: tuple = dropped_prefill(cell.batch, cell.length, slots)
+            ) -> Any:
                 t0 = time.perf_counter()
                 holder[0], first, _ = cell.compiled(params, holder[0], *args)
                 dispatch.append(time.perf_counter() - t0)
@@ -911,12 +894,8 @@ def _room_for_a_state(programs: DecoderPrograms) -> bool:
         free = compiling.available_host_bytes()
         return free is not None and 2 * state < free
     for d in programs.devices:
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:  # noqa: BLE001 - a backend that does not report memory
-            return False
-        left = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        if 2 * per_device >= left:
+        left = compiling.device_free_bytes(d)
+        if left is None or 2 * per_device >= left:
             return False
     return True
 

@@ -28,6 +28,18 @@ else:
 _PREFILL, _STEP, _VERIFY = 0, 1, 2
 
 
+def dropped_prefill(batch: int, length: int, slots: int) -> tuple[np.ndarray, ...]:
+    """A prefill call's host arrays (tokens, ints, floats) for ``batch`` rows of
+    ``length`` tokens, every row dropped (its slot out of range): the shapes and work of
+    a real call that changes nothing of the state, to warm up or time a cell."""
+    c = sampling
+    ints = np.zeros((batch, c.INTS), np.int32)
+    ints[:, c.LEN] = 1
+    ints[:, c.SLOT] = slots
+    floats = np.ones((batch, c.FLOATS), np.float32)
+    return np.zeros((batch, length), np.int32), ints, floats
+
+
 @dataclasses.dataclass
 class PrefillCell:
     """A compiled prefill (``batch`` prompts of ``length`` tokens) or extend (``batch``
@@ -64,20 +76,13 @@ class Runner(Core):
         """Each prefill cell's seconds a run (the median of 3, after one), all its rows
         dropped, on the state in use: the same shapes and work as a real call, and
         nothing of the state changes."""
-        c = sampling
         costs = {}
         for cell in cells:
-            ints = np.zeros((cell.batch, c.INTS), np.int32)
-            ints[:, c.LEN] = 1
-            ints[:, c.SLOT] = self.slots  # out of range: dropped
-            floats = np.ones((cell.batch, c.FLOATS), np.float32)
-            tokens = np.zeros((cell.batch, cell.length), np.int32)
+            args = dropped_prefill(cell.batch, cell.length, self.slots)
             times = []
             for _ in range(4):
                 t0 = time.perf_counter()
-                self._state, first, _ = cell.compiled(
-                    self._params, self._state, tokens, ints, floats
-                )
+                self._state, first, _ = cell.compiled(self._params, self._state, *args)
                 jax.block_until_ready(first)
                 times.append(time.perf_counter() - t0)
             costs[f"prefill[{cell.batch},{cell.length}]"] = float(np.median(times[1:]))
