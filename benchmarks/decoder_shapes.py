@@ -213,6 +213,15 @@ def workload(n: int, shape: Shape, prompts: Lengths, outputs: Lengths, seed: int
     ]
 
 
+def fresh_tokens(work: Work, shape: Shape, seed: int) -> Work:
+    """``work`` with the same lengths and new token ids: a run that repeats another's
+    prompts would find them in pxrt's prefix cache, which a workload of distinct
+    requests does not (and JetStream has none)."""
+    rng = np.random.default_rng([seed, 7])
+    lo, hi = (32, 127) if shape.vocab == demo.LM_VOCAB else (1, shape.vocab - 2)
+    return [(rng.integers(lo, hi, len(p), dtype=np.int32), m) for p, m in work]
+
+
 def prefill_lengths(work: Work, max_length: int) -> tuple[int, ...]:
     """Powers of two from 16 up to the longest prompt's bucket (JetStream's buckets;
     less than ``max_length``)."""
@@ -429,8 +438,10 @@ class Model:
     and loaded at any slot count (``load``). ``prefill``/``decode``/``extend`` are the
     functions pxrt exported: the other systems run them too."""
 
-    def __init__(self, shape: Shape, seed: int = 0) -> None:
+    def __init__(self, shape: Shape, seed: int = 0, options: dict | None = None) -> None:
         self.shape = shape
+        #: pxrt's load options beyond ``slots`` (``--load KEY=VALUE``): none, the defaults.
+        self.options = dict(options or {})
         self.max_length = shape.max_length
         self.vocab = shape.vocab
         self.bos, self.eos = shape.vocab - 2, shape.vocab - 1
@@ -514,7 +525,7 @@ class Model:
         to every program."""
         assert self.path, "export first"
         t0 = time.perf_counter()
-        dec = pxrt.load(self.path, slots=slots, progress=False)
+        dec = pxrt.load(self.path, slots=slots, progress=False, **self.options)
         self.load_s = time.perf_counter() - t0
         wait = getattr(dec, "wait_programs", None)
         if wait is not None and not wait(600):

@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
 import os
 import statistics
@@ -459,7 +460,9 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
             for kind in order:
                 c0 = dict(dec.counters)
                 steps0 = js.engine.steps
-                r = await closed(kind, targets[kind], work, callers)
+                # (each run on prompts of its own: none is in pxrt's prefix cache)
+                fresh = ds.fresh_tokens(work, model.shape, rep)
+                r = await closed(kind, targets[kind], fresh, callers)
                 c = {k: v - c0.get(k, 0) for k, v in dec.counters.items()}
                 steps = c["steps"] if kind == "pxrt" else js.engine.steps - steps0
                 s = generation.summary(r) | {"steps": steps, "tokens": r["tokens"]}
@@ -571,6 +574,16 @@ def print_sweep(results: list[dict]) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def load_option(text: str) -> tuple[str, object]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"--load takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def requests_for(args: argparse.Namespace, slots: int) -> int:
     if args.requests:
         return args.requests
@@ -595,6 +608,14 @@ def main() -> None:
     g.add_argument("--callers", "--concurrency", type=int, help="closed loop (default: slots)")
     g.add_argument("--repeats", type=int, help="alternated runs of each (default 3, --quick 1)")
     g.add_argument("--check", type=int, default=16, help="requests in the correctness check")
+    g.add_argument(
+        "--load",
+        action="append",
+        default=[],
+        type=load_option,
+        metavar="KEY=VALUE",
+        help="a pxrt load option (VALUE as JSON), e.g. overlap_prefill=false; default none",
+    )
     g.add_argument("--no-keras-peer", dest="keras_peer", action="store_false",
                    help="skip keras-hub's generate() on keras-llama")  # fmt: skip
     g.add_argument("--sweep", action="store_true", help="every shape of --shapes at every --slots")
@@ -626,7 +647,7 @@ def main() -> None:
             most = max(requests_for(args, n) for n in slot_counts)
             work = ds.workload(most, shape, args.prompts, args.outputs, args.seed)
             lengths = ds.prefill_lengths(work, shape.max_length)
-            model = ds.Model(shape, args.seed)
+            model = ds.Model(shape, args.seed, dict(args.load))
             model.export(tmp, lengths)
             print(
                 f"\n{shape.describe()}\n  {ds.describe_work(work, args.prompts, args.outputs)}"

@@ -5,11 +5,15 @@ of the loop, at the smallest cell that holds the queue's head run). Priced: each
 prefills at the cells with the most prompts per measured second, within the turn's
 bound (``itl_bound_ms``). ``--ab windows``: steps over a window of the cache while every
 busy slot is inside it (``step_lengths``) against steps over the whole cache always.
-One decoder serves both sides (switched between runs), the demo decoder's math at the
+``--ab overlap``: prefills on a thread of their own beside the steps
+(``overlap_prefill``, the default on CPU) against each prefill between two steps on
+the loop's thread (two decoders of the same artifact). Otherwise one decoder serves
+both sides (switched between runs), the demo decoder's math at the
 shape given, a closed loop of ``--slots`` callers over lognormal prompt and output
-lengths. Prints each run, then medians and ratios.
+lengths, fresh prompt tokens each run (none in the prefix cache). Prints each run, then
+medians and ratios.
 
-    python benchmarks/scheduler.py [--ab pricing|windows] [--dim 128 --heads 4
+    python benchmarks/scheduler.py [--ab pricing|windows|overlap] [--dim 128 --heads 4
         --layers 2 --slots 16] [--max-length 512] [--requests 300] [--repeats 3]
 """
 
@@ -42,7 +46,7 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ab", choices=("pricing", "windows"), default="pricing")
+    p.add_argument("--ab", choices=("pricing", "windows", "overlap"), default="pricing")
     args = p.parse_args()
     lengths = tuple(n for n in (16, 32, 64, 128, 256) if n < args.max_length)
     path = demo.export_lm(
@@ -51,6 +55,10 @@ def main() -> None:
     )  # fmt: skip
     dec = pxrt.load(path)
     dec.wait_programs()  # (none compiling beside the runs)
+    fused = None
+    if args.ab == "overlap":
+        fused = pxrt.load(path, overlap_prefill=False)
+        fused.wait_programs()
     print("measured ms:", {k: round(v * 1e3, 3) for k, v in dec.costs.items()})
     print(f"turn bound: {dec.itl_bound_s * 1e3:.2f} ms")
     rng = np.random.default_rng(0)
@@ -65,17 +73,24 @@ def main() -> None:
         for n, m in zip(prompts, outputs)
     ]
     priced, windows = dec._priced, dec.step_lengths
-    new = "priced" if args.ab == "pricing" else "windows"
+    new = {"pricing": "priced", "windows": "windows", "overlap": "beside"}[args.ab]
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
-        for mode in runs:
+        fresh = [(rng.integers(0, demo.LM_VOCAB - 2, size=len(p)).astype(np.int32), m)
+                 for p, m in work]  # fmt: skip
+        for mode in runs if rep % 2 == 0 else list(runs)[::-1]:
+            target = dec
             if args.ab == "pricing":  # (the rule before: unpriced)
                 dec._priced = priced if mode == new else 0
-            else:  # (before: every step over the whole cache)
+            elif args.ab == "windows":  # (before: every step over the whole cache)
                 dec.step_lengths = windows if mode == new else ()
-            runs[mode].append(summary(asyncio.run(closed("pxrt", dec, work, args.slots))))
+            elif mode == "before":  # (each prefill between two steps)
+                target = fused
+            runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, args.slots))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
     dec.close()
+    if fused is not None:
+        fused.close()
     print(f"\n{'':<10} {new:>10} {'before':>10} {'ratio':>7}")
     for key in ("tok/s", "itl p50", "itl p99", "ttft p50", "ttft p99"):
         a = float(np.median([r[key] for r in runs[new]]))

@@ -41,7 +41,8 @@ def load(
     ``compilation_cache`` and ``decoder_options`` (``slots``, ``max_length``,
     ``prefill_lengths``, ``prefill_batches``, ``chunk_lengths``, ``chunk_batches``,
     ``chunk_tokens``, ``prefix_cache_tokens``, ``prefix_block``, ``step_slots``,
-    ``speculative_tokens``, ``sampling_controls``, ``max_waiting``, ``itl_bound_ms``).
+    ``speculative_tokens``, ``sampling_controls``, ``max_waiting``, ``itl_bound_ms``,
+    ``overlap_prefill``).
 
     A model with named dimensions is compiled on a grid: every batch bucket at every
     combination of the named dimensions' lengths (a cell each).

@@ -385,11 +385,21 @@ def _print_scheduler(sched: dict) -> None:
     if not sched.get("priced"):
         print("scheduler: unpriced (a multi-host group): one prefill a turn, sized by the queue")
         return
-    print(
-        f"scheduler: a turn prefills within {sched['itl_bound_ms']:.2f} ms with its decode "
-        f"step (itl_bound_ms), at the cells with the most prompts per measured second "
-        f"(dispatch {sched['dispatch_ms']:.2f} ms a call); the first prefill of a turn:"
-    )
+    if sched.get("overlap_prefill"):
+        print(
+            "scheduler: prompts are prefilled on a thread of their own beside the decode "
+            f"steps (overlap_prefill), {sched['in_flight']} at a time, unless one costs no "
+            "more than the coming step (then between two steps), at the cells with the most "
+            f"prompts per measured second (dispatch {sched['dispatch_ms']:.2f} ms a call); "
+            "the first prefill of a turn:"
+        )
+    else:
+        print(
+            f"scheduler: a turn prefills within {sched['itl_bound_ms']:.2f} ms with its "
+            f"decode step (itl_bound_ms), at the cells with the most prompts per measured "
+            f"second (dispatch {sched['dispatch_ms']:.2f} ms a call); the first prefill of "
+            "a turn:"
+        )
     print(f"  {'waiting':>7} {'length':>6}   {'no slot busy':<16} every slot busy")
     for c in sched["choices"]:
         idle = f"[{c['idle'][0]}] x {c['idle'][1]}"

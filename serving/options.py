@@ -281,9 +281,10 @@ class DecoderLoad(_Checked):
     """How a decoder is loaded (``pxrt.load``'s options of the same names, a TOML
     ``[models.NAME]`` section's keys): its slots and cache length, the prefill and
     chunk cells compiled, the prefix cache, the steps over fewer slots, speculative
-    decoding, whether the sampling controls' programs are built and the time a turn of
-    its loop may spend prefilling beside its step (``itl_bound_ms``). None: the
-    artifact's or ``pxrt.load``'s default."""
+    decoding, whether the sampling controls' programs are built, the time a turn of
+    its loop may spend prefilling beside its step (``itl_bound_ms``) and whether
+    prefills run on a thread of their own beside the steps (``overlap_prefill``).
+    None: the artifact's or ``pxrt.load``'s default."""
 
     slots: int | None = None
     max_length: int | None = None
@@ -299,6 +300,7 @@ class DecoderLoad(_Checked):
     speculative_tokens: int | None = None
     sampling_controls: bool | None = None
     itl_bound_ms: float | None = None
+    overlap_prefill: bool | None = None
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "slots": number(int, 1, none=True),
@@ -315,6 +317,7 @@ class DecoderLoad(_Checked):
         "speculative_tokens": number(int, 0, none=True),
         "sampling_controls": _maybe_flag,
         "itl_bound_ms": number(float, 0, inclusive=False, none=True),
+        "overlap_prefill": _maybe_flag,
     }
 
     def load_options(self) -> dict[str, Any]:

@@ -299,7 +299,11 @@ def test_inspect_shows_a_decoder(tmp_path, capsys):
     assert cli.main(["inspect", path, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     kinds = [p["program"] for p in info["programs"]]
-    assert info["kind"] == "decoder" and len(kinds) == 4 + kinds.count("step")
+    # (on CPU devices each prefill cell is two programs: its rows beside the steps)
+    rows = kinds.count("prefill_rows")
+    assert info["kind"] == "decoder" and len(kinds) == 4 + kinds.count("step") + rows
+    assert rows == kinds.count("prefill_insert") == 2
     assert kinds.count("step") >= 2  # over all the slots, and over fewer
     assert set(info["load_phases"]) == {"read", "programs", "warm-up", "measure"}
-    assert "scheduler: a turn prefills within" in out, out
+    assert "scheduler: prompts are prefilled on a thread of their own beside" in out, out
+    assert info["scheduler"]["overlap_prefill"] is True

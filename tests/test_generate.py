@@ -4,6 +4,7 @@ sampling, against one-request-at-a-time decoding in plain JAX with the same func
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -77,6 +78,18 @@ def long_lm(lm_path):
 
 
 @pytest.fixture(scope="module")
+def fused_lm(lm_path):
+    """The same artifact with each prefill dispatched between two steps, on the loop's
+    thread (the default on accelerators; ``lm`` prefills beside the steps, the CPU
+    default). Fewer programs: only the prefill path differs."""
+    dec = pxrt.load(
+        lm_path, overlap_prefill=False, prefix_cache_tokens=0, step_slots=(), defer=False
+    )
+    yield dec
+    dec.close()
+
+
+@pytest.fixture(scope="module")
 def params():
     return demo.make_lm_params(**SIZES)
 
@@ -133,6 +146,200 @@ def test_continuous_batching_equals_one_at_a_time(lm, reference):
         assert results[i] == reference(prompt, max_tokens), i
     assert lm.busy_slots == 0 and lm.waiting == 0
     assert lm.compiles_after_load == 0
+
+
+def test_prefills_beside_the_steps_or_between_them_give_the_same_tokens(lm, fused_lm, reference):
+    """Both prefill paths, staggered arrivals over more prompts than slots: greedy
+    streams equal plain JAX, seeded sampled ones equal each other's, and logprobs
+    (the controls' insert and step after a prefill beside the steps) agree."""
+    assert lm.overlap_prefill and not fused_lm.overlap_prefill
+    cases = [(p, 2 + (i * 5) % 17) for i, p in enumerate(prompts(12, seed=41))]
+
+    def run_on(dec):
+        results: dict = {}
+
+        def client(i, prompt, max_tokens):
+            time.sleep(0.002 * (i % 4))
+            sampled = {"temperature": 0.8, "top_k": 5, "seed": i} if i % 3 == 2 else {}
+            want = {"logprobs": 2} if i % 4 == 1 else {}
+            if i % 4 == 3:  # (the controls: their insert, then the full step)
+                want = {"repetition_penalty": 1.8, "presence_penalty": 0.5, "min_tokens": 2}
+            done = dec.submit(prompt, max_tokens=max_tokens, **want, **sampled).result(60)
+            results[i] = (done.tokens, done.logprobs)
+
+        threads = [threading.Thread(target=client, args=(i, *c)) for i, c in enumerate(cases)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    with _beside(lm):
+        beside = run_on(lm)
+    between = run_on(fused_lm)
+    for i, (prompt, max_tokens) in enumerate(cases):
+        assert beside[i][0] == between[i][0], i
+        if i % 3 != 2 and i % 4 != 3:
+            assert beside[i][0] == reference(prompt, max_tokens), i
+        if i % 4 == 1:
+            assert [t for t, _ in beside[i][1][0][1]] == [t for t, _ in between[i][1][0][1]]
+            np.testing.assert_allclose(
+                [p for p, _ in beside[i][1]], [p for p, _ in between[i][1]], rtol=1e-5, atol=1e-5
+            )
+    assert lm.counters["prefills"] > 0 and lm.compiles_after_load == 0
+
+
+def test_controls_apply_to_a_prompt_prefilled_beside_running_streams(lm, fused_lm):
+    """A prompt with sampling controls admitted while plain streams run (their steps
+    the plain one): once inserted, its steps are the full one, with its controls, as
+    between two steps."""
+    controls = {"repetition_penalty": 1.8, "presence_penalty": 0.5, "min_tokens": 3}
+    running, prompt = prompts(2, seed=47)
+    got = []
+    for dec in (lm, fused_lm):
+        plain = dec.submit(running, max_tokens=40)
+        next(iter(plain))  # (a plain stream busy: the steps are the plain one)
+        with _beside(lm):
+            got.append(dec.generate(prompt, max_tokens=12, **controls).tokens)
+        plain.result(timeout=60)
+    assert got[0] == got[1]
+    assert got[0] != lm.generate(prompt, max_tokens=12).tokens  # (the controls matter)
+
+
+@contextlib.contextmanager
+def _beside(dec):
+    """``dec``'s steps priced at nothing, so that every prefill while a slot is busy
+    goes to the prefill thread (a prompt that costs no more than the coming step goes
+    between two steps: the demo's all do)."""
+    costs = dict(dec._step_cost)
+    dec._step_cost = dict.fromkeys(costs, 0.0)
+    try:
+        yield
+    finally:
+        dec._step_cost = costs
+
+
+def test_a_prompt_goes_beside_the_steps_when_it_costs_more_than_the_coming_step(lm):
+    """The choice per prefill: with no slot busy, at once (nobody waits between
+    tokens); with one busy, at once if it costs no more than the coming step, else on
+    the prefill thread, ``IN_FLIGHT`` at a time."""
+    from pxrt.decoder.scheduler import IN_FLIGHT
+
+    def admitted(n, busy):
+        with lm._cond:  # (the loop waits: admission as it would run now)
+            gens = [lm.submit(p, max_tokens=2) for p in prompts(n, seed=48, high=8)]
+            lm._table.busy += busy  # (as if a slot were busy)
+            try:
+                units = lm._admit()
+            finally:
+                lm._table.busy -= busy
+                # (put back: the loop admits them once let go)
+                lm._waiting.extendleft(reversed([g for u in units for g in u[0]]))
+        for gen in gens:
+            gen.result(timeout=60)
+        return [u[3] for u in units]
+
+    assert not any(admitted(3, busy=0))
+    cost = dict(lm._step_cost)
+    try:
+        lm._step_cost = dict.fromkeys(cost, 1.0)  # (every prefill cheaper than a step)
+        assert not any(admitted(3, busy=1))
+        lm._step_cost = dict.fromkeys(cost, 0.0)  # (none is)
+        assert admitted(5, busy=1)[:IN_FLIGHT] == [True] * IN_FLIGHT
+    finally:
+        lm._step_cost = cost
+
+
+def _slow_rows(dec, started, release):
+    """Every prefill cell's rows program of ``dec`` holding its result until
+    ``release`` is set (``started`` set once one ran); undo with the returned call."""
+    real = {key: cell.compiled.rows for key, cell in dec._cells.items()}
+
+    def held(rows):
+        def run(*args):
+            out = rows(*args)
+            started.set()
+            release.wait(30)
+            return out
+
+        return run
+
+    for key, cell in dec._cells.items():
+        cell.compiled.rows = held(real[key])
+
+    def undo():
+        for key, cell in dec._cells.items():
+            cell.compiled.rows = real[key]
+
+    return undo
+
+
+def test_a_generation_cancelled_while_prefilled_beside_gives_its_slot_back_once(lm, reference):
+    """A generation cancelled while its prompt is on the prefill thread keeps its
+    reserved slot until the rows come back (nothing else can be inserted there while
+    they are in flight), then gives it back exactly once; the prompts with it and after
+    it are exact."""
+    started, release = threading.Event(), threading.Event()
+    busy = lm.submit(prompts(1, seed=49, high=4)[0], max_tokens=50)
+    next(iter(busy))  # (a slot busy: the prompts go beside the steps)
+    undo = _slow_rows(lm, started, release)
+    try:
+        with _beside(lm):
+            first = lm.submit(prompts(1, seed=42)[0], max_tokens=6)
+            assert started.wait(30)
+            assert lm._in_prefill and first.slot < 0  # (on the thread: reserved, not busy)
+            first.cancel()
+            others = prompts(9, seed=43)
+            gens = [lm.submit(p, max_tokens=5) for p in others]
+            time.sleep(0.05)
+            release.set()
+            for gen, prompt in zip(gens, others):
+                assert gen.result(timeout=60).tokens == reference(prompt, 5)
+    finally:
+        release.set()
+        undo()
+    busy.result(timeout=60)
+    assert first.finish_reason == "cancelled" and first.tokens == []
+    deadline = time.monotonic() + 10
+    while (lm.busy_slots or lm._prefilling) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(lm._table.free) == list(range(lm.slots)), lm._table.free
+    assert not lm._in_prefill and not lm._prefilling
+
+
+def test_a_failed_prefill_beside_the_steps_fails_only_its_prompts(lm, reference):
+    """A prefill that fails on the prefill thread fails the generations it carried,
+    with the cause; the streams running meanwhile and the next prompts are exact."""
+    running = lm.submit(prompts(1, seed=44)[0], max_tokens=30)
+    next(iter(running))  # (busy before the failing prefill)
+    real = {key: cell.compiled.rows for key, cell in lm._cells.items()}
+    failed = threading.Event()
+
+    def failing(rows):
+        def run(*args):
+            if not failed.is_set():
+                failed.set()
+                raise RuntimeError("injected prefill failure")
+            return rows(*args)
+
+        return run
+
+    for key, cell in lm._cells.items():
+        cell.compiled.rows = failing(real[key])
+    try:
+        with _beside(lm):
+            victim = lm.submit(prompts(1, seed=45)[0], max_tokens=4)
+        with pytest.raises(RuntimeError, match="prefill failed: .*injected prefill failure"):
+            victim.result(timeout=30)
+        after = prompts(3, seed=46)
+        assert [lm.generate(p, max_tokens=4).tokens for p in after] == [
+            reference(p, 4) for p in after
+        ]
+    finally:
+        for key, cell in lm._cells.items():
+            cell.compiled.rows = real[key]
+    assert running.result(timeout=60).tokens == reference(prompts(1, seed=44)[0], 30)
+    assert victim.finish_reason == "error"
 
 
 def test_async_streams_under_each_loop(lm, reference, run):
@@ -374,6 +581,8 @@ def test_the_cache_is_donated_through_every_step_and_insert(lm):
     cache_bytes = lm.cache_bytes
     for program in lm.describe()["programs"]:
         mem = program["memory"]
+        if program["program"] == "prefill_rows":  # (beside the steps: it takes no state)
+            continue
         if mem:  # XLA:CPU reports aliasing through its memory analysis
             assert mem["alias_bytes"] >= cache_bytes // len(lm.devices), program
 

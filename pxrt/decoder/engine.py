@@ -44,17 +44,18 @@ from .. import tokenizer as _tokenizer
 from ..finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
 from .export import DecoderArtifact
 from .loop import TIMINGS, Loop
+from .overlap import Overlap
 from .params import MAX_TOP_LOGPROBS, int_in, number_in, sampling_values, stop_ids_in
 from .prefix import PrefixPool
 from .request import Completion, DecoderClosed, Generation, QueueFull
-from .runner import Controls, PrefillCell, Runner
+from .runner import Controls, PrefillCell, Runner, SplitPrefill
 from .scheduler import Scheduler
 from .speculative import Speculation
 
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
 
 
-class Decoder(Loop, Runner, Speculation, Scheduler):
+class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
     """A loaded decoder: the prefill cells, the insert and the decode step compiled, the
     cache resident on the devices, served by one loop thread (started on first use).
 
@@ -91,6 +92,7 @@ class Decoder(Loop, Runner, Speculation, Scheduler):
         load_s: float,
         costs: Mapping[str, float] | None = None,
         itl_bound_ms: float | None = None,
+        overlap_prefill: bool = False,
         deferred: int = 0,
         wanted: Mapping[str, Any] | None = None,
         prefill_lengths: Sequence[int] = (),
@@ -120,6 +122,7 @@ class Decoder(Loop, Runner, Speculation, Scheduler):
         self._wire_windows(windows, extends)
         self._wire_queue(prefix)
         self._wire_counters()
+        self._wire_overlap(overlap_prefill)
         self._itl_bound_ms = itl_bound_ms
         self._price_programs(costs or {}, itl_bound_ms)
         #: Programs still compiling after the load (``pxrt.load(defer=True)``): the loop
@@ -538,6 +541,7 @@ class Decoder(Loop, Runner, Speculation, Scheduler):
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        self._stop_prefiller()
         self._fail(DecoderClosed(f"decoder {self.name!r} was closed"))
         if self.group is not None:
             self.group.close()  # its followers stop
@@ -642,16 +646,20 @@ class Decoder(Loop, Runner, Speculation, Scheduler):
             )
         for name, cells in (("prefill_insert", self._cells), ("extend_insert", self._extends)):
             for (b, length), cell in sorted(cells.items()):
-                programs.append(
-                    {
-                        "program": name,
-                        "batch": b,
-                        "length": length,
-                        "compile_s": round(cell.compile_s, 4),
-                    }
-                    | (run(f"prefill[{b},{length}]") if name == "prefill_insert" else {})
-                    | {"memory": _memory(cell.compiled)}
-                )
+                program = {
+                    "program": name,
+                    "batch": b,
+                    "length": length,
+                    "compile_s": round(cell.compile_s, 4),
+                } | (run(f"prefill[{b},{length}]") if name == "prefill_insert" else {})
+                if isinstance(cell.compiled, SplitPrefill):  # (its rows beside the steps)
+                    programs.append(program | {"memory": _memory(cell.compiled.insert)})
+                    programs.append(
+                        {"program": "prefill_rows", "batch": b, "length": length}
+                        | {"memory": _memory(cell.compiled.rows)}
+                    )
+                else:
+                    programs.append(program | {"memory": _memory(cell.compiled)})
         prefix = self.prefix
         if prefix is not None:
             cached = {

@@ -31,7 +31,7 @@ from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
-from .runner import PrefillCell, dropped_prefill
+from .runner import PrefillCell, SplitPrefill, dropped_prefill
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16
@@ -58,6 +58,7 @@ def load_decoder(
     sampling_controls: bool = True,
     max_waiting: int = 1024,
     itl_bound_ms: float | None = None,
+    overlap_prefill: bool | None = None,
     defer: bool = True,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
@@ -103,6 +104,13 @@ def load_decoder(
     the programs' times measured at load (default: a full step plus the longest
     single-prompt prefill, so one prompt of any length is admitted per turn at least).
 
+    ``overlap_prefill``: prefill new prompts on a thread of their own while the loop
+    steps the running streams, and insert them into their slots once done (each
+    prefill cell is then two programs); the streams' steps no longer wait for a
+    prompt's prefill. Default: on where every device is a CPU (their programs run
+    concurrently from two threads; an accelerator runs one program at a time), off in
+    a multi-host group.
+
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
     controls' insert).
@@ -139,7 +147,7 @@ def load_decoder(
         step_slots=step_slots, step_lengths=step_lengths,
         speculative_tokens=speculative_tokens, max_waiting=max_waiting,
         sampling_controls=sampling_controls, chunk_tokens=chunk_tokens,
-        itl_bound_ms=itl_bound_ms,
+        itl_bound_ms=itl_bound_ms, overlap_prefill=overlap_prefill, devices=devices,
     )  # fmt: skip
     plan.phases = {"read": time.perf_counter() - t0}
     _xla.compile_counter.ensure_registered()
@@ -181,6 +189,8 @@ class _Plan:
     controls: bool
     chunk_tokens: int | None
     itl_bound_ms: float | None
+    #: Prefill on a thread of its own (``overlap_prefill``).
+    overlap: bool = False
     #: Seconds per phase of the load.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -205,6 +215,8 @@ def _plan(
     sampling_controls: bool,
     chunk_tokens: int | None,
     itl_bound_ms: float | None,
+    overlap_prefill: bool | None = None,
+    devices: Sequence = (),
 ) -> _Plan:
     """``load_decoder``'s options checked, and the sizes they leave (``_Plan``)."""
     slots, max_length, lengths, batches = _sizes(
@@ -231,9 +243,16 @@ def _plan(
         chunk_tokens = int_in("chunk_tokens", chunk_tokens, 1, None)
     if itl_bound_ms is not None:
         itl_bound_ms = number_in("itl_bound_ms", itl_bound_ms, 0.0, 1e6, low_open=True)
+    if overlap_prefill is None:
+        overlap_prefill = not in_group and all(d.platform == "cpu" for d in devices)
+    elif not isinstance(overlap_prefill, (bool, np.bool_)):
+        raise ValueError(f"overlap_prefill must be true or false, got {overlap_prefill!r}")
+    elif overlap_prefill and in_group:
+        raise ValueError("overlap_prefill: a multi-host group's followers prefill in turn")
     return _Plan(
         slots, max_length, lengths, batches, chunks, chunk_rows, prefix, parts, windows,
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
+        bool(overlap_prefill),
     )  # fmt: skip
 
 
@@ -276,6 +295,7 @@ def _build(
             step_lengths=plan.windows,
             speculate=plan.speculative_tokens,
             controls=plan.controls,
+            overlap=plan.overlap,
         )
         # Refused before anything is placed or compiled when the cache alone cannot fit
         # (slots = 100000 would otherwise allocate until the kernel kills the process),
@@ -383,6 +403,7 @@ def _decoder(art: Any, devices: list, plan: _Plan, built: _Built, t0: float) -> 
         max_waiting=plan.max_waiting,
         costs=built.costs,
         itl_bound_ms=plan.itl_bound_ms,
+        overlap_prefill=plan.overlap,
         deferred=len(built.later),
         prefill_lengths=plan.lengths,
         wanted={
@@ -813,6 +834,12 @@ def _obtain_all(
     def cells(kind: str) -> list[PrefillCell]:
         # ``index``: the cell's place among its kind (a multi-host header names it).
         mine = [(job, out) for job, out in got.items() if job[0] == kind]
+        if kind == "prefill" and programs.overlap:  # each cell's rows and insert
+            mine = [
+                (job, (SplitPrefill(out[0], got[("insert", *job[1:])][0]), out[1], out[2]))
+                for job, out in got.items()
+                if job[0] == "rows" and ("insert", *job[1:]) in got
+            ]
         return [
             PrefillCell(b, n, compiled, compile_s, i)
             for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)
@@ -862,12 +889,14 @@ def _split(
         return jobs, []
     # The way in: the smallest extend cell of each chunk length (a prompt of any length
     # goes in chunks until its prefill cell comes), else the smallest prefill cells.
-    way_in = "extend" if any(job[0] == "extend" for job in jobs) else "prefill"
-    least = min(b for k, b, _ in jobs if k == way_in)
+    # (a cell in two programs, ``rows`` and ``insert``, goes as one)
+    way_in = {"extend"} if any(job[0] == "extend" for job in jobs) else {"prefill", "rows"}
+    least = min(b for k, b, _ in jobs if k in way_in)
+    way_in |= {"insert"} if "rows" in way_in else set()
     core = [
         job for job in jobs
         if job[:2] in (("state", 0), ("step", 0)) and job[2] == 0
-        or job[0] == way_in and job[1] == least
+        or job[0] in way_in and job[1] == least
     ]  # fmt: skip
     return core, [job for job in jobs if job not in core]
 

@@ -35,6 +35,7 @@ class Loop(Core):
     _thread: threading.Thread | None
     _cancels: list[Generation]
     _arrivals: list[tuple[Any, BaseException | None]]
+    _prefilled: list[Any]
     _timings: dict[str, list[float]]
 
     def _cancel(self, gen: Generation, reason: str) -> None:
@@ -60,6 +61,7 @@ class Loop(Core):
     def _has_work(self) -> bool:
         return bool(
             self._arrivals
+            or self._prefilled
             or self._cancels
             or self._table.busy
             or self._pending
@@ -84,10 +86,11 @@ class Loop(Core):
                 return False
             cancels, self._cancels = self._cancels, []
             arrivals, self._arrivals = self._arrivals, []
+            prefilled, self._prefilled = self._prefilled, []
         for got, error in arrivals:
             self._install(got, error)
-        batch: tuple[list, int, int] | None = None
-        units: list[tuple[list, int, int]] = []
+        batch: tuple[list, int, int, bool] | None = None
+        units: list[tuple[list, int, int, bool]] = []
         with _xla.compile_counter.request_path(self):
             try:
                 for gen in cancels:
@@ -100,6 +103,9 @@ class Loop(Core):
                         gen.counted = True
                         self.outcomes[gen.finish_reason or CANCELLED] += 1  # (set: cancelled)
                 t0, c0 = time.perf_counter(), time.thread_time()
+                while prefilled:  # (their slots step from this turn on)
+                    self._insert(prefilled[0])
+                    prefilled.pop(0)
                 units = self._admit()
                 while units:
                     batch = units[0]
@@ -126,6 +132,9 @@ class Loop(Core):
             except Exception as exc:  # noqa: BLE001 - a failed step fails its generations
                 if units and batch is not None:  # (the prefills not begun wait again)
                     self._waiting.extendleft(reversed([g for u in units[1:] for g in u[0]]))
+                if prefilled:  # (the insert that failed fails with the state; the rest
+                    with self._cond:  # go in next turn, into the fresh one)
+                        self._prefilled[:0] = prefilled[1:]
                 self._recover(exc, batch[0] if batch else [])
         return True
 
@@ -212,6 +221,8 @@ class Loop(Core):
         """End everything with ``error``: in flight and waiting (the loop has stopped)."""
         victims = self._in_flight()
         self._drop_pending()
+        for unit in [*self._prefilling]:  # (the prefill thread stops with the loop)
+            victims.extend(unit.batch)
         while self._waiting:
             victims.append(self._waiting.popleft())
         victims.extend(self._cancels)

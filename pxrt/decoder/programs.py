@@ -41,7 +41,10 @@ class DecoderPrograms:
       sampling fused in; the state is donated, so the cache is updated in place;
     - ``prefill_insert[b, L](params, state, tokens, ints, floats) -> (state, first)``:
       prefill ``b`` prompts of up to ``L`` tokens, sample each one's first token and
-      write the rows, the token and the sampling parameters into the given slots.
+      write the rows, the token and the sampling parameters into the given slots;
+      with ``overlap``, as two programs: ``rows[b, L](params, tokens, ints) -> (rows,
+      logits)`` and ``insert[b, L](state, rows, logits, ints, floats) -> (state,
+      first)``.
 
     ``in_group``: in a multi-host group the step's tokens stay sharded by slot (each
     follower sends the leader its slots'); in one process they are on every device.
@@ -61,8 +64,13 @@ class DecoderPrograms:
         step_lengths: Sequence[int] = (),
         speculate: int = 0,
         controls: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.art, self.devices = art, devices
+        #: Each prefill cell as two programs (``rows``: the prompts' cache rows and
+        #: last logits, without the state; ``insert``: into the state), so that the
+        #: rows can run on a thread of their own while the steps run.
+        self.overlap = overlap
         self.slots, self.max_length = slots, max_length
         self.in_group = in_group
         # The sampling controls' programs (a group's followers run the step and the
@@ -171,6 +179,14 @@ class DecoderPrograms:
             donate_argnums=(1,),
             out_shardings=(state_sharding, self.replicated, self.replicated),
         )
+        self._rows_jit = jax.jit(
+            self._prefill_rows, out_shardings=(self.replicated, self.replicated)
+        )
+        self._insert_rows_jit = jax.jit(
+            self._insert_rows,
+            donate_argnums=(0,),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
+        )
         self._extend_jit = jax.jit(
             self._extend_insert,
             donate_argnums=(1,),
@@ -214,7 +230,11 @@ class DecoderPrograms:
         if self.step_slots:
             todo += [("step", n, 0) for n in self.step_slots] + [("move", 0, 0)]
         todo += [("step", n, w) for n, w in self._window_jits]
-        todo += [("prefill", b, n) for n in lengths for b in batches]
+        cells = [(b, n) for n in lengths for b in batches]
+        if self.overlap:
+            todo += [(what, b, n) for b, n in cells for what in ("rows", "insert")]
+        else:
+            todo += [("prefill", b, n) for b, n in cells]
         todo += [("extend", r, k) for k in chunks for r in rows]
         if self.prefix is not None:
             todo += [("pool", 0, 0), ("load", 0, 0), ("save", 0, 0)]
@@ -265,6 +285,14 @@ class DecoderPrograms:
             args = (ints(b, n), ints(b, sampling.CHUNK_INTS), floats(b))
             return self._extend_jit.lower(self.param_specs, self.shapes, *args)
         args = (ints(b, n), ints(b, sampling.INTS), floats(b))
+        if what == "rows":
+            return self._rows_jit.lower(self.param_specs, *args[:2])
+        if what == "insert":
+            made = jax.eval_shape(self._prefill_rows, self.param_specs, *args[:2])
+            rows, logits = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated), made
+            )
+            return self._insert_rows_jit.lower(self.shapes, rows, logits, *args[1:])
         return self._prefill_jit.lower(self.param_specs, self.shapes, *args)
 
     def key(self, what: str, b: int, n: int) -> str:
@@ -295,6 +323,8 @@ class DecoderPrograms:
             "pool": "the empty prefix pool",
             "load": "the prefix copy",
             "save": "the prefix save",
+            "rows": f"the prefill (its rows) {b} x {n}",
+            "insert": f"the prefill's insert {b} x {n}",
         }.get(what, f"{what} {b} x {n}")
 
     # The traced programs.
@@ -493,21 +523,34 @@ class DecoderPrograms:
     def _prefill_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
     ) -> tuple[dict, jax.Array, jax.Array]:
+        rows, logits = self._prefill_rows(params, tokens, ints)
+        return self._insert_rows(state, rows, logits, ints, floats)
+
+    def _prefill_rows(
+        self, params: Any, tokens: jax.Array, ints: jax.Array
+    ) -> tuple[Any, jax.Array]:
+        """The prompts' cache rows and their last positions' logits: the prefill alone,
+        which reads nothing of the state."""
+        return self.art.prefill_for(*tokens.shape).call(params, tokens, ints[:, sampling.LEN])
+
+    def _insert_rows(
+        self, state: dict, rows: Any, logits: jax.Array, ints: jax.Array, floats: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """Prefilled prompts into their slots: each one's first token sampled from
+        ``logits`` (its controls applied), its ``rows`` written at the cache's start."""
         c = sampling
         lengths, slot = ints[:, c.LEN], ints[:, c.SLOT]
-        rows, logits = self.art.prefill_for(*tokens.shape).call(params, tokens, lengths)
         taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
         first, scores, on = self._choose(
             logits, ints, floats, lengths, state, taken, (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
         )
-        n = tokens.shape[1]
         cache = jax.tree.unflatten(
             self._cache_tree,
             [
                 leaf.at[
                     (slot,)
                     if axis is None
-                    else (slot,) + (slice(None),) * (axis - 1) + (slice(0, n),)
+                    else (slot,) + (slice(None),) * (axis - 1) + (slice(0, r.shape[axis]),)
                 ].set(r, mode="drop")
                 for leaf, r, axis in zip(
                     jax.tree.leaves(state["cache"]), jax.tree.leaves(rows), self._length_axes

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import sampling
 from .export import LENGTH_DIM, is_spec
+from .overlap import Unit
 from .speculative import _EMA
 
 if TYPE_CHECKING:
@@ -50,6 +51,24 @@ class PrefillCell:
     compiled: Any
     compile_s: float
     index: int = 0  # in the decoder's programs: what a multi-host leader's header names
+
+
+class SplitPrefill:
+    """A prefill cell as its two programs (``DecoderPrograms(overlap=True)``): ``rows``
+    (the prompts' cache rows and last logits; it reads no state, so it runs on the
+    decoder's prefill thread while the steps run) and ``insert`` (into the state, on
+    the loop's thread). Called as one, it is the fused program (warm-up, timing)."""
+
+    def __init__(self, rows: Any, insert: Any) -> None:
+        self.rows = rows
+        self.insert = insert
+
+    def __call__(self, params: Any, state: Any, tokens: Any, ints: Any, floats: Any) -> Any:
+        rows, logits = self.rows(params, tokens, ints)
+        return self.insert(state, rows, logits, ints, floats)
+
+    def memory_analysis(self) -> Any:
+        return self.rows.memory_analysis()
 
 
 @dataclasses.dataclass
@@ -230,35 +249,45 @@ class Runner(Core):
         scores.copy_to_host_async()
         return scores
 
-    def _prefill(self, batch: list, length: int, size: int = 0) -> None:
+    def _prefill(self, batch: list, length: int, size: int = 0, beside: bool = False) -> None:
+        """Prefill ``batch`` at cell (``size``, ``length``): dispatched now, between two
+        steps, or with ``beside`` handed to the prefill thread (``pxrt.decoder.overlap``),
+        its slots reserved until it is inserted."""
         n = len(batch)
         size = size or next(b for b in self.prefill_batches if b >= n)
         cell = self._cells[(size, length)]
         tokens, ints, floats = self._host_rows(
             size, length, sampling.INTS, sampling.LEN, sampling.SLOT
         )
-        assign = self._table.assign
+        assign, free = self._table.assign, self._table.free
         done = []
         for i, gen in enumerate(batch):
             prompt = gen.prompt
             tokens[i, : len(prompt)] = prompt
             ints[i, sampling.LEN] = len(prompt)
-            ints[i, sampling.SLOT] = slot = assign(gen)
+            # (beside the steps: the slot is reserved until the rows are inserted)
+            slot = gen.reserved = free.pop() if beside else assign(gen)
+            ints[i, sampling.SLOT] = slot
             ints[i, sampling.TOPK] = gen.top_k
             ints[i, sampling.SEED] = _seed_bits(gen.seed)
             self._sampling_row(gen, ints[i, sampling.WANT :], floats[i])
-            self._write_controls(gen, slot)
+            if not beside:
+                gen.reserved = -1
+                self._write_controls(gen, slot)
             done.append((gen, slot))
         t0 = time.perf_counter()
         for gen in batch:
             gen.t_admit = t0
+        self.counters["prefills"] += 1
+        self.counters["prefill_rows"] += n
+        if beside:
+            self._prefill_beside(Unit(cell, tokens, ints, floats, batch, t0))
+            return
         (self._state, first, scores), sync = self._launch(
             cell.index, cell.compiled, self._params, self._state, tokens, ints, floats
         )
         first.copy_to_host_async()
         self._pending.append((_PREFILL, first, batch, t0, self._scores(batch, scores), sync))
-        self.counters["prefills"] += 1
-        self.counters["prefill_rows"] += n
         self._save_prefixes(done)
 
     def _dispatch_step(self) -> None:
@@ -324,7 +353,7 @@ class Runner(Core):
                 d, r = divmod(slot, per)
                 busy[d] += 1
                 high[d] = max(high[d], r + 1)
-        for gen in self._chunking:  # slots being filled hold their row too
+        for gen in (*self._chunking, *self._in_prefill):  # slots being filled hold theirs
             held[gen.reserved // per] += 1
         fits = self._fewest_rows
         rows = fits(max(high))

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 else:
     Core = object
 
+#: Prefills handed to the prefill thread (``overlap_prefill``) and not inserted yet, at
+#: most: one running and one waiting keeps the thread busy, and leaves the later
+#: prompts to the next turns' admission (their priorities, and the cells their company
+#: then makes).
+IN_FLIGHT = 2
+
 
 @dataclasses.dataclass
 class _Scan:
@@ -51,8 +57,9 @@ class Scheduler(Core):
             self.priority_levels, self.default_priority_level = levels, default
             self.priority_wait_s = wait if levels > 1 else math.inf
 
-    def _admit(self) -> list[tuple[list, int, int]]:
-        """This turn's prefills, each (prompts, length, batch cell): waiting prompts in
+    def _admit(self) -> list[tuple[list, int, int, bool]]:
+        """This turn's prefills, each (prompts, length, batch cell, whether it goes
+        beside the steps): waiting prompts in
         order, each unit up to the first that needs a longer prefill than its head's (it
         leads the next unit), at the cell the measured prices choose (``_price``), for
         as long as the turn's prefill budget lasts (one unit at least). A prompt longer
@@ -73,13 +80,22 @@ class Scheduler(Core):
         # this turn: they are saved once prefilled).
         base = self._filling_keys() if self.prefix is not None else set()
         scan = _Scan(set(base), [], [])
-        units: list[tuple[list, int, int]] = []
+        units: list[tuple[list, int, int, bool]] = []
         taken, left = 0, self._prefill_budget()
+        # Beside the steps (``overlap_prefill``): a unit that costs more than the turn has
+        # left goes to the prefill thread, which takes ``IN_FLIGHT`` at a time.
+        overlap = self.overlap_prefill
+        room = IN_FLIGHT - len(self._prefilling) if overlap else 0
         while waiting and len(free) > taken:  # (the units' slots are taken later)
             batch, length = self._gather_unit(scan, taken)
             if not batch:
                 break
-            size, rows, cost = self._price(len(batch), length, left, first=not units)
+            size, rows, cost = self._price(
+                len(batch), length, math.inf if overlap else left, first=not units
+            )
+            beside = overlap and cost > left
+            if beside and room <= 0:
+                rows = 0
             waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
             if self.prefix is not None and rows < len(batch):
                 scan.filling = base | {
@@ -89,8 +105,9 @@ class Scheduler(Core):
             for gen in batch[:rows]:
                 self._admitted(gen)
             if rows:
-                units.append((batch[:rows], length, size))
-                taken, left = taken + rows, left - cost
+                units.append((batch[:rows], length, size, beside))
+                taken += rows
+                room, left = (room - 1, left) if beside else (room, left - cost)
                 self.counters["priced_prefills"] += self._priced
             if not rows or not self._priced:  # (unpriced: one unit a turn)
                 break
@@ -191,12 +208,15 @@ class Scheduler(Core):
         """Seconds of prefill this turn may take: the bound less the coming step's
         price (the fewest slots that hold the busy ones and no more); no bound while no
         slot is busy (no stream waits for its next token: the prompts go in at the
-        densest cells)."""
+        densest cells). Beside the steps (``overlap_prefill``): the coming step's price,
+        what may go between two steps."""
         busy = self._table.busy
         if not self._priced or not busy:
             return math.inf if self._priced else self.itl_bound_s
         step = next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
-        return self.itl_bound_s - step
+        # Beside the steps: what costs up to a step goes between two (at once: the
+        # thread's hop costs its prompts a turn or two), the rest on the prefill thread.
+        return step if self.overlap_prefill else self.itl_bound_s - step
 
     def _price(self, n: int, length: int, left: float, *, first: bool) -> tuple[int, int, float]:
         """(batch cell, prompts it takes, its price) for a unit of ``n`` prompts at
@@ -234,7 +254,11 @@ class Scheduler(Core):
 
     def _filling_keys(self) -> set[bytes]:
         """The blocks the prompts being prefilled in chunks will cache when done."""
-        return {key for gen in self._chunking if gen.use_prefix and gen.keys for key in gen.keys}
+        return {
+            key
+            for gen in (*self._chunking, *self._in_prefill) if gen.use_prefix and gen.keys
+            for key in gen.keys
+        }  # fmt: skip
 
     def _admitted(self, gen: Generation) -> None:
         self.counters["prompt_tokens"] += len(gen.prompt)
@@ -253,8 +277,9 @@ class Scheduler(Core):
         return prefix.index.match(gen.keys) if gen.keys else []
 
     def _unreserve(self, gen: Generation) -> None:
-        """``gen`` no longer fills a slot chunk by chunk: the slot is free again."""
-        if gen.reserved >= 0:
+        """``gen`` no longer fills a slot chunk by chunk: the slot is free again (one
+        being prefilled beside the steps gives it back when its rows are inserted)."""
+        if gen.reserved >= 0 and gen not in self._in_prefill:
             with contextlib.suppress(ValueError):
                 self._chunking.remove(gen)
             self._table.free.append(gen.reserved)
@@ -296,7 +321,7 @@ class Scheduler(Core):
         every slot busy."""
         if not self._priced:
             return {"priced": False}
-        full = self.itl_bound_s - self._step_cost[self.slots]
+        full = math.inf if self.overlap_prefill else self.itl_bound_s - self._step_cost[self.slots]
         waiting = sorted({1, 2, *self.prefill_batches})
         choices = []
         for length in self.prefill_lengths:
@@ -308,6 +333,8 @@ class Scheduler(Core):
                 )
         return {
             "priced": True,
+            "overlap_prefill": self.overlap_prefill,
+            "in_flight": IN_FLIGHT,
             "itl_bound_ms": round(self.itl_bound_s * 1e3, 4),
             "dispatch_ms": round(self.costs.get("dispatch", 0.0) * 1e3, 4),
             "choices": choices,

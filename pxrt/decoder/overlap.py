@@ -1,0 +1,155 @@
+"""Prefill beside the steps (``pxrt.load(overlap_prefill=True)``, the default on CPU
+devices): a prompt's prefill reads nothing of the decoder's state, so it runs on a
+thread of its own (one per decoder) while the loop steps the running streams; the loop
+inserts its rows into the slots reserved for it once it is done. On CPU devices two
+programs dispatched from two threads run at once, so a long prompt no longer stalls
+every stream for its whole prefill (one program at a time runs on an accelerator: there
+the fused prefill-and-insert stays). A part of ``pxrt.decoder.engine.Decoder`` (a
+mixin, like ``pxrt.decoder.scheduler``).
+
+The order, for the prompts of one prefill (a "unit"): admission reserves their slots
+(``Generation.reserved``) and hands the unit to the thread; the thread runs the rows
+program and waits for it; the loop, at the start of its next turn, writes the sampling
+controls and dispatches the insert (which samples the first tokens), after which the
+slots are busy and step with the others. A generation cancelled meanwhile gives its
+slot back only then (its row of the insert is dropped): the slot is never reused while
+its rows are in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .. import _xla, sampling
+
+if TYPE_CHECKING:
+    from .core import Core
+    from .request import Generation
+    from .runner import PrefillCell
+else:
+    Core = object
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    """One prefill on the prefill thread: its cell, its host arrays (the slots in the
+    ints' SLOT column), its generations (row i: ``batch[i]``) and when it was admitted;
+    the thread fills in its rows and logits, or its error."""
+
+    cell: PrefillCell
+    tokens: np.ndarray
+    ints: np.ndarray
+    floats: np.ndarray
+    batch: list[Generation]
+    t0: float
+    rows: Any = None
+    logits: Any = None
+    error: BaseException | None = None
+
+
+class Overlap(Core):
+    """The prefill thread, and inserting what it prefilled."""
+
+    # (what this part assigns, as ``pxrt.decoder.core.Core`` declares it)
+    _state: Any
+    _special: bool
+    overlap_prefill: bool
+    _prefilling: list[Unit]
+    _prefilled: list[Unit]
+    _in_prefill: set[Generation]
+    _units: queue.SimpleQueue | None
+
+    def _wire_overlap(self, on: bool) -> None:
+        #: Whether prefills run on a thread of their own, beside the steps.
+        self.overlap_prefill = bool(on)
+        self._prefilling = []  # handed to the thread, not inserted (the loop's thread)
+        self._prefilled = []  # done by the thread (under ``_cond``)
+        self._in_prefill = set()  # their generations
+        self._units = None  # the thread's queue, once started
+
+    def _prefill_beside(self, unit: Unit) -> None:
+        """Hand ``unit`` (its slots reserved) to the prefill thread."""
+        self._prefilling.append(unit)
+        self._in_prefill.update(unit.batch)
+        if self._units is None:
+            self._units = queue.SimpleQueue()
+            threading.Thread(
+                target=_prefiller,
+                args=(self._units, weakref.ref(self), self._params, self.artifact.x64),
+                name=f"pxrt-prefill-{self.name}",
+                daemon=True,
+            ).start()
+        self._units.put(unit)
+
+    def _posted(self, unit: Unit) -> None:
+        """(the prefill thread) ``unit`` is done: the loop inserts it next turn."""
+        with self._cond:
+            self._prefilled.append(unit)
+            if self._idle:
+                self._cond.notify()
+
+    def _insert(self, unit: Unit) -> None:
+        """Insert a prefilled unit into its slots: the sampling controls written, the
+        first tokens sampled (read like a prefill's); a generation cancelled meanwhile
+        gives its slot back now, its row dropped."""
+        self._prefilling.remove(unit)
+        self._in_prefill.difference_update(unit.batch)
+        table = self._table
+        ints = unit.ints.copy()
+        done: list[tuple[Generation, int]] = []
+        for i, gen in enumerate(unit.batch):
+            slot, gen.reserved = gen.reserved, -1
+            if gen.finish_reason is not None or unit.error is not None:
+                ints[i, sampling.SLOT] = self.slots  # (out of range: dropped)
+                table.free.append(slot)
+                continue
+            table.assign(gen, slot)
+            done.append((gen, slot))
+            if gen.controls is not None or gen.logprobs is not None:
+                self._special = True  # (its steps: the full one, from now on)
+        if unit.error is not None:
+            error = RuntimeError(f"decoder {self.name!r}: prefill failed: {unit.error!r}")
+            error.__cause__ = unit.error
+            self._finish_with(list(unit.batch), error)
+            return
+        # (a failure from here fails the state and the generations in its slots: these)
+        for gen, slot in done:
+            self._write_controls(gen, slot)
+        (self._state, first, scores), _ = self._launch(
+            -1, unit.cell.compiled.insert, self._state, unit.rows, unit.logits, ints, unit.floats
+        )
+        first.copy_to_host_async()
+        batch = unit.batch
+        self._pending.append((0, first, batch, unit.t0, self._scores(batch, scores), None))
+        self._save_prefixes(done)
+
+    def _stop_prefiller(self) -> None:
+        if self._units is not None:
+            self._units.put(None)
+
+
+def _prefiller(units: queue.SimpleQueue, ref: weakref.ref, params: Any, x64: bool) -> None:
+    """A decoder's prefill thread: each unit's rows program, waited for, then posted to
+    the loop; until the decoder is closed (a None unit) or dropped."""
+    with _xla.x64_scope(x64):
+        while True:
+            unit = units.get()
+            if unit is None:
+                return
+            try:
+                unit.rows, unit.logits = unit.cell.compiled.rows(params, unit.tokens, unit.ints)
+                jax.block_until_ready((unit.rows, unit.logits))
+            except Exception as exc:  # noqa: BLE001 - its generations fail, not the loop
+                unit.error = exc
+            decoder = ref()
+            if decoder is None:
+                return
+            decoder._posted(unit)
+            del decoder
