@@ -82,19 +82,22 @@ cdef class SlotTable:
         self.free.append(slot)
         self.busy -= 1
 
-    def dispatch(self):
-        """A step is being dispatched: the owners as it sees them (its tokens go to
-        them). A generation whose last token (``max_tokens``) this step computes gives
-        its slot back now, so that a prompt can be inserted before the next step."""
+    def dispatch(self, Py_ssize_t steps=1):
+        """A step (or a block of ``steps``) is being dispatched: the owners as it sees
+        them (its tokens go to them). A generation whose last token (``max_tokens``)
+        it computes gives its slot back now, so that a prompt can be inserted before
+        the next step."""
         cdef list owners = list(self.owners)
         cdef Py_ssize_t i, n = PyList_GET_SIZE(owners)
         cdef Generation gen
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         for i in range(n):
             item = <object>PyList_GET_ITEM(owners, i)
             if item is None:
                 continue
             gen = <Generation?>item
-            gen.dispatched += 1
+            gen.dispatched += steps
             if gen.dispatched >= gen.max_tokens:
                 self._vacate(i)
         return owners

@@ -89,14 +89,17 @@ class SlotTable:
         self.free.append(slot)
         self.busy -= 1
 
-    def dispatch(self) -> list:
-        """A step is being dispatched: the owners as it sees them (its tokens go to
-        them). A generation whose last token (``max_tokens``) this step computes gives
-        its slot back now, so that a prompt can be inserted before the next step."""
+    def dispatch(self, steps: int = 1) -> list:
+        """A step (or a block of ``steps``) is being dispatched: the owners as it sees
+        them (its tokens go to them). A generation whose last token (``max_tokens``)
+        it computes gives its slot back now, so that a prompt can be inserted before
+        the next step."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         owners = list(self.owners)
         for slot, gen in enumerate(owners):
             if gen is not None:
-                gen.dispatched += 1
+                gen.dispatched += steps
                 if gen.dispatched >= gen.max_tokens:
                     self._vacate(slot)
         return owners

@@ -42,7 +42,7 @@ def load(
     ``prefill_lengths``, ``prefill_batches``, ``chunk_lengths``, ``chunk_batches``,
     ``chunk_tokens``, ``prefix_cache_tokens``, ``prefix_block``, ``step_slots``,
     ``speculative_tokens``, ``sampling_controls``, ``max_waiting``, ``itl_bound_ms``,
-    ``overlap_prefill``).
+    ``overlap_prefill``, ``multi_step``).
 
     A model with named dimensions is compiled on a grid: every batch bucket at every
     combination of the named dimensions' lengths (a cell each).

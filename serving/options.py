@@ -283,7 +283,8 @@ class DecoderLoad(_Checked):
     chunk cells compiled, the prefix cache, the steps over fewer slots, speculative
     decoding, whether the sampling controls' programs are built, the time a turn of
     its loop may spend prefilling beside its step (``itl_bound_ms``) and whether
-    prefills run on a thread of their own beside the steps (``overlap_prefill``).
+    prefills run on a thread of their own beside the steps (``overlap_prefill``), and
+    the most decode steps one program runs (``multi_step``).
     None: the artifact's or ``pxrt.load``'s default."""
 
     slots: int | None = None
@@ -301,6 +302,7 @@ class DecoderLoad(_Checked):
     sampling_controls: bool | None = None
     itl_bound_ms: float | None = None
     overlap_prefill: bool | None = None
+    multi_step: int | None = None
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "slots": number(int, 1, none=True),
@@ -318,6 +320,7 @@ class DecoderLoad(_Checked):
         "sampling_controls": _maybe_flag,
         "itl_bound_ms": number(float, 0, inclusive=False, none=True),
         "overlap_prefill": _maybe_flag,
+        "multi_step": number(int, 1, none=True),
     }
 
     def load_options(self) -> dict[str, Any]:

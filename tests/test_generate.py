@@ -81,9 +81,15 @@ def long_lm(lm_path):
 def fused_lm(lm_path):
     """The same artifact with each prefill dispatched between two steps, on the loop's
     thread (the default on accelerators; ``lm`` prefills beside the steps, the CPU
-    default). Fewer programs: only the prefill path differs."""
+    default), and one step per program (``lm`` runs blocks of up to 4). Fewer
+    programs: only the prefill path and the steps differ."""
     dec = pxrt.load(
-        lm_path, overlap_prefill=False, prefix_cache_tokens=0, step_slots=(), defer=False
+        lm_path,
+        overlap_prefill=False,
+        multi_step=1,
+        prefix_cache_tokens=0,
+        step_slots=(),
+        defer=False,
     )
     yield dec
     dec.close()
@@ -187,6 +193,33 @@ def test_prefills_beside_the_steps_or_between_them_give_the_same_tokens(lm, fuse
                 [p for p, _ in beside[i][1]], [p for p, _ in between[i][1]], rtol=1e-5, atol=1e-5
             )
     assert lm.counters["prefills"] > 0 and lm.compiles_after_load == 0
+
+
+def test_blocks_of_steps_give_the_single_steps_tokens(lm, fused_lm, reference):
+    """``lm`` runs up to 4 steps in one program while nothing waits (over fewer slots
+    and a window of the cache too): greedy tokens are plain JAX's, a stop token or
+    ``max_tokens`` inside a block ends the generation there, and seeded sampling gives
+    the tokens of single steps (``fused_lm``)."""
+    assert lm.multi_step == 4 and fused_lm.multi_step == 1
+    before = dict(lm.counters)
+    cases = list(zip(prompts(5, seed=51), (3, 6, 9, 13, 30)))
+    with lm._cond:
+        gens = [lm.submit(p, max_tokens=m) for p, m in cases]
+    assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
+    c = {k: lm.counters[k] - before[k] for k in ("steps", "step_programs")}
+    assert c["steps"] >= 2 * c["step_programs"], c  # (blocks ran)
+    prompt = prompts(1, seed=52)[0]
+    want = reference(prompt, 20)
+    stop = want[5]
+    cut = want[: want.index(stop) + 1]
+    assert lm.generate(prompt, max_tokens=20, stop_ids=[stop]).tokens == cut
+    assert fused_lm.generate(prompt, max_tokens=20, stop_ids=[stop]).tokens == cut
+    sampled = dict(temperature=0.9, top_k=20, seed=8)
+    assert (
+        lm.generate(prompt, max_tokens=20, **sampled).tokens
+        == fused_lm.generate(prompt, max_tokens=20, **sampled).tokens
+    )
+    assert fused_lm.counters["steps"] == fused_lm.counters["step_programs"]
 
 
 def test_controls_apply_to_a_prompt_prefilled_beside_running_streams(lm, fused_lm):
@@ -1267,11 +1300,11 @@ def test_a_failed_step_fails_its_generations_and_the_next_ones_succeed(lm_path, 
         broken = threading.Event()
 
         def failing(real):
-            def step(params, state):
+            def step(params, state, *block):  # (a block's: how many steps)
                 if not broken.is_set():
                     broken.set()
                     raise RuntimeError("injected device failure")
-                return real(params, state)
+                return real(params, state, *block)
 
             return step
 
@@ -1345,8 +1378,8 @@ def test_a_failed_read_fails_generations_only_in_flight(lm_path, reference):
                 raise RuntimeError("injected read failure")
 
         def unreadable(real):
-            def step(params, state):
-                state, tokens, scores = real(params, state)
+            def step(params, state, *block):  # (a block's: how many steps)
+                state, tokens, scores = real(params, state, *block)
                 if not broken.is_set():
                     broken.set()
                     return state, Unreadable(), scores

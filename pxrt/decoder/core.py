@@ -72,6 +72,7 @@ class Core(Protocol):
     _closed: bool
     _idle: bool
     _arrivals: list[tuple[Any, BaseException | None]]
+    multi_step: int
     # Prefill beside the steps (``pxrt.decoder.overlap``).
     overlap_prefill: bool
     _prefilling: list[Any]
@@ -99,6 +100,8 @@ class Core(Protocol):
     def _unreserve(self, gen: Generation) -> None: ...
 
     def _window(self) -> int: ...
+
+    def _block_size(self, rows: int, window: int) -> int: ...
 
     def _fewest_rows(self, need: int) -> int: ...
     def _cheapest_step(self, rows: int) -> tuple[int, int]: ...

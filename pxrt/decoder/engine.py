@@ -93,6 +93,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         costs: Mapping[str, float] | None = None,
         itl_bound_ms: float | None = None,
         overlap_prefill: bool = False,
+        multi_step: int = 1,
         deferred: int = 0,
         wanted: Mapping[str, Any] | None = None,
         prefill_lengths: Sequence[int] = (),
@@ -123,6 +124,8 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         self._wire_queue(prefix)
         self._wire_counters()
         self._wire_overlap(overlap_prefill)
+        #: Steps a plain decode program may run (``pxrt.load(multi_step=...)``; 1: one).
+        self.multi_step = multi_step
         self._itl_bound_ms = itl_bound_ms
         self._price_programs(costs or {}, itl_bound_ms)
         #: Programs still compiling after the load (``pxrt.load(defer=True)``): the loop
@@ -257,7 +260,8 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
 
     def _wire_counters(self) -> None:
         """The counters, outcomes and timings, and a multi-host group's parts (none)."""
-        #: Counters since load: steps, prefills, tokens; the loop's wall seconds in turns
+        #: Counters since load: steps (decode steps: a block of k counts k; its
+        #: programs are ``step_programs``), prefills, tokens; the loop's wall seconds in turns
         #: that dispatched a step, and its thread's CPU seconds in them (the host's own
         #: work: on the device's side the programs run on the runtime's threads).
         self.counters = {
@@ -274,6 +278,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             "prefix_loads": 0,
             "stepped_slots": 0,
             "window_steps": 0,
+            "step_programs": 0,
             "moves": 0,
             "prompt_tokens": 0,
             "prefix_hit_tokens": 0,

@@ -31,10 +31,12 @@ from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
-from .runner import PrefillCell, SplitPrefill, dropped_prefill
+from .runner import BlockStep, PrefillCell, SplitPrefill, dropped_prefill
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16
+#: The most decode steps one program runs unless ``multi_step`` says otherwise.
+MULTI_STEP = 4
 
 log = logging.getLogger("pxrt")
 
@@ -59,6 +61,7 @@ def load_decoder(
     max_waiting: int = 1024,
     itl_bound_ms: float | None = None,
     overlap_prefill: bool | None = None,
+    multi_step: int | None = None,
     defer: bool = True,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
@@ -111,6 +114,16 @@ def load_decoder(
     concurrently from two threads; an accelerator runs one program at a time), off in
     a multi-host group.
 
+    ``multi_step``: the most decode steps one program runs (default ``MULTI_STEP``, 4;
+    1: one step per program; the program count is the same either way, the number of
+    steps being an argument). While nothing waits on the turns between steps (a prompt
+    for a free slot, a prefill to insert), the loop runs as many steps in one program as
+    fit in 2 ms at the step's measured price (``pxrt.decoder.scheduler.BLOCK_S``; fewer
+    when a generation's ``max_tokens`` comes first and prompts wait for its slot): the
+    host's work per token shrinks by as much where steps are cheap, and each stream's
+    tokens come in bursts no longer than that. One per program while a slot has sampling
+    controls or logprobs, while speculating, and in a multi-host group.
+
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
     controls' insert).
@@ -148,6 +161,7 @@ def load_decoder(
         speculative_tokens=speculative_tokens, max_waiting=max_waiting,
         sampling_controls=sampling_controls, chunk_tokens=chunk_tokens,
         itl_bound_ms=itl_bound_ms, overlap_prefill=overlap_prefill, devices=devices,
+        multi_step=multi_step,
     )  # fmt: skip
     plan.phases = {"read": time.perf_counter() - t0}
     _xla.compile_counter.ensure_registered()
@@ -191,6 +205,8 @@ class _Plan:
     itl_bound_ms: float | None
     #: Prefill on a thread of its own (``overlap_prefill``).
     overlap: bool = False
+    #: The most steps a decode program runs (``multi_step``).
+    multi_step: int = 1
     #: Seconds per phase of the load.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -217,6 +233,7 @@ def _plan(
     itl_bound_ms: float | None,
     overlap_prefill: bool | None = None,
     devices: Sequence = (),
+    multi_step: int | None = None,
 ) -> _Plan:
     """``load_decoder``'s options checked, and the sizes they leave (``_Plan``)."""
     slots, max_length, lengths, batches = _sizes(
@@ -249,10 +266,13 @@ def _plan(
         raise ValueError(f"overlap_prefill must be true or false, got {overlap_prefill!r}")
     elif overlap_prefill and in_group:
         raise ValueError("overlap_prefill: a multi-host group's followers prefill in turn")
+    multi_step = int_in("multi_step", MULTI_STEP if multi_step is None else multi_step, 1, 64)
+    if in_group or speculative_tokens:  # (followers run single steps; verify is one)
+        multi_step = 1
     return _Plan(
         slots, max_length, lengths, batches, chunks, chunk_rows, prefix, parts, windows,
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
-        bool(overlap_prefill),
+        bool(overlap_prefill), multi_step,
     )  # fmt: skip
 
 
@@ -296,6 +316,7 @@ def _build(
             speculate=plan.speculative_tokens,
             controls=plan.controls,
             overlap=plan.overlap,
+            multi_step=plan.multi_step,
         )
         # Refused before anything is placed or compiled when the cache alone cannot fit
         # (slots = 100000 would otherwise allocate until the kernel kills the process),
@@ -404,6 +425,7 @@ def _decoder(art: Any, devices: list, plan: _Plan, built: _Built, t0: float) -> 
         costs=built.costs,
         itl_bound_ms=plan.itl_bound_ms,
         overlap_prefill=plan.overlap,
+        multi_step=plan.multi_step,
         deferred=len(built.later),
         prefill_lengths=plan.lengths,
         wanted={
@@ -831,22 +853,36 @@ def _obtain_all(
     with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
         got = {job: out for job, out in zip(jobs, pool.map(one, jobs)) if out is not None}
 
-    def cells(kind: str) -> list[PrefillCell]:
-        # ``index``: the cell's place among its kind (a multi-host header names it).
-        mine = [(job, out) for job, out in got.items() if job[0] == kind]
-        if kind == "prefill" and programs.overlap:  # each cell's rows and insert
-            mine = [
-                (job, (SplitPrefill(out[0], got[("insert", *job[1:])][0]), out[1], out[2]))
-                for job, out in got.items()
-                if job[0] == "rows" and ("insert", *job[1:]) in got
-            ]
-        return [
-            PrefillCell(b, n, compiled, compile_s, i)
-            for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)
+    return _obtained(programs, got)
+
+
+def _cells(programs: DecoderPrograms, got: dict, kind: str) -> list[PrefillCell]:
+    """The obtained prefill (a split one's rows and insert together) or extend cells;
+    ``index``: the cell's place among its kind (a multi-host header names it)."""
+    mine = [(job, out) for job, out in got.items() if job[0] == kind]
+    if kind == "prefill" and programs.overlap:  # each cell's rows and insert
+        mine = [
+            (job, (SplitPrefill(out[0], got[("insert", *job[1:])][0]), out[1], out[2]))
+            for job, out in got.items()
+            if job[0] == "rows" and ("insert", *job[1:]) in got
         ]
+    return [
+        PrefillCell(b, n, compiled, compile_s, i)
+        for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)
+    ]
+
+
+def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
+    """``_Obtained`` over the programs obtained (``got``: job -> (compiled, seconds,
+    source)); the plain steps as blocks (``BlockStep``) with ``multi_step``."""
 
     def program(*job: Any) -> Any:
         return got[job][0] if job in got else None
+
+    def stepper(compiled: Any) -> Any:  # (a block of steps, called as one step)
+        if compiled is None or programs.multi_step <= 1:
+            return compiled
+        return BlockStep(compiled, programs.multi_step, programs.replicated)
 
     prefix = None
     if programs.prefix is not None and all((what, 0, 0) in got for what in POOL):
@@ -859,13 +895,13 @@ def _obtain_all(
     verify = program("verify", 0, programs.speculate) if programs.speculate else None
     return _Obtained(
         program("state", 0, 0),
-        step[0],
+        stepper(step[0]),
         step[1],
-        cells("prefill"),
+        _cells(programs, got, "prefill"),
         collections.Counter(source for _, _, source in got.values()),
-        cells("extend"),
+        _cells(programs, got, "extend"),
         prefix,
-        {n: got[("step", n, 0)][0] for n in programs.step_slots if ("step", n, 0) in got},
+        {n: stepper(program("step", n, 0)) for n in programs.step_slots if ("step", n, 0) in got},
         program("move", 0, 0),
         program("control", 0, 0),
         programs.max_length,
@@ -873,7 +909,11 @@ def _obtain_all(
         programs.speculate if verify is not None else 0,
         program("step", -1, 0),
         max((_work_bytes(compiled) for compiled, _, _ in got.values()), default=0),
-        {(n, w): got[("step", n, w)][0] for n, w in programs._window_jits if ("step", n, w) in got},
+        {
+            (n, w): stepper(program("step", n, w))
+            for n, w in programs._window_jits
+            if ("step", n, w) in got
+        },
     )
 
 

@@ -65,8 +65,13 @@ class DecoderPrograms:
         speculate: int = 0,
         controls: bool = True,
         overlap: bool = False,
+        multi_step: int = 1,
     ) -> None:
         self.art, self.devices = art, devices
+        #: Steps per decode program (``multi_step``): above 1, the plain steps (over
+        #: every slot, fewer, or a window) are blocks of up to that many steps in one
+        #: program, the number run an argument (1: one step, as before).
+        self.multi_step = max(1, multi_step) if not in_group else 1
         #: Each prefill cell as two programs (``rows``: the prompts' cache rows and
         #: last logits, without the state; ``insert``: into the state), so that the
         #: rows can run on a thread of their own while the steps run.
@@ -139,6 +144,8 @@ class DecoderPrograms:
             )
 
         def part_step(n: int, window: int | None = None) -> Any:
+            if self.multi_step > 1:
+                return self._block_jit(mesh, state_sharding, n, window)
             return jax.jit(
                 jax.shard_map(
                     functools.partial(self._step_part, rows=n // len(devices), window=window),
@@ -153,7 +160,10 @@ class DecoderPrograms:
 
         # The steps: without the sampling controls and scores (what runs while no busy
         # slot has either: they cost a cond each on every step), and with them.
-        self._step_jit = whole_step(False)
+        self._step_jit = (
+            self._block_jit(mesh, state_sharding, slots) if self.multi_step > 1
+            else whole_step(False)
+        )  # fmt: skip
         self._full_step_jit = whole_step(True)
         self._part_jits = {n: part_step(n) for n in self.step_slots}
         self._window_jits = {
@@ -166,6 +176,28 @@ class DecoderPrograms:
                 mesh=mesh,
                 in_specs=(P(), by_slot_specs, P(BATCH_AXIS)),
                 out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
+                check_vma=False,
+            ),
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, self.replicated, self.replicated),
+        )
+
+    def _block_jit(self, mesh: Mesh, state_sharding: Any, n: int, window: int | None = None) -> Any:
+        """A plain step over ``n`` slots (and a cache ``window``) as a block of up to
+        ``multi_step`` steps, jitted: ``(params, state, k) -> (state, tokens
+        [multi_step, n], k)``, step i's tokens in row i."""
+        by_slot_specs = jax.tree.map(lambda _: P(BATCH_AXIS), self.shapes)
+        return jax.jit(
+            jax.shard_map(
+                functools.partial(
+                    self._step_block,
+                    rows=n // len(self.devices),
+                    window=window,
+                    steps=self.multi_step,
+                ),
+                mesh=mesh,
+                in_specs=(P(), by_slot_specs, P()),
+                out_specs=(by_slot_specs, P(None, BATCH_AXIS), P()),
                 check_vma=False,
             ),
             donate_argnums=(1,),
@@ -256,6 +288,9 @@ class DecoderPrograms:
                 else self._part_jits[b] if b
                 else self._step_jit
             )  # fmt: skip
+            if self.multi_step > 1 and b >= 0:  # (a block: how many steps it runs)
+                k = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
+                return step.lower(self.param_specs, self.shapes, k)
             return step.lower(self.param_specs, self.shapes)
         if what == "move":
             s = self.slots
@@ -303,6 +338,8 @@ class DecoderPrograms:
             {
                 "decoder": self.art.manifest.get("files", {}),
                 "program": [what, b, n, self.slots, self.max_length]
+                # (a plain step's block size)
+                + ([self.multi_step] if what == "step" and b >= 0 and self.multi_step > 1 else [])
                 # (the pool's programs: its size, and the rows a copy takes)
                 + (list(self.prefix or ()) + [self.load_rows] if what in POOL else []),
                 "devices": stored.device_fields(self.devices),
@@ -459,6 +496,72 @@ class DecoderPrograms:
         ints = lax.dynamic_update_slice_in_dim(state["ints"], ints, 0, axis=0)
         state = state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
         return state, tokens, scores
+
+    def _step_block(
+        self,
+        params: Any,
+        state: dict,
+        k: jax.Array,
+        rows: int,
+        window: int | None,
+        steps: int,
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """``k`` plain steps (at most ``steps``) in one program, over this device's
+        first ``rows`` slots and with a ``window`` over the first ``window`` positions of
+        their cache (as ``_step_part``); returns the state, the tokens ``[steps, rows]``
+        (step i's in row i, zeros past ``k``) and ``k``. Over every slot and the whole
+        cache the steps run on the state itself; otherwise on the part taken out once,
+        and of the cache only the ``k`` entries each slot's steps wrote go back (a slot
+        at or past the window: none). Each step is the plain one, so the tokens are the
+        single steps' (seeded sampling folds in the position)."""
+        c = sampling
+        whole = rows == self.slots // len(self.devices) and not window
+
+        def run(part: dict, length: int | None) -> tuple[dict, jax.Array]:
+            def body(i: jax.Array, carry: tuple[dict, jax.Array]) -> tuple[dict, jax.Array]:
+                st, buf = carry
+                st, tokens, _ = self._step(params, st, length=length)
+                return st, lax.dynamic_update_index_in_dim(buf, tokens, i, 0)
+
+            buf = jnp.zeros((steps, rows), jnp.int32)
+            return lax.fori_loop(0, k, body, (part, buf))
+
+        if whole:
+            state, buf = run(state, None)
+            return state, buf, k
+        length = window or self.max_length
+        part = {name: jax.tree.map(lambda a: a[:rows], state[name]) for name in ("ints", "floats")}
+        part["cache"] = jax.tree.unflatten(
+            self._cache_tree,
+            [
+                lax.slice_in_dim(a[:rows], 0, length, axis=axis)
+                if window and axis is not None else a[:rows]
+                for a, axis in zip(jax.tree.leaves(state["cache"]), self._length_axes)
+            ],
+        )  # fmt: skip
+        before = part["ints"]
+        part, buf = run(part, length)
+        # The entries the steps wrote: positions start..start+k-1 of each slot inside.
+        at = jnp.arange(rows)[:, None]
+        j = jnp.arange(steps)[None, :]
+        pos = jnp.minimum(before[:, c.POS], length - 1)[:, None] + j
+        inside = before[:, c.POS] < length
+        keep = inside[:, None] & (j < k) & (pos < length)
+        src, dst = jnp.minimum(pos, length - 1), jnp.where(keep, pos, self.max_length)
+        leaves = []
+        for old, new, axis in zip(
+            jax.tree.leaves(state["cache"]), jax.tree.leaves(part["cache"]), self._length_axes
+        ):
+            if axis is None:
+                leaves.append(lax.dynamic_update_slice_in_dim(old, new, 0, axis=0))
+                continue
+            rest = (slice(None),) * (axis - 1)
+            got = new[(at,) + rest + (src,)]
+            leaves.append(old.at[(at,) + rest + (dst,)].set(got, mode="drop"))
+        ints = jnp.where(inside[:, None], part["ints"], before) if window else part["ints"]
+        ints = lax.dynamic_update_slice_in_dim(state["ints"], ints, 0, axis=0)
+        state = state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
+        return state, buf, k
 
     def _verify(
         self, params: Any, state: dict, drafts: jax.Array

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 else:
     Core = object
 
-# What an entry of ``_pending`` (a program in flight) is.
-_PREFILL, _STEP, _VERIFY = 0, 1, 2
+# What an entry of ``_pending`` (a program in flight) is. An entry is (kind, tokens,
+# owners, t0, scores, sync); a block's ``t0`` is the steps it runs.
+_PREFILL, _STEP, _VERIFY, _BLOCK = 0, 1, 2, 3
 
 
 def dropped_prefill(batch: int, length: int, slots: int) -> tuple[np.ndarray, ...]:
@@ -69,6 +70,23 @@ class SplitPrefill:
 
     def memory_analysis(self) -> Any:
         return self.rows.memory_analysis()
+
+
+class BlockStep:
+    """A plain step compiled as a block (``DecoderPrograms(multi_step=K)``): called
+    as a step, ``(params, state, k=1)``, it runs ``k`` steps (at most K) and returns
+    (state, tokens ``[K, slots]``, k); ``k`` goes as a scalar already on the devices."""
+
+    def __init__(self, compiled: Any, steps: int, sharding: Any) -> None:
+        self.compiled = compiled
+        self.steps = steps
+        self._ks = [jax.device_put(np.int32(k), sharding) for k in range(steps + 1)]
+
+    def __call__(self, params: Any, state: Any, k: int = 1) -> Any:
+        return self.compiled(params, state, self._ks[k])
+
+    def memory_analysis(self) -> Any:
+        return self.compiled.memory_analysis()
 
 
 @dataclasses.dataclass
@@ -301,25 +319,33 @@ class Runner(Core):
                 program, rows = self._full_step, self._rows_per_device
             else:
                 self._special = False
+        k = 1
+        block: tuple[int, ...] = ()
         if program is None:
             rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
             rows, window = self._cheapest_step(rows)
             program = self._windows[(rows, window)] if window else self._steps[rows]
+            if self.multi_step > 1:  # (a block: ``k`` steps in one program)
+                k = self._block_size(rows, window)
+                block = (k,)
             if window:
-                self.counters["window_steps"] += 1
+                self.counters["window_steps"] += k
         (self._state, tokens, scores), sync = self._launch(
-            len(self._cells), program, self._params, self._state
+            len(self._cells), program, self._params, self._state, *block
         )
         tokens.copy_to_host_async()
-        owners = self._table.dispatch()
+        owners = self._table.dispatch(k)
         if rows < self._rows_per_device:  # the step's tokens are these slots'
             owners = [owners[s] for s in self._order[rows]]
         # (only the full step computes scores)
         scores = self._scores(owners, scores) if program is self._full_step else None
-        self._pending.append((_STEP, tokens, owners, 0.0, scores, sync))
-        self.counters["steps"] += 1
-        self.counters["busy_slot_steps"] += busy
-        self.counters["stepped_slots"] += len(owners)
+        kind = _BLOCK if block else _STEP
+        self._pending.append((kind, tokens, owners, float(k), scores, sync))
+        counters = self.counters
+        counters["steps"] += k
+        counters["step_programs"] += 1
+        counters["busy_slot_steps"] += busy * k
+        counters["stepped_slots"] += len(owners) * k
 
     def _dispatch_verify(self, drafts: np.ndarray) -> None:
         busy = self._table.busy
@@ -332,6 +358,7 @@ class Runner(Core):
         self._pending.append((_VERIFY, tokens, owners, 0.0, accepted, sync))
         counters = self.counters
         counters["steps"] += 1
+        counters["step_programs"] += 1
         counters["verifies"] += 1
         counters["busy_slot_steps"] += busy
         counters["stepped_slots"] += self.slots
@@ -416,12 +443,16 @@ class Runner(Core):
             routed = self._table.first(tokens, owners, now, woken, finished)
             timings["prefill"].append(now - t0)
         else:
+            steps = 1
             if kind == _VERIFY:  # (``scores``: how many drafts each slot accepted)
                 routed = self._route_verified(tokens, scores, owners, now, woken, finished)
+            elif kind == _BLOCK:  # (step by step: a stop ends a generation mid-block)
+                steps, route = int(t0), self._table.route
+                routed = sum(route(tokens[i], owners, now, woken, finished) for i in range(steps))
             else:
                 routed = self._table.route(tokens, owners, now, woken, finished)
-            if self._last_step:
-                timings["step"].append(now - self._last_step)
+            if self._last_step:  # (a block's: the interval per token, once per token)
+                timings["step"].extend([(now - self._last_step) / steps] * steps)
                 if self.speculative_tokens:
                     which = "verify_s" if kind == _VERIFY else "step_s"
                     spec = self._spec

@@ -27,6 +27,8 @@ else:
 #: prompts to the next turns' admission (their priorities, and the cells their company
 #: then makes).
 IN_FLIGHT = 2
+#: The longest a block of steps (``multi_step``) may take at its measured price.
+BLOCK_S = 2e-3
 
 
 @dataclasses.dataclass
@@ -290,12 +292,35 @@ class Scheduler(Core):
         whole cache). A slot's position on the device runs ahead of the tokens read by
         the steps and the prefill not read yet (and a verify's drafts): bounded here by
         its prompt, its tokens read and that margin."""
-        margin = 3 + self.speculative_tokens
+        margin = 3 + self.speculative_tokens + 2 * self.multi_step
         need = max(
             (len(g.prompt) + len(g.tokens) for g in self._table.owners if g is not None),
             default=0,
         )
         return next((w for w in self.step_lengths if w >= need + margin), 0)
+
+    def _block_size(self, rows: int, window: int) -> int:
+        """How many steps the next plain step program (over ``rows`` per device and
+        ``window``) runs: up to ``multi_step`` and as many as fit in ``BLOCK_S`` at its
+        measured price (a block's tokens reach their streams together: bursts a reader
+        of text cannot see, and no longer than that), so blocks run where steps are
+        cheap and the host's share of each is large. One while something waits on the
+        turns between steps (a prompt for a free slot, a prefill to insert, a chunk);
+        with prompts waiting and no slot free, up to the first ``max_tokens`` a busy
+        generation reaches (its slot is free for the next turn's admission). A stop
+        token ends its generation mid-block (the rest of the block computes for nothing
+        in that slot)."""
+        price = self._step_prices.get((rows, window)) or self._step_cost.get(self.slots)
+        most = min(self.multi_step, max(1, int(BLOCK_S / price))) if price else self.multi_step
+        if most <= 1 or self._chunking or self._prefilling or self._prefilled:
+            return 1
+        if self._waiting:
+            if self._table.free:
+                return 1
+            owners = self._table.owners
+            left = min((g.max_tokens - g.dispatched for g in owners if g is not None), default=1)
+            return max(1, min(most, left))
+        return most
 
     def _cheapest_step(self, rows: int) -> tuple[int, int]:
         """(rows per device, cache window; 0: all of it) of the step to run, the busy
