@@ -1166,9 +1166,24 @@ def test_slot_routing_twins_agree():
         woken, finished = [], []
         table2.first(np.array([5], np.int32), [first], 1.0, woken, finished)
         trace.append((first.tokens, first.finish_reason, first.t_first, table2.busy))
+        # A block of 3 steps: a generation whose last token it computes gives its slot
+        # back at dispatch; a stop inside the block ends the other there.
+        table3 = mod.SlotTable(2)
+        short, stops = mod.Generation(3, frozenset()), mod.Generation(9, frozenset({7}))
+        table3.assign(short)
+        table3.assign(stops)
+        owners = table3.dispatch(3)
+        freed = sorted(table3.free)
+        woken, finished = [], []
+        for row in ([1, 2], [3, 7], [4, 8]):
+            table3.route(np.array(row, np.int32), owners, 2.0, woken, finished)
+        trace.append((freed, short.tokens, stops.tokens, [g.finish_reason for g in finished]))
+        with pytest.raises(ValueError, match="steps must be >= 1"):
+            table3.dispatch(0)
         traces.append(trace)
     assert all(t == traces[0] for t in traces)
-    assert traces[0][-1] == ([5], "length", 1.0, 0)
+    assert traces[0][-2] == ([5], "length", 1.0, 0)
+    assert traces[0][-1] == ([0], [1, 3, 4], [2, 7], ["stop", "length"])
 
 
 # --------------------------------------------------------------------------- artifacts
