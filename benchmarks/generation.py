@@ -15,12 +15,13 @@ or keras-hub's Llama by flags), prompts and output lengths both long-tailed (``-
   all its tokens at once. Its first token arrives with its last. The same prefill and
   decode functions as pxrt's.
 
-Both serve the same requests: a closed loop of ``--callers`` callers, then Poisson
-arrivals at fractions of pxrt's closed-loop request rate. Reported per run: output
-tokens/s over the whole run and in the closed loop's steady window (while every caller
-still has a request: without the ramp-up and the drain), time to first token
-(p50/p99), inter-token latency (pxrt; p50/p99). The runs
-alternate, ``--repeats`` times; the table shows medians and the ratios.
+Both serve the same requests (each run's prompts drawn afresh, the same lengths: a
+repeated prompt would be in pxrt's prefix cache): a closed loop of ``--callers``
+callers, then Poisson arrivals at fractions of pxrt's closed-loop request rate. Reported
+per run: output tokens/s over the whole run and in the closed loop's steady window
+(while every caller still has a request: without the ramp-up and the drain), time to
+first token (p50/p99), inter-token latency (pxrt; p50/p99). The runs alternate,
+``--repeats`` times; the table shows medians and the ratios.
 
 For keras-hub's Llama (``--shape keras-llama``), keras-hub's own ``generate()`` too, on
 length-sorted batches of ``--slots`` of the same prompts (``decoder_shapes.keras_generate``),
@@ -323,8 +324,10 @@ def main() -> None:
                 checked.update(enumerate(got))
             for rep in range(args.repeats):
                 order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+                # (each run on prompts of its own: none is in pxrt's prefix cache)
+                fresh = ds.fresh_tokens(work, shape, rep)
                 for kind in order:
-                    r = await closed(kind, targets[kind], work, args.callers)
+                    r = await closed(kind, targets[kind], fresh, args.callers)
                     runs.setdefault(("closed", kind), []).append(summary(r))
             rate = statistics.median(r["tok/s"] for r in runs[("closed", "pxrt")])
             mean_tokens = np.mean([min(m, dec.max_length - len(pr)) for pr, m in work])
@@ -332,8 +335,9 @@ def main() -> None:
             for frac in [float(x) for x in args.rates.split(",") if x]:
                 for rep in range(args.repeats):
                     order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+                    fresh = ds.fresh_tokens(work, shape, 100 + rep)
                     for kind in order:
-                        r = await poisson(kind, targets[kind], work, frac * request_rate, rep)
+                        r = await poisson(kind, targets[kind], fresh, frac * request_rate, rep)
                         runs.setdefault((f"poisson {frac:g}x", kind), []).append(summary(r))
 
         asyncio.run(bench())
