@@ -258,14 +258,16 @@ def test_a_prompt_goes_beside_the_steps_when_it_costs_more_than_the_coming_step(
     the prefill thread, ``IN_FLIGHT`` at a time."""
     from pxrt.decoder.scheduler import IN_FLIGHT
 
-    def admitted(n, busy):
+    def admitted(n, busy, in_flight=0):
         with lm._cond:  # (the loop waits: admission as it would run now)
             gens = [lm.submit(p, max_tokens=2) for p in prompts(n, seed=48, high=8)]
             lm._table.busy += busy  # (as if a slot were busy)
+            lm._prefilling = [None] * in_flight  # (as if units were on the thread)
             try:
                 units = lm._admit()
             finally:
                 lm._table.busy -= busy
+                lm._prefilling = []
                 # (put back: the loop admits them once let go)
                 lm._waiting.extendleft(reversed([g for u in units for g in u[0]]))
         for gen in gens:
@@ -278,7 +280,10 @@ def test_a_prompt_goes_beside_the_steps_when_it_costs_more_than_the_coming_step(
         lm._step_cost = dict.fromkeys(cost, 1.0)  # (every prefill cheaper than a step)
         assert not any(admitted(3, busy=1))
         lm._step_cost = dict.fromkeys(cost, 0.0)  # (none is)
-        assert admitted(5, busy=1)[:IN_FLIGHT] == [True] * IN_FLIGHT
+        beside = admitted(9, busy=1)
+        assert beside and all(beside) and len(beside) <= IN_FLIGHT
+        assert admitted(9, busy=1, in_flight=IN_FLIGHT - 1) == [True]
+        assert admitted(3, busy=1, in_flight=IN_FLIGHT) == []
     finally:
         lm._step_cost = cost
 
