@@ -448,6 +448,21 @@ class DecoderPrograms:
             state["counts"] = state["counts"].at[rows, tokens].add(on.astype(jnp.int32))
         return state, tokens, scores
 
+    def _part(self, state: dict, rows: int, window: int | None) -> dict:
+        """What a step over this device's first ``rows`` slots reads of ``state``: their
+        ints, floats and cache (with a ``window``, its first ``window`` positions)."""
+        length = window or self.max_length
+        part = {k: jax.tree.map(lambda a: a[:rows], state[k]) for k in ("ints", "floats")}
+        part["cache"] = jax.tree.unflatten(
+            self._cache_tree,
+            [
+                lax.slice_in_dim(a[:rows], 0, length, axis=axis)
+                if window and axis is not None else a[:rows]
+                for a, axis in zip(jax.tree.leaves(state["cache"]), self._length_axes)
+            ],
+        )  # fmt: skip
+        return part
+
     def _step_part(
         self, params: Any, state: dict, rows: int, window: int | None = None
     ) -> tuple[dict, jax.Array, jax.Array]:
@@ -461,15 +476,7 @@ class DecoderPrograms:
         position and nothing of it goes back."""
         c = sampling
         length = window or self.max_length
-        part = {k: jax.tree.map(lambda a: a[:rows], state[k]) for k in ("ints", "floats")}
-        part["cache"] = jax.tree.unflatten(
-            self._cache_tree,
-            [
-                lax.slice_in_dim(a[:rows], 0, length, axis=axis)
-                if window and axis is not None else a[:rows]
-                for a, axis in zip(jax.tree.leaves(state["cache"]), self._length_axes)
-            ],
-        )  # fmt: skip
+        part = self._part(state, rows, window)
         before = part["ints"]
         written = jnp.minimum(before[:, c.POS], length - 1)
         part, tokens, scores = self._step(params, part, length=length)
@@ -530,15 +537,7 @@ class DecoderPrograms:
             state, buf = run(state, None)
             return state, buf, k
         length = window or self.max_length
-        part = {name: jax.tree.map(lambda a: a[:rows], state[name]) for name in ("ints", "floats")}
-        part["cache"] = jax.tree.unflatten(
-            self._cache_tree,
-            [
-                lax.slice_in_dim(a[:rows], 0, length, axis=axis)
-                if window and axis is not None else a[:rows]
-                for a, axis in zip(jax.tree.leaves(state["cache"]), self._length_axes)
-            ],
-        )  # fmt: skip
+        part = self._part(state, rows, window)
         before = part["ints"]
         part, buf = run(part, length)
         # The entries the steps wrote: positions start..start+k-1 of each slot inside.

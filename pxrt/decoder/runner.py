@@ -68,9 +68,6 @@ class SplitPrefill:
         rows, logits = self.rows(params, tokens, ints)
         return self.insert(state, rows, logits, ints, floats)
 
-    def memory_analysis(self) -> Any:
-        return self.rows.memory_analysis()
-
 
 class BlockStep:
     """A plain step compiled as a block (``DecoderPrograms(multi_step=K)``): called
