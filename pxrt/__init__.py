@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .compiling import example_inputs
     from .decoder.engine import Decoder
     from .decoder.export import export_decoder
+    from .decoder.params import SamplingParams
     from .decoder.request import Completion, Generation
     from .executable import Model
     from .loader import load
@@ -43,6 +44,7 @@ _LAZY = {
     "Decoder": (".decoder.engine", "Decoder"),
     "Generation": (".decoder.request", "Generation"),
     "Completion": (".decoder.request", "Completion"),
+    "SamplingParams": (".decoder.params", "SamplingParams"),
     "Distributed": (".multihost", "Distributed"),
     "per_slot": (".recipes", "per_slot"),
 }
@@ -72,6 +74,7 @@ __all__ = [
     "Distributed",
     "Generation",
     "Model",
+    "SamplingParams",
     "TensorSpec",
     "compile_count",
     "example_inputs",

@@ -4,7 +4,7 @@ keeps the old import path."""
 
 from .decoder.engine import Decoder
 from .decoder.loop import TIMINGS
-from .decoder.params import MAX_TEMPERATURE, MIN_TEMPERATURE, int_in, number_in
+from .decoder.params import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingParams, int_in, number_in
 from .decoder.prefix import PrefixPool
 from .decoder.request import Completion, DecoderClosed, Generation, QueueFull
 from .decoder.runner import Controls, PrefillCell
@@ -24,6 +24,7 @@ __all__ = [
     "PrefixPool",
     "PromptLookup",
     "QueueFull",
+    "SamplingParams",
     "int_in",
     "number_in",
     "sample",

@@ -1102,11 +1102,17 @@ def test_waiting_prompts_are_admitted_by_priority_then_by_age(long_lm):
         ([1], {"priority": 2}, "priority must be an int from 0 to 1, got 2"),
         ([1], {"priority": 2**64}, "priority must be an int from 0 to 1"),
         ([1], {"priority": 1.0}, "priority must be an int"),
+        ([1], {"max_token": 3}, "unknown sampling option 'max_token'; known: max_tokens"),
+        ([1], {"params": pxrt.SamplingParams(), "seed": 3}, "in params or as keyword arguments"),
+        ([1], {"params": {"max_tokens": 3}}, "params must be a pxrt.SamplingParams, got dict"),
+        # what params cannot know without the model, checked at submit
+        ([1], {"params": pxrt.SamplingParams(stop_ids=(demo.LM_VOCAB,))}, "stop_ids must be"),
+        ([1], {"params": pxrt.SamplingParams(priority=5)}, "priority must be an int from 0 to 1"),
     ],
 )
 def test_bad_requests_fail_alone(lm, reference, prompt, options, message):
     good = prompts(1, seed=14)[0]
-    running = lm.submit(good, max_tokens=10)
+    running = lm.submit(good, pxrt.SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match=message):
         lm.submit(prompt, **options)
     assert running.result().tokens == reference(good, 10)

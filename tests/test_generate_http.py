@@ -283,7 +283,8 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
         ({"text_input": "hi", "parameters": {"priority": "1"}}, "priority must be an int"),
         # Token ids are integers, never cast.
         ({"input_ids": [72.5, 3.0], "max_tokens": 2}, "input_ids must be a non-empty list of"),
-        ({"input_ids": [72], "stop_ids": [1.5]}, "stop_ids must be an int from 0 to"),
+        ({"input_ids": [72], "stop_ids": [1.5]}, "stop_ids must be an int >= 0, got 1.5"),
+        ({"input_ids": [72], "stop_ids": [9999]}, "stop_ids must be an int from 0 to"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_problem(served, body, words):
@@ -719,7 +720,10 @@ def test_pxrt_bench_measures_generation(served, tmp_path):
     closed, opened = doc["results"]
     for r in (closed, opened):
         assert r["errors"] == 0 and r["output_tokens_per_s"] > 0
-        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and 0 < r["itl_p50_ms"]
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        # (a block of steps delivers its tokens together: on a quiet machine most gaps
+        # can be 0, so the median may be; the tail never is)
+        assert 0 <= r["itl_p50_ms"] <= r["itl_p99_ms"] and 0 < r["itl_p99_ms"]
     # A generous objective: the search finds a rate that meets it (how high depends on
     # the machine's load: the top of the search is 1.5x the throughput just measured).
     assert doc["goodput"]["goodput_per_s"] > 0 and doc["goodput"]["probes"]
@@ -761,9 +765,11 @@ def test_generations_are_traced_with_their_stages(local):
                 "/v1/completions",
                 json={"model": "lm", "prompt": PROMPTS[1], "max_tokens": 4, "stream": True},
             )
+            # (a refusal the model makes: a stop id outside its vocabulary; a bad
+            # parameter alone is refused by the front end, before anything is traced)
             bad = await http.post(
                 "/v2/models/lm/generate",
-                json={"text_input": "x", "parameters": {"max_tokens": -1}},
+                json={"text_input": "x", "parameters": {"stop_ids": [10**6]}},
             )
         return one, two, bad
 
@@ -784,4 +790,4 @@ def test_generations_are_traced_with_their_stages(local):
     stamps = [e.timestamp for e in first.events]
     assert first.start_time <= stamps[0] <= stamps[1] <= stamps[2] <= first.end_time
     assert second.parent is None and second.attributes["pxrt.output_tokens"] == 4
-    assert not refused.status.is_ok and "max_tokens" in refused.status.description
+    assert not refused.status.is_ok and "stop_ids" in refused.status.description

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from models import MODELS, assert_matches, inject, reference, until
 
+from pxrt import SamplingParams
 from serving import Server
 from serving.workers import ipc
 from serving.workers.remote import DeviceLink, RemoteServer
@@ -169,6 +170,21 @@ def test_a_worker_generates_through_the_device_process(lm, run):
                 assert gen.finish_reason == want.finish_reason and gen.delivered == len(want.tokens)
             with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
                 await remote.open_generation("lm", [999])
+            # A bad parameter is refused here, before anything crosses to the device
+            # process; one that depends on the model (a stop id outside its vocabulary)
+            # is refused there, as the engine refuses it.
+            sent = len(device.generations)
+            with pytest.raises(ValueError, match="temperature must be a number from 0 to 100"):
+                await remote.open_generation("lm", [1], temperature=-1)
+            with pytest.raises(ValueError, match="unknown sampling option 'max_token'"):
+                await remote.open_generation("lm", [1], max_token=3)
+            with pytest.raises(ValueError, match="stop_ids must be an int from 0 to 257"):
+                await remote.open_generation("lm", [1], SamplingParams(stop_ids=(4096,)))
+            assert not remote._generations and len(device.generations) == sent
+            typed = SamplingParams(max_tokens=5, temperature=0.5, seed=9, logit_bias={65: 5})
+            want = lm.generate([7, 8], typed)
+            gen = await remote.open_generation("lm", [7, 8], typed)
+            assert [t async for t in gen] == want.tokens
             with pytest.raises(KeyError, match="no model named 'nope'"):
                 await remote.open_generation("nope", [1])
             long = await remote.open_generation("lm", [1, 2], max_tokens=1000, stop_ids=[])

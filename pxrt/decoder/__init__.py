@@ -9,7 +9,7 @@
   ``runner``: the programs and the device state (dispatch and read); ``loop``: the
   loop's thread, its turn, waking readers and failing them;
 - ``request``: ``Generation``, the request handle; ``prefix``: the prefix cache's index;
-  ``params``: request parameters' checks.
+  ``params``: ``SamplingParams``, a request's parameters, and their checks.
 
 The artifact's names (``pxrt.decoder.export``) are re-exported here on first use
 (PEP 562), so that ``from pxrt.decoder import LENGTH_DIM`` and ``pxrt.decoder.read``

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import math
+import secrets
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
@@ -45,7 +46,7 @@ from ..finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
 from .export import DecoderArtifact
 from .loop import TIMINGS, Loop
 from .overlap import Overlap
-from .params import MAX_TOP_LOGPROBS, int_in, number_in, sampling_values, stop_ids_in
+from .params import SamplingParams, int_in
 from .prefix import PrefixPool
 from .request import Completion, DecoderClosed, Generation, QueueFull
 from .runner import Controls, PrefillCell, Runner, SplitPrefill
@@ -330,81 +331,59 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
     def submit(
         self,
         prompt: Sequence[int] | np.ndarray,
-        *,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop_ids: Sequence[int] = (),
-        prefix_cache: bool = True,
-        logprobs: int | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None,
-        min_tokens: int = 0,
-        priority: int = 0,
+        params: SamplingParams | None = None,
+        **options: Any,
     ) -> Generation:
         """Queue one prompt (token ids) for generation; returns its ``Generation``.
 
-        Generation stops after ``max_tokens`` tokens, at a stop token (the artifact's
-        end-of-sequence and stop ids, and ``stop_ids``; the stop token is the last one
-        returned), or when the cache is full (``max_length`` positions in all).
-        ``temperature`` 0 is greedy (``MAX_TEMPERATURE`` at most); ``top_k`` 0 and
-        ``top_p`` 1 do not cut. ``seed`` (0 .. 2**32-1; default random) fixes the
-        sampled tokens whatever else is generated at the same time. ``prefix_cache``
-        False: neither reuse nor keep this prompt's cached start.
-
-        ``logprobs`` (0 .. 20; None: none): every token comes with its log-probability
-        and that many of the most likely tokens' (``Generation.logprobs``), of the
-        model's distribution (a log-softmax of its logits, before the controls below).
-        The controls, applied on the device before sampling: ``logit_bias`` (token id
-        -> -100 .. 100, added to its logit; at most 300), ``repetition_penalty`` (0 ..
-        2; over the prompt's and the generated tokens), ``presence_penalty`` and
-        ``frequency_penalty`` (-2 .. 2; over the generated tokens), ``min_tokens`` (no
-        stop token before that many tokens).
-
-        ``priority``: the prompt's level among the waiting ones (1 the highest, up to
-        ``priority_levels``; 0: ``default_priority_level``; see ``set_priorities``).
+        ``params``: how (a ``pxrt.SamplingParams``, checked when it was made), or its
+        fields as keyword arguments (``max_tokens=64, temperature=0.7``), not both. What
+        depends on this decoder is checked here: the prompt, token ids within the
+        vocabulary, ``max_tokens`` within the cache (cut to the room the prompt
+        leaves), ``priority`` within ``priority_levels``, and logprobs or controls only
+        where it was loaded with them.
 
         Raises ValueError naming the parameter for a bad request, ``QueueFull`` when
         ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
         """
-        level = int_in("priority", priority, 0, self.priority_levels)
+        if params is None:
+            params = SamplingParams.of(options)
+        elif options:
+            raise ValueError(
+                f"give the sampling options in params or as keyword arguments, not both "
+                f"(got params and {', '.join(options)})"
+            )
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a pxrt.SamplingParams, got {type(params).__name__}")
+        level = int_in("priority", params.priority, 0, self.priority_levels)
         tokens = self._check_prompt(prompt)
-        limit = int_in("max_tokens", max_tokens, 1, None)
-        limit = min(limit, self.max_length - len(tokens))
-        temperature, k, top_p, seed = sampling_values(temperature, top_k, top_p, seed)
+        limit = min(params.max_tokens, self.max_length - len(tokens))
         stops = self.stop_ids
-        extra = stop_ids_in(stop_ids, self.vocab)
-        if extra:
-            stops = stops | frozenset(extra)
-        if not isinstance(prefix_cache, (bool, np.bool_)):
-            raise ValueError(f"prefix_cache must be true or false, got {prefix_cache!r}")
-        top = None if logprobs is None else int_in("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
-        controls = self._controls(
-            tokens, limit, stops, presence_penalty, frequency_penalty, repetition_penalty,
-            logit_bias, min_tokens,
-        )  # fmt: skip
+        for t in params.stop_ids:
+            int_in("stop_ids", t, 0, self.vocab - 1)
+        if params.stop_ids:
+            stops = stops | frozenset(params.stop_ids)
+        controls = self._controls(tokens, limit, stops, params)
         coming = self.deferred and self._wanted.get("controls")
-        if (top is not None or controls is not None) and self._control is None and not coming:
+        wants = params.logprobs is not None or controls is not None
+        if wants and self._control is None and not coming:
             raise ValueError(
                 f"decoder {self.name!r} does not give logprobs or apply logit_bias, "
                 "penalties or min_tokens: it was loaded with sampling_controls=False, or "
                 "is served by a multi-host group"
             )
+        seed = secrets.randbits(32) if params.seed is None else params.seed
         gen = Generation(
             self,
             tokens,
             limit,
             stops,
-            (temperature, min(k, self.vocab), top_p, seed),
+            (params.temperature, min(params.top_k, self.vocab), params.top_p, seed),
             next((n for n in self.prefill_lengths if n >= len(tokens)), 0),
-            bool(prefix_cache) and self.prefix is not None,
+            params.prefix_cache and self.prefix is not None,
         )
-        gen.logprobs = None if top is None else []
-        gen.top_logprobs = top or 0
+        gen.logprobs = None if params.logprobs is None else []
+        gen.top_logprobs = params.logprobs or 0
         gen.controls = controls
         gen.level = level or self.default_priority_level
         self._enqueue(gen)
@@ -427,26 +406,39 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             elif self._idle:
                 self._cond.notify()
 
-    def generate(self, prompt: Sequence[int] | np.ndarray, **options: Any) -> Completion:
-        """Generate for one prompt and wait for all of it (sync). ``options`` as for
-        ``submit``."""
-        return self.submit(prompt, **options).result()
+    def generate(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        params: SamplingParams | None = None,
+        **options: Any,
+    ) -> Completion:
+        """Generate for one prompt and wait for all of it (sync). ``params`` or
+        ``options`` as for ``submit``."""
+        return self.submit(prompt, params, **options).result()
 
-    def stream(self, prompt: Sequence[int] | np.ndarray, **options: Any) -> Iterator[int]:
+    def stream(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        params: SamplingParams | None = None,
+        **options: Any,
+    ) -> Iterator[int]:
         """The generated tokens of one prompt as they come (sync); closing the iterator
         early cancels the generation."""
-        gen = self.submit(prompt, **options)
+        gen = self.submit(prompt, params, **options)
         try:
             yield from gen
         finally:
             gen.cancel()
 
     async def agenerate(
-        self, prompt: Sequence[int] | np.ndarray, **options: Any
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        params: SamplingParams | None = None,
+        **options: Any,
     ) -> AsyncIterator[int]:
         """The generated tokens of one prompt as they come (async); leaving the loop
         early, or cancelling the task, cancels the generation and frees its slot."""
-        gen = self.submit(prompt, **options)
+        gen = self.submit(prompt, params, **options)
         try:
             async for token in gen:
                 yield token
@@ -454,43 +446,24 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             gen.cancel()
 
     def _controls(
-        self,
-        prompt: np.ndarray,
-        limit: int,
-        stops: frozenset,
-        presence: Any,
-        frequency: Any,
-        repetition: Any,
-        bias: Any,
-        min_tokens: Any,
+        self, prompt: np.ndarray, limit: int, stops: frozenset, params: SamplingParams
     ) -> Controls | None:
-        """A request's sampling controls, checked (None: it has none)."""
-        presence = number_in("presence_penalty", presence, -2.0, 2.0)
-        frequency = number_in("frequency_penalty", frequency, -2.0, 2.0)
-        repetition = number_in("repetition_penalty", repetition, 0.0, 2.0, low_open=True)
-        min_tokens = int_in("min_tokens", min_tokens, 0, None)
-        if min_tokens > limit:
+        """A request's sampling controls, as the step programs take them (None: it has
+        none); what ``params`` could not check without the model checked here."""
+        if params.min_tokens > limit:
             raise ValueError(
                 f"min_tokens must be at most max_tokens ({limit}, or the room the cache "
-                f"leaves after the prompt), got {min_tokens}"
+                f"leaves after the prompt), got {params.min_tokens}"
             )
-        if bias is None:
-            bias = {}
-        if not isinstance(bias, Mapping):
-            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r:.80}")
-        if len(bias) > sampling.MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias: {len(bias)} entries; at most {sampling.MAX_LOGIT_BIAS}")
         ids = np.full(sampling.MAX_LOGIT_BIAS, self.vocab, np.int32)  # out of range: none
         values = np.zeros(sampling.MAX_LOGIT_BIAS, np.float32)
-        for i, (key, value) in enumerate(bias.items()):
-            if isinstance(key, str) and key.strip().isdigit():
-                key = int(key)  # (JSON's keys are strings)
+        for i, (key, value) in enumerate((params.logit_bias or {}).items()):
             ids[i] = int_in("logit_bias: a token id", key, 0, self.vocab - 1)
-            values[i] = number_in(f"logit_bias[{key}]", value, -100.0, 100.0)
-        if not (presence or frequency or repetition != 1.0 or bias or min_tokens):
+            values[i] = value
+        if not params.has_controls:
             return None
         banned = np.full(sampling.MAX_BANNED, self.vocab, np.int32)
-        if min_tokens:
+        if params.min_tokens:
             if len(stops) > sampling.MAX_BANNED:
                 raise ValueError(
                     f"min_tokens holds back {len(stops)} stop ids; at most {sampling.MAX_BANNED}"
@@ -498,9 +471,10 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             banned[: len(stops)] = sorted(stops)
         prompted = np.full((1, self.max_length), self.vocab, np.int32)
         prompted[0, : len(prompt)] = prompt
+        penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
         return Controls(
-            (presence, frequency, repetition), len(prompt) + min_tokens,
-            (ids[None], values[None], banned[None]), prompted,
+            penalties, len(prompt) + params.min_tokens, (ids[None], values[None], banned[None]),
+            prompted,
         )  # fmt: skip
 
     def _check_prompt(self, prompt: Any) -> np.ndarray:

@@ -33,7 +33,7 @@ from .batcher import Batcher
 from .cache import ResponseCache
 
 if TYPE_CHECKING:
-    from pxrt.generate import Decoder, Generation
+    from pxrt.generate import Decoder, Generation, SamplingParams
 
     from ..tracing import Trace, Tracing
 from ..loops import new_event_loop
@@ -201,29 +201,38 @@ class Server:
         return decoder
 
     def start_generation(
-        self, name: str, prompt: Sequence[int] | Any, **options: Any
+        self,
+        name: str,
+        prompt: Sequence[int] | Any,
+        params: SamplingParams | None = None,
+        **options: Any,
     ) -> Generation:
         """Submit one generation to the decoder ``name`` and return its handle
-        (``pxrt.Generation``: iterate it, cancel it); the front ends' entry. Errors as
-        for ``generate``, raised here."""
+        (``pxrt.Generation``: iterate it, cancel it); the front ends' entry.
+        ``params`` or ``options`` as for ``pxrt.Decoder.submit``. Errors as for
+        ``generate``, raised here."""
         from pxrt.generate import DecoderClosed, QueueFull
 
         if self._closed:
             raise ServerClosed("the server is closed")
         decoder = self.decoder(name)
         try:
-            return decoder.submit(prompt, **options)
+            return decoder.submit(prompt, params, **options)
         except QueueFull as exc:
             raise Overloaded(str(exc), exc.retry_after_s) from None
         except DecoderClosed as exc:
             raise ServerClosed(str(exc)) from None
 
     async def open_generation(
-        self, name: str, prompt: Sequence[int] | Any, **options: Any
+        self,
+        name: str,
+        prompt: Sequence[int] | Any,
+        params: SamplingParams | None = None,
+        **options: Any,
     ) -> Generation:
         """``start_generation`` as the front ends call it (the same call on a
         ``--workers`` worker's ``RemoteServer`` waits for the device process)."""
-        return self.start_generation(name, prompt, **options)
+        return self.start_generation(name, prompt, params, **options)
 
     async def generate(
         self,
@@ -231,13 +240,15 @@ class Server:
         prompt: Sequence[int] | Any,
         *,
         timeout_s: float | None = None,
+        params: SamplingParams | None = None,
         **options: Any,
     ) -> AsyncIterator[int]:
         """The tokens the decoder ``name`` generates for ``prompt`` (token ids), as they
         come: ``async for token in server.generate("lm", ids, max_tokens=64)``.
 
-        ``options`` as for ``pxrt.Decoder.submit`` (``max_tokens``, ``temperature``,
-        ``top_k``, ``top_p``, ``seed``, ``stop_ids``, ``prefix_cache``). Leaving the loop early, or
+        ``params`` (a ``pxrt.SamplingParams``) or its fields as ``options``
+        (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop_ids``,
+        ...), as for ``pxrt.Decoder.submit``. Leaving the loop early, or
         cancelling the task, cancels the generation: its slot is free for the next step.
         Raises ValueError naming what is wrong with a bad request, ``Overloaded`` when
         the decoder's waiting queue is full, ``DeadlineExceeded`` when ``timeout_s``
@@ -256,7 +267,7 @@ class Server:
             and timeout_s >= 0
         ):
             raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
-        gen = self.start_generation(name, prompt, **options)
+        gen = self.start_generation(name, prompt, params, **options)
         timer = None
         try:
             if timeout_s is not None:

@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sized
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pxrt.decoder.params import SamplingParams
+
     from ..options import GenerationLimits
     from ..tracing import Trace, Tracing
     from .shm import SharedMemory
@@ -161,7 +163,9 @@ class Backend(Protocol):
 
     def decoder(self, name: str) -> ServedDecoder: ...
 
-    async def open_generation(self, name: str, prompt: list[int], **options: Any) -> TokenStream:
+    async def open_generation(
+        self, name: str, prompt: list[int], params: SamplingParams | None = None, **options: Any
+    ) -> TokenStream:
         """Start a generation once it is accepted (its refusal raised here)."""
         ...
 

@@ -40,6 +40,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pxrt.decoder.params import SamplingParams
 from pxrt.finish import DEADLINE, STOP
 
 from ..errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError
@@ -58,21 +59,24 @@ OPTIONS = (
 # The JSON protocols' options besides (gRPC's one-element tensors carry neither).
 JSON_OPTIONS = (*OPTIONS, "logprobs", "logit_bias")
 SSE = "text/event-stream"
+# OpenAI's defaults where pxrt's differ (its temperature is 1).
+_OPENAI_DEFAULTS = {"max_tokens": 16, "temperature": 1.0}
 
 
 class Prompt:
-    """A parsed generation request: the token ids, the decoder's options, stop strings."""
+    """A parsed generation request: the token ids, its ``SamplingParams`` (checked),
+    stop strings."""
 
     def __init__(
         self,
         ids: list[int],
-        options: dict,
+        params: SamplingParams,
         stop: list[str],
         text: bool,
         timeout_s: float | None = None,
     ) -> None:
         self.ids = ids
-        self.options = options
+        self.params = params
         self.stop = stop
         self.text = text  # answer with text (the prompt was text or a tokenizer exists)
         self.echo: str | None = None  # (completions' echo) the prompt's text to answer
@@ -83,17 +87,15 @@ class Prompt:
     @property
     def logprobs(self) -> bool:
         """Whether its tokens come with their log-probabilities."""
-        return self.options.get("logprobs") is not None
+        return self.params.logprobs is not None
 
     def choice(self, i: int) -> Prompt:
         """The ``i``-th of ``n`` choices: the same request with its own seed (the
         next, given one: seeded choices are reproducible, and differ)."""
-        options = self.options
-        if i and options.get("seed") is not None:
-            seed = options["seed"]
-            if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32:
-                options = options | {"seed": (seed + i) % 2**32}
-        choice = Prompt(self.ids, options, self.stop, self.text, self.timeout_s)
+        params = self.params
+        if i and params.seed is not None:
+            params = params.with_seed((params.seed + i) % 2**32)
+        choice = Prompt(self.ids, params, self.stop, self.text, self.timeout_s)
         choice.echo = self.echo
         return choice
 
@@ -171,14 +173,21 @@ async def _body(request: Request, server: Backend) -> dict:
         body.release()
 
 
-def _options(source: Mapping[str, Any], limits: GenerationLimits) -> dict:
+def _params(
+    source: Mapping[str, Any], limits: GenerationLimits, defaults: Mapping[str, Any] = {}
+) -> SamplingParams:
+    """The request's ``SamplingParams`` (``JSON_OPTIONS`` of ``source`` over
+    ``defaults``), checked here in the front end: a bad one is a 400 naming it."""
     options = {k: source[k] for k in JSON_OPTIONS if source.get(k) is not None}
     stop_ids = options.get("stop_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
             raise invalid(f"stop_ids must be a list of token ids, got {stop_ids!r:.80}")
         check_limit("stop_ids", len(stop_ids), limits.max_stop_ids)
-    return options
+    try:
+        return SamplingParams(**{**defaults, **options})
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
 
 
 # The generate extension's fields: the prompt, the options at the top level or under
@@ -218,8 +227,8 @@ def parse_kserve(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -
     else:
         ids, text = _ids(body["input_ids"], "input_ids"), decoder.tokenizer is not None
     stop = _stop_strings(merged.get("stop"), limits)
-    options = _options(merged, limits)
-    return Prompt(ids, options, stop, text, codec.timeout_s(merged.get("timeout"), "timeout"))
+    params = _params(merged, limits)
+    return Prompt(ids, params, stop, text, codec.timeout_s(merged.get("timeout"), "timeout"))
 
 
 # OpenAI's request fields pxrt does not honour, each with the values that ask nothing of
@@ -305,12 +314,12 @@ def parse_openai(
         ids = _ids(prompt, "prompt")
     else:
         raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
-    options = {"max_tokens": 16, "temperature": 1.0} | _options(body, limits)
+    params = _params(body, limits, _OPENAI_DEFAULTS)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid(f"stream must be true or false, got {stream!r:.40}")
     stop = _stop_strings(body.get("stop"), limits)
-    parsed = Prompt(ids, options, stop, True, codec.timeout_s(body.get("timeout"), "timeout"))
+    parsed = Prompt(ids, params, stop, True, codec.timeout_s(body.get("timeout"), "timeout"))
     if echoed(body):
         decode = getattr(decoder.tokenizer, "decode", None)
         parsed.echo = prompt if isinstance(prompt, str) else decode(ids) if decode else None
@@ -325,7 +334,7 @@ async def start(server: Backend, name: str, prompt: Prompt, headers: Any = ()) -
     tracing = server.tracing
     trace = tracing.begin_generation(name, headers) if tracing is not None else None
     try:
-        gen = await server.open_generation(name, prompt.ids, **prompt.options)
+        gen = await server.open_generation(name, prompt.ids, prompt.params)
     except BaseException as exc:
         if trace is not None:
             trace.failed(exc)

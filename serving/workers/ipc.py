@@ -35,6 +35,8 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy: np.dtype("bfloat
 import msgspec
 import numpy as np
 
+from pxrt.decoder.params import SamplingParams
+
 from ..kserve.shm import OWN_PREFIX
 
 SHARED_MIN = 64 << 10  # tensors at least this large cross through shared memory
@@ -135,7 +137,7 @@ class Generate(msgspec.Struct, tag=7, array_like=True):
     gid: int
     model: str
     ids: list[int]
-    options: dict[str, Any]  # as for ``Decoder.submit`` (checked there)
+    params: SamplingParams  # checked by the worker's front end, and again when decoded
 
 
 class Stop(msgspec.Struct, tag=8, array_like=True):

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pxrt.decoder.params import SamplingParams
 from pxrt.finish import CANCELLED, ERROR
 
 from ..errors import ServerClosed, no_model, no_version
@@ -244,18 +245,30 @@ class RemoteServer:
         return decoder
 
     async def open_generation(
-        self, name: str, prompt: list[int], **options: Any
+        self,
+        name: str,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        **options: Any,
     ) -> RemoteGeneration:
         """Start a generation in the device process once it has accepted it (its
-        refusal raised here, as ``Server.start_generation`` raises it)."""
+        refusal raised here, as ``Server.start_generation`` raises it). ``params`` or
+        ``options`` (as for ``pxrt.Decoder.submit``) are checked here, before they
+        cross to the device process; what depends on the model is checked there."""
         link = self.link
         if link is None:
             raise DeviceGone("the device process is gone")
         self.decoder(name)  # UnknownModel here
+        if params is None:
+            params = SamplingParams.of(options)
+        elif options:
+            raise ValueError(
+                "give the sampling options in params or as keyword arguments, not both"
+            )
         gid = self._next = self._next + 1
         gen = RemoteGeneration(gid, list(prompt), link)
         self._generations[gid] = gen
-        link.send(ipc.Generate(gid, name, gen.prompt, options))
+        link.send(ipc.Generate(gid, name, gen.prompt, params))
         try:
             await gen.accepted()
         except BaseException:

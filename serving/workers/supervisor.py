@@ -201,7 +201,7 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
     def _generate(self, message: ipc.Generate) -> None:
         gid = message.gid
         try:
-            gen = self.server.start_generation(message.model, message.ids, **message.options)
+            gen = self.server.start_generation(message.model, message.ids, message.params)
         except Exception as exc:  # noqa: BLE001 - this generation's refusal
             self.send(ipc.Tokens(gid, [], None, error_of(exc)))
             return
