@@ -59,7 +59,8 @@ demo: $(STAMP)
 # One pass runs every module but the gRPC and Ray ones (4 virtual devices, the Cython
 # build). tritonclient.grpc and kserve register the same protobuf names, so the gRPC
 # tests run in a pytest of their own, on one device, with Ray Serve's two modules beside
-# them (they mostly wait on Ray's own processes; each starts its own local Ray). The modules marked `devices` (how batches
+# them (they mostly wait on Ray's own processes; each starts its own local Ray) and the
+# wheel's (a build, a fresh venv, pxrt demo and pxrt serve from it). The modules marked `devices` (how batches
 # split over the devices) or `twins` (the Cython modules end to end) run again on one
 # device with the pure-Python twins, less their tests marked `once` (they depend on
 # neither). Two pytest workers share the cores, a module each at a time (a third gained
@@ -71,7 +72,7 @@ demo: $(STAMP)
 PYTEST := $(PY) -m pytest -q --durations=30
 XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py \
-	tests/test_shared_memory.py tests/test_ray.py tests/test_serve_ray.py
+	tests/test_shared_memory.py tests/test_ray.py tests/test_serve_ray.py tests/test_wheel.py
 SUITE := tests $(addprefix --ignore=,$(GRPC))
 
 test: $(STAMP)
