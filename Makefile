@@ -7,7 +7,8 @@
 #               leaks, 5xx
 # make debug  - rebuild the extensions with bounds checks, line tracing and annotation
 # make lint   - ruff; mypy over pxrt/ and serving/; stubtest: the Cython modules' .pyi
-#               stubs against the built modules
+#               stubs against the built modules; the documentation site, built strictly
+# make docs   - the documentation site (mkdocs) on localhost:8001
 # Each target creates .venv and installs pxrt (editable, with its test and bench extras)
 # when needed.
 
@@ -24,7 +25,7 @@ FOUR := XLA_FLAGS=--xla_force_host_platform_device_count=4
 TEST_ONE := XLA_FLAGS="$(TEST_XLA)"
 TEST_FOUR := XLA_FLAGS="$(TEST_XLA) --xla_force_host_platform_device_count=4"
 
-.PHONY: all demo test bench soak debug lint clean
+.PHONY: all demo test bench soak debug lint docs clean
 
 all: $(STAMP)
 
@@ -39,7 +40,7 @@ KERAS_HUB := 'keras-hub==0.32.0'
 # --compile-bytecode: uv (unlike pip) writes no .pyc by default, and where
 # PYTHONDONTWRITEBYTECODE is set no process writes them, so every test process and every
 # server a test starts compiled jax, Ray and the rest from source (Ray's module took 2x).
-EXTRAS := .[test,bench,grpc,ray]
+EXTRAS := .[test,bench,docs,grpc,ray]
 
 $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*/*.pyx serving/*/*.pxd)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -117,11 +118,22 @@ debug: $(STAMP)
 STUBS := pxrt._batch pxrt._handlers pxrt._keys pxrt._slots serving.kserve._tensors serving.grpc._hpack \
 	serving.kserve._shmguard
 
+# The documentation site is built strictly (a broken link or reference fails) into a
+# throwaway folder (not --quiet: mkdocs then drops the warnings that --strict counts);
+# `make docs` serves it, rebuilt on every change.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py
+	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py docs/hooks.py
 	$(VENV)/bin/mypy & mypy=$$!; \
+	site=$$(mktemp -d); $(MKDOCS) build --strict -d $$site/html > $$site/log 2>&1 & docs=$$!; \
 	$(PY) -m mypy.stubtest --ignore-disjoint-bases --allowlist tests/stubtest_allowlist.txt \
-		$(STUBS); stubs=$$?; wait $$mypy && exit $$stubs
+		$(STUBS); stubs=$$?; wait $$docs; built=$$?; \
+	if [ $$built -ne 0 ]; then grep -v "^INFO" $$site/log; fi; rm -rf $$site; \
+	wait $$mypy && [ $$built -eq 0 ] && exit $$stubs
+
+docs: $(STAMP)
+	$(MKDOCS) serve -a localhost:8001
 
 clean:
-	rm -rf build pxrt/*.so pxrt/*.c pxrt/*.html serving/*/*.so serving/*/*.c serving/*/*.html $(VENV)
+	rm -rf build site pxrt/*.so pxrt/*.c pxrt/*.html serving/*/*.so serving/*/*.c serving/*/*.html $(VENV)
