@@ -1,0 +1,150 @@
+"""The decoder's scheduler on its own: pure host code, tested without jax or a device.
+Prices go in as the load would measure them (seconds per program); what comes out is
+each choice the loop makes from them: the turn's bound, the prefill cell for the prompts
+waiting, the prefill budget of a turn, the step for the busy slots and how many steps
+one program runs."""
+
+from __future__ import annotations
+
+import collections
+import math
+import subprocess
+import sys
+import types
+
+import pytest
+
+from pxrt.decoder.scheduler import BLOCK_S, Scheduler
+
+
+class Decoder(Scheduler):
+    """The attributes the scheduler reads of a decoder, set by hand: 8 slots on one
+    device, prefill cells of 1 and 4 prompts at lengths 16 and 64, steps over 4 and 8
+    slots and windows of 64 and 128 positions of a 256-position cache."""
+
+    def __init__(self, **over) -> None:
+        self.devices = [None]
+        self.slots = 8
+        self.prefill_lengths = (16, 64)
+        self.prefill_batches = (1, 4)
+        self._cells = {(b, n): None for b in self.prefill_batches for n in self.prefill_lengths}
+        self.step_slots = (4, 8)
+        self._steps = {4: None, 8: None}
+        self.step_lengths = (64, 128)
+        self.multi_step = 4
+        self.speculative_tokens = 0
+        self.overlap_prefill = False
+        self.counters = collections.Counter()
+        self._chunking, self._prefilling, self._prefilled = [], [], []
+        self._waiting = collections.deque()
+        self._table = types.SimpleNamespace(free=list(range(8)), owners=[None] * 8, busy=0)
+        self.__dict__.update(over)
+
+
+COSTS = {
+    "prefill[1,16]": 1.0e-3, "prefill[4,16]": 2.0e-3,
+    "prefill[1,64]": 3.0e-3, "prefill[4,64]": 8.0e-3,
+    "step[8]": 2.0e-3, "step[4]": 1.2e-3,
+    "step[8,64]": 0.8e-3, "step[8,128]": 2.5e-3, "step[4,64]": 0.5e-3, "step[4,128]": 0.9e-3,
+    "dispatch": 0.0,
+}  # fmt: skip
+
+
+def priced(**over) -> Decoder:
+    dec = Decoder(**over)
+    dec._price_programs(COSTS, None)
+    return dec
+
+
+def busy(dec: Decoder, n: int, position: int = 10, left: int = 100) -> None:
+    """``n`` busy slots, each at ``position`` with ``left`` tokens to go."""
+    gens = [
+        types.SimpleNamespace(prompt=[0] * position, tokens=[], max_tokens=left, dispatched=0)
+        for _ in range(n)
+    ]
+    dec._table.owners = gens + [None] * (dec.slots - n)
+    dec._table.free = list(range(n, dec.slots))
+    dec._table.busy = n
+
+
+def test_the_scheduler_imports_no_jax():
+    code = "import sys, pxrt.decoder.scheduler\nassert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_prices_and_the_turns_bound_come_from_the_measured_times():
+    dec = priced()
+    assert dec._priced == 1
+    # the bound: a whole step and the longest single-prompt prefill
+    assert dec.itl_bound_s == pytest.approx(2.0e-3 + 3.0e-3)
+    assert dec._step_prices[(8, 0)] == 2.0e-3 and dec._step_prices[(4, 64)] == 0.5e-3
+    assert dec._step_cost == {4: 1.2e-3, 8: 2.0e-3}
+    # a step over fewer slots measured dearer than the whole one is priced as the whole
+    dec._price_programs(COSTS | {"step[4]": 9e-3}, 7.5)
+    assert dec._step_cost[4] == 2.0e-3 and dec.itl_bound_s == pytest.approx(7.5e-3)
+    # a prefill cell not measured (a multi-host group): unpriced, one unit a turn
+    unpriced = Decoder()
+    unpriced._price_programs({"step[8]": 1e-3}, None)
+    assert unpriced._priced == 0 and unpriced.itl_bound_s == math.inf
+    assert unpriced._price(3, 16, 0.0, first=True) == (4, 3, 0.0)
+
+
+def test_a_unit_goes_in_the_cell_that_admits_the_most_prompts_per_second():
+    dec = priced()
+    # 3 prompts at 64: the 4-cell takes 3 in 8 ms (375/s), the 1-cell 1 in 3 ms (333/s)
+    assert dec._price(3, 64, math.inf, first=True) == (4, 3, 8.0e-3)
+    # 1 prompt: the 4-cell's padding is paid for nothing
+    assert dec._price(1, 64, math.inf, first=True) == (1, 1, 3.0e-3)
+    # within the budget left: only the 1-cell fits
+    assert dec._price(3, 64, 5.0e-3, first=True) == (1, 1, 3.0e-3)
+    # none fits: the turn's first unit still goes (the cheapest), a later one waits
+    assert dec._price(3, 64, 1.0e-3, first=True) == (1, 1, 3.0e-3)
+    assert dec._price(3, 64, 1.0e-3, first=False) == (0, 0, 0.0)
+
+
+def test_a_turns_prefill_budget_leaves_room_for_the_coming_step():
+    dec = priced()
+    assert dec._prefill_budget() == math.inf  # no stream waits on this turn
+    busy(dec, 3)  # the step over 4 slots comes next
+    assert dec._prefill_budget() == pytest.approx(dec.itl_bound_s - 1.2e-3)
+    busy(dec, 6)
+    assert dec._prefill_budget() == pytest.approx(dec.itl_bound_s - 2.0e-3)
+    beside = priced(overlap_prefill=True)  # what costs up to a step goes between two
+    busy(beside, 6)
+    assert beside._prefill_budget() == pytest.approx(2.0e-3)
+
+
+def test_the_step_is_the_cheapest_measured_that_holds_the_busy_slots():
+    dec = priced()
+    busy(dec, 3, position=20)  # 3 slots, positions under 64 (with the margin)
+    assert dec._window() == 64
+    assert dec._cheapest_step(4) == (4, 64)
+    busy(dec, 6, position=20)
+    assert dec._cheapest_step(8) == (8, 64)
+    busy(dec, 6, position=100)  # under 128: but the window of 128 is measured dearer
+    assert dec._window() == 128 and dec._cheapest_step(8) == (8, 0)
+    busy(dec, 3, position=200)  # past every window: the whole cache
+    assert dec._window() == 0 and dec._cheapest_step(4) == (4, 0)
+    unmeasured = Decoder()
+    unmeasured._price_programs({k: v for k, v in COSTS.items() if "," not in k[5:]}, None)
+    busy(unmeasured, 3, position=20)  # windows not timed: the fewest rows, the smallest window
+    assert unmeasured._cheapest_step(4) == (4, 64)
+
+
+def test_a_block_runs_as_many_steps_as_fit_and_nothing_waits_on():
+    dec = priced()
+    busy(dec, 8, left=100)
+    # at 0.8 ms a step, 2 fit in BLOCK_S (2 ms); at 0.5 ms, all 4
+    assert dec._block_size(8, 64) == min(4, int(BLOCK_S / 0.8e-3)) == 2
+    assert dec._block_size(4, 64) == 4
+    # a step dearer than BLOCK_S runs alone
+    assert dec._block_size(8, 128) == 1
+    # a prompt waiting with no slot free: no further than the first max_tokens reached
+    dec._waiting.append(object())
+    busy(dec, 8, left=3)
+    assert dec._block_size(4, 64) == 3
+    busy(dec, 7, left=3)  # ... and with a slot free, one step: it is admitted next turn
+    assert dec._block_size(4, 64) == 1
+    dec._waiting.clear()
+    dec._chunking.append(object())  # a chunk between the steps
+    assert dec._block_size(4, 64) == 1
