@@ -29,10 +29,12 @@ This module writes and reads the directory; what a tensor spec is lives in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -75,6 +77,8 @@ from .specs import (
 BATCH_AXIS = "data"
 DEFAULT_OUTPUT = "output"
 SYMBOLIC, CONCRETE = "symbolic", "concrete"  # how an artifact's programs were traced
+
+log = logging.getLogger("pxrt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,11 +207,7 @@ def export(
 
     leaves, param_meta = param_entries(params)
     fn = on_leaves(fn, jax.tree.structure(params))
-    if x64 is None:
-        x64 = any(
-            np.dtype(d).itemsize == 8
-            for d in [s.dtype for s in inputs.values()] + [leaf.dtype for leaf in leaves]
-        )
+    x64, why = x64_of(x64, param_meta, inputs, "pxrt.export")
 
     manifest = {
         "format": FORMAT,
@@ -229,7 +229,7 @@ def export(
         "bounds": bound,
         "constraints": _shapes.check_constraints(constraints, ([BATCH_DIM, *dims],)),
     }
-    with _xla.export_scope(x64):
+    with _xla.export_scope(x64), x64_noted(why):
         param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
         trace = _trace_symbolic if shapes == SYMBOLIC else _trace_concrete
         programs, ccv = trace(fn, param_specs, inputs, buckets, dims, manifest)
@@ -497,6 +497,52 @@ def param_entries(params: Any) -> tuple[list[np.ndarray], list[dict]]:
         for i, ((kp, _), leaf) in enumerate(zip(flat, leaves))
     ]
     return leaves, entries
+
+
+def x64_of(
+    x64: bool | None, params: list[dict], inputs: Mapping[str, Any] | None, who: str
+) -> tuple[bool, str | None]:
+    """Whether an export traces with 64-bit types, and the 64-bit input or param that
+    made it so (None: ``x64`` was given, or nothing is 64-bit). Inferred (``x64`` None):
+    any 64-bit input or param turns it on, and says so by name, since one stray float64
+    leaf (numpy promotes ``float32 / np.sqrt(1)``) changes every integer in the trace.
+    ``x64=False`` with a 64-bit param is refused by name: the program would take 32 bits
+    where the artifact stores 64 (found only at load, before)."""
+    wide = [f"input {k!r} ({np.dtype(s.dtype).name})" for k, s in (inputs or {}).items()
+            if np.dtype(s.dtype).itemsize == 8]  # fmt: skip
+    wide += [f"param {e['path']} ({e['dtype']})" for e in params
+             if np.dtype(e["dtype"]).itemsize == 8]  # fmt: skip
+    if x64 is None:
+        if not wide:
+            return False, None
+        log.warning(
+            "%s: tracing with 64-bit types (x64), since %s is 64-bit%s; if that is not "
+            "meant, cast it to 32 bits and pass x64=False (x64=True says it is meant)",
+            who, wide[0], f" (and {len(wide) - 1} more)" if len(wide) > 1 else "",
+        )  # fmt: skip
+        return True, wide[0]
+    if not x64:
+        params64 = [w for w in wide if w.startswith("param")]
+        if params64:
+            raise TypeError(
+                f"{who}: x64=False, but {params64[0]} is 64-bit: the programs would take it "
+                "as 32 bits; cast it (e.g. .astype(np.float32)) or pass x64=True"
+            )
+    return bool(x64), None
+
+
+@contextlib.contextmanager
+def x64_noted(why: str | None) -> Any:
+    """An error of the trace inside says, when x64 was inferred, what turned it on."""
+    try:
+        yield
+    except Exception as exc:
+        if why is not None:
+            exc.add_note(
+                f"pxrt: this export traced with 64-bit types (x64) because {why} is 64-bit; "
+                "if that is not meant, cast it to 32 bits and pass x64=False"
+            )
+        raise
 
 
 def write_directory(

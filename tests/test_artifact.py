@@ -317,3 +317,45 @@ def test_buckets_too_large_to_stage_are_refused_before_allocating(tmp_path):
     with pytest.raises(ValueError, match="GiB of staging"):
         pxrt.load(path)
     assert pxrt.load(path, buckets=(1,)).buckets == (jax.device_count(),)  # rounded up
+
+
+def test_a_64_bit_leaf_is_named_at_export(tmp_path, caplog):
+    """One float64 leaf (numpy 2 promotes ``float32 / np.sqrt(1)``) turns on 64-bit
+    tracing when x64 is inferred: the export says which leaf, a trace that then fails
+    says it too, and ``x64=False`` with such a leaf is refused by name at export (the
+    load found it before, as a dtype mismatch)."""
+    from pxrt import demo
+
+    params = {"w": np.ones((4, 4), np.float32), "b": np.ones(4, np.float32) / np.sqrt(1)}
+    assert params["b"].dtype == np.float64
+    spec = {"x": pxrt.TensorSpec((4,), "float32")}
+
+    def affine(params, x):
+        return x @ params["w"] + params["b"]
+
+    with caplog.at_level("WARNING", logger="pxrt"):
+        pxrt.export(affine, params, tmp_path / "a", inputs=spec, batch_buckets=(1,))
+    assert "since param ['b'] (float64) is 64-bit" in caplog.text
+    assert pxrt.read_artifact(tmp_path / "a").x64 is True
+
+    def indexed(params, x):  # int64 indices under x64 meet an int32 one
+        i = jax.numpy.argmax(params["b"])
+        return jax.lax.dynamic_slice(x, (jax.numpy.int32(0), i), (x.shape[0], 1))
+
+    with pytest.raises(TypeError, match="dynamic_slice") as info:
+        pxrt.export(indexed, params, tmp_path / "b", inputs=spec, batch_buckets=(1,))
+    assert "because param ['b'] (float64) is 64-bit" in "".join(info.value.__notes__)
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pxrt"):  # said to be meant: nothing to say
+        pxrt.export(affine, params, tmp_path / "c", inputs=spec, batch_buckets=(1,), x64=True)
+    assert "64-bit" not in caplog.text
+    with pytest.raises(TypeError, match=r"x64=False, but param \['b'\] \(float64\) is 64-bit"):
+        pxrt.export(affine, params, tmp_path / "d", inputs=spec, batch_buckets=(1,), x64=False)
+    lm = demo.make_lm_params()
+    lm["embed"] = lm["embed"].astype(np.float64)
+    with pytest.raises(TypeError, match=r"export_decoder: x64=False, but param \['embed'\]"):
+        pxrt.export_decoder(
+            demo.lm_prefill, demo.lm_decode, lm, tmp_path / "lm", cache=demo.lm_cache_spec(),
+            max_length=256, x64=False,
+        )  # fmt: skip

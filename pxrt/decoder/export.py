@@ -66,6 +66,8 @@ from ..artifact import (
     read_params,
     verify_files,
     write_directory,
+    x64_noted,
+    x64_of,
 )
 from ..manifest import (
     CONCRETE_FORMAT_VERSION,
@@ -274,12 +276,11 @@ def export_decoder(
     functions = {"prefill": on_leaves(prefill, treedef), "decode": on_leaves(decode, treedef)}
     if extend is not None:
         functions["extend"] = on_leaves(extend, treedef)
-    if x64 is None:
-        x64 = any(leaf.dtype.itemsize == 8 for leaf in leaves)
+    x64, why = x64_of(x64, param_meta, None, "pxrt.export_decoder")
     stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
     files, tok_config = _tokenizer_files(tokenizer, chat_template)
     dims = _dims(bound, extend is not None)
-    with _xla.export_scope(x64):
+    with _xla.export_scope(x64), x64_noted(why):
         param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
         if shapes == SYMBOLIC:
             constraints = _shapes.check_constraints(constraints, [list(d) for d in dims.values()])
