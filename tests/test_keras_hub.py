@@ -187,6 +187,8 @@ def test_other_causal_lm_families_generate_like_keras_hub(family, tmp_path):
         lm, tmp_path / family, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8,),
         prefill_batches=(1,),
     )  # fmt: skip
+    # served as its directory's name, not keras's layer name (gpt2_causal_lm...)
+    assert pxrt.decoder.read(path).name == family != lm.name
     # 13 tokens: chunked (prefill goes to 8); then again, its first 12 from the prefix
     # cache (blocks of 4) and the last one computed by extend.
     prompts = [rng.integers(1, VOCAB, n).astype(np.int32) for n in (2, 8, 5, 13)]

@@ -105,7 +105,8 @@ def export_backbone(
 ) -> str:
     """Export a keras-hub backbone as a one-shot model: its inputs over a named sequence
     dimension compiled at ``seq_lengths``; ``options`` as for ``pxrt.export`` (``name``,
-    ``bounds``, ``shapes``...). Returns the artifact path."""
+    ``bounds``, ``shapes``...). It is served as ``name``, by default the artifact
+    directory's name (not keras's layer name). Returns the artifact path."""
     inputs = backbone_inputs(backbone)
 
     def fn(params: Any, **xs: Any) -> Any:
@@ -113,7 +114,6 @@ def export_backbone(
             out = backbone(dict(xs), training=False)
         return dict(out) if isinstance(out, Mapping) else out
 
-    options.setdefault("name", backbone.name)
     return export(
         fn, params_of(backbone), path, inputs=inputs, batch_buckets=batch_buckets,
         dim_buckets={SEQ: tuple(seq_lengths)}, **options,
@@ -173,7 +173,8 @@ def export_causal_lm(
 ) -> str:
     """Export a keras-hub causal LM as a pxrt decoder (see the module docstring);
     ``options`` as for ``pxrt.export_decoder``. ``eos_id`` defaults to the tokenizer's
-    end token. Returns the artifact path."""
+    end token. It is served as ``name``, by default the artifact directory's name (not
+    keras's layer name, ``gpt_neo_x_causal_lm``). Returns the artifact path."""
     spec = cache_spec(causal_lm)
 
     def prefill(params: Any, tokens: Any, lengths: Any) -> Any:
@@ -209,7 +210,6 @@ def export_causal_lm(
     sp = getattr(lm_tokenizer, "proto", None)
     if eos_id is None:
         eos_id = getattr(lm_tokenizer, "end_token_id", None)
-    options.setdefault("name", causal_lm.name)
     options.setdefault("chunk_lengths", sorted({min(prefill_lengths), max(prefill_lengths)}))
     with tempfile.TemporaryDirectory() as tmp:
         if tokenizer is None and isinstance(sp, bytes):
