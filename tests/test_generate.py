@@ -129,6 +129,10 @@ def test_one_request_equals_plain_jax(lm, reference):
         assert out.tokens == reference(prompt, 12)
         assert out.finish_reason == ("stop" if out.tokens[-1] == demo.LM_EOS else "length")
         assert out.prompt_tokens == len(prompt)
+    # text, where the artifact carries a tokenizer (bytes here), as the front ends encode it
+    text = "Hi, pxrt"
+    out = lm.generate(text, max_tokens=12)
+    assert out.tokens == reference(list(text.encode()), 12) and out.prompt_tokens == 8
 
 
 def test_continuous_batching_equals_one_at_a_time(lm, reference):
@@ -1116,6 +1120,12 @@ def test_bad_requests_fail_alone(lm, reference, prompt, options, message):
     with pytest.raises(ValueError, match=message):
         lm.submit(prompt, **options)
     assert running.result().tokens == reference(good, 10)
+
+
+def test_text_needs_a_tokenizer(lm, monkeypatch):
+    monkeypatch.setattr(lm, "tokenizer", None)  # (an artifact exported without one)
+    with pytest.raises(ValueError, match="prompt: text needs a tokenizer and decoder 'lm' has"):
+        lm.submit("Hi", max_tokens=2)
 
 
 @pytest.mark.once

@@ -330,11 +330,13 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
 
     def submit(
         self,
-        prompt: Sequence[int] | np.ndarray,
+        prompt: Sequence[int] | np.ndarray | str,
         params: SamplingParams | None = None,
         **options: Any,
     ) -> Generation:
-        """Queue one prompt (token ids) for generation; returns its ``Generation``.
+        """Queue one prompt for generation: token ids, or text where the artifact
+        carries a tokenizer (encoded as the front ends encode it); returns its
+        ``Generation`` (its tokens are ids: ``decoder.tokenizer.decode`` them).
 
         ``params``: how (a ``pxrt.SamplingParams``, checked when it was made), or its
         fields as keyword arguments (``max_tokens=64, temperature=0.7``), not both. What
@@ -408,7 +410,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
 
     def generate(
         self,
-        prompt: Sequence[int] | np.ndarray,
+        prompt: Sequence[int] | np.ndarray | str,
         params: SamplingParams | None = None,
         **options: Any,
     ) -> Completion:
@@ -418,7 +420,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
 
     def stream(
         self,
-        prompt: Sequence[int] | np.ndarray,
+        prompt: Sequence[int] | np.ndarray | str,
         params: SamplingParams | None = None,
         **options: Any,
     ) -> Iterator[int]:
@@ -432,7 +434,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
 
     async def agenerate(
         self,
-        prompt: Sequence[int] | np.ndarray,
+        prompt: Sequence[int] | np.ndarray | str,
         params: SamplingParams | None = None,
         **options: Any,
     ) -> AsyncIterator[int]:
@@ -478,6 +480,13 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         )  # fmt: skip
 
     def _check_prompt(self, prompt: Any) -> np.ndarray:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"prompt: text needs a tokenizer and decoder {self.name!r} has none: "
+                    "give token ids (or export it with tokenizer=)"
+                )
+            prompt = self.tokenizer.encode(prompt)
         try:
             arr = np.asarray(prompt)
         except Exception as exc:  # noqa: BLE001 - anything unreadable is a bad prompt
