@@ -9,6 +9,11 @@ A decoder artifact may carry a tokenizer (``export_decoder(..., tokenizer=...)``
 - a SentencePiece ``.model`` (Gemma's, Llama 2's, T5's; the optional ``sentencepiece``
   extra), carried the same way as ``tokenizer.model``.
 
+Text is encoded without the tokenizer's own special tokens (the prompt is what the client
+sent); a model that expects a start token before a text prompt (keras-hub's
+``add_start_token``: GPT-2's ``<|endoftext|>``, Gemma's ``<bos>``) says so with the
+artifact's ``start_ids``, put before every text prompt that does not begin with them.
+
 ``TextStream`` turns tokens into text as they come without ever emitting half a UTF-8
 character, and ends the text at a stop string (the stop string itself is not emitted;
 text that could still be the start of one is held back until it cannot).
@@ -52,6 +57,8 @@ class ByteTokenizer:
 
     kind = BYTES
 
+    vocab_size = 256
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -88,6 +95,7 @@ class TokenizersTokenizer:
                 f"{path} needs the `tokenizers` package: pip install 'pxrt[tokenizers]'"
             ) from None
         self._tok = _HF.from_file(path)
+        self.vocab_size = int(self._tok.get_vocab_size())
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -117,6 +125,7 @@ class SentencePieceTokenizer:
             self._sp.Load(path)
         except (OSError, RuntimeError) as exc:
             raise ValueError(f"{path} is not a SentencePiece model: {exc}") from None
+        self.vocab_size = int(self._sp.GetPieceSize())
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self._sp.EncodeAsIds(text)]
@@ -264,17 +273,44 @@ class TextStream:
         return out
 
 
+class StartIds:
+    """A tokenizer whose text prompts begin with ``start_ids`` (the model's start token),
+    unless the text already encodes to them (a chat template that writes its BOS)."""
+
+    def __init__(self, tokenizer: Any, start_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.start_ids = [int(t) for t in start_ids]
+        self.kind = tokenizer.kind
+        self.vocab_size = tokenizer.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        n = len(self.start_ids)
+        return ids if ids[:n] == self.start_ids else [*self.start_ids, *ids]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(tokens))
+
+    def stream(self) -> Any:
+        return self.tokenizer.stream()
+
+
 def load(config: dict | None, directory: str) -> Any:
     """The tokenizer a decoder artifact's manifest names (None: it carries none)."""
     if not config:
         return None
-    if config.get("kind") == BYTES:
-        return ByteTokenizer()
-    if config.get("kind") == TOKENIZERS:
-        return TokenizersTokenizer(os.path.join(directory, TOKENIZER_FILE))
-    if config.get("kind") == SENTENCEPIECE:
-        return SentencePieceTokenizer(os.path.join(directory, SENTENCEPIECE_FILE))
-    raise ValueError(f"unknown tokenizer kind {config.get('kind')!r}")
+    kind = config.get("kind")
+    tokenizer: Any
+    if kind == BYTES:
+        tokenizer = ByteTokenizer()
+    elif kind == TOKENIZERS:
+        tokenizer = TokenizersTokenizer(os.path.join(directory, TOKENIZER_FILE))
+    elif kind == SENTENCEPIECE:
+        tokenizer = SentencePieceTokenizer(os.path.join(directory, SENTENCEPIECE_FILE))
+    else:
+        raise ValueError(f"unknown tokenizer kind {kind!r}")
+    start = config.get("start_ids")
+    return StartIds(tokenizer, start) if start else tokenizer
 
 
 def render_chat(template: str, messages: list, **extra: Any) -> str:

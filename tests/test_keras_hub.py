@@ -65,6 +65,69 @@ def gemma_path(gemma, tmp_path_factory):
     )  # fmt: skip
 
 
+# A byte-level BPE vocabulary small enough to write out: GPT-2's conventions (the
+# <|endoftext|> token starts and ends a text; "Ġ" is a space before a word).
+GPT2_TOKENS = ["<|endoftext|>", *"abcdefghijklmnopqrstuvwxyz", "Ġ", "!", ",",
+               "th", "he", "the", "Ġt", "Ġthe", "at", "Ġc", "Ġcat", "Ġh", "Ġhat", "an"]  # fmt: skip
+GPT2_MERGES = ["t h", "h e", "th e", "Ġ t", "Ġt he", "a t", "Ġ c", "Ġc at", "Ġ h", "Ġh at",
+               "a n"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    keras.utils.set_random_seed(5)
+    tokenizer = keras_hub.models.GPT2Tokenizer(
+        vocabulary={t: i for i, t in enumerate(GPT2_TOKENS)}, merges=GPT2_MERGES
+    )
+    preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(
+        tokenizer=tokenizer, sequence_length=MAX_LENGTH
+    )
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=MAX_LENGTH,
+    )  # fmt: skip
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
+    lm.compile(sampler="greedy")
+    rng = np.random.default_rng(6)
+    for v in lm.variables:
+        fan_in = v.shape[0] if len(v.shape) > 1 else 1
+        v.assign(rng.standard_normal(v.shape).astype(np.float32) / np.sqrt(fan_in))
+    return lm
+
+
+@pytest.fixture(scope="module")
+def gpt2_path(gpt2, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2") / "gpt2"
+    return adapter.export_causal_lm(
+        gpt2, path, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8, 16), prefill_batches=(1,)
+    )
+
+
+def keras_ids(lm, text):
+    """The ids keras-hub's ``generate(text)`` runs on: its preprocessing, unpadded."""
+    x = lm.preprocessor.generate_preprocess([text])
+    return [int(t) for t, m in zip(np.asarray(x["token_ids"])[0], np.asarray(x["padding_mask"])[0])
+            if m]  # fmt: skip
+
+
+def test_a_byte_pair_tokenizer_is_carried_with_its_start_token(gpt2, gpt2_path):
+    """GPT-2's byte-pair tokenizer goes into the artifact as the tokenizer.json keras-hub
+    tokenizes with, and its preprocessor's start token (<|endoftext|>) as the artifact's
+    start_ids: a text prompt gets the ids keras-hub's generate(text) runs on, and the
+    same greedy tokens."""
+    art = pxrt.decoder.read(gpt2_path)
+    assert art.config["tokenizer"] == {"kind": "tokenizers", "start_ids": [0]}
+    with pxrt.load(gpt2_path, step_slots=(), sampling_controls=False) as dec:
+        for text in ("the cat", "a hat, the hat!", "zebra"):
+            ids = keras_ids(gpt2, text)
+            assert ids[0] == 0 and dec.tokenizer.encode(text) == ids, text
+            out = dec.generate(text, max_tokens=6)
+            want = keras_greedy(gpt2, ids, 6)
+            assert out.tokens == want[: len(out.tokens)] and out.prompt_tokens == len(ids)
+            assert len(out.tokens) == 6 or out.tokens[-1] == 0  # (0 ends a text too)
+        assert dec.tokenizer.encode(dec.tokenizer.decode(ids[1:])) == ids  # round trip
+
+
 def bert_request(rows, n, seed):
     rng = np.random.default_rng(seed)
     mask = np.ones((rows, n), bool)
@@ -128,7 +191,7 @@ def test_a_gemma_causal_lm_generates_like_keras_hub(gemma, gemma_path):
 
 
 def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
-    bert, gemma, bert_path, gemma_path, tmp_path, monkeypatch
+    bert, gemma, gpt2, bert_path, gemma_path, gpt2_path, tmp_path, monkeypatch
 ):
     """Both artifacts behind `pxrt serve` in a process where keras cannot be imported:
     the unmodified tritonclient and openai clients get what keras computes."""
@@ -142,7 +205,7 @@ def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     )
-    proc = ServeProcess([bert_path, gemma_path])
+    proc = ServeProcess([bert_path, gemma_path, gpt2_path])
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{proc.port}")
         request = bert_request(2, 9, seed=4)
@@ -157,6 +220,14 @@ def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
         prompt = [5, 9, 17, 2]
         out = openai.completions.create(model="gemma", prompt=prompt, max_tokens=6, temperature=0)
         assert out.choices[0].model_extra["token_ids"] == keras_greedy(gemma, prompt, 6)
+        # text in and out, with the tokenizer carried: keras-hub's ids, its tokens' text
+        text = "the cat"
+        out = openai.completions.create(model="gpt2", prompt=text, max_tokens=5, temperature=0)
+        want = keras_greedy(gpt2, keras_ids(gpt2, text), 5)
+        want = want[: want.index(0) + 1] if 0 in want else want  # (0 ends a text)
+        assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == len(want)
+        words = gpt2.preprocessor.tokenizer.detokenize([t for t in want if t != 0])
+        assert out.choices[0].text == words and len(want) > 1, want
     finally:
         proc.stop()
 

@@ -151,6 +151,35 @@ def test_an_artifact_carries_its_tokenizer_json(tmp_path):
         pxrt.load(art)
 
 
+def test_a_tokenizer_is_checked_against_the_models_vocabulary(tmp_path):
+    """A tokenizer with more tokens than the model's logits is refused at export (a text
+    prompt could give ids the model has no embedding for); start ids must be inside the
+    vocabulary and need a tokenizer. Start ids go before text prompts only, once."""
+    common = dict(
+        cache=demo.lm_cache_spec(1, 2, 32), max_length=32, prefill_lengths=(16,),
+        prefill_batches=(1,),
+    )  # fmt: skip
+    params = demo.make_lm_params(dim=32, heads=2, layers=1)
+    fns = (demo.lm_prefill, demo.lm_decode, params)
+    big = _bpe(tmp_path, demo.LM_VOCAB + 40)
+    assert TokenizersTokenizer(big).vocab_size > demo.LM_VOCAB
+    with pytest.raises(ValueError, match=r"has \d+ tokens, more than the model's vocabulary"):
+        pxrt.export_decoder(*fns, tmp_path / "a", tokenizer=big, **common)
+    with pytest.raises(ValueError, match="start_ids go before text prompts: they need a tokenizer"):
+        pxrt.export_decoder(*fns, tmp_path / "b", start_ids=[1], **common)
+    with pytest.raises(ValueError, match=r"start_ids \[999\] are outside the model's vocabulary"):
+        pxrt.export_decoder(*fns, tmp_path / "c", tokenizer="bytes", start_ids=[999], **common)
+    art = pxrt.export_decoder(
+        *fns, tmp_path / "d", tokenizer="bytes", start_ids=[demo.LM_BOS], **common
+    )
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["decoder"]["tokenizer"] == {"kind": "bytes", "start_ids": [demo.LM_BOS]}
+    with pxrt.load(art) as dec:
+        assert dec.tokenizer.encode("hi") == [demo.LM_BOS, 104, 105]
+        assert dec.generate("hi", max_tokens=3).prompt_tokens == 3
+        assert dec.generate([104, 105], max_tokens=3).prompt_tokens == 2  # ids as given
+
+
 def _sentencepiece(tmp_path) -> str:
     """A tiny SentencePiece model trained here (what Gemma and Llama 2 ship)."""
     spm = pytest.importorskip("sentencepiece")
@@ -169,7 +198,7 @@ def test_an_artifact_carries_a_sentencepiece_model(tmp_path):
 
     path = _sentencepiece(tmp_path)
     art = pxrt.export_decoder(
-        demo.lm_prefill, demo.lm_decode, demo.make_lm_params(dim=32, heads=2, layers=1),
+        demo.lm_prefill, demo.lm_decode, demo.make_lm_params(vocab=290, dim=32, heads=2, layers=1),
         tmp_path / "lm", cache=demo.lm_cache_spec(1, 2, 32), max_length=32,
         prefill_lengths=(16,), prefill_batches=(1,), tokenizer=path,
     )  # fmt: skip

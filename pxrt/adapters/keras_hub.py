@@ -16,14 +16,20 @@
 
 Both read the weights through ``keras.StatelessScope``: the params are the model's
 variables by path, the model object stays in the closure, and nothing of keras is
-needed where the artifact is served. A SentencePiece tokenizer (``proto``: Gemma's,
-Llama 2's) goes into the artifact, unless ``tokenizer=`` names another.
+needed where the artifact is served. The causal LM's tokenizer goes into the artifact
+(``carried_tokenizer``), unless ``tokenizer=`` names another: a SentencePiece ``proto``
+as ``tokenizer.model`` (Gemma's, Llama 2's), a byte-pair or WordPiece tokenizer (GPT-2's,
+OPT's, Llama 3's, Qwen's...) as the ``tokenizer.json`` of the ``tokenizers`` object
+keras-hub itself tokenizes with; and the preprocessor's start token (``add_start_token``)
+as the artifact's ``start_ids``, so that a served text prompt gets the ids
+``generate(text)`` would.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +43,8 @@ from ..recipes import per_slot
 from ..specs import TensorSpec
 
 SEQ = "seq"
+
+log = logging.getLogger("pxrt")
 
 
 def _keras() -> Any:
@@ -159,6 +167,41 @@ def cache_spec(causal_lm: Any) -> Any:
     return jax.tree.map(spec, a, b)
 
 
+def carried_tokenizer(tokenizer: Any, directory: str) -> str | None:
+    """A keras-hub tokenizer as a file pxrt carries, written into ``directory``: a
+    SentencePiece ``proto`` as ``tokenizer.model``; the ``tokenizers.Tokenizer`` that
+    keras-hub's byte-pair and WordPiece tokenizers run on as ``tokenizer.json`` (the same
+    ids as keras-hub's). None, with a warning naming it, for one that cannot be."""
+    proto = getattr(tokenizer, "proto", None)
+    if isinstance(proto, bytes):
+        path = os.path.join(directory, "tokenizer.model")
+        with open(path, "wb") as f:
+            f.write(proto)
+        return path
+    inner = getattr(tokenizer, "_tokenizer", None)
+    if inner is not None and type(inner).__module__.startswith("tokenizers"):
+        path = os.path.join(directory, "tokenizer.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(inner.to_str())
+        return path
+    log.warning(
+        "pxrt: %s cannot be carried into the artifact (neither a SentencePiece proto nor "
+        "a tokenizers object): it serves token ids only; pass tokenizer= a tokenizer.json "
+        "for text",
+        type(tokenizer).__name__,
+    )
+    return None
+
+
+def start_ids_of(preprocessor: Any) -> list[int]:
+    """The ids keras-hub's ``generate_preprocess`` puts before a prompt: the start
+    token, where the preprocessor adds it (``add_start_token``)."""
+    start = getattr(getattr(preprocessor, "tokenizer", None), "start_token_id", None)
+    if getattr(preprocessor, "add_start_token", False) and start is not None:
+        return [int(start)]
+    return []
+
+
 def export_causal_lm(
     causal_lm: Any,
     path: str | os.PathLike,
@@ -207,15 +250,14 @@ def export_causal_lm(
         return {"kv": kv}, logits.astype(jnp.float32)
 
     lm_tokenizer = getattr(causal_lm.preprocessor, "tokenizer", None)
-    sp = getattr(lm_tokenizer, "proto", None)
     if eos_id is None:
         eos_id = getattr(lm_tokenizer, "end_token_id", None)
     options.setdefault("chunk_lengths", sorted({min(prefill_lengths), max(prefill_lengths)}))
     with tempfile.TemporaryDirectory() as tmp:
-        if tokenizer is None and isinstance(sp, bytes):
-            tokenizer = os.path.join(tmp, "tokenizer.model")
-            with open(tokenizer, "wb") as f:
-                f.write(sp)
+        if tokenizer is None and lm_tokenizer is not None:
+            tokenizer = carried_tokenizer(lm_tokenizer, tmp)
+            if tokenizer is not None:
+                options.setdefault("start_ids", start_ids_of(causal_lm.preprocessor))
         return export_decoder(
             prefill, per_slot(one_sequence), params_of(causal_lm), path,
             cache={"kv": spec}, extend=per_slot(one_chunk), max_length=max_length, slots=slots,

@@ -205,6 +205,7 @@ def export_decoder(
     eos_id: int | None = None,
     stop_ids: Sequence[int] = (),
     tokenizer: str | os.PathLike | None = None,
+    start_ids: Sequence[int] = (),
     chat_template: str | None = None,
     name: str | None = None,
     version: str = "1",
@@ -243,7 +244,11 @@ def export_decoder(
       tokenizer: ``"bytes"`` (built in: token i < 256 is byte i), the path of a
         ``tokenizer.json`` for the ``tokenizers`` library, or of a SentencePiece
         ``.model`` (copied into the artifact): what ``pxrt serve`` turns text into tokens
-        and back with. None: token ids only.
+        and back with. None: token ids only. Its tokens must be within the model's
+        vocabulary (checked against the logits).
+      start_ids: token ids put before every text prompt that does not begin with them:
+        the start token a model was trained to see first (keras-hub's
+        ``add_start_token``). Never put before a prompt given as token ids.
       chat_template: a Jinja template (as Hugging Face's ``chat_template``) that renders
         ``messages`` (and ``add_generation_prompt``) to the prompt's text:
         ``/v1/chat/completions`` needs it (and a tokenizer).
@@ -278,7 +283,7 @@ def export_decoder(
         functions["extend"] = on_leaves(extend, treedef)
     x64, why = x64_of(x64, param_meta, None, "pxrt.export_decoder")
     stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
-    files, tok_config = _tokenizer_files(tokenizer, chat_template)
+    files, tok_config, tok_vocab = _tokenizer_files(tokenizer, chat_template, start_ids)
     dims = _dims(bound, extend is not None)
     with _xla.export_scope(x64), x64_noted(why):
         param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
@@ -290,6 +295,7 @@ def export_decoder(
         )  # fmt: skip
         traced, vocab = _trace(plan, functions, param_specs, cache, shapes, dims)
         _check_stops(stops, vocab)
+        _check_tokenizer(tokenizer, tok_vocab, tok_config, vocab)
         manifest = _manifest(
             name or os.path.basename(os.path.normpath(path)), version, x64, param_meta, bound,
             constraints, shapes, num_devices, plan,
@@ -423,10 +429,12 @@ def _export_sizes(
 
 
 def _tokenizer_files(
-    tokenizer: str | os.PathLike | None, chat_template: str | None
-) -> tuple[dict[str, bytes], dict | None]:
-    """The tokenizer's files to write into the artifact and its config (the chat
-    template checked: it must parse, and needs a tokenizer)."""
+    tokenizer: str | os.PathLike | None, chat_template: str | None, start_ids: Sequence[int]
+) -> tuple[dict[str, bytes], dict | None, int]:
+    """The tokenizer's files to write into the artifact, its config and its vocabulary
+    size (the chat template checked: it must parse, and needs a tokenizer)."""
+    if start_ids and tokenizer is None:
+        raise ValueError("start_ids go before text prompts: they need a tokenizer")
     if chat_template is not None:
         if tokenizer is None:
             raise ValueError("a chat_template needs a tokenizer (to turn its text into tokens)")
@@ -439,15 +447,33 @@ def _tokenizer_files(
             raise ValueError(f"chat_template is not a valid Jinja template: {exc}") from None
     files: dict[str, bytes] = {}
     tok_config: dict | None = None
+    size = 0
     if tokenizer is not None:
         if tokenizer == BYTES:
-            tok_config = {"kind": BYTES}
+            tok_config, size = {"kind": BYTES}, 256
         else:
             loaded = from_file(os.fspath(tokenizer))  # it must load
             with open(os.fspath(tokenizer), "rb") as f:
                 files[FILES[loaded.kind]] = f.read()
-            tok_config = {"kind": loaded.kind}
-    return files, tok_config
+            tok_config, size = {"kind": loaded.kind}, loaded.vocab_size
+        if start_ids:
+            tok_config["start_ids"] = [int(t) for t in start_ids]
+    return files, tok_config, size
+
+
+def _check_tokenizer(tokenizer: Any, size: int, config: dict | None, vocab: int) -> None:
+    """The tokenizer's ids, and the start ids, within the model's vocabulary."""
+    if config is None:
+        return
+    if size > vocab:
+        raise ValueError(
+            f"tokenizer {os.fspath(tokenizer)!r} has {size} tokens, more than the model's "
+            f"vocabulary of {vocab} (its logits): a text prompt could give ids the model "
+            "has no embedding for"
+        )
+    bad = [t for t in config.get("start_ids", ()) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"start_ids {bad} are outside the model's vocabulary of {vocab}")
 
 
 def _trace_plan(
@@ -703,13 +729,21 @@ def check_decoder_manifest(m: dict[str, Any], where: str) -> None:
         or tok == {"kind": BYTES}
         or (
             isinstance(tok, dict)
-            and list(tok) == ["kind"]
-            and tok["kind"] in FILES
+            and set(tok) <= {"kind", "start_ids"}
+            and tok.get("kind") in FILES
             and FILES[tok["kind"]] in (m.get("files") or {})
-        ),
+        )
+        or (isinstance(tok, dict) and set(tok) == {"kind", "start_ids"} and tok["kind"] == BYTES),
         "decoder.tokenizer",
         f'must be null, {{"kind": "{BYTES}"}}, or a kind of {sorted(FILES)} whose file '
-        f"({', '.join(FILES.values())}) is among the files",
+        f"({', '.join(FILES.values())}) is among the files (with start_ids, maybe)",
+    )
+    start = (tok or {}).get("start_ids") if isinstance(tok, dict) else None
+    need(
+        start is None
+        or (isinstance(start, list) and all(is_int(t) and t < d["vocab"] for t in start)),
+        "decoder.tokenizer.start_ids",
+        "must be a list of token ids inside the vocabulary",
     )
     if is_concrete(m):
         _check_concrete(m, d, need, chunked)
