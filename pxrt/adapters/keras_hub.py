@@ -151,6 +151,15 @@ def cache_spec(causal_lm: Any) -> Any:
             return causal_lm._build_cache(tokens, **others)[1]
 
     a, b = (jax.eval_shape(built, params, jax.ShapeDtypeStruct((1, n), "int32")) for n in (3, 5))
+    if all(x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))):
+        raise ValueError(
+            f"{type(causal_lm).__name__}'s cache does not grow with the sequence (arrays of "
+            f"{[tuple(x.shape) for x in jax.tree.leaves(a)]} for 3 tokens and 5): a recurrent "
+            "state. export_causal_lm does not export recurrent models: its prefill runs "
+            "over prompts padded to a bucket, and the padding would change the state. "
+            "pxrt.export_decoder takes a state leaf without a 'length' axis, with a "
+            "prefill that leaves padding out of the state"
+        )
 
     def spec(x: Any, y: Any) -> TensorSpec:
         axes = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
@@ -252,6 +261,10 @@ def export_causal_lm(
     lm_tokenizer = getattr(causal_lm.preprocessor, "tokenizer", None)
     if eos_id is None:
         eos_id = getattr(lm_tokenizer, "end_token_id", None)
+    # keras-hub's generate stops at its second end token too (Llama 3's <|eot_id|>)
+    second = getattr(lm_tokenizer, "end_token2_id", None)
+    if second is not None and "stop_ids" not in options:
+        options["stop_ids"] = [int(second)]
     options.setdefault("chunk_lengths", sorted({min(prefill_lengths), max(prefill_lengths)}))
     with tempfile.TemporaryDirectory() as tmp:
         if tokenizer is None and lm_tokenizer is not None:
