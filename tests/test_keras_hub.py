@@ -157,6 +157,48 @@ def test_a_byte_pair_tokenizer_is_carried_with_its_start_token(family, tmp_path)
         assert dec.tokenizer.encode(dec.tokenizer.decode(ids[1:])) == ids  # round trip
 
 
+@pytest.fixture(scope="module")
+def image_models(tmp_path_factory):
+    """A ResNet and a ViT image classifier (keras-hub's tasks over tiny backbones),
+    exported with export_image_model: {name: (model, artifact path)}."""
+    keras.utils.set_random_seed(7)
+    models = keras_hub.models
+    resnet = models.ResNetBackbone(
+        input_conv_filters=[64], input_conv_kernel_sizes=[7], stackwise_num_filters=[64, 64],
+        stackwise_num_blocks=[1, 1], stackwise_num_strides=[1, 2], block_type="basic_block",
+        image_shape=(32, 32, 3),
+    )  # fmt: skip
+    vit = models.ViTBackbone(
+        image_shape=(32, 32, 3), patch_size=8, num_layers=1, num_heads=2, hidden_dim=16,
+        mlp_dim=32,
+    )  # fmt: skip
+    out = {}
+    for name, model in [
+        ("resnet", models.ResNetImageClassifier(backbone=resnet, num_classes=5, preprocessor=None)),
+        ("vit", models.ViTImageClassifier(backbone=vit, num_classes=5, preprocessor=None)),
+    ]:
+        path = tmp_path_factory.mktemp(name) / name
+        out[name] = (model, adapter.export_image_model(model, path, batch_buckets=(1, 4)))
+    return out
+
+
+def test_image_models_export_with_a_batch_of_images(image_models, tmp_path):
+    """export_image_model takes keras-hub image tasks and backbones (one tensor of
+    images); export_backbone, which wants named inputs, says to use it."""
+    images = np.random.default_rng(8).standard_normal((3, 32, 32, 3)).astype(np.float32)
+    for name, (model, path) in image_models.items():
+        art = pxrt.read_artifact(path)
+        assert list(art.inputs) == ["images"] and art.inputs["images"].shape == (32, 32, 3)
+        with pxrt.load(path) as served:
+            got = served.run({"images": images})["output"]
+        want = np.asarray(model(images, training=False))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert got.shape == (3, 5) and np.ptp(want) > 0.1, name  # (logits that differ)
+    backbone = image_models["vit"][0].backbone
+    with pytest.raises(ValueError, match="an image model .* exports with export_image_model"):
+        adapter.export_backbone(backbone, tmp_path / "b")
+
+
 def bert_request(rows, n, seed):
     rng = np.random.default_rng(seed)
     mask = np.ones((rows, n), bool)
@@ -220,7 +262,7 @@ def test_a_gemma_causal_lm_generates_like_keras_hub(gemma, gemma_path):
 
 
 def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
-    bert, gemma, gpt2, bert_path, gemma_path, gpt2_path, tmp_path, monkeypatch
+    bert, gemma, gpt2, bert_path, gemma_path, gpt2_path, image_models, tmp_path, monkeypatch
 ):
     """Both artifacts behind `pxrt serve` in a process where keras cannot be imported:
     the unmodified tritonclient and openai clients get what keras computes."""
@@ -234,7 +276,8 @@ def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     )
-    proc = ServeProcess([bert_path, gemma_path, gpt2_path])
+    images = [path for _, path in image_models.values()]
+    proc = ServeProcess([bert_path, gemma_path, gpt2_path, *images])
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{proc.port}")
         request = bert_request(2, 9, seed=4)
@@ -245,6 +288,13 @@ def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
         got = client.infer("bert", inputs).as_numpy("pooled_output")
         want = np.asarray(bert(request, training=False)["pooled_output"])
         np.testing.assert_allclose(got, want, atol=1e-5)
+        pictures = np.random.default_rng(9).standard_normal((2, 32, 32, 3)).astype(np.float32)
+        for name, (model, _) in image_models.items():  # a batch of images, one tensor
+            x = httpclient.InferInput("images", [2, 32, 32, 3], "FP32")
+            x.set_data_from_numpy(pictures)
+            got = client.infer(name, [x]).as_numpy("output")
+            want = np.asarray(model(pictures, training=False))
+            np.testing.assert_allclose(got, want, atol=1e-5)
         openai = OpenAI(base_url=f"{proc.url}/v1", api_key="unused")
         prompt = [5, 9, 17, 2]
         out = openai.completions.create(model="gemma", prompt=prompt, max_tokens=6, temperature=0)

@@ -4,6 +4,9 @@
   ``GemmaBackbone``...) as a one-shot model. Its inputs are the functional model's
   (``token_ids``, ``padding_mask``, ``segment_ids``...) with the sequence as the named
   dimension ``seq``; its outputs are the backbone's (a dict by name, or ``output``).
+- ``export_image_model(model, path, ...)``: an image backbone (``ResNetBackbone``,
+  ``ViTBackbone``...) or task (an ``ImageClassifier``) as a one-shot model over a batch
+  of images.
 - ``export_causal_lm(causal_lm, path, ...)``: a causal LM (``GemmaCausalLM``,
   ``LlamaCausalLM``, ``MistralCausalLM``, ``QwenCausalLM``, ``Qwen3CausalLM``,
   ``Gemma3CausalLM`` (text)... anything with keras-hub's ``call_with_cache(token_ids,
@@ -88,7 +91,8 @@ def backbone_inputs(backbone: Any) -> dict[str, TensorSpec]:
     if specs is None:
         raise ValueError(
             f"{type(backbone).__name__} takes {type(backbone.input).__name__} inputs: "
-            "export_backbone wants a keras-hub backbone with named inputs (a dict)"
+            "export_backbone wants a keras-hub backbone with named inputs (a dict); an "
+            "image model (one tensor of images) exports with export_image_model"
         )
     out = {}
     for name, kt in specs.items():
@@ -125,6 +129,72 @@ def export_backbone(
     return export(
         fn, params_of(backbone), path, inputs=inputs, batch_buckets=batch_buckets,
         dim_buckets={SEQ: tuple(seq_lengths)}, **options,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- images
+
+
+def image_input(model: Any, image_size: Sequence[int] | None = None) -> TensorSpec:
+    """An image model's one input, a batch of images, as a spec: ``(height, width,
+    channels)`` from the model (``image_size`` where the model leaves them open)."""
+    kt = model.input
+    if isinstance(kt, (dict, list, tuple)):
+        raise ValueError(
+            f"{type(model).__name__} takes {type(kt).__name__} inputs: export_image_model "
+            "wants one tensor of images (batch, height, width, channels)"
+        )
+    shape = list(kt.shape[1:])
+    if len(shape) != 3:
+        raise ValueError(
+            f"{type(model).__name__}'s input has shape {tuple(kt.shape)}: export_image_model "
+            "wants (batch, height, width, channels)"
+        )
+    if image_size is not None:
+        size = [int(x) for x in image_size]
+        if len(size) != 2 or any(x < 1 for x in size):
+            raise ValueError(f"image_size must be (height, width), got {image_size!r}")
+        for i, (have, want) in enumerate(zip(shape[:2], size)):
+            if have is not None and have != want:
+                raise ValueError(
+                    f"image_size {tuple(size)}: {type(model).__name__} is built for "
+                    f"{tuple(shape[:2])}"
+                )
+            shape[i] = want
+    if any(d is None for d in shape):
+        raise ValueError(
+            f"{type(model).__name__} takes images of any size {tuple(kt.shape)}: give "
+            "image_size=(height, width), the size it is served at"
+        )
+    return TensorSpec(tuple(int(d) for d in shape), str(kt.dtype))
+
+
+def export_image_model(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    batch_buckets: Sequence[int] = (1, 8, 32),
+    image_size: Sequence[int] | None = None,
+    input_name: str = "images",
+    **options: Any,
+) -> str:
+    """Export a keras-hub image model (a backbone such as ``ResNetBackbone`` or
+    ``ViTBackbone``, or a task such as ``ImageClassifier``) as a one-shot model: one
+    input, ``input_name``, a batch of images ``(height, width, channels)`` as the model
+    takes them (its preprocessor is not run: resize and rescale before, as keras-hub's
+    preprocessor would), and the model's outputs (a dict by name, or ``output``: a
+    classifier's logits). ``options`` as for ``pxrt.export``. Returns the artifact
+    path."""
+    spec = image_input(model, image_size)
+
+    def fn(params: Any, **xs: Any) -> Any:
+        with _weights(model, params):
+            out = model(xs[input_name], training=False)
+        return dict(out) if isinstance(out, Mapping) else out
+
+    return export(
+        fn, params_of(model), path, inputs={input_name: spec}, batch_buckets=batch_buckets,
+        **options,
     )  # fmt: skip
 
 
