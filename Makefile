@@ -127,7 +127,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py docs/hooks.py
 	$(VENV)/bin/mypy & mypy=$$!; \
 	site=$$(mktemp -d); $(MKDOCS) build --strict -d $$site/html > $$site/log 2>&1 & docs=$$!; \
-	$(PY) -m mypy.stubtest --ignore-disjoint-bases --allowlist tests/stubtest_allowlist.txt \
+	$(PY) -m mypy.stubtest --ignore-disjoint-bases --mypy-config-file pyproject.toml \
+		--allowlist tests/stubtest_allowlist.txt \
 		$(STUBS); stubs=$$?; wait $$docs; built=$$?; \
 	if [ $$built -ne 0 ]; then grep -v "^INFO" $$site/log; fi; rm -rf $$site; \
 	wait $$mypy && [ $$built -eq 0 ] && exit $$stubs

@@ -1,0 +1,166 @@
+"""Hugging Face Flax causal LMs as pxrt decoders (``transformers`` 4.x, whose Flax
+classes are the ones with ``init_cache``: GPT-2, GPT-Neo, GPT-J, OPT, Llama, Mistral...).
+
+- ``export_causal_lm(model, path, ...)``: a ``FlaxPreTrainedModel`` causal LM as a
+  decoder. Its cache is its own (``init_cache``: per layer ``cached_key``,
+  ``cached_value`` of ``[batch, length, heads, head_dim]``, and one ``cache_index``
+  scalar for the whole batch, which pxrt does not keep: it is each slot's position),
+  per slot. Prefill runs the model over the padded
+  prompts into a cache of the prompt's length; decode and extend run it for one slot at
+  a time through ``pxrt.per_slot``, with that slot's ``cache_index`` set to its own
+  position (HF's one index per batch becomes one per slot), its attention mask over
+  the positions before, and its position ids.
+- The weights are ``model.params`` (the module is closed over); the tokenizer, given
+  as a ``tokenizers``-backed HF tokenizer object or a ``tokenizer.json`` path, goes into
+  the artifact, its BOS as ``start_ids`` where the tokenizer adds one.
+
+Nothing of ``transformers`` is needed where the artifact is served.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from ..decoder import export_decoder
+from ..recipes import per_slot
+from ..specs import TensorSpec
+
+INDEX = "cache_index"
+
+
+def _strip(tree: Any) -> Any:
+    """HF's cache less its ``cache_index`` scalars: what pxrt keeps per slot (every
+    leaf with a sequence axis, so that the prefix cache and windows apply)."""
+    if isinstance(tree, dict):
+        return {k: _strip(v) for k, v in tree.items() if k != INDEX}
+    return tree
+
+
+def _indexed(tree: Any, index: Any) -> Any:
+    """pxrt's cache as HF takes it: ``cache_index`` put back as ``index`` beside each
+    layer's ``cached_key``."""
+    if isinstance(tree, dict):
+        out = {k: _indexed(v, index) for k, v in tree.items()}
+        if "cached_key" in tree:
+            out[INDEX] = index
+        return out
+    return tree
+
+
+def cache_spec(model: Any) -> Any:
+    """The model's cache for one sequence (``init_cache``'s, without the batch and the
+    ``cache_index`` scalars, which pxrt sets per slot) as ``TensorSpec``s, the axis that
+    follows the length named ``length``."""
+    import jax
+
+    a, b = (jax.eval_shape(lambda n=n: _strip(model.init_cache(1, n))) for n in (8, 16))
+
+    def spec(path: Any, x: Any, y: Any) -> TensorSpec:
+        axes = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
+        if len(axes) != 1 or x.shape[0] != 1:
+            raise ValueError(
+                f"{type(model).__name__}'s cache leaf {jax.tree_util.keystr(path)} has "
+                f"shape {x.shape} for 8 positions and {y.shape} for 16: expected a batch of "
+                "1 and one axis that follows the length"
+            )
+        shape: list[int | str] = list(x.shape[1:])
+        shape[axes[0] - 1] = "length"
+        return TensorSpec(tuple(shape), str(x.dtype))
+
+    return jax.tree_util.tree_map_with_path(spec, a, b)
+
+
+def _tokenizer_file(tokenizer: Any, directory: str) -> tuple[str | os.PathLike | None, list[int]]:
+    """A tokenizer as the file export_decoder takes, and its start ids: a path as it
+    is; an HF fast tokenizer's ``backend_tokenizer`` as ``tokenizer.json``, its BOS
+    where it adds one (``add_bos_token``)."""
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer, []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(
+            f"{type(tokenizer).__name__} is not a fast (tokenizers-backed) tokenizer: pass "
+            "its tokenizer.json path, or load it with use_fast=True"
+        )
+    path = os.path.join(directory, "tokenizer.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(backend.to_str())
+    bos = getattr(tokenizer, "bos_token_id", None)
+    start = [int(bos)] if getattr(tokenizer, "add_bos_token", False) and bos is not None else []
+    return path, start
+
+
+def export_causal_lm(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    max_length: int = 512,
+    slots: int = 8,
+    prefill_lengths: Sequence[int] = (32, 128),
+    prefill_batches: Sequence[int] = (1, 4),
+    eos_id: int | None = None,
+    tokenizer: Any = None,
+    **options: Any,
+) -> str:
+    """Export a Hugging Face Flax causal LM as a pxrt decoder (see the module
+    docstring); ``options`` as for ``pxrt.export_decoder``. ``max_length`` is at most
+    the model's ``max_position_embeddings`` (its causal mask's size). ``eos_id``
+    defaults to the config's. Returns the artifact path."""
+    import jax
+    import jax.numpy as jnp
+
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(
+        model.config, "n_positions", None
+    )
+    if limit is not None and max_length > limit:
+        raise ValueError(
+            f"max_length {max_length} is over {type(model).__name__}'s "
+            f"max_position_embeddings ({limit}): its causal mask has no more positions"
+        )
+    spec = cache_spec(model)
+
+    def prefill(params: Any, tokens: Any, lengths: Any) -> Any:
+        b, n = tokens.shape
+        mask = (jnp.arange(n)[None, :] < lengths[:, None]).astype(jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+        out = model(
+            tokens, attention_mask=mask, position_ids=positions, params=params,
+            past_key_values=model.init_cache(b, n),
+        )  # fmt: skip
+        last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return _strip(out.past_key_values), last.astype(jnp.float32)
+
+    def one_chunk(params: Any, cache: Any, tokens: Any, positions: Any) -> Any:
+        k = tokens.shape[-1]
+        tokens = tokens.reshape(1, k)
+        start = positions[0]
+        length = jax.tree.leaves(cache)[0].shape[1]
+        mask = (jnp.arange(length)[None, :] < start + k).astype(jnp.int32)
+        ids = (start + jnp.arange(k, dtype=jnp.int32))[None]
+        out = model(
+            tokens, attention_mask=mask, position_ids=ids, params=params,
+            past_key_values=_indexed(cache, start.astype(jnp.int32)),
+        )  # fmt: skip
+        return _strip(out.past_key_values), out.logits.astype(jnp.float32)
+
+    def one_token(params: Any, cache: Any, tokens: Any, positions: Any) -> Any:
+        new, logits = one_chunk(params, cache, tokens[:, None], positions)
+        return new, logits[:, 0]
+
+    if eos_id is None:
+        eos_id = getattr(model.config, "eos_token_id", None)
+        eos_id = eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id
+    options.setdefault("chunk_lengths", sorted({min(prefill_lengths), max(prefill_lengths)}))
+    with tempfile.TemporaryDirectory() as tmp:
+        file, start = _tokenizer_file(tokenizer, tmp)
+        if start:
+            options.setdefault("start_ids", start)
+        return export_decoder(
+            prefill, per_slot(one_token), model.params, path, cache=spec,
+            extend=per_slot(one_chunk), max_length=max_length, slots=slots,
+            prefill_lengths=prefill_lengths, prefill_batches=prefill_batches, eos_id=eos_id,
+            tokenizer=file, **options,
+        )  # fmt: skip
