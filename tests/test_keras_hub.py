@@ -122,6 +122,20 @@ def gpt2_path(gpt2, tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def llama3():
+    return bpe_lm("llama3")
+
+
+@pytest.fixture(scope="module")
+def llama3_path(llama3, tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama3") / "llama3"
+    return adapter.export_causal_lm(
+        llama3, path, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8, 16),
+        prefill_batches=(1,),
+    )  # fmt: skip
+
+
 def keras_ids(lm, text):
     """The ids keras-hub's ``generate(text)`` runs on: its preprocessing, unpadded."""
     x = lm.preprocessor.generate_preprocess([text])
@@ -262,8 +276,9 @@ def test_a_gemma_causal_lm_generates_like_keras_hub(gemma, gemma_path):
 
 
 def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
-    bert, gemma, gpt2, bert_path, gemma_path, gpt2_path, image_models, tmp_path, monkeypatch
-):
+    bert, gemma, gpt2, llama3, bert_path, gemma_path, gpt2_path, llama3_path, image_models,
+    tmp_path, monkeypatch,
+):  # fmt: skip
     """Both artifacts behind `pxrt serve` in a process where keras cannot be imported:
     the unmodified tritonclient and openai clients get what keras computes."""
     import tritonclient.http as httpclient
@@ -277,7 +292,7 @@ def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
         "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
     )
     images = [path for _, path in image_models.values()]
-    proc = ServeProcess([bert_path, gemma_path, gpt2_path, *images])
+    proc = ServeProcess([bert_path, gemma_path, gpt2_path, llama3_path, *images])
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{proc.port}")
         request = bert_request(2, 9, seed=4)
@@ -301,12 +316,16 @@ def test_pxrt_serve_answers_triton_and_openai_clients_with_no_keras(
         assert out.choices[0].model_extra["token_ids"] == keras_greedy(gemma, prompt, 6)
         # text in and out, with the tokenizer carried: keras-hub's ids, its tokens' text
         text = "the cat"
-        out = openai.completions.create(model="gpt2", prompt=text, max_tokens=5, temperature=0)
-        want = keras_greedy(gpt2, keras_ids(gpt2, text), 5)
-        want = want[: want.index(0) + 1] if 0 in want else want  # (0 ends a text)
-        assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == len(want)
-        words = gpt2.preprocessor.tokenizer.detokenize([t for t in want if t != 0])
-        assert out.choices[0].text == words and len(want) > 1, want
+        for name, lm in [("gpt2", gpt2), ("llama3", llama3)]:
+            out = openai.completions.create(model=name, prompt=text, max_tokens=5, temperature=0)
+            tok = lm.preprocessor.tokenizer
+            ends = {tok.end_token_id, getattr(tok, "end_token2_id", tok.end_token_id)}
+            want = keras_greedy(lm, keras_ids(lm, text), 5)
+            cut = next((i + 1 for i, t in enumerate(want) if t in ends), len(want))
+            want = want[:cut]  # (an end token ends a text)
+            assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == len(want)
+            words = tok.detokenize([t for t in want if t not in ends])
+            assert out.choices[0].text == words and len(want) > 1, (name, want)
     finally:
         proc.stop()
 
