@@ -24,6 +24,16 @@ VOCAB = 64
 MAX_LENGTH = 32
 
 
+def unit_scale(lm, seed):
+    """keras's initializers leave a tiny model's greedy tokens one token repeated; weights
+    of unit scale make every token depend on the context, so a wrong cache shows."""
+    rng = np.random.default_rng(seed)
+    for v in lm.variables:
+        fan_in = v.shape[0] if len(v.shape) > 1 else 1
+        v.assign(rng.standard_normal(v.shape).astype(np.float32) / np.sqrt(fan_in))
+    return lm
+
+
 @pytest.fixture(scope="module")
 def bert():
     keras.utils.set_random_seed(1)
@@ -42,13 +52,7 @@ def gemma():
     )  # fmt: skip
     lm = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None, name="gemma")
     lm.compile(sampler="greedy")
-    # keras's initializers leave a tiny model's greedy tokens one token repeated; weights
-    # of unit scale make every token depend on the context, so a wrong cache shows.
-    rng = np.random.default_rng(2)
-    for v in lm.variables:
-        fan_in = v.shape[0] if len(v.shape) > 1 else 1
-        v.assign(rng.standard_normal(v.shape).astype(np.float32) / np.sqrt(fan_in))
-    return lm
+    return unit_scale(lm, 2)
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +107,14 @@ def bpe_lm(family):
     backbone = getattr(models, f"{prefix}Backbone")(vocabulary_size=VOCAB, **config)
     lm = getattr(models, f"{prefix}CausalLM")(backbone=backbone, preprocessor=preprocessor)
     lm.compile(sampler="greedy")
-    rng = np.random.default_rng(6)
-    for v in lm.variables:
-        fan_in = v.shape[0] if len(v.shape) > 1 else 1
-        v.assign(rng.standard_normal(v.shape).astype(np.float32) / np.sqrt(fan_in))
-    return lm
+    return unit_scale(lm, 6)
+
+
+def _bpe_export(lm, family, tmp_path_factory):
+    return adapter.export_causal_lm(
+        lm, tmp_path_factory.mktemp(family) / family, max_length=MAX_LENGTH, slots=2,
+        prefill_lengths=(8, 16), prefill_batches=(1,),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +124,7 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def gpt2_path(gpt2, tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt2") / "gpt2"
-    return adapter.export_causal_lm(
-        gpt2, path, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8, 16), prefill_batches=(1,)
-    )
+    return _bpe_export(gpt2, "gpt2", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +134,7 @@ def llama3():
 
 @pytest.fixture(scope="module")
 def llama3_path(llama3, tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama3") / "llama3"
-    return adapter.export_causal_lm(
-        llama3, path, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8, 16),
-        prefill_batches=(1,),
-    )  # fmt: skip
+    return _bpe_export(llama3, "llama3", tmp_path_factory)
 
 
 def keras_ids(lm, text):
@@ -341,10 +341,8 @@ def test_other_causal_lm_families_generate_like_keras_hub(family, tmp_path):
     backbone = getattr(keras_hub.models, backbone_cls)(**TINY, **extra)
     lm = getattr(keras_hub.models, lm_cls)(backbone=backbone, preprocessor=None)
     lm.compile(sampler="greedy")
+    unit_scale(lm, 4)
     rng = np.random.default_rng(4)
-    for v in lm.variables:
-        fan_in = v.shape[0] if len(v.shape) > 1 else 1
-        v.assign(rng.standard_normal(v.shape).astype(np.float32) / np.sqrt(fan_in))
     path = adapter.export_causal_lm(
         lm, tmp_path / family, max_length=MAX_LENGTH, slots=2, prefill_lengths=(8,),
         prefill_batches=(1,),

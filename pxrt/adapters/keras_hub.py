@@ -44,6 +44,7 @@ from ..artifact import export
 from ..decoder import export_decoder, is_spec
 from ..recipes import per_slot
 from ..specs import TensorSpec
+from ._cache import per_slot_spec
 
 SEQ = "seq"
 
@@ -231,19 +232,8 @@ def cache_spec(causal_lm: Any) -> Any:
             "prefill that leaves padding out of the state"
         )
 
-    def spec(x: Any, y: Any) -> TensorSpec:
-        axes = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
-        if len(axes) != 1 or x.shape[0] != 1:
-            raise ValueError(
-                f"{type(causal_lm).__name__}'s cache has an array of {x.shape} for 3 tokens "
-                f"and {y.shape} for 5: expected a batch of 1 and one axis that follows "
-                "the length"
-            )
-        shape: list[int | str] = list(x.shape[1:])
-        shape[axes[0] - 1] = "length"
-        return TensorSpec(tuple(shape), str(x.dtype))
-
-    return jax.tree.map(spec, a, b)
+    owner = type(causal_lm).__name__
+    return jax.tree.map(lambda x, y: per_slot_spec(owner, "", x, y, (3, 5)), a, b)
 
 
 def carried_tokenizer(tokenizer: Any, directory: str) -> str | None:

@@ -27,6 +27,7 @@ from typing import Any
 from ..decoder import export_decoder
 from ..recipes import per_slot
 from ..specs import TensorSpec
+from ._cache import per_slot_spec
 
 INDEX = "cache_index"
 
@@ -59,16 +60,8 @@ def cache_spec(model: Any) -> Any:
     a, b = (jax.eval_shape(lambda n=n: _strip(model.init_cache(1, n))) for n in (8, 16))
 
     def spec(path: Any, x: Any, y: Any) -> TensorSpec:
-        axes = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
-        if len(axes) != 1 or x.shape[0] != 1:
-            raise ValueError(
-                f"{type(model).__name__}'s cache leaf {jax.tree_util.keystr(path)} has "
-                f"shape {x.shape} for 8 positions and {y.shape} for 16: expected a batch of "
-                "1 and one axis that follows the length"
-            )
-        shape: list[int | str] = list(x.shape[1:])
-        shape[axes[0] - 1] = "length"
-        return TensorSpec(tuple(shape), str(x.dtype))
+        where = f" leaf {jax.tree_util.keystr(path)}"
+        return per_slot_spec(type(model).__name__, where, x, y, (8, 16))
 
     return jax.tree_util.tree_map_with_path(spec, a, b)
 
