@@ -127,8 +127,7 @@ def export_causal_lm(
         return _strip(out.past_key_values), last.astype(jnp.float32)
 
     def one_chunk(params: Any, cache: Any, tokens: Any, positions: Any) -> Any:
-        k = tokens.shape[-1]
-        tokens = tokens.reshape(1, k)
+        k = tokens.shape[-1]  # (tokens [1, k]: per_slot's row of one sequence)
         start = positions[0]
         length = jax.tree.leaves(cache)[0].shape[1]
         mask = (jnp.arange(length)[None, :] < start + k).astype(jnp.int32)

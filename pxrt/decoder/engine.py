@@ -348,15 +348,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         Raises ValueError naming the parameter for a bad request, ``QueueFull`` when
         ``max_waiting`` prompts already wait, ``DecoderClosed`` after ``close``.
         """
-        if params is None:
-            params = SamplingParams.of(options)
-        elif options:
-            raise ValueError(
-                f"give the sampling options in params or as keyword arguments, not both "
-                f"(got params and {', '.join(options)})"
-            )
-        elif not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a pxrt.SamplingParams, got {type(params).__name__}")
+        params = SamplingParams.resolve(params, options)
         level = int_in("priority", params.priority, 0, self.priority_levels)
         tokens = self._check_prompt(prompt)
         limit = min(params.max_tokens, self.max_length - len(tokens))
@@ -452,6 +444,8 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
     ) -> Controls | None:
         """A request's sampling controls, as the step programs take them (None: it has
         none); what ``params`` could not check without the model checked here."""
+        if not params.has_controls:  # (most requests: nothing to build)
+            return None
         if params.min_tokens > limit:
             raise ValueError(
                 f"min_tokens must be at most max_tokens ({limit}, or the room the cache "
@@ -462,8 +456,6 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         for i, (key, value) in enumerate((params.logit_bias or {}).items()):
             ids[i] = int_in("logit_bias: a token id", key, 0, self.vocab - 1)
             values[i] = value
-        if not params.has_controls:
-            return None
         banned = np.full(sampling.MAX_BANNED, self.vocab, np.int32)
         if params.min_tokens:
             if len(stops) > sampling.MAX_BANNED:

@@ -187,6 +187,21 @@ class SamplingParams(
                 )
         return cls(**options)
 
+    @classmethod
+    def resolve(cls, params: Any, options: Mapping[str, Any]) -> SamplingParams:
+        """A call's parameters: ``params`` (a ``SamplingParams``) or its fields as keyword
+        ``options`` (checked by ``of``), not both."""
+        if params is None:
+            return cls.of(options)
+        if options:
+            raise ValueError(
+                f"give the sampling options in params or as keyword arguments, not both "
+                f"(got params and {', '.join(options)})"
+            )
+        if not isinstance(params, cls):
+            raise ValueError(f"params must be a pxrt.SamplingParams, got {type(params).__name__}")
+        return params
+
     @property
     def has_controls(self) -> bool:
         """Whether it asks for any of the controls (penalties, bias, ``min_tokens``)."""

@@ -259,12 +259,7 @@ class RemoteServer:
         if link is None:
             raise DeviceGone("the device process is gone")
         self.decoder(name)  # UnknownModel here
-        if params is None:
-            params = SamplingParams.of(options)
-        elif options:
-            raise ValueError(
-                "give the sampling options in params or as keyword arguments, not both"
-            )
+        params = SamplingParams.resolve(params, options)
         gid = self._next = self._next + 1
         gen = RemoteGeneration(gid, list(prompt), link)
         self._generations[gid] = gen
