@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .compiling import example_inputs
     from .decoder.engine import Decoder
     from .decoder.export import export_decoder
+    from .decoder.grammar import StructuredOutput
     from .decoder.params import SamplingParams
     from .decoder.request import Completion, Generation
     from .executable import Model
@@ -45,6 +46,7 @@ _LAZY = {
     "Generation": (".decoder.request", "Generation"),
     "Completion": (".decoder.request", "Completion"),
     "SamplingParams": (".decoder.params", "SamplingParams"),
+    "StructuredOutput": (".decoder.grammar", "StructuredOutput"),
     "Distributed": (".multihost", "Distributed"),
     "per_slot": (".recipes", "per_slot"),
 }
@@ -75,6 +77,7 @@ __all__ = [
     "Generation",
     "Model",
     "SamplingParams",
+    "StructuredOutput",
     "TensorSpec",
     "compile_count",
     "example_inputs",

@@ -139,8 +139,8 @@ def controls(
     ``bias`` added at ``bias_ids`` (ids out of range: padding), the repetition penalty
     on the tokens seen (``prompted``, or ``counts`` > 0: a positive logit divided by it,
     a negative one multiplied), the frequency penalty times each token's count and the
-    presence penalty once per token generated subtracted, and the ``banned`` ids masked
-    while ``position < until``. No work when no row has any."""
+    presence penalty once per token generated subtracted, the ``banned`` ids masked
+    while ``position < until``, and the tokens the ``allowed`` bits leave out masked. No work when no row has any."""
 
     def apply(_: Any) -> jax.Array:
         rows = {k: source[k] if index is None else source[k][index] for k in CONTROL_ROWS}
@@ -155,12 +155,22 @@ def controls(
         out = out - floats[:, PRESENCE][:, None] * (counts > 0)
         banned = jnp.zeros((n, vocab), jnp.bool_).at[at, rows["banned"]].set(True, mode="drop")
         out = jnp.where(banned & (position < until)[:, None], -jnp.inf, out)
+        out = jnp.where(allowed(rows["allowed"], vocab), out, -jnp.inf)
         return jnp.where(on[:, None], out, logits)
 
     return lax.cond(jnp.any(on), apply, lambda _: logits, None)
 
 
+def allowed(words: jax.Array, vocab: int) -> jax.Array:
+    """Masks of one bit per token (``[n, ceil(vocab / 32)]`` int32 words, token ``i``
+    bit ``i % 32`` of word ``i // 32``: a structured output's grammar) as ``[n, vocab]``
+    booleans."""
+    ids = jnp.arange(vocab)
+    return ((words[:, ids >> 5] >> (ids & 31)) & 1).astype(jnp.bool_)
+
+
 #: The state's per-slot control arrays (``pxrt.decoder.programs`` makes them): generated
 #: tokens' counts and the prompt's tokens (``[slots, vocab]``), the logit bias (ids and
-#: values, ``[slots, MAX_LOGIT_BIAS]``) and the ids ``min_tokens`` bans.
-CONTROL_ROWS = ("counts", "prompted", "bias_ids", "bias", "banned")
+#: values, ``[slots, MAX_LOGIT_BIAS]``), the ids ``min_tokens`` bans, and the tokens a
+#: structured output's grammar allows next (``allowed``: bits, all set without one).
+CONTROL_ROWS = ("counts", "prompted", "bias_ids", "bias", "banned", "allowed")

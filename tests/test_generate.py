@@ -610,6 +610,88 @@ def test_controls_equal_the_same_controls_in_numpy(lm, params, reference):
     assert lm.compiles_after_load == 0
 
 
+def _grammar_pick(lm, structured):
+    """The structured output's constraint as a plain numpy pick (greedy) over plain
+    JAX's logits: llguidance's mask for the tokens so far, from a matcher of its own."""
+    from pxrt.decoder.grammar import grammars_of
+
+    grammars = grammars_of(lm)
+    matcher = grammars.matcher(structured)
+
+    def choose(logits, tokens):
+        if tokens:
+            assert matcher.consume_token(tokens[-1])
+        bits = np.unpackbits(grammars.first_mask(matcher)[0].view(np.uint8), bitorder="little")
+        return int(np.argmax(np.where(bits[: demo.LM_VOCAB] > 0, logits, -np.inf)))
+
+    return choose
+
+
+def _until_complete(lm, structured, tokens):
+    """``tokens`` up to the one that completes the grammar (where pxrt ends it)."""
+    from pxrt.decoder.grammar import grammars_of
+
+    matcher = grammars_of(lm).matcher(structured)
+    for i, t in enumerate(tokens):
+        assert matcher.consume_token(t)
+        if matcher.is_stopped():
+            return tokens[: i + 1]
+    return tokens
+
+
+@pytest.mark.once  # (device programs: the twins change nothing they run)
+def test_structured_outputs_equal_plain_jax_masked_by_the_grammar(lm, params, reference):
+    """A JSON schema, JSON mode, a regex, a choice and a Lark grammar: greedy tokens are
+    plain JAX's argmax over the tokens llguidance allows, whole and chunked prompts,
+    batched with free requests (unchanged, also in slots constrained ones had); the
+    text matches; sampled (temperature 1) ones match too; the generation ends where the
+    grammar does."""
+    import re
+
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "tag": {"enum": ["a", "bc"]}, "ok": {"type": "boolean"}},
+        "required": ["id", "tag", "ok"], "additionalProperties": False,
+    }  # fmt: skip
+    rng = np.random.default_rng(71)
+    base = [rng.integers(0, 256, n).astype(np.int32) for n in (5, 20, 44)]
+    cases = [
+        (base[0], {"json": schema}),
+        (base[1], {"regex": r"[0-9]{2,4}-[a-f]{1,3}"}),
+        (base[2], {"choice": ["yes", "no", "maybe"]}),
+        (base[0], {"json_object": True}),
+        (base[1], {"grammar": 'start: "(" num ("," num)? ")"\nnum: /[0-9]{1,2}/'}),
+    ]
+    for _ in range(2):  # (again: the slots now hold the first round's masks)
+        plain = [lm.submit(p, max_tokens=10) for p in base]
+        sos = [pxrt.StructuredOutput(**c) for _, c in cases]
+        gens = [lm.submit(p, max_tokens=40, structured=so) for (p, _), so in zip(cases, sos)]
+        hot = [lm.submit(p, max_tokens=40, structured=so, temperature=1.0, seed=5)
+               for (p, _), so in zip(cases, sos)]  # fmt: skip
+        for (prompt, c), so, gen, sampled in zip(cases, sos, gens, hot):
+            want, _ = demo.lm_reference_steps(
+                prompt, 40, params, MAX_LENGTH, (demo.LM_EOS,), _grammar_pick(lm, so)
+            )
+            got = gen.result(timeout=60)
+            assert got.tokens == _until_complete(lm, so, want), c
+            for result in (got, sampled.result(timeout=60)):
+                if "json_object" in c and result.finish_reason == "length":
+                    continue  # (any object: random weights may write keys for ever)
+                assert result.finish_reason == "stop", (c, result)
+                text = lm.tokenizer.decode(result.tokens)
+                if "json" in c or "json_object" in c:
+                    assert isinstance(json.loads(text), dict)
+                elif "regex" in c:
+                    assert re.fullmatch(c["regex"], text), text
+                elif "choice" in c:
+                    assert text in c["choice"]
+        for prompt, gen in zip(base, plain):
+            assert gen.result().tokens == reference(prompt, 10)
+    assert lm.counters["masked_steps"] > 0
+    assert lm.compiles_after_load == 0
+
+
 # --------------------------------------------------------------------------- the device side
 
 

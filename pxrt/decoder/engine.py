@@ -43,6 +43,7 @@ import numpy as np
 from .. import _ext, compiling, sampling
 from .. import tokenizer as _tokenizer
 from ..finish import CANCELLED, DEADLINE, ERROR, LENGTH, STOP
+from . import grammar
 from .export import DecoderArtifact
 from .loop import TIMINGS, Loop
 from .overlap import Overlap
@@ -286,6 +287,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             "verifies": 0,
             "drafted_tokens": 0,
             "accepted_tokens": 0,
+            "masked_steps": 0,
         }
         #: Outcome -> generations that ended so (stop, length, cancelled, deadline, error).
         self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, DEADLINE, ERROR), 0)
@@ -466,10 +468,15 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         prompted = np.full((1, self.max_length), self.vocab, np.int32)
         prompted[0, : len(prompt)] = prompt
         penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
-        return Controls(
-            penalties, len(prompt) + params.min_tokens, (ids[None], values[None], banned[None]),
-            prompted,
-        )  # fmt: skip
+        matcher = None
+        if params.structured is not None:  # (the grammar's matcher; its first token's mask)
+            grammars = grammar.grammars_of(self)
+            matcher = grammars.matcher(params.structured)
+            allowed = grammars.first_mask(matcher)
+        else:
+            allowed = np.full((1, grammar.words(self.vocab)), -1, np.int32)
+        rows = (ids[None], values[None], banned[None], allowed)
+        return Controls(penalties, len(prompt) + params.min_tokens, rows, prompted, matcher)
 
     def _check_prompt(self, prompt: Any) -> np.ndarray:
         if isinstance(prompt, str):

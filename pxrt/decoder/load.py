@@ -31,7 +31,8 @@ from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
-from .runner import BlockStep, PrefillCell, SplitPrefill, dropped_prefill
+from . import grammar
+from .runner import BlockStep, FullStep, PrefillCell, SplitPrefill, dropped_prefill
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16
@@ -742,6 +743,7 @@ class _Obtained:
                 np.zeros((1, c.MAX_LOGIT_BIAS), np.int32),
                 np.zeros((1, c.MAX_LOGIT_BIAS), np.float32),
                 np.zeros((1, c.MAX_BANNED), np.int32),
+                np.zeros((1, state["allowed"].shape[-1]), np.int32),
             )
         prefix = self.prefix
         if prefix is not None:
@@ -884,6 +886,12 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
             return compiled
         return BlockStep(compiled, programs.multi_step, programs.replicated)
 
+    def full_step(compiled: Any) -> Any:  # (the allowed tokens: all unless given)
+        if compiled is None:
+            return None
+        words = grammar.words(programs.vocab)
+        return FullStep(compiled, programs.slots, words, programs.by_slot)
+
     prefix = None
     if programs.prefix is not None and all((what, 0, 0) in got for what in POOL):
         entries, block = programs.prefix
@@ -907,7 +915,7 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
         programs.max_length,
         verify,
         programs.speculate if verify is not None else 0,
-        program("step", -1, 0),
+        full_step(program("step", -1, 0)),
         max((_work_bytes(compiled) for compiled, _, _ in got.values()), default=0),
         {
             (n, w): stepper(program("step", n, w))

@@ -116,7 +116,13 @@ class Loop(Core):
                 while self._chunking and budget > 0:
                     budget -= self._extend(budget)
                 drafts = None
-                if self.speculative_tokens and table.busy and not self._chunking:
+                if self._special and self._constrained():
+                    # A structured output's next mask needs its last token: what is in
+                    # flight is read first (no speculation: drafts are not masked).
+                    while pending:
+                        self._read(pending[0])
+                        pending.popleft()
+                elif self.speculative_tokens and table.busy and not self._chunking:
                     drafts = self._drafts()
                 stepped = table.busy > 0
                 if drafts is not None:

@@ -13,6 +13,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from .grammar import StructuredOutput
+
 #: Temperatures below this are greedy (dividing by them would overflow float32).
 MIN_TEMPERATURE = 1e-5
 #: The highest temperature taken: the logits are divided by it in float32 (1e300 would
@@ -128,6 +130,9 @@ class SamplingParams(
       stop token before that many tokens).
     - ``priority``: the prompt's level among the waiting ones (1 the highest, up to the
       decoder's ``priority_levels``; 0: its ``default_priority_level``).
+    - ``structured``: a ``pxrt.StructuredOutput`` (a JSON schema, JSON mode, a regex, a
+      choice, a grammar) the text is held to, by masking on the device every token the
+      grammar does not allow; the decoder needs its tokenizer and an end token.
     """
 
     max_tokens: int = 16
@@ -144,6 +149,7 @@ class SamplingParams(
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     priority: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Checked in this order, each value made the plain Python type it names.
@@ -171,6 +177,13 @@ class SamplingParams(
         if not isinstance(self.prefix_cache, (bool, np.bool_)):
             raise ValueError(f"prefix_cache must be true or false, got {self.prefix_cache!r:.40}")
         checked["prefix_cache"] = bool(self.prefix_cache)
+        if isinstance(self.structured, Mapping):  # (its fields: ``{"json": schema}``)
+            checked["structured"] = StructuredOutput(**self.structured)
+        elif self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(
+                "structured must be a pxrt.StructuredOutput, got "
+                f"{type(self.structured).__name__}"
+            )
         for name, value in checked.items():
             msgspec.structs.force_setattr(self, name, value)
 
@@ -204,13 +217,15 @@ class SamplingParams(
 
     @property
     def has_controls(self) -> bool:
-        """Whether it asks for any of the controls (penalties, bias, ``min_tokens``)."""
+        """Whether it asks for any of the controls (penalties, bias, ``min_tokens``, a
+        structured output)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.structured is not None
         )
 
     def with_seed(self, seed: int) -> SamplingParams:

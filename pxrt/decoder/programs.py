@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .. import sampling, stored
 from ..artifact import BATCH_AXIS
 from ..sampling import sample
+from . import grammar
 from . import params as _params
 from .export import LENGTH_DIM, is_spec
 
@@ -126,12 +127,13 @@ class DecoderPrograms:
 
         def whole_step(full: bool) -> Any:
             # The tokens on every device (one process reads them all) and the scores left
-            # by slot (read, from each device's share, only when a slot wants them).
+            # by slot (read, from each device's share, only when a slot wants them). The
+            # full step takes the slots' allowed tokens too (``_full_step``).
             return jax.jit(
                 jax.shard_map(
-                    functools.partial(self._step, full=full),
+                    self._full_step if full else self._step,
                     mesh=mesh,
-                    in_specs=(P(), by_slot_specs),
+                    in_specs=(P(), by_slot_specs, P(BATCH_AXIS)) if full else (P(), by_slot_specs),
                     out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)),
                     check_vma=False,
                 ),
@@ -291,6 +293,9 @@ class DecoderPrograms:
             if self.multi_step > 1 and b >= 0:  # (a block: how many steps it runs)
                 k = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)
                 return step.lower(self.param_specs, self.shapes, k)
+            if b < 0:  # (the full step: the allowed tokens)
+                allowed = self.shapes["allowed"]
+                return step.lower(self.param_specs, self.shapes, allowed)
             return step.lower(self.param_specs, self.shapes)
         if what == "move":
             s = self.slots
@@ -307,6 +312,7 @@ class DecoderPrograms:
                 ints(1, c.MAX_LOGIT_BIAS),
                 ints(1, c.MAX_LOGIT_BIAS, dtype=jnp.float32),
                 ints(1, c.MAX_BANNED),
+                ints(1, grammar.words(self.vocab)),
             )
         if what == "pool":
             return self._pool_jit.lower()
@@ -397,6 +403,7 @@ class DecoderPrograms:
             "bias_ids": per_slot(c.MAX_LOGIT_BIAS),
             "bias": per_slot(c.MAX_LOGIT_BIAS, dtype=jnp.float32),
             "banned": per_slot(c.MAX_BANNED),
+            "allowed": per_slot(grammar.words(self.vocab)),
         }
 
     def _make_state(self) -> dict:
@@ -447,6 +454,17 @@ class DecoderPrograms:
             rows = jnp.arange(tokens.shape[0])
             state["counts"] = state["counts"].at[rows, tokens].add(on.astype(jnp.int32))
         return state, tokens, scores
+
+    def _full_step(
+        self, params: Any, state: dict, allowed: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """The step with the sampling controls and scores, each slot's next token one
+        its ``allowed`` bits leave (a structured output's grammar; all set without one,
+        and only where its controls apply). The state's own bits are left as they are:
+        a slot being filled takes its first token's from there."""
+        kept = state["allowed"]
+        state, tokens, scores = self._step(params, state | {"allowed": allowed}, full=True)
+        return state | {"allowed": kept}, tokens, scores
 
     def _part(self, state: dict, rows: int, window: int | None) -> dict:
         """What a step over this device's first ``rows`` slots reads of ``state``: their
@@ -597,15 +615,17 @@ class DecoderPrograms:
         bias_ids: jax.Array,
         bias: jax.Array,
         banned: jax.Array,
+        allowed: jax.Array,
     ) -> dict:
         """Slot ``slot[r]``'s control rows, before its prompt is inserted: no token
         generated yet, the prompt's tokens (``prompt[r]``, padded with ids out of
-        range), the logit bias and the ids ``min_tokens`` bans (the same padding)."""
+        range), the logit bias, the ids ``min_tokens`` bans (the same padding) and the
+        tokens its first may be (a structured output's; all bits set without one)."""
         at = jnp.arange(slot.shape[0])[:, None]
         prompted = jnp.zeros((slot.shape[0], self.vocab), jnp.bool_)
         prompted = prompted.at[at, prompt].set(True, mode="drop")
         rows = {"counts": 0, "prompted": prompted, "bias_ids": bias_ids, "bias": bias,
-                "banned": banned}  # fmt: skip
+                "banned": banned, "allowed": allowed}  # fmt: skip
         # Until its prompt's last chunk (or its prefill) sets them, the slot neither
         # counts the tokens the steps compute for it nor wants their scores.
         ints = state["ints"].at[slot, sampling.WANT].set(0, mode="drop")

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 
 from .. import sampling
+from ..finish import ERROR, STOP
+from . import grammar
 from .export import LENGTH_DIM, is_spec
 from .overlap import Unit
 from .speculative import _EMA
@@ -86,17 +88,36 @@ class BlockStep:
         return self.compiled.memory_analysis()
 
 
+class FullStep:
+    """The step with the sampling controls and scores, called as ``(params, state,
+    allowed=None)``: ``allowed`` the slots' allowed tokens (``[slots, words]`` bits, a
+    structured output's grammar), None: every token (a copy kept on the devices)."""
+
+    def __init__(self, compiled: Any, slots: int, words: int, sharding: Any) -> None:
+        self.compiled = compiled
+        self._all = jax.device_put(np.full((slots, words), -1, np.int32), sharding)
+
+    def __call__(self, params: Any, state: Any, allowed: Any = None) -> Any:
+        return self.compiled(params, state, self._all if allowed is None else allowed)
+
+    def memory_analysis(self) -> Any:
+        return self.compiled.memory_analysis()
+
+
 @dataclasses.dataclass
 class Controls:
     """A request's sampling controls as the programs take them: the penalties
     (presence, frequency, repetition), the position before which its stop ids are
     banned, the control program's rows (logit bias ids and values, banned ids) and
-    its prompt (padded with an id out of the vocabulary)."""
+    its prompt (padded with an id out of the vocabulary); with a structured output, its
+    grammar's matcher (``pxrt.decoder.grammar``) and the tokens it has taken."""
 
     penalties: tuple[float, float, float]
     until: int
-    rows: tuple[np.ndarray, np.ndarray, np.ndarray]
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     prompt: np.ndarray
+    matcher: Any = None
+    taken: int = 0
 
 
 class Runner(Core):
@@ -318,7 +339,13 @@ class Runner(Core):
                 self._special = False
         k = 1
         block: tuple[int, ...] = ()
-        if program is None:
+        masks: tuple[np.ndarray, ...] = ()
+        if program is not None:  # (the full step: the grammars' masks, if any)
+            pairs = self._constrained()
+            if pairs:
+                masks = (grammar.grammars_of(self).masks(pairs, self.slots),)
+                self.counters["masked_steps"] += 1
+        else:
             rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
             rows, window = self._cheapest_step(rows)
             program = self._windows[(rows, window)] if window else self._steps[rows]
@@ -328,7 +355,7 @@ class Runner(Core):
             if window:
                 self.counters["window_steps"] += k
         (self._state, tokens, scores), sync = self._launch(
-            len(self._cells), program, self._params, self._state, *block
+            len(self._cells), program, self._params, self._state, *block, *masks
         )
         tokens.copy_to_host_async()
         owners = self._table.dispatch(k)
@@ -343,6 +370,42 @@ class Runner(Core):
         counters["step_programs"] += 1
         counters["busy_slot_steps"] += busy * k
         counters["stepped_slots"] += len(owners) * k
+
+    def _constrained(self) -> list[tuple[Any, int]]:
+        """The busy slots held to a structured output: (its grammar's matcher, slot)."""
+        return [
+            (g.controls.matcher, slot)
+            for slot, g in enumerate(self._table.owners)
+            if g is not None and g.controls is not None and g.controls.matcher is not None
+        ]
+
+    def _advance_grammars(self, gens: list, finished: list) -> None:
+        """Feed the tokens ``gens`` got to their grammars' matchers; a generation whose
+        grammar is complete ends (a stop), one whose token it refuses fails."""
+        for gen in gens:
+            controls = None if gen is None else gen.controls
+            if controls is None or controls.matcher is None:
+                continue
+            matcher, new = controls.matcher, gen.tokens[controls.taken :]
+            controls.taken = len(gen.tokens)
+            if gen.finish_reason is not None or (new and not matcher.consume_tokens(new)):
+                if gen.finish_reason is None:
+                    self._end(gen, ERROR, finished, ValueError(
+                        f"structured output: token {new[-1]} refused by the grammar: "
+                        + matcher.get_error()
+                    ))  # fmt: skip
+                continue
+            if matcher.is_stopped():  # (nothing may follow: not even the end token)
+                self._end(gen, STOP, finished)
+
+    def _end(
+        self, gen: Generation, reason: str, finished: list, error: BaseException | None = None
+    ) -> None:
+        """End ``gen`` on the host (its slot freed; the steps in flight skip it)."""
+        gen.finish_reason = reason
+        gen.error = error
+        self._table.release(gen)
+        finished.append(gen)
 
     def _dispatch_verify(self, drafts: np.ndarray) -> None:
         busy = self._table.busy
@@ -439,6 +502,8 @@ class Runner(Core):
         if kind == _PREFILL:
             routed = self._table.first(tokens, owners, now, woken, finished)
             timings["prefill"].append(now - t0)
+            if self._special:  # (structured outputs' grammars take their first tokens)
+                self._advance_grammars(owners, finished)
         else:
             steps = 1
             if kind == _VERIFY:  # (``scores``: how many drafts each slot accepted)
@@ -448,6 +513,8 @@ class Runner(Core):
                 routed = sum(route(tokens[i], owners, now, woken, finished) for i in range(steps))
             else:
                 routed = self._table.route(tokens, owners, now, woken, finished)
+            if self._special:
+                self._advance_grammars(owners, finished)
             if self._last_step:  # (a block's: the interval per token, once per token)
                 timings["step"].extend([(now - self._last_step) / steps] * steps)
                 if self.speculative_tokens:

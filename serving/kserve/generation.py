@@ -40,6 +40,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pxrt.decoder.grammar import StructuredOutput
 from pxrt.decoder.params import SamplingParams
 from pxrt.finish import DEADLINE, STOP
 
@@ -179,6 +180,9 @@ def _params(
     """The request's ``SamplingParams`` (``JSON_OPTIONS`` of ``source`` over
     ``defaults``), checked here in the front end: a bad one is a 400 naming it."""
     options = {k: source[k] for k in JSON_OPTIONS if source.get(k) is not None}
+    structured = structured_of(source)
+    if structured is not None:
+        options["structured"] = structured
     stop_ids = options.get("stop_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list):
@@ -190,13 +194,64 @@ def _params(
         raise invalid(str(exc)) from None
 
 
+# A structured output's fields: vLLM's ``structured_outputs`` (an object of
+# ``pxrt.StructuredOutput``'s fields) and its older ``guided_*`` fields; OpenAI's
+# ``response_format`` (chat and completions only).
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}  # fmt: skip
+STRUCTURED = ("structured_outputs", *_GUIDED)
+
+
+def structured_of(source: Mapping[str, Any]) -> StructuredOutput | None:
+    """The request's structured output (None: free text), checked and compiled here:
+    a schema or grammar the engine cannot take is a 400 naming it. At most one of
+    ``response_format`` (``json_object``, ``json_schema``), ``structured_outputs`` and
+    the ``guided_*`` fields."""
+    given = [k for k in ("response_format", *STRUCTURED) if source.get(k) is not None]
+    fmt = source.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise invalid(f"response_format must be an object with a type, got {fmt!r:.80}")
+        if fmt["type"] == "text":
+            given.remove("response_format")
+    if len(given) > 1:
+        raise invalid(f"give one structured output, got {', '.join(given)}")
+    if not given:
+        return None
+    field = given[0]
+    value = source[field]
+    try:
+        if field == "response_format":
+            return _response_format(value)
+        if field == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError(f"structured_outputs must be an object, got {value!r:.80}")
+            return StructuredOutput(**value)
+        return StructuredOutput(**{_GUIDED[field]: value})
+    except (TypeError, ValueError) as exc:
+        raise invalid(f"{field}: {exc}") from None
+
+
+def _response_format(fmt: dict) -> StructuredOutput:
+    kind = fmt["type"]
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise ValueError(f"type must be text, json_object or json_schema, got {kind!r:.40}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ValueError("json_schema must be an object with the schema under 'schema'")
+    # (OpenAI's ``strict``: the schema is always enforced here)
+    return StructuredOutput(json=spec.get("schema") or {"type": "object"})
+
+
 # The generate extension's fields: the prompt, the options at the top level or under
 # ``parameters``. Any other is refused by name: a misspelt option (``max_token``) must
 # not run the request with its default, unsaid.
 # ``stream`` (Triton's own generate examples send ``"stream": false``) is taken as a bool
 # and asks nothing more: the endpoint decides, ``generate`` whole, ``generate_stream`` as
 # server-sent events.
-_KSERVE_PARAMETERS = ("stop", "timeout", "stream", *JSON_OPTIONS)
+_KSERVE_PARAMETERS = ("stop", "timeout", "stream", *JSON_OPTIONS, *STRUCTURED)
 _KSERVE = ("text_input", "input_ids", "parameters", *_KSERVE_PARAMETERS)
 
 
@@ -237,7 +292,6 @@ def parse_kserve(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -
 _NOT_HONOURED: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
@@ -251,9 +305,10 @@ _NOT_HONOURED: dict[str, tuple] = {
 }
 # Fields accepted and not acted on: they ask nothing of the model's answer.
 _INFORMATIONAL = ("user", "metadata", "service_tier", "stream_options")
-_COMPLETIONS = ("model", "prompt", "n", "stream", "stop", "timeout", "echo", *JSON_OPTIONS)
+_COMPLETIONS = ("model", "prompt", "n", "stream", "stop", "timeout", "echo", "response_format",
+                *JSON_OPTIONS, *STRUCTURED)  # fmt: skip
 _CHAT = ("model", "messages", "n", "stream", "stop", "timeout", "max_completion_tokens",
-         "top_logprobs", *JSON_OPTIONS)  # fmt: skip
+         "top_logprobs", "response_format", *JSON_OPTIONS, *STRUCTURED)  # fmt: skip
 
 
 def _check_fields(body: dict, known: tuple[str, ...]) -> None:
