@@ -140,7 +140,8 @@ def controls(
     on the tokens seen (``prompted``, or ``counts`` > 0: a positive logit divided by it,
     a negative one multiplied), the frequency penalty times each token's count and the
     presence penalty once per token generated subtracted, the ``banned`` ids masked
-    while ``position < until``, and the tokens the ``allowed`` bits leave out masked. No work when no row has any."""
+    while ``position < until``, and the tokens the ``allowed`` bits leave out masked.
+    No work when no row has any."""
 
     def apply(_: Any) -> jax.Array:
         rows = {k: source[k] if index is None else source[k][index] for k in CONTROL_ROWS}

@@ -261,6 +261,8 @@ def grammars_of(decoder: Any) -> Grammars:
                     f"structured outputs need the decoder's tokenizer and {decoder.name!r} "
                     "carries none (export it with tokenizer=)"
                 )
-            got = Grammars(decoder.tokenizer, decoder.vocab, decoder.stop_ids, decoder.artifact.path)
+            got = Grammars(
+                decoder.tokenizer, decoder.vocab, decoder.stop_ids, decoder.artifact.path
+            )
             decoder._grammars = got
         return got

@@ -25,13 +25,13 @@ import jax
 import numpy as np
 
 from .. import _xla, compiling, sampling, shapes
+from . import grammar
 from .engine import Decoder
 from .export import CHUNK_DIM, LENGTH_DIM, is_spec, sizes
 from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
-from . import grammar
 from .runner import BlockStep, FullStep, PrefillCell, SplitPrefill, dropped_prefill
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.

@@ -181,8 +181,7 @@ class SamplingParams(
             checked["structured"] = StructuredOutput(**self.structured)
         elif self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(
-                "structured must be a pxrt.StructuredOutput, got "
-                f"{type(self.structured).__name__}"
+                f"structured must be a pxrt.StructuredOutput, got {type(self.structured).__name__}"
             )
         for name, value in checked.items():
             msgspec.structs.force_setattr(self, name, value)
