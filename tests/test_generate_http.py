@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+import numpy as np
 import pytest
 from servers import ServeProcess, decoder_config
 
@@ -50,6 +51,7 @@ def served(request, lm_path, artifacts, tmp_path_factory):
     extra = {"one": [], "asgi": ["--no-native-http"], "workers": ["--workers", "2"]}[request.param]
     conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[])
     proc = ServeProcess(["--config", conf, str(artifacts["mlp"]), *extra])
+    proc.mode = request.param
     yield proc
     proc.stop()
 
@@ -467,7 +469,8 @@ def test_openai_fields_are_honoured_or_refused_never_ignored(served):
     r = httpx.post(f"{url}/completions", json=base | defaults | {"priority": 1}, timeout=30)
     assert r.status_code == 200, r.text
     for field, value in [("best_of", 3), ("suffix", "x"),
-                         ("response_format", {"type": "json_object"}),
+                         ("response_format", {"type": "xml"}), ("guided_regex", "(a"),
+                         ("guided_json", {"type": "nope"}), ("guided_choice", []),
                          ("tools", [{"type": "function"}]), ("stop_sequences", ["x"]), ("n", 0),
                          ("n", 9), ("echo", "yes"), ("logprobs", 21), ("logprobs", True),
                          ("presence_penalty", 3), ("frequency_penalty", "x"),
@@ -643,6 +646,94 @@ def test_openai_client_chat_completions(served, local):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
     with pytest.raises(openai.BadRequestError, match="messages must be"):
         client.chat.completions.create(model="lm", messages=[])
+
+
+def _schema(rng, depth=0):
+    """A random JSON schema the demo's random weights can finish: objects (required
+    fields, no others), arrays, enums, bounded integers and strings, booleans."""
+    kinds = ["integer", "string", "enum", "boolean"] + (["array", "object"] if depth < 2 else [])
+    kind = kinds[int(rng.integers(len(kinds)))]
+    if kind == "integer":
+        low = int(rng.integers(-50, 50))
+        return {"type": "integer", "minimum": low, "maximum": low + int(rng.integers(0, 500))}
+    if kind == "string":
+        return {"type": "string", "maxLength": int(rng.integers(1, 5))}
+    if kind == "enum":
+        return {"enum": [f"v{int(i)}" for i in rng.choice(50, int(rng.integers(1, 4)), False)]}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "array":
+        return {"type": "array", "items": _schema(rng, depth + 1), "maxItems": 2}
+    return _object(rng, depth + 1)
+
+
+def _object(rng, depth=0):
+    names = [f"k{int(i)}" for i in rng.choice(20, int(rng.integers(1, 4)), False)]
+    required = [n for n in names if rng.random() < 0.7] or names[:1]
+    return {"type": "object", "properties": {n: _schema(rng, depth) for n in names},
+            "required": required, "additionalProperties": False}  # fmt: skip
+
+
+def test_openai_structured_outputs_validate_against_their_schemas(served):
+    """100 random JSON schemas through OpenAI's client (response_format json_schema on
+    chat; vLLM's guided_json on completions), streamed and not, at temperature 0 and 1:
+    every answer's text validates against its schema (jsonschema). Regexes and choices
+    always match. A schema the engine cannot take is a 400 naming it."""
+    import concurrent.futures
+    import re
+
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    rng = np.random.default_rng(52)
+    # (every mode runs a few; one runs the hundred)
+    schemas = [_object(rng) for _ in range(100 if served.mode == "workers" else 6)]
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+
+    def ask(i, schema):
+        options = {"max_tokens": 1000, "temperature": float(i % 4 < 2), "seed": i}
+        stream = i % 2 == 1
+        if i % 3 == 2:  # (completions: vLLM's field)
+            extra = {"guided_json": schema}
+            out = client.completions.create(
+                model="lm", prompt="JSON: ", stream=stream, extra_body=extra, **options
+            )
+            parts = [c.choices[0] for c in out] if stream else [out.choices[0]]
+            text = "".join(p.text for p in parts)
+        else:
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+            out = client.chat.completions.create(model="lm", messages=messages, stream=stream,
+                                                 response_format=fmt, **options)  # fmt: skip
+            if stream:
+                parts = [c.choices[0] for c in out if c.choices]
+                text = "".join(p.delta.content or "" for p in parts)
+            else:
+                parts = [out.choices[0]]
+                text = parts[0].message.content
+        return text, parts[-1].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(len(schemas)), schemas))
+    for schema, (text, reason) in zip(schemas, answers):
+        assert reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    for i in range(4):
+        out = client.completions.create(
+            model="lm", prompt=f"Code {i}: ", max_tokens=30, temperature=1.0, seed=i,
+            extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}"},
+        )  # fmt: skip
+        assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", out.choices[0].text), out
+        out = client.chat.completions.create(
+            model="lm", messages=messages, max_tokens=30, temperature=1.0, seed=i,
+            extra_body={"guided_choice": ["red", "green", "blue"]},
+        )  # fmt: skip
+        assert out.choices[0].message.content in ("red", "green", "blue"), out
+    with pytest.raises(openai.BadRequestError, match=r"response_format: .*json.*minimum"):
+        client.chat.completions.create(
+            model="lm", messages=messages,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "integer", "minimum": "x"}}},
+        )  # fmt: skip
 
 
 def test_workers_stream_without_jax(served, local):
