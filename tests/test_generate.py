@@ -514,6 +514,38 @@ def test_sampling_limits_on_device():
     assert set(np.asarray(mixed)[::2]) == {0}
 
 
+def test_the_top_k_top_p_cut_is_a_sorted_rows_whether_or_not_it_sorts():
+    """The cut (looked for among each row's CUT_CANDIDATES largest logits, the rows
+    sorted only when one's lies beyond) equals numpy's over whole sorted rows: peaked
+    rows (found among the candidates), flat ones with top-p (beyond them: sorted), top-k
+    above the candidates, and nothing cut."""
+    from pxrt import sampling
+
+    rng = np.random.default_rng(3)
+    vocab = 1000
+    peaked = rng.standard_normal((6, vocab)) * 8
+    flat = rng.standard_normal((6, vocab)) * 0.1
+
+    def want(row, k, p):
+        desc = np.sort(row)[::-1]
+        k = k if 0 < k < vocab else vocab
+        probs = np.exp(desc[:k] - desc[0])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        kept = max(int(((before < p) | (p >= 1.0)).sum()), 1)
+        return -np.inf if k == vocab and p >= 1.0 else desc[kept - 1]
+
+    cases = [(0, 1.0), (5, 1.0), (0, 0.9), (40, 0.5), (300, 1.0), (vocab, 0.95)]
+    for rows in (peaked, flat):
+        for mix in (cases, [(0, 1.0)] * 6, [(3, 1.0), (0, 0.3)] * 3):
+            k = np.array([c[0] if 0 < c[0] < vocab else vocab for c in mix], np.int32)
+            p = np.array([c[1] for c in mix], np.float32)
+            got = np.asarray(sampling._cut(jnp.asarray(rows, jnp.float32), jnp.asarray(k),
+                                           jnp.asarray(p)))  # fmt: skip
+            expect = [want(r.astype(np.float32), int(a), float(b)) for r, a, b in zip(rows, k, p)]
+            np.testing.assert_allclose(got, expect, rtol=1e-6)
+
+
 # --------------------------------------------------------------------------- logprobs, controls
 
 

@@ -288,6 +288,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             "drafted_tokens": 0,
             "accepted_tokens": 0,
             "masked_steps": 0,
+            "grammar_s": 0.0,
         }
         #: Outcome -> generations that ended so (stop, length, cancelled, deadline, error).
         self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, DEADLINE, ERROR), 0)

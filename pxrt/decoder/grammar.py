@@ -180,6 +180,19 @@ def token_bytes(tokenizer: Any, vocab: int) -> tuple[list[bytes], list[int]]:
     return pieces, special
 
 
+def _padded(text: str, size: int, vocab: int) -> str:
+    """A ``tokenizer.json`` of ``size`` tokens with the model's ids past them (up to
+    ``vocab``: its end token may be one) added as special tokens, never allowed."""
+    if size >= vocab:
+        return text
+    doc = _json.loads(text)
+    added = doc.setdefault("added_tokens", [])
+    for i in range(size, vocab):
+        added.append({"id": i, "content": f"<|pxrt special {i}|>", "single_word": False,
+                      "lstrip": False, "rstrip": False, "normalized": False, "special": True})  # fmt: skip
+    return _json.dumps(doc)
+
+
 class _Wrapped:
     """A tokenizer as llguidance's ``TokenizerWrapper`` reads one."""
 
@@ -215,7 +228,8 @@ class Grammars:
         inner = getattr(tokenizer, "tokenizer", tokenizer)
         if inner.kind == tk.TOKENIZERS:
             with open(f"{path}/{tk.TOKENIZER_FILE}", encoding="utf-8") as f:
-                self.tokenizer = llg.LLTokenizer(f.read(), n_vocab=vocab, eos_token=eos)
+                text = _padded(f.read(), inner.vocab_size, vocab)
+            self.tokenizer = llg.LLTokenizer(text, n_vocab=vocab, eos_token=eos)
         else:
             pieces, special = token_bytes(tokenizer, vocab)
             wrapper = llg.TokenizerWrapper(_Wrapped(tokenizer, pieces, special, eos[0]))

@@ -343,8 +343,10 @@ class Runner(Core):
         if program is not None:  # (the full step: the grammars' masks, if any)
             pairs = self._constrained()
             if pairs:
+                t0 = time.perf_counter()
                 masks = (grammar.grammars_of(self).masks(pairs, self.slots),)
                 self.counters["masked_steps"] += 1
+                self.counters["grammar_s"] += time.perf_counter() - t0
         else:
             rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
             rows, window = self._cheapest_step(rows)
@@ -382,6 +384,7 @@ class Runner(Core):
     def _advance_grammars(self, gens: list, finished: list) -> None:
         """Feed the tokens ``gens`` got to their grammars' matchers; a generation whose
         grammar is complete ends (a stop), one whose token it refuses fails."""
+        t0 = time.perf_counter()
         for gen in gens:
             controls = None if gen is None else gen.controls
             if controls is None or controls.matcher is None:
@@ -397,6 +400,7 @@ class Runner(Core):
                 continue
             if matcher.is_stopped():  # (nothing may follow: not even the end token)
                 self._end(gen, STOP, finished)
+        self.counters["grammar_s"] += time.perf_counter() - t0
 
     def _end(
         self, gen: Generation, reason: str, finished: list, error: BaseException | None = None
