@@ -139,7 +139,7 @@ def main() -> None:
         grammar: list[float] = []
 
         async def bench() -> None:
-            for kind, params in kinds.items():  # (warm-up)
+            for params in kinds.values():  # (warm-up)
                 await round_(dec, ["warm up"] * args.slots, params, args.slots)
             for rep in range(args.repeats):
                 order = list(kinds) if rep % 2 == 0 else list(kinds)[::-1]

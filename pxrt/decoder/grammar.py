@@ -187,9 +187,9 @@ def _padded(text: str, size: int, vocab: int) -> str:
         return text
     doc = _json.loads(text)
     added = doc.setdefault("added_tokens", [])
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
     for i in range(size, vocab):
-        added.append({"id": i, "content": f"<|pxrt special {i}|>", "single_word": False,
-                      "lstrip": False, "rstrip": False, "normalized": False, "special": True})  # fmt: skip
+        added.append({"id": i, "content": f"<|pxrt special {i}|>", **flags, "special": True})
     return _json.dumps(doc)
 
 
