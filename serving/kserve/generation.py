@@ -19,8 +19,11 @@ completions API, for the decoders a ``Server`` serves (``Server.add_decoder``).
   artifact's chat template; ``stream`` for server-sent events ending in ``data:
   [DONE]``) and ``GET /v1/models``, as OpenAI's client expects them: ``n`` choices,
   ``logprobs`` (completions: a count; chat: ``logprobs`` and ``top_logprobs``), ``echo``
-  (completions), the penalties, ``logit_bias``, ``max_completion_tokens`` (chat), and
-  vLLM's ``repetition_penalty``, ``min_tokens`` and ``priority``.
+  (completions), the penalties, ``logit_bias``, ``max_completion_tokens`` (chat),
+  ``response_format`` (``json_object``, ``json_schema``), and vLLM's
+  ``repetition_penalty``, ``min_tokens``, ``priority``, ``structured_outputs`` and
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (the last
+  two kinds on the generate extension too).
 
 A bad request is a 400 JSON error naming what is wrong; a full queue a 429 with
 Retry-After; once a stream has started, an error is its last event. A client that hangs
