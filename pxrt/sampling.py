@@ -170,41 +170,54 @@ def unpack(row: Any, top: int) -> tuple[float, list[tuple[int, float]]]:
     return float(row[0]), [(int(row[1 + n + i]), float(row[1 + i])) for i in range(top)]
 
 
+#: Bits of a row's CTRL column: which of its controls apply (0: none).
+PENALTIES = 1  # logit bias, the penalties, min_tokens
+GRAMMAR = 2  # a structured output's allowed tokens
+
+
 def controls(
     logits: jax.Array,
-    on: jax.Array,
+    ctrl: jax.Array,
     source: dict,
     index: jax.Array | None,
     floats: jax.Array,
     position: jax.Array,
     until: jax.Array,
 ) -> jax.Array:
-    """``logits`` ``[n, vocab]`` (float32) with the controls of the rows where ``on``,
-    read from ``source`` (the state's control arrays; rows ``index`` of them, or all):
-    ``bias`` added at ``bias_ids`` (ids out of range: padding), the repetition penalty
-    on the tokens seen (``prompted``, or ``counts`` > 0: a positive logit divided by it,
-    a negative one multiplied), the frequency penalty times each token's count and the
-    presence penalty once per token generated subtracted, the ``banned`` ids masked
-    while ``position < until``, and the tokens the ``allowed`` bits leave out masked.
-    No work when no row has any."""
+    """``logits`` ``[n, vocab]`` (float32) with each row's controls (``ctrl``: its
+    ``PENALTIES`` and ``GRAMMAR`` bits), read from ``source`` (the state's control
+    arrays; rows ``index`` of them, or all). ``PENALTIES``: ``bias`` added at
+    ``bias_ids`` (ids out of range: padding), the repetition penalty on the tokens seen
+    (``prompted``, or ``counts`` > 0: a positive logit divided by it, a negative one
+    multiplied), the frequency penalty times each token's count and the presence
+    penalty once per token generated subtracted, and the ``banned`` ids masked while
+    ``position < until``. ``GRAMMAR``: the tokens the ``allowed`` bits leave out
+    masked. Each costs nothing in a call where no row has it."""
+    n, vocab = logits.shape
 
-    def apply(_: Any) -> jax.Array:
-        rows = {k: source[k] if index is None else source[k][index] for k in CONTROL_ROWS}
-        counts = rows["counts"]
-        n, vocab = logits.shape
+    def rows(*names: str) -> dict:
+        return {k: source[k] if index is None else source[k][index] for k in names}
+
+    def penalties(out: jax.Array) -> jax.Array:
+        got = rows("counts", "prompted", "bias_ids", "bias", "banned")
+        counts = got["counts"]
         at = jnp.arange(n)[:, None]
-        out = logits.at[at, rows["bias_ids"]].add(rows["bias"], mode="drop")
-        seen = rows["prompted"] | (counts > 0)
+        out = out.at[at, got["bias_ids"]].add(got["bias"], mode="drop")
+        seen = got["prompted"] | (counts > 0)
         rep = floats[:, REPETITION][:, None]
         out = jnp.where(seen, jnp.where(out > 0, out / rep, out * rep), out)
         out = out - floats[:, FREQUENCY][:, None] * counts
         out = out - floats[:, PRESENCE][:, None] * (counts > 0)
-        banned = jnp.zeros((n, vocab), jnp.bool_).at[at, rows["banned"]].set(True, mode="drop")
+        banned = jnp.zeros((n, vocab), jnp.bool_).at[at, got["banned"]].set(True, mode="drop")
         out = jnp.where(banned & (position < until)[:, None], -jnp.inf, out)
-        out = jnp.where(allowed(rows["allowed"], vocab), out, -jnp.inf)
-        return jnp.where(on[:, None], out, logits)
+        return jnp.where((ctrl & PENALTIES > 0)[:, None], out, logits)
 
-    return lax.cond(jnp.any(on), apply, lambda _: logits, None)
+    def grammar(out: jax.Array) -> jax.Array:
+        keep = allowed(rows("allowed")["allowed"], vocab) | (ctrl & GRAMMAR == 0)[:, None]
+        return jnp.where(keep, out, -jnp.inf)
+
+    out = lax.cond(jnp.any(ctrl & PENALTIES > 0), penalties, lambda out: out, logits)
+    return lax.cond(jnp.any(ctrl & GRAMMAR > 0), grammar, lambda out: out, out)
 
 
 def allowed(words: jax.Array, vocab: int) -> jax.Array:

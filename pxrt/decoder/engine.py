@@ -477,7 +477,11 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         else:
             allowed = np.full((1, grammar.words(self.vocab)), -1, np.int32)
         rows = (ids[None], values[None], banned[None], allowed)
-        return Controls(penalties, len(prompt) + params.min_tokens, rows, prompted, matcher)
+        bits = (sampling.GRAMMAR if matcher is not None else 0) | (
+            sampling.PENALTIES if params.has_penalties else 0
+        )
+        until = len(prompt) + params.min_tokens
+        return Controls(penalties, until, rows, prompted, matcher, bits=bits)
 
     def _check_prompt(self, prompt: Any) -> np.ndarray:
         if isinstance(prompt, str):

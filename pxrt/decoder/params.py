@@ -215,17 +215,21 @@ class SamplingParams(
         return params
 
     @property
-    def has_controls(self) -> bool:
-        """Whether it asks for any of the controls (penalties, bias, ``min_tokens``, a
-        structured output)."""
+    def has_penalties(self) -> bool:
+        """Whether it asks for the penalties, a logit bias or ``min_tokens``."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
-            or self.structured is not None
         )
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether it asks for any of the controls (penalties, bias, ``min_tokens``, a
+        structured output)."""
+        return self.has_penalties or self.structured is not None
 
     def with_seed(self, seed: int) -> SamplingParams:
         """The same parameters with ``seed``."""

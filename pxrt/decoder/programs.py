@@ -434,7 +434,7 @@ class DecoderPrograms:
             tokens = sample(logits, temperature, top_k, top_p, seed, position)
             width = 1 + 2 * sampling.top_count(logits.shape[-1])
             return tokens, jnp.zeros((logits.shape[0], width), jnp.float32), on
-        adjusted = sampling.controls(logits, on, state, index, floats, position, until)
+        adjusted = sampling.controls(logits, ctrl, state, index, floats, position, until)
         tokens = sample(adjusted, temperature, top_k, top_p, seed, position)
         return tokens, sampling.maybe_scores(logits, tokens, want), on
 

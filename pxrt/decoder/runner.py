@@ -118,6 +118,8 @@ class Controls:
     prompt: np.ndarray
     matcher: Any = None
     taken: int = 0
+    #: Which of them apply (``sampling.PENALTIES``, ``sampling.GRAMMAR``).
+    bits: int = sampling.PENALTIES
 
 
 class Runner(Core):
@@ -261,7 +263,7 @@ class Runner(Core):
         floats[sampling.TEMP] = gen.temperature
         floats[sampling.TOPP] = gen.top_p
         if controls is not None:
-            ints[1:3] = (1, controls.until)
+            ints[1:3] = (controls.bits, controls.until)
             floats[sampling.PRESENCE :] = controls.penalties
 
     def _write_controls(self, gen: Generation, slot: int) -> None:
