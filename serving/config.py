@@ -88,7 +88,7 @@ GENERATION_FLAGS = {
     "max_stop_strings": "stop strings in one request",
     "max_stop_bytes": "UTF-8 bytes of one stop string",
     "max_stop_ids": "stop token ids in one request",
-    "max_choices": "completions of one OpenAI request (n)",
+    "max_choices": "completions of one OpenAI request (n times its prompts)",
 }
 
 

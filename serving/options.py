@@ -535,8 +535,9 @@ class GenerationLimits(_Checked):
       max_stop_strings: stop strings in one request (OpenAI's API allows 4).
       max_stop_bytes: the UTF-8 bytes of one stop string.
       max_stop_ids: stop token ids in one request (beyond the artifact's own).
-      max_choices: completions of one OpenAI request (``n``): each is a generation in
-        a slot of its own (they share the prompt's prefill through the prefix cache).
+      max_choices: completions of one OpenAI request (``n`` times its prompts): each is
+        a generation in a slot of its own (a prompt's ``n`` share its prefill through
+        the prefix cache).
     """
 
     max_request_kb: int = 1024

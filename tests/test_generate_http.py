@@ -648,6 +648,36 @@ def test_openai_client_chat_completions(served, local):
         client.chat.completions.create(model="lm", messages=[])
 
 
+def test_openai_batched_prompts_equal_one_prompt_at_a_time(served, local):
+    """A list of prompts (strings and token-id lists) with n: OpenAI's choices indexed
+    across them (prompt k's n choices at k*n..), each equal to the prompt asked alone
+    (greedy: to the engine's tokens), streamed or not; usage counts every prompt."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    batch = [PROMPTS[0], [72, 105, 33], PROMPTS[2]]
+    greedy = client.completions.create(model="lm", prompt=batch, n=2, max_tokens=8, temperature=0)
+    assert [c.index for c in greedy.choices] == list(range(6))
+    for k, prompt in enumerate(batch):
+        text = prompt if isinstance(prompt, str) else bytes(prompt).decode()
+        want = expected(local, text, max_tokens=8, temperature=0.0)[1]
+        assert [c.text for c in greedy.choices[2 * k : 2 * k + 2]] == [want, want]
+    assert greedy.usage.prompt_tokens == sum(len(p.encode()) for p in PROMPTS[::2]) + 3
+    seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2}
+    alone = [client.completions.create(model="lm", prompt=p, **seeded) for p in batch]
+    chunks = client.completions.create(model="lm", prompt=batch, stream=True, **seeded)
+    texts = [""] * 6
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for a in alone for c in a.choices]
+    r = httpx.post(f"{served.url}/v1/completions", timeout=30, json={
+        "model": "lm", "prompt": ["a"] * 5, "n": 2, "max_tokens": 1})  # fmt: skip
+    assert r.status_code == 400 and "n must be an integer from 1 to 1 for each of 5" in r.text
+    r = httpx.post(f"{served.url}/v1/completions", timeout=30, json={
+        "model": "lm", "prompt": ["a", 5], "max_tokens": 1})  # fmt: skip
+    assert r.status_code == 400 and "prompt must be" in r.text
+
+
 def _schema(rng, depth=0):
     """A random JSON schema the demo's random weights can finish: objects (required
     fields, no others), arrays, enums, bounded integers and strings, booleans."""

@@ -325,15 +325,23 @@ def _check_fields(body: dict, known: tuple[str, ...]) -> None:
             raise invalid(f"{field} is not supported by this server, got {value!r:.80}")
 
 
-def choices(body: dict, limits: GenerationLimits) -> int:
-    """An OpenAI request's ``n``: how many completions it asks for."""
+def choices(body: dict, limits: GenerationLimits, prompts: int = 1) -> int:
+    """An OpenAI request's ``n``: how many completions it asks for of each of its
+    ``prompts``; ``n`` times the prompts at most ``max_choices``."""
     n = body.get("n", 1)
     if n is None:
-        return 1
-    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= limits.max_choices):
+        n = 1
+    most = limits.max_choices // prompts
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= most):
+        if prompts > limits.max_choices:
+            raise invalid(
+                f"prompt: {prompts} prompts, at most {limits.max_choices} in one request "
+                "(pxrt serve --max-choices)"
+            )
+        per = f" for each of {prompts} prompts" if prompts > 1 else ""
         raise invalid(
-            f"n must be an integer from 1 to {limits.max_choices} (pxrt serve --max-choices), "
-            f"got {n!r:.40}"
+            f"n must be an integer from 1 to {most}{per} (pxrt serve --max-choices "
+            f"{limits.max_choices}), got {n!r:.40}"
         )
     return n
 
@@ -362,26 +370,59 @@ def parse_openai(
     """``/v1/completions``: the prompt (text, or token ids), OpenAI's defaults
     (``max_tokens`` 16, ``temperature`` 1), and whether to stream. A field it does not
     honour is refused unless it asks nothing (``_NOT_HONOURED``)."""
+    prompts, stream = parse_completions(decoder, body, limits, known)
+    if len(prompts) != 1:
+        raise invalid(f"give one prompt, got {len(prompts)}")
+    return prompts[0], stream
+
+
+def parse_completions(
+    decoder: ServedDecoder,
+    body: dict,
+    limits: GenerationLimits,
+    known: tuple[str, ...] = _COMPLETIONS,
+) -> tuple[list[Prompt], bool]:
+    """``/v1/completions``: its prompts (a string, token ids, or a list of either),
+    each with the request's options, and whether to stream."""
     _check_fields(body, known)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = _encode(decoder, prompt, "prompt")
-    elif isinstance(prompt, list):
-        ids = _ids(prompt, "prompt")
-    else:
-        raise invalid("prompt must be a string or a list of token ids (one prompt per request)")
     params = _params(body, limits, _OPENAI_DEFAULTS)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid(f"stream must be true or false, got {stream!r:.40}")
     stop = _stop_strings(body.get("stop"), limits)
-    parsed = Prompt(ids, params, stop, True, codec.timeout_s(body.get("timeout"), "timeout"))
-    if echoed(body):
-        decode = getattr(decoder.tokenizer, "decode", None)
-        parsed.echo = prompt if isinstance(prompt, str) else decode(ids) if decode else None
+    timeout_s = codec.timeout_s(body.get("timeout"), "timeout")
+    echo = echoed(body)
+    decode = getattr(decoder.tokenizer, "decode", None)
+    parsed = []
+    for at, prompt in enumerate(_prompts_of(body.get("prompt"))):
+        name = "prompt" if at == 0 and not isinstance(body["prompt"][0], (str, list)) else (
+            f"prompt[{at}]"
+        )  # fmt: skip
+        if isinstance(prompt, str):
+            ids = _encode(decoder, prompt, name)
+        else:
+            ids = _ids(prompt, name)
+        one = Prompt(ids, params, stop, True, timeout_s)
+        if echo:
+            one.echo = prompt if isinstance(prompt, str) else decode(ids) if decode else None
+        parsed.append(one)
     return parsed, stream
+
+
+def _prompts_of(prompt: Any) -> list:
+    """A completions request's prompts: a string, a list of token ids, or a list of
+    strings or of token-id lists (OpenAI's batch)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, (str, list)) for p in prompt):
+            return prompt
+        if not any(isinstance(p, (str, list)) for p in prompt):
+            return [prompt]  # (token ids: checked by _ids)
+    raise invalid(
+        "prompt must be a string, a list of token ids, or a non-empty list of strings or of "
+        f"token-id lists, got {prompt!r:.60}"
+    )
 
 
 async def start(server: Backend, name: str, prompt: Prompt, headers: Any = ()) -> TokenStream:
@@ -634,10 +675,12 @@ async def each_choice(
             Pieces.close_of(*pair)
 
 
-def usage_of(gens: list[TokenStream]) -> dict:
-    """``usage`` of one request's choices: the prompt once, every choice's tokens."""
+def usage_of(gens: list[TokenStream], prompts: int = 1) -> dict:
+    """``usage`` of one request's choices (``prompts`` prompts' choices in turn, as
+    many each): every prompt once, every choice's tokens."""
     n = sum(gen.delivered for gen in gens)
-    prompt = len(gens[0].prompt)
+    each = len(gens) // prompts
+    prompt = sum(len(gens[i * each].prompt) for i in range(prompts))
     return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
@@ -812,9 +855,16 @@ def openai_endpoint(
 async def openai_completions(
     server: Backend, name: str, decoder: ServedDecoder, body: dict, headers: Any = ()
 ) -> Response:
-    prompt, stream = parse_openai(decoder, body, server.generation_limits)
-    n = choices(body, server.generation_limits)
-    opened = await open_choices(server, name, prompt, n, headers)
+    prompts, stream = parse_completions(decoder, body, server.generation_limits)
+    n = choices(body, server.generation_limits, len(prompts))
+    opened: list[tuple[Prompt, TokenStream]] = []
+    try:  # (OpenAI's order: the n choices of the first prompt, then the next's)
+        for prompt in prompts:
+            opened += await open_choices(server, name, prompt, n, headers)
+    except BaseException:
+        for pair in opened:
+            Pieces.close_of(*pair)
+        raise
     gens = [gen for _, gen in opened]
     ident = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -832,6 +882,7 @@ async def openai_completions(
         doc: dict[str, Any] = {"index": i, "text": None if ids_only else text}
         doc |= {"logprobs": scores, "finish_reason": finish}
         if ids_only:
+            prompt = opened[i][0]
             doc["token_ids"] = (list(prompt.ids) if echo and first else []) + ids
             if first:
                 doc["prompt_token_ids"] = list(prompt.ids)
@@ -852,7 +903,7 @@ async def openai_completions(
 
     if not stream:
         answers = await each_choice(opened, whole)
-        return JSONResponse(head | {"choices": answers, "usage": usage_of(gens)})
+        return JSONResponse(head | {"choices": answers, "usage": usage_of(gens, len(prompts))})
 
     async def chunks(i: int, choice_prompt: Prompt, gen: TokenStream) -> AsyncIterator[dict]:
         marks = logprobs_of(choice_prompt)
@@ -879,7 +930,8 @@ async def openai_completions(
                     last = doc  # (answered with the usage, as before)
                     continue
                 yield _event(head | {"choices": [doc]})
-            yield _event(head | {"choices": [last] if last else [], "usage": usage_of(gens)})
+            usage = usage_of(gens, len(prompts))
+            yield _event(head | {"choices": [last] if last else [], "usage": usage})
             yield b"data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - once streaming, an error is an event
             yield _error_event(exc)
