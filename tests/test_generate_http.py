@@ -766,6 +766,69 @@ def test_openai_structured_outputs_validate_against_their_schemas(served):
         )  # fmt: skip
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12},
+                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+
+
+def test_openai_tool_calls_with_arguments_valid_for_their_function(served):
+    """tool_choice a named function and "required": OpenAI's client parses tool_calls
+    whose arguments validate against the function's parameters, streamed (as deltas)
+    and not, finish_reason tool_calls; a named function not among the tools is a 400."""
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed, choice in enumerate([named, "required", named, "required"]):
+        options = {"max_tokens": 200, "temperature": 1.0, "seed": seed, "tools": [WEATHER, TIME],
+                   "tool_choice": choice, "parallel_tool_calls": seed < 2}  # fmt: skip
+        out = client.chat.completions.create(model="lm", messages=messages, **options)
+        got = out.choices[0]
+        assert got.finish_reason == "tool_calls" and got.message.content is None, got
+        calls = got.message.tool_calls
+        if choice is named or seed >= 2:
+            assert len(calls) == 1
+        for call in calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if choice is named:
+            assert calls[0].function.name == "get_weather"
+        stream = client.chat.completions.create(
+            model="lm", messages=messages, stream=True, **options
+        )
+        deltas = [c.choices[0] for c in stream if c.choices]
+        streamed = [t for d in deltas for t in d.delta.tool_calls or ()]
+        assert [t.function.arguments for t in streamed] == [c.function.arguments for c in calls]
+        assert deltas[-1].finish_reason == "tool_calls"
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "Sun"},
+    ]
+    out = client.chat.completions.create(
+        model="lm", messages=follow, max_tokens=5, tools=[WEATHER], tool_choice="none"
+    )
+    assert out.choices[0].message.tool_calls is None
+    bad = {"type": "function", "function": {"name": "nope"}}
+    with pytest.raises(openai.BadRequestError, match="tool_choice names 'nope'"):
+        client.chat.completions.create(model="lm", messages=messages, tools=[WEATHER],
+                                       tool_choice=bad)  # fmt: skip
+
+
 def test_workers_stream_without_jax(served, local):
     """Through `--workers`, a worker tokenizes, streams and detokenizes itself (the
     generation runs in the device process) without importing jax."""

@@ -146,8 +146,9 @@ def _compile(kind: str, text: str) -> str:
 
 
 def _first_line(message: str) -> str:
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    return " ".join(lines[:3])[:300]
+    """The engine's message on one line (without its caret lines), at most 400 chars."""
+    lines = [line.strip() for line in str(message).splitlines()]
+    return " ".join(line for line in lines if line.strip("^ ~"))[:400]
 
 
 def token_bytes(tokenizer: Any, vocab: int) -> tuple[list[bytes], list[int]]:

@@ -49,6 +49,7 @@ from pxrt.finish import DEADLINE, STOP
 
 from ..errors import DeadlineExceeded, ExecutionFailed, ServerClosed, ServingError
 from . import codec, core
+from . import tools as tools_
 
 _clock = time.perf_counter
 
@@ -295,11 +296,8 @@ def parse_kserve(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -
 _NOT_HONOURED: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
-    "parallel_tool_calls": (False, True),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -311,7 +309,8 @@ _INFORMATIONAL = ("user", "metadata", "service_tier", "stream_options")
 _COMPLETIONS = ("model", "prompt", "n", "stream", "stop", "timeout", "echo", "response_format",
                 *JSON_OPTIONS, *STRUCTURED)  # fmt: skip
 _CHAT = ("model", "messages", "n", "stream", "stop", "timeout", "max_completion_tokens",
-         "top_logprobs", "response_format", *JSON_OPTIONS, *STRUCTURED)  # fmt: skip
+         "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+         *JSON_OPTIONS, *STRUCTURED)  # fmt: skip
 
 
 def _check_fields(body: dict, known: tuple[str, ...]) -> None:
@@ -942,10 +941,13 @@ async def openai_completions(
     return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
 
 
-def parse_chat(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> tuple[Prompt, bool]:
-    """``/v1/chat/completions``: ``messages`` rendered by the artifact's chat template,
-    then the options as for ``/v1/completions`` (``max_completion_tokens`` is
-    ``max_tokens``)."""
+def parse_chat(
+    decoder: ServedDecoder, body: dict, limits: GenerationLimits
+) -> tuple[Prompt, bool, tools_.Tools | None]:
+    """``/v1/chat/completions``: ``messages`` (and ``tools``) rendered by the
+    artifact's chat template, then the options as for ``/v1/completions``
+    (``max_completion_tokens`` is ``max_tokens``); the request's tools, if any
+    (``serving.kserve.tools``)."""
     from pxrt.tokenizer import render_chat
 
     _check_fields(body, _CHAT)
@@ -962,22 +964,34 @@ def parse_chat(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> 
         and all(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
+            and (
+                isinstance(m.get("content"), str)
+                or m.get("content") is None
+                and isinstance(m.get("tool_calls"), list)
+            )
             for m in messages
         )
     ):
         raise invalid(
-            "messages must be a non-empty list of {role, content} objects with text content"
+            "messages must be a non-empty list of {role, content} objects with text content "
+            "(an assistant's tool calls: content null and tool_calls)"
         )
+    tools = tools_.parse(body)
+    extra = {"tools": tools.tools} if tools is not None else {}
     try:
-        text = render_chat(decoder.chat_template, messages)
+        text = render_chat(decoder.chat_template, messages, **extra)
     except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
         raise invalid(f"the chat template failed on these messages: {exc}") from None
-    fields = {
-        k: v
-        for k, v in body.items()
-        if k not in ("messages", "max_completion_tokens", "top_logprobs", "logprobs")
-    }
+    drop = ("messages", "max_completion_tokens", "top_logprobs", "logprobs", "tools",
+            "tool_choice", "parallel_tool_calls")  # fmt: skip
+    fields = {k: v for k, v in body.items() if k not in drop}
+    held = tools.structured() if tools is not None else None
+    if tools is not None and held is not None:
+        other = [k for k in ("response_format", *STRUCTURED) if body.get(k) is not None]
+        if other and body.get("response_format") != {"type": "text"}:
+            raise invalid(f"tool_choice {tools.mode} holds the output to the tools' "
+                          f"schemas: it cannot be combined with {other[0]}")  # fmt: skip
+        fields["structured_outputs"] = held
     wanted, top = body.get("logprobs"), body.get("top_logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise invalid(f"logprobs must be true or false, got {wanted!r:.40}")
@@ -987,14 +1001,14 @@ def parse_chat(decoder: ServedDecoder, body: dict, limits: GenerationLimits) -> 
         fields["logprobs"] = 0 if top is None else top
         if isinstance(top, bool) or not isinstance(top, int):
             raise invalid(f"top_logprobs must be an integer from 0 to 20, got {top!r:.40}")
-    return parse_openai(decoder, {**fields, "prompt": text}, limits)
+    return (*parse_openai(decoder, {**fields, "prompt": text}, limits), tools)
 
 
 @openai_endpoint
 async def openai_chat(
     server: Backend, name: str, decoder: ServedDecoder, body: dict, headers: Any = ()
 ) -> Response:
-    prompt, stream = parse_chat(decoder, body, server.generation_limits)
+    prompt, stream, tools = parse_chat(decoder, body, server.generation_limits)
     n = choices(body, server.generation_limits)
     opened = await open_choices(server, name, prompt, n, headers)
     gens = [gen for _, gen in opened]
@@ -1003,12 +1017,19 @@ async def openai_chat(
     def scores_of(ids: list[int], scores: Any) -> dict | None:
         return chat_logprobs(decoder, ids, scores) if prompt.logprobs else None
 
+    def answer(text: str, finish: str | None) -> tuple[dict, str | None]:
+        """(the message, the finish reason): the tool calls in ``text``, or ``text``."""
+        calls = tools.calls(text) if tools is not None and finish == STOP else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
     async def whole(i: int, choice_prompt: Prompt, gen: TokenStream) -> dict:
         text, ids, scores = await collected(decoder, gen, choice_prompt)
         raise_error(gen)
-        message = {"role": "assistant", "content": text}
+        message, finish = answer(text, gen.finish_reason)
         return {"index": i, "message": message, "logprobs": scores_of(ids, scores),
-                "finish_reason": gen.finish_reason}  # fmt: skip
+                "finish_reason": finish}  # fmt: skip
 
     if not stream:
         answers = await each_choice(opened, whole)
@@ -1021,6 +1042,15 @@ async def openai_chat(
         return _event(head | {"object": "chat.completion.chunk", "choices": [choice]})
 
     async def chunks(i: int, choice_prompt: Prompt, gen: TokenStream) -> AsyncIterator[bytes]:
+        if tools is not None:  # (a call is known once its text is whole: sent then)
+            text, ids, scores = await collected(decoder, gen, choice_prompt)
+            raise_error(gen)
+            message, finish = answer(text, gen.finish_reason)
+            calls = [c | {"index": j} for j, c in enumerate(message.get("tool_calls", ()))]
+            delta = {"role": "assistant"} | ({"tool_calls": calls} if calls else message)
+            yield chunk(i, delta, None, scores_of(ids, scores))
+            yield chunk(i, {}, finish)
+            return
         yield chunk(i, {"role": "assistant", "content": ""}, None)
         held: list = []  # (a token whose text is held back: its scores go with the next)
         async for piece in pieces(decoder, gen, choice_prompt):
