@@ -49,7 +49,10 @@ FLOATS = 5
 # WANT, CTRL and UNTIL as above.
 CHUNK_START, CHUNK_COUNT, CHUNK_SLOT, CHUNK_TOPK, CHUNK_SEED, CHUNK_FINAL = range(6)
 CHUNK_WANT, CHUNK_CTRL, CHUNK_UNTIL = range(6, 9)
-CHUNK_INTS = 9
+# Then whether the row wants its prompt's scores (``prompt_logprobs``) and the prompt's
+# token after the chunk (the last position's next token; 0 past the prompt).
+CHUNK_PROMPT, CHUNK_NEXT = 9, 10
+CHUNK_INTS = 11
 
 
 def sample(
@@ -149,6 +152,20 @@ def scores(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     chosen = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)
     values, ids = lax.top_k(logp, top_count(logits.shape[-1]))
     return jnp.concatenate([chosen, values, ids.astype(jnp.float32)], axis=-1)
+
+
+def prompt_scores(logits: jax.Array, tokens: jax.Array, want: jax.Array) -> jax.Array:
+    """``scores`` at every position of a chunk (``logits`` ``[n, k, vocab]``) of the
+    prompt's next tokens (``tokens`` ``[n, k]``) where a row wants them (``want`` > 0),
+    ``[n, k, 1 + 2 * top]``; zeros (and no work) when none does."""
+    n, k, vocab = logits.shape
+    shape = (n, k, 1 + 2 * top_count(vocab))
+
+    def each(_: Any) -> jax.Array:
+        flat = scores(logits.reshape(n * k, vocab), tokens.reshape(n * k))
+        return flat.reshape(shape)
+
+    return lax.cond(jnp.any(want > 0), each, lambda _: jnp.zeros(shape, jnp.float32), None)
 
 
 def maybe_scores(logits: jax.Array, tokens: jax.Array, want: jax.Array) -> jax.Array:

@@ -585,6 +585,40 @@ def test_logprobs_equal_a_log_softmax_in_plain_jax(lm, params):
     assert lm.compiles_after_load == 0
 
 
+@pytest.mark.once  # (device programs: the twins change nothing they run)
+def test_prompt_logprobs_equal_a_log_softmax_in_plain_jax(lm, params, reference):
+    """A prompt's logprobs (each token's after the ones before it, with the likeliest
+    alternatives; none for the first): plain JAX's causal logits over the whole prompt,
+    for prompts within one chunk and over several, beside requests without them; the
+    generated tokens do not change. A decoder without extend refuses them by name."""
+    rng = np.random.default_rng(33)
+    prompts_ = [rng.integers(0, 256, n).astype(np.int32) for n in (3, 20, 50)]
+    gens = [lm.submit(p, max_tokens=4, prompt_logprobs=3) for p in prompts_]
+    plain = [lm.submit(p, max_tokens=4) for p in prompts_]
+    heads = SIZES["heads"]
+    kv = jnp.zeros((1, SIZES["layers"], MAX_LENGTH, heads, SIZES["dim"] // heads), jnp.float32)
+    rows = {"k": kv, "v": kv}
+    for prompt, gen, other in zip(prompts_, gens, plain):
+        got = gen.result(timeout=60)
+        assert got.tokens == other.result().tokens == reference(prompt, 4)
+        _, logits = demo.lm_extend(params, rows, jnp.asarray(prompt)[None], jnp.zeros(1, jnp.int32))
+        logp = _log_softmax(np.asarray(logits[0]))
+        assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(prompt)
+        for i, (lp, top) in enumerate(got.prompt_logprobs[1:]):
+            row = logp[i]
+            assert lp == pytest.approx(row[prompt[i + 1]], abs=1e-4)
+            best = np.argsort(row)[::-1][:3]
+            assert [t for t, _ in top] == list(best)
+            np.testing.assert_allclose([v for _, v in top], row[best], atol=1e-4)
+        assert other.result().prompt_logprobs is None
+
+
+def test_prompt_logprobs_need_extend(lm, monkeypatch):
+    monkeypatch.setattr(lm, "chunk_lengths", ())  # (an artifact exported without extend)
+    with pytest.raises(ValueError, match="prompt_logprobs: decoder 'lm' has no extend program"):
+        lm.submit([1, 2], max_tokens=2, prompt_logprobs=1)
+
+
 def _controlled(prompt, bias=None, presence=0.0, frequency=0.0, repetition=1.0, min_tokens=0,
                 stops=(demo.LM_EOS,)):  # fmt: skip
     """The controls, as a plain numpy pick over plain JAX's logits (greedy)."""

@@ -29,7 +29,7 @@ def lm_path(tmp_path_factory):
         max_length=MAX_LENGTH,
         prefill_lengths=(8, 64),
         prefill_batches=(1, 2),
-        extend=False,  # (the protocols are under test; test_generate.py chunks prompts)
+        chunk_lengths=(64,),  # (echo with logprobs scores prompts in chunks)
         **SIZES,
     )
 
@@ -255,7 +255,7 @@ def test_stop_strings_cut_the_text_and_end_the_generation(served, local):
     [
         ({"text_input": "hi", "max_tokens": 0}, "max_tokens must be an int >= 1"),
         ({"text_input": "hi", "temperature": -1}, "temperature"),
-        ({"text_input": "x" * 70}, "longer than the longest prefill length"),
+        ({"text_input": "x" * MAX_LENGTH}, "leave no room in a cache of 2048 positions"),
         ({"text_input": "x" * MAX_LENGTH}, "leave no room in a cache"),
         ({"input_ids": [1, 999]}, "token id 999 is outside the vocabulary"),
         ({}, "exactly one of text_input"),
@@ -481,8 +481,6 @@ def test_openai_fields_are_honoured_or_refused_never_ignored(served):
         error = r.json()["error"]
         assert r.status_code == 400 and error["type"] == "invalid_request_error", (field, r.text)
         assert field in error["message"], (field, error)
-    r = httpx.post(f"{url}/completions", json=base | {"echo": True, "logprobs": 1}, timeout=30)
-    assert r.status_code == 400 and "echo with logprobs" in r.json()["error"]["message"]
     chat = {"model": "lm", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     r = httpx.post(f"{url}/chat/completions", json=chat | {"max_completion_tokens": 2}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
@@ -540,6 +538,26 @@ def test_logprobs_choices_echo_and_controls_over_each_protocol(served, local):
     body = {"model": "lm", "prompt": PROMPTS[1], "max_tokens": 5, "temperature": 0, "echo": True}
     text = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert text == PROMPTS[1] + expected(local, PROMPTS[1], max_tokens=5)[1]
+    # echo with logprobs: the prompt's tokens' too (the first has none), then the
+    # completion's, as the engine's prompt_logprobs; streamed, with the echo chunk.
+    prompt_ids = ByteTokenizer().encode(PROMPTS[1])
+    want = local.generate(prompt_ids, max_tokens=5, temperature=0.0, logprobs=2,
+                          prompt_logprobs=2)  # fmt: skip
+    body |= {"logprobs": 2}
+    for stream in (False, True):
+        if stream:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as r:
+                *chunks, _ = sse(r)
+            parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
+            marks = {k: [v for p in parts if p for v in p[k]] for k in parts[0]}
+        else:
+            doc = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+            marks = doc["choices"][0]["logprobs"]
+        assert [_id(t) for t in marks["tokens"]] == prompt_ids + want.tokens
+        assert marks["token_logprobs"][0] is None and marks["top_logprobs"][0] is None
+        tops = [[(_id(k), v) for k, v in top.items()] for top in marks["top_logprobs"][1:]]
+        _close(list(zip(marks["token_logprobs"][1:], tops)),
+               want.prompt_logprobs[1:] + want.logprobs)  # fmt: skip
     # Chat: logprobs true, top_logprobs 2.
     messages = [{"role": "user", "content": "Hi"}]
     from pxrt.tokenizer import render_chat

@@ -381,6 +381,14 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         )
         gen.logprobs = None if params.logprobs is None else []
         gen.top_logprobs = params.logprobs or 0
+        if params.prompt_logprobs is not None:  # (in chunks, each position scored)
+            if not self.chunk_lengths:
+                raise ValueError(
+                    f"prompt_logprobs: decoder {self.name!r} has no extend program to score "
+                    "its prompts with (export it with extend=)"
+                )
+            gen.bucket, gen.use_prefix = 0, False
+            gen.prompt_parts, gen.prompt_top = [], params.prompt_logprobs
         gen.controls = controls
         gen.level = level or self.default_priority_level
         self._enqueue(gen)

@@ -734,7 +734,7 @@ class _Obtained:
             ints[:, c.CHUNK_SLOT] = slots
             floats = np.ones((cell.batch, c.FLOATS), np.float32)
             tokens = np.zeros((cell.batch, cell.length), np.int32)
-            state, first, _ = cell.compiled(params, state, tokens, ints, floats)
+            state, first, *_ = cell.compiled(params, state, tokens, ints, floats)
         if self.control is not None:
             state = self.control(
                 state,

@@ -123,6 +123,10 @@ class SamplingParams(
     - ``logprobs`` (0 .. 20; None: none): every token comes with its log-probability
       and that many of the most likely tokens' (``Generation.logprobs``), of the
       model's distribution (a log-softmax of its logits, before the controls below).
+    - ``prompt_logprobs`` (0 .. 20; None: none): the same for every prompt token but
+      the first (``Completion.prompt_logprobs``), as the model scores each after the
+      ones before it; the prompt goes in chunks (the decoder's ``extend`` program) and
+      neither uses nor fills the prefix cache.
     - The controls, applied on the device before sampling: ``logit_bias`` (token id ->
       -100 .. 100, added to its logit; at most 300 entries), ``repetition_penalty``
       ((0, 2]; over the prompt's and the generated tokens), ``presence_penalty`` and
@@ -143,6 +147,7 @@ class SamplingParams(
     stop_ids: tuple[int, ...] = ()
     prefix_cache: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -164,6 +169,11 @@ class SamplingParams(
                 None
                 if self.logprobs is None
                 else int_in("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+            ),
+            "prompt_logprobs": (
+                None
+                if self.prompt_logprobs is None
+                else int_in("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
             ),
             "presence_penalty": number_in("presence_penalty", self.presence_penalty, -2.0, 2.0),
             "frequency_penalty": number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0),

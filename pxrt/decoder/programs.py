@@ -224,7 +224,7 @@ class DecoderPrograms:
         self._extend_jit = jax.jit(
             self._extend_insert,
             donate_argnums=(1,),
-            out_shardings=(state_sharding, self.replicated, self.replicated),
+            out_shardings=(state_sharding, self.replicated, self.replicated, self.replicated),
         )
         self._control_jit = jax.jit(
             self._control, donate_argnums=(0,), out_shardings=state_sharding
@@ -684,18 +684,22 @@ class DecoderPrograms:
 
     def _extend_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
-    ) -> tuple[dict, jax.Array, jax.Array]:
+    ) -> tuple[dict, jax.Array, jax.Array, jax.Array]:
         """A chunk of a prompt per row, into its slot: the slot's rows are taken out of
         the cache, extended by ``tokens`` at ``CHUNK_START``, and written back. A
         chunk that ends its prompt samples the first token at the prompt's end and
         makes the slot a decode slot; any other leaves it parked at the last
-        position, where the steps that run meanwhile write nothing that is read."""
+        position, where the steps that run meanwhile write nothing that is read.
+        Returns the state, the first tokens, their scores, and the scores of each
+        position's next prompt token where a row wants them (``CHUNK_PROMPT``)."""
         c = sampling
         start, count, slot = ints[:, c.CHUNK_START], ints[:, c.CHUNK_COUNT], ints[:, c.CHUNK_SLOT]
         final = ints[:, c.CHUNK_FINAL] > 0
         taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
         rows = jax.tree.map(lambda leaf: leaf[taken], state["cache"])
         rows, logits = self.art.extend_for(*tokens.shape).call(params, rows, tokens, start)
+        following_tokens = jnp.concatenate([tokens[:, 1:], ints[:, c.CHUNK_NEXT, None]], axis=1)
+        prompted = sampling.prompt_scores(logits, following_tokens, ints[:, c.CHUNK_PROMPT])
         last = jnp.take_along_axis(logits, (count - 1)[:, None, None], axis=1)[:, 0]
         following = start + count
         # Only the chunk that ends its prompt samples: the others' scores and controls
@@ -712,7 +716,8 @@ class DecoderPrograms:
             + [chosen[:, i] for i in cols],
             axis=1,
         )
-        return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
+        state = self._inserted(state, slot, cache, rows_ints, floats, first, on)
+        return state, first, scores, prompted
 
     @staticmethod
     def _inserted(

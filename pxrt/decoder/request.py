@@ -54,6 +54,9 @@ class Completion:
     #: With ``logprobs``: per token, (its log-probability, the most likely tokens'
     #: (id, log-probability), most likely first); else None.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    #: With ``prompt_logprobs``: per prompt token the same (None for the first: nothing
+    #: comes before it); else None.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 class Generation(_GenerationBase):
@@ -76,6 +79,9 @@ class Generation(_GenerationBase):
         "use_prefix",
         "logprobs",
         "top_logprobs",
+        "prompt_parts",
+        "prompt_logprobs",
+        "prompt_top",
         "controls",
         "lookup",
         "loop",
@@ -117,6 +123,11 @@ class Generation(_GenerationBase):
         # there before its token; how many alternatives to give; the sampling controls.
         self.logprobs: list | None = None
         self.top_logprobs = 0
+        # With ``prompt_logprobs``: its chunks' scores (array, row, start, count) until
+        # its first token is read, then a scores row per prompt token (None first).
+        self.prompt_parts: list | None = None
+        self.prompt_logprobs: list | None = None
+        self.prompt_top = 0
         self.controls: Any = None
         self.lookup: Any = None  # (speculative decoding) its pxrt.decoder.speculative.PromptLookup
         # The event loop of its async reader (set by ``__anext__``): woken there too.
@@ -189,7 +200,19 @@ class Generation(_GenerationBase):
             max(self.t_first - self.t_submit, 0.0) if tokens else 0.0,
             max(self.t_last - self.t_submit, 0.0) if tokens else 0.0,
             None if self.logprobs is None else self.token_logprobs(0, len(tokens)),
+            self.prompt_token_logprobs(),
         )
+
+    def prompt_token_logprobs(self) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
+        """The prompt's tokens' log-probabilities (with ``prompt_logprobs``, once the
+        first token is in; else None): per token, as ``token_logprobs`` gives them, None
+        for the first."""
+        from ..sampling import unpack
+
+        if self.prompt_logprobs is None:
+            return None
+        top = self.prompt_top
+        return [None if row is None else unpack(row, top) for row in self.prompt_logprobs]
 
     def token_logprobs(self, start: int, stop: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """Tokens ``start:stop``'s log-probabilities (with ``logprobs``): per token, its

@@ -204,6 +204,7 @@ class Runner(Core):
         )
         finals: list[Generation] = []
         done: list[tuple[Generation, int]] = []
+        scoring: list[Generation] = []
         for i, gen in enumerate(rows):
             prompt = gen.prompt
             # The chunk ends inside the cache: near its end, it starts earlier and
@@ -216,15 +217,27 @@ class Runner(Core):
                 start, count, gen.reserved, gen.top_k, _seed_bits(gen.seed), final
             )  # fmt: skip
             self._sampling_row(gen, ints[i, sampling.CHUNK_WANT :], floats[i])
+            if gen.prompt_parts is not None:  # (its prompt's scores: this chunk's part)
+                after = start + count
+                ints[i, sampling.CHUNK_PROMPT] = 1
+                ints[i, sampling.CHUNK_NEXT] = prompt[after] if after < len(prompt) else 0
+                gen.prompt_parts.append((i, start, count))
+                scoring.append(gen)
             gen.start = start + count
             if final:
                 finals.append(gen)
         t0 = time.perf_counter()
         for gen in rows:
             gen.t_admit = gen.t_admit or t0
-        (self._state, first, scores), sync = self._launch(
+        (self._state, first, scores, prompted), sync = self._launch(
             -1, cell.compiled, self._params, self._state, tokens, ints, floats
         )
+        if scoring:  # (read with the prompt's first token: ``_prompt_logprobs``)
+            prompted.copy_to_host_async()
+            for gen in scoring:
+                parts = gen.prompt_parts
+                assert parts is not None
+                parts[-1] = (prompted, *parts[-1])
         for gen in finals:
             self._chunking.remove(gen)
             slot, gen.reserved = gen.reserved, -1
@@ -375,6 +388,19 @@ class Runner(Core):
         counters["busy_slot_steps"] += busy * k
         counters["stepped_slots"] += len(owners) * k
 
+    @staticmethod
+    def _prompt_logprobs(gen: Generation) -> None:
+        """``gen``'s prompt's scores, from its chunks' (their programs have run: this
+        one's first token is being read): none for the first token, then each token's
+        as the positions before it scored it."""
+        rows: list[Any] = [None] * len(gen.prompt)
+        for array, i, start, count in gen.prompt_parts or ():
+            got = np.asarray(array)[i]
+            for j in range(count):  # (a chunk may compute some positions again)
+                if start + j + 1 < len(rows):
+                    rows[start + j + 1] = got[j]
+        gen.prompt_logprobs, gen.prompt_parts = rows, None
+
     def _constrained(self) -> list[tuple[Any, int]]:
         """The busy slots held to a structured output: (its grammar's matcher, slot)."""
         return [
@@ -506,6 +532,9 @@ class Runner(Core):
                 if gen is not None and gen.logprobs is not None and gen.finish_reason is None:
                     gen.logprobs.append(rows[i])
         if kind == _PREFILL:
+            for gen in owners:
+                if gen.prompt_parts is not None:
+                    self._prompt_logprobs(gen)
             routed = self._table.first(tokens, owners, now, woken, finished)
             timings["prefill"].append(now - t0)
             if self._special:  # (structured outputs' grammars take their first tokens)

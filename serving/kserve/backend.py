@@ -110,6 +110,11 @@ class TokenStream(Protocol):
         each token's and its alternatives' (id, log-probability)."""
         ...
 
+    def prompt_token_logprobs(self) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
+        """The prompt's tokens' (with ``prompt_logprobs``, from its first token on):
+        as ``token_logprobs``, None for the first prompt token."""
+        ...
+
     def __aiter__(self) -> AsyncIterator[int]: ...
 
 

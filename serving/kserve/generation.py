@@ -39,6 +39,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -352,11 +353,6 @@ def echoed(body: dict) -> bool:
         return False
     if not isinstance(echo, bool):
         raise invalid(f"echo must be true or false, got {echo!r:.40}")
-    if echo and body.get("logprobs") is not None:
-        raise invalid(
-            "echo with logprobs: the prompt's tokens' log-probabilities are not computed; "
-            "ask for one or the other"
-        )
     return echo
 
 
@@ -391,6 +387,8 @@ def parse_completions(
     stop = _stop_strings(body.get("stop"), limits)
     timeout_s = codec.timeout_s(body.get("timeout"), "timeout")
     echo = echoed(body)
+    if echo and params.logprobs is not None:  # (the prompt's too: scored in chunks)
+        params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
     decode = getattr(decoder.tokenizer, "decode", None)
     parsed = []
     for at, prompt in enumerate(_prompts_of(body.get("prompt"))):
@@ -566,17 +564,21 @@ class CompletionLogprobs:
         self.decoder = decoder
         self.offset = offset
 
-    def of(self, ids: list[int], scores: list) -> dict:
+    def of(self, ids: list[int], scores: list, before: dict | None = None) -> dict:
+        """The entries of ``ids`` (a score None: a prompt's first token, with none),
+        after those of ``before`` (the prompt's, with ``echo``)."""
         doc: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}  # fmt: skip
-        for token, (lp, top) in zip(ids, scores):
+        for token, score in zip(ids, scores):
             text = token_text(self.decoder, token)
             doc["tokens"].append(text)
-            doc["token_logprobs"].append(lp)
-            doc["top_logprobs"].append({token_text(self.decoder, i): v for i, v in top})
+            doc["token_logprobs"].append(None if score is None else score[0])
+            doc["top_logprobs"].append(
+                None if score is None else {token_text(self.decoder, i): v for i, v in score[1]}
+            )
             doc["text_offset"].append(self.offset)
             self.offset += len(text)
-        return doc
+        return doc if before is None else {k: before[k] + doc[k] for k in doc}
 
 
 def chat_logprobs(decoder: ServedDecoder, ids: list[int], scores: list) -> dict:
@@ -892,11 +894,19 @@ async def openai_completions(
             return None
         return CompletionLogprobs(decoder, len(choice_prompt.echo or "") if echo else 0)
 
+    def prompt_logprobs(choice_prompt: Prompt, gen: TokenStream) -> dict | None:
+        """With echo and logprobs: the prompt's entries (text offsets from 0)."""
+        scores = gen.prompt_token_logprobs() if echo and choice_prompt.logprobs else None
+        if scores is None:
+            return None
+        return CompletionLogprobs(decoder).of(list(choice_prompt.ids), scores)
+
     async def whole(i: int, choice_prompt: Prompt, gen: TokenStream) -> dict:
         text, ids, scores = await collected(decoder, gen, choice_prompt)
         raise_error(gen)
         marks = logprobs_of(choice_prompt)
-        got = None if marks is None else marks.of(ids, scores)
+        before = prompt_logprobs(choice_prompt, gen)
+        got = None if marks is None else marks.of(ids, scores, before)
         text = (choice_prompt.echo or "") + text if echo else text
         return choice(i, text, gen.finish_reason, ids, True, got)
 
@@ -907,11 +917,17 @@ async def openai_completions(
     async def chunks(i: int, choice_prompt: Prompt, gen: TokenStream) -> AsyncIterator[dict]:
         marks = logprobs_of(choice_prompt)
         first = True
-        if echo and (choice_prompt.echo or ids_only):
+        # (the prompt's scores come with its first token: the echo waits for it)
+        echoing = echo and bool(choice_prompt.echo or ids_only)
+        if echoing and marks is None:
             yield choice(i, choice_prompt.echo or "", None, [], True, None)
-            first = False
+            first, echoing = False, False
         held: list = []  # (a token whose text is held back: its scores go with the next)
         async for piece in pieces(decoder, gen, choice_prompt):
+            if echoing:
+                got = prompt_logprobs(choice_prompt, gen)
+                yield choice(i, choice_prompt.echo or "", None, [], True, got)
+                first, echoing = False, False
             held += zip(piece.ids, piece.logprobs or [None] * len(piece.ids))
             if piece.text or (ids_only and piece.ids):
                 ids = [t for t, _ in held]

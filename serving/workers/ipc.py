@@ -193,6 +193,8 @@ class Tokens(msgspec.Struct, tag=14, array_like=True):
     error: Error | None = None
     # With logprobs: per token, [its log-probability, [[id, log-probability], ...]].
     logprobs: list | None = None
+    # With prompt_logprobs, with the first token: the same per prompt token (null first).
+    prompt_logprobs: list | None = None
 
 
 ToDevice = Hello | Infer | Cancel | Count | Call | Free | Generate | Stop

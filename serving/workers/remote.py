@@ -81,13 +81,15 @@ class RemoteGeneration:
     ``prompt`` and ``delivered``."""
 
     __slots__ = ("gid", "prompt", "tokens", "finish_reason", "error", "delivered", "_link",
-                 "_waiter", "_accepted", "_loop", "listener", "logprobs")  # fmt: skip
+                 "_waiter", "_accepted", "_loop", "listener", "logprobs",
+                 "prompt_logprobs")  # fmt: skip
 
     def __init__(self, gid: int, prompt: list[int], link: DeviceLink) -> None:
         self.gid = gid
         self.prompt = prompt
         self.tokens: list[int] = []
         self.logprobs: list = []  # with logprobs: as the device process sent them
+        self.prompt_logprobs: list | None = None  # with prompt_logprobs: the same
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.delivered = 0  # tokens its reader has taken
@@ -142,6 +144,15 @@ class RemoteGeneration:
         """As ``pxrt.Generation.token_logprobs``."""
         return [(lp, [(t, v) for t, v in top]) for lp, top in self.logprobs[start:stop]]
 
+    def prompt_token_logprobs(self) -> list[tuple[float, list[tuple[int, float]]] | None] | None:
+        """As ``pxrt.Generation.prompt_token_logprobs``."""
+        if self.prompt_logprobs is None:
+            return None
+        return [
+            None if row is None else (row[0], [(t, v) for t, v in row[1]])
+            for row in self.prompt_logprobs
+        ]
+
     def on_tokens(self, message: ipc.Tokens) -> bool:
         """News from the device process; True once it has ended."""
         if not self._accepted.done():
@@ -153,6 +164,8 @@ class RemoteGeneration:
             return message.finish_reason is not None
         if message.logprobs:
             self.logprobs += message.logprobs
+        if message.prompt_logprobs is not None:
+            self.prompt_logprobs = message.prompt_logprobs
         self.tokens += message.tokens
         if message.finish_reason is not None:
             self.finish_reason = message.finish_reason

@@ -217,10 +217,12 @@ class WorkerLink(ipc.FrameWriter, asyncio.Protocol):
         error = None
         try:
             scored = gen.logprobs is not None
+            prompt = gen.prompt_parts is not None or gen.prompt_logprobs is not None
             async for token in gen:
                 n = gen.delivered
                 scores = gen.token_logprobs(n - 1, n) if scored else None
-                self.send(ipc.Tokens(gid, [token], logprobs=scores))
+                before = gen.prompt_token_logprobs() if prompt and n == 1 else None
+                self.send(ipc.Tokens(gid, [token], logprobs=scores, prompt_logprobs=before))
         except asyncio.CancelledError:
             gen.cancel()
             raise
