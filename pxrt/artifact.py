@@ -151,6 +151,8 @@ def export(
     constraints: Sequence[str] = (),
     shapes: str = "symbolic",
     overwrite: bool = False,
+    tokenizer: str | os.PathLike | None = None,
+    embedding: Mapping[str, str | None] | None = None,
 ) -> str:
     """Export ``fn(params, **inputs)`` and ``params`` to the artifact directory ``path``.
 
@@ -185,6 +187,13 @@ def export(
         on); an output's dimension is the named one when it equals that dimension's
         length in every cell.
       overwrite: replace an existing artifact at ``path``.
+      tokenizer: as ``export_decoder``'s (``"bytes"``, a ``tokenizer.json``, a
+        SentencePiece ``.model``), carried in the artifact for text inputs.
+      embedding: the model embeds text (``/v1/embeddings``): ``{"tokens": input,
+        "mask": input or None, "output": output}``: an int32 input of token ids
+        ``[seq]`` (a named dimension), optionally a mask input of the same shape (true,
+        or 1, where a token is), and an output of one vector ``[dim]`` per example.
+        Needs ``tokenizer``.
 
     The same function, params and options give the same bytes from any caller.
     Returns the artifact path.
@@ -208,6 +217,7 @@ def export(
     leaves, param_meta = param_entries(params)
     fn = on_leaves(fn, jax.tree.structure(params))
     x64, why = x64_of(x64, param_meta, inputs, "pxrt.export")
+    files, tok_config = _text_files(tokenizer, embedding, inputs)
 
     manifest = {
         "format": FORMAT,
@@ -234,14 +244,68 @@ def export(
         trace = _trace_symbolic if shapes == SYMBOLIC else _trace_concrete
         programs, ccv = trace(fn, param_specs, inputs, buckets, dims, manifest)
 
+    if tok_config is not None:
+        manifest["tokenizer"] = tok_config
+    if embedding is not None:
+        manifest["embedding"] = _embedding_output(dict(embedding), manifest)
     manifest |= {
         "jax_version": jax.__version__,
         "jaxlib_version": jaxlib.__version__,
         "calling_convention_version": ccv,
         "files": {},
     }
-    write_directory(path, manifest, programs, leaves, overwrite)
+    write_directory(path, manifest, programs | files, leaves, overwrite)
     return path
+
+
+def _text_files(
+    tokenizer: str | os.PathLike | None,
+    embedding: Mapping[str, str | None] | None,
+    inputs: Mapping[str, TensorSpec],
+) -> tuple[dict[str, bytes], dict | None]:
+    """A one-shot model's tokenizer files and config, and its ``embedding`` inputs
+    checked (a ValueError naming what does not fit)."""
+    from .decoder.export import _tokenizer_files
+
+    files, config, _ = _tokenizer_files(tokenizer, None, ())
+    if embedding is None:
+        return files, config
+    if tokenizer is None:
+        raise ValueError("embedding: an embedding model turns text into vectors: give tokenizer=")
+    known = {"tokens", "mask", "output"}
+    if not isinstance(embedding, Mapping) or set(embedding) - known or "tokens" not in embedding:
+        raise ValueError(
+            "embedding must be {'tokens': input, 'mask': input or None, 'output': output}, "
+            f"got {embedding!r:.100}"
+        )
+    tokens = inputs.get(str(embedding["tokens"]))
+    if tokens is None or tokens.dtype != np.dtype("int32") or len(tokens.shape) != 1:
+        raise ValueError(
+            f"embedding: tokens {embedding['tokens']!r} must be an int32 input of one "
+            f"named dimension ([seq]), got {tokens}"
+        )
+    if not isinstance(tokens.shape[0], str):
+        raise ValueError(f"embedding: tokens {embedding['tokens']!r} needs a named dimension")
+    mask = embedding.get("mask")
+    if mask is not None and (mask not in inputs or inputs[mask].shape != tokens.shape):
+        raise ValueError(f"embedding: mask {mask!r} must be an input of the tokens' shape")
+    return files, config
+
+
+def _embedding_output(embedding: dict, manifest: dict) -> dict:
+    """The embedding entry of the manifest: its output checked (one vector per
+    example) and named (the only output when not given)."""
+    outputs = {o["name"]: o for o in manifest["outputs"]}
+    name = embedding.get("output") or (next(iter(outputs)) if len(outputs) == 1 else None)
+    if name not in outputs:
+        raise ValueError(
+            f"embedding: output {embedding.get('output')!r} is not among the outputs "
+            f"({', '.join(outputs)})"
+        )
+    shape = outputs[name]["shape"]
+    if len(shape) != 1 or not isinstance(shape[0], int):
+        raise ValueError(f"embedding: output {name!r} must be one vector per example, got {shape}")
+    return {"tokens": embedding["tokens"], "mask": embedding.get("mask"), "output": name}
 
 
 def on_leaves(fn: Callable, treedef: Any) -> Callable:

@@ -42,15 +42,28 @@ def local(lm_path):
     dec.close()
 
 
+ENCODER = {"vocab": 300, "dim": 32, "heads": 2, "layers": 1}
+
+
+@pytest.fixture(scope="module")
+def embedder_path(tmp_path_factory):
+    """The demo encoder as an embedding model: byte tokens, its pooled output."""
+    return pxrt.export(
+        demo.encoder, demo.make_encoder_params(**ENCODER), tmp_path_factory.mktemp("e") / "emb",
+        inputs=demo.encoder_inputs(), batch_buckets=(1, 4), dim_buckets={"seq": (8, 32)},
+        tokenizer="bytes", embedding={"tokens": "tokens", "mask": "mask", "output": "pooled"},
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=["one", "asgi", "workers"])
-def served(request, lm_path, artifacts, tmp_path_factory):
+def served(request, lm_path, artifacts, embedder_path, tmp_path_factory):
     """`pxrt serve` of the decoder beside a one-shot model (streams on its native HTTP
     path); the same with every request through the ASGI app; and with two front-end
     workers, which stream generations running in the device process. The decoder loads
     as the local one (its TOML: no steps over fewer slots)."""
     extra = {"one": [], "asgi": ["--no-native-http"], "workers": ["--workers", "2"]}[request.param]
     conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[])
-    proc = ServeProcess(["--config", conf, str(artifacts["mlp"]), *extra])
+    proc = ServeProcess(["--config", conf, str(artifacts["mlp"]), str(embedder_path), *extra])
     proc.mode = request.param
     yield proc
     proc.stop()
@@ -845,6 +858,58 @@ def test_openai_tool_calls_with_arguments_valid_for_their_function(served):
     with pytest.raises(openai.BadRequestError, match="tool_choice names 'nope'"):
         client.chat.completions.create(model="lm", messages=messages, tools=[WEATHER],
                                        tool_choice=bad)  # fmt: skip
+
+
+def test_openai_embeddings_equal_the_pooled_output_in_plain_jax(served):
+    """/v1/embeddings through OpenAI's client: strings and token ids, one and a list,
+    float and base64, each equal to the model's pooled output in plain JAX (1e-5); a
+    bad input is a 400 naming it while requests beside it are answered; a model that
+    is not an embedding model is refused by name."""
+    import base64
+    import concurrent.futures
+
+    import jax.numpy as jnp
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    params = demo.make_encoder_params(**ENCODER)
+    texts = ["Hello, world", "pxrt embeds ✓", "a" * 30]
+
+    def want(ids):
+        tokens = jnp.asarray([ids], jnp.int32)
+        out = demo.encoder(params, tokens, jnp.ones(tokens.shape, bool))
+        return np.asarray(out["pooled"][0])
+
+    out = client.embeddings.create(model="emb", input=texts)
+    assert [d.index for d in out.data] == [0, 1, 2]
+    assert out.usage.prompt_tokens == sum(len(t.encode()) for t in texts)
+    for text, d in zip(texts, out.data):
+        np.testing.assert_allclose(d.embedding, want(list(text.encode())), atol=1e-5)
+    ids = [[72, 105], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    raw = client.embeddings.create(model="emb", input=ids, encoding_format="base64")
+    for row, d in zip(ids, raw.data):
+        got = d.embedding
+        got = np.frombuffer(base64.b64decode(got), "<f4") if isinstance(got, str) else got
+        np.testing.assert_allclose(got, want(row), atol=1e-5)
+    one = client.embeddings.create(model="emb", input="Hi").data[0].embedding
+    np.testing.assert_allclose(one, want([72, 105]), atol=1e-5)
+
+    def bad():
+        with pytest.raises(openai.BadRequestError, match=r"input\[1\]: 40 tokens, more than"):
+            client.embeddings.create(model="emb", input=["ok", "x" * 40])
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(bad)] + [
+            pool.submit(client.embeddings.create, model="emb", input=t) for t in texts
+        ]
+        for f, text in zip(futures[1:], texts):
+            np.testing.assert_allclose(f.result().data[0].embedding, want(list(text.encode())),
+                                       atol=1e-5)  # fmt: skip
+        futures[0].result()
+    with pytest.raises(openai.BadRequestError, match="'mlp' is not an embedding model"):
+        client.embeddings.create(model="mlp", input="x")
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="nope", input="x")
 
 
 def test_workers_stream_without_jax(served, local):

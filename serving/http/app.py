@@ -36,7 +36,7 @@ from starlette.routing import Mount, Route
 
 from ..access import Restrictions
 from ..errors import RepositoryError, ServingError, require
-from ..kserve import codec, core, documents, generation, shm
+from ..kserve import codec, core, documents, embeddings, generation, shm
 from ..kserve.codec import ProtocolError
 from ..kserve.core import BodiesFull, BodyBudget, InferRequest, TooLarge, Upload
 from ..options import HttpLimits
@@ -631,6 +631,11 @@ async def _openai_chat(request: Request) -> Response:
 
 
 @_endpoint
+async def _openai_embeddings(request: Request) -> Response:
+    return await embeddings.openai_embeddings(request, _serving(request))
+
+
+@_endpoint
 async def _openai_models(request: Request) -> Response:
     return await generation.openai_models(request, _state(request).server)
 
@@ -666,6 +671,7 @@ def _routes(restrictions: Restrictions, infer: InferEndpoint) -> list[Route]:
     r = functools.partial(_restricted, restrictions)
     routes = [
         Route("/v2", r("metadata", server_metadata)),
+        Route("/v1/embeddings", r("inference", _openai_embeddings), methods=["POST"]),
         Route("/v2/health/live", r("health", live)),
         Route("/v2/health/ready", r("health", ready)),
         Route("/metrics", r("statistics", metrics)),
