@@ -359,3 +359,29 @@ def test_a_64_bit_leaf_is_named_at_export(tmp_path, caplog):
             demo.lm_prefill, demo.lm_decode, lm, tmp_path / "lm", cache=demo.lm_cache_spec(),
             max_length=256, x64=False,
         )  # fmt: skip
+
+
+def test_an_embedding_model_names_its_inputs_and_vector_at_export(tmp_path):
+    """embedding= is checked at export: it needs a tokenizer, an int32 token input of a
+    named dimension, a mask of its shape, and one vector per example as its output."""
+    from pxrt import demo
+
+    def export(**options):
+        return pxrt.export(
+            demo.encoder, demo.make_encoder_params(vocab=300, dim=16, heads=2, layers=1),
+            tmp_path / "emb", inputs=demo.encoder_inputs(), batch_buckets=(1,),
+            dim_buckets={"seq": (8,)}, overwrite=True, **options,
+        )  # fmt: skip
+
+    spec = {"tokens": "tokens", "mask": "mask", "output": "pooled"}
+    for options, message in [
+        ({"embedding": spec}, "give tokenizer="),
+        ({"tokenizer": "bytes", "embedding": spec | {"tokens": "mask"}}, "must be an int32"),
+        ({"tokenizer": "bytes", "embedding": spec | {"mask": "nope"}}, "mask 'nope' must be"),
+        ({"tokenizer": "bytes", "embedding": spec | {"output": "hidden"}}, "one vector per"),
+        ({"tokenizer": "bytes", "embedding": {"tokens": "tokens", "pool": 1}}, "must be {"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            export(**options)
+    manifest = pxrt.read_artifact(export(tokenizer="bytes", embedding=spec)).manifest
+    assert manifest["embedding"] == spec and manifest["tokenizer"] == {"kind": "bytes"}
