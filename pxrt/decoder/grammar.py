@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json as _json
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -235,7 +236,8 @@ class Grammars:
             pieces, special = token_bytes(tokenizer, vocab)
             wrapper = llg.TokenizerWrapper(_Wrapped(tokenizer, pieces, special, eos[0]))
             self.tokenizer = llg.LLTokenizer(wrapper, n_vocab=vocab, eos_token=eos)
-        self._executor = llg.LLExecutor()
+        # (llguidance's default is 80% of the cores: one of two)
+        self._executor = llg.LLExecutor(num_threads=max(1, min(os.cpu_count() or 1, 16)))
         self._llg = llg
 
     def matcher(self, structured: StructuredOutput) -> Any:

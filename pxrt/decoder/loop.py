@@ -118,10 +118,11 @@ class Loop(Core):
                 drafts = None
                 if self._special and self._constrained():
                     # A structured output's next mask needs its last token: what is in
-                    # flight is read first (no speculation: drafts are not masked).
-                    while pending:
-                        self._read(pending[0])
-                        pending.popleft()
+                    # flight is waited for and its tokens fed to the grammars, then
+                    # routed once the next step is dispatched (no speculation: drafts
+                    # are not masked).
+                    for entry in pending:
+                        self._peek_grammars(entry)
                 elif self.speculative_tokens and table.busy and not self._chunking:
                     drafts = self._drafts()
                 stepped = table.busy > 0

@@ -409,24 +409,50 @@ class Runner(Core):
             if g is not None and g.controls is not None and g.controls.matcher is not None
         ]
 
+    def _peek_grammars(self, entry: tuple) -> None:
+        """Feed a program in flight's tokens to the grammars of its generations that
+        have one, before its tokens are routed (``_read``): the next step's masks need
+        them, and its routing can then wait until that step is dispatched."""
+        kind, array, owners = entry[:3]
+        if kind not in (_PREFILL, _STEP):  # (blocks and verifies: never a masked slot's)
+            return
+        held = [
+            (i, gen.controls)
+            for i, gen in enumerate(owners)
+            if gen is not None and gen.finish_reason is None
+            and gen.controls is not None and gen.controls.matcher is not None
+        ]  # fmt: skip
+        if not held:
+            return
+        tokens = np.asarray(array)  # (waits for the program)
+        t0 = time.perf_counter()
+        for i, controls in held:
+            if not controls.matcher.is_error():
+                controls.matcher.consume_token(int(tokens[i]))
+            controls.taken += 1
+        self.counters["grammar_s"] += time.perf_counter() - t0
+
     def _advance_grammars(self, gens: list, finished: list) -> None:
-        """Feed the tokens ``gens`` got to their grammars' matchers; a generation whose
-        grammar is complete ends (a stop), one whose token it refuses fails."""
+        """Feed the tokens ``gens`` got to their grammars' matchers (those not peeked
+        at already); a generation whose grammar is complete ends (a stop), one whose
+        token it refuses fails."""
         t0 = time.perf_counter()
         for gen in gens:
             controls = None if gen is None else gen.controls
             if controls is None or controls.matcher is None:
                 continue
             matcher, new = controls.matcher, gen.tokens[controls.taken :]
-            controls.taken = len(gen.tokens)
-            if gen.finish_reason is not None or (new and not matcher.consume_tokens(new)):
-                if gen.finish_reason is None:
-                    self._end(gen, ERROR, finished, ValueError(
-                        f"structured output: token {new[-1]} refused by the grammar: "
-                        + matcher.get_error()
-                    ))  # fmt: skip
+            controls.taken = max(controls.taken, len(gen.tokens))
+            if new and not matcher.is_error():
+                matcher.consume_tokens(new)
+            if gen.finish_reason is not None:
                 continue
-            if matcher.is_stopped():  # (nothing may follow: not even the end token)
+            if matcher.is_error():
+                self._end(gen, ERROR, finished, ValueError(
+                    f"structured output: token {gen.tokens[-1]} refused by the grammar: "
+                    + matcher.get_error()
+                ))  # fmt: skip
+            elif matcher.is_stopped():  # (nothing may follow: not even the end token)
                 self._end(gen, STOP, finished)
         self.counters["grammar_s"] += time.perf_counter() - t0
 
