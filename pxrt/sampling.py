@@ -109,6 +109,9 @@ def _cut(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
     vocab = scaled.shape[-1]
     whole = k >= vocab
     none = whole & (top_p >= 1.0)
+    # (the row's max, not ``desc[:, 0]``: a second slice of ``top_k``'s sort makes
+    # XLA:CPU keep the whole sort, not its top-k: 35x the time, measured)
+    top = scaled.max(axis=-1)
 
     def cut_in(desc: jax.Array, total: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """(the cut, whether it lies in ``desc``, a row's largest logits in descending
@@ -116,7 +119,7 @@ def _cut(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
         all of it)."""
         w = desc.shape[-1]
         in_k = jnp.arange(w)[None, :] < k[:, None]
-        e = jnp.where(in_k, jnp.exp(desc - desc[:, :1]), 0.0)
+        e = jnp.where(in_k, jnp.exp(desc - top[:, None]), 0.0)
         denominator = e.sum(axis=-1) if total is None else jnp.where(whole, total, e.sum(axis=-1))
         probs = e / denominator[:, None]
         reach = jnp.cumsum(probs, axis=-1)
@@ -135,10 +138,8 @@ def _cut(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
         return sorted_cut(None)
 
     def candidates(_: Any) -> jax.Array:
-        # (behind a barrier: where the row and what comes of ``top_k`` meet in one fusion,
-        # XLA:CPU sorts the whole row for it: 35x the time, measured)
-        desc = lax.optimization_barrier(lax.top_k(scaled, width))[0]
-        total = jnp.exp(scaled - scaled.max(axis=-1, keepdims=True)).sum(axis=-1)
+        desc = lax.top_k(scaled, width)[0]
+        total = jnp.exp(scaled - top[:, None]).sum(axis=-1)
         cut, found = cut_in(desc, total)
         return lax.cond(jnp.all(found), lambda _: cut, sorted_cut, None)
 
