@@ -265,9 +265,9 @@ def _text_files(
 ) -> tuple[dict[str, bytes], dict | None]:
     """A one-shot model's tokenizer files and config, and its ``embedding`` inputs
     checked (a ValueError naming what does not fit)."""
-    from .decoder.export import _tokenizer_files
+    from .tokenizer import artifact_files
 
-    files, config, _ = _tokenizer_files(tokenizer, None, ())
+    files, config, _ = artifact_files(tokenizer)
     if embedding is None:
         return files, config
     if tokenizer is None:

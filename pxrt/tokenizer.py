@@ -295,6 +295,41 @@ class StartIds:
         return self.tokenizer.stream()
 
 
+def artifact_files(
+    tokenizer: str | os.PathLike | None,
+    chat_template: str | None = None,
+    start_ids: Sequence[int] = (),
+) -> tuple[dict[str, bytes], dict | None, int]:
+    """The tokenizer's files to write into the artifact, its config and its vocabulary
+    size (the chat template checked: it must parse, and needs a tokenizer)."""
+    if start_ids and tokenizer is None:
+        raise ValueError("start_ids go before text prompts: they need a tokenizer")
+    if chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("a chat_template needs a tokenizer (to turn its text into tokens)")
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            ImmutableSandboxedEnvironment().parse(chat_template)
+        except TemplateSyntaxError as exc:
+            raise ValueError(f"chat_template is not a valid Jinja template: {exc}") from None
+    files: dict[str, bytes] = {}
+    tok_config: dict | None = None
+    size = 0
+    if tokenizer is not None:
+        if tokenizer == BYTES:
+            tok_config, size = {"kind": BYTES}, 256
+        else:
+            loaded = from_file(os.fspath(tokenizer))  # it must load
+            with open(os.fspath(tokenizer), "rb") as f:
+                files[FILES[loaded.kind]] = f.read()
+            tok_config, size = {"kind": loaded.kind}, loaded.vocab_size
+        if start_ids:
+            tok_config["start_ids"] = [int(t) for t in start_ids]
+    return files, tok_config, size
+
+
 def load(config: dict | None, directory: str) -> Any:
     """The tokenizer a decoder artifact's manifest names (None: it carries none)."""
     if not config:

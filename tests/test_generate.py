@@ -755,6 +755,7 @@ def test_structured_outputs_equal_plain_jax_masked_by_the_grammar(lm, params, re
         for prompt, gen in zip(base, plain):
             assert gen.result().tokens == reference(prompt, 10)
     assert lm.counters["masked_steps"] > 0
+    assert lm._full_step.forward is not None  # (the masked steps ran as forward and pick)
     assert lm.compiles_after_load == 0
 
 

@@ -57,6 +57,7 @@ class Core(Protocol):
     _control: Any
     _full_step: Any
     _special: bool
+    _forwarded: Any
     _verify: Any
     speculative_tokens: int
     _spec: dict[str, float]
@@ -141,6 +142,8 @@ class Core(Protocol):
     def _constrained(self) -> list[tuple[Any, int]]: ...
 
     def _peek_grammars(self, entry: tuple) -> None: ...
+
+    def _dispatch_split(self) -> None: ...
 
     def _launch(self, index: int, program: Any, *args: Any) -> tuple[Any, Any]: ...
 

@@ -223,6 +223,9 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         # admitted since the last step that found none).
         self._full_step = full_step
         self._special = False
+        # (structured outputs) The step's forward in flight without its pick: (its
+        # logits, the slots' owners when it was dispatched), or None.
+        self._forwarded: Any = None
 
     def _wire_windows(
         self, windows: Mapping[tuple[int, int], Any] | None, extends: Sequence[PrefillCell]

@@ -85,7 +85,7 @@ from ..manifest import (
     needs,
 )
 from ..specs import DTYPES, MAX_BUCKET, TensorSpec
-from ..tokenizer import BYTES, FILES, from_file
+from ..tokenizer import BYTES, FILES, artifact_files
 
 KIND = "decoder"
 PREFILL_FILE = "prefill.jaxexport"
@@ -283,7 +283,7 @@ def export_decoder(
         functions["extend"] = on_leaves(extend, treedef)
     x64, why = x64_of(x64, param_meta, None, "pxrt.export_decoder")
     stops = sorted({int(t) for t in stop_ids} | ({int(eos_id)} if eos_id is not None else set()))
-    files, tok_config, tok_vocab = _tokenizer_files(tokenizer, chat_template, start_ids)
+    files, tok_config, tok_vocab = artifact_files(tokenizer, chat_template, start_ids)
     dims = _dims(bound, extend is not None)
     with _xla.export_scope(x64), x64_noted(why):
         param_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
@@ -426,39 +426,6 @@ def _export_sizes(
             raise ValueError("bounds and constraints are for symbolic shapes, not concrete")
         _per_device(slots, num_devices)
     return lengths, batches, max_length, slots, chunks, chunk_rows, bound
-
-
-def _tokenizer_files(
-    tokenizer: str | os.PathLike | None, chat_template: str | None, start_ids: Sequence[int]
-) -> tuple[dict[str, bytes], dict | None, int]:
-    """The tokenizer's files to write into the artifact, its config and its vocabulary
-    size (the chat template checked: it must parse, and needs a tokenizer)."""
-    if start_ids and tokenizer is None:
-        raise ValueError("start_ids go before text prompts: they need a tokenizer")
-    if chat_template is not None:
-        if tokenizer is None:
-            raise ValueError("a chat_template needs a tokenizer (to turn its text into tokens)")
-        from jinja2 import TemplateSyntaxError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        try:
-            ImmutableSandboxedEnvironment().parse(chat_template)
-        except TemplateSyntaxError as exc:
-            raise ValueError(f"chat_template is not a valid Jinja template: {exc}") from None
-    files: dict[str, bytes] = {}
-    tok_config: dict | None = None
-    size = 0
-    if tokenizer is not None:
-        if tokenizer == BYTES:
-            tok_config, size = {"kind": BYTES}, 256
-        else:
-            loaded = from_file(os.fspath(tokenizer))  # it must load
-            with open(os.fspath(tokenizer), "rb") as f:
-                files[FILES[loaded.kind]] = f.read()
-            tok_config, size = {"kind": loaded.kind}, loaded.vocab_size
-        if start_ids:
-            tok_config["start_ids"] = [int(t) for t in start_ids]
-    return files, tok_config, size
 
 
 def _check_tokenizer(tokenizer: Any, size: int, config: dict | None, vocab: int) -> None:

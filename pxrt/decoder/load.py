@@ -762,6 +762,9 @@ class _Obtained:
             state = self.move(state, none, none)
         if self.full_step is not None:
             state, first, _ = self.full_step(params, state)
+            if self.full_step.forward is not None:
+                state, logits = self.full_step.forward(params, state)
+                state, first, _ = self.full_step.pick(state, logits, self.full_step._all)
         if self.verify is not None:
             k = self.verify_width
             state, _, _ = self.verify(params, state, np.full((slots, k), -1, np.int32))
@@ -890,7 +893,8 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
         if compiled is None:
             return None
         words = grammar.words(programs.vocab)
-        return FullStep(compiled, programs.slots, words, programs.by_slot)
+        forward, pick = program("forward", 0, 0), program("pick", 0, 0)
+        return FullStep(compiled, programs.slots, words, programs.by_slot, forward, pick)
 
     prefix = None
     if programs.prefix is not None and all((what, 0, 0) in got for what in POOL):

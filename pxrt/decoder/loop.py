@@ -116,18 +116,25 @@ class Loop(Core):
                 while self._chunking and budget > 0:
                     budget -= self._extend(budget)
                 drafts = None
+                split = False
                 if self._special and self._constrained():
                     # A structured output's next mask needs its last token: what is in
                     # flight is waited for and its tokens fed to the grammars, then
                     # routed once the next step is dispatched (no speculation: drafts
-                    # are not masked).
+                    # are not masked). With the step as two programs, the masks are
+                    # computed while the device runs the forward.
                     for entry in pending:
                         self._peek_grammars(entry)
+                    split = getattr(self._full_step, "forward", None) is not None
                 elif self.speculative_tokens and table.busy and not self._chunking:
                     drafts = self._drafts()
+                if not split:  # (a forward in flight without its pick changes nothing)
+                    self._forwarded = None
                 stepped = table.busy > 0
                 if drafts is not None:
                     self._dispatch_verify(drafts)
+                elif split and stepped:
+                    self._dispatch_split()
                 elif stepped:
                     self._dispatch_step()
                 while len(pending) > stepped:
@@ -238,6 +245,7 @@ class Loop(Core):
 
     def _drop_pending(self) -> None:
         """Forget the programs in flight (a multi-host group: their answers too)."""
+        self._forwarded = None
         if self.group is not None:
             for entry in self._pending:
                 self.group.forget(entry[-1])

@@ -167,6 +167,7 @@ class DecoderPrograms:
             else whole_step(False)
         )  # fmt: skip
         self._full_step_jit = whole_step(True)
+        self._split_jits(mesh, state_sharding)
         self._part_jits = {n: part_step(n) for n in self.step_slots}
         self._window_jits = {
             (n, w): part_step(n, w) for n in [*self.step_slots, slots] for w in self.step_lengths
@@ -183,6 +184,31 @@ class DecoderPrograms:
             donate_argnums=(1,),
             out_shardings=(state_sharding, self.replicated, self.replicated),
         )
+
+    def _split_jits(self, mesh: Mesh, state_sharding: Any) -> None:
+        """The step with the sampling controls as two programs, jitted: ``forward``
+        and ``pick`` (a structured output's: the next token's masks are computed on the
+        host while the device runs the forward)."""
+        by_slot_specs = jax.tree.map(lambda _: P(BATCH_AXIS), self.shapes)
+        logits_spec = P(BATCH_AXIS)
+        self._forward_jit = jax.jit(
+            jax.shard_map(
+                self._forward, mesh=mesh, in_specs=(P(), by_slot_specs),
+                out_specs=(by_slot_specs, logits_spec), check_vma=False,
+            ),
+            donate_argnums=(1,),
+            out_shardings=(state_sharding, self.by_slot),
+        )  # fmt: skip
+        self._pick_jit = jax.jit(
+            jax.shard_map(
+                self._pick, mesh=mesh, in_specs=(by_slot_specs, logits_spec, P(BATCH_AXIS)),
+                out_specs=(by_slot_specs, P(BATCH_AXIS), P(BATCH_AXIS)), check_vma=False,
+            ),
+            donate_argnums=(0,),
+            out_shardings=(
+                state_sharding, self.by_slot if self.in_group else self.replicated, self.by_slot
+            ),
+        )  # fmt: skip
 
     def _block_jit(self, mesh: Mesh, state_sharding: Any, n: int, window: int | None = None) -> Any:
         """A plain step over ``n`` slots (and a cache ``window``) as a block of up to
@@ -258,7 +284,7 @@ class DecoderPrograms:
         """Every program of a load, in order: (what, batch, length)."""
         todo = [("state", 0, 0), ("step", 0, 0)]
         if self.controls:
-            todo += [("control", 0, 0), ("step", -1, 0)]
+            todo += [("control", 0, 0), ("step", -1, 0), ("forward", 0, 0), ("pick", 0, 0)]
         if self.speculate:
             todo.append(("verify", 0, self.speculate))
         if self.step_slots:
@@ -297,6 +323,12 @@ class DecoderPrograms:
                 allowed = self.shapes["allowed"]
                 return step.lower(self.param_specs, self.shapes, allowed)
             return step.lower(self.param_specs, self.shapes)
+        if what == "forward":
+            return self._forward_jit.lower(self.param_specs, self.shapes)
+        if what == "pick":
+            logits = jax.eval_shape(self._forward, self.param_specs, self.shapes)[1]
+            logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self.by_slot)
+            return self._pick_jit.lower(self.shapes, logits, self.shapes["allowed"])
         if what == "move":
             s = self.slots
             return self._move_jit.lower(self.shapes, ints(s), ints(s))
@@ -362,6 +394,8 @@ class DecoderPrograms:
             + (f" within {n} positions" if n else ""),
             "move": "the slot move",
             "control": "the sampling controls' insert",
+            "forward": "the decode step's forward (a structured output's)",
+            "pick": "the decode step's sampling under masks (a structured output's)",
             "verify": f"the draft verification of {n} tokens",
             "pool": "the empty prefix pool",
             "load": "the prefix copy",
@@ -465,6 +499,36 @@ class DecoderPrograms:
         kept = state["allowed"]
         state, tokens, scores = self._step(params, state | {"allowed": allowed}, full=True)
         return state | {"allowed": kept}, tokens, scores
+
+    def _forward(self, params: Any, state: dict) -> tuple[dict, jax.Array]:
+        """The full step's first half: every slot's next input token through the
+        model at its position (its cache written there), the logits returned; nothing
+        else of the state changes (run again, it writes the same)."""
+        ints = state["ints"]
+        positions = jnp.minimum(ints[:, sampling.POS], self.max_length - 1)
+        tokens = ints[:, sampling.TOK]
+        cache, logits = self.art.decode.call(params, state["cache"], tokens, positions)
+        return state | {"cache": cache}, logits
+
+    def _pick(
+        self, state: dict, logits: jax.Array, allowed: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """The full step's second half: each slot's next token from ``logits`` (a
+        ``_forward``'s), its controls and its ``allowed`` bits applied (as
+        ``_full_step``). A row of no allowed token is held: its slot changed since the
+        forward, or it has no token to take; nothing of it changes."""
+        c = sampling
+        ints, floats = state["ints"], state["floats"]
+        active = jnp.any(allowed != 0, axis=-1)
+        following = jnp.minimum(ints[:, c.POS], self.max_length - 1) + 1
+        cols = (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
+        seen = state | {"allowed": allowed}
+        tokens, scores, on = self._choose(logits, ints, floats, following, seen, None, cols)
+        stepped = ints.at[:, c.TOK].set(tokens).at[:, c.POS].set(following)
+        rows = jnp.arange(tokens.shape[0])
+        counts = state["counts"].at[rows, tokens].add((on & active).astype(jnp.int32))
+        ints = jnp.where(active[:, None], stepped, ints)
+        return state | {"ints": ints, "counts": counts}, tokens, scores
 
     def _part(self, state: dict, rows: int, window: int | None) -> dict:
         """What a step over this device's first ``rows`` slots reads of ``state``: their

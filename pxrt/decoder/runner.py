@@ -91,11 +91,23 @@ class BlockStep:
 class FullStep:
     """The step with the sampling controls and scores, called as ``(params, state,
     allowed=None)``: ``allowed`` the slots' allowed tokens (``[slots, words]`` bits, a
-    structured output's grammar), None: every token (a copy kept on the devices)."""
+    structured output's grammar), None: every token (a copy kept on the devices).
+    ``forward`` ``(params, state) -> (state, logits)`` and ``pick`` ``(state, logits,
+    allowed) -> (state, tokens, scores)``: the same as two programs, or None."""
 
-    def __init__(self, compiled: Any, slots: int, words: int, sharding: Any) -> None:
+    def __init__(
+        self,
+        compiled: Any,
+        slots: int,
+        words: int,
+        sharding: Any,
+        forward: Any = None,
+        pick: Any = None,
+    ) -> None:
         self.compiled = compiled
         self._all = jax.device_put(np.full((slots, words), -1, np.int32), sharding)
+        self.forward = forward if pick is not None else None
+        self.pick = pick if forward is not None else None
 
     def __call__(self, params: Any, state: Any, allowed: Any = None) -> Any:
         return self.compiled(params, state, self._all if allowed is None else allowed)
@@ -128,6 +140,7 @@ class Runner(Core):
     # (what the runner assigns, as ``pxrt.decoder.core.Core`` declares it)
     _state: Any
     _last_step: float
+    _forwarded: Any
 
     def _time_cells(self, cells: list) -> dict[str, float]:
         """Each prefill cell's seconds a run (the median of 3, after one), all its rows
@@ -400,6 +413,54 @@ class Runner(Core):
                 if start + j + 1 < len(rows):
                     rows[start + j + 1] = got[j]
         gen.prompt_logprobs, gen.prompt_parts = rows, None
+
+    def _dispatch_split(self) -> None:
+        """A step as two programs while a slot is held to a grammar: the masks of the
+        forward in flight (their tokens fed to the grammars already: ``_peek_grammars``)
+        computed while the device runs it, its ``pick`` dispatched, and the next
+        forward for the slots busy now. A slot whose owner changed since the forward
+        (freed, or a prompt inserted) is held by its pick: an empty mask."""
+        full = self._full_step
+        table = self._table
+        group = len(self._cells)
+        if self._forwarded is None:  # (the first: a forward now, its pick below)
+            (self._state, logits), _ = self._launch(group, full.forward, self._params, self._state)
+            self._forwarded = (logits, list(table.owners))
+        logits, seen = self._forwarded
+        owners = table.owners
+        t0 = time.perf_counter()
+        snapshot: list[Any] = [None] * self.slots
+        pairs = []
+        for slot, gen in enumerate(seen):
+            if gen is None or owners[slot] is not gen or gen.finish_reason is not None:
+                continue
+            snapshot[slot] = gen
+            if gen.controls is not None and gen.controls.matcher is not None:
+                pairs.append((gen.controls.matcher, slot))
+        masks = grammar.grammars_of(self).masks(pairs, self.slots)
+        masks[[i for i, g in enumerate(snapshot) if g is None]] = 0  # (held)
+        self.counters["grammar_s"] += time.perf_counter() - t0
+        (self._state, tokens, scores), sync = self._launch(
+            group, full.pick, self._state, logits, masks
+        )
+        tokens.copy_to_host_async()
+        busy = table.busy
+        for gen in snapshot:  # (the last token's dispatched: its slot is free now)
+            if gen is not None:
+                gen.dispatched += 1
+                if gen.dispatched >= gen.max_tokens:
+                    table.release(gen)
+        self._pending.append((_STEP, tokens, snapshot, 1.0, self._scores(snapshot, scores), sync))
+        self._forwarded = None
+        if table.busy:  # (the next forward: the device runs it while the host computes)
+            (self._state, logits), _ = self._launch(group, full.forward, self._params, self._state)
+            self._forwarded = (logits, list(table.owners))
+        counters = self.counters
+        counters["steps"] += 1
+        counters["step_programs"] += 2
+        counters["masked_steps"] += 1
+        counters["busy_slot_steps"] += busy
+        counters["stepped_slots"] += self.slots
 
     def _constrained(self) -> list[tuple[Any, int]]:
         """The busy slots held to a structured output: (its grammar's matcher, slot)."""
