@@ -254,6 +254,14 @@ class Grammars:
         matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         return out
 
+    def consume(self, pairs: list[tuple[Any, int]]) -> None:
+        """Each (matcher, token) of ``pairs``: the token taken (in parallel; a refused
+        one leaves its matcher in its error state)."""
+        if len(pairs) > 1:
+            self._executor.consume_token_par(pairs)
+        elif pairs:
+            pairs[0][0].consume_token(pairs[0][1])
+
     def masks(self, pairs: list[tuple[Any, int]], slots: int) -> np.ndarray:
         """A step's masks ``[slots, words]``: row ``i`` of each (matcher, i) in ``pairs``
         its allowed tokens (computed in parallel), every other row all allowed."""

@@ -487,9 +487,10 @@ class Runner(Core):
             return
         tokens = np.asarray(array)  # (waits for the program)
         t0 = time.perf_counter()
-        for i, controls in held:
-            if not controls.matcher.is_error():
-                controls.matcher.consume_token(int(tokens[i]))
+        grammar.grammars_of(self).consume(
+            [(c.matcher, int(tokens[i])) for i, c in held if not c.matcher.is_error()]
+        )
+        for _, controls in held:
             controls.taken += 1
         self.counters["grammar_s"] += time.perf_counter() - t0
 
