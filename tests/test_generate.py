@@ -682,12 +682,12 @@ def _grammar_pick(lm, structured):
     from pxrt.decoder.grammar import grammars_of
 
     grammars = grammars_of(lm)
-    matcher = grammars.matcher(structured)
+    matcher, _ = grammars.matcher(structured)
 
     def choose(logits, tokens):
         if tokens:
             assert matcher.consume_token(tokens[-1])
-        bits = np.unpackbits(grammars.first_mask(matcher)[0].view(np.uint8), bitorder="little")
+        bits = np.unpackbits(grammars.masks([(matcher, 0)], 1)[0].view(np.uint8), bitorder="little")
         return int(np.argmax(np.where(bits[: demo.LM_VOCAB] > 0, logits, -np.inf)))
 
     return choose
@@ -697,7 +697,7 @@ def _until_complete(lm, structured, tokens):
     """``tokens`` up to the one that completes the grammar (where pxrt ends it)."""
     from pxrt.decoder.grammar import grammars_of
 
-    matcher = grammars_of(lm).matcher(structured)
+    matcher, _ = grammars_of(lm).matcher(structured)
     for i, t in enumerate(tokens):
         assert matcher.consume_token(t)
         if matcher.is_stopped():

@@ -91,12 +91,12 @@ def test_masks_allow_what_the_grammar_allows_and_only_the_rows_asked():
     ids past the tokenizer's (specials) never, the end token once the text is whole."""
     grammars = Grammars(ByteTokenizer(), 260, [257], "")
     so = pxrt.StructuredOutput(choice=["yes", "no"])
-    m = grammars.matcher(so)
-    first = _bits(grammars.first_mask(m)[0], 260)
+    m, mask = grammars.matcher(so)
+    first = _bits(mask[0], 260)
     assert set(np.flatnonzero(first)) == {ord("y"), ord("n")}
     for t in b"no":
         assert m.consume_token(t)
-    other = grammars.matcher(so)
+    other, _ = grammars.matcher(so)
     masks = grammars.masks([(m, 2), (other, 0)], 4)
     assert set(np.flatnonzero(_bits(masks[2], 260))) == {257}  # (whole: the end token)
     assert set(np.flatnonzero(_bits(masks[0], 260))) == {ord("y"), ord("n")}

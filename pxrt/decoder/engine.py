@@ -482,9 +482,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
         matcher = None
         if params.structured is not None:  # (the grammar's matcher; its first token's mask)
-            grammars = grammar.grammars_of(self)
-            matcher = grammars.matcher(params.structured)
-            allowed = grammars.first_mask(matcher)
+            matcher, allowed = grammar.grammars_of(self).matcher(params.structured)
         else:
             allowed = np.full((1, grammar.words(self.vocab)), -1, np.int32)
         rows = (ids[None], values[None], banned[None], allowed)

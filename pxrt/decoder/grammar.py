@@ -239,35 +239,56 @@ class Grammars:
         # (llguidance's default is 80% of the cores: one of two)
         self._executor = llg.LLExecutor(num_threads=max(1, min(os.cpu_count() or 1, 16)))
         self._llg = llg
+        self._lock = threading.Lock()
 
-    def matcher(self, structured: StructuredOutput) -> Any:
-        """A fresh matcher for one request (a ValueError naming the kind when the
-        grammar does not fit this tokenizer)."""
-        m = self._llg.LLMatcher(self.tokenizer, structured.compiled(), log_level=0)
-        if m.is_error():
-            raise ValueError(f"structured output: {structured.kind}: {_first_line(m.get_error())}")
-        return m
-
-    def first_mask(self, matcher: Any) -> np.ndarray:
-        """The mask of a request's first token ``[1, words]``."""
-        out = np.zeros((1, self.words), np.int32)
-        matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-        return out
+    def matcher(self, structured: StructuredOutput) -> tuple[Any, np.ndarray]:
+        """A fresh matcher for one request, and the mask of its first token ``[1,
+        words]`` (a ValueError naming the kind when the grammar does not fit this
+        tokenizer). Under the engine's lock, as every call into it: a request's
+        thread makes matchers while the loop's computes the steps' masks."""
+        with self._lock:
+            m = _unpanicked(self._llg.LLMatcher, self.tokenizer, structured.compiled(), log_level=0)
+            if m.is_error():
+                error = _first_line(m.get_error())
+                raise ValueError(f"structured output: {structured.kind}: {error}")
+            out = np.zeros((1, self.words), np.int32)
+            _unpanicked(m.unsafe_compute_mask_ptr, out.ctypes.data, out.nbytes)
+        return m, out
 
     def consume(self, pairs: list[tuple[Any, int]]) -> None:
         """Each (matcher, token) of ``pairs``: the token taken (in parallel; a refused
         one leaves its matcher in its error state)."""
-        if len(pairs) > 1:
-            self._executor.consume_token_par(pairs)
-        elif pairs:
-            pairs[0][0].consume_token(pairs[0][1])
+        if pairs:
+            with self._lock:
+                _unpanicked(self._executor.consume_token_par, pairs)
+
+    def take(self, matcher: Any, tokens: list[int]) -> None:
+        """``tokens`` into one matcher, in order."""
+        with self._lock:
+            _unpanicked(matcher.consume_tokens, tokens)
 
     def masks(self, pairs: list[tuple[Any, int]], slots: int) -> np.ndarray:
         """A step's masks ``[slots, words]``: row ``i`` of each (matcher, i) in ``pairs``
         its allowed tokens (computed in parallel), every other row all allowed."""
         out = np.full((slots, self.words), -1, np.int32)
-        self._executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, self.words * 4, slots)
+        if pairs:
+            with self._lock:
+                _unpanicked(
+                    self._executor.unsafe_compute_mask_ptr,
+                    pairs, out.ctypes.data, self.words * 4, slots,
+                )  # fmt: skip
         return out
+
+
+def _unpanicked(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call``: a panic in the engine (pyo3's PanicException, a BaseException) as a
+    RuntimeError, which fails one request or one step, not a thread."""
+    try:
+        return call(*args, **kwargs)
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise RuntimeError(f"structured output: the grammar engine failed: {exc}") from None
 
 
 _LOCK = threading.Lock()

@@ -506,7 +506,7 @@ class Runner(Core):
             matcher, new = controls.matcher, gen.tokens[controls.taken :]
             controls.taken = max(controls.taken, len(gen.tokens))
             if new and not matcher.is_error():
-                matcher.consume_tokens(new)
+                grammar.grammars_of(self).take(matcher, new)
             if gen.finish_reason is not None:
                 continue
             if matcher.is_error():
