@@ -395,11 +395,7 @@ class Runner(Core):
         scores = self._scores(owners, scores) if program is self._full_step else None
         kind = _BLOCK if block else _STEP
         self._pending.append((kind, tokens, owners, float(k), scores, sync))
-        counters = self.counters
-        counters["steps"] += k
-        counters["step_programs"] += 1
-        counters["busy_slot_steps"] += busy * k
-        counters["stepped_slots"] += len(owners) * k
+        self._count_step(k, 1, busy, len(owners))
 
     @staticmethod
     def _prompt_logprobs(gen: Generation) -> None:
@@ -455,12 +451,7 @@ class Runner(Core):
         if table.busy:  # (the next forward: the device runs it while the host computes)
             (self._state, logits), _ = self._launch(group, full.forward, self._params, self._state)
             self._forwarded = (logits, list(table.owners))
-        counters = self.counters
-        counters["steps"] += 1
-        counters["step_programs"] += 2
-        counters["masked_steps"] += 1
-        counters["busy_slot_steps"] += busy
-        counters["stepped_slots"] += self.slots
+        self._count_step(1, 2, busy, self.slots, masked_steps=1)
 
     def _constrained(self) -> list[tuple[Any, int]]:
         """The busy slots held to a structured output: (its grammar's matcher, slot)."""
@@ -536,13 +527,19 @@ class Runner(Core):
         accepted.copy_to_host_async()
         owners = self._table.dispatch()
         self._pending.append((_VERIFY, tokens, owners, 0.0, accepted, sync))
+        drafted = int((drafts >= 0).sum())
+        self._count_step(1, 1, busy, self.slots, verifies=1, drafted_tokens=drafted)
+
+    def _count_step(self, steps: int, programs: int, busy: int, stepped: int, **more: int) -> None:
+        """A dispatch's counters: ``steps`` decode steps in ``programs`` programs over
+        ``stepped`` slots, ``busy`` of them busy; ``more``: other counters' increments."""
         counters = self.counters
-        counters["steps"] += 1
-        counters["step_programs"] += 1
-        counters["verifies"] += 1
-        counters["busy_slot_steps"] += busy
-        counters["stepped_slots"] += self.slots
-        counters["drafted_tokens"] += int((drafts >= 0).sum())
+        counters["steps"] += steps
+        counters["step_programs"] += programs
+        counters["busy_slot_steps"] += busy * steps
+        counters["stepped_slots"] += stepped * steps
+        for name, n in more.items():
+            counters[name] += n
 
     def _compact(self) -> int:
         """The rows per device the next step runs: the fewest compiled that hold every
