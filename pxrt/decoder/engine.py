@@ -161,6 +161,9 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         self.tokenizer = _tokenizer.load(config.get("tokenizer"), art.path)
         #: The artifact's chat template (Jinja), or None.
         self.chat_template: str | None = config.get("chat_template")
+        # Its tokenizer as the grammar engine sees it (``pxrt.decoder.grammar``), made
+        # on the first structured output.
+        self._grammars: grammar.Grammars | None = None
 
     def _wire_sizes(
         self,

@@ -296,11 +296,11 @@ _LOCK = threading.Lock()
 
 def grammars_of(decoder: Any) -> Grammars:
     """``decoder``'s grammar engine, made on first use (once)."""
-    got = decoder.__dict__.get("_grammars")
+    got = decoder._grammars
     if got is not None:
         return got
     with _LOCK:
-        got = decoder.__dict__.get("_grammars")
+        got = decoder._grammars
         if got is None:
             if decoder.tokenizer is None:
                 raise ValueError(

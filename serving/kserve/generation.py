@@ -391,10 +391,9 @@ def parse_completions(
         params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
     decode = getattr(decoder.tokenizer, "decode", None)
     parsed = []
-    for at, prompt in enumerate(_prompts_of(body.get("prompt"))):
-        name = "prompt" if at == 0 and not isinstance(body["prompt"][0], (str, list)) else (
-            f"prompt[{at}]"
-        )  # fmt: skip
+    prompts, batched = _prompts_of(body.get("prompt"))
+    for at, prompt in enumerate(prompts):
+        name = f"prompt[{at}]" if batched else "prompt"
         if isinstance(prompt, str):
             ids = _encode(decoder, prompt, name)
         else:
@@ -406,16 +405,16 @@ def parse_completions(
     return parsed, stream
 
 
-def _prompts_of(prompt: Any) -> list:
-    """A completions request's prompts: a string, a list of token ids, or a list of
-    strings or of token-id lists (OpenAI's batch)."""
+def _prompts_of(prompt: Any) -> tuple[list, bool]:
+    """A completions request's prompts (a string, a list of token ids, or a list of
+    strings or of token-id lists: OpenAI's batch), and whether they came as a batch."""
     if isinstance(prompt, str):
-        return [prompt]
+        return [prompt], False
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, (str, list)) for p in prompt):
-            return prompt
+            return prompt, True
         if not any(isinstance(p, (str, list)) for p in prompt):
-            return [prompt]  # (token ids: checked by _ids)
+            return [prompt], False  # (token ids: checked by _ids)
     raise invalid(
         "prompt must be a string, a list of token ids, or a non-empty list of strings or of "
         f"token-id lists, got {prompt!r:.60}"
