@@ -376,10 +376,10 @@ def test_a_failed_prefill_beside_the_steps_fails_only_its_prompts(lm, reference)
     for key, cell in lm._cells.items():
         cell.compiled.rows = failing(real[key])
     try:
-        with _beside(lm):
+        with _beside(lm):  # (until it has failed: the loop admits it on its own time)
             victim = lm.submit(prompts(1, seed=45)[0], max_tokens=4)
-        with pytest.raises(RuntimeError, match="prefill failed: .*injected prefill failure"):
-            victim.result(timeout=30)
+            with pytest.raises(RuntimeError, match="prefill failed: .*injected prefill failure"):
+                victim.result(timeout=30)
         after = prompts(3, seed=46)
         assert [lm.generate(p, max_tokens=4).tokens for p in after] == [
             reference(p, 4) for p in after
