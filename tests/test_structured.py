@@ -85,17 +85,21 @@ def _bits(row, vocab):
     return np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].astype(bool)
 
 
-def test_masks_allow_what_the_grammar_allows_and_only_the_rows_asked():
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_masks_allow_what_the_grammar_allows_and_only_the_rows_asked(parallel):
     """Byte tokens: the first mask of a choice allows its first bytes only; a step's
     masks fill the rows of the matchers given and leave every other row all allowed;
-    ids past the tokenizer's (specials) never, the end token once the text is whole."""
-    grammars = Grammars(ByteTokenizer(), 260, [257], "")
+    ids past the tokenizer's (specials) never, the end token once the text is whole.
+    Computed on the caller's thread or on llguidance's pool."""
+    grammars = Grammars(ByteTokenizer(), 260, [257], "", parallel=parallel)
     so = pxrt.StructuredOutput(choice=["yes", "no"])
     m, mask = grammars.matcher(so)
     first = _bits(mask[0], 260)
     assert set(np.flatnonzero(first)) == {ord("y"), ord("n")}
-    for t in b"no":
-        assert m.consume_token(t)
+    other, _ = grammars.matcher(so)
+    grammars.consume([(m, ord("n")), (other, ord("x"))])  # (refused: an error state)
+    assert other.is_error() and not m.is_error()
+    grammars.consume([(m, ord("o"))])
     other, _ = grammars.matcher(so)
     masks = grammars.masks([(m, 2), (other, 0)], 4)
     assert set(np.flatnonzero(_bits(masks[2], 260))) == {257}  # (whole: the end token)

@@ -213,9 +213,20 @@ class _Wrapped:
 class Grammars:
     """A decoder's grammar engine: its tokenizer as the engine sees it (``vocab``
     tokens, the generation ending at any of ``eos_ids``), the matchers of requests,
-    and the masks of a step."""
+    and the masks of a step. ``parallel``: a step's masks computed on llguidance's
+    threads, for a host whose cores the device does not use (an accelerator's); else
+    one after the other on the caller's thread (a CPU device's programs use every core:
+    a pool's threads, waking and spinning between steps, slow them more than they
+    gain: on 2 cores the grammar's time per token halved without them)."""
 
-    def __init__(self, tokenizer: Any, vocab: int, eos_ids: Sequence[int], path: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab: int,
+        eos_ids: Sequence[int],
+        path: str,
+        parallel: bool = False,
+    ) -> None:
         from .. import tokenizer as tk
 
         llg = _engine()
@@ -236,8 +247,9 @@ class Grammars:
             pieces, special = token_bytes(tokenizer, vocab)
             wrapper = llg.TokenizerWrapper(_Wrapped(tokenizer, pieces, special, eos[0]))
             self.tokenizer = llg.LLTokenizer(wrapper, n_vocab=vocab, eos_token=eos)
-        # (llguidance's default is 80% of the cores: one of two)
-        self._executor = llg.LLExecutor(num_threads=max(1, min(os.cpu_count() or 1, 16)))
+        cores = os.cpu_count() or 1
+        # (llguidance's default is 80% of the cores)
+        self._executor = llg.LLExecutor(num_threads=min(cores, 16)) if parallel else None
         self._llg = llg
         self._lock = threading.Lock()
 
@@ -256,11 +268,12 @@ class Grammars:
         return m, out
 
     def consume(self, pairs: list[tuple[Any, int]]) -> None:
-        """Each (matcher, token) of ``pairs``: the token taken (in parallel; a refused
+        """Each (matcher, token) of ``pairs``: the token taken (a refused
         one leaves its matcher in its error state)."""
-        if pairs:
+        if pairs:  # (a token is a microsecond or two: never worth a pool)
             with self._lock:
-                _unpanicked(self._executor.consume_token_par, pairs)
+                for matcher, token in pairs:
+                    _unpanicked(matcher.consume_token, token)
 
     def take(self, matcher: Any, tokens: list[int]) -> None:
         """``tokens`` into one matcher, in order."""
@@ -269,14 +282,16 @@ class Grammars:
 
     def masks(self, pairs: list[tuple[Any, int]], slots: int) -> np.ndarray:
         """A step's masks ``[slots, words]``: row ``i`` of each (matcher, i) in ``pairs``
-        its allowed tokens (computed in parallel), every other row all allowed."""
+        its allowed tokens, every other row all allowed."""
         out = np.full((slots, self.words), -1, np.int32)
         if pairs:
+            base, row = out.ctypes.data, self.words * 4
             with self._lock:
-                _unpanicked(
-                    self._executor.unsafe_compute_mask_ptr,
-                    pairs, out.ctypes.data, self.words * 4, slots,
-                )  # fmt: skip
+                if self._executor is not None:
+                    _unpanicked(self._executor.unsafe_compute_mask_ptr, pairs, base, row, slots)
+                else:
+                    for matcher, i in pairs:
+                        _unpanicked(matcher.unsafe_compute_mask_ptr, base + i * row, row)
         return out
 
 
@@ -308,7 +323,8 @@ def grammars_of(decoder: Any) -> Grammars:
                     "carries none (export it with tokenizer=)"
                 )
             got = Grammars(
-                decoder.tokenizer, decoder.vocab, decoder.stop_ids, decoder.artifact.path
-            )
+                decoder.tokenizer, decoder.vocab, decoder.stop_ids, decoder.artifact.path,
+                parallel=decoder.devices[0].platform != "cpu",
+            )  # fmt: skip
             decoder._grammars = got
         return got
