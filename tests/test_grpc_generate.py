@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import sys
+import time
 
 import pytest
 
@@ -181,6 +182,46 @@ def test_unknown_inputs_extra_elements_and_too_many_stops_are_refused(served, lo
     assert [int(t) for r in got[str(len(bad))] for t in r.as_numpy("output_ids")] == want.tokens
 
 
+def test_structured_outputs_over_grpc_are_the_engines(served, local):
+    """vLLM's guided fields as string parameters (a schema, a list of choices: JSON
+    text) or BYTES inputs: the tokens are the engine's for the same structured output
+    and seed; a schema the engine refuses fails alone, naming the field."""
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    prompt = _text_input("json:")
+    cases = [
+        ({"guided_json": json.dumps(schema)}, [], pxrt.StructuredOutput(json=schema)),
+        ({"guided_choice": '["yes", "no"]'}, [], pxrt.StructuredOutput(choice=["yes", "no"])),
+        ({}, [_bytes_input("guided_regex", [b"[a-c]{3}"])], pxrt.StructuredOutput(regex="[a-c]{3}")),
+        ({}, [_bytes_input("guided_choice", [b"up", b"down"])],
+         pxrt.StructuredOutput(choice=["up", "down"])),
+    ]  # fmt: skip
+    bad = [
+        ({"inputs": [prompt], "parameters": {"guided_json": "{not json"}}, "guided_json is not JSON"),
+        ({"inputs": [prompt], "parameters": {"guided_regex": "(unclosed"}}, "guided_regex"),
+        ({"inputs": [prompt, _tensor("guided_regex", "INT32", [1])]}, "takes text (BYTES)"),
+    ]  # fmt: skip
+    requests = [
+        {"inputs": [prompt, *inputs], "parameters": {**params, "max_tokens": 24, "seed": 7,
+                                                     "temperature": 1.0}}
+        for params, inputs, _ in cases
+    ] + [request for request, _ in bad]  # fmt: skip
+    got, finals, errors = _stream(served, requests)
+    messages = sorted(errors.values())
+    assert len(messages) == len(bad), messages
+    for _, words in bad:
+        assert any(words in m for m in messages), (words, messages)
+    for i, (_, _, so) in enumerate(cases):
+        want = local.generate(
+            ByteTokenizer().encode("json:"), max_tokens=24, seed=7, temperature=1.0, structured=so
+        )
+        assert [int(t) for r in got[str(i)] for t in r.as_numpy("output_ids")] == want.tokens, i
+        text = ByteTokenizer().decode(want.tokens)
+        assert finals[str(i)]["finish_reason"].string_param == want.finish_reason == "stop", text
+
+
 def _tensor(name: str, datatype: str, values: list):
     dtypes = {"FP32": np.float32, "FP64": np.float64, "BYTES": object, "INT32": np.int32,
               "INT64": np.int64, "UINT16": np.uint16}  # fmt: skip
@@ -217,9 +258,14 @@ def test_a_deadline_ends_a_stream_with_an_error_after_its_tokens(served):
     ids.set_data_from_numpy(np.array([1, 2], np.int32))
     no_stops = grpcclient.InferInput("stop_ids", [0], "INT32")
     no_stops.set_data_from_numpy(np.zeros(0, np.int32))
-    # 510 tokens take over a second: the deadline passes first
-    request = {"inputs": [ids, no_stops], "parameters": {"max_tokens": 510}, "timeout": 100_000}
-    got, finals, errors = _stream(served, [request])
+    # A deadline a quarter of the time the same generation took just before (its first
+    # token comes after one step of 510: long before): it passes mid-stream.
+    request = {"inputs": [ids, no_stops], "parameters": {"max_tokens": 510}}
+    t0 = time.perf_counter()
+    _, finals, _ = _stream(served, [request])
+    took_us = (time.perf_counter() - t0) * 1e6
+    assert finals["0"]["completion_tokens"].int64_param == 510
+    got, finals, errors = _stream(served, [{**request, "timeout": int(took_us / 4)}])
     assert len(errors) == 1 and "deadline" in errors[0], errors
     assert got["0"] and not finals
 

@@ -97,8 +97,10 @@ def _decoder_tensors(decoder: Any, shape_key: str, type_of: Any) -> tuple[list, 
                ("stop_ids", "INT32", [-1]), ("prefix_cache", "BOOL", [1]),
                ("presence_penalty", "FP32", [1]), ("frequency_penalty", "FP32", [1]),
                ("repetition_penalty", "FP32", [1]), ("min_tokens", "INT32", [1])]  # fmt: skip
-    if text:
-        inputs.append(("stop", "BYTES", [-1]))
+    if text:  # (and a structured output's: JSON text, a regex, a grammar, the choices)
+        inputs += [("stop", "BYTES", [-1]), ("guided_json", "BYTES", [1]),
+                   ("structured_outputs", "BYTES", [1]), ("guided_regex", "BYTES", [1]),
+                   ("guided_grammar", "BYTES", [1]), ("guided_choice", "BYTES", [-1])]  # fmt: skip
     outputs = [("output_ids", "INT32", [-1])]
     if text:
         outputs.append(("text_output", "BYTES", [1]))

@@ -4,8 +4,9 @@ servers (pxrt's HTTP/2 and grpcio's).
 A request to a decoder is a ``ModelInferRequest`` whose inputs are ``text_input``
 (BYTES, through the artifact's tokenizer) or ``input_ids`` (an integer datatype); the
 options (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
-``stop_ids``, Triton's ``priority``...) come as inputs of those names or as request
-parameters; any other input or parameter is refused by name. It gets many
+``stop_ids``, Triton's ``priority``...) and a structured output's (vLLM's ``guided_*``
+fields and ``structured_outputs``, as text) come as inputs of those names or as request
+parameters, never both; any other input or parameter is refused by name. It gets many
 responses: one per token (``output_ids``, and ``text_output`` with a tokenizer), each
 with the parameter ``triton_final_response`` false, then an empty one with it true and
 the finish reason and token counts as parameters, as Triton sends with
@@ -15,6 +16,7 @@ response: its ``error_message``.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import AsyncIterator
@@ -86,9 +88,17 @@ def _param(value: Any) -> Any:
 
 
 # The inputs a decoupled request may give: lists of elements, and one-element options.
-_LISTS = ("input_ids", "stop", "stop_ids")
-_ONE = ("text_input", "timeout", *(o for o in generation.OPTIONS if o not in _LISTS))
-_KNOWN = (*_LISTS, *_ONE)  # as inputs or request parameters; any other is refused
+# A structured output's: JSON text (``guided_json``, ``structured_outputs``: a schema,
+# an object of ``pxrt.StructuredOutput``'s fields), a regex or grammar's text, and the
+# choices (a BYTES input of one element each, or a parameter of JSON text: a list).
+_JSON_TEXT = ("guided_json", "structured_outputs")
+_TEXTS = ("text_input", "stop", "guided_regex", "guided_grammar", "guided_choice", *_JSON_TEXT)
+_LISTS = ("input_ids", "stop", "stop_ids", "guided_choice")
+_ONE = (
+    "text_input", "timeout", *(o for o in generation.OPTIONS if o not in _LISTS),
+    *(o for o in generation.STRUCTURED if o not in _LISTS),
+)  # fmt: skip
+_KNOWN = (*_LISTS[:3], *_ONE, *_LISTS[3:])  # as inputs or parameters; any other is refused
 # Token ids come as integers: another datatype's values are never cast (72.5 is no id).
 _IDS = ("input_ids", "stop_ids")
 _INTEGERS = ("INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64")
@@ -118,10 +128,12 @@ def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Pr
                 f"input {name!r} takes token ids, an integer datatype ({', '.join(_INTEGERS)}), "
                 f"got {tensor.datatype:.20}"
             )
+        if name in _TEXTS and name not in ("text_input", "stop") and tensor.datatype != "BYTES":
+            raise generation.invalid(f"input {name!r} takes text (BYTES), got {tensor.datatype:.20}")
         values = _values(message, i)
-        if name in ("text_input", "stop"):
+        if name in _TEXTS:
             texts = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
-            fields[name] = texts[0] if name == "text_input" else texts
+            fields[name] = texts if name in _LISTS else texts[0]
         elif name in _IDS:
             fields[name] = values  # (integers: the datatype is one)
         else:
@@ -135,8 +147,28 @@ def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Pr
         if key == ASK_FINAL:
             continue  # (the empty final response is always sent)
         generation.check_known((key,), _KNOWN, "parameter")
-        fields.setdefault(key, _param(value))
+        if key in fields:
+            raise generation.invalid(f"{key!r} is given as an input and as a parameter")
+        fields[key] = _param(value)
+        if key == "guided_choice":  # (a list, in a parameter's one string)
+            fields[key] = _json_text(key, fields[key], list)
+    for key in _JSON_TEXT:
+        if key in fields:
+            fields[key] = _json_text(key, fields[key], dict)
     return generation.parse_kserve(decoder, fields, limits)
+
+
+def _json_text(name: str, value: Any, kind: type) -> Any:
+    """``value``, JSON text of a ``kind`` (an object, a list), read: a 400 naming
+    ``name`` when it is not."""
+    try:
+        got = json.loads(value) if isinstance(value, str) else None
+    except ValueError as exc:
+        raise generation.invalid(f"{name} is not JSON text: {exc}") from None
+    if not isinstance(got, kind):
+        want = "an object" if kind is dict else "a list"
+        raise generation.invalid(f"{name} takes JSON text of {want}, got {value!r:.80}")
+    return got
 
 
 def _response(name: str, version: str, ident: str, piece: Any, text: bool) -> Any:
