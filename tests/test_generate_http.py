@@ -450,7 +450,11 @@ def test_a_deadline_ends_a_generation_with_a_504_and_frees_its_slot(served):
 def test_openai_client_completions(served, local):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused")
-    assert [m.id for m in client.models.list().data] == ["lm"]
+    # (the decoders, then the embedding models; not the other one-shot models)
+    assert [m.id for m in client.models.list().data] == ["lm", "emb"]
+    assert client.models.retrieve("emb").id == "emb"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("mlp")
     want, want_text = expected(local, PROMPTS[2], max_tokens=10, temperature=0.0)
     out = client.completions.create(model="lm", prompt=PROMPTS[2], max_tokens=10, temperature=0)
     assert out.choices[0].text == want_text

@@ -1095,14 +1095,24 @@ def _model_doc(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "pxrt"}
 
 
+def _openai_names(server: Backend) -> list[str]:
+    """The models OpenAI's endpoints serve: the decoders, then the embedding models."""
+    from .embeddings import is_embedding
+
+    models = server.models
+    return [*server.decoders, *(n for n in models if is_embedding(server.model(n)))]
+
+
 async def openai_models(request: Request, server: Backend) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_doc(n) for n in server.decoders]})
+    """``GET /v1/models``: the decoders and the embedding models."""
+    docs = [_model_doc(n) for n in _openai_names(server)]
+    return JSONResponse({"object": "list", "data": docs})
 
 
 async def openai_model(request: Request, server: Backend) -> Response:
     """``GET /v1/models/{model}``: one of ``openai_models``' (404 in OpenAI's shape)."""
     name = request.path_params["model"]
-    if not server.is_decoder(name):
+    if name not in _openai_names(server):
         return openai_not_found(f"The model {name!r:.100} does not exist", "model_not_found")
     return JSONResponse(_model_doc(name))
 

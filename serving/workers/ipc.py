@@ -71,6 +71,7 @@ class Version(msgspec.Struct, array_like=True):
     outputs: list[Spec]
     buckets: list[int]
     dim_buckets: dict[str, list[int]]
+    embedding: bool = False  # an embedding model (``/v1/embeddings`` serves it)
 
 
 class Served(msgspec.Struct, array_like=True):

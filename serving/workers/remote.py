@@ -47,6 +47,7 @@ class RemoteModel:
         self.outputs = {s.name: s for s in version.outputs}
         self.buckets = tuple(version.buckets)
         self.dim_buckets = {d: tuple(v) for d, v in version.dim_buckets.items()}
+        self.embedding = version.embedding
         self.described = version
 
     def __repr__(self) -> str:
