@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json as _json
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -213,20 +212,13 @@ class _Wrapped:
 class Grammars:
     """A decoder's grammar engine: its tokenizer as the engine sees it (``vocab``
     tokens, the generation ending at any of ``eos_ids``), the matchers of requests,
-    and the masks of a step. ``parallel``: a step's masks computed on llguidance's
-    threads, for a host whose cores the device does not use (an accelerator's); else
-    one after the other on the caller's thread (a CPU device's programs use every core:
-    a pool's threads, waking and spinning between steps, slow them more than they
-    gain: on 2 cores the grammar's time per token halved without them)."""
+    and the masks of a step, computed one after the other on the caller's thread:
+    llguidance's pool (``LLExecutor``) was measured not to pay for itself here (on a
+    2-core CPU device its threads, waking and spinning between steps, slowed XLA's
+    programs: the grammar's time per token halved without them; on a 13-core TPU host
+    59 against 63 us per token, within the noise)."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab: int,
-        eos_ids: Sequence[int],
-        path: str,
-        parallel: bool = False,
-    ) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, eos_ids: Sequence[int], path: str) -> None:
         from .. import tokenizer as tk
 
         llg = _engine()
@@ -247,9 +239,6 @@ class Grammars:
             pieces, special = token_bytes(tokenizer, vocab)
             wrapper = llg.TokenizerWrapper(_Wrapped(tokenizer, pieces, special, eos[0]))
             self.tokenizer = llg.LLTokenizer(wrapper, n_vocab=vocab, eos_token=eos)
-        cores = os.cpu_count() or 1
-        # (llguidance's default is 80% of the cores)
-        self._executor = llg.LLExecutor(num_threads=min(cores, 16)) if parallel else None
         self._llg = llg
         self._lock = threading.Lock()
 
@@ -287,11 +276,8 @@ class Grammars:
         if pairs:
             base, row = out.ctypes.data, self.words * 4
             with self._lock:
-                if self._executor is not None:
-                    _unpanicked(self._executor.unsafe_compute_mask_ptr, pairs, base, row, slots)
-                else:
-                    for matcher, i in pairs:
-                        _unpanicked(matcher.unsafe_compute_mask_ptr, base + i * row, row)
+                for matcher, i in pairs:
+                    _unpanicked(matcher.unsafe_compute_mask_ptr, base + i * row, row)
         return out
 
 
@@ -323,8 +309,7 @@ def grammars_of(decoder: Any) -> Grammars:
                     "carries none (export it with tokenizer=)"
                 )
             got = Grammars(
-                decoder.tokenizer, decoder.vocab, decoder.stop_ids, decoder.artifact.path,
-                parallel=decoder.devices[0].platform != "cpu",
-            )  # fmt: skip
+                decoder.tokenizer, decoder.vocab, decoder.stop_ids, decoder.artifact.path
+            )
             decoder._grammars = got
         return got

@@ -129,7 +129,9 @@ def parse(decoder: Any, message: Any, limits: GenerationLimits) -> generation.Pr
                 f"got {tensor.datatype:.20}"
             )
         if name in _TEXTS and name not in ("text_input", "stop") and tensor.datatype != "BYTES":
-            raise generation.invalid(f"input {name!r} takes text (BYTES), got {tensor.datatype:.20}")
+            raise generation.invalid(
+                f"input {name!r} takes text (BYTES), got {tensor.datatype:.20}"
+            )
         values = _values(message, i)
         if name in _TEXTS:
             texts = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
