@@ -5,7 +5,8 @@ with a realistic vocabulary; and the grammar's host time per token.
     python benchmarks/structured.py [--shape js-small] [--vocab 32000] [--slots 16] \\
         [--requests 64] [--max-tokens 64] [--repeats 3]
 
-The model is ``decoder_shapes``' native one at ``--shape`` (random weights) with a
+The model is ``decoder_shapes``' at ``--shape`` (random weights; ``keras-llama``:
+keras-hub's ``LlamaCausalLM``, its functions as pxrt's adapter exports them) with a
 byte-level BPE ``tokenizer.json`` of ``--vocab`` tokens trained here on Python's own
 sources (what llguidance walks for every mask: a real tokenizer's trie, not bytes).
 Each round runs ``--requests`` generations, ``--slots`` at a time (a closed loop:
@@ -115,6 +116,8 @@ def main() -> None:
         tokenizer = train_tokenizer(shape.vocab, os.path.join(tmp, "tokenizer.json"))
         print(f"tokenizer: byte-level BPE trained in {time.perf_counter() - t0:.1f} s")
         lengths = (16, 32)
+        if shape.family == "keras-llama":  # (keras-hub's functions, as its adapter makes them)
+            model.export(os.path.join(tmp, "plain"), lengths, slots=args.slots)
         path = pxrt.export_decoder(
             model.prefill, model.decode, model.params, os.path.join(tmp, "lm"),
             cache=model.cache, extend=model.extend, chunk_lengths=lengths,

@@ -188,18 +188,20 @@ def test_structured_outputs_over_grpc_are_the_engines(served, local):
     and seed; a schema the engine refuses fails alone, naming the field."""
     import json
 
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    n = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema = {"type": "object", "properties": {"n": n}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
     prompt = _text_input("json:")
     cases = [
         ({"guided_json": json.dumps(schema)}, [], pxrt.StructuredOutput(json=schema)),
         ({"guided_choice": '["yes", "no"]'}, [], pxrt.StructuredOutput(choice=["yes", "no"])),
-        ({}, [_bytes_input("guided_regex", [b"[a-c]{3}"])], pxrt.StructuredOutput(regex="[a-c]{3}")),
+        ({}, [_bytes_input("guided_regex", [b"[a-c]{3}"])],
+         pxrt.StructuredOutput(regex="[a-c]{3}")),
         ({}, [_bytes_input("guided_choice", [b"up", b"down"])],
          pxrt.StructuredOutput(choice=["up", "down"])),
     ]  # fmt: skip
     bad = [
-        ({"inputs": [prompt], "parameters": {"guided_json": "{not json"}}, "guided_json is not JSON"),
+        ({"inputs": [prompt], "parameters": {"guided_json": "{not"}}, "guided_json is not JSON"),
         ({"inputs": [prompt], "parameters": {"guided_regex": "(unclosed"}}, "guided_regex"),
         ({"inputs": [prompt, _tensor("guided_regex", "INT32", [1])]}, "takes text (BYTES)"),
     ]  # fmt: skip

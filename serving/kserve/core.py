@@ -604,3 +604,12 @@ __all__ = [
     "start",
     "status_of",
 ]
+
+
+def is_embedding(model: Any) -> bool:
+    """Whether ``model`` (a served model, or a worker's view of one) is an embedding
+    model (``/v1/embeddings`` serves it)."""
+    got = getattr(model, "embedding", None)
+    if got is not None:
+        return bool(got)
+    return "embedding" in getattr(getattr(model, "artifact", None), "manifest", {})

@@ -36,15 +36,6 @@ def _tokenizer(config: str, path: str) -> Any:
     return tokenizer.load(json.loads(config), path)
 
 
-def is_embedding(model: Any) -> bool:
-    """Whether ``model`` (a served model, or a worker's view of one) is an embedding
-    model."""
-    got = getattr(model, "embedding", None)
-    if got is not None:
-        return bool(got)
-    return "embedding" in getattr(getattr(model, "artifact", None), "manifest", {})
-
-
 def _model(server: Any, name: Any) -> tuple[Any, dict, Any]:
     """The embedding model ``name`` (its newest version), its manifest's ``embedding``
     entry and its tokenizer; a 404 for an unknown model, a 400 for one that is not an

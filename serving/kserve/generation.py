@@ -1097,10 +1097,8 @@ def _model_doc(name: str) -> dict:
 
 def _openai_names(server: Backend) -> list[str]:
     """The models OpenAI's endpoints serve: the decoders, then the embedding models."""
-    from .embeddings import is_embedding
-
     models = server.models
-    return [*server.decoders, *(n for n in models if is_embedding(server.model(n)))]
+    return [*server.decoders, *(n for n in models if core.is_embedding(server.model(n)))]
 
 
 async def openai_models(request: Request, server: Backend) -> Response:

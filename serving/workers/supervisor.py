@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from ..errors import ExecutionFailed, Overloaded, ServerClosed, ServingError
-from ..kserve import core, embeddings
+from ..kserve import core
 from . import ipc
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def model_state(server: Server, arena: str) -> ipc.State:
                     [_spec(n, s) for n, s in model.outputs.items()],
                     list(model.buckets),
                     {d: list(v) for d, v in model.dim_buckets.items()},
-                    embeddings.is_embedding(model),
+                    core.is_embedding(model),
                 )
             )
         served.append(ipc.Served(name, server.model(name).version, versions))
