@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import threading
@@ -53,7 +54,7 @@ def lm(lm_path):
     assert dec.wait_programs(120)  # (those compiled after the load: the tests use them)
     # (the steps chosen by rule, not by their measured prices: the fewest rows and the
     # smallest window, which the tests below count; test_steps_are_priced prices them)
-    dec._step_prices = {}
+    dec._step_prices = dec._forward_prices = {}
     yield dec
     dec.close()
 
@@ -643,10 +644,23 @@ def _controlled(prompt, bias=None, presence=0.0, frequency=0.0, repetition=1.0, 
 
 
 @pytest.mark.once  # (device programs: the twins change nothing they run)
-def test_controls_equal_the_same_controls_in_numpy(lm, params, reference):
+def _windowed_forwards(lm, monkeypatch):
+    """The windows the step with the controls ran its forward over, from now on."""
+    ran = []
+    forwards = lm._full_step.forwards
+    assert sorted(forwards) == [0, *lm.step_lengths]
+    for w in lm.step_lengths:
+        counted = functools.partial(lambda f, w, *a: ran.append(w) or f(*a), forwards[w], w)
+        monkeypatch.setitem(forwards, w, counted)
+    return ran
+
+
+def test_controls_equal_the_same_controls_in_numpy(lm, params, reference, monkeypatch):
     """logit_bias, the penalties and min_tokens on the device pick the tokens plain
     numpy picks from plain JAX's logits, whole and chunked prompts, batched with
-    requests without controls (unchanged, also in slots controlled ones had)."""
+    requests without controls (unchanged, also in slots controlled ones had); the
+    step's forward over the cache's first positions while every busy slot is there."""
+    windowed = _windowed_forwards(lm, monkeypatch)
     rng = np.random.default_rng(62)
     base = [rng.integers(0, 256, n).astype(np.int32) for n in (6, 20, 44)]
     first = reference(base[0], 1)[0]
@@ -673,6 +687,7 @@ def test_controls_equal_the_same_controls_in_numpy(lm, params, reference):
             assert gen.result().tokens == reference(prompt, 10)
     # min_tokens held the stop back: without it, the stop token ends it at once.
     assert lm.generate(base[0], max_tokens=10, stop_ids=[first]).tokens == [first]
+    assert windowed and set(windowed) <= set(lm.step_lengths), windowed
     assert lm.compiles_after_load == 0
 
 
@@ -706,7 +721,9 @@ def _until_complete(lm, structured, tokens):
 
 
 @pytest.mark.once  # (device programs: the twins change nothing they run)
-def test_structured_outputs_equal_plain_jax_masked_by_the_grammar(lm, params, reference):
+def test_structured_outputs_equal_plain_jax_masked_by_the_grammar(
+    lm, params, reference, monkeypatch
+):
     """A JSON schema, JSON mode, a regex, a choice and a Lark grammar: greedy tokens are
     plain JAX's argmax over the tokens llguidance allows, whole and chunked prompts,
     batched with free requests (unchanged, also in slots constrained ones had); the
@@ -729,6 +746,7 @@ def test_structured_outputs_equal_plain_jax_masked_by_the_grammar(lm, params, re
         (base[0], {"json_object": True}),
         (base[1], {"grammar": 'start: "(" num ("," num)? ")"\nnum: /[0-9]{1,2}/'}),
     ]
+    windowed = _windowed_forwards(lm, monkeypatch)
     for _ in range(2):  # (again: the slots now hold the first round's masks)
         plain = [lm.submit(p, max_tokens=10) for p in base]
         sos = [pxrt.StructuredOutput(**c) for _, c in cases]
@@ -756,6 +774,7 @@ def test_structured_outputs_equal_plain_jax_masked_by_the_grammar(lm, params, re
             assert gen.result().tokens == reference(prompt, 10)
     assert lm.counters["masked_steps"] > 0
     assert lm._full_step.forward is not None  # (the masked steps ran as forward and pick)
+    assert windowed and set(windowed) <= set(lm.step_lengths), windowed
     assert lm.compiles_after_load == 0
 
 

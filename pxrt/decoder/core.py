@@ -92,6 +92,7 @@ class Core(Protocol):
     _prefill_cost: dict[tuple[int, int], float]
     _step_cost: dict[int, float]
     _step_prices: dict[tuple[int, int], float]
+    _forward_prices: dict[int, float]
     itl_bound_s: float
 
     # What one part calls on another.

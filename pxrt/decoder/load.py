@@ -705,12 +705,24 @@ class _Obtained:
 
     def time_steps(self, params: Any, state: Any, budget_s: float = 0.05) -> None:
         """Time the steps over fewer slots and over cache windows (``step_costs``, as
-        ``measure`` names them) on ``state``, a state of their own (zeros: the same
-        work as a real call)."""
+        ``measure`` names them), and the controls' step's forwards by window
+        (``forward[w]``), on ``state``, a state of their own (zeros: the same work as
+        a real call)."""
         holder = [state]
+        full = self.full_step
+        forwards = sorted(full.forwards.items()) if full is not None else []
+
+        def forward(run: Any) -> Any:  # (the forward of the step with the controls)
+            def call(params: Any, state: Any) -> Any:
+                state, logits = run(params, state)
+                return state, logits, None
+
+            return call
+
         for key, part in [
             *((f"step[{n}]", p) for n, p in sorted(self.parts.items())),
             *((f"step[{n},{w}]", p) for (n, w), p in sorted(self.windows.items())),
+            *((f"forward[{w}]", forward(f)) for w, f in forwards if len(forwards) > 1),
         ]:
             times: list[float] = []
             while len(times) < 4 and sum(times) < budget_s:
@@ -762,8 +774,8 @@ class _Obtained:
             state = self.move(state, none, none)
         if self.full_step is not None:
             state, first, _ = self.full_step(params, state)
-            if self.full_step.forward is not None:
-                state, logits = self.full_step.forward(params, state)
+            for forward in self.full_step.forwards.values():
+                state, logits = forward(params, state)
                 state, first, _ = self.full_step.pick(state, logits, self.full_step._all)
         if self.verify is not None:
             k = self.verify_width
@@ -773,10 +785,11 @@ class _Obtained:
 
     def measure(self, params: Any, slots: int, budget_s: float = 0.05) -> dict[str, float]:
         """Seconds per run of the programs the loop's scheduler chooses among (each
-        prefill cell, each step size), on the zero state (every row dropped: the same
-        shapes and work as a real call): the median of up to 5 runs, fewer where a
-        program takes over ``budget_s``; and ``dispatch``, the host's own time to hand one
-        prefill to the device. Warm programs only (``warm_up`` first)."""
+        prefill cell, each step size, the controls' step's forwards by window), on the
+        zero state (every row dropped: the same shapes and work as a real call): the
+        median of up to 5 runs, fewer where a program takes over ``budget_s``; and
+        ``dispatch``, the host's own time to hand one prefill to the device. Warm
+        programs only (``warm_up`` first)."""
         holder = [self.make_state()]
         costs: dict[str, float] = {}
 
@@ -814,6 +827,14 @@ class _Obtained:
                 return first
 
             timed(f"step[{rows},{window}]", windowed)
+        forwards = self.full_step.forwards if self.full_step is not None else {}
+        for window, run in sorted(forwards.items()) if len(forwards) > 1 else ():
+
+            def forward(run: Any = run) -> Any:
+                holder[0], logits = run(params, holder[0])
+                return logits
+
+            timed(f"forward[{window}]", forward)
         costs["dispatch"] = float(np.median(dispatch)) if dispatch else 0.0
         return costs
 
@@ -893,8 +914,9 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
         if compiled is None:
             return None
         words = grammar.words(programs.vocab)
-        forward, pick = program("forward", 0, 0), program("pick", 0, 0)
-        return FullStep(compiled, programs.slots, words, programs.by_slot, forward, pick)
+        forwards = {w: program("forward", 0, w) for w in (0, *programs.step_lengths)}
+        pick = program("pick", 0, 0)
+        return FullStep(compiled, programs.slots, words, programs.by_slot, forwards, pick)
 
     prefix = None
     if programs.prefix is not None and all((what, 0, 0) in got for what in POOL):

@@ -191,14 +191,18 @@ class DecoderPrograms:
         host while the device runs the forward)."""
         by_slot_specs = jax.tree.map(lambda _: P(BATCH_AXIS), self.shapes)
         logits_spec = P(BATCH_AXIS)
-        self._forward_jit = jax.jit(
-            jax.shard_map(
-                self._forward, mesh=mesh, in_specs=(P(), by_slot_specs),
-                out_specs=(by_slot_specs, logits_spec), check_vma=False,
-            ),
-            donate_argnums=(1,),
-            out_shardings=(state_sharding, self.by_slot),
-        )  # fmt: skip
+        self._forward_jits = {
+            window: jax.jit(
+                jax.shard_map(
+                    functools.partial(self._forward, window=window or None), mesh=mesh,
+                    in_specs=(P(), by_slot_specs), out_specs=(by_slot_specs, logits_spec),
+                    check_vma=False,
+                ),
+                donate_argnums=(1,),
+                out_shardings=(state_sharding, self.by_slot),
+            )
+            for window in (0, *self.step_lengths)
+        }  # fmt: skip
         self._pick_jit = jax.jit(
             jax.shard_map(
                 self._pick, mesh=mesh, in_specs=(by_slot_specs, logits_spec, P(BATCH_AXIS)),
@@ -285,6 +289,7 @@ class DecoderPrograms:
         todo = [("state", 0, 0), ("step", 0, 0)]
         if self.controls:
             todo += [("control", 0, 0), ("step", -1, 0), ("forward", 0, 0), ("pick", 0, 0)]
+            todo += [("forward", 0, w) for w in self.step_lengths]
         if self.speculate:
             todo.append(("verify", 0, self.speculate))
         if self.step_slots:
@@ -324,7 +329,7 @@ class DecoderPrograms:
                 return step.lower(self.param_specs, self.shapes, allowed)
             return step.lower(self.param_specs, self.shapes)
         if what == "forward":
-            return self._forward_jit.lower(self.param_specs, self.shapes)
+            return self._forward_jits[n].lower(self.param_specs, self.shapes)
         if what == "pick":
             logits = jax.eval_shape(self._forward, self.param_specs, self.shapes)[1]
             logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self.by_slot)
@@ -394,8 +399,9 @@ class DecoderPrograms:
             + (f" within {n} positions" if n else ""),
             "move": "the slot move",
             "control": "the sampling controls' insert",
-            "forward": "the decode step's forward (a structured output's)",
-            "pick": "the decode step's sampling under masks (a structured output's)",
+            "forward": "the decode step's forward (the step with the controls' first half)"
+            + (f" within {n} positions" if n else ""),
+            "pick": "the decode step's sampling with the controls and masks",
             "verify": f"the draft verification of {n} tokens",
             "pool": "the empty prefix pool",
             "load": "the prefix copy",
@@ -500,14 +506,25 @@ class DecoderPrograms:
         state, tokens, scores = self._step(params, state | {"allowed": allowed}, full=True)
         return state | {"allowed": kept}, tokens, scores
 
-    def _forward(self, params: Any, state: dict) -> tuple[dict, jax.Array]:
+    def _forward(
+        self, params: Any, state: dict, window: int | None = None
+    ) -> tuple[dict, jax.Array]:
         """The full step's first half: every slot's next input token through the
         model at its position (its cache written there), the logits returned; nothing
-        else of the state changes (run again, it writes the same)."""
+        else of the state changes (run again, it writes the same). With a ``window``,
+        over the first ``window`` positions of the cache (as ``_step_part``): a slot at
+        or past it (an idle one) gets logits of nothing and writes nothing."""
         ints = state["ints"]
-        positions = jnp.minimum(ints[:, sampling.POS], self.max_length - 1)
         tokens = ints[:, sampling.TOK]
-        cache, logits = self.art.decode.call(params, state["cache"], tokens, positions)
+        if not window:
+            positions = jnp.minimum(ints[:, sampling.POS], self.max_length - 1)
+            cache, logits = self.art.decode.call(params, state["cache"], tokens, positions)
+            return state | {"cache": cache}, logits
+        part = self._part(state, ints.shape[0], window)
+        positions = jnp.minimum(ints[:, sampling.POS], window - 1)
+        cache, logits = self.art.decode.call(params, part["cache"], tokens, positions)
+        inside = ints[:, sampling.POS] < window
+        cache = self._written(state["cache"], cache, positions, inside, window)
         return state | {"cache": cache}, logits
 
     def _pick(
@@ -562,12 +579,22 @@ class DecoderPrograms:
         before = part["ints"]
         written = jnp.minimum(before[:, c.POS], length - 1)
         part, tokens, scores = self._step(params, part, length=length)
-        at = jnp.arange(rows)
         inside = before[:, c.POS] < length
+        cache = self._written(state["cache"], part["cache"], written, inside, window)
+        ints = part["ints"] if not window else jnp.where(inside[:, None], part["ints"], before)
+        ints = lax.dynamic_update_slice_in_dim(state["ints"], ints, 0, axis=0)
+        return state | {"cache": cache, "ints": ints}, tokens, scores
+
+    def _written(
+        self, cache: Any, part: Any, written: jax.Array, inside: jax.Array, window: int | None
+    ) -> Any:
+        """``cache`` with what one decode over its first rows (``part``, over their
+        first ``window`` positions, or all) wrote: each row's entry at ``written[r]``
+        (decode writes nothing else; with a window, only where ``inside``), or the whole
+        rows of a leaf without a sequence axis."""
+        at = jnp.arange(written.shape[0])
         leaves = []
-        for old, new, axis in zip(
-            jax.tree.leaves(state["cache"]), jax.tree.leaves(part["cache"]), self._length_axes
-        ):
+        for old, new, axis in zip(jax.tree.leaves(cache), jax.tree.leaves(part), self._length_axes):
             if axis is None:
                 leaves.append(lax.dynamic_update_slice_in_dim(old, new, 0, axis=0))
             elif window:
@@ -581,10 +608,7 @@ class DecoderPrograms:
                 leaves.append(
                     old.at[where].set(new[where], indices_are_sorted=True, unique_indices=True)
                 )
-        ints = part["ints"] if not window else jnp.where(inside[:, None], part["ints"], before)
-        ints = lax.dynamic_update_slice_in_dim(state["ints"], ints, 0, axis=0)
-        state = state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
-        return state, tokens, scores
+        return jax.tree.unflatten(self._cache_tree, leaves)
 
     def _step_block(
         self,

@@ -93,7 +93,9 @@ class FullStep:
     allowed=None)``: ``allowed`` the slots' allowed tokens (``[slots, words]`` bits, a
     structured output's grammar), None: every token (a copy kept on the devices).
     ``forward`` ``(params, state) -> (state, logits)`` and ``pick`` ``(state, logits,
-    allowed) -> (state, tokens, scores)``: the same as two programs, or None."""
+    allowed) -> (state, tokens, scores)``: the same as two programs, or None;
+    ``forwards``: the forward by cache window (0: the whole cache; the plain step's
+    windows), those compiled."""
 
     def __init__(
         self,
@@ -101,13 +103,15 @@ class FullStep:
         slots: int,
         words: int,
         sharding: Any,
-        forward: Any = None,
+        forwards: dict[int, Any] | None = None,
         pick: Any = None,
     ) -> None:
         self.compiled = compiled
         self._all = jax.device_put(np.full((slots, words), -1, np.int32), sharding)
-        self.forward = forward if pick is not None else None
-        self.pick = pick if forward is not None else None
+        got = {w: f for w, f in (forwards or {}).items() if f is not None}
+        self.forwards = got if pick is not None and 0 in got else {}
+        self.forward = self.forwards.get(0)
+        self.pick = pick if self.forward is not None else None
 
     def __call__(self, params: Any, state: Any, allowed: Any = None) -> Any:
         return self.compiled(params, state, self._all if allowed is None else allowed)
@@ -368,13 +372,23 @@ class Runner(Core):
         k = 1
         block: tuple[int, ...] = ()
         masks: tuple[np.ndarray, ...] = ()
-        if program is not None:  # (the full step: the grammars' masks, if any)
+        full = program is not None
+        picked: tuple = ()  # (the forward's logits and the masks, for its pick)
+        if full:  # (the full step: the grammars' masks, if any)
             pairs = self._constrained()
             if pairs:
                 t0 = time.perf_counter()
                 masks = (grammar.grammars_of(self).masks(pairs, self.slots),)
                 self.counters["masked_steps"] += 1
                 self.counters["grammar_s"] += time.perf_counter() - t0
+            window = self._forward_window()
+            if window:  # (as its two programs, the forward over a window of the cache)
+                step = self._full_step
+                (self._state, logits), _ = self._launch(
+                    len(self._cells), step.forwards[window], self._params, self._state
+                )
+                self.counters["window_steps"] += 1
+                picked = (logits, masks[0] if masks else step._all)
         else:
             rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
             rows, window = self._cheapest_step(rows)
@@ -384,18 +398,23 @@ class Runner(Core):
                 block = (k,)
             if window:
                 self.counters["window_steps"] += k
-        (self._state, tokens, scores), sync = self._launch(
-            len(self._cells), program, self._params, self._state, *block, *masks
-        )
+        if picked:
+            (self._state, tokens, scores), sync = self._launch(
+                len(self._cells), self._full_step.pick, self._state, *picked
+            )
+        else:
+            (self._state, tokens, scores), sync = self._launch(
+                len(self._cells), program, self._params, self._state, *block, *masks
+            )
         tokens.copy_to_host_async()
         owners = self._table.dispatch(k)
         if rows < self._rows_per_device:  # the step's tokens are these slots'
             owners = [owners[s] for s in self._order[rows]]
         # (only the full step computes scores)
-        scores = self._scores(owners, scores) if program is self._full_step else None
+        scores = self._scores(owners, scores) if full else None
         kind = _BLOCK if block else _STEP
         self._pending.append((kind, tokens, owners, float(k), scores, sync))
-        self._count_step(k, 1, busy, len(owners))
+        self._count_step(k, 2 if picked else 1, busy, len(owners))
 
     @staticmethod
     def _prompt_logprobs(gen: Generation) -> None:
@@ -420,8 +439,7 @@ class Runner(Core):
         table = self._table
         group = len(self._cells)
         if self._forwarded is None:  # (the first: a forward now, its pick below)
-            (self._state, logits), _ = self._launch(group, full.forward, self._params, self._state)
-            self._forwarded = (logits, list(table.owners))
+            self._forward_now()
         logits, seen = self._forwarded
         owners = table.owners
         t0 = time.perf_counter()
@@ -449,9 +467,33 @@ class Runner(Core):
         self._pending.append((_STEP, tokens, snapshot, 1.0, self._scores(snapshot, scores), sync))
         self._forwarded = None
         if table.busy:  # (the next forward: the device runs it while the host computes)
-            (self._state, logits), _ = self._launch(group, full.forward, self._params, self._state)
-            self._forwarded = (logits, list(table.owners))
+            self._forward_now()
         self._count_step(1, 2, busy, self.slots, masked_steps=1)
+
+    def _forward_window(self) -> int:
+        """The cache window the step with the controls runs its forward over (0: the
+        whole cache, as one program when it is not split): the cheapest as measured
+        at load of those that hold the busy slots (a window's forward writes its part
+        back: on a small model that costs what the shorter attention saves, or more);
+        the smallest while they are not all measured."""
+        forwards = self._full_step.forwards
+        window = self._window() if len(forwards) > 1 else 0
+        if not window:
+            return 0
+        options = [w for w in forwards if not w or w >= window]
+        prices = self._forward_prices
+        if all(w in prices for w in options):
+            return min(options, key=lambda w: (prices[w], w))
+        return window if window in forwards else 0
+
+    def _forward_now(self) -> None:
+        """Dispatch the split step's forward for the slots busy now."""
+        window = self._forward_window()
+        self.counters["window_steps"] += window > 0
+        (self._state, logits), _ = self._launch(
+            len(self._cells), self._full_step.forwards[window], self._params, self._state
+        )
+        self._forwarded = (logits, list(self._table.owners))
 
     def _constrained(self) -> list[tuple[Any, int]]:
         """The busy slots held to a structured output: (its grammar's matcher, slot)."""

@@ -192,6 +192,10 @@ class Scheduler(Core):
             for key, v in costs.items() if key.startswith("step[")
             for n, _, w in [key[5:-1].partition(",")]
         }  # fmt: skip
+        # (the forward of the step with the controls, by window: its own prices)
+        self._forward_prices = {
+            int(key[8:-1]): v for key, v in costs.items() if key.startswith("forward[")
+        }
         full = steps[self.slots] or 0.0
         # (a step not timed is priced as the whole one, which the loop may run instead)
         self._step_cost = {n: min(v, full) if v is not None else full
