@@ -1,0 +1,140 @@
+"""pxrt inside KServe's Python model server: ``PxrtModel``, a ``kserve.Model`` whose
+``predict`` goes through pxrt's batcher.
+
+    import kserve
+    from serving.integrations.kserve import PxrtModel
+
+    model = PxrtModel("mlp", "models/mlp")  # an artifact directory; batching options
+    model.load()                            # every bucket compiled, params on the device
+    kserve.ModelServer().start([model])
+
+KServe decodes the v2 request (JSON or its binary tensor extension, REST or gRPC) into
+an ``InferRequest``; ``predict`` hands its tensors to ``serving.Server.infer``, which
+batches the concurrent requests (KServe's Python server runs each request on its own),
+and answers an ``InferResponse`` (binary where the request asked for binary outputs or
+came over gRPC). Errors take KServe's own shapes: a bad input (a wrong dtype or shape,
+an unknown name: the message names it, as pxrt's does) is ``InvalidInput``, a 400, and
+fails alone: the requests batched with it are answered; a full queue or a closed server
+is ``ServerNotReady`` (503); a failed batch or a passed deadline ``InferenceError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import kserve
+import numpy as np
+from kserve.errors import InferenceError, InvalidInput, ServerNotReady
+from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
+
+from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
+from ..kserve import codec
+
+__all__ = ["PxrtModel"]
+
+
+class PxrtModel(kserve.Model):
+    """A pxrt artifact served by KServe as ``name``: ``load`` compiles it (``pxrt.load``
+    with ``load_options``); its requests are batched by pxrt (``serving.Server``, created
+    on KServe's event loop at the first request) with ``batching`` (``BatchingOptions``'
+    fields: ``max_batch_size``, ``max_delay_us``, ``max_queue``...)."""
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        *,
+        load_options: dict[str, Any] | None = None,
+        **batching: Any,
+    ) -> None:
+        super().__init__(name)
+        self.path = path
+        self.load_options = dict(load_options or {})
+        self.batching = batching
+        self.model: Any = None
+        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def load(self) -> bool:
+        import pxrt
+
+        self.model = pxrt.load(self.path, **self.load_options)
+        self.ready = True
+        return self.ready
+
+    def get_input_types(self) -> list[dict]:
+        """The inputs as KServe's metadata lists them (the batch dimension -1)."""
+        return _tensors(self.model.inputs) if self.model is not None else []
+
+    def get_output_types(self) -> list[dict]:
+        return _tensors(self.model.outputs) if self.model is not None else []
+
+    def _serving(self) -> Any:
+        """pxrt's server on the running loop (made on the first request: KServe starts
+        its loop after the models are registered)."""
+        loop = asyncio.get_running_loop()
+        if self._server is None or self._loop is not loop:
+            from serving import Server
+
+            server = Server()
+            server.add_model(self.name, self.model, **self.batching)
+            self._server, self._loop = server, loop
+        return self._server
+
+    async def predict(
+        self,
+        payload: Any,
+        headers: dict[str, str] | None = None,
+        response_headers: dict[str, str] | None = None,
+    ) -> InferResponse:
+        if not isinstance(payload, InferRequest):
+            raise InvalidInput(
+                f"model {self.name!r} takes the v2 protocol (/v2/models/{self.name}/infer), "
+                f"got a {type(payload).__name__}"
+            )
+        try:
+            inputs = {tensor.name: tensor.as_numpy() for tensor in payload.inputs}
+        except Exception as exc:  # noqa: BLE001 - KServe's decoding of a bad tensor
+            raise InvalidInput(f"model {self.name!r}: {exc}") from None
+        try:
+            outputs = await self._serving().infer(self.name, inputs)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(str(exc)) from None
+        except (Overloaded, ServerClosed) as exc:
+            raise ServerNotReady(str(exc)) from None
+        except (DeadlineExceeded, ExecutionFailed) as exc:
+            raise InferenceError(str(exc)) from None
+        binary = payload.use_binary_outputs
+        answer = []
+        for name, array in outputs.items():
+            array = np.asarray(array)
+            tensor = InferOutput(name, list(array.shape), codec.datatype_of(array.dtype))
+            tensor.set_data_from_numpy(array, binary_data=binary)
+            answer.append(tensor)
+        return InferResponse(
+            response_id=payload.id or "",
+            model_name=self.name,
+            infer_outputs=answer,
+            use_binary_outputs=binary,
+        )
+
+    def stop(self) -> None:
+        server, loop = self._server, self._loop
+        self._server = None
+        if server is not None and loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(server.close(), loop)
+        super().stop()
+
+
+def _tensors(specs: Any) -> list[dict]:
+    """``name -> spec`` (a shape without the batch, named dimensions -1, and a dtype) as
+    the v2 metadata's tensors."""
+    return [
+        {
+            "name": name,
+            "datatype": codec.datatype_of(np.dtype(spec.dtype)),
+            "shape": [-1, *(d if isinstance(d, int) else -1 for d in spec.shape)],
+        }
+        for name, spec in specs.items()
+    ]

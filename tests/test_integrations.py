@@ -1,0 +1,122 @@
+"""pxrt inside other inference servers (``serving.integrations``), each started as its
+users start it and queried with its own client: answers equal plain JAX's, a bad input
+answered in the framework's own error shape while the requests beside it succeed."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+import pytest
+from models import assert_matches, reference
+from servers import free_ports
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Process:
+    """A server process started with ``args``, until ``ready`` (a URL) answers 200."""
+
+    def __init__(self, args: list[str], ready: str) -> None:
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.output()}")
+            try:
+                if httpx.get(ready, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not become ready: {self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def kserve_server(artifacts):
+    pytest.importorskip("kserve")
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    args = ["tests/kserve_app.py", "mlp", str(artifacts["mlp"]), "--http_port", str(port)]
+    proc = Process([*args, "--enable_grpc", "false"], f"{url}/v2/models/mlp/ready")
+    proc.url = url
+    yield proc
+    proc.stop()
+
+
+def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server):
+    """KServe's own InferenceRESTClient and tritonclient, JSON and binary tensors, many
+    callers at once; a bad dtype and a bad shape are KServe's 400s naming the input,
+    and the requests sent beside them are answered."""
+    import tritonclient.http as triton
+    from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+    from tritonclient.utils import InferenceServerException
+
+    url = kserve_server.url
+    meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}], meta
+    assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 32]}], meta
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((n, 32)).astype(np.float32) for n in (1, 3, 7)]
+
+    async def kserve_client():
+        client = InferenceRESTClient(RESTConfig(protocol="v2", retries=0))
+        try:
+            for i, x in enumerate(xs):
+                inp = InferInput("x", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x, binary_data=bool(i % 2))
+                request = InferRequest("mlp", [inp], request_id=f"r{i}")
+                result = await client.infer(url, request, "mlp")
+                assert result.id == f"r{i}"
+                got = {o.name: o.as_numpy() for o in result.outputs}
+                assert_matches(got, reference("mlp", {"x": x}), f"kserve client, request {i}")
+        finally:
+            await client.close()
+
+    asyncio.run(kserve_client())
+
+    client = triton.InferenceServerClient(url.removeprefix("http://"), concurrency=16)
+
+    def infer(x, datatype="FP32", binary=True):
+        inp = triton.InferInput("x", list(x.shape), datatype)
+        inp.set_data_from_numpy(x, binary_data=binary)
+        return client.infer("mlp", [inp]).as_numpy("y")
+
+    good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(48)]
+    bad = [
+        (np.ones((2, 31), np.float32), "FP32", r"x.*float32\[n, 32\]"),
+        (np.ones((2, 32), np.float64), "FP64", r"x.*float32"),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = [pool.submit(infer, x) for x in good]
+        errors = [pool.submit(infer, x, d) for x, d, _ in bad]
+        for x, answer in zip(good, answers):
+            assert_matches({"y": answer.result(timeout=60)}, reference("mlp", {"x": x}))
+        for (_, _, words), error in zip(bad, errors):
+            with pytest.raises(InferenceServerException, match=words) as got:
+                error.result(timeout=60)
+            assert got.value.status() == "400", got.value
+    client.close()
