@@ -263,6 +263,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if hasattr(model, "wait_programs"):  # (a decoder: every program, those compiled after)
         model.wait_programs()
     info = model.describe()
+    close = getattr(model, "close", None)
+    if close is not None:  # (a decoder's thread, timing its programs while idle, stops)
+        close()
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()

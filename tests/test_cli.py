@@ -301,8 +301,9 @@ def test_inspect_shows_a_decoder(tmp_path, capsys):
     kinds = [p["program"] for p in info["programs"]]
     # (on CPU devices each prefill cell is two programs: its rows beside the steps)
     rows = kinds.count("prefill_rows")
-    assert info["kind"] == "decoder" and len(kinds) == 4 + kinds.count("step") + rows
-    assert rows == kinds.count("prefill_insert") == 2
+    forwards = kinds.count("forward")  # (the step with the controls', by cache window)
+    assert info["kind"] == "decoder" and len(kinds) == 4 + kinds.count("step") + rows + forwards
+    assert rows == kinds.count("prefill_insert") == 2 and forwards >= 1
     assert kinds.count("step") >= 2  # over all the slots, and over fewer
     assert set(info["load_phases"]) == {"read", "programs", "warm-up", "measure"}
     assert "scheduler: prompts are prefilled on a thread of their own beside" in out, out

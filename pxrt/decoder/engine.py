@@ -648,6 +648,13 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
                 {"program": "step", "slots": self.slots, "sampling_controls": True}
                 | {"memory": _memory(self._full_step)}
             )
+            programs += [  # (its two halves: the forward by cache window, and the pick)
+                {"program": "forward", "slots": self.slots}
+                | ({"length": window} if window else {})
+                | run(f"forward[{window}]")
+                | {"memory": _memory(forward)}
+                for window, forward in sorted(self._full_step.forwards.items(), reverse=True)
+            ]
         for name, cells in (("prefill_insert", self._cells), ("extend_insert", self._extends)):
             for (b, length), cell in sorted(cells.items()):
                 program = {
