@@ -5,7 +5,11 @@ answered in the framework's own error shape while the requests beside it succeed
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,9 +29,10 @@ class Process:
 
     def __init__(self, args: list[str], ready: str) -> None:
         self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT
-        )
+        self.proc = subprocess.Popen(  # (a group of its own: its workers stop with it)
+            [sys.executable, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -46,12 +51,19 @@ class Process:
         return self.log.read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        """SIGTERM to the server's process group (LitServe's spawned workers too), then
+        SIGKILL to what is left of it."""
+        group = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            pass
+        time.sleep(0.5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        self.proc.wait(30)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +135,46 @@ def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server):
             assert got.value.status() == "400", got.value
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def litserve_server(artifacts):
+    if importlib.util.find_spec("litserve") is None:  # (not imported here: its server is)
+        pytest.skip("litserve is not installed (the test extra has it)")
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    proc = Process(["tests/litserve_app.py", str(artifacts["mlp"]), str(port)], f"{url}/health")
+    proc.url = url
+    yield proc
+    proc.stop()
+
+
+def test_litserve_serves_a_pxrt_model_batched_by_pxrt(litserve_server):
+    """LitServe's /predict, 40 requests in flight at once with bad ones among them:
+    every good answer equals plain JAX's; a wrong shape, an unknown input and values
+    that are not numbers are LitServe's 400s naming the input."""
+    url = f"{litserve_server.url}/predict"
+    rng = np.random.default_rng(6)
+    good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(40)]
+    bad = [
+        ({"inputs": {"x": [[1.0] * 31]}}, r"x.*float32\[n, 32\]"),
+        ({"inputs": {"z": [[1.0] * 32]}}, "'z'"),
+        ({"inputs": {"x": [["a"] * 32]}}, "input 'x': not rows of float32"),
+    ]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            bodies = [{"inputs": {"x": x.tolist()}} for x in good[:20]]
+            bodies += [body for body, _ in bad] + [{"inputs": {"x": x.tolist()}} for x in good[20:]]
+            return await asyncio.gather(*(client.post(url, json=b) for b in bodies))
+
+    answers = asyncio.run(main())
+    errors = answers[20 : 20 + len(bad)]
+    answers = answers[:20] + answers[20 + len(bad) :]
+    for x, r in zip(good, answers):
+        assert r.status_code == 200, r.text
+        y = np.asarray(r.json()["outputs"]["y"], np.float32)
+        assert_matches({"y": y}, reference("mlp", {"x": x}))
+    for (_, words), r in zip(bad, errors):
+        assert r.status_code == 400, r.text
+        assert re.search(words, r.json()["detail"]), r.text

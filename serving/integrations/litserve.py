@@ -1,0 +1,102 @@
+"""pxrt inside Lightning's LitServe: ``PxrtLitAPI``, a ``litserve.LitAPI`` whose
+``predict`` goes through pxrt's batcher.
+
+    import litserve as ls
+    from serving.integrations.litserve import PxrtLitAPI
+
+    api = PxrtLitAPI("models/mlp", max_delay_us=2000)  # an artifact; BatchingOptions
+    ls.LitServer(api, accelerator="cpu").run(port=8000)
+
+``POST /predict`` with ``{"inputs": {"x": [[...], ...]}}`` (each input's rows, in the
+model's dtype) answers ``{"outputs": {"y": [[...], ...]}}``. The API is async
+(``enable_async``): LitServe's worker runs the requests it takes concurrently, and
+pxrt's batcher (made on the worker's event loop at the first request) gathers them into
+the model's compiled buckets; LitServe's own batching (``max_batch_size``) stays off.
+``setup`` loads the artifact in LitServe's worker process (``pxrt.load``, with
+``load_options``). A bad request (an unknown input, a wrong shape, values that are not
+numbers of the input's dtype) is a 400 naming the input, and fails alone; a full queue
+is a 503, a failed batch or a passed deadline a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import litserve
+import numpy as np
+from fastapi import HTTPException
+
+from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
+
+__all__ = ["PxrtLitAPI"]
+
+
+class PxrtLitAPI(litserve.LitAPI):
+    """The pxrt artifact at ``path`` served by LitServe (at ``api_path``), its requests
+    batched by pxrt with ``batching`` (``BatchingOptions``' fields)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        api_path: str = "/predict",
+        load_options: dict[str, Any] | None = None,
+        **batching: Any,
+    ) -> None:
+        super().__init__(api_path=api_path, enable_async=True)
+        self.path = path
+        self.load_options = dict(load_options or {})
+        self.batching = batching
+        self.model: Any = None
+        self._server: Any = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+
+    def setup(self, device: Any) -> None:
+        import pxrt
+
+        self.model = pxrt.load(self.path, **self.load_options)
+
+    def _serving(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._server is None or self._event_loop is not loop:
+            from serving import Server
+
+            server = Server()
+            server.add_model(self.model.name, self.model, **self.batching)
+            self._server, self._event_loop = server, loop
+        return self._server
+
+    async def decode_request(self, request, **kwargs: Any) -> dict[str, np.ndarray]:
+        """``{"inputs": {name: rows}}`` as arrays of the inputs' dtypes (a 400 naming
+        the input whose values are not numbers of its dtype)."""
+        inputs = request.get("inputs") if isinstance(request, dict) else None
+        if not isinstance(inputs, dict):
+            raise HTTPException(400, 'the body is {"inputs": {name: rows, ...}}')
+        specs = self.model.inputs
+        out = {}
+        for name, value in inputs.items():
+            spec = specs.get(name)
+            if spec is None:  # (pxrt's batcher names it with the known ones)
+                out[name] = np.asarray(value)
+                continue
+            try:
+                out[name] = np.asarray(value, dtype=spec.dtype)
+            except (TypeError, ValueError) as exc:
+                raise HTTPException(
+                    400, f"input {name!r}: not rows of {np.dtype(spec.dtype).name} ({exc})"
+                ) from None
+        return out
+
+    async def predict(self, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict:
+        try:
+            return await self._serving().infer(self.model.name, inputs)
+        except (TypeError, ValueError) as exc:
+            raise HTTPException(400, str(exc)) from None
+        except (Overloaded, ServerClosed) as exc:
+            raise HTTPException(503, str(exc)) from None
+        except (DeadlineExceeded, ExecutionFailed) as exc:
+            raise HTTPException(500, str(exc)) from None
+
+    async def encode_response(self, outputs: dict, **kwargs: Any) -> dict:
+        return {"outputs": {name: np.asarray(v).tolist() for name, v in outputs.items()}}
