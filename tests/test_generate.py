@@ -360,8 +360,15 @@ def test_a_generation_cancelled_while_prefilled_beside_gives_its_slot_back_once(
 def test_a_failed_prefill_beside_the_steps_fails_only_its_prompts(lm, reference):
     """A prefill that fails on the prefill thread fails the generations it carried,
     with the cause; the streams running meanwhile and the next prompts are exact."""
+
+    def slow(step):  # (a tenth of a second a step: still busy when the victim comes)
+        return lambda *args: time.sleep(0.1) or step(*args)
+
+    steps, windows = dict(lm._steps), dict(lm._windows)
+    lm._steps.update({k: slow(v) for k, v in steps.items()})
+    lm._windows.update({k: slow(v) for k, v in windows.items()})
     running = lm.submit(prompts(1, seed=44)[0], max_tokens=30)
-    next(iter(running))  # (busy before the failing prefill)
+    next(iter(running))  # (busy before the failing prefill, for seconds)
     real = {key: cell.compiled.rows for key, cell in lm._cells.items()}
     failed = threading.Event()
 
@@ -381,11 +388,15 @@ def test_a_failed_prefill_beside_the_steps_fails_only_its_prompts(lm, reference)
             victim = lm.submit(prompts(1, seed=45)[0], max_tokens=4)
             with pytest.raises(RuntimeError, match="prefill failed: .*injected prefill failure"):
                 victim.result(timeout=30)
+        lm._steps.update(steps)
+        lm._windows.update(windows)
         after = prompts(3, seed=46)
         assert [lm.generate(p, max_tokens=4).tokens for p in after] == [
             reference(p, 4) for p in after
         ]
     finally:
+        lm._steps.update(steps)
+        lm._windows.update(windows)
         for key, cell in lm._cells.items():
             cell.compiled.rows = real[key]
     assert running.result(timeout=60).tokens == reference(prompts(1, seed=44)[0], 30)
