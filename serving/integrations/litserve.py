@@ -4,8 +4,9 @@
     import litserve as ls
     from serving.integrations.litserve import PxrtLitAPI
 
-    api = PxrtLitAPI("models/mlp", max_delay_us=2000)  # an artifact; BatchingOptions
-    ls.LitServer(api, accelerator="cpu").run(port=8000)
+    if __name__ == "__main__":  # (LitServe spawns its workers: they import this file)
+        api = PxrtLitAPI("models/mlp", max_delay_us=2000)  # an artifact; BatchingOptions
+        ls.LitServer(api, accelerator="cpu").run(port=8000)
 
 ``POST /predict`` with ``{"inputs": {"x": [[...], ...]}}`` (each input's rows, in the
 model's dtype) answers ``{"outputs": {"y": [[...], ...]}}``. The API is async
