@@ -383,12 +383,7 @@ class Runner(Core):
                 self.counters["grammar_s"] += time.perf_counter() - t0
             window = self._forward_window()
             if window:  # (as its two programs, the forward over a window of the cache)
-                step = self._full_step
-                (self._state, logits), _ = self._launch(
-                    len(self._cells), step.forwards[window], self._params, self._state
-                )
-                self.counters["window_steps"] += 1
-                picked = (logits, masks[0] if masks else step._all)
+                picked = (self._forward(window), masks[0] if masks else self._full_step._all)
         else:
             rows = self._compact() if len(self._steps) > 1 else self._rows_per_device
             rows, window = self._cheapest_step(rows)
@@ -486,14 +481,17 @@ class Runner(Core):
             return min(options, key=lambda w: (prices[w], w))
         return window if window in forwards else 0
 
-    def _forward_now(self) -> None:
-        """Dispatch the split step's forward for the slots busy now."""
-        window = self._forward_window()
+    def _forward(self, window: int) -> Any:
+        """Dispatch the step with the controls' forward over ``window``: its logits."""
         self.counters["window_steps"] += window > 0
         (self._state, logits), _ = self._launch(
             len(self._cells), self._full_step.forwards[window], self._params, self._state
         )
-        self._forwarded = (logits, list(self._table.owners))
+        return logits
+
+    def _forward_now(self) -> None:
+        """Dispatch the split step's forward for the slots busy now."""
+        self._forwarded = (self._forward(self._forward_window()), list(self._table.owners))
 
     def _constrained(self) -> list[tuple[Any, int]]:
         """The busy slots held to a structured output: (its grammar's matcher, slot)."""

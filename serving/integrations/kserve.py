@@ -20,7 +20,6 @@ is ``ServerNotReady`` (503); a failed batch or a passed deadline ``InferenceErro
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import kserve
@@ -30,6 +29,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from ..kserve import codec
+from ._on_loop import OnLoop
 
 __all__ = ["PxrtModel"]
 
@@ -51,10 +51,8 @@ class PxrtModel(kserve.Model):
         super().__init__(name)
         self.path = path
         self.load_options = dict(load_options or {})
-        self.batching = batching
         self.model: Any = None
-        self._server: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batched = OnLoop(name, batching)
 
     def load(self) -> bool:
         import pxrt
@@ -69,18 +67,6 @@ class PxrtModel(kserve.Model):
 
     def get_output_types(self) -> list[dict]:
         return _tensors(self.model.outputs) if self.model is not None else []
-
-    def _serving(self) -> Any:
-        """pxrt's server on the running loop (made on the first request: KServe starts
-        its loop after the models are registered)."""
-        loop = asyncio.get_running_loop()
-        if self._server is None or self._loop is not loop:
-            from serving import Server
-
-            server = Server()
-            server.add_model(self.name, self.model, **self.batching)
-            self._server, self._loop = server, loop
-        return self._server
 
     async def predict(
         self,
@@ -98,7 +84,7 @@ class PxrtModel(kserve.Model):
         except Exception as exc:  # noqa: BLE001 - KServe's decoding of a bad tensor
             raise InvalidInput(f"model {self.name!r}: {exc}") from None
         try:
-            outputs = await self._serving().infer(self.name, inputs)
+            outputs = await self._batched.infer(self.model, inputs)
         except (TypeError, ValueError) as exc:
             raise InvalidInput(str(exc)) from None
         except (Overloaded, ServerClosed) as exc:
@@ -120,10 +106,7 @@ class PxrtModel(kserve.Model):
         )
 
     def stop(self) -> None:
-        server, loop = self._server, self._loop
-        self._server = None
-        if server is not None and loop is not None and loop.is_running():
-            asyncio.run_coroutine_threadsafe(server.close(), loop)
+        self._batched.close()
         super().stop()
 
 

@@ -21,7 +21,6 @@ is a 503, a failed batch or a passed deadline a 500.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import litserve
@@ -29,6 +28,7 @@ import numpy as np
 from fastapi import HTTPException
 
 from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
+from ._on_loop import OnLoop
 
 __all__ = ["PxrtLitAPI"]
 
@@ -36,6 +36,8 @@ __all__ = ["PxrtLitAPI"]
 class PxrtLitAPI(litserve.LitAPI):
     """The pxrt artifact at ``path`` served by LitServe (at ``api_path``), its requests
     batched by pxrt with ``batching`` (``BatchingOptions``' fields)."""
+
+    _batched: OnLoop  # (made by ``setup``, in LitServe's worker, with the model)
 
     def __init__(
         self,
@@ -50,23 +52,12 @@ class PxrtLitAPI(litserve.LitAPI):
         self.load_options = dict(load_options or {})
         self.batching = batching
         self.model: Any = None
-        self._server: Any = None
-        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     def setup(self, device: Any) -> None:
         import pxrt
 
         self.model = pxrt.load(self.path, **self.load_options)
-
-    def _serving(self) -> Any:
-        loop = asyncio.get_running_loop()
-        if self._server is None or self._event_loop is not loop:
-            from serving import Server
-
-            server = Server()
-            server.add_model(self.model.name, self.model, **self.batching)
-            self._server, self._event_loop = server, loop
-        return self._server
+        self._batched = OnLoop(self.model.name, self.batching)
 
     async def decode_request(self, request, **kwargs: Any) -> dict[str, np.ndarray]:
         """``{"inputs": {name: rows}}`` as arrays of the inputs' dtypes (a 400 naming
@@ -91,7 +82,7 @@ class PxrtLitAPI(litserve.LitAPI):
 
     async def predict(self, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict:
         try:
-            return await self._serving().infer(self.model.name, inputs)
+            return await self._batched.infer(self.model, inputs)
         except (TypeError, ValueError) as exc:
             raise HTTPException(400, str(exc)) from None
         except (Overloaded, ServerClosed) as exc:

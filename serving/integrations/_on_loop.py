@@ -1,0 +1,39 @@
+"""What every integration shares: pxrt's batcher for one model on the event loop the
+framework runs its requests on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+
+class OnLoop:
+    """``model`` served by a ``serving.Server`` as ``name`` with ``batching``
+    (``BatchingOptions``' fields), made on the running loop at the first request (a
+    framework starts its loop after the model is loaded, and may run it in a process of
+    its own) and made again if a call comes from another loop."""
+
+    def __init__(self, name: str, batching: dict[str, Any]) -> None:
+        self.name = name
+        self.batching = batching
+        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def infer(self, model: Any, inputs: dict[str, Any]) -> Awaitable[dict]:
+        """``serving.Server.infer`` of ``inputs``, batched with the other callers'."""
+        loop = asyncio.get_running_loop()
+        if self._server is None or self._loop is not loop:
+            from serving import Server
+
+            server = Server()
+            server.add_model(self.name, model, **self.batching)
+            self._server, self._loop = server, loop
+        return self._server.infer(self.name, inputs)
+
+    def close(self) -> None:
+        """Close the server from any thread (on its loop, while that runs)."""
+        server, loop = self._server, self._loop
+        self._server = None
+        if server is not None and loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(server.close(), loop)
