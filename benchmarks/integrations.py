@@ -27,9 +27,24 @@ LitServe (``--framework litserve``): ``litserve.LitServer`` twice, the same way:
 The load: ``--concurrency`` asyncio callers posting one-row JSON to ``/predict`` back to
 back (``serving.bench.loadgen``), the two alternated ``--repeats`` times; medians.
 
+BentoML (``--framework bentoml``): ``bentoml serve`` twice, one worker each:
+
+- ``batch``: BentoML's adaptive batching as its docs show it: a service whose API is
+  ``batchable`` (``max_batch_size`` 64, ``max_latency_ms`` 1000: a bound; BentoML's
+  dispatcher picks the wait itself) and runs the ``jax.jit`` function on the requests
+  stacked (every batch size 1..64 compiled in the constructor);
+- ``pxrt``: ``serving.integrations.bentoml.pxrt_service`` over the artifact.
+
+The load: as LitServe's, the body ``{"x": rows}``.
+
+For LitServe and BentoML the callers are ``wrk`` where it is installed (``apt install
+wrk``: C, one thread, ``--concurrency`` connections, latencies from its ``--latency``
+percentiles): a Python client on these two cores costs more CPU per request than either
+server and caps both at the same rate. ``--client python`` uses the asyncio callers.
+
 The model: the demo MLP at ``--width`` (1024 by default).
 
-    python benchmarks/integrations.py [--framework kserve|litserve] [--width 1024] \\
+    python benchmarks/integrations.py [--framework kserve|litserve|bentoml] [--width 1024] \\
         [--concurrency 64] [--duration 5] [--repeats 3]
 
 Also ``--serve jit|pxrt PATH --port P``: one of the two servers (what the run starts).
@@ -40,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,6 +149,37 @@ if _ls is not None:
             return {"outputs": {"y": y.tolist()}}
 
 
+try:  # (``bentoml serve integrations:JitBento`` imports this file to find its services)
+    import bentoml as _bento
+except ImportError:
+    _bento = None
+
+if _bento is not None and os.environ.get("PXRT_BENCH_ARTIFACT"):
+    _WIDTH = int(os.environ["PXRT_BENCH_WIDTH"])
+
+    @_bento.service(name="mlp")
+    class JitBento:
+        """BentoML's adaptive batching around the ``jax.jit`` function."""
+
+        def __init__(self) -> None:
+            import jax
+
+            from pxrt import demo
+
+            params = demo.make_params(width=_WIDTH)
+            self.fn = jax.jit(lambda x: demo.mlp(params, x)["y"])
+            for n in range(1, 65):  # (every batch size compiled before serving)
+                self.fn(np.zeros((n, _WIDTH), np.float32)).block_until_ready()
+
+        @_bento.api(batchable=True, max_batch_size=64, max_latency_ms=1000)
+        def predict(self, x: np.ndarray) -> np.ndarray:
+            return np.asarray(self.fn(x.astype(np.float32)))
+
+    from serving.integrations.bentoml import pxrt_service
+
+    PxrtBento = pxrt_service(os.environ["PXRT_BENCH_ARTIFACT"])
+
+
 def serve_litserve(kind: str, path: str, port: int, width: int, timeout_ms: float) -> None:
     import litserve as ls
 
@@ -146,12 +193,11 @@ def serve_litserve(kind: str, path: str, port: int, width: int, timeout_ms: floa
     ls.LitServer(api, accelerator="cpu", fast_queue=True).run(port=port, generate_client_file=False)
 
 
-async def _post_loop(url: str, width: int, concurrency: int, duration: float) -> dict:
+async def _post_loop(url: str, body: dict, concurrency: int, duration: float) -> dict:
     import httpx
 
     from serving.bench.loadgen import closed_loop, run_result
 
-    body = {"inputs": {"x": np.full((1, width), 0.5, np.float32).tolist()}}
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
 
@@ -163,17 +209,53 @@ async def _post_loop(url: str, width: int, concurrency: int, duration: float) ->
     return run_result("http", url, latencies, 1, elapsed)
 
 
-def compare_litserve(urls: dict, args: argparse.Namespace) -> None:
+def _wrk(url: str, body: dict, concurrency: int, duration: float) -> dict:
+    """``wrk`` posting ``body`` over ``concurrency`` connections for ``duration`` s."""
+    import json
+    import re
+
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(
+            f'wrk.method = "POST"\nwrk.body = {json.dumps(json.dumps(body))}\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+        )
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{concurrency}", f"-d{duration:g}s", "--latency", "--timeout",
+             "30s", "-s", script.name, url],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        os.unlink(script.name)
+    if "Non-2xx" in out or "Socket errors" in out:
+        raise SystemExit(f"wrk saw errors from {url}:\n{out}")
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+    def percentile(p: str) -> float:
+        value, unit = re.search(rf"\s{p}%\s+([\d.]+)(us|ms|s)\b", out).groups()  # type: ignore[union-attr]
+        return float(value) * scale[unit]
+
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    return {"requests_per_s": rate, "p50_ms": percentile("50"), "p99_ms": percentile("99")}
+
+
+def compare_json(urls: dict, args: argparse.Namespace) -> None:
+    """LitServe's or BentoML's two servers driven with one-row JSON, alternated."""
     import asyncio
     import statistics
+
+    rows = np.full((1, args.width), 0.5, np.float32).tolist()
+    body = {"inputs": {"x": rows}} if args.framework == "litserve" else {"x": rows}
 
     runs: dict[str, list[dict]] = {k: [] for k in urls}
     for _ in range(args.repeats):
         for kind, url in urls.items():
-            runs[kind].append(
-                asyncio.run(_post_loop(f"{url}/predict", args.width, int(args.concurrency),
-                                       args.duration))
-            )  # fmt: skip
+            n = int(args.concurrency)
+            if args.client == "wrk":
+                runs[kind].append(_wrk(f"{url}/predict", body, n, args.duration))
+            else:
+                runs[kind].append(asyncio.run(_post_loop(f"{url}/predict", body, n,
+                                                         args.duration)))  # fmt: skip
     med = {
         kind: {
             k: statistics.median(r[k] for r in rs) for k in ("requests_per_s", "p50_ms", "p99_ms")
@@ -187,10 +269,11 @@ def compare_litserve(urls: dict, args: argparse.Namespace) -> None:
     b, p = med["batch"], med["pxrt"]
     rate = p["requests_per_s"] / b["requests_per_s"]
     p50, p99 = p["p50_ms"] / b["p50_ms"], p["p99_ms"] / b["p99_ms"]
-    print(f"  pxrt / LitServe batching: req/s {rate:.2f}x, p50 {p50:.2f}x, p99 {p99:.2f}x")
+    name = "LitServe" if args.framework == "litserve" else "BentoML"
+    print(f"  pxrt / {name} batching: req/s {rate:.2f}x, p50 {p50:.2f}x, p99 {p99:.2f}x")
 
 
-def wait_ready(url: str, proc: subprocess.Popen) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, framework: str) -> None:
     import httpx
 
     deadline = time.time() + 180
@@ -198,7 +281,9 @@ def wait_ready(url: str, proc: subprocess.Popen) -> None:
         if proc.poll() is not None:
             raise SystemExit(f"the server at {url} exited")
         try:
-            ready = "/health" if "litserve" in proc.args else "/v2/models/mlp/ready"
+            ready = {"litserve": "/health", "bentoml": "/readyz"}.get(
+                framework, "/v2/models/mlp/ready"
+            )
             if httpx.get(f"{url}{ready}", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
@@ -209,10 +294,13 @@ def wait_ready(url: str, proc: subprocess.Popen) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--framework", choices=("kserve", "litserve"), default="kserve")
+    p.add_argument("--framework", choices=("kserve", "litserve", "bentoml"), default="kserve")
     p.add_argument("--width", type=int, default=1024, help="the demo MLP's width")
     p.add_argument("--batch-timeout-ms", type=float, default=1.0, help="LitServe's batching")
     p.add_argument("--concurrency", default="64")
+    p.add_argument("--client", choices=("wrk", "python"),
+                   default="wrk" if shutil.which("wrk") else "python",
+                   help="LitServe's and BentoML's callers")  # fmt: skip
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--serve", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -240,20 +328,26 @@ def main() -> None:
         procs, urls = [], []
         try:
             kinds = ("jit", "pxrt") if args.framework == "kserve" else ("batch", "pxrt")
+            env = {**os.environ, "PXRT_BENCH_ARTIFACT": path, "PXRT_BENCH_WIDTH": str(args.width)}
             for kind, port in zip(kinds, ports):
                 cmd = [sys.executable, __file__, "--serve", kind, path, "--port", str(port),
                        "--width", str(args.width), "--framework", args.framework,
                        "--batch-timeout-ms", str(args.batch_timeout_ms)]  # fmt: skip
+                if args.framework == "bentoml":  # (as its users start it; the flag is for us)
+                    service = "JitBento" if kind == "batch" else "PxrtBento"
+                    cmd = [sys.executable, "-m", "bentoml", "serve", f"integrations:{service}",
+                           "--working-dir", HERE, "--port", str(port)]  # fmt: skip
                 procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, env=env,
                                               start_new_session=True))  # fmt: skip
                 urls.append(f"http://127.0.0.1:{port}")
-                wait_ready(urls[-1], procs[-1])
+                wait_ready(urls[-1], procs[-1], args.framework)
+            client = "pxrt bench" if args.framework == "kserve" else args.client
             print(f"{args.framework} {_version(args.framework)}: {kinds[0]} at {urls[0]}, pxrt "
                   f"at {urls[1]}; the demo MLP, width {args.width}, 1-row requests, "
-                  f"{args.concurrency} callers", flush=True)  # fmt: skip
-            if args.framework == "litserve":
-                compare_litserve(dict(zip(kinds, urls)), args)
+                  f"{args.concurrency} callers ({client})", flush=True)  # fmt: skip
+            if args.framework in ("litserve", "bentoml"):
+                compare_json(dict(zip(kinds, urls)), args)
                 return
             subprocess.run(
                 [sys.executable, "-m", "serving.cli", "bench", "--url", urls[0],

@@ -27,11 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Process:
     """A server process started with ``args``, until ``ready`` (a URL) answers 200."""
 
-    def __init__(self, args: list[str], ready: str) -> None:
+    def __init__(self, args: list[str], ready: str, env: dict | None = None) -> None:
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(  # (a group of its own: its workers stop with it)
             [sys.executable, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, env=None if env is None else {**os.environ, **env},
         )  # fmt: skip
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -178,3 +178,49 @@ def test_litserve_serves_a_pxrt_model_batched_by_pxrt(litserve_server):
     for (_, words), r in zip(bad, errors):
         assert r.status_code == 400, r.text
         assert re.search(words, r.json()["detail"]), r.text
+
+
+@pytest.fixture(scope="module")
+def bentoml_server(artifacts):
+    if importlib.util.find_spec("bentoml") is None:  # (not imported here: its server is)
+        pytest.skip("bentoml is not installed (the test extra has it)")
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    args = ["-m", "bentoml", "serve", "bentoml_app:MLP", "--working-dir", "tests"]
+    env = {"PXRT_TEST_ARTIFACT": str(artifacts["mlp"])}
+    proc = Process([*args, "--port", str(port)], f"{url}/readyz", env)
+    proc.url = url
+    yield proc
+    proc.stop()
+
+
+def test_bentoml_serves_a_pxrt_model_batched_by_pxrt(bentoml_server):
+    """BentoML's own client (``AsyncHTTPClient``, its typed numpy fields), 40 requests
+    in flight at once with bad ones among them: every good answer equals plain JAX's; a
+    wrong shape is BentoML's InvalidArgument naming the input, values that are not
+    numbers its validation error naming the field."""
+    import bentoml
+
+    url = bentoml_server.url
+    rng = np.random.default_rng(7)
+    good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(40)]
+    bad = [
+        ({"x": [[1.0] * 31]}, r"input 'x'.*float32\[n, 32\]"),
+        ({"x": [["a"] * 32]}, r"'loc': \['x'\]"),
+    ]
+
+    async def main():
+        async with bentoml.AsyncHTTPClient(url) as client, httpx.AsyncClient() as plain:
+            sent = [client.predict(x=x) for x in good[:20]]
+            sent += [plain.post(f"{url}/predict", json=body, timeout=60) for body, _ in bad]
+            sent += [client.predict(x=x) for x in good[20:]]
+            return await asyncio.gather(*sent)
+
+    answers = asyncio.run(main())
+    errors = answers[20 : 20 + len(bad)]
+    answers = answers[:20] + answers[20 + len(bad) :]
+    for x, got in zip(good, answers):
+        assert_matches({"y": np.asarray(got["y"], np.float32)}, reference("mlp", {"x": x}))
+    for (_, words), r in zip(bad, errors):
+        assert r.status_code == 400, r.text
+        assert re.search(words, str(r.json())), r.text
