@@ -27,7 +27,7 @@ TEST_FOUR := XLA_FLAGS="$(TEST_XLA) --xla_force_host_platform_device_count=4"
 
 .PHONY: all demo test bench soak debug lint docs clean
 
-all: $(STAMP)
+all: $(STAMP) $(MLSERVER)
 
 # keras-hub for tests/test_keras_hub.py, without its tensorflow-text (which pulls
 # TensorFlow, 600 MB): backbones and causal LMs on the JAX backend do not need it (its
@@ -49,6 +49,20 @@ $(STAMP): pyproject.toml setup.py $(wildcard pxrt/*.pyx pxrt/*.pxd serving/*/*.p
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(KERAS_DEPS) \
 		&& $(VENV)/bin/uv pip install -q --compile-bytecode --no-deps --python $(PY) $(KERAS_HUB) \
 		|| ($(PY) -m pip install -q $(KERAS_DEPS) && $(PY) -m pip install -q --no-deps $(KERAS_HUB))
+	touch $@
+
+# MLServer (the `mlserver` extra) cannot share .venv with KServe (pyproject.toml says why):
+# tests/test_integrations.py starts `mlserver` from a venv of its own holding pxrt's
+# dependencies and the extra's, with this tree on its PYTHONPATH (its extensions are
+# built for the same Python). No --compile-bytecode: 2 s instead of 30, and the one
+# server the test starts compiles only what it imports.
+MLSERVER_VENV := .venv-mlserver
+MLSERVER := $(MLSERVER_VENV)/.pxrt-installed
+
+$(MLSERVER): pyproject.toml $(STAMP)
+	$(VENV)/bin/uv venv -q --allow-existing --python $(PY) $(MLSERVER_VENV)
+	$(VENV)/bin/uv pip install -q --python $(MLSERVER_VENV)/bin/python \
+		-r pyproject.toml --extra mlserver
 	touch $@
 
 demo: $(STAMP)
@@ -76,7 +90,7 @@ GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py
 	tests/test_shared_memory.py tests/test_ray.py tests/test_serve_ray.py tests/test_wheel.py
 SUITE := tests $(addprefix --ignore=,$(GRPC))
 
-test: $(STAMP)
+test: $(STAMP) $(MLSERVER)
 	$(PY) -m compileall -q -j 0 pxrt serving tests  # (the same, for this tree's own modules)
 	export PXRT_CACHE_DIR=$$(mktemp -d -t pxrt-test-cache-XXXXXX); logs=$$(mktemp -d); \
 	$(TEST_FOUR) $(PYTEST) $(XDIST) $(SUITE); status=$$?; \
@@ -137,4 +151,4 @@ docs: $(STAMP)
 	$(MKDOCS) serve -a localhost:8001
 
 clean:
-	rm -rf build site pxrt/*.so pxrt/*.c pxrt/*.html serving/*/*.so serving/*/*.c serving/*/*.html $(VENV)
+	rm -rf build site pxrt/*.so pxrt/*.c pxrt/*.html serving/*/*.so serving/*/*.c serving/*/*.html $(VENV) $(MLSERVER_VENV)

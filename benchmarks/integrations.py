@@ -37,6 +37,17 @@ BentoML (``--framework bentoml``): ``bentoml serve`` twice, one worker each:
 
 The load: as LitServe's, the body ``{"x": rows}``.
 
+MLServer (``--framework mlserver``, from ``.venv-mlserver``, which ``make`` builds: it
+cannot share a venv with KServe): ``mlserver start`` twice, one inference worker each:
+
+- ``batch``: MLServer's adaptive batching, as its docs set it in ``model-settings.json``
+  (``max_batch_size`` 64, ``max_batch_time`` ``--batch-timeout-ms``), around a custom
+  runtime (``mlserver.MLModel``) whose ``predict`` runs the ``jax.jit`` function on the
+  batch MLServer merged (every batch size 1..64 compiled in ``load``);
+- ``pxrt``: ``serving.integrations.mlserver.PxrtRuntime``, MLServer's batching unset.
+
+The load: as KServe's, ``pxrt bench --url --json`` (MLServer's REST reads JSON tensors).
+
 For LitServe and BentoML the callers are ``wrk`` where it is installed (``apt install
 wrk``: C, one thread, ``--concurrency`` connections, latencies from its ``--latency``
 percentiles): a Python client on these two cores costs more CPU per request than either
@@ -180,6 +191,64 @@ if _bento is not None and os.environ.get("PXRT_BENCH_ARTIFACT"):
     PxrtBento = pxrt_service(os.environ["PXRT_BENCH_ARTIFACT"])
 
 
+try:  # (MLServer imports ``integrations.JitRuntime`` from this file, in its own venv)
+    import mlserver as _mls
+except ImportError:
+    _mls = None
+
+if _mls is not None:
+    from mlserver.codecs import NumpyCodec
+
+    class JitRuntime(_mls.MLModel):
+        """MLServer's documented custom runtime around the ``jax.jit`` function."""
+
+        async def load(self) -> bool:
+            import jax
+
+            from pxrt import demo
+
+            width = self.settings.parameters.extra["width"]
+            params = demo.make_params(width=width)
+            self.fn = jax.jit(lambda x: demo.mlp(params, x)["y"])
+            for n in range(1, 65):  # (every batch size compiled before serving)
+                self.fn(np.zeros((n, width), np.float32)).block_until_ready()
+            return True
+
+        async def predict(self, payload: Any) -> Any:
+            y = np.asarray(self.fn(NumpyCodec.decode_input(payload.inputs[0])))
+            return _mls.types.InferenceResponse(
+                model_name=self.name, id=payload.id, outputs=[NumpyCodec.encode_output("y", y)]
+            )
+
+
+MLSERVER_BIN = os.path.join(ROOT, ".venv-mlserver", "bin", "mlserver")
+
+
+def mlserver_folder(root: str, kind: str, path: str, width: int, timeout_ms: float) -> str:
+    """A model repository for ``mlserver start``: ``kind``'s model-settings.json."""
+    import json
+
+    folder = os.path.join(root, f"mlserver-{kind}")
+    os.makedirs(os.path.join(folder, "mlp"))
+    if kind == "pxrt":
+        settings: dict = {
+            "implementation": "serving.integrations.mlserver.PxrtRuntime",
+            "parameters": {"uri": path},
+        }
+    else:  # (MLServer's adaptive batching, in seconds)
+        settings = {
+            "implementation": "integrations.JitRuntime",
+            "max_batch_size": 64,
+            "max_batch_time": timeout_ms / 1e3,
+            "parameters": {"extra": {"width": width}},
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, width]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, width]}],
+        }
+    with open(os.path.join(folder, "mlp", "model-settings.json"), "w") as f:
+        json.dump({"name": "mlp", **settings}, f)
+    return folder
+
+
 def serve_litserve(kind: str, path: str, port: int, width: int, timeout_ms: float) -> None:
     import litserve as ls
 
@@ -294,10 +363,24 @@ def wait_ready(url: str, proc: subprocess.Popen, framework: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--framework", choices=("kserve", "litserve", "bentoml"), default="kserve")
+    p.add_argument("--framework", choices=("kserve", "litserve", "bentoml", "mlserver"),
+                   default="kserve")  # fmt: skip
     p.add_argument("--width", type=int, default=1024, help="the demo MLP's width")
-    p.add_argument("--batch-timeout-ms", type=float, default=1.0, help="LitServe's batching")
-    p.add_argument("--concurrency", default="64")
+    p.add_argument("--batch-timeout-ms", type=float, default=1.0,
+                   help="LitServe's and MLServer's batching")  # fmt: skip
+    p.add_argument(
+        "--jit-workers",
+        type=int,
+        default=1,
+        help="MLServer's parallel_workers for the jit runtime (its default: 1)",
+    )
+    p.add_argument(
+        "--pxrt-workers",
+        type=int,
+        default=0,
+        help="MLServer's parallel_workers for PxrtRuntime (0: on MLServer's loop)",
+    )
+    p.add_argument("--concurrency", default="64")  # fmt: skip
     p.add_argument("--client", choices=("wrk", "python"),
                    default="wrk" if shutil.which("wrk") else "python",
                    help="LitServe's and BentoML's callers")  # fmt: skip
@@ -328,6 +411,8 @@ def main() -> None:
         procs, urls = [], []
         try:
             kinds = ("jit", "pxrt") if args.framework == "kserve" else ("batch", "pxrt")
+            if args.framework == "mlserver" and not os.path.exists(MLSERVER_BIN):
+                raise SystemExit("no .venv-mlserver: `make all` builds it")
             env = {**os.environ, "PXRT_BENCH_ARTIFACT": path, "PXRT_BENCH_WIDTH": str(args.width)}
             for kind, port in zip(kinds, ports):
                 cmd = [sys.executable, __file__, "--serve", kind, path, "--port", str(port),
@@ -337,22 +422,32 @@ def main() -> None:
                     service = "JitBento" if kind == "batch" else "PxrtBento"
                     cmd = [sys.executable, "-m", "bentoml", "serve", f"integrations:{service}",
                            "--working-dir", HERE, "--port", str(port)]  # fmt: skip
+                if args.framework == "mlserver":  # (ports in the repository's settings.json)
+                    folder = mlserver_folder(tmp, kind, path, args.width, args.batch_timeout_ms)
+                    workers = args.pxrt_workers if kind == "pxrt" else args.jit_workers
+                    with open(os.path.join(folder, "settings.json"), "w") as f:
+                        f.write(f'{{"http_port": {port}, "grpc_port": 0, "metrics_port": 0, '
+                                f'"parallel_workers": {workers}}}')  # fmt: skip
+                    cmd = [MLSERVER_BIN, "start", folder]
+                    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{HERE}"
                 procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                                               stderr=subprocess.DEVNULL, env=env,
                                               start_new_session=True))  # fmt: skip
                 urls.append(f"http://127.0.0.1:{port}")
                 wait_ready(urls[-1], procs[-1], args.framework)
-            client = "pxrt bench" if args.framework == "kserve" else args.client
+            client = "pxrt bench" if args.framework in ("kserve", "mlserver") else args.client
             print(f"{args.framework} {_version(args.framework)}: {kinds[0]} at {urls[0]}, pxrt "
                   f"at {urls[1]}; the demo MLP, width {args.width}, 1-row requests, "
                   f"{args.concurrency} callers ({client})", flush=True)  # fmt: skip
             if args.framework in ("litserve", "bentoml"):
                 compare_json(dict(zip(kinds, urls)), args)
                 return
+            json_tensors = ["--json"] if args.framework == "mlserver" else []
             subprocess.run(
                 [sys.executable, "-m", "serving.cli", "bench", "--url", urls[0],
                  "--compare", urls[1], "--model", "mlp", "--concurrency", args.concurrency,
-                 "--duration", str(args.duration), "--repeats", str(args.repeats)],
+                 "--duration", str(args.duration), "--repeats", str(args.repeats),
+                 *json_tensors],
                 cwd=ROOT, check=True,
             )  # fmt: skip
         finally:
@@ -369,6 +464,9 @@ def main() -> None:
 def _version(name: str) -> str:
     import importlib.metadata
 
+    if name == "mlserver":
+        out = subprocess.run([MLSERVER_BIN, "--version"], capture_output=True, text=True).stdout
+        return out.split()[-1]
     return importlib.metadata.version(name)
 
 

@@ -27,10 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Process:
     """A server process started with ``args``, until ``ready`` (a URL) answers 200."""
 
-    def __init__(self, args: list[str], ready: str, env: dict | None = None) -> None:
+    def __init__(
+        self, args: list[str], ready: str, env: dict | None = None, program: str = sys.executable
+    ) -> None:
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(  # (a group of its own: its workers stop with it)
-            [sys.executable, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            [program, *args], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True, env=None if env is None else {**os.environ, **env},
         )  # fmt: skip
         deadline = time.time() + 120
@@ -224,3 +226,75 @@ def test_bentoml_serves_a_pxrt_model_batched_by_pxrt(bentoml_server):
     for (_, words), r in zip(bad, errors):
         assert r.status_code == 400, r.text
         assert re.search(words, str(r.json())), r.text
+
+
+MLSERVER_PYTHON = os.path.join(ROOT, ".venv-mlserver", "bin", "python")
+
+
+@pytest.fixture(scope="module")
+def mlserver_server(artifacts, tmp_path_factory):
+    """``mlserver start`` over a model folder whose settings name ``PxrtRuntime``, from
+    the venv ``make`` builds for MLServer (it cannot share this one: see pyproject.toml)."""
+    if not os.path.exists(MLSERVER_PYTHON):
+        pytest.skip("no .venv-mlserver: `make` builds it (MLServer's pins need a venv of its own)")
+    import json
+
+    root = tmp_path_factory.mktemp("mlserver")
+    (root / "mlp").mkdir()
+    settings = {
+        "name": "mlp",
+        "implementation": "serving.integrations.mlserver.PxrtRuntime",
+        "parameters": {"uri": str(artifacts["mlp"]), "extra": {"batching": {"max_delay_us": 2000}}},
+    }
+    (root / "mlp" / "model-settings.json").write_text(json.dumps(settings))
+    http, grpc, metrics = free_ports(3)
+    ports = {"http_port": http, "grpc_port": grpc, "metrics_port": metrics}
+    (root / "settings.json").write_text(json.dumps(ports))
+    url = f"http://127.0.0.1:{http}"
+    env = {"PYTHONPATH": ROOT}  # (what `pip install 'pxrt[mlserver]'` would put in its venv)
+    mlserver = os.path.join(os.path.dirname(MLSERVER_PYTHON), "mlserver")
+    proc = Process(["start", str(root)], f"{url}/v2/models/mlp/ready", env, program=mlserver)
+    proc.url = url
+    yield proc
+    proc.stop()
+
+
+def test_mlserver_serves_a_pxrt_model_batched_by_pxrt(mlserver_server):
+    """tritonclient (MLServer's own dependency, its v2 client) over MLServer's REST, 48
+    requests in flight at once with bad ones among them: every answer equals plain
+    JAX's, a wrong datatype and a wrong shape are MLServer's 400s naming the input; the
+    metadata lists the artifact's tensors."""
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    url = mlserver_server.url
+    meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}], meta
+    assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 32]}], meta
+    client = triton.InferenceServerClient(url.removeprefix("http://"), concurrency=16)
+
+    def send(x, datatype="FP32"):
+        inp = triton.InferInput("x", list(x.shape), datatype)
+        inp.set_data_from_numpy(x, binary_data=False)  # (MLServer's REST reads JSON tensors)
+        out = triton.InferRequestedOutput("y", binary_data=False)
+        return client.async_infer("mlp", [inp], outputs=[out])
+
+    rng = np.random.default_rng(8)
+    good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(48)]
+    bad = [
+        (np.ones((2, 31), np.float32), "FP32", r"input 'x'.*float32\[n, 32\]"),
+        (np.ones((2, 32), np.float64), "FP64", r"input 'x'.*float32"),
+    ]
+    sent = [send(x) for x in good[:24]]
+    errors = [send(x, d) for x, d, _ in bad]
+    sent += [send(x) for x in good[24:]]
+    try:
+        for x, handle in zip(good, sent):
+            y = handle.get_result(timeout=60).as_numpy("y")
+            assert_matches({"y": y}, reference("mlp", {"x": x}))
+        for (_, _, words), handle in zip(bad, errors):
+            with pytest.raises(InferenceServerException, match=words) as got:
+                handle.get_result(timeout=60)
+            assert got.value.status() == "400", got.value
+    finally:
+        client.close()

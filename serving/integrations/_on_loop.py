@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
+import numpy as np
+
 
 class OnLoop:
     """``model`` served by a ``serving.Server`` as ``name`` with ``batching``
@@ -37,3 +39,18 @@ class OnLoop:
         self._server = None
         if server is not None and loop is not None and loop.is_running():
             asyncio.run_coroutine_threadsafe(server.close(), loop)
+
+
+def v2_tensors(specs: Any) -> list[dict]:
+    """``name -> spec`` (a shape without the batch, named dimensions -1, and a dtype) as
+    the v2 metadata's tensors."""
+    from ..kserve import codec
+
+    return [
+        {
+            "name": name,
+            "datatype": codec.datatype_of(np.dtype(spec.dtype)),
+            "shape": [-1, *(d if isinstance(d, int) else -1 for d in spec.shape)],
+        }
+        for name, spec in specs.items()
+    ]

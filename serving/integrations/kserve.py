@@ -29,7 +29,7 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from ..kserve import codec
-from ._on_loop import OnLoop
+from ._on_loop import OnLoop, v2_tensors
 
 __all__ = ["PxrtModel"]
 
@@ -63,10 +63,10 @@ class PxrtModel(kserve.Model):
 
     def get_input_types(self) -> list[dict]:
         """The inputs as KServe's metadata lists them (the batch dimension -1)."""
-        return _tensors(self.model.inputs) if self.model is not None else []
+        return v2_tensors(self.model.inputs) if self.model is not None else []
 
     def get_output_types(self) -> list[dict]:
-        return _tensors(self.model.outputs) if self.model is not None else []
+        return v2_tensors(self.model.outputs) if self.model is not None else []
 
     async def predict(
         self,
@@ -108,16 +108,3 @@ class PxrtModel(kserve.Model):
     def stop(self) -> None:
         self._batched.close()
         super().stop()
-
-
-def _tensors(specs: Any) -> list[dict]:
-    """``name -> spec`` (a shape without the batch, named dimensions -1, and a dtype) as
-    the v2 metadata's tensors."""
-    return [
-        {
-            "name": name,
-            "datatype": codec.datatype_of(np.dtype(spec.dtype)),
-            "shape": [-1, *(d if isinstance(d, int) else -1 for d in spec.shape)],
-        }
-        for name, spec in specs.items()
-    ]
