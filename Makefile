@@ -137,9 +137,12 @@ STUBS := pxrt._batch pxrt._handlers pxrt._keys pxrt._slots serving.kserve._tenso
 # `make docs` serves it, rebuilt on every change.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
 
+# mypy and stubtest run side by side, each with a cache of its own (stubtest ignores
+# MYPY_CACHE_DIR and writes .mypy_cache): sharing one, mypy crashed in typeshed's
+# zipimport.pyi when both started cold.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pxrt serving tests benchmarks setup.py docs/hooks.py
-	$(VENV)/bin/mypy & mypy=$$!; \
+	$(VENV)/bin/mypy --cache-dir .mypy_cache/lint & mypy=$$!; \
 	site=$$(mktemp -d); $(MKDOCS) build --strict -d $$site/html > $$site/log 2>&1 & docs=$$!; \
 	$(PY) -m mypy.stubtest --ignore-disjoint-bases --mypy-config-file pyproject.toml \
 		--allowlist tests/stubtest_allowlist.txt \
