@@ -33,7 +33,9 @@ BentoML (``--framework bentoml``): ``bentoml serve`` twice, one worker each:
   ``batchable`` (``max_batch_size`` 64, ``max_latency_ms`` 1000: a bound; BentoML's
   dispatcher picks the wait itself) and runs the ``jax.jit`` function on the requests
   stacked (every batch size 1..64 compiled in the constructor);
-- ``pxrt``: ``serving.integrations.bentoml.pxrt_service`` over the artifact.
+- ``pxrt``: ``serving.integrations.bentoml.pxrt_service`` over the artifact: its
+  ``/predict`` API, and (``pxrt-v2``) its mount of pxrt's KServe v2 endpoint, the same
+  rows as v2 JSON tensors.
 
 The load: as LitServe's, the body ``{"x": rows}``.
 
@@ -188,7 +190,7 @@ if _bento is not None and os.environ.get("PXRT_BENCH_ARTIFACT"):
 
     from serving.integrations.bentoml import pxrt_service
 
-    PxrtBento = pxrt_service(os.environ["PXRT_BENCH_ARTIFACT"])
+    PxrtBento = pxrt_service(os.environ["PXRT_BENCH_ARTIFACT"], max_delay_us=2000)
 
 
 try:  # (MLServer imports ``integrations.JitRuntime`` from this file, in its own venv)
@@ -309,22 +311,27 @@ def _wrk(url: str, body: dict, concurrency: int, duration: float) -> dict:
 
 
 def compare_json(urls: dict, args: argparse.Namespace) -> None:
-    """LitServe's or BentoML's two servers driven with one-row JSON, alternated."""
+    """LitServe's or BentoML's two servers driven with one-row JSON, alternated (and
+    BentoML's pxrt service's /v2 mount with the same rows as v2 JSON)."""
     import asyncio
     import statistics
 
     rows = np.full((1, args.width), 0.5, np.float32).tolist()
     body = {"inputs": {"x": rows}} if args.framework == "litserve" else {"x": rows}
+    targets = {kind: (f"{url}/predict", body) for kind, url in urls.items()}
+    if args.framework == "bentoml":
+        v2 = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, args.width],
+                          "data": rows[0]}]}  # fmt: skip
+        targets["pxrt-v2"] = (f"{urls['pxrt']}/v2/models/mlp/infer", v2)
 
-    runs: dict[str, list[dict]] = {k: [] for k in urls}
+    runs: dict[str, list[dict]] = {k: [] for k in targets}
     for _ in range(args.repeats):
-        for kind, url in urls.items():
+        for kind, (url, doc) in targets.items():
             n = int(args.concurrency)
             if args.client == "wrk":
-                runs[kind].append(_wrk(f"{url}/predict", body, n, args.duration))
+                runs[kind].append(_wrk(url, doc, n, args.duration))
             else:
-                runs[kind].append(asyncio.run(_post_loop(f"{url}/predict", body, n,
-                                                         args.duration)))  # fmt: skip
+                runs[kind].append(asyncio.run(_post_loop(url, doc, n, args.duration)))
     med = {
         kind: {
             k: statistics.median(r[k] for r in rs) for k in ("requests_per_s", "p50_ms", "p99_ms")
@@ -333,13 +340,17 @@ def compare_json(urls: dict, args: argparse.Namespace) -> None:
     }
     for kind, m in med.items():
         each = ", ".join(f"{r['requests_per_s']:.0f}" for r in runs[kind])
-        print(f"  {kind:6s} {m['requests_per_s']:8.0f} req/s  p50 {m['p50_ms']:7.2f} ms  "
+        print(f"  {kind:7s} {m['requests_per_s']:8.0f} req/s  p50 {m['p50_ms']:7.2f} ms  "
               f"p99 {m['p99_ms']:7.2f} ms  (runs: {each})")  # fmt: skip
-    b, p = med["batch"], med["pxrt"]
-    rate = p["requests_per_s"] / b["requests_per_s"]
-    p50, p99 = p["p50_ms"] / b["p50_ms"], p["p99_ms"] / b["p99_ms"]
+    b = med["batch"]
     name = "LitServe" if args.framework == "litserve" else "BentoML"
-    print(f"  pxrt / {name} batching: req/s {rate:.2f}x, p50 {p50:.2f}x, p99 {p99:.2f}x")
+    for kind in targets:
+        if kind == "batch":
+            continue
+        p = med[kind]
+        rate = p["requests_per_s"] / b["requests_per_s"]
+        p50, p99 = p["p50_ms"] / b["p50_ms"], p["p99_ms"] / b["p99_ms"]
+        print(f"  {kind} / {name} batching: req/s {rate:.2f}x, p50 {p50:.2f}x, p99 {p99:.2f}x")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, framework: str) -> None:

@@ -228,6 +228,39 @@ def test_bentoml_serves_a_pxrt_model_batched_by_pxrt(bentoml_server):
         assert re.search(words, str(r.json())), r.text
 
 
+def test_bentoml_mounts_pxrts_v2_endpoint_on_the_same_model(bentoml_server):
+    """The service's /v2 mount is pxrt's KServe v2 app in BentoML's worker: tritonclient
+    with binary tensors, a bad shape among the requests (a 400 naming x, the rest
+    answered), and the same answers as plain JAX."""
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    url = bentoml_server.url
+    meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}], meta
+    client = triton.InferenceServerClient(url.removeprefix("http://"), concurrency=8)
+
+    def send(x):
+        inp = triton.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        return client.async_infer("mlp", [inp])
+
+    rng = np.random.default_rng(9)
+    good = [rng.standard_normal((1 + i % 3, 32)).astype(np.float32) for i in range(16)]
+    sent = [send(x) for x in good[:8]]
+    bad = send(np.ones((1, 31), np.float32))
+    sent += [send(x) for x in good[8:]]
+    try:
+        for x, handle in zip(good, sent):
+            y = handle.get_result(timeout=60).as_numpy("y")
+            assert_matches({"y": y}, reference("mlp", {"x": x}))
+        with pytest.raises(InferenceServerException, match=r"x.*float32\[n, 32\]") as got:
+            bad.get_result(timeout=60)
+        assert got.value.status() == "400", got.value
+    finally:
+        client.close()
+
+
 MLSERVER_PYTHON = os.path.join(ROOT, ".venv-mlserver", "bin", "python")
 
 

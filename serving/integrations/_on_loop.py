@@ -22,8 +22,8 @@ class OnLoop:
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def infer(self, model: Any, inputs: dict[str, Any]) -> Awaitable[dict]:
-        """``serving.Server.infer`` of ``inputs``, batched with the other callers'."""
+    def server(self, model: Any) -> Any:
+        """The ``serving.Server`` serving ``model`` on the running loop."""
         loop = asyncio.get_running_loop()
         if self._server is None or self._loop is not loop:
             from serving import Server
@@ -31,7 +31,11 @@ class OnLoop:
             server = Server()
             server.add_model(self.name, model, **self.batching)
             self._server, self._loop = server, loop
-        return self._server.infer(self.name, inputs)
+        return self._server
+
+    def infer(self, model: Any, inputs: dict[str, Any]) -> Awaitable[dict]:
+        """``serving.Server.infer`` of ``inputs``, batched with the other callers'."""
+        return self.server(model).infer(self.name, inputs)
 
     def close(self) -> None:
         """Close the server from any thread (on its loop, while that runs)."""

@@ -17,11 +17,19 @@ buckets. The service's constructor, which BentoML runs in each worker process, i
 BentoML's own 400 (a validation error whose ``loc`` names the field); a wrong shape or a
 missing input is a 400 (``InvalidArgument``) whose ``error`` names the input, and fails
 alone; a full queue is a 503; a failed batch or a passed deadline a 500.
+
+The service also mounts pxrt's own KServe v2 endpoint (``serving.http.create_app``) at
+``/v2`` in BentoML's server (``v2=False``: not): ``POST /v2/models/{name}/infer`` with
+JSON or binary tensors, the same model and batcher, without BentoML's per-request
+validation and serialization, which is most of a small request's cost
+(docs/integrations.md has the measurements). BentoML still runs the process: workers,
+health, metrics, ``bentoml build`` and its deployment.
 """
 
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Annotated, Any
 
 import bentoml
@@ -42,6 +50,7 @@ def pxrt_service(
     *,
     name: str | None = None,
     route: str = "/predict",
+    v2: bool = True,
     load_options: dict[str, Any] | None = None,
     service_config: dict[str, Any] | None = None,
     **batching: Any,
@@ -49,8 +58,9 @@ def pxrt_service(
     """A BentoML service (what ``@bentoml.service`` makes) serving the pxrt artifact at
     ``path`` as ``name`` (the artifact's by default) at ``route``, its requests batched
     by pxrt with ``batching`` (``BatchingOptions``' fields). ``service_config`` goes to
-    ``bentoml.service`` (``workers``, ``traffic``...). Only the manifest is read here;
-    the model loads when BentoML makes the service in its worker."""
+    ``bentoml.service`` (``workers``, ``traffic``...); ``v2``: mount pxrt's KServe v2
+    endpoint at ``/v2``. Only the manifest is read here; the model loads when BentoML
+    makes the service in its worker."""
     manifest = read_manifest(path)
     served = name or manifest["name"]
     options = dict(load_options or {})
@@ -66,12 +76,15 @@ def pxrt_service(
             inspect.Parameter(spec["name"], inspect.Parameter.KEYWORD_ONLY, annotation=typed)
         )
 
+    # What the API and the v2 mount share in a worker process: one model, one batcher.
+    shared = types.SimpleNamespace(model=None, batched=OnLoop(served, batching))
+
     class PxrtService:
         def __init__(self) -> None:
             import pxrt
 
-            self.model = pxrt.load(path, **options)
-            self._batched = OnLoop(served, batching)
+            self.model = shared.model = pxrt.load(path, **options)
+            self._batched = shared.batched
 
         async def predict(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
             try:
@@ -88,4 +101,30 @@ def pxrt_service(
         [self_param, *fields], return_annotation=dict[str, np.ndarray]
     )
     PxrtService.predict = bentoml.api(route=route)(PxrtService.predict)  # type: ignore[method-assign]
-    return bentoml.service(name=served, **(service_config or {}))(PxrtService)
+    service = bentoml.service(name=served, **(service_config or {}))(PxrtService)
+    if v2:
+        service.mount_asgi_app(_V2(shared), path="/v2", name="pxrt-v2")
+    return service
+
+
+class _V2:
+    """pxrt's KServe v2 app over the worker's server (``create_app``, made on the
+    worker's loop at the first request). BentoML mounts it at ``/v2``: it is handed the
+    whole path, as its routes are written."""
+
+    def __init__(self, shared: types.SimpleNamespace) -> None:
+        self.shared = shared
+        self._server: Any = None
+        self._app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":  # (a mount gets no lifespan; websockets: none here)
+            return
+        if self.shared.model is None:  # (BentoML routes only once the service is made)
+            raise ServiceUnavailable("the model is not loaded yet")
+        server = self.shared.batched.server(self.shared.model)
+        if server is not self._server:
+            from ..http import create_app
+
+            self._server, self._app = server, create_app(server)
+        await self._app({**scope, "root_path": ""}, receive, send)
