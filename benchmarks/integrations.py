@@ -280,15 +280,20 @@ async def _post_loop(url: str, body: dict, concurrency: int, duration: float) ->
     return run_result("http", url, latencies, 1, elapsed)
 
 
-def _wrk(url: str, body: dict, concurrency: int, duration: float) -> dict:
-    """``wrk`` posting ``body`` over ``concurrency`` connections for ``duration`` s."""
+def _wrk(url: str, body: dict | list[dict], concurrency: int, duration: float) -> dict:
+    """``wrk`` posting ``body`` (or each of a list of bodies in turn) as JSON over
+    ``concurrency`` connections for ``duration`` s."""
     import json
     import re
 
+    bodies = body if isinstance(body, list) else [body]
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        texts = ",\n".join(f"[==[{json.dumps(b)}]==]" for b in bodies)
         script.write(
-            f'wrk.method = "POST"\nwrk.body = {json.dumps(json.dumps(body))}\n'
-            'wrk.headers["Content-Type"] = "application/json"\n'
+            f"local bodies = {{{texts}}}\nlocal i = 0\n"
+            "local headers = {['Content-Type'] = 'application/json'}\n"
+            "request = function()\n  i = i % #bodies + 1\n"
+            "  return wrk.format('POST', nil, headers, bodies[i])\nend\n"
         )
     try:
         out = subprocess.run(
