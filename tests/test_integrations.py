@@ -68,6 +68,42 @@ class Process:
         self.proc.wait(30)
 
 
+def triton_mixed(url: str, *, binary: bool, seed: int, n: int = 48) -> None:
+    """tritonclient's async_infer (its own concurrency: a pool of 16 connections), ``n``
+    requests to the ``mlp`` with a wrong shape and a wrong dtype sent among them: every
+    good answer equals plain JAX's, each bad one is a 400 naming ``x``."""
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    client = triton.InferenceServerClient(url.removeprefix("http://"), concurrency=16)
+
+    def send(x, datatype="FP32"):
+        inp = triton.InferInput("x", list(x.shape), datatype)
+        inp.set_data_from_numpy(x, binary_data=binary)
+        out = triton.InferRequestedOutput("y", binary_data=binary)
+        return client.async_infer("mlp", [inp], outputs=[out])
+
+    rng = np.random.default_rng(seed)
+    good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(n)]
+    bad = [
+        (np.ones((2, 31), np.float32), "FP32", r"x.*float32\[n, 32\]"),
+        (np.ones((2, 32), np.float64), "FP64", r"x.*float32"),
+    ]
+    sent = [send(x) for x in good[: n // 2]]
+    errors = [send(x, d) for x, d, _ in bad]
+    sent += [send(x) for x in good[n // 2 :]]
+    try:
+        for x, handle in zip(good, sent):
+            y = handle.get_result(timeout=60).as_numpy("y")
+            assert_matches({"y": y}, reference("mlp", {"x": x}))
+        for (_, _, words), handle in zip(bad, errors):
+            with pytest.raises(InferenceServerException, match=words) as got:
+                handle.get_result(timeout=60)
+            assert got.value.status() == "400", got.value
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def kserve_server(artifacts):
     pytest.importorskip("kserve")
@@ -84,9 +120,7 @@ def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server):
     """KServe's own InferenceRESTClient and tritonclient, JSON and binary tensors, many
     callers at once; a bad dtype and a bad shape are KServe's 400s naming the input,
     and the requests sent beside them are answered."""
-    import tritonclient.http as triton
     from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
-    from tritonclient.utils import InferenceServerException
 
     url = kserve_server.url
     meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
@@ -111,32 +145,7 @@ def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server):
 
     asyncio.run(kserve_client())
 
-    # (tritonclient's own concurrency: async_infer on a pool of 16 connections)
-    client = triton.InferenceServerClient(url.removeprefix("http://"), concurrency=16)
-
-    def send(x, datatype="FP32"):
-        inp = triton.InferInput("x", list(x.shape), datatype)
-        inp.set_data_from_numpy(x, binary_data=True)
-        return client.async_infer("mlp", [inp])
-
-    good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(48)]
-    bad = [
-        (np.ones((2, 31), np.float32), "FP32", r"x.*float32\[n, 32\]"),
-        (np.ones((2, 32), np.float64), "FP64", r"x.*float32"),
-    ]
-    sent = [send(x) for x in good[:24]]
-    errors = [send(x, d) for x, d, _ in bad]
-    sent += [send(x) for x in good[24:]]
-    try:
-        for x, handle in zip(good, sent):
-            y = handle.get_result(timeout=60).as_numpy("y")
-            assert_matches({"y": y}, reference("mlp", {"x": x}))
-        for (_, _, words), handle in zip(bad, errors):
-            with pytest.raises(InferenceServerException, match=words) as got:
-                handle.get_result(timeout=60)
-            assert got.value.status() == "400", got.value
-    finally:
-        client.close()
+    triton_mixed(url, binary=True, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -229,36 +238,13 @@ def test_bentoml_serves_a_pxrt_model_batched_by_pxrt(bentoml_server):
 
 
 def test_bentoml_mounts_pxrts_v2_endpoint_on_the_same_model(bentoml_server):
-    """The service's /v2 mount is pxrt's KServe v2 app in BentoML's worker: tritonclient
-    with binary tensors, a bad shape among the requests (a 400 naming x, the rest
-    answered), and the same answers as plain JAX."""
-    import tritonclient.http as triton
-    from tritonclient.utils import InferenceServerException
-
+    """The service's /v2 mount is pxrt's KServe v2 app in BentoML's worker: its
+    metadata, and tritonclient with binary tensors, a bad shape and a bad dtype among
+    the requests (400s naming x, the rest answered as plain JAX answers them)."""
     url = bentoml_server.url
     meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}], meta
-    client = triton.InferenceServerClient(url.removeprefix("http://"), concurrency=8)
-
-    def send(x):
-        inp = triton.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x, binary_data=True)
-        return client.async_infer("mlp", [inp])
-
-    rng = np.random.default_rng(9)
-    good = [rng.standard_normal((1 + i % 3, 32)).astype(np.float32) for i in range(16)]
-    sent = [send(x) for x in good[:8]]
-    bad = send(np.ones((1, 31), np.float32))
-    sent += [send(x) for x in good[8:]]
-    try:
-        for x, handle in zip(good, sent):
-            y = handle.get_result(timeout=60).as_numpy("y")
-            assert_matches({"y": y}, reference("mlp", {"x": x}))
-        with pytest.raises(InferenceServerException, match=r"x.*float32\[n, 32\]") as got:
-            bad.get_result(timeout=60)
-        assert got.value.status() == "400", got.value
-    finally:
-        client.close()
+    triton_mixed(url, binary=True, n=16, seed=9)
 
 
 MLSERVER_PYTHON = os.path.join(ROOT, ".venv-mlserver", "bin", "python")
@@ -297,37 +283,8 @@ def test_mlserver_serves_a_pxrt_model_batched_by_pxrt(mlserver_server):
     requests in flight at once with bad ones among them: every answer equals plain
     JAX's, a wrong datatype and a wrong shape are MLServer's 400s naming the input; the
     metadata lists the artifact's tensors."""
-    import tritonclient.http as triton
-    from tritonclient.utils import InferenceServerException
-
     url = mlserver_server.url
     meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}], meta
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 32]}], meta
-    client = triton.InferenceServerClient(url.removeprefix("http://"), concurrency=16)
-
-    def send(x, datatype="FP32"):
-        inp = triton.InferInput("x", list(x.shape), datatype)
-        inp.set_data_from_numpy(x, binary_data=False)  # (MLServer's REST reads JSON tensors)
-        out = triton.InferRequestedOutput("y", binary_data=False)
-        return client.async_infer("mlp", [inp], outputs=[out])
-
-    rng = np.random.default_rng(8)
-    good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(48)]
-    bad = [
-        (np.ones((2, 31), np.float32), "FP32", r"input 'x'.*float32\[n, 32\]"),
-        (np.ones((2, 32), np.float64), "FP64", r"input 'x'.*float32"),
-    ]
-    sent = [send(x) for x in good[:24]]
-    errors = [send(x, d) for x, d, _ in bad]
-    sent += [send(x) for x in good[24:]]
-    try:
-        for x, handle in zip(good, sent):
-            y = handle.get_result(timeout=60).as_numpy("y")
-            assert_matches({"y": y}, reference("mlp", {"x": x}))
-        for (_, _, words), handle in zip(bad, errors):
-            with pytest.raises(InferenceServerException, match=words) as got:
-                handle.get_result(timeout=60)
-            assert got.value.status() == "400", got.value
-    finally:
-        client.close()
+    triton_mixed(url, binary=False, seed=8)  # (MLServer's REST reads JSON tensors)

@@ -4,10 +4,12 @@ framework runs its requests on."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+
+from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 
 
 class OnLoop:
@@ -36,6 +38,26 @@ class OnLoop:
     def infer(self, model: Any, inputs: dict[str, Any]) -> Awaitable[dict]:
         """``serving.Server.infer`` of ``inputs``, batched with the other callers'."""
         return self.server(model).infer(self.name, inputs)
+
+    async def answer(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        bad_input: Callable[[str], BaseException],
+        unavailable: Callable[[str], BaseException],
+        failed: Callable[[str], BaseException],
+    ) -> dict:
+        """``infer``, pxrt's errors raised as the framework's (each made from the
+        message): a bad request (TypeError/ValueError naming the input), a full queue or
+        a closed server, a failed batch or a passed deadline."""
+        try:
+            return await self.infer(model, inputs)
+        except (TypeError, ValueError) as exc:
+            raise bad_input(str(exc)) from None
+        except (Overloaded, ServerClosed) as exc:
+            raise unavailable(str(exc)) from None
+        except (DeadlineExceeded, ExecutionFailed) as exc:
+            raise failed(str(exc)) from None
 
     def close(self) -> None:
         """Close the server from any thread (on its loop, while that runs)."""

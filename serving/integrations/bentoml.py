@@ -39,7 +39,6 @@ from bentoml.validators import DType
 
 from pxrt.artifact import read_manifest
 
-from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from ._on_loop import OnLoop
 
 __all__ = ["pxrt_service"]
@@ -87,14 +86,9 @@ def pxrt_service(
             self._batched = shared.batched
 
         async def predict(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
-            try:
-                return await self._batched.infer(self.model, inputs)
-            except (TypeError, ValueError) as exc:
-                raise InvalidArgument(str(exc)) from None
-            except (Overloaded, ServerClosed) as exc:
-                raise ServiceUnavailable(str(exc)) from None
-            except (DeadlineExceeded, ExecutionFailed) as exc:
-                raise InternalServerError(str(exc)) from None
+            return await self._batched.answer(
+                self.model, inputs, InvalidArgument, ServiceUnavailable, InternalServerError
+            )
 
     self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     PxrtService.predict.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

@@ -27,7 +27,6 @@ import numpy as np
 from kserve.errors import InferenceError, InvalidInput, ServerNotReady
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
-from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from ..kserve import codec
 from ._on_loop import OnLoop, v2_tensors
 
@@ -83,14 +82,9 @@ class PxrtModel(kserve.Model):
             inputs = {tensor.name: tensor.as_numpy() for tensor in payload.inputs}
         except Exception as exc:  # noqa: BLE001 - KServe's decoding of a bad tensor
             raise InvalidInput(f"model {self.name!r}: {exc}") from None
-        try:
-            outputs = await self._batched.infer(self.model, inputs)
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(str(exc)) from None
-        except (Overloaded, ServerClosed) as exc:
-            raise ServerNotReady(str(exc)) from None
-        except (DeadlineExceeded, ExecutionFailed) as exc:
-            raise InferenceError(str(exc)) from None
+        outputs = await self._batched.answer(
+            self.model, inputs, InvalidInput, ServerNotReady, InferenceError
+        )
         binary = payload.use_binary_outputs
         answer = []
         for name, array in outputs.items():

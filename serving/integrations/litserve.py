@@ -27,7 +27,6 @@ import litserve
 import numpy as np
 from fastapi import HTTPException
 
-from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from ._on_loop import OnLoop
 
 __all__ = ["PxrtLitAPI"]
@@ -81,14 +80,13 @@ class PxrtLitAPI(litserve.LitAPI):
         return out
 
     async def predict(self, inputs: dict[str, np.ndarray], **kwargs: Any) -> dict:
-        try:
-            return await self._batched.infer(self.model, inputs)
-        except (TypeError, ValueError) as exc:
-            raise HTTPException(400, str(exc)) from None
-        except (Overloaded, ServerClosed) as exc:
-            raise HTTPException(503, str(exc)) from None
-        except (DeadlineExceeded, ExecutionFailed) as exc:
-            raise HTTPException(500, str(exc)) from None
+        return await self._batched.answer(
+            self.model,
+            inputs,
+            lambda m: HTTPException(400, m),
+            lambda m: HTTPException(503, m),
+            lambda m: HTTPException(500, m),
+        )
 
     async def encode_response(self, outputs: dict, **kwargs: Any) -> dict:
         return {"outputs": {name: np.asarray(v).tolist() for name, v in outputs.items()}}

@@ -35,7 +35,6 @@ from mlserver.errors import MLServerError
 from mlserver.types import InferenceRequest, InferenceResponse, MetadataTensor
 from mlserver.utils import get_model_uri
 
-from ..errors import DeadlineExceeded, ExecutionFailed, Overloaded, ServerClosed
 from ._on_loop import OnLoop, v2_tensors
 
 __all__ = ["PxrtRuntime"]
@@ -65,14 +64,13 @@ class PxrtRuntime(MLModel):
                 inputs[tensor.name] = NumpyCodec.decode_input(tensor)
             except (TypeError, ValueError) as exc:
                 raise MLServerError(f"input {tensor.name!r}: {exc}", 400) from None
-        try:
-            outputs = await self._batched.infer(self.model, inputs)
-        except (TypeError, ValueError) as exc:
-            raise MLServerError(str(exc), 400) from None
-        except (Overloaded, ServerClosed) as exc:
-            raise MLServerError(str(exc), 503) from None
-        except (DeadlineExceeded, ExecutionFailed) as exc:
-            raise MLServerError(str(exc), 500) from None
+        outputs = await self._batched.answer(
+            self.model,
+            inputs,
+            lambda m: MLServerError(m, 400),
+            lambda m: MLServerError(m, 503),
+            lambda m: MLServerError(m, 500),
+        )
         return InferenceResponse(
             model_name=self.name,
             model_version=self.version,
