@@ -698,6 +698,11 @@ def test_controls_equal_the_same_controls_in_numpy(lm, params, reference, monkey
             assert gen.result().tokens == reference(prompt, 10)
     # min_tokens held the stop back: without it, the stop token ends it at once.
     assert lm.generate(base[0], max_tokens=10, stop_ids=[first]).tokens == [first]
+    # Alone, a short prompt's slot stays within the first positions: its forwards run
+    # over them (beside the longer prompts above that depends on the turns' timing).
+    choose = _controlled(base[0], stops=(demo.LM_EOS,), presence=1.5)
+    want, _ = demo.lm_reference_steps(base[0], 10, params, MAX_LENGTH, (demo.LM_EOS,), choose)
+    assert lm.generate(base[0], max_tokens=10, presence_penalty=1.5).tokens == want
     assert windowed and set(windowed) <= set(lm.step_lengths), windowed
     assert lm.compiles_after_load == 0
 
@@ -783,6 +788,15 @@ def test_structured_outputs_equal_plain_jax_masked_by_the_grammar(
                     assert text in c["choice"]
         for prompt, gen in zip(base, plain):
             assert gen.result().tokens == reference(prompt, 10)
+    # Alone, a shorter prompt's slot is within the first positions for its first masked
+    # steps: their forwards run over them (beside the others that depends on timing).
+    prompt, c = cases[1]
+    so = pxrt.StructuredOutput(**c)
+    want, _ = demo.lm_reference_steps(
+        prompt, 40, params, MAX_LENGTH, (demo.LM_EOS,), _grammar_pick(lm, so)
+    )
+    got = lm.generate(prompt, max_tokens=40, structured=so)
+    assert got.tokens == _until_complete(lm, so, want), c
     assert lm.counters["masked_steps"] > 0
     assert lm._full_step.forward is not None  # (the masked steps ran as forward and pick)
     assert windowed and set(windowed) <= set(lm.step_lengths), windowed
