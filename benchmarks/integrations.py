@@ -10,7 +10,8 @@ own on this machine, serving the same model as ``mlp``:
   own (its batcher is the Kubernetes agent's sidecar, outside this process): each
   request runs alone, as KServe runs it;
 - ``pxrt``: ``serving.integrations.kserve.PxrtModel`` over the exported artifact, its
-  requests batched by pxrt.
+  requests batched by pxrt; its REST inference answered by pxrt's own v2 endpoint
+  (``native_v2``, the default) or, with ``--no-native``, through KServe's ``predict``.
 
 The load: ``pxrt bench --url JIT --compare PXRT`` (KServe v2 binary tensors over HTTP,
 ``--concurrency`` closed-loop callers of one row each, the two alternated ``--repeats``
@@ -84,7 +85,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 
-def serve(kind: str, path: str, port: int, width: int) -> None:
+def serve(kind: str, path: str, port: int, width: int, native: bool) -> None:
     import jax
     import kserve
     from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
@@ -117,7 +118,10 @@ def serve(kind: str, path: str, port: int, width: int) -> None:
             out.set_data_from_numpy(y, binary_data=binary)
             return InferResponse(payload.id or "", "mlp", [out], use_binary_outputs=binary)
 
-    served = PxrtModel("mlp", path) if kind == "pxrt" else JitModel("mlp")
+    if kind == "pxrt":
+        served: Any = PxrtModel("mlp", path, native_v2=native)
+    else:
+        served = JitModel("mlp")
     served.load()
     kserve.ModelServer(http_port=port, enable_grpc=False).start([served])
 
@@ -396,6 +400,12 @@ def main() -> None:
         default=0,
         help="MLServer's parallel_workers for PxrtRuntime (0: on MLServer's loop)",
     )
+    p.add_argument(
+        "--native",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="KServe: PxrtModel's native_v2 (pxrt's own v2 endpoint)",
+    )
     p.add_argument("--concurrency", default="64")  # fmt: skip
     p.add_argument("--client", choices=("wrk", "python"),
                    default="wrk" if shutil.which("wrk") else "python",
@@ -411,7 +421,7 @@ def main() -> None:
                 args.serve[0], args.serve[1], args.port, args.width, args.batch_timeout_ms
             )
         else:
-            serve(args.serve[0], args.serve[1], args.port, args.width)
+            serve(args.serve[0], args.serve[1], args.port, args.width, args.native)
         return
 
     from pxrt import demo
@@ -433,7 +443,8 @@ def main() -> None:
             for kind, port in zip(kinds, ports):
                 cmd = [sys.executable, __file__, "--serve", kind, path, "--port", str(port),
                        "--width", str(args.width), "--framework", args.framework,
-                       "--batch-timeout-ms", str(args.batch_timeout_ms)]  # fmt: skip
+                       "--batch-timeout-ms", str(args.batch_timeout_ms),
+                       "--native" if args.native else "--no-native"]  # fmt: skip
                 if args.framework == "bentoml":  # (as its users start it; the flag is for us)
                     service = "JitBento" if kind == "batch" else "PxrtBento"
                     cmd = [sys.executable, "-m", "bentoml", "serve", f"integrations:{service}",

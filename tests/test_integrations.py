@@ -68,10 +68,10 @@ class Process:
         self.proc.wait(30)
 
 
-def triton_mixed(url: str, *, binary: bool, seed: int, n: int = 48) -> None:
+def triton_mixed(url: str, *, binary: bool, seed: int, n: int = 48, model: str = "mlp") -> None:
     """tritonclient's async_infer (its own concurrency: a pool of 16 connections), ``n``
-    requests to the ``mlp`` with a wrong shape and a wrong dtype sent among them: every
-    good answer equals plain JAX's, each bad one is a 400 naming ``x``."""
+    requests to ``model`` (the ``mlp``) with a wrong shape and a wrong dtype sent among
+    them: every good answer equals plain JAX's, each bad one is a 400 naming ``x``."""
     import tritonclient.http as triton
     from tritonclient.utils import InferenceServerException
 
@@ -81,7 +81,7 @@ def triton_mixed(url: str, *, binary: bool, seed: int, n: int = 48) -> None:
         inp = triton.InferInput("x", list(x.shape), datatype)
         inp.set_data_from_numpy(x, binary_data=binary)
         out = triton.InferRequestedOutput("y", binary_data=binary)
-        return client.async_infer("mlp", [inp], outputs=[out])
+        return client.async_infer(model, [inp], outputs=[out])
 
     rng = np.random.default_rng(seed)
     good = [rng.standard_normal((1 + i % 4, 32)).astype(np.float32) for i in range(n)]
@@ -116,14 +116,16 @@ def kserve_server(artifacts):
     proc.stop()
 
 
-def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server):
+@pytest.mark.parametrize("model", ["mlp", "mlp-kserve"])
+def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server, model):
     """KServe's own InferenceRESTClient and tritonclient, JSON and binary tensors, many
     callers at once; a bad dtype and a bad shape are KServe's 400s naming the input,
-    and the requests sent beside them are answered."""
+    and the requests sent beside them are answered. ``mlp``: REST inference answered by
+    pxrt's own v2 endpoint (the default); ``mlp-kserve``: through KServe's predict."""
     from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
 
     url = kserve_server.url
-    meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
+    meta = httpx.get(f"{url}/v2/models/{model}", timeout=10).json()
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}], meta
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 32]}], meta
     rng = np.random.default_rng(5)
@@ -135,8 +137,8 @@ def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server):
             for i, x in enumerate(xs):
                 inp = InferInput("x", list(x.shape), "FP32")
                 inp.set_data_from_numpy(x, binary_data=bool(i % 2))
-                request = InferRequest("mlp", [inp], request_id=f"r{i}")
-                result = await client.infer(url, request, "mlp")
+                request = InferRequest(model, [inp], request_id=f"r{i}")
+                result = await client.infer(url, request, model)
                 assert result.id == f"r{i}"
                 got = {o.name: o.as_numpy() for o in result.outputs}
                 assert_matches(got, reference("mlp", {"x": x}), f"kserve client, request {i}")
@@ -145,7 +147,7 @@ def test_kserve_serves_a_pxrt_model_batched_by_pxrt(kserve_server):
 
     asyncio.run(kserve_client())
 
-    triton_mixed(url, binary=True, seed=5)
+    triton_mixed(url, binary=True, seed=5, model=model)
 
 
 @pytest.fixture(scope="module")

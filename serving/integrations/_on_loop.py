@@ -23,6 +23,8 @@ class OnLoop:
         self.batching = batching
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._app_of: Any = None  # (the server ``native_v2``'s app serves)
+        self._app: Any = None
 
     def server(self, model: Any) -> Any:
         """The ``serving.Server`` serving ``model`` on the running loop."""
@@ -58,6 +60,17 @@ class OnLoop:
             raise unavailable(str(exc)) from None
         except (DeadlineExceeded, ExecutionFailed) as exc:
             raise failed(str(exc)) from None
+
+    def native_v2(self, model: Any) -> Any:
+        """pxrt's own KServe v2 app (``serving.http.create_app``) over ``server(model)``
+        (made again with it): its inference path decodes and encodes the request itself,
+        without the framework's per-request objects."""
+        server = self.server(model)
+        if self._app_of is not server:
+            from ..http import create_app
+
+            self._app_of, self._app = server, create_app(server)
+        return self._app
 
     def close(self) -> None:
         """Close the server from any thread (on its loop, while that runs)."""

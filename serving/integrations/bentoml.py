@@ -102,23 +102,16 @@ def pxrt_service(
 
 
 class _V2:
-    """pxrt's KServe v2 app over the worker's server (``create_app``, made on the
-    worker's loop at the first request). BentoML mounts it at ``/v2``: it is handed the
-    whole path, as its routes are written."""
+    """pxrt's KServe v2 app over the worker's model and batcher (``OnLoop.native_v2``).
+    BentoML mounts it at ``/v2``: it is handed the whole path, as its routes are written."""
 
     def __init__(self, shared: types.SimpleNamespace) -> None:
         self.shared = shared
-        self._server: Any = None
-        self._app: Any = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # (a mount gets no lifespan; websockets: none here)
             return
         if self.shared.model is None:  # (BentoML routes only once the service is made)
             raise ServiceUnavailable("the model is not loaded yet")
-        server = self.shared.batched.server(self.shared.model)
-        if server is not self._server:
-            from ..http import create_app
-
-            self._server, self._app = server, create_app(server)
-        await self._app({**scope, "root_path": ""}, receive, send)
+        app = self.shared.batched.native_v2(self.shared.model)
+        await app({**scope, "root_path": ""}, receive, send)

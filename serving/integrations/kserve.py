@@ -16,6 +16,18 @@ came over gRPC). Errors take KServe's own shapes: a bad input (a wrong dtype or 
 an unknown name: the message names it, as pxrt's does) is ``InvalidInput``, a 400, and
 fails alone: the requests batched with it are answered; a full queue or a closed server
 is ``ServerNotReady`` (503); a failed batch or a passed deadline ``InferenceError``.
+
+With ``native_v2`` (the default), REST inference requests for the model
+(``POST /v2/models/{name}[/versions/{v}]/infer``) are answered by pxrt's own v2
+endpoint instead, the one ``pxrt serve`` runs: a middleware that ``load`` adds to
+KServe's app (``kserve.model_server.app``, before the server starts) hands them to it,
+over the same model and batcher; KServe's own middleware (its metrics, its logging)
+still wraps them, and every other route (health, metadata, the model repository, gRPC)
+is KServe's. It skips KServe's per-request ``InferRequest``/``InferResponse``
+objects, most of a small request's cost. Same protocol, same error shape
+(``{"error": ...}``, the status codes above). Off for a subclass that overrides
+``preprocess`` or ``postprocess`` (the native path would skip them), and with
+``native_v2=False``.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ class PxrtModel(kserve.Model):
         path: str,
         *,
         load_options: dict[str, Any] | None = None,
+        native_v2: bool = True,
         **batching: Any,
     ) -> None:
         super().__init__(name)
@@ -52,11 +65,18 @@ class PxrtModel(kserve.Model):
         self.load_options = dict(load_options or {})
         self.model: Any = None
         self._batched = OnLoop(name, batching)
+        hooks = ("preprocess", "postprocess")
+        self.native_v2 = native_v2 and all(
+            getattr(type(self), h) is getattr(kserve.Model, h) for h in hooks
+        )
 
     def load(self) -> bool:
         import pxrt
 
         self.model = pxrt.load(self.path, **self.load_options)
+        if self.native_v2:
+            _native_models[self.name] = self
+            _install_native_path()
         self.ready = True
         return self.ready
 
@@ -100,5 +120,41 @@ class PxrtModel(kserve.Model):
         )
 
     def stop(self) -> None:
+        if _native_models.get(self.name) is self:
+            del _native_models[self.name]
         self._batched.close()
         super().stop()
+
+
+# The models whose REST inference pxrt's own endpoint answers, by name (``load`` adds).
+_native_models: dict[str, PxrtModel] = {}
+
+
+def _install_native_path() -> None:
+    """Add ``_NativeInference`` to KServe's app once (a middleware can only be added
+    before the app starts: ``ModelServer.start`` comes after the models' ``load``)."""
+    from kserve.model_server import app
+
+    if not any(m.cls is _NativeInference for m in app.user_middleware):
+        app.add_middleware(_NativeInference)
+
+
+class _NativeInference:
+    """An ASGI middleware on KServe's app: ``POST`` inference for a model in
+    ``_native_models`` goes to pxrt's v2 app over that model's server; the rest on to
+    KServe."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            from ..http.app import fast_route
+
+            found = fast_route("POST", scope["path"])
+            model = _native_models.get(found[1]) if found is not None else None
+            if model is not None and model.ready:
+                app = model._batched.native_v2(model.model)
+                await app({**scope, "root_path": ""}, receive, send)
+                return
+        await self.app(scope, receive, send)
