@@ -85,7 +85,7 @@ demo: $(STAMP)
 # and `make lint` run beside it (their output follows it).
 # --durations: the slowest tests of each run.
 PYTEST := $(PY) -m pytest -q --durations=30
-XDIST := -n 2 --dist loadfile --no-loadscope-reorder  # (tests/conftest.py orders them)
+XDIST := -n 2 --dist loadfile
 GRPC := tests/test_grpc.py tests/test_grpc_native.py tests/test_grpc_generate.py \
 	tests/test_shared_memory.py tests/test_ray.py tests/test_serve_ray.py tests/test_wheel.py
 SUITE := tests $(addprefix --ignore=,$(GRPC))

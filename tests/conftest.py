@@ -30,22 +30,6 @@ from servers import ServeProcess  # noqa: E402
 
 import pxrt  # noqa: E402
 
-# The modules that take longest, longest first (make test's --durations, summed per
-# module). make test runs pytest-xdist with --no-loadscope-reorder, so it hands the
-# modules out in this order (by default it orders them by their number of tests, which
-# put keras-hub's 16 slow tests near the end): the two workers then finish together.
-SLOWEST_FIRST = (
-    "test_ray.py", "test_serve_ray.py", "test_keras_hub.py", "test_generate_http.py",
-    "test_generate.py", "test_multihost.py", "test_bench_tools.py", "test_cli.py",
-    "test_transformers_adapter.py", "test_workers.py", "test_wheel.py", "test_own_models.py",
-    "test_limits.py", "test_integrations.py", "test_placement.py", "test_repository.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: in order)
-
 
 def pytest_report_header(config):
     return (
