@@ -323,7 +323,6 @@ def compare_json(urls: dict, args: argparse.Namespace) -> None:
     """LitServe's or BentoML's two servers driven with one-row JSON, alternated (and
     BentoML's pxrt service's /v2 mount with the same rows as v2 JSON)."""
     import asyncio
-    import statistics
 
     rows = np.full((1, args.width), 0.5, np.float32).tolist()
     body = {"inputs": {"x": rows}} if args.framework == "litserve" else {"x": rows}
@@ -341,25 +340,50 @@ def compare_json(urls: dict, args: argparse.Namespace) -> None:
                 runs[kind].append(_wrk(url, doc, n, args.duration))
             else:
                 runs[kind].append(asyncio.run(_post_loop(url, doc, n, args.duration)))
-    med = {
-        kind: {
-            k: statistics.median(r[k] for r in rs) for k in ("requests_per_s", "p50_ms", "p99_ms")
-        }
-        for kind, rs in runs.items()
-    }
+    name = "LitServe" if args.framework == "litserve" else "BentoML"
+    report(runs, "batch", f"{name} batching")
+
+
+def report(runs: dict[str, list[dict]], base: str, label: str) -> None:
+    """Each kind's medians over its runs, then each one's ratios to ``base``'s."""
+    import statistics
+
+    keys = ("requests_per_s", "p50_ms", "p99_ms")
+    med = {kind: {k: statistics.median(r[k] for r in rs) for k in keys}
+           for kind, rs in runs.items()}  # fmt: skip
     for kind, m in med.items():
         each = ", ".join(f"{r['requests_per_s']:.0f}" for r in runs[kind])
         print(f"  {kind:7s} {m['requests_per_s']:8.0f} req/s  p50 {m['p50_ms']:7.2f} ms  "
               f"p99 {m['p99_ms']:7.2f} ms  (runs: {each})")  # fmt: skip
-    b = med["batch"]
-    name = "LitServe" if args.framework == "litserve" else "BentoML"
-    for kind in targets:
-        if kind == "batch":
-            continue
-        p = med[kind]
-        rate = p["requests_per_s"] / b["requests_per_s"]
-        p50, p99 = p["p50_ms"] / b["p50_ms"], p["p99_ms"] / b["p99_ms"]
-        print(f"  {kind} / {name} batching: req/s {rate:.2f}x, p50 {p50:.2f}x, p99 {p99:.2f}x")
+    b = med[base]
+    for kind, m in med.items():
+        if kind != base:
+            rate = m["requests_per_s"] / b["requests_per_s"]
+            print(f"  {kind} / {label}: req/s {rate:.2f}x, p50 {m['p50_ms'] / b['p50_ms']:.2f}x, "
+                  f"p99 {m['p99_ms'] / b['p99_ms']:.2f}x")  # fmt: skip
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free on 127.0.0.1 now."""
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to a server's process group (its workers too), then SIGKILL to the rest."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, framework: str) -> None:
@@ -428,12 +452,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="pxrt-integrations-") as tmp:
         path = demo.export_demo(os.path.join(tmp, "mlp"), width=args.width)
-        sockets = [socket.socket() for _ in range(2)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        ports = [s.getsockname()[1] for s in sockets]
-        for s in sockets:
-            s.close()
+        ports = free_ports(2)
         procs, urls = [], []
         try:
             kinds = ("jit", "pxrt") if args.framework == "kserve" else ("batch", "pxrt")
@@ -479,13 +498,7 @@ def main() -> None:
             )  # fmt: skip
         finally:
             for proc in procs:  # (each server's process group: LitServe's workers too)
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    pass
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                stop_group(proc)
 
 
 def _version(name: str) -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -228,7 +227,7 @@ def main() -> None:
             inputs=demo.encoder_inputs(), batch_buckets=demo.ENC_BATCH_BUCKETS,
             dim_buckets={"seq": LENGTHS}, name="encoder",
         )  # fmt: skip
-        ports = _ports(2)
+        ports = common.free_ports(2)
         procs, urls = [], {}
         ready = {"bentoml": "/readyz"}.get(args.framework, "/v2/models/encoder/ready")
         try:
@@ -248,53 +247,10 @@ def main() -> None:
             for _ in range(args.repeats):
                 for kind, (url, docs) in targets.items():
                     runs[kind].append(common._wrk(url, docs, args.concurrency, args.duration))
-            report(runs)
+            common.report(runs, "jit", "jit")
         finally:
             for proc in procs:  # (each server's process group: its workers too)
-                _stop(proc)
-
-
-def report(runs: dict[str, list[dict]]) -> None:
-    keys = ("requests_per_s", "p50_ms", "p99_ms")
-    med = {
-        kind: {k: statistics.median(r[k] for r in rs) for k in keys} for kind, rs in runs.items()
-    }
-    for kind, m in med.items():
-        each = ", ".join(f"{r['requests_per_s']:.0f}" for r in runs[kind])
-        print(f"  {kind:7s} {m['requests_per_s']:8.0f} req/s  p50 {m['p50_ms']:7.2f} ms  "
-              f"p99 {m['p99_ms']:7.2f} ms  (runs: {each})")  # fmt: skip
-    base = med["jit"]
-    for kind, m in med.items():
-        if kind != "jit":
-            print(f"  {kind} / jit: req/s {m['requests_per_s'] / base['requests_per_s']:.2f}x, "
-                  f"p50 {m['p50_ms'] / base['p50_ms']:.2f}x, "
-                  f"p99 {m['p99_ms'] / base['p99_ms']:.2f}x")  # fmt: skip
-
-
-def _ports(n: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    import contextlib
-    import signal
-
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+                common.stop_group(proc)
 
 
 def _wait(url: str, proc: subprocess.Popen) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 from kserve.errors import InferenceError, InvalidInput, ServerNotReady
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
+from ..http.app import fast_route
 from ..kserve import codec
 from ._on_loop import OnLoop, v2_tensors
 
@@ -149,12 +150,11 @@ class _NativeInference:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            from ..http.app import fast_route
-
             found = fast_route("POST", scope["path"])
             model = _native_models.get(found[1]) if found is not None else None
             if model is not None and model.ready:
-                app = model._batched.native_v2(model.model)
-                await app({**scope, "root_path": ""}, receive, send)
+                if scope.get("root_path"):  # (pxrt's app is handed the whole path)
+                    scope = {**scope, "root_path": ""}
+                await model._batched.native_v2(model.model)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
