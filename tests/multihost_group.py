@@ -46,7 +46,8 @@ def main(path: str) -> int:
         control_port=spec["control_port"],
         connect_timeout_s=120,
     )
-    loaded = pxrt.load(spec["artifact"], distributed=cfg, progress=False)
+    options = spec.get("load_options", {})
+    loaded = pxrt.load(spec["artifact"], distributed=cfg, progress=False, **options)
     if isinstance(loaded, Follower):
         loaded.follow()
         return 0

@@ -37,7 +37,7 @@ def lm_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(lm_path):
-    dec = pxrt.load(lm_path, step_slots=())  # (steps over fewer slots: test_generate.py)
+    dec = pxrt.load(lm_path, step_slots=(), step_lengths=())  # (both: test_generate.py)
     assert dec.wait_programs(120)
     yield dec
     dec.close()
@@ -63,7 +63,7 @@ def served(request, lm_path, artifacts, embedder_path, tmp_path_factory):
     workers, which stream generations running in the device process. The decoder loads
     as the local one (its TOML: no steps over fewer slots)."""
     extra = {"one": [], "asgi": ["--no-native-http"], "workers": ["--workers", "2"]}[request.param]
-    conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[])
+    conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[], step_lengths=[])
     proc = ServeProcess(["--config", conf, str(artifacts["mlp"]), str(embedder_path), *extra])
     proc.mode = request.param
     yield proc

@@ -39,7 +39,7 @@ def lm_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local(lm_path):
-    dec = pxrt.load(lm_path, step_slots=())  # (steps over fewer slots: test_generate.py)
+    dec = pxrt.load(lm_path, step_slots=(), step_lengths=())  # (both: test_generate.py)
     assert dec.wait_programs(120)
     yield dec
     dec.close()
@@ -52,7 +52,7 @@ def served(request, lm_path, tmp_path_factory):
     ]
     # The decoder's load options from the TOML, as the local one's: no steps over fewer
     # slots (test_generate.py has those).
-    conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[])
+    conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[], step_lengths=[])
     proc = ServeProcess(["--config", conf, *extra], grpc=True)
     yield proc
     assert proc.stop() == 0

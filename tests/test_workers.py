@@ -142,7 +142,9 @@ def lm_path(tmp_path_factory):
 def lm(lm_path):
     import pxrt
 
-    dec = pxrt.load(lm_path)  # (closed by the server it is added to)
+    # (closed by the server it is added to; no steps over fewer slots or positions, which
+    # test_generate.py has: the programs a worker drives are the same)
+    dec = pxrt.load(lm_path, step_slots=(), step_lengths=())
     yield dec
     dec.close()
 
