@@ -47,7 +47,10 @@ cannot share a venv with KServe): ``mlserver start`` twice, one inference worker
   (``max_batch_size`` 64, ``max_batch_time`` ``--batch-timeout-ms``), around a custom
   runtime (``mlserver.MLModel``) whose ``predict`` runs the ``jax.jit`` function on the
   batch MLServer merged (every batch size 1..64 compiled in ``load``);
-- ``pxrt``: ``serving.integrations.mlserver.PxrtRuntime``, MLServer's batching unset.
+- ``pxrt``: ``serving.integrations.mlserver.PxrtRuntime``, MLServer's batching unset, on
+  MLServer's own loop (``parallel_workers`` 0, ``--pxrt-workers``); REST inference
+  through pxrt's own v2 endpoint (``native_v2``, the default; ``--no-native``: through
+  its ``predict``).
 
 The load: as KServe's, ``pxrt bench --url --json`` (MLServer's REST reads JSON tensors).
 
@@ -230,8 +233,11 @@ if _mls is not None:
 MLSERVER_BIN = os.path.join(ROOT, ".venv-mlserver", "bin", "mlserver")
 
 
-def mlserver_folder(root: str, kind: str, path: str, width: int, timeout_ms: float) -> str:
-    """A model repository for ``mlserver start``: ``kind``'s model-settings.json."""
+def mlserver_folder(
+    root: str, kind: str, path: str, width: int, timeout_ms: float, native: bool = True
+) -> str:
+    """A model repository for ``mlserver start``: ``kind``'s model-settings.json
+    (``native``: PxrtRuntime's ``native_v2``)."""
     import json
 
     folder = os.path.join(root, f"mlserver-{kind}")
@@ -239,7 +245,7 @@ def mlserver_folder(root: str, kind: str, path: str, width: int, timeout_ms: flo
     if kind == "pxrt":
         settings: dict = {
             "implementation": "serving.integrations.mlserver.PxrtRuntime",
-            "parameters": {"uri": path},
+            "parameters": {"uri": path, "extra": {"native_v2": native}},
         }
     else:  # (MLServer's adaptive batching, in seconds)
         settings = {
@@ -353,7 +359,7 @@ def report(runs: dict[str, list[dict]], base: str, label: str) -> None:
            for kind, rs in runs.items()}  # fmt: skip
     for kind, m in med.items():
         each = ", ".join(f"{r['requests_per_s']:.0f}" for r in runs[kind])
-        print(f"  {kind:7s} {m['requests_per_s']:8.0f} req/s  p50 {m['p50_ms']:7.2f} ms  "
+        print(f"  {kind:12s} {m['requests_per_s']:8.0f} req/s  p50 {m['p50_ms']:7.2f} ms  "
               f"p99 {m['p99_ms']:7.2f} ms  (runs: {each})")  # fmt: skip
     b = med[base]
     for kind, m in med.items():
@@ -428,7 +434,7 @@ def main() -> None:
         "--native",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="KServe: PxrtModel's native_v2 (pxrt's own v2 endpoint)",
+        help="KServe's PxrtModel, MLServer's PxrtRuntime: native_v2 (pxrt's own v2 endpoint)",
     )
     p.add_argument("--concurrency", default="64")  # fmt: skip
     p.add_argument("--client", choices=("wrk", "python"),
@@ -469,7 +475,9 @@ def main() -> None:
                     cmd = [sys.executable, "-m", "bentoml", "serve", f"integrations:{service}",
                            "--working-dir", HERE, "--port", str(port)]  # fmt: skip
                 if args.framework == "mlserver":  # (ports in the repository's settings.json)
-                    folder = mlserver_folder(tmp, kind, path, args.width, args.batch_timeout_ms)
+                    folder = mlserver_folder(
+                        tmp, kind, path, args.width, args.batch_timeout_ms, args.native
+                    )
                     workers = args.pxrt_workers if kind == "pxrt" else args.jit_workers
                     with open(os.path.join(folder, "settings.json"), "w") as f:
                         f.write(f'{{"http_port": {port}, "grpc_port": 0, "metrics_port": 0, '

@@ -15,6 +15,9 @@ whose batcher groups the requests by length bucket:
 - ``--framework kserve``: ``kserve.ModelServer``, ``PxrtModel``;
 - ``--framework mlserver``: ``mlserver start`` (``.venv-mlserver``, which ``make``
   builds), ``PxrtRuntime``; both with ``parallel_workers`` 0;
+- for both, ``pxrt`` is the integration's default (REST inference through pxrt's own v2
+  endpoint, ``native_v2``) and ``pxrt-predict`` the same model through the framework's
+  request objects and the integration's ``predict``;
 - ``--framework bentoml``: ``bentoml serve``, ``pxrt_service``: its API (JSON fields)
   and its ``/v2`` mount (pxrt's KServe v2 endpoint).
 
@@ -98,9 +101,10 @@ def serve_kserve(kind: str, path: str, port: int) -> None:
             out.set_data_from_numpy(y, binary_data=False)
             return InferResponse(payload.id or "", "encoder", [out])
 
-    served = (
-        PxrtModel("encoder", path, max_delay_us=2000) if kind == "pxrt" else JitEncoder("encoder")
-    )
+    if kind == "jit":
+        served: kserve.Model = JitEncoder("encoder")
+    else:  # (pxrt-predict: through PxrtModel.predict, not pxrt's own v2 endpoint)
+        served = PxrtModel("encoder", path, native_v2=kind == "pxrt", max_delay_us=2000)
     served.load()
     kserve.ModelServer(http_port=port, enable_grpc=False).start([served])
 
@@ -183,10 +187,11 @@ def start(framework: str, kind: str, path: str, port: int, tmp: str) -> subproce
     else:
         folder = os.path.join(tmp, f"mlserver-{kind}")
         os.makedirs(os.path.join(folder, "encoder"))
-        if kind == "pxrt":
+        if kind != "jit":  # (pxrt-predict: through PxrtRuntime.predict)
+            extra = {"batching": {"max_delay_us": 2000}, "native_v2": kind == "pxrt"}
             settings: dict = {
                 "implementation": "serving.integrations.mlserver.PxrtRuntime",
-                "parameters": {"uri": path, "extra": {"batching": {"max_delay_us": 2000}}},
+                "parameters": {"uri": path, "extra": extra},
             }
         else:
             settings = {"implementation": "integrations_encoder.JitEncoderRuntime"}
@@ -227,11 +232,12 @@ def main() -> None:
             inputs=demo.encoder_inputs(), batch_buckets=demo.ENC_BATCH_BUCKETS,
             dim_buckets={"seq": LENGTHS}, name="encoder",
         )  # fmt: skip
-        ports = common.free_ports(2)
+        kinds = ("jit", "pxrt") if args.framework == "bentoml" else ("jit", "pxrt", "pxrt-predict")
+        ports = common.free_ports(len(kinds))
         procs, urls = [], {}
         ready = {"bentoml": "/readyz"}.get(args.framework, "/v2/models/encoder/ready")
         try:
-            for kind, port in zip(("jit", "pxrt"), ports):
+            for kind, port in zip(kinds, ports):
                 procs.append(start(args.framework, kind, path, port, tmp))
                 urls[kind] = f"http://127.0.0.1:{port}"
                 _wait(urls[kind] + ready, procs[-1])

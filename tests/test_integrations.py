@@ -261,32 +261,39 @@ def mlserver_server(artifacts, tmp_path_factory):
     import json
 
     root = tmp_path_factory.mktemp("mlserver")
-    (root / "mlp").mkdir()
-    settings = {
-        "name": "mlp",
-        "implementation": "serving.integrations.mlserver.PxrtRuntime",
-        "parameters": {"uri": str(artifacts["mlp"]), "extra": {"batching": {"max_delay_us": 2000}}},
-    }
-    (root / "mlp" / "model-settings.json").write_text(json.dumps(settings))
+    for name, native in (("mlp", True), ("mlp-mlserver", False)):
+        (root / name).mkdir()
+        extra = {"batching": {"max_delay_us": 2000}, "native_v2": native}
+        settings = {
+            "name": name,
+            "implementation": "serving.integrations.mlserver.PxrtRuntime",
+            "parameters": {"uri": str(artifacts["mlp"]), "extra": extra},
+        }
+        (root / name / "model-settings.json").write_text(json.dumps(settings))
     http, grpc, metrics = free_ports(3)
     ports = {"http_port": http, "grpc_port": grpc, "metrics_port": metrics}
-    (root / "settings.json").write_text(json.dumps(ports))
+    # (no inference worker process: pxrt batches on MLServer's own loop, as its docs say)
+    (root / "settings.json").write_text(json.dumps({**ports, "parallel_workers": 0}))
     url = f"http://127.0.0.1:{http}"
     env = {"PYTHONPATH": ROOT}  # (what `pip install 'pxrt[mlserver]'` would put in its venv)
     mlserver = os.path.join(os.path.dirname(MLSERVER_PYTHON), "mlserver")
-    proc = Process(["start", str(root)], f"{url}/v2/models/mlp/ready", env, program=mlserver)
+    proc = Process(["start", str(root)], f"{url}/v2/health/ready", env, program=mlserver)
     proc.url = url
     yield proc
     proc.stop()
 
 
-def test_mlserver_serves_a_pxrt_model_batched_by_pxrt(mlserver_server):
+@pytest.mark.parametrize("model", ["mlp", "mlp-mlserver"])
+def test_mlserver_serves_a_pxrt_model_batched_by_pxrt(mlserver_server, model):
     """tritonclient (MLServer's own dependency, its v2 client) over MLServer's REST, 48
     requests in flight at once with bad ones among them: every answer equals plain
     JAX's, a wrong datatype and a wrong shape are MLServer's 400s naming the input; the
-    metadata lists the artifact's tensors."""
+    metadata lists the artifact's tensors. ``mlp``: REST inference answered by pxrt's
+    own v2 endpoint (the default), binary tensors too; ``mlp-mlserver``: through
+    MLServer's ``predict`` (its REST reads JSON tensors only)."""
     url = mlserver_server.url
-    meta = httpx.get(f"{url}/v2/models/mlp", timeout=10).json()
+    meta = httpx.get(f"{url}/v2/models/{model}", timeout=10).json()
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 32]}], meta
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 32]}], meta
-    triton_mixed(url, binary=False, seed=8)  # (MLServer's REST reads JSON tensors)
+    native = model == "mlp"
+    triton_mixed(url, binary=native, seed=8, model=model, n=48 if native else 24)

@@ -22,6 +22,17 @@ settings name them. Errors take MLServer's shape (``{"error": ...}``): a bad inp
 wrong datatype or shape, an unknown name: the message names it) is a 400 and fails
 alone: the requests batched with it are answered; a full queue is a 503; a failed batch
 or a passed deadline a 500.
+
+With ``"native_v2"`` (in ``extra``; true by default), REST inference requests for the
+model (``POST /v2/models/{name}/infer``, and its own version's) are answered by pxrt's
+own v2 endpoint instead, the one ``pxrt serve`` runs: ``load`` puts routes for them
+ahead of MLServer's in its REST app, over the same model and batcher. Same protocol
+(JSON tensors, and the binary extension, which MLServer's REST does not read), same
+error shape; it skips MLServer's per-request pydantic objects and codecs, most of a
+small request's cost. MLServer's middleware (its metrics, gzip, CORS) still wraps
+them; its per-model inference metrics and its gRPC are its own (gRPC goes through
+``predict``). It needs the model in the process that serves REST: with
+``parallel_workers`` above 0 requests go through ``predict``.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from mlserver.codecs import NumpyCodec
 from mlserver.errors import MLServerError
 from mlserver.types import InferenceRequest, InferenceResponse, MetadataTensor
 from mlserver.utils import get_model_uri
+from starlette.routing import Route
 
 from ._on_loop import OnLoop, v2_tensors
 
@@ -55,6 +67,9 @@ class PxrtRuntime(MLModel):
             settings.inputs = [MetadataTensor(**t) for t in v2_tensors(self.model.inputs)]
         if not settings.outputs:
             settings.outputs = [MetadataTensor(**t) for t in v2_tensors(self.model.outputs)]
+        self._native: list[Route] = []
+        if extra.get("native_v2", True):
+            self._native = _install_native_routes(self)
         return True
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
@@ -79,5 +94,60 @@ class PxrtRuntime(MLModel):
         )
 
     async def unload(self) -> bool:
+        app = _rest_app()
+        for route in self._native:
+            if app is not None and route in app.router.routes:
+                app.router.routes.remove(route)
+        self._native = []
         self._batched.close()
         return True
+
+
+def _rest_app() -> Any:
+    """The FastAPI app of MLServer's REST server in this process, or None (an inference
+    worker process has none). MLServer hands a runtime no reference to its server, so
+    it is found among the process's objects: the one ``RESTServer`` ``mlserver start``
+    made (MLServer 1.7 keeps its app as ``_app``)."""
+    import gc
+    import multiprocessing
+
+    from mlserver.rest.server import RESTServer
+
+    if multiprocessing.parent_process() is not None:  # (a worker: it may hold a copy)
+        return None
+    servers = [o for o in gc.get_referrers(RESTServer) if isinstance(o, RESTServer)]
+    return getattr(servers[0], "_app", None) if len(servers) == 1 else None
+
+
+def _install_native_routes(runtime: PxrtRuntime) -> list[Route]:
+    """Put routes for the runtime's REST inference
+    (``POST /v2/models/{name}[/versions/{v}]/infer``) ahead of MLServer's own, each
+    handing the request to pxrt's own v2 app (``OnLoop.native_v2``) over the runtime's
+    model and batcher. Routes, not a middleware: MLServer's app has started (and built
+    its middleware) before models load, while its routes are matched in list order at
+    each request. MLServer's middleware (metrics, gzip, CORS) still wraps them."""
+    app = _rest_app()
+    if app is None:
+        return []
+    base = f"/v2/models/{runtime.name}"
+    routes = [Route(f"{base}/infer", _NativeInference(runtime), methods=["POST"])]
+    if runtime.version:  # (the model's own version only: pxrt serves it unversioned)
+        to_base = _NativeInference(runtime, f"{base}/infer")
+        routes.append(Route(f"{base}/versions/{runtime.version}/infer", to_base, methods=["POST"]))
+    app.router.routes[:0] = routes
+    return routes
+
+
+class _NativeInference:
+    """An ASGI endpoint: pxrt's v2 app over ``runtime``'s model and batcher, handed the
+    request's whole path (as pxrt's routes are written), or ``path`` instead."""
+
+    def __init__(self, runtime: PxrtRuntime, path: str | None = None) -> None:
+        self.runtime = runtime
+        self.path = path
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        runtime = self.runtime
+        if self.path is not None or scope.get("root_path"):
+            scope = {**scope, "root_path": "", "path": self.path or scope["path"]}
+        await runtime._batched.native_v2(runtime.model)(scope, receive, send)
