@@ -395,6 +395,14 @@ def test_cost_policy_folds_short_requests_when_it_pays(top_ms, want):
     # With a batch in flight only a full batch goes: none here, then lane 0's.
     assert choose_cell("cost", stats, caps, exec_s, fold_lanes, True) is None
     assert choose_cell("cost", stats, [2, 8, 8], exec_s, fold_lanes, True) == (0, (), 2)
+    # ... or a lane whose oldest request was queued before its bound (``stale``): the
+    # long one (queued at 1.0) once its bound passes, not the short ones' (1.05) yet.
+    for policy in ("cost", "oldest"):
+        assert choose_cell(policy, stats, caps, exec_s, fold_lanes, True, [1.0] * 3) is None
+        got = choose_cell(policy, stats, caps, exec_s, fold_lanes, True, [1.0, 1.0, 1.01])
+        assert got is not None and got[0] == 2, got
+    got = choose_cell("cost", stats, caps, exec_s, fold_lanes, True, [1.06, 1.0, 1.0])
+    assert got == (0, (), 8), got  # (lane 0 alone: it is stale, the long one is not)
     assert (
         choose_cell("oldest", [(0, 0, 0.0, math.inf)] * 3, caps, exec_s, fold_lanes, False) is None
     )

@@ -19,7 +19,10 @@ waits in the cheapest lane that holds it. The lane of the oldest request goes fi
 big its batch is (which cell) and which shorter requests ride along in it (paying padding
 instead of waiting for a batch of their own) is decided from each cell's execution time
 measured at load (``cell_policy="cost"``, see ``serving.engine.policy.choose_cell``); ``"oldest"``
-runs the lane of the oldest request alone, up to ``max_batch_size`` rows.
+runs the lane of the oldest request alone, up to ``max_batch_size`` rows. While a batch
+runs, a lane goes when it fills its batch, or once its oldest request has waited as long
+as the lane's own batch takes to run (or ``max_delay``, if longer): a lane few requests
+take is not left waiting for the pipeline to empty while busier lanes keep it full.
 
 Queue policy: a full queue rejects at once (``Overloaded``, with a retry-after
 estimate); a request whose deadline passes while queued is answered
@@ -161,6 +164,12 @@ class Batcher:
         full = [lane.bucket_for(cap) for lane, cap in zip(self.lanes, self.lane_caps)]
         self._row_seconds = max(b.exec_s / b.size for b in full)
         self._full_exec_s = max(b.exec_s for b in full)
+        # Per lane: how long its oldest request waits for a full batch while others run
+        # (the lane's own batch time, or max_delay if longer), then goes unfilled.
+        caps = self._efficient_caps if self.cell_policy == "cost" else self.lane_caps
+        self._lane_wait_s = [
+            max(self.max_delay, lane.bucket_for(cap).exec_s) for lane, cap in zip(self.lanes, caps)
+        ]
 
     def _idle(self) -> bool:
         return self.inflight == 0 and self.queue.queued_rows == 0 and not self.queue.closed
@@ -357,7 +366,10 @@ class Batcher:
         caps = self._efficient_caps if cost else self.lane_caps
         queue = self.queue
         stats = [queue.lane_stats(k, caps[k], now) for k in range(len(self.lanes))]
-        return choose_cell(self.cell_policy, stats, caps, self._exec_s, self._fold_lanes, full_only)
+        stale = [now - wait for wait in self._lane_wait_s] if full_only else None
+        return choose_cell(
+            self.cell_policy, stats, caps, self._exec_s, self._fold_lanes, full_only, stale
+        )
 
     def _exec_s(self, lane: int, rows: int) -> float:
         return self.lanes[lane].bucket_for(rows).exec_s

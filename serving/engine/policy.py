@@ -30,6 +30,7 @@ def choose_cell(
     exec_s: Callable[[int, int], float],
     fold_lanes: Sequence[Sequence[int]],
     full_only: bool,
+    stale: Sequence[float] | None = None,
 ) -> Choice | None:
     """The batch to run next, or None (nothing waits; with ``full_only``, no lane fills
     a batch).
@@ -43,7 +44,9 @@ def choose_cell(
         of ``lane`` that holds ``rows`` rows.
       fold_lanes: per lane, the shorter lanes whose requests may ride along in it (the
         nearest first).
-      full_only: only a lane that fills its batch may go (a batch is in flight).
+      full_only: only a lane that fills its batch may go (a batch is in flight), or
+        one whose oldest request was queued before ``stale[lane]`` (its wait bound
+        passed: the batcher's is the lane's own batch time).
 
     ``"cost"``: each lane's batch is capped at its most efficient bucket (the least
     measured execution time per row; a bigger cell that costs more per row, as
@@ -58,9 +61,13 @@ def choose_cell(
 
     ``"oldest"``: the lane of the oldest waiting request, alone, up to its cap.
     """
+
+    def waits(k: int, rows: int) -> bool:  # (busy, and lane k neither full nor stale)
+        return full_only and rows < caps[k] and (stale is None or stats[k][3] >= stale[k])
+
     if policy == "oldest":
         k = min(range(len(stats)), key=lambda k: stats[k][3])
-        if not stats[k][0] or (full_only and stats[k][0] < caps[k]):
+        if not stats[k][0] or waits(k, stats[k][0]):
             return None
         return Choice(k, (), caps[k])
     waiting = sum(st[1] for st in stats)
@@ -88,7 +95,7 @@ def choose_cell(
                 rows += take
                 n += share
                 t = t_new
-        if full_only and rows < caps[j]:
+        if waits(j, rows):
             continue
         if oldest < best_oldest:  # the lane of the oldest request goes
             best, best_oldest = Choice(j, tuple(fold), caps[j]), oldest
