@@ -297,3 +297,23 @@ def test_mlserver_serves_a_pxrt_model_batched_by_pxrt(mlserver_server, model):
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 32]}], meta
     native = model == "mlp"
     triton_mixed(url, binary=native, seed=8, model=model, n=48 if native else 24)
+
+
+def test_loading_freezes_the_collector_unless_told_not_to(artifacts, monkeypatch):
+    """KServe's and LitServe's loads end as ``pxrt serve``'s start does, with the
+    garbage collector frozen (``serve.refreeze_gc``); ``freeze_gc=False`` leaves it."""
+    pytest.importorskip("kserve")
+    pytest.importorskip("litserve")
+    import serving.serve
+    from serving.integrations.kserve import PxrtModel
+    from serving.integrations.litserve import PxrtLitAPI
+
+    calls: list[str] = []
+    monkeypatch.setattr(serving.serve, "refreeze_gc", lambda: calls.append("frozen"))
+    path = str(artifacts["mlp"])
+    for freeze in (True, False):
+        model = PxrtModel("mlp", path, native_v2=False, freeze_gc=freeze)
+        model.load()
+        model.stop()
+        PxrtLitAPI(path, freeze_gc=freeze).setup("cpu")
+    assert calls == ["frozen", "frozen"]

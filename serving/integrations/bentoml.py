@@ -40,6 +40,7 @@ from bentoml.validators import DType
 from pxrt.artifact import read_manifest
 
 from ._on_loop import OnLoop
+from ._on_loop import freeze_gc as _freeze_gc
 
 __all__ = ["pxrt_service"]
 
@@ -52,6 +53,7 @@ def pxrt_service(
     v2: bool = True,
     load_options: dict[str, Any] | None = None,
     service_config: dict[str, Any] | None = None,
+    freeze_gc: bool = True,
     **batching: Any,
 ) -> Any:
     """A BentoML service (what ``@bentoml.service`` makes) serving the pxrt artifact at
@@ -59,7 +61,8 @@ def pxrt_service(
     by pxrt with ``batching`` (``BatchingOptions``' fields). ``service_config`` goes to
     ``bentoml.service`` (``workers``, ``traffic``...); ``v2``: mount pxrt's KServe v2
     endpoint at ``/v2``. Only the manifest is read here; the model loads when BentoML
-    makes the service in its worker."""
+    makes the service in its worker, which then freezes its garbage collector as ``pxrt
+    serve`` does (``freeze_gc``; ``_on_loop.freeze_gc`` says why)."""
     manifest = read_manifest(path)
     served = name or manifest["name"]
     options = dict(load_options or {})
@@ -83,6 +86,8 @@ def pxrt_service(
             import pxrt
 
             self.model = shared.model = pxrt.load(path, **options)
+            if freeze_gc:
+                _freeze_gc()
             self._batched = shared.batched
 
         async def predict(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:

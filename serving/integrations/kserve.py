@@ -41,16 +41,18 @@ from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 from ..http.app import fast_route
 from ..kserve import codec
-from ._on_loop import OnLoop, v2_tensors
+from ._on_loop import OnLoop, freeze_gc, v2_tensors
 
 __all__ = ["PxrtModel"]
 
 
 class PxrtModel(kserve.Model):
     """A pxrt artifact served by KServe as ``name``: ``load`` compiles it (``pxrt.load``
-    with ``load_options``); its requests are batched by pxrt (``serving.Server``, created
-    on KServe's event loop at the first request) with ``batching`` (``BatchingOptions``'
-    fields: ``max_batch_size``, ``max_delay_us``, ``max_queue``...)."""
+    with ``load_options``), then freezes the process's garbage collector as ``pxrt
+    serve`` does (``freeze_gc``; ``_on_loop.freeze_gc`` says why); its requests are
+    batched by pxrt (``serving.Server``, created on KServe's event loop at the first
+    request) with ``batching`` (``BatchingOptions``' fields: ``max_batch_size``,
+    ``max_delay_us``, ``max_queue``...)."""
 
     def __init__(
         self,
@@ -59,9 +61,11 @@ class PxrtModel(kserve.Model):
         *,
         load_options: dict[str, Any] | None = None,
         native_v2: bool = True,
+        freeze_gc: bool = True,
         **batching: Any,
     ) -> None:
         super().__init__(name)
+        self.freeze_gc = freeze_gc
         self.path = path
         self.load_options = dict(load_options or {})
         self.model: Any = None
@@ -75,6 +79,8 @@ class PxrtModel(kserve.Model):
         import pxrt
 
         self.model = pxrt.load(self.path, **self.load_options)
+        if self.freeze_gc:
+            freeze_gc()
         if self.native_v2:
             _native_models[self.name] = self
             _install_native_path()

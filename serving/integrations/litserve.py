@@ -27,14 +27,16 @@ import litserve
 import numpy as np
 from fastapi import HTTPException
 
-from ._on_loop import OnLoop
+from ._on_loop import OnLoop, freeze_gc
 
 __all__ = ["PxrtLitAPI"]
 
 
 class PxrtLitAPI(litserve.LitAPI):
     """The pxrt artifact at ``path`` served by LitServe (at ``api_path``), its requests
-    batched by pxrt with ``batching`` (``BatchingOptions``' fields)."""
+    batched by pxrt with ``batching`` (``BatchingOptions``' fields); ``setup`` freezes
+    the worker's garbage collector after loading, as ``pxrt serve`` does (``freeze_gc``;
+    ``_on_loop.freeze_gc`` says why)."""
 
     _batched: OnLoop  # (made by ``setup``, in LitServe's worker, with the model)
 
@@ -44,9 +46,11 @@ class PxrtLitAPI(litserve.LitAPI):
         *,
         api_path: str = "/predict",
         load_options: dict[str, Any] | None = None,
+        freeze_gc: bool = True,
         **batching: Any,
     ) -> None:
         super().__init__(api_path=api_path, enable_async=True)
+        self.freeze_gc = freeze_gc
         self.path = path
         self.load_options = dict(load_options or {})
         self.batching = batching
@@ -56,6 +60,8 @@ class PxrtLitAPI(litserve.LitAPI):
         import pxrt
 
         self.model = pxrt.load(self.path, **self.load_options)
+        if self.freeze_gc:
+            freeze_gc()
         self._batched = OnLoop(self.model.name, self.batching)
 
     async def decode_request(self, request, **kwargs: Any) -> dict[str, np.ndarray]:

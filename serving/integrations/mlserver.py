@@ -12,16 +12,17 @@ A model folder holds the artifact (or points at it) and a ``model-settings.json`
 then ``mlserver start FOLDER`` (with ``"parallel_workers": 0`` in the folder's
 ``settings.json``: pxrt batches on MLServer's own loop, and an inference worker process
 would cost a crossing per request). ``uri`` is the artifact directory (relative to the
-settings file); ``extra`` may hold ``load_options`` (for ``pxrt.load``) and ``batching``
-(``BatchingOptions``' fields). MLServer decodes the v2 request (REST JSON or gRPC);
-``predict`` hands its tensors, as numpy arrays of their v2 datatypes, to
-``serving.Server.infer``, which batches the concurrent requests (MLServer's own adaptive
-batching, ``max_batch_size``, stays off: leave it unset), and answers the outputs as v2
-tensors. The metadata endpoint lists the artifact's inputs and outputs unless the
-settings name them. Errors take MLServer's shape (``{"error": ...}``): a bad input (a
-wrong datatype or shape, an unknown name: the message names it) is a 400 and fails
-alone: the requests batched with it are answered; a full queue is a 503; a failed batch
-or a passed deadline a 500.
+settings file); ``extra`` may hold ``load_options`` (for ``pxrt.load``), ``batching``
+(``BatchingOptions``' fields) and ``freeze_gc`` (default true: after loading, the
+process's garbage collector is frozen as ``pxrt serve`` does; ``_on_loop.freeze_gc``).
+MLServer decodes the v2 request (REST JSON or gRPC); ``predict`` hands its tensors, as
+numpy arrays of their v2 datatypes, to ``serving.Server.infer``, which batches the
+concurrent requests (MLServer's own adaptive batching, ``max_batch_size``, stays off:
+leave it unset), and answers the outputs as v2 tensors. The metadata endpoint lists the
+artifact's inputs and outputs unless the settings name them. Errors take MLServer's
+shape (``{"error": ...}``): a bad input (a wrong datatype or shape, an unknown name: the
+message names it) is a 400 and fails alone: the requests batched with it are answered; a
+full queue is a 503; a failed batch or a passed deadline a 500.
 
 With ``"native_v2"`` (in ``extra``; true by default), REST inference requests for the
 model (``POST /v2/models/{name}/infer``, and its own version's) are answered by pxrt's
@@ -47,7 +48,7 @@ from mlserver.types import InferenceRequest, InferenceResponse, MetadataTensor
 from mlserver.utils import get_model_uri
 from starlette.routing import Route
 
-from ._on_loop import OnLoop, v2_tensors
+from ._on_loop import OnLoop, freeze_gc, v2_tensors
 
 __all__ = ["PxrtRuntime"]
 
@@ -70,6 +71,8 @@ class PxrtRuntime(MLModel):
         self._native: list[Route] = []
         if extra.get("native_v2", True):
             self._native = _install_native_routes(self)
+        if extra.get("freeze_gc", True):
+            freeze_gc()
         return True
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:
@@ -107,7 +110,7 @@ def _rest_app() -> Any:
     """The FastAPI app of MLServer's REST server in this process, or None (an inference
     worker process has none). MLServer hands a runtime no reference to its server, so
     it is found among the process's objects: the one ``RESTServer`` ``mlserver start``
-    made (MLServer 1.7 keeps its app as ``_app``)."""
+    made (MLServer 1.7 keeps its app as ``_app``), frozen objects included."""
     import gc
     import multiprocessing
 
@@ -115,7 +118,12 @@ def _rest_app() -> Any:
 
     if multiprocessing.parent_process() is not None:  # (a worker: it may hold a copy)
         return None
+    frozen = gc.get_freeze_count()  # (an earlier load froze it: the search skips those)
+    if frozen:
+        gc.unfreeze()
     servers = [o for o in gc.get_referrers(RESTServer) if isinstance(o, RESTServer)]
+    if frozen:
+        gc.freeze()
     return getattr(servers[0], "_app", None) if len(servers) == 1 else None
 
 
