@@ -89,6 +89,10 @@ def serve_kserve(kind: str, path: str, port: int) -> None:
     class JitEncoder(kserve.Model):
         def load(self) -> bool:
             self.fn = PaddedJit()
+            if os.environ.get("PXRT_BENCH_FREEZE_JIT"):  # (--freeze-baseline)
+                from serving.serve import refreeze_gc
+
+                refreeze_gc()
             self.ready = True
             return True
 
@@ -176,8 +180,12 @@ def bodies(framework: str, kind: str, n: int = 64) -> list[dict]:
     return out
 
 
-def start(framework: str, kind: str, path: str, port: int, tmp: str) -> subprocess.Popen:
+def start(
+    framework: str, kind: str, path: str, port: int, tmp: str, freeze: bool = False
+) -> subprocess.Popen:
     env = {**os.environ, "PXRT_BENCH_ENCODER": path}
+    if freeze:
+        env["PXRT_BENCH_FREEZE_JIT"] = "1"
     if framework == "kserve":
         cmd = [sys.executable, __file__, "--serve", kind, path, "--port", str(port)]
     elif framework == "bentoml":
@@ -216,6 +224,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--freeze-baseline",
+        action="store_true",
+        help="KServe: the jit model's load freezes the garbage collector too, as pxrt's does",
+    )
     p.add_argument("--serve", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -238,7 +251,7 @@ def main() -> None:
         ready = {"bentoml": "/readyz"}.get(args.framework, "/v2/models/encoder/ready")
         try:
             for kind, port in zip(kinds, ports):
-                procs.append(start(args.framework, kind, path, port, tmp))
+                procs.append(start(args.framework, kind, path, port, tmp, args.freeze_baseline))
                 urls[kind] = f"http://127.0.0.1:{port}"
                 _wait(urls[kind] + ready, procs[-1])
             infer = "/v2/models/encoder/infer"
