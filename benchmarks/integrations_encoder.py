@@ -80,6 +80,19 @@ class PaddedJit:
         return np.asarray(self.fn(t, m))
 
 
+def export_pooled(folder: str) -> str:
+    """The demo encoder's pooled output exported to ``folder``/encoder, its lengths
+    ``LENGTHS``; returns the artifact's path."""
+    import pxrt
+    from pxrt import demo
+
+    return pxrt.export(
+        pooled, demo.make_encoder_params(), os.path.join(folder, "encoder"),
+        inputs=demo.encoder_inputs(), batch_buckets=demo.ENC_BATCH_BUCKETS,
+        dim_buckets={"seq": LENGTHS}, name="encoder",
+    )  # fmt: skip
+
+
 def serve_kserve(kind: str, path: str, port: int) -> None:
     import kserve
     from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
@@ -236,15 +249,8 @@ def main() -> None:
         serve_kserve(args.serve[0], args.serve[1], args.port)
         return
 
-    import pxrt
-    from pxrt import demo
-
     with tempfile.TemporaryDirectory(prefix="pxrt-integrations-") as tmp:
-        path = pxrt.export(
-            pooled, demo.make_encoder_params(), os.path.join(tmp, "encoder"),
-            inputs=demo.encoder_inputs(), batch_buckets=demo.ENC_BATCH_BUCKETS,
-            dim_buckets={"seq": LENGTHS}, name="encoder",
-        )  # fmt: skip
+        path = export_pooled(tmp)
         kinds = ("jit", "pxrt") if args.framework == "bentoml" else ("jit", "pxrt", "pxrt-predict")
         ports = common.free_ports(len(kinds))
         procs, urls = [], {}

@@ -60,16 +60,12 @@ async def run(server, requests, seconds: float, callers: int) -> dict:
 
 
 async def main(args: argparse.Namespace) -> None:
-    from integrations_encoder import LENGTHS, pooled
+    from integrations_encoder import export_pooled
 
     from serving import Server
 
     with tempfile.TemporaryDirectory(prefix="pxrt-lane-wait-") as tmp:
-        path = pxrt.export(
-            pooled, demo.make_encoder_params(), os.path.join(tmp, "encoder"),
-            inputs=demo.encoder_inputs(), batch_buckets=demo.ENC_BATCH_BUCKETS,
-            dim_buckets={"seq": LENGTHS}, name="encoder",
-        )  # fmt: skip
+        path = export_pooled(tmp)
         lengths = demo.token_lengths(64, 8, 256, seed=3)
         requests = [
             (demo.encoder_request(1, int(n), seed=i), int(n)) for i, n in enumerate(lengths)
