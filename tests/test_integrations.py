@@ -299,6 +299,19 @@ def test_mlserver_serves_a_pxrt_model_batched_by_pxrt(mlserver_server, model):
     triton_mixed(url, binary=native, seed=8, model=model, n=48 if native else 24)
 
 
+def test_mlserver_unloads_a_pxrt_model_and_its_native_routes(mlserver_server):
+    """Unloaded through MLServer's repository API, the native model's routes go with
+    it: its inference is MLServer's 404 again, while the other model still answers."""
+    url = mlserver_server.url
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 32], "data": [0.5] * 32}]}
+    assert httpx.post(f"{url}/v2/models/mlp/infer", json=body, timeout=30).status_code == 200
+    assert httpx.post(f"{url}/v2/repository/models/mlp/unload", timeout=60).status_code == 200
+    gone = httpx.post(f"{url}/v2/models/mlp/infer", json=body, timeout=30)
+    assert gone.status_code == 404 and "mlp" in gone.json()["error"], gone.text
+    other = httpx.post(f"{url}/v2/models/mlp-mlserver/infer", json=body, timeout=30)
+    assert other.status_code == 200, other.text
+
+
 def test_loading_freezes_the_collector_unless_told_not_to(artifacts, monkeypatch):
     """KServe's and LitServe's loads end as ``pxrt serve``'s start does, with the
     garbage collector frozen (``serve.refreeze_gc``); ``freeze_gc=False`` leaves it."""

@@ -72,10 +72,20 @@ class OnLoop:
             self._app_of, self._app = server, create_app(server)
         return self._app
 
+    async def aclose(self) -> None:
+        """Close the server, awaited where its loop is the running one (else as
+        ``close``)."""
+        server, loop = self._server, self._loop
+        if server is not None and loop is asyncio.get_running_loop():
+            self._server = self._app_of = self._app = None
+            await server.close()
+        else:
+            self.close()
+
     def close(self) -> None:
         """Close the server from any thread (on its loop, while that runs)."""
         server, loop = self._server, self._loop
-        self._server = None
+        self._server = self._app_of = self._app = None
         if server is not None and loop is not None and loop.is_running():
             asyncio.run_coroutine_threadsafe(server.close(), loop)
 

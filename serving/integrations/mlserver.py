@@ -71,7 +71,8 @@ class PxrtRuntime(MLModel):
         self._native: list[Route] = []
         if extra.get("native_v2", True):
             self._native = _install_native_routes(self)
-        if extra.get("freeze_gc", True):
+        self._freeze = bool(extra.get("freeze_gc", True))
+        if self._freeze:
             freeze_gc()
         return True
 
@@ -102,7 +103,10 @@ class PxrtRuntime(MLModel):
             if app is not None and route in app.router.routes:
                 app.router.routes.remove(route)
         self._native = []
-        self._batched.close()
+        await self._batched.aclose()  # (its requests answered, then the model let go)
+        self.model = None
+        if self._freeze:  # (the model's cycles, frozen at its load, collected)
+            freeze_gc()
         return True
 
 
