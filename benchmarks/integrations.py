@@ -392,23 +392,30 @@ def stop_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, framework: str) -> None:
+#: The readiness path of the frameworks that do not answer the v2 protocol's model ready.
+READY = {"litserve": "/health", "bentoml": "/readyz"}
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: str | None = None) -> None:
+    """Until ``url`` (a readiness URL) answers 200; a server that exits first (its
+    output's end from ``log``, where there is one) or takes over 4 minutes ends the run."""
     import httpx
 
-    deadline = time.time() + 180
+    deadline = time.time() + 240
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server at {url} exited")
+            output = ""
+            if log is not None:
+                with open(log) as f:
+                    output = ":\n" + f.read()[-3000:]
+            raise SystemExit(f"the server for {url} exited{output}")
         try:
-            ready = {"litserve": "/health", "bentoml": "/readyz"}.get(
-                framework, "/v2/models/mlp/ready"
-            )
-            if httpx.get(f"{url}{ready}", timeout=1).status_code == 200:
+            if httpx.get(url, timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise SystemExit(f"the server at {url} did not become ready")
+    raise SystemExit(f"{url} did not become ready")
 
 
 def main() -> None:
@@ -488,7 +495,7 @@ def main() -> None:
                                               stderr=subprocess.DEVNULL, env=env,
                                               start_new_session=True))  # fmt: skip
                 urls.append(f"http://127.0.0.1:{port}")
-                wait_ready(urls[-1], procs[-1], args.framework)
+                wait_ready(urls[-1] + READY.get(args.framework, "/v2/models/mlp/ready"), procs[-1])
             client = "pxrt bench" if args.framework in ("kserve", "mlserver") else args.client
             print(f"{args.framework} {_version(args.framework)}: {kinds[0]} at {urls[0]}, pxrt "
                   f"at {urls[1]}; the demo MLP, width {args.width}, 1-row requests, "

@@ -254,12 +254,12 @@ def main() -> None:
         kinds = ("jit", "pxrt") if args.framework == "bentoml" else ("jit", "pxrt", "pxrt-predict")
         ports = common.free_ports(len(kinds))
         procs, urls = [], {}
-        ready = {"bentoml": "/readyz"}.get(args.framework, "/v2/models/encoder/ready")
+        ready = common.READY.get(args.framework, "/v2/models/encoder/ready")
         try:
             for kind, port in zip(kinds, ports):
                 procs.append(start(args.framework, kind, path, port, tmp, args.freeze_baseline))
                 urls[kind] = f"http://127.0.0.1:{port}"
-                _wait(urls[kind] + ready, procs[-1])
+                common.wait_ready(urls[kind] + ready, procs[-1], procs[-1].stdout_log)  # type: ignore[attr-defined]
             infer = "/v2/models/encoder/infer"
             api = "/predict" if args.framework == "bentoml" else infer
             targets = {kind: (urls[kind] + api, bodies(args.framework, kind)) for kind in urls}
@@ -276,25 +276,6 @@ def main() -> None:
         finally:
             for proc in procs:  # (each server's process group: its workers too)
                 common.stop_group(proc)
-
-
-def _wait(url: str, proc: subprocess.Popen) -> None:
-    import time
-
-    import httpx
-
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            with open(proc.stdout_log) as f:  # type: ignore[attr-defined]
-                raise SystemExit(f"the server for {url} exited:\n{f.read()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} did not become ready")
 
 
 if __name__ == "__main__":

@@ -61,16 +61,22 @@ class OnLoop:
         except (DeadlineExceeded, ExecutionFailed) as exc:
             raise failed(str(exc)) from None
 
-    def native_v2(self, model: Any) -> Any:
-        """pxrt's own KServe v2 app (``serving.http.create_app``) over ``server(model)``
-        (made again with it): its inference path decodes and encodes the request itself,
-        without the framework's per-request objects."""
+    async def native_v2(
+        self, model: Any, scope: Any, receive: Any, send: Any, path: str | None = None
+    ) -> None:
+        """Answer an ASGI request with pxrt's own KServe v2 app (``serving.http.create_app``)
+        over ``server(model)`` (made again with it): its inference path decodes and
+        encodes the request itself, without the framework's per-request objects. The app
+        is handed the request's whole path (``path`` instead, where given) and no root
+        path, as its routes are written; the scope is copied only to change those."""
         server = self.server(model)
         if self._app_of is not server:
             from ..http import create_app
 
             self._app_of, self._app = server, create_app(server)
-        return self._app
+        if path is not None or scope.get("root_path"):
+            scope = {**scope, "root_path": "", "path": path or scope["path"]}
+        await self._app(scope, receive, send)
 
     async def aclose(self) -> None:
         """Close the server, awaited where its loop is the running one (else as

@@ -118,5 +118,4 @@ class _V2:
             return
         if self.shared.model is None:  # (BentoML routes only once the service is made)
             raise ServiceUnavailable("the model is not loaded yet")
-        app = self.shared.batched.native_v2(self.shared.model)
-        await app({**scope, "root_path": ""}, receive, send)
+        await self.shared.batched.native_v2(self.shared.model, scope, receive, send)

@@ -159,8 +159,6 @@ class _NativeInference:
             found = fast_route("POST", scope["path"])
             model = _native_models.get(found[1]) if found is not None else None
             if model is not None and model.ready:
-                if scope.get("root_path"):  # (pxrt's app is handed the whole path)
-                    scope = {**scope, "root_path": ""}
-                await model._batched.native_v2(model.model)(scope, receive, send)
+                await model._batched.native_v2(model.model, scope, receive, send)
                 return
         await self.app(scope, receive, send)

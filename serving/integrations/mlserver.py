@@ -160,6 +160,4 @@ class _NativeInference:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         runtime = self.runtime
-        if self.path is not None or scope.get("root_path"):
-            scope = {**scope, "root_path": "", "path": self.path or scope["path"]}
-        await runtime._batched.native_v2(runtime.model)(scope, receive, send)
+        await runtime._batched.native_v2(runtime.model, scope, receive, send, self.path)
