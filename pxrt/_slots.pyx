@@ -159,4 +159,8 @@ cdef class SlotTable:
 cdef const int[::1] _int32s(cnp.ndarray tokens) except *:
     if tokens.dtype.num != cnp.NPY_INT32 or tokens.ndim != 1:
         raise TypeError(f"tokens must be a 1-D int32 array, got {tokens.dtype}{(<object>tokens).shape}")
+    if not cnp.PyArray_IS_C_CONTIGUOUS(tokens):
+        # (a row of a block's tokens read from an accelerator can be strided: the TPU's
+        # host copy of a [steps, rows] array comes back column-major)
+        tokens = cnp.PyArray_GETCONTIGUOUS(tokens)
     return tokens

@@ -1396,8 +1396,10 @@ def test_slot_routing_twins_agree():
         owners = table3.dispatch(3)
         freed = sorted(table3.free)
         woken, finished = [], []
-        for row in ([1, 2], [3, 7], [4, 8]):
-            table3.route(np.array(row, np.int32), owners, 2.0, woken, finished)
+        # (column-major, as a TPU returns a block's tokens: each step's row is strided)
+        block = np.asfortranarray(np.array([[1, 2], [3, 7], [4, 8]], np.int32))
+        for row in block:
+            table3.route(row, owners, 2.0, woken, finished)
         trace.append((freed, short.tokens, stops.tokens, [g.finish_reason for g in finished]))
         with pytest.raises(ValueError, match="steps must be >= 1"):
             table3.dispatch(0)
