@@ -35,8 +35,11 @@ Needs the side venv (``bash benchmarks/jetstream_env.sh``):
         [--heads N] [--mlp N] [--max-length N] [--vocab N] [--layout array|layers] \\
         [--positions learned|sinusoid] [--prompts lognormal:48:8:256] \\
         [--outputs lognormal:24:8:128] [--requests N] [--slots 32] [--callers N] \\
-        [--repeats 3] [--quick]
+        [--repeats 3] [--quick] [--load KEY=VALUE] [--tiers 0.25:10,0.5:5,1:1]
     .venv-jetstream/bin/python benchmarks/jetstream_compare.py --sweep [--quick]
+
+``--tiers``: pxrt loaded with ``length_tiers`` sized for each slot count (each tier's
+length a fraction of ``max_length``, its share of the slots a weight).
 
 ``--sweep``: demo, js-small, js-wide and keras-llama at 8, 16, 32 and 64 slots (callers =
 slots; ``--shapes``, ``--slots`` to change them), then one table. ``--quick``: fewer
@@ -420,6 +423,8 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
     """pxrt and JetStream at ``slots`` slots on ``work``: the check, then the runs
     alternated; for keras-hub's Llama, its ``generate`` after them. Returns the medians
     per system, the check's report and the peer's numbers."""
+    if args.tiers:  # (pxrt's cache in length tiers sized for this slot count)
+        model.options["length_tiers"] = tiers_for(args.tiers, slots, model.max_length)
     dec = model.load(slots)
     t0 = time.perf_counter()
     js = JetStreamTarget(js_modules, model, slots, lengths)
@@ -584,6 +589,17 @@ def load_option(text: str) -> tuple[str, object]:
         return key, value
 
 
+def tiers_for(shares: str, slots: int, max_length: int) -> str:
+    """``--tiers`` (``FRACTION:WEIGHT,...``: each tier's length as a fraction of
+    ``max_length`` and its share of the slots) as ``length_tiers`` for ``slots`` slots:
+    every tier at least one slot, the rounding taken from the largest."""
+    pairs = [(float(f), float(w)) for f, w in (t.split(":") for t in shares.split(","))]
+    total = sum(w for _, w in pairs)
+    counts = [max(1, round(slots * w / total)) for _, w in pairs]
+    counts[counts.index(max(counts))] += slots - sum(counts)
+    return "+".join(f"{n}x{round(f * max_length)}" for (f, _), n in zip(pairs, counts))
+
+
 def requests_for(args: argparse.Namespace, slots: int) -> int:
     if args.requests:
         return args.requests
@@ -615,6 +631,12 @@ def main() -> None:
         type=load_option,
         metavar="KEY=VALUE",
         help="a pxrt load option (VALUE as JSON), e.g. overlap_prefill=false; default none",
+    )
+    g.add_argument(
+        "--tiers",
+        metavar="FRACTION:WEIGHT,...",
+        help="pxrt's length_tiers for each slot count: each tier's length as a fraction of "
+        "max_length and its share of the slots, e.g. 0.25:10,0.5:5,1:1",
     )
     g.add_argument("--no-keras-peer", dest="keras_peer", action="store_false",
                    help="skip keras-hub's generate() on keras-llama")  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar, Self
 
@@ -120,6 +121,19 @@ def sizes(low: int):
 
     check.expects = text  # type: ignore[attr-defined]
     return check
+
+
+def _tiers(value: Any) -> str | None:
+    """A decoder's ``length_tiers``: slots x positions per tier, as ``pxrt.load`` takes
+    them (checked against the artifact there)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.fullmatch(r"\d+x\d+(\+\d+x\d+)*", value):
+        raise OptionError(_tiers.expects)  # type: ignore[attr-defined]
+    return value
+
+
+_tiers.expects = "slots x positions per tier, e.g. '20x128+10x256+2x512'"  # type: ignore[attr-defined]
 
 
 def _maybe_flag(value: Any) -> bool | None:
@@ -284,7 +298,8 @@ class DecoderLoad(_Checked):
     decoding, whether the sampling controls' programs are built, the time a turn of
     its loop may spend prefilling beside its step (``itl_bound_ms``) and whether
     prefills run on a thread of their own beside the steps (``overlap_prefill``), and
-    the most decode steps one program runs (``multi_step``).
+    the most decode steps one program runs (``multi_step``), and the cache's length
+    tiers (``length_tiers``, experimental).
     None: the artifact's or ``pxrt.load``'s default."""
 
     slots: int | None = None
@@ -303,6 +318,7 @@ class DecoderLoad(_Checked):
     itl_bound_ms: float | None = None
     overlap_prefill: bool | None = None
     multi_step: int | None = None
+    length_tiers: str | None = None
 
     CHECKS: ClassVar[dict[str, Any]] = {
         "slots": number(int, 1, none=True),
@@ -321,6 +337,7 @@ class DecoderLoad(_Checked):
         "itl_bound_ms": number(float, 0, inclusive=False, none=True),
         "overlap_prefill": _maybe_flag,
         "multi_step": number(int, 1, none=True),
+        "length_tiers": _tiers,
     }
 
     def load_options(self) -> dict[str, Any]:

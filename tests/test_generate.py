@@ -1740,3 +1740,74 @@ def test_a_decoder_load_that_would_not_fit_is_refused_before_allocating(lm_path,
             prefill_batches=(1,), chunk_lengths=(32,), chunk_batches=(1,),
         )  # fmt: skip
     assert not placed
+
+
+# --------------------------------------------------------------------------- length tiers
+
+
+def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, lm, reference):
+    """``length_tiers``: the cache as one array per tier, every tier stepped in one
+    program at its own length. Prompts go to the shortest tier with a free slot that
+    holds prompt plus ``max_tokens`` (a prompt whose prefill cell is longer than its
+    tier has its rows cut to it); greedy streams equal plain JAX, seeded sampled ones
+    and logprobs equal the one-cache decoder's, every cache is updated in place, and a
+    request too long for the short tiers waits for a long one."""
+    dec = pxrt.load(lm_path, length_tiers="4x16+4x32+4x64")
+    try:
+        assert dec.wait_programs(120)
+        assert dec.slots == 12 and dec.max_length == MAX_LENGTH
+        assert sorted(set(dec._slot_length)) == [16, 32, 64]
+        assert dec.prefix is None and dec.step_slots == (12,) and not dec.step_lengths
+        chosen: list[int] = []
+        pick = dec._tier_slot
+        dec._tier_slot = lambda gen, taken: chosen.append(pick(gen, taken)) or chosen[-1]
+        before = [leaf for tier in dec.state["cache"] for leaf in jax.tree.leaves(tier)]
+        # (lengths 1..32 and max_tokens 3..36: every tier; a 9-32 token prompt is
+        # prefilled at 32 positions and may go to the 16-position tier)
+        cases = [(p, 3 + (i * 11) % 34) for i, p in enumerate(prompts(24, seed=51))]
+        results: dict = {}
+
+        def client(i, prompt, max_tokens):
+            time.sleep(0.002 * (i % 5))
+            results[i] = list(dec.stream(prompt, max_tokens=max_tokens))
+
+        threads = [threading.Thread(target=client, args=(i, *c)) for i, c in enumerate(cases)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, (prompt, max_tokens) in enumerate(cases):
+            assert results[i] == reference(prompt, max_tokens), i
+        lengths = [dec._slot_length[s] for s in chosen if s >= 0]
+        assert set(lengths) == {16, 32, 64}
+        assert any(8 < len(p) and len(p) + m <= 16 for p, m in cases)  # (a cut prefill)
+        assert all(b.is_deleted() for b in before)  # (donated: updated in place)
+        cache_bytes = dec.cache_bytes
+        assert cache_bytes == 4 * (16 + 32 + 64) * lm.cache_bytes // (SLOTS * MAX_LENGTH)
+        for program in dec.describe()["programs"]:
+            mem = program["memory"]
+            if mem and program["program"] != "prefill_rows":
+                assert mem["alias_bytes"] >= cache_bytes // len(dec.devices), program
+        sampled = dict(max_tokens=12, temperature=0.9, top_k=20, seed=8, logprobs=2)
+        for p in prompts(4, seed=52):
+            a, b = dec.generate(p, **sampled), lm.generate(p, **sampled)
+            assert a.tokens == b.tokens
+            np.testing.assert_allclose(
+                [t[0] for t in a.logprobs], [t[0] for t in b.logprobs], rtol=1e-5, atol=1e-5
+            )
+        assert dec.compiles_after_load == 0 and dec.busy_slots == 0
+    finally:
+        dec.close()
+
+
+def test_length_tiers_are_checked(lm_path):
+    with pytest.raises(ValueError, match="slots x positions per tier"):
+        pxrt.load(lm_path, length_tiers="4 by 16")
+    with pytest.raises(ValueError, match="slots: 8, but length_tiers"):
+        pxrt.load(lm_path, slots=8, length_tiers="4x16+8x64")
+    with pytest.raises(ValueError, match="positive multiple of the"):
+        pxrt.load(lm_path, length_tiers="0x16+4x64")
+    with pytest.raises(ValueError, match="one tier per length"):
+        pxrt.load(lm_path, length_tiers=[(4, 16), (4, 16)])
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        pxrt.load(lm_path, length_tiers="4x16+4x64", speculative_tokens=2)

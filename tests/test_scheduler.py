@@ -148,3 +148,30 @@ def test_a_block_runs_as_many_steps_as_fit_and_nothing_waits_on():
     dec._waiting.clear()
     dec._chunking.append(object())  # a chunk between the steps
     assert dec._block_size(4, 64) == 1
+
+
+def test_length_tiers_take_the_shortest_free_tier_that_holds_a_prompt():
+    dec = Decoder()
+    dec._wire_tiers(((4, 64), (2, 128), (2, 256)))
+    assert dec._slot_length == (64,) * 4 + (128,) * 2 + (256,) * 2
+
+    def gen(prompt: int, max_tokens: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(prompt=[0] * prompt, max_tokens=max_tokens)
+
+    def length(slot: int) -> int:
+        return dec._slot_length[slot]
+
+    assert length(dec._tier_slot(gen(10, 20), {})) == 64
+    assert length(dec._tier_slot(gen(10, 54), {})) == 64  # (prompt + max_tokens = 64)
+    assert length(dec._tier_slot(gen(60, 20), {})) == 128
+    assert length(dec._tier_slot(gen(60, 190), {})) == 256
+    assert dec._tier_slot(gen(60, 300), {}) == -1  # (no tier holds it)
+    dec._table.free = [4, 5, 6, 7]  # the short tier busy: a longer tier's slot
+    assert length(dec._tier_slot(gen(10, 20), {})) == 128
+    # slots this turn's admission chose already are not chosen again
+    assert dec._tier_slot(gen(10, 20), {"a": 4, "b": 5}) in (6, 7)
+    assert dec._tier_slot(gen(10, 20), {"a": 4, "b": 5, "c": 6, "d": 7}) == -1
+    # on two devices each device's slots are its rows of each tier in turn
+    two = Decoder(devices=[None, None])
+    two._wire_tiers(((4, 64), (2, 128), (2, 256)))
+    assert two._slot_length == (64, 64, 128, 256) * 2

@@ -62,6 +62,11 @@ class Core(Protocol):
     speculative_tokens: int
     _spec: dict[str, float]
     prefix: PrefixPool | None
+    # The length tiers (``_wire_tiers``): each slot's cache length, and the slots the
+    # turn's admission chose.
+    tiers: tuple[tuple[int, int], ...]
+    _slot_length: tuple[int, ...]
+    _chosen: dict[Generation, int]
     # The queue, the slots and the loop's thread (``_wire_queue``).
     _chunking: collections.deque[Generation]
     _table: Any  # a SlotTable (pxrt._slots, or its twin pxrt._slots_py)

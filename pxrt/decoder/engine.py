@@ -96,6 +96,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         itl_bound_ms: float | None = None,
         overlap_prefill: bool = False,
         multi_step: int = 1,
+        tiers: Sequence[tuple[int, int]] = (),
         deferred: int = 0,
         wanted: Mapping[str, Any] | None = None,
         prefill_lengths: Sequence[int] = (),
@@ -128,6 +129,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         self._wire_overlap(overlap_prefill)
         #: Steps a plain decode program may run (``pxrt.load(multi_step=...)``; 1: one).
         self.multi_step = multi_step
+        self._wire_tiers(tiers)
         self._itl_bound_ms = itl_bound_ms
         self._price_programs(costs or {}, itl_bound_ms)
         #: Programs still compiling after the load (``pxrt.load(defer=True)``): the loop

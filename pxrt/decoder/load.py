@@ -63,6 +63,7 @@ def load_decoder(
     itl_bound_ms: float | None = None,
     overlap_prefill: bool | None = None,
     multi_step: int | None = None,
+    length_tiers: str | Sequence[tuple[int, int]] | None = None,
     defer: bool = True,
     progress: bool | None = None,
     compilation_cache: bool | str | os.PathLike = True,
@@ -125,6 +126,14 @@ def load_decoder(
     tokens come in bursts no longer than that. One per program while a slot has sampling
     controls or logprobs, while speculating, and in a multi-host group.
 
+    ``length_tiers`` (experimental; ``"20x128+10x256+2x512"`` or ``[(20, 128), ...]``:
+    slots x positions per tier): the cache as one array per tier, all stepped in one
+    program, each at its own length, so a short sequence reads a short cache; a prompt
+    goes to the smallest tier with a free slot that holds its prompt and ``max_tokens``.
+    The slots are the tiers' sum and ``max_length`` the longest tier's. Without (for
+    now): the prefix cache, chunked prompts (a prompt is at most the longest prefill),
+    steps over fewer slots or cache windows, speculation, a multi-host group.
+
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
     controls' insert).
@@ -162,7 +171,7 @@ def load_decoder(
         speculative_tokens=speculative_tokens, max_waiting=max_waiting,
         sampling_controls=sampling_controls, chunk_tokens=chunk_tokens,
         itl_bound_ms=itl_bound_ms, overlap_prefill=overlap_prefill, devices=devices,
-        multi_step=multi_step,
+        multi_step=multi_step, length_tiers=length_tiers,
     )  # fmt: skip
     plan.phases = {"read": time.perf_counter() - t0}
     _xla.compile_counter.ensure_registered()
@@ -208,6 +217,8 @@ class _Plan:
     overlap: bool = False
     #: The most steps a decode program runs (``multi_step``).
     multi_step: int = 1
+    #: The cache's length tiers (``length_tiers``): (slots, positions) each, or ().
+    tiers: tuple[tuple[int, int], ...] = ()
     #: Seconds per phase of the load.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -235,12 +246,26 @@ def _plan(
     overlap_prefill: bool | None = None,
     devices: Sequence = (),
     multi_step: int | None = None,
+    length_tiers: str | Sequence[tuple[int, int]] | None = None,
 ) -> _Plan:
     """``load_decoder``'s options checked, and the sizes they leave (``_Plan``)."""
+    tiers = _tiers(art, n_dev, in_group, length_tiers)
+    if tiers:  # (the slots and the cache's length are the tiers'; what they leave out)
+        if slots is not None and slots != sum(n for n, _ in tiers):
+            raise ValueError(
+                f"slots: {slots}, but length_tiers {length_tiers!r} hold "
+                f"{sum(n for n, _ in tiers)} (leave slots out)"
+            )
+        slots, max_length = sum(n for n, _ in tiers), max(length for _, length in tiers)
+        if speculative_tokens:
+            raise ValueError("speculative_tokens: not with length_tiers (yet)")
+        prefix_cache_tokens, step_slots, step_lengths = 0, (), ()
     slots, max_length, lengths, batches = _sizes(
         art.config, art.bounds, n_dev, slots, max_length, prefill_lengths, prefill_batches
     )
     chunks, chunk_rows = _chunk_sizes(art, max_length, chunk_lengths, chunk_batches)
+    if tiers:  # (a prompt goes in whole, at most the longest prefill)
+        chunks, chunk_rows = [], []
     if in_group and chunks:
         # Followers run only prefill cells and the step (pxrt.multihost).
         log.info("pxrt: %s: in a multi-host group prompts are not chunked or cached", art.name)
@@ -273,8 +298,37 @@ def _plan(
     return _Plan(
         slots, max_length, lengths, batches, chunks, chunk_rows, prefix, parts, windows,
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
-        bool(overlap_prefill), multi_step,
+        bool(overlap_prefill), multi_step, tiers=tiers,
     )  # fmt: skip
+
+
+def _tiers(
+    art: Any, n_dev: int, in_group: bool, given: str | Sequence[tuple[int, int]] | None
+) -> tuple[tuple[int, int], ...]:
+    """``length_tiers`` checked: (slots, positions) per tier, shortest first."""
+    if given is None or given == () or given == "":
+        return ()
+    form = "length_tiers takes slots x positions per tier, e.g. '20x128+10x256+2x512'"
+    try:
+        pairs = (
+            [tuple(t.split("x")) for t in given.replace(" ", "").split("+")]
+            if isinstance(given, str) else [tuple(t) for t in given]
+        )  # fmt: skip
+        tiers = [(int(n), int(length)) for n, length in pairs]
+    except (TypeError, ValueError):
+        raise ValueError(f"{form}; got {given!r}") from None
+    if in_group:
+        raise ValueError("length_tiers: not in a multi-host group")
+    for n, _ in tiers:
+        if n < 1 or n % n_dev:
+            raise ValueError(
+                f"length_tiers: each tier's slots must be a positive multiple of the "
+                f"{n_dev} devices (the cache is sharded by slot); got {n} in {given!r}"
+            )
+    shapes.check_lengths("length_tiers", LENGTH_DIM, [t[1] for t in tiers], art.bounds)
+    if len({length for _, length in tiers}) != len(tiers):
+        raise ValueError(f"length_tiers: one tier per length; got {given!r}")
+    return tuple(sorted(tiers, key=lambda t: t[1]))
 
 
 @dataclasses.dataclass
@@ -318,6 +372,7 @@ def _build(
             controls=plan.controls,
             overlap=plan.overlap,
             multi_step=plan.multi_step,
+            tiers=plan.tiers,
         )
         # Refused before anything is placed or compiled when the cache alone cannot fit
         # (slots = 100000 would otherwise allocate until the kernel kills the process),
@@ -427,6 +482,7 @@ def _decoder(art: Any, devices: list, plan: _Plan, built: _Built, t0: float) -> 
         itl_bound_ms=plan.itl_bound_ms,
         overlap_prefill=plan.overlap,
         multi_step=plan.multi_step,
+        tiers=plan.tiers,
         deferred=len(built.later),
         prefill_lengths=plan.lengths,
         wanted={

@@ -67,8 +67,13 @@ class DecoderPrograms:
         controls: bool = True,
         overlap: bool = False,
         multi_step: int = 1,
+        tiers: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.art, self.devices = art, devices
+        #: Length tiers (``(slots, positions)`` each, the slots summing to ``slots``):
+        #: the cache as one array per tier, each stepped whole by ``decode`` at its own
+        #: length; () for one cache of ``max_length`` positions.
+        self.tiers = tuple((int(n), int(length)) for n, length in tiers)
         #: Steps per decode program (``multi_step``): above 1, the plain steps (over
         #: every slot, fewer, or a window) are blocks of up to that many steps in one
         #: program, the number run an argument (1: one step, as before).
@@ -288,8 +293,10 @@ class DecoderPrograms:
         """Every program of a load, in order: (what, batch, length)."""
         todo = [("state", 0, 0), ("step", 0, 0)]
         if self.controls:
-            todo += [("control", 0, 0), ("step", -1, 0), ("forward", 0, 0), ("pick", 0, 0)]
-            todo += [("forward", 0, w) for w in self.step_lengths]
+            todo += [("control", 0, 0), ("step", -1, 0)]
+            if not self.tiers:  # (the full step as forward and pick: one cache only)
+                todo += [("forward", 0, 0), ("pick", 0, 0)]
+                todo += [("forward", 0, w) for w in self.step_lengths]
         if self.speculate:
             todo.append(("verify", 0, self.speculate))
         if self.step_slots:
@@ -381,6 +388,7 @@ class DecoderPrograms:
             {
                 "decoder": self.art.manifest.get("files", {}),
                 "program": [what, b, n, self.slots, self.max_length]
+                + ([list(map(list, self.tiers))] if self.tiers else [])
                 # (a plain step's block size)
                 + ([self.multi_step] if what == "step" and b >= 0 and self.multi_step > 1 else [])
                 # (the pool's programs: its size, and the rows a copy takes)
@@ -412,18 +420,22 @@ class DecoderPrograms:
 
     # The traced programs.
 
-    def _state_specs(self) -> dict:
-        cache = jax.tree.unflatten(
+    def _cache_specs(self, slots: int, length: int) -> Any:
+        return jax.tree.unflatten(
             self._cache_tree,
             [
                 jax.ShapeDtypeStruct(
-                    (self.slots,) + s.at({LENGTH_DIM: self.max_length}),
-                    s.dtype,
-                    sharding=self.by_slot,
+                    (slots,) + s.at({LENGTH_DIM: length}), s.dtype, sharding=self.by_slot
                 )
                 for s in self._specs
             ],
         )
+
+    def _state_specs(self) -> dict:
+        if self.tiers:  # (a tuple of caches, one per tier)
+            cache: Any = tuple(self._cache_specs(n, length) for n, length in self.tiers)
+        else:
+            cache = self._cache_specs(self.slots, self.max_length)
         # Per slot: int32 (next input token, its position, top-k, seed bits, whether it
         # wants scores, whether its controls apply, the end of its stop ids' ban) and
         # float32 (temperature, top-p, penalties): two arrays, so that an insert is two
@@ -483,8 +495,11 @@ class DecoderPrograms:
     ) -> tuple[dict, jax.Array, jax.Array]:
         c = sampling
         ints, floats = state["ints"], state["floats"]
-        positions = jnp.minimum(ints[:, c.POS], (length or self.max_length) - 1)
-        cache, logits = self.art.decode.call(params, state["cache"], ints[:, c.TOK], positions)
+        if self.tiers:
+            cache, logits, positions = self._tiered_decode(params, state["cache"], ints)
+        else:
+            positions = jnp.minimum(ints[:, c.POS], (length or self.max_length) - 1)
+            cache, logits = self.art.decode.call(params, state["cache"], ints[:, c.TOK], positions)
         following = positions + 1
         cols = (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
         tokens, scores, on = self._choose(logits, ints, floats, following, state, None, cols, full)
@@ -494,6 +509,38 @@ class DecoderPrograms:
             rows = jnp.arange(tokens.shape[0])
             state["counts"] = state["counts"].at[rows, tokens].add(on.astype(jnp.int32))
         return state, tokens, scores
+
+    def _tiered_decode(
+        self, params: Any, caches: tuple, ints: jax.Array
+    ) -> tuple[tuple, jax.Array, jax.Array]:
+        """``decode`` over each tier's cache (this device's rows of it), each at its own
+        length: (the caches, the logits and the positions written, in slot order). This
+        device's slots are its rows of each tier, tier after tier."""
+        n_dev = len(self.devices)
+        out, logits, written, at = [], [], [], 0
+        for (n, length), cache in zip(self.tiers, caches):
+            rows = ints[at : at + n // n_dev]
+            at += n // n_dev
+            positions = jnp.minimum(rows[:, sampling.POS], length - 1)
+            cache, got = self.art.decode.call(params, cache, rows[:, sampling.TOK], positions)
+            out.append(cache)
+            logits.append(got)
+            written.append(positions)
+        return tuple(out), jnp.concatenate(logits), jnp.concatenate(written)
+
+    def tier_rows(self, slot: jax.Array) -> list[jax.Array]:
+        """Each tier's row of each (global) ``slot``, or the tier's size where the slot
+        is not in that tier (out of range: a scatter drops it)."""
+        n_dev = len(self.devices)
+        per = self.slots // n_dev
+        device, local = slot // per, slot % per
+        rows, start = [], 0
+        for n, _ in self.tiers:
+            share = n // n_dev
+            inside = (local >= start) & (local < start + share) & (slot >= 0)
+            rows.append(jnp.where(inside, device * share + local - start, n))
+            start += share
+        return rows
 
     def _full_step(
         self, params: Any, state: dict, allowed: jax.Array
@@ -754,7 +801,21 @@ class DecoderPrograms:
         first, scores, on = self._choose(
             logits, ints, floats, lengths, state, taken, (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
         )
-        cache = jax.tree.unflatten(
+        if self.tiers:
+            cache: Any = tuple(
+                self._write_rows(tier, rows, at, length)
+                for tier, at, (_, length) in zip(state["cache"], self.tier_rows(slot), self.tiers)
+            )
+        else:
+            cache = self._write_rows(state["cache"], rows, slot, self.max_length)
+        rows_ints = ints.at[:, sampling.TOK].set(first).at[:, sampling.POS].set(lengths)
+        return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
+
+    def _write_rows(self, cache: Any, rows: Any, slot: jax.Array, length: int) -> Any:
+        """``cache`` with prefilled ``rows`` written at its start in rows ``slot`` (out of
+        range: dropped), cut to the cache's ``length`` positions (a prompt in a shorter
+        tier is no longer than it: the positions cut are padding)."""
+        return jax.tree.unflatten(
             self._cache_tree,
             [
                 leaf.at[
@@ -763,12 +824,16 @@ class DecoderPrograms:
                     else (slot,) + (slice(None),) * (axis - 1) + (slice(0, r.shape[axis]),)
                 ].set(r, mode="drop")
                 for leaf, r, axis in zip(
-                    jax.tree.leaves(state["cache"]), jax.tree.leaves(rows), self._length_axes
+                    jax.tree.leaves(cache),
+                    [
+                        r if axis is None or r.shape[axis] <= length
+                        else lax.slice_in_dim(r, 0, length, axis=axis)
+                        for r, axis in zip(jax.tree.leaves(rows), self._length_axes)
+                    ],
+                    self._length_axes,
                 )
             ],
-        )
-        rows_ints = ints.at[:, sampling.TOK].set(first).at[:, sampling.POS].set(lengths)
-        return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
+        )  # fmt: skip
 
     def _extend_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array

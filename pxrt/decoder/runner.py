@@ -334,7 +334,12 @@ class Runner(Core):
             tokens[i, : len(prompt)] = prompt
             ints[i, sampling.LEN] = len(prompt)
             # (beside the steps: the slot is reserved until the rows are inserted)
-            slot = gen.reserved = free.pop() if beside else assign(gen)
+            chosen = self._chosen.pop(gen, -1)  # (length tiers: the admission's choice)
+            if chosen >= 0:
+                free.remove(chosen)
+            slot = gen.reserved = (
+                (chosen if chosen >= 0 else free.pop()) if beside else assign(gen, chosen)
+            )
             ints[i, sampling.SLOT] = slot
             ints[i, sampling.TOPK] = gen.top_k
             ints[i, sampling.SEED] = _seed_bits(gen.seed)
@@ -693,9 +698,9 @@ class Runner(Core):
     @property
     def cache_bytes(self) -> int:
         """Device memory of the cache (all slots, all devices together)."""
-        at = {LENGTH_DIM: self.max_length}
         specs = jax.tree.leaves(self.artifact.cache, is_leaf=is_spec)
-        return self.slots * sum(spec.nbytes_at(at) for spec in specs)
+        tiers = self.tiers or ((self.slots, self.max_length),)
+        return sum(n * s.nbytes_at({LENGTH_DIM: length}) for n, length in tiers for s in specs)
 
     @property
     def pool_bytes(self) -> int:

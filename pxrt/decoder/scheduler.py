@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .params import int_in, number_in
@@ -41,6 +41,8 @@ class _Scan:
     held: list[Generation]
     loads: list[tuple[int, list[int]]]
     chunked: list[Generation] = dataclasses.field(default_factory=list)
+    #: With length tiers: the slot chosen for each prompt gathered (taken at prefill).
+    chosen: dict[Generation, int] = dataclasses.field(default_factory=dict)
 
 
 class Scheduler(Core):
@@ -99,6 +101,8 @@ class Scheduler(Core):
             if beside and room <= 0:
                 rows = 0
             waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
+            for gen in batch[rows:]:
+                scan.chosen.pop(gen, None)
             if self.prefix is not None and rows < len(batch):
                 scan.filling = base | {
                     k for g in [*scan.chunked, *batch[:rows]] if g.use_prefix and g.keys
@@ -116,6 +120,7 @@ class Scheduler(Core):
         waiting.extendleft(reversed(scan.held))
         if scan.loads:
             self._load_prefixes(scan.loads)
+        self._chosen = scan.chosen
         return units
 
     def _gather_unit(self, scan: _Scan, taken: int) -> tuple[list, int]:
@@ -164,6 +169,14 @@ class Scheduler(Core):
                 continue
             if len(batch) >= self.prefill_batches[-1] or (length and gen.bucket > length):
                 break
+            if self._slot_length:  # (length tiers: a free slot of a tier that holds it)
+                slot = self._tier_slot(gen, scan.chosen)
+                if slot < 0:
+                    held.append(waiting.popleft())
+                    if len(held) >= self.slots:
+                        break
+                    continue
+                scan.chosen[gen] = slot
             length = length or gen.bucket
             batch.append(waiting.popleft())
             if gen.use_prefix and gen.keys:
@@ -281,6 +294,30 @@ class Scheduler(Core):
         if gen.keys is None:
             gen.keys = prefix.index.keys(gen.prompt)
         return prefix.index.match(gen.keys) if gen.keys else []
+
+    def _wire_tiers(self, tiers: Sequence[tuple[int, int]]) -> None:
+        #: The length tiers (``pxrt.load(length_tiers=...)``): (slots, positions) each.
+        self.tiers = tuple(tiers)
+        #: Each slot's cache length (its tier's), or () without tiers. A device's slots
+        #: are its rows of each tier in turn (``DecoderPrograms.tier_rows``).
+        self._slot_length: tuple[int, ...] = ()
+        self._chosen = {}
+        if self.tiers:
+            n_dev = len(self.devices)
+            local = [length for n, length in self.tiers for _ in range(n // n_dev)]
+            self._slot_length = tuple(local * n_dev)
+
+    def _tier_slot(self, gen: Generation, chosen: Mapping[Generation, int]) -> int:
+        """The free slot (none chosen this turn) of the shortest tier that holds
+        ``gen``'s prompt and ``max_tokens``; -1 if none is free."""
+        need = len(gen.prompt) + gen.max_tokens
+        lengths, taken = self._slot_length, set(chosen.values())
+        best = -1
+        for slot in self._table.free:
+            length = lengths[slot]
+            if length >= need and slot not in taken and (best < 0 or length < lengths[best]):
+                best = slot
+        return best
 
     def _unreserve(self, gen: Generation) -> None:
         """``gen`` no longer fills a slot chunk by chunk: the slot is free again (one
