@@ -1745,6 +1745,7 @@ def test_a_decoder_load_that_would_not_fit_is_refused_before_allocating(lm_path,
 # --------------------------------------------------------------------------- length tiers
 
 
+@pytest.mark.once  # (its routing is the slot table's, which the twins' test holds)
 def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, lm, reference):
     """``length_tiers``: the cache as one array per tier, every tier stepped in one
     program at its own length. Prompts go to the shortest tier with a free slot that
