@@ -259,6 +259,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for k in ("placement", "instances", "devices_per_instance")
         if getattr(args, k) is not None
     }
+    if args.length_tiers:
+        place["length_tiers"] = args.length_tiers
     model = pxrt.load(args.path, progress=not args.json, **place)
     if hasattr(model, "wait_programs"):  # (a decoder: every program, those compiled after)
         model.wait_programs()
@@ -403,6 +405,12 @@ def _print_scheduler(sched: dict) -> None:
             f"second (dispatch {sched['dispatch_ms']:.2f} ms a call); the first prefill of "
             "a turn:"
         )
+    if sched.get("length_tiers"):
+        tiers = " + ".join(f"{n} x {length}" for n, length in sched["length_tiers"])
+        print(
+            f"  the cache in length tiers (slots x positions): {tiers}; each prompt in the "
+            "shortest free tier that holds its prompt and max_tokens"
+        )
     print(f"  {'waiting':>7} {'length':>6}   {'no slot busy':<16} every slot busy")
     for c in sched["choices"]:
         idle = f"[{c['idle'][0]}] x {c['idle'][1]}"
@@ -462,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--instances", type=int, help="replicated / auto: instances")
     p.add_argument("--devices-per-instance", type=int, help="replicated / auto: their size")
+    p.add_argument(
+        "--length-tiers", metavar="NxL+...",
+        help="a decoder: its cache in length tiers (experimental), e.g. 20x128+10x256+2x512",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_inspect)
 
     args = parser.parse_args(argv)

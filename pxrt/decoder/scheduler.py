@@ -397,11 +397,13 @@ class Scheduler(Core):
                 choices.append(
                     {"waiting": n, "length": length, "idle": list(idle[:2]), "busy": list(busy[:2])}
                 )
+        tiers = {"length_tiers": [list(t) for t in self.tiers]} if self.tiers else {}
         return {
             "priced": True,
             "overlap_prefill": self.overlap_prefill,
             "in_flight": IN_FLIGHT,
             "itl_bound_ms": round(self.itl_bound_s * 1e3, 4),
             "dispatch_ms": round(self.costs.get("dispatch", 0.0) * 1e3, 4),
+            **tiers,
             "choices": choices,
         }
