@@ -308,6 +308,10 @@ def test_inspect_shows_a_decoder(tmp_path, capsys):
     assert set(info["load_phases"]) == {"read", "programs", "warm-up", "measure"}
     assert "scheduler: prompts are prefilled on a thread of their own beside" in out, out
     assert info["scheduler"]["overlap_prefill"] is True
-    assert cli.main(["inspect", path, "--length-tiers", "4x32+4x64"]) == 0
+    # --length-tiers reaches the load (refused there before compiling) and the tiers are
+    # printed among the scheduler's choices
+    with pytest.raises(ValueError, match="slots x positions per tier"):
+        cli.main(["inspect", path, "--length-tiers", "4 by 32"])
+    cli._print_scheduler(info["scheduler"] | {"length_tiers": [[4, 32], [4, 64]]})
     out = capsys.readouterr().out
     assert "length tiers (slots x positions): 4 x 32 + 4 x 64; each prompt in the" in out, out
