@@ -1806,6 +1806,8 @@ def test_length_tiers_are_checked(lm_path):
         pxrt.load(lm_path, length_tiers="4 by 16")
     with pytest.raises(ValueError, match="slots: 8, but length_tiers"):
         pxrt.load(lm_path, slots=8, length_tiers="4x16+8x64")
+    with pytest.raises(ValueError, match="max_length: 32, but the longest of length_tiers"):
+        pxrt.load(lm_path, max_length=32, length_tiers="4x16+4x64")
     with pytest.raises(ValueError, match="positive multiple of the"):
         pxrt.load(lm_path, length_tiers="0x16+4x64")
     with pytest.raises(ValueError, match="one tier per length"):

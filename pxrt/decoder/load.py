@@ -256,7 +256,12 @@ def _plan(
                 f"slots: {slots}, but length_tiers {length_tiers!r} hold "
                 f"{sum(n for n, _ in tiers)} (leave slots out)"
             )
-        slots, max_length = sum(n for n, _ in tiers), max(length for _, length in tiers)
+        if max_length is not None and max_length != tiers[-1][1]:
+            raise ValueError(
+                f"max_length: {max_length}, but the longest of length_tiers {length_tiers!r} "
+                f"is {tiers[-1][1]} (leave max_length out)"
+            )
+        slots, max_length = sum(n for n, _ in tiers), tiers[-1][1]
         if speculative_tokens:
             raise ValueError("speculative_tokens: not with length_tiers (yet)")
         prefix_cache_tokens, step_slots, step_lengths = 0, (), ()
