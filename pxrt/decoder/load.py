@@ -251,17 +251,7 @@ def _plan(
     """``load_decoder``'s options checked, and the sizes they leave (``_Plan``)."""
     tiers = _tiers(art, n_dev, in_group, length_tiers)
     if tiers:  # (the slots and the cache's length are the tiers'; what they leave out)
-        if slots is not None and slots != sum(n for n, _ in tiers):
-            raise ValueError(
-                f"slots: {slots}, but length_tiers {length_tiers!r} hold "
-                f"{sum(n for n, _ in tiers)} (leave slots out)"
-            )
-        if max_length is not None and max_length != tiers[-1][1]:
-            raise ValueError(
-                f"max_length: {max_length}, but the longest of length_tiers {length_tiers!r} "
-                f"is {tiers[-1][1]} (leave max_length out)"
-            )
-        slots, max_length = sum(n for n, _ in tiers), tiers[-1][1]
+        slots, max_length = _tier_sizes(tiers, length_tiers, slots, max_length)
         if speculative_tokens:
             raise ValueError("speculative_tokens: not with length_tiers (yet)")
         prefix_cache_tokens, step_slots, step_lengths = 0, (), ()
@@ -305,6 +295,23 @@ def _plan(
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
         bool(overlap_prefill), multi_step, tiers=tiers,
     )  # fmt: skip
+
+
+def _tier_sizes(
+    tiers: tuple[tuple[int, int], ...], given: Any, slots: int | None, max_length: int | None
+) -> tuple[int, int]:
+    """(slots, max_length) of ``tiers``: their sum and the longest; given ones must agree."""
+    total, longest = sum(n for n, _ in tiers), tiers[-1][1]
+    if slots is not None and slots != total:
+        raise ValueError(
+            f"slots: {slots}, but length_tiers {given!r} hold {total} (leave slots out)"
+        )
+    if max_length is not None and max_length != longest:
+        raise ValueError(
+            f"max_length: {max_length}, but the longest of length_tiers {given!r} is "
+            f"{longest} (leave max_length out)"
+        )
+    return total, longest
 
 
 def _tiers(
