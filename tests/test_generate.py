@@ -961,6 +961,7 @@ def test_a_decoder_serves_before_its_later_programs_and_takes_them_as_they_come(
         assert len(dec.step_slots) >= 2 and dec.prefill_batches == BATCHES
         assert dec.step_lengths == (32,) and dec.prefix is not None
         assert all(f"prefill[{b},{n}]" in dec.costs for b in BATCHES for n in LENGTHS)
+        assert 0 <= dec._launch_s <= dec.costs[f"step[{SLOTS}]"]  # (the block's price)
         together = [dec.submit(p, max_tokens=7) for p in cases]
         assert [g.result(timeout=60).tokens for g in together] == [reference(p, 7) for p in cases]
         assert dec.compiles_after_load == 0

@@ -150,6 +150,19 @@ def test_a_block_runs_as_many_steps_as_fit_and_nothing_waits_on():
     assert dec._block_size(4, 64) == 1
 
 
+def test_where_a_launch_outweighs_the_step_blocks_fit_in_block_s_less_one_launch():
+    # an accelerator's prices: the step 0.6 ms, of which 0.5 ms the launch
+    dec = Decoder(multi_step=32, tiers=())
+    dec._price_programs(COSTS | {"step[8]": 0.6e-3, "launch": 0.5e-3}, None)
+    busy(dec, 8)
+    # (BLOCK_S - 0.5 ms) / 0.1 ms a step; by the whole step's price, 3
+    assert dec._block_size(8, 0) == int((BLOCK_S - 0.5e-3) / 0.1e-3 + 1e-9) == 15
+    assert dec.scheduler_choices()["step_launch_ms"] == pytest.approx(0.5)
+    busy(dec, 7)
+    dec._waiting.append(object())  # a prompt the prefill budget held back: one step
+    assert dec._block_size(8, 0) == 1
+
+
 def test_length_tiers_take_the_shortest_free_tier_that_holds_a_prompt():
     dec = Decoder()
     dec._wire_tiers(((4, 64), (2, 128), (2, 256)))

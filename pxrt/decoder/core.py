@@ -98,6 +98,7 @@ class Core(Protocol):
     _step_cost: dict[int, float]
     _step_prices: dict[tuple[int, int], float]
     _forward_prices: dict[int, float]
+    _launch_s: float
     itl_bound_s: float
 
     # What one part calls on another.

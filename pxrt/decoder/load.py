@@ -120,7 +120,8 @@ def load_decoder(
     1: one step per program; the program count is the same either way, the number of
     steps being an argument). While nothing waits on the turns between steps (a prompt
     for a free slot, a prefill to insert), the loop runs as many steps in one program as
-    fit in 2 ms at the step's measured price (``pxrt.decoder.scheduler.BLOCK_S``; fewer
+    fit in 2 ms at the measured price of one launch and each step's device time
+    (``pxrt.decoder.scheduler.BLOCK_S``; fewer
     when a generation's ``max_tokens`` comes first and prompts wait for its slot): the
     host's work per token shrinks by as much where steps are cheap, and each stream's
     tokens come in bursts no longer than that. One per program while a slot has sampling
@@ -851,13 +852,32 @@ class _Obtained:
         state, first, _ = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
 
+    def _launch(self, params: Any, holder: list, budget_s: float) -> float:
+        """Seconds a step program costs besides its steps' device time: the whole step
+        less what each further step of a block of K adds, timed alternately (the
+        least of up to 5 of each: noise on a shared host only adds). ~0.5 ms on a
+        TPU, where a small model's step is tens of microseconds; on a CPU a small share
+        of the step. The scheduler runs blocks while prompts wait where it is large."""
+        k = self.step.steps
+        ones: list[float] = []
+        blocks: list[float] = []
+        while len(ones) < 5 and sum(ones) + sum(blocks) < 2 * budget_s:
+            for n, times in ((1, ones), (k, blocks)):
+                t0 = time.perf_counter()
+                holder[0], first, _ = self.step(params, holder[0], n)
+                jax.block_until_ready(first)
+                times.append(time.perf_counter() - t0)
+        one, block = min(ones), min(blocks)
+        return min(max(one - (block - one) / (k - 1), 0.0), one)
+
     def measure(self, params: Any, slots: int, budget_s: float = 0.05) -> dict[str, float]:
         """Seconds per run of the programs the loop's scheduler chooses among (each
         prefill cell, each step size, the controls' step's forwards by window), on the
         zero state (every row dropped: the same shapes and work as a real call): the
         median of up to 5 runs, fewer where a program takes over ``budget_s``; and
-        ``dispatch``, the host's own time to hand one prefill to the device. Warm
-        programs only (``warm_up`` first)."""
+        ``dispatch``, the host's own time to hand one prefill to the device;
+        ``launch``, a step program's cost apart from its steps' device time (blocks
+        of steps). Warm programs only (``warm_up`` first)."""
         holder = [self.make_state()]
         costs: dict[str, float] = {}
 
@@ -888,6 +908,8 @@ class _Obtained:
                 return first
 
             timed(f"step[{rows}]", step)
+        if getattr(self.step, "steps", 1) > 1:
+            costs["launch"] = self._launch(params, holder, budget_s)
         for (rows, window), part in sorted(self.windows.items()):
 
             def windowed(part: Any = part) -> Any:

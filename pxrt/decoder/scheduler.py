@@ -210,6 +210,8 @@ class Scheduler(Core):
             int(key[8:-1]): v for key, v in costs.items() if key.startswith("forward[")
         }
         full = steps[self.slots] or 0.0
+        # A step program's launch, apart from its steps' device time (``measure``).
+        self._launch_s = min(costs.get("launch", 0.0), full)
         # (a step not timed is priced as the whole one, which the loop may run instead)
         self._step_cost = {n: min(v, full) if v is not None else full
                            for n, v in steps.items()}  # fmt: skip
@@ -343,16 +345,23 @@ class Scheduler(Core):
     def _block_size(self, rows: int, window: int) -> int:
         """How many steps the next plain step program (over ``rows`` per device and
         ``window``) runs: up to ``multi_step`` and as many as fit in ``BLOCK_S`` at its
-        measured price (a block's tokens reach their streams together: bursts a reader
-        of text cannot see, and no longer than that), so blocks run where steps are
-        cheap and the host's share of each is large. One while something waits on the
-        turns between steps (a prompt for a free slot, a prefill to insert, a chunk);
-        with prompts waiting and no slot free, up to the first ``max_tokens`` a busy
-        generation reaches (its slot is free for the next turn's admission). A stop
-        token ends its generation mid-block (the rest of the block computes for nothing
-        in that slot)."""
+        measured price, its launch once and its device time per step (a block's tokens
+        reach their streams together: bursts a reader of text cannot see, and no
+        longer than that), so blocks run where steps are cheap and the host's share of
+        each is large: on an accelerator, where a launch outweighs a small model's step
+        (a TPU's ~1 ms against 0.2 ms), a whole step's price would allow none. One
+        while something waits on the turns between steps (a prompt for a free slot: the
+        turn's prefill budget held it back, so the turns' pace is its admission's; a
+        prefill to insert, a chunk); with prompts waiting and no slot free, up to the
+        first ``max_tokens`` a busy generation reaches (its slot is free for the next
+        turn's admission). A stop token ends its generation mid-block (the rest of the
+        block computes for nothing in that slot)."""
         price = self._step_prices.get((rows, window)) or self._step_cost.get(self.slots)
-        most = min(self.multi_step, max(1, int(BLOCK_S / price))) if price else self.multi_step
+        most = self.multi_step
+        if price:
+            launch = self._launch_s
+            step = max(price - launch, 1e-6)
+            most = min(most, max(1, int((BLOCK_S - launch) / step + 1e-9)))
         if most <= 1 or self._chunking or self._prefilling or self._prefilled:
             return 1
         if self._waiting:
@@ -404,6 +413,7 @@ class Scheduler(Core):
             "in_flight": IN_FLIGHT,
             "itl_bound_ms": round(self.itl_bound_s * 1e3, 4),
             "dispatch_ms": round(self.costs.get("dispatch", 0.0) * 1e3, 4),
+            "step_launch_ms": round(self._launch_s * 1e3, 4),
             **tiers,
             "choices": choices,
         }
