@@ -32,7 +32,7 @@ from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
-from .runner import BlockStep, FullStep, PrefillCell, SplitPrefill, dropped_prefill
+from .runner import BlockStep, FullStep, Packed, PrefillCell, SplitPrefill, dropped_prefill
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16
@@ -982,6 +982,8 @@ def _cells(programs: DecoderPrograms, got: dict, kind: str) -> list[PrefillCell]
             for job, out in got.items()
             if job[0] == "rows" and ("insert", *job[1:]) in got
         ]
+    else:  # (one host input: ``Packed``)
+        mine = [(job, (Packed(out[0]), *out[1:])) for job, out in mine]
     return [
         PrefillCell(b, n, compiled, compile_s, i)
         for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)

@@ -31,6 +31,15 @@ from .export import LENGTH_DIM, is_spec
 POOL = ("pool", "load", "save")
 
 
+def unpacked(packed: jax.Array, n_ints: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens, ints, floats) of a prefill's or a chunk's host inputs sent as one int32
+    array ``[rows, length + n_ints + FLOATS]`` (``runner.Packed``: one transfer to the
+    device instead of three), the floats' bits as they were."""
+    f = packed.shape[1] - sampling.FLOATS
+    tokens, ints = packed[:, : f - n_ints], packed[:, f - n_ints : f]
+    return tokens, ints, lax.bitcast_convert_type(packed[:, f:], jnp.float32)
+
+
 class DecoderPrograms:
     """The programs pxrt builds around a decoder artifact's prefill and decode, for
     ``slots`` cache slots of ``max_length`` tokens on ``devices`` (made inside the
@@ -244,7 +253,7 @@ class DecoderPrograms:
     def _insert_jits(self, state_sharding: Any) -> None:
         """The prefill- and extend-inserts and the sampling controls' insert, jitted."""
         self._prefill_jit = jax.jit(
-            self._prefill_insert,
+            self._prefill_packed,
             donate_argnums=(1,),
             out_shardings=(state_sharding, self.replicated, self.replicated),
         )
@@ -257,7 +266,7 @@ class DecoderPrograms:
             out_shardings=(state_sharding, self.replicated, self.replicated),
         )
         self._extend_jit = jax.jit(
-            self._extend_insert,
+            self._extend_packed,
             donate_argnums=(1,),
             out_shardings=(state_sharding, self.replicated, self.replicated, self.replicated),
         )
@@ -366,9 +375,12 @@ class DecoderPrograms:
         if what == "save":
             m = self.width
             return self._save_jit.lower(self.pool_shapes, self.shapes, ints(m), ints(m), ints(m))
-        if what == "extend":
-            args = (ints(b, n), ints(b, sampling.CHUNK_INTS), floats(b))
-            return self._extend_jit.lower(self.param_specs, self.shapes, *args)
+        if what == "extend":  # (its host inputs packed: ``runner.Packed``)
+            packed = ints(b, n + sampling.CHUNK_INTS + sampling.FLOATS)
+            return self._extend_jit.lower(self.param_specs, self.shapes, packed)
+        if what == "prefill":
+            packed = ints(b, n + sampling.INTS + sampling.FLOATS)
+            return self._prefill_jit.lower(self.param_specs, self.shapes, packed)
         args = (ints(b, n), ints(b, sampling.INTS), floats(b))
         if what == "rows":
             return self._rows_jit.lower(self.param_specs, *args[:2])
@@ -378,7 +390,7 @@ class DecoderPrograms:
                 lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated), made
             )
             return self._insert_rows_jit.lower(self.shapes, rows, logits, *args[1:])
-        return self._prefill_jit.lower(self.param_specs, self.shapes, *args)
+        raise ValueError(f"no decoder program {what!r}")
 
     def key(self, what: str, b: int, n: int) -> str:
         """The stored key of one program: the artifact's files, the program and its
@@ -776,6 +788,18 @@ class DecoderPrograms:
         ``dst`` out of range is padding."""
         taken = jnp.clip(src, 0, self.slots - 1)
         return jax.tree.map(lambda a: a.at[dst].set(a[taken], mode="drop"), state)
+
+    def _prefill_packed(
+        self, params: Any, state: dict, packed: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array]:
+        """``_prefill_insert`` with its host inputs in one array (``runner.Packed``)."""
+        return self._prefill_insert(params, state, *unpacked(packed, sampling.INTS))
+
+    def _extend_packed(
+        self, params: Any, state: dict, packed: jax.Array
+    ) -> tuple[dict, jax.Array, jax.Array, jax.Array]:
+        """``_extend_insert`` with its host inputs in one array (``runner.Packed``)."""
+        return self._extend_insert(params, state, *unpacked(packed, sampling.CHUNK_INTS))
 
     def _prefill_insert(
         self, params: Any, state: dict, tokens: jax.Array, ints: jax.Array, floats: jax.Array
