@@ -405,6 +405,12 @@ def _print_scheduler(sched: dict) -> None:
             f"second (dispatch {sched['dispatch_ms']:.2f} ms a call); the first prefill of "
             "a turn:"
         )
+    if sched.get("multi_step", 1) > 1:
+        print(
+            f"  decode steps in blocks of up to {sched['multi_step']} (multi_step) while no "
+            f"prompt waits, within 2 ms at one launch ({sched['step_launch_ms']:.2f} ms "
+            "measured) and each step's device time"
+        )
     if sched.get("length_tiers"):
         tiers = " + ".join(f"{n} x {length}" for n, length in sched["length_tiers"])
         print(

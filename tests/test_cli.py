@@ -308,6 +308,8 @@ def test_inspect_shows_a_decoder(tmp_path, capsys):
     assert set(info["load_phases"]) == {"read", "programs", "warm-up", "measure"}
     assert "scheduler: prompts are prefilled on a thread of their own beside" in out, out
     assert info["scheduler"]["overlap_prefill"] is True
+    assert "decode steps in blocks of up to 4 (multi_step)" in out, out
+    assert info["scheduler"]["step_launch_ms"] >= 0 and info["scheduler"]["multi_step"] == 4
     # --length-tiers reaches the load (refused there before compiling) and the tiers are
     # printed among the scheduler's choices
     with pytest.raises(ValueError, match="slots x positions per tier"):

@@ -855,13 +855,13 @@ class _Obtained:
     def _launch(self, params: Any, holder: list, budget_s: float) -> float:
         """Seconds a step program costs besides its steps' device time: the whole step
         less what each further step of a block of K adds, timed alternately (the
-        least of up to 5 of each: noise on a shared host only adds). ~0.5 ms on a
-        TPU, where a small model's step is tens of microseconds; on a CPU a small share
-        of the step. The scheduler runs blocks while prompts wait where it is large."""
+        least of up to 3 of each: noise on a shared host only adds). The scheduler
+        prices a block as one launch and its steps: on a TPU v5e ~1 ms against 0.17 ms
+        a step of a small model; on a CPU a small share of the step."""
         k = self.step.steps
         ones: list[float] = []
         blocks: list[float] = []
-        while len(ones) < 5 and sum(ones) + sum(blocks) < 2 * budget_s:
+        while len(ones) < 3 and sum(ones) + sum(blocks) < budget_s:
             for n, times in ((1, ones), (k, blocks)):
                 t0 = time.perf_counter()
                 holder[0], first, _ = self.step(params, holder[0], n)

@@ -413,6 +413,7 @@ class Scheduler(Core):
             "in_flight": IN_FLIGHT,
             "itl_bound_ms": round(self.itl_bound_s * 1e3, 4),
             "dispatch_ms": round(self.costs.get("dispatch", 0.0) * 1e3, 4),
+            "multi_step": self.multi_step,
             "step_launch_ms": round(self._launch_s * 1e3, 4),
             **tiers,
             "choices": choices,
