@@ -39,7 +39,9 @@ Needs the side venv (``bash benchmarks/jetstream_env.sh``):
     .venv-jetstream/bin/python benchmarks/jetstream_compare.py --sweep [--quick]
 
 ``--tiers``: pxrt loaded with ``length_tiers`` sized for each slot count (each tier's
-length a fraction of ``max_length``, its share of the slots a weight).
+length a fraction of ``max_length``, its share of the slots a weight); ``--tiers
+learned``: sized by the traffic (``Decoder.suggested_length_tiers`` after a one-cache
+decoder served the workload, untimed).
 
 ``--sweep``: demo, js-small, js-wide and keras-llama at 8, 16, 32 and 64 slots (callers =
 slots; ``--shapes``, ``--slots`` to change them), then one table. ``--quick``: fewer
@@ -423,7 +425,9 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
     """pxrt and JetStream at ``slots`` slots on ``work``: the check, then the runs
     alternated; for keras-hub's Llama, its ``generate`` after them. Returns the medians
     per system, the check's report and the peer's numbers."""
-    if args.tiers:  # (pxrt's cache in length tiers sized for this slot count)
+    if args.tiers == "learned":  # (sized by a decoder that served the workload once)
+        model.options["length_tiers"] = learned_tiers(model, work, slots, callers)
+    elif args.tiers:  # (pxrt's cache in length tiers sized for this slot count)
         model.options["length_tiers"] = tiers_for(args.tiers, slots, model.max_length)
     dec = model.load(slots)
     t0 = time.perf_counter()
@@ -600,6 +604,25 @@ def tiers_for(shares: str, slots: int, max_length: int) -> str:
     return "+".join(f"{n}x{round(f * max_length)}" for (f, _), n in zip(pairs, counts))
 
 
+def learned_tiers(model: ds.Model, work, slots: int, callers: int) -> str | None:
+    """``--tiers learned``: the ``length_tiers`` a one-cache decoder suggests after
+    serving ``work`` (on prompts of their own) in a closed loop, until it has seen
+    enough turns (``Decoder.suggested_length_tiers``); None: one cache."""
+    model.options.pop("length_tiers", None)
+    learner = model.load(slots)
+    try:
+        for rep in range(4):
+            fresh = ds.fresh_tokens(work, model.shape, 100 + rep)
+            asyncio.run(closed("pxrt", learner, fresh, callers))
+            if learner.suggested_length_tiers():
+                break
+        got = learner.suggested_length_tiers()
+    finally:
+        learner.close()
+    print(f"[{model.shape.name} x {slots} slots] length_tiers learned: {got}", flush=True)
+    return got
+
+
 def requests_for(args: argparse.Namespace, slots: int) -> int:
     if args.requests:
         return args.requests
@@ -636,7 +659,8 @@ def main() -> None:
         "--tiers",
         metavar="FRACTION:WEIGHT,...",
         help="pxrt's length_tiers for each slot count: each tier's length as a fraction of "
-        "max_length and its share of the slots, e.g. 0.25:10,0.5:5,1:1",
+        "max_length and its share of the slots, e.g. 0.25:10,0.5:5,1:1; 'learned': those "
+        "a one-cache decoder suggests after serving the workload once",
     )
     g.add_argument("--no-keras-peer", dest="keras_peer", action="store_false",
                    help="skip keras-hub's generate() on keras-llama")  # fmt: skip

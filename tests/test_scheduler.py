@@ -31,6 +31,7 @@ class Decoder(Scheduler):
         self.step_slots = (4, 8)
         self._steps = {4: None, 8: None}
         self.step_lengths = (64, 128)
+        self.max_length = 256
         self.multi_step = 4
         self.speculative_tokens = 0
         self.overlap_prefill = False
@@ -39,6 +40,7 @@ class Decoder(Scheduler):
         self._waiting = collections.deque()
         self._table = types.SimpleNamespace(free=list(range(8)), owners=[None] * 8, busy=0)
         self.__dict__.update(over)
+        self._wire_tiers(())
 
 
 COSTS = {
@@ -152,7 +154,7 @@ def test_a_block_runs_as_many_steps_as_fit_and_nothing_waits_on():
 
 def test_where_a_launch_outweighs_the_step_blocks_fit_in_block_s_less_one_launch():
     # an accelerator's prices: the step 0.6 ms, of which 0.5 ms the launch
-    dec = Decoder(multi_step=32, tiers=())
+    dec = Decoder(multi_step=32)
     dec._price_programs(COSTS | {"step[8]": 0.6e-3, "launch": 0.5e-3}, None)
     busy(dec, 8)
     # (BLOCK_S - 0.5 ms) / 0.1 ms a step; by the whole step's price, 3
@@ -188,3 +190,30 @@ def test_length_tiers_take_the_shortest_free_tier_that_holds_a_prompt():
     two = Decoder(devices=[None, None])
     two._wire_tiers(((4, 64), (2, 128), (2, 256)))
     assert two._slot_length == (64, 64, 128, 256) * 2
+
+
+def test_length_tiers_are_suggested_from_the_busy_slots_lengths():
+    from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES
+
+    dec = Decoder(slots=32, max_length=512)
+
+    def turns(needs: list[int], samples: int) -> None:
+        dec._table.owners = [types.SimpleNamespace(prompt=[0] * 8, max_tokens=n - 8) for n in needs]
+        for _ in range(samples * NEED_SAMPLE_TURNS):
+            dec._sample_needs()
+
+    turns([100] * 30 + [200, 300], NEED_SAMPLES - 1)
+    assert dec.suggested_length_tiers() is None  # (too few samples yet)
+    turns([100] * 30 + [200, 300], 200 - NEED_SAMPLES + 1)
+    # one slot needed more than 256 and two more than 128: 1 + 1 + the rest
+    assert dec.suggested_length_tiers() == "30x128+1x256+1x512"
+    # 4 devices: multiples of 4; 6 slots needing more than 256 in under 1 % of the
+    # samples are not counted, in more they are
+    dec.devices = [None] * 4
+    turns([400] * 6 + [100] * 26, 1)
+    assert dec.suggested_length_tiers() == "28x128+4x512"
+    turns([400] * 6 + [100] * 26, 2)
+    assert dec.suggested_length_tiers() == "24x128+8x512"
+    turns([500] * 32, 3 * NEED_SAMPLES)  # every slot long: no tiers
+    assert dec.suggested_length_tiers() is None
+    assert "suggested_length_tiers" not in priced().scheduler_choices()

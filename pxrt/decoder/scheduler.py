@@ -7,12 +7,13 @@ hold the busy slots). Pure host code, no jax: a part of ``pxrt.decoder.engine.De
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .params import int_in, number_in
 
@@ -29,6 +30,10 @@ else:
 IN_FLIGHT = 4
 #: The longest a block of steps (``multi_step``) may take at its measured price.
 BLOCK_S = 2e-3
+#: Turns between two samples of the busy slots' lengths (``suggested_length_tiers``).
+NEED_SAMPLE_TURNS = 4
+#: Samples before ``suggested_length_tiers`` suggests anything.
+NEED_SAMPLES = 64
 
 
 @dataclasses.dataclass
@@ -304,10 +309,55 @@ class Scheduler(Core):
         #: are its rows of each tier in turn (``DecoderPrograms.tier_rows``).
         self._slot_length: tuple[int, ...] = ()
         self._chosen = {}
+        # What the traffic needs (``suggested_length_tiers``): per sample, how many busy
+        # slots need more than a quarter and more than half of max_length.
+        self._need_edges = (self.max_length // 4, self.max_length // 2)
+        self._need_counts: list[collections.Counter] = [collections.Counter() for _ in range(2)]
+        self._need_turn = 0
         if self.tiers:
             n_dev = len(self.devices)
             local = [length for n, length in self.tiers for _ in range(n // n_dev)]
             self._slot_length = tuple(local * n_dev)
+
+    def _sample_needs(self) -> None:
+        """Every ``NEED_SAMPLE_TURNS`` turns: how many busy slots need (prompt and
+        ``max_tokens``) more than each of ``_need_edges`` positions."""
+        self._need_turn += 1
+        if self._need_turn % NEED_SAMPLE_TURNS:
+            return
+        needs = [len(g.prompt) + g.max_tokens for g in self._table.owners if g is not None]
+        for edge, counts in zip(self._need_edges, self._need_counts):
+            counts[sum(n > edge for n in needs)] += 1
+
+    def suggested_length_tiers(self, quantile: float = 0.99) -> str | None:
+        """``length_tiers`` for a reload, sized by the traffic so far: as many slots of
+        ``max_length`` as busy slots needed more than half of it (prompt and
+        ``max_tokens``) in ``quantile`` of the samples (one at least per device), of
+        half as many as needed more than a quarter, less those, and the rest of a
+        quarter (each a multiple of the devices). None before ``NEED_SAMPLES``
+        samples, or where every slot would be of ``max_length``."""
+        counts = self._need_counts
+        total = sum(counts[0].values())
+        if total < NEED_SAMPLES:
+            return None
+
+        def at(c: collections.Counter) -> int:  # (the quantile of the busy counts)
+            seen = 0
+            for n in sorted(c):
+                seen += c[n]
+                if seen >= quantile * total:
+                    return n
+            return max(c)
+
+        n_dev, slots = len(self.devices), self.slots
+        up = lambda n: -(-n // n_dev) * n_dev  # noqa: E731
+        long = min(max(up(at(counts[1])), n_dev), slots)
+        half = min(up(max(at(counts[0]) - long, 0)), slots - long)
+        quarter = slots - long - half
+        if long == slots:
+            return None
+        edges = (*self._need_edges, self.max_length)
+        return "+".join(f"{n}x{length}" for n, length in zip((quarter, half, long), edges) if n)
 
     def _tier_slot(self, gen: Generation, chosen: Mapping[Generation, int]) -> int:
         """The free slot (none chosen this turn) of the shortest tier that holds
@@ -406,7 +456,12 @@ class Scheduler(Core):
                 choices.append(
                     {"waiting": n, "length": length, "idle": list(idle[:2]), "busy": list(busy[:2])}
                 )
-        tiers = {"length_tiers": [list(t) for t in self.tiers]} if self.tiers else {}
+        tiers: dict[str, Any] = {}
+        if self.tiers:
+            tiers["length_tiers"] = [list(t) for t in self.tiers]
+        suggested = self.suggested_length_tiers()
+        if suggested:
+            tiers["suggested_length_tiers"] = suggested
         return {
             "priced": True,
             "overlap_prefill": self.overlap_prefill,
