@@ -131,8 +131,6 @@ class Loop(Core):
                 if not split:  # (a forward in flight without its pick changes nothing)
                     self._forwarded = None
                 stepped = table.busy > 0
-                if stepped:
-                    self._sample_needs()
                 if drafts is not None:
                     self._dispatch_verify(drafts)
                 elif split and stepped:

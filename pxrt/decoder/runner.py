@@ -382,6 +382,7 @@ class Runner(Core):
         self._save_prefixes(done)
 
     def _dispatch_step(self) -> None:
+        self._sample_needs()  # (what the traffic needs: ``suggested_length_tiers``)
         busy = self._table.busy
         program = None
         if self._special:

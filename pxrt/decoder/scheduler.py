@@ -30,7 +30,7 @@ else:
 IN_FLIGHT = 4
 #: The longest a block of steps (``multi_step``) may take at its measured price.
 BLOCK_S = 2e-3
-#: Turns between two samples of the busy slots' lengths (``suggested_length_tiers``).
+#: Plain steps between two samples of the busy slots' lengths (``suggested_length_tiers``).
 NEED_SAMPLE_TURNS = 4
 #: Samples before ``suggested_length_tiers`` suggests anything.
 NEED_SAMPLES = 64
@@ -320,7 +320,7 @@ class Scheduler(Core):
             self._slot_length = tuple(local * n_dev)
 
     def _sample_needs(self) -> None:
-        """Every ``NEED_SAMPLE_TURNS`` turns: how many busy slots need (prompt and
+        """Every ``NEED_SAMPLE_TURNS`` plain steps: how many busy slots need (prompt and
         ``max_tokens``) more than each of ``_need_edges`` positions."""
         self._need_turn += 1
         if self._need_turn % NEED_SAMPLE_TURNS:
