@@ -355,9 +355,9 @@ class Runner(Core):
             chosen = self._chosen.pop(gen, -1)  # (length tiers: the admission's choice)
             if chosen >= 0:
                 free.remove(chosen)
-            slot = gen.reserved = (
-                (chosen if chosen >= 0 else free.pop()) if beside else assign(gen, chosen)
-            )
+            elif beside:
+                chosen = free.pop()
+            slot = gen.reserved = chosen if beside else assign(gen, chosen)
             ints[i, sampling.SLOT] = slot
             ints[i, sampling.TOPK] = gen.top_k
             ints[i, sampling.SEED] = _seed_bits(gen.seed)
