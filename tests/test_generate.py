@@ -208,10 +208,11 @@ def test_blocks_of_steps_give_the_single_steps_tokens(lm, fused_lm, reference):
     assert lm.multi_step == 4 and fused_lm.multi_step == 1
     before = dict(lm.counters)
     cases = list(zip(prompts(5, seed=51), (3, 6, 9, 13, 30)))
-    # (steps priced well under the 2 ms a block may take: a loaded machine's measured
-    # prices at load can be over it, and then blocks are single steps)
-    cost = dict(lm._step_cost)
-    lm._step_cost = dict.fromkeys(cost, 1e-4)
+    # (steps priced well under the 2 ms a block may take, the launch at nothing: a
+    # loaded machine's measured prices at load can be over it, and then blocks are
+    # single steps)
+    cost, launch = dict(lm._step_cost), lm._launch_s
+    lm._step_cost, lm._launch_s = dict.fromkeys(cost, 1e-4), 0.0
     try:
         with lm._cond:
             gens = [lm.submit(p, max_tokens=m) for p, m in cases]
@@ -225,7 +226,7 @@ def test_blocks_of_steps_give_the_single_steps_tokens(lm, fused_lm, reference):
         sampled = dict(temperature=0.9, top_k=20, seed=8)
         blocks = lm.generate(prompt, max_tokens=20, **sampled).tokens
     finally:
-        lm._step_cost = cost
+        lm._step_cost, lm._launch_s = cost, launch
     assert got == [reference(p, m) for p, m in cases]
     assert c["steps"] >= 2 * c["step_programs"], c  # (blocks ran)
     assert stopped == cut
