@@ -55,6 +55,18 @@ CHUNK_PROMPT, CHUNK_NEXT = 9, 10
 CHUNK_INTS = 11
 
 
+def greedy(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32, the same index (the first of a row's
+    largest; the first NaN where there is one) by two plain reductions: XLA:CPU runs
+    argmax's variadic (value, index) reduce element by element, ~4x the time of a max
+    and a masked min (32 rows of 258 logits: 125 against 30 us; of 32,000: 2.35
+    against 0.57 ms), a share of a small model's step."""
+    top = logits.max(axis=-1, keepdims=True)  # (NaN where a row has one)
+    index = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
+
+
 def sample(
     logits: jax.Array,
     temperature: jax.Array,
@@ -71,7 +83,7 @@ def sample(
     cumulative weights). Shapes are fixed, so it compiles once; all-greedy batches skip
     the draw."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    most = greedy(logits)
     vocab = logits.shape[-1]
     sampled = temperature >= MIN_TEMPERATURE
 
@@ -91,8 +103,8 @@ def sample(
         drawn = (cumulative < u[:, None] * cumulative[:, -1:]).sum(axis=-1)
         return jnp.minimum(drawn, vocab - 1).astype(jnp.int32)
 
-    drawn = lax.cond(jnp.any(sampled), draw, lambda _: greedy, None)
-    return jnp.where(sampled, drawn, greedy)
+    drawn = lax.cond(jnp.any(sampled), draw, lambda _: most, None)
+    return jnp.where(sampled, drawn, most)
 
 
 #: How many of a row's largest logits the top-k / top-p cut is looked for in first

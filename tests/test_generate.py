@@ -559,6 +559,31 @@ def test_the_top_k_top_p_cut_is_a_sorted_rows_whether_or_not_it_sorts():
             np.testing.assert_allclose(got, expect, rtol=1e-6)
 
 
+@pytest.mark.once
+def test_greedy_is_argmax_ties_nan_and_all():
+    """``sampling.greedy`` (two plain reductions, not argmax's (value, index) reduce)
+    picks ``jnp.argmax``'s index: random rows, ties (the first), -inf and NaN (the
+    first NaN), one or many rows, float32 and bfloat16, under jit."""
+    from pxrt import sampling
+
+    rng = np.random.default_rng(11)
+    rows = rng.standard_normal((9, 300)).astype(np.float32)
+    rows[1, [5, 17, 250]] = 9.0  # a tie: the first
+    rows[2, :] = -np.inf
+    rows[3, [40, 90]] = np.nan  # the first NaN, as argmax
+    rows[4, :] = 1.0
+    rows[5, 299] = 1e30
+    rows[6] = np.round(rows[6])  # many ties
+    fast = jax.jit(sampling.greedy)
+    for x in (rows, rows[:1], rows[3:4], rows[:, :7]):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            a = jnp.asarray(x, dtype)
+            want = np.asarray(jnp.argmax(a, axis=-1))
+            got = np.asarray(fast(a))
+            assert got.dtype == np.int32
+            np.testing.assert_array_equal(got, want)
+
+
 # --------------------------------------------------------------------------- logprobs, controls
 
 

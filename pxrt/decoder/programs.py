@@ -747,7 +747,7 @@ class DecoderPrograms:
         cache, logits = self.art.extend_for(*tokens.shape).call(
             params, state["cache"], tokens, start
         )
-        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        greedy = sampling.greedy(logits)
         agree = (greedy[:, :k] == drafts).astype(jnp.int32)
         accepted = jnp.cumprod(agree, axis=1).sum(axis=1)
         last = jnp.take_along_axis(greedy, accepted[:, None], axis=1)[:, 0]
