@@ -7,14 +7,17 @@ bound (``itl_bound_ms``). ``--ab windows``: steps over a window of the cache whi
 busy slot is inside it (``step_lengths``) against steps over the whole cache always.
 ``--ab overlap``: prefills on a thread of their own beside the steps
 (``overlap_prefill``, the default on CPU) against each prefill between two steps on
-the loop's thread (two decoders of the same artifact). Otherwise one decoder serves
+the loop's thread (two decoders of the same artifact). ``--ab ahead``: with every slot
+taken, the next prompts prefilled ahead of a free slot against prefills only into free
+slots (give it more ``--callers`` than slots). Otherwise one decoder serves
 both sides (switched between runs), the demo decoder's math at the
-shape given, a closed loop of ``--slots`` callers over lognormal prompt and output
+shape given, a closed loop of ``--callers`` (default ``--slots``) over lognormal prompt and output
 lengths, fresh prompt tokens each run (none in the prefix cache). Prints each run, then
 medians and ratios.
 
-    python benchmarks/scheduler.py [--ab pricing|windows|overlap] [--dim 128 --heads 4
-        --layers 2 --slots 16] [--max-length 512] [--requests 300] [--repeats 3]
+    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead] [--dim 128
+        --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
+        [--requests 300] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ab", choices=("pricing", "windows", "overlap"), default="pricing")
+    p.add_argument("--callers", type=int, help="closed loop (default: --slots)")
+    p.add_argument("--ab", choices=("pricing", "windows", "overlap", "ahead"), default="pricing")
     args = p.parse_args()
+    callers = args.callers or args.slots
     lengths = tuple(n for n in (16, 32, 64, 128, 256) if n < args.max_length)
     path = demo.export_lm(
         os.path.join(tempfile.mkdtemp(), "lm"), slots=args.slots, max_length=args.max_length,
@@ -73,7 +78,9 @@ def main() -> None:
         for n, m in zip(prompts, outputs)
     ]
     priced, windows = dec._priced, dec.step_lengths
-    new = {"pricing": "priced", "windows": "windows", "overlap": "beside"}[args.ab]
+    new = {"pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead"}[
+        args.ab
+    ]
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
         fresh = [(rng.integers(0, demo.LM_VOCAB - 2, size=len(p)).astype(np.int32), m)
@@ -84,9 +91,13 @@ def main() -> None:
                 dec._priced = priced if mode == new else 0
             elif args.ab == "windows":  # (before: every step over the whole cache)
                 dec.step_lengths = windows if mode == new else ()
+            elif args.ab == "ahead":  # (before: prefills only into free slots)
+                dec.__dict__.pop("_ahead_rows", None)
+                if mode == "before":
+                    dec._ahead_rows = lambda: 0  # type: ignore[method-assign]
             elif mode == "before":  # (each prefill between two steps)
                 target = fused
-            runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, args.slots))))
+            runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, callers))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
     dec.close()
     if fused is not None:

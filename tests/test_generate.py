@@ -235,6 +235,31 @@ def test_blocks_of_steps_give_the_single_steps_tokens(lm, fused_lm, reference):
     assert fused_lm.counters["steps"] == fused_lm.counters["step_programs"]
 
 
+def test_a_prompt_is_prefilled_ahead_of_a_free_slot(lm, reference):
+    """With every slot taken and prefills beside the steps (the CPU's default), the
+    next prompts' rows are computed on the prefill thread before a slot frees and go
+    into the first that do: every stream's tokens are plain JAX's; one cancelled
+    meanwhile takes no slot."""
+    assert lm.overlap_prefill
+    before = lm.counters["prefills_ahead"]
+    running = prompts(lm.slots, seed=63, high=8)
+    lengths = [MAX_LENGTH - len(p) - 1 - i for i, p in enumerate(running)]  # (long)
+    extra, dropped = prompts(2, seed=64, high=8)
+    with lm._cond:  # (one turn admits them all: the extra two ahead of free slots)
+        gens = [lm.submit(p, max_tokens=m) for p, m in zip(running, lengths)]
+        kept, gone = lm.submit(extra, max_tokens=6), lm.submit(dropped, max_tokens=6)
+    gone.cancel()
+    got = [g.result(timeout=60).tokens for g in gens]
+    assert kept.result(timeout=60).tokens == reference(extra, 6)
+    assert gone.result(timeout=60).finish_reason == "cancelled"
+    assert got == [reference(p, m) for p, m in zip(running, lengths)]
+    assert lm.counters["prefills_ahead"] > before
+    deadline = time.monotonic() + 30  # (the last slot goes back as its stream ends)
+    while lm.busy_slots and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(lm._table.free) == list(range(lm.slots))  # (none lost to the cancel)
+
+
 def test_controls_apply_to_a_prompt_prefilled_beside_running_streams(lm, fused_lm):
     """A prompt with sampling controls admitted while plain streams run (their steps
     the plain one): once inserted, its steps are the full one, with its controls, as

@@ -279,6 +279,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             "busy_slot_steps": 0,
             "prefills": 0,
             "prefill_rows": 0,
+            "prefills_ahead": 0,
             "tokens": 0,
             "generations": 0,
             "step_wall_s": 0.0,

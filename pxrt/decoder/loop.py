@@ -89,8 +89,8 @@ class Loop(Core):
             prefilled, self._prefilled = self._prefilled, []
         for got, error in arrivals:
             self._install(got, error)
-        batch: tuple[list, int, int, bool] | None = None
-        units: list[tuple[list, int, int, bool]] = []
+        batch: tuple[list, int, int, int] | None = None
+        units: list[tuple[list, int, int, int]] = []
         with _xla.compile_counter.request_path(self):
             try:
                 for gen in cancels:
@@ -103,7 +103,8 @@ class Loop(Core):
                         gen.counted = True
                         self.outcomes[gen.finish_reason or CANCELLED] += 1  # (set: cancelled)
                 t0, c0 = time.perf_counter(), time.thread_time()
-                while prefilled:  # (their slots step from this turn on)
+                prefilled = self._insertable(prefilled)  # (their slots step from now on)
+                while prefilled:
                     self._insert(prefilled[0])
                     prefilled.pop(0)
                 units = self._admit()

@@ -14,6 +14,12 @@ controls and dispatches the insert (which samples the first tokens), after which
 slots are busy and step with the others. A generation cancelled meanwhile gives its
 slot back only then (its row of the insert is dropped): the slot is never reused while
 its rows are in flight.
+
+With every slot taken, the prompts at the head of the queue are prefilled ahead of a
+free slot (``Scheduler._ahead_rows``, one prompt a unit): no slot is reserved
+(``reserved`` stays -1), and the insert takes the lowest free row at the start of the
+first turn that has one (``_insertable``), before that turn admits others, so a stream
+that ends is followed by the next at once instead of after a prefill.
 """
 
 from __future__ import annotations
@@ -108,8 +114,13 @@ class Overlap(Core):
             slot, gen.reserved = gen.reserved, -1
             if gen.finish_reason is not None or unit.error is not None:
                 ints[i, sampling.SLOT] = self.slots  # (out of range: dropped)
-                table.free.append(slot)
+                if slot >= 0:
+                    table.free.append(slot)
                 continue
+            if slot < 0:  # (prefilled ahead of free slots: one now, the lowest row first)
+                slot = min(table.free, key=lambda s: (s % self._rows_per_device, s))
+                table.free.remove(slot)
+                ints[i, sampling.SLOT] = slot
             table.assign(gen, slot)
             done.append((gen, slot))
             if gen.controls is not None or gen.logprobs is not None:
@@ -129,6 +140,24 @@ class Overlap(Core):
         batch = unit.batch
         self._pending.append((0, first, batch, unit.t0, self._scores(batch, scores), None))
         self._save_prefixes(done)
+
+    def _insertable(self, units: list[Unit]) -> list[Unit]:
+        """Of the prefilled ``units``, those to insert now, in order; the rest
+        (prefilled ahead of free slots, too few free yet) wait for the next turns."""
+        now: list[Unit] = []
+        later: list[Unit] = []
+        need, free = 0, len(self._table.free)
+        for unit in units:
+            more = sum(g.reserved < 0 and g.finish_reason is None for g in unit.batch)
+            if unit.error is None and need + more > free:
+                later.append(unit)
+                continue
+            need += 0 if unit.error is not None else more
+            now.append(unit)
+        if later:  # (ahead of what the thread posted since: the first free slots are theirs)
+            with self._cond:
+                self._prefilled[:0] = later
+        return now
 
     def _stop_prefiller(self) -> None:
         if self._units is not None:

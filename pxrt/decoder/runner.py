@@ -19,6 +19,7 @@ from ..finish import ERROR, STOP
 from . import grammar
 from .export import LENGTH_DIM, is_spec
 from .overlap import Unit
+from .scheduler import AHEAD
 from .speculative import _EMA
 
 if TYPE_CHECKING:
@@ -335,10 +336,10 @@ class Runner(Core):
         scores.copy_to_host_async()
         return scores
 
-    def _prefill(self, batch: list, length: int, size: int = 0, beside: bool = False) -> None:
+    def _prefill(self, batch: list, length: int, size: int = 0, beside: int = False) -> None:
         """Prefill ``batch`` at cell (``size``, ``length``): dispatched now, between two
         steps, or with ``beside`` handed to the prefill thread (``pxrt.decoder.overlap``),
-        its slots reserved until it is inserted."""
+        its slots reserved until it is inserted (``AHEAD``: taken then)."""
         n = len(batch)
         size = size or next(b for b in self.prefill_batches if b >= n)
         cell = self._cells[(size, length)]
@@ -355,10 +356,10 @@ class Runner(Core):
             chosen = self._chosen.pop(gen, -1)  # (length tiers: the admission's choice)
             if chosen >= 0:
                 free.remove(chosen)
-            elif beside:
+            elif beside and beside != AHEAD:
                 chosen = free.pop()
             slot = gen.reserved = chosen if beside else assign(gen, chosen)
-            ints[i, sampling.SLOT] = slot
+            ints[i, sampling.SLOT] = slot if slot >= 0 else self.slots  # (ahead: at insert)
             ints[i, sampling.TOPK] = gen.top_k
             ints[i, sampling.SEED] = _seed_bits(gen.seed)
             self._sampling_row(gen, ints[i, sampling.WANT :], floats[i])
@@ -622,7 +623,8 @@ class Runner(Core):
                 busy[d] += 1
                 high[d] = max(high[d], r + 1)
         for gen in (*self._chunking, *self._in_prefill):  # slots being filled hold theirs
-            held[gen.reserved // per] += 1
+            if gen.reserved >= 0:  # (one prefilled ahead of free slots has none yet)
+                held[gen.reserved // per] += 1
         fits = self._fewest_rows
         rows = fits(max(high))
         target = fits(max(max(b + h for b, h in zip(busy, held)), 1))

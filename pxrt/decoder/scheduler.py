@@ -28,6 +28,9 @@ else:
 #: 32 slots waiting: 0.94-0.98x JetStream's tokens/s against 1.12-1.18x with 4, 8 no
 #: better), and the later prompts to the next turns' admission (their priorities).
 IN_FLIGHT = 4
+#: How an admitted unit is prefilled (the last of ``_admit``'s tuples): between two
+#: steps (False), on the prefill thread (True), or there ahead of free slots.
+AHEAD = 2
 #: The longest a block of steps (``multi_step``) may take at its measured price.
 BLOCK_S = 2e-3
 #: Plain steps between two samples of the busy slots' lengths (``suggested_length_tiers``).
@@ -66,19 +69,20 @@ class Scheduler(Core):
             self.priority_levels, self.default_priority_level = levels, default
             self.priority_wait_s = wait if levels > 1 else math.inf
 
-    def _admit(self) -> list[tuple[list, int, int, bool]]:
+    def _admit(self) -> list[tuple[list, int, int, int]]:
         """This turn's prefills, each (prompts, length, batch cell, whether it goes
-        beside the steps): waiting prompts in
+        beside the steps, or ``AHEAD`` of free slots): waiting prompts in
         order, each unit up to the first that needs a longer prefill than its head's (it
         leads the next unit), at the cell the measured prices choose (``_price``), for
         as long as the turn's prefill budget lasts (one unit at least). A prompt longer
         than the longest prefill, or whose start is in the prefix cache, takes a slot
         of its own to fill chunk by chunk (``_extend``); cached starts are copied in at
         once. A prompt whose next block a prompt admitted before will cache waits for
-        it."""
+        it. With every slot taken and prefills beside the steps, the next prompts are
+        prefilled ahead of free slots (``_ahead_rows``)."""
         waiting = self._waiting
         free = self._table.free
-        if not waiting or not free:
+        if not waiting or not (free or self._ahead_rows()):
             return []
         if self.priority_levels > 1 and len(waiting) > 1:
             self._by_priority()
@@ -89,7 +93,7 @@ class Scheduler(Core):
         # this turn: they are saved once prefilled).
         base = self._filling_keys() if self.prefix is not None else set()
         scan = _Scan(set(base), [], [])
-        units: list[tuple[list, int, int, bool]] = []
+        units: list[tuple[list, int, int, int]] = []
         taken, left = 0, self._prefill_budget()
         # Beside the steps (``overlap_prefill``): a unit that costs more than the turn has
         # left goes to the prefill thread, which takes ``IN_FLIGHT`` at a time.
@@ -122,22 +126,52 @@ class Scheduler(Core):
                 self.counters["priced_prefills"] += self._priced
             if not rows or not self._priced:  # (unpriced: one unit a turn)
                 break
+        if overlap and room > 0 and waiting and len(free) <= taken:
+            units += self._ahead_unit(scan, taken)
         waiting.extendleft(reversed(scan.held))
         if scan.loads:
             self._load_prefixes(scan.loads)
         self._chosen = scan.chosen
         return units
 
-    def _gather_unit(self, scan: _Scan, taken: int) -> tuple[list, int]:
+    def _ahead_rows(self) -> int:
+        """How many prompts the next unit may prefill before a slot is free for them
+        (their rows computed on the prefill thread while every slot steps, inserted
+        into the first that frees, as JetStream's prefill engine runs ahead of its
+        slots): one while the thread has room (``IN_FLIGHT``; a unit of several waits
+        for as many free slots at once, while later prompts take those freed one by
+        one), when prefills go beside the steps, no length tiers choose the slots and
+        there is one priority level (a prompt prefilled ahead is committed: a later one
+        of a higher level must not wait behind it); else 0."""
+        if not self.overlap_prefill or self._slot_length or self.priority_levels > 1:
+            return 0
+        return 1 if len(self._prefilling) < IN_FLIGHT else 0
+
+    def _ahead_unit(self, scan: _Scan, taken: int) -> list[tuple[list, int, int, int]]:
+        """A unit prefilled ahead of free slots (``_ahead_rows``), or none: prompts that
+        go in whole, from the queue's head; its slots are taken when it is inserted."""
+        ahead = self._ahead_rows()
+        batch, length = self._gather_unit(scan, taken, ahead) if ahead else ([], 0)
+        if not batch:
+            return []
+        size, rows, _ = self._price(len(batch), length, math.inf, first=False)
+        self._waiting.extendleft(reversed(batch[rows:]))
+        for gen in batch[:rows]:
+            self._admitted(gen)
+        self.counters["prefills_ahead"] += 1
+        return [(batch[:rows], length, size, AHEAD)]
+
+    def _gather_unit(self, scan: _Scan, taken: int, ahead: int = 0) -> tuple[list, int]:
         """The next unit's prompts (up to the largest prefill batch, from the queue's
         head; none may need a longer prefill than the first) and its length; admits the
-        prompts met on the way that go in chunks (into ``_chunking``)."""
+        prompts met on the way that go in chunks (into ``_chunking``). ``ahead``: rows
+        past the free slots (a unit prefilled ahead of them: none in chunks)."""
         waiting, free = self._waiting, self._table.free
         block, copies = (self.prefix.index.block, self.prefix.rows) if self.prefix else (0, 0)
         filling, held = scan.filling, scan.held
         batch: list[Generation] = []
         length = 0
-        while waiting and len(free) > taken + len(batch):
+        while waiting and len(free) + ahead > taken + len(batch):
             gen = waiting[0]
             if gen.finish_reason is not None:  # cancelled while waiting
                 waiting.popleft()
@@ -158,7 +192,7 @@ class Scheduler(Core):
                         break
                     continue
             if entries or not gen.bucket or not self._cells:  # (no cell yet: in chunks)
-                if entries and len(scan.loads) >= copies:
+                if ahead or (entries and len(scan.loads) >= copies):
                     break  # one copy program per turn
                 waiting.popleft()
                 gen.reserved = free.pop()
