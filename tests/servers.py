@@ -175,6 +175,7 @@ class ServeProcess:
         return self.log.read()
 
     def stop(self) -> int:
+        """SIGTERM, then the exit status; its output stays in ``last_output``."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -183,4 +184,6 @@ class ServeProcess:
             self.proc.kill()
             raise
         finally:
+            if not self.log.closed:
+                self.last_output = self.output()
             self.log.close()

@@ -55,7 +55,8 @@ def served(request, lm_path, tmp_path_factory):
     conf = decoder_config(tmp_path_factory.mktemp("conf"), lm_path, step_slots=[], step_lengths=[])
     proc = ServeProcess(["--config", conf, *extra], grpc=True)
     yield proc
-    assert proc.stop() == 0
+    rc = proc.stop()
+    assert rc == 0, proc.last_output[-6000:]
 
 
 def _text_input(text: str):

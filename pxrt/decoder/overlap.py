@@ -71,6 +71,7 @@ class Overlap(Core):
     _prefilled: list[Unit]
     _in_prefill: set[Generation]
     _units: queue.SimpleQueue | None
+    _prefiller: threading.Thread | None
 
     def _wire_overlap(self, on: bool) -> None:
         #: Whether prefills run on a thread of their own, beside the steps.
@@ -79,6 +80,7 @@ class Overlap(Core):
         self._prefilled = []  # done by the thread (under ``_cond``)
         self._in_prefill = set()  # their generations
         self._units = None  # the thread's queue, once started
+        self._prefiller = None  # the thread
 
     def _prefill_beside(self, unit: Unit) -> None:
         """Hand ``unit`` (its slots reserved) to the prefill thread."""
@@ -86,12 +88,13 @@ class Overlap(Core):
         self._in_prefill.update(unit.batch)
         if self._units is None:
             self._units = queue.SimpleQueue()
-            threading.Thread(
+            self._prefiller = threading.Thread(
                 target=_prefiller,
                 args=(self._units, weakref.ref(self), self._params, self.artifact.x64),
                 name=f"pxrt-prefill-{self.name}",
                 daemon=True,
-            ).start()
+            )
+            self._prefiller.start()
         self._units.put(unit)
 
     def _posted(self, unit: Unit) -> None:
@@ -160,8 +163,14 @@ class Overlap(Core):
         return now
 
     def _stop_prefiller(self) -> None:
+        """Stop the prefill thread and wait for the program it runs: a process that
+        exits while a daemon thread is inside XLA can abort (prompts prefilled ahead of
+        free slots keep the thread busier at a server's stop)."""
         if self._units is not None:
             self._units.put(None)
+        thread = self._prefiller
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(60)
 
 
 def _prefiller(units: queue.SimpleQueue, ref: weakref.ref, params: Any, x64: bool) -> None:
