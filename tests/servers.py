@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import ssl
@@ -20,12 +21,33 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all held open while choosing, so none repeats)."""
-    sockets = [socket.socket() for _ in range(n)]
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 by default)."""
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports, all held open while choosing (none repeats), drawn
+    below the kernel's ephemeral range: a port the kernel hands out (a bind to port 0,
+    a client's connection, one of Ray's many workers) cannot take one between this
+    choice and the server's bind, as it once took Ray's proxy port."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    rng = random.Random()
+    sockets: list[socket.socket] = []
+    try:
+        while len(sockets) < n:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", rng.randrange(low, high)))
+            except OSError:  # (in use)
+                s.close()
+                continue
+            sockets.append(s)
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
