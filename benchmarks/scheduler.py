@@ -92,9 +92,9 @@ def main() -> None:
             elif args.ab == "windows":  # (before: every step over the whole cache)
                 dec.step_lengths = windows if mode == new else ()
             elif args.ab == "ahead":  # (before: prefills only into free slots)
-                dec.__dict__.pop("_ahead_rows", None)
+                dec.__dict__.pop("_prefills_ahead", None)
                 if mode == "before":
-                    dec._ahead_rows = lambda: 0  # type: ignore[method-assign]
+                    dec._prefills_ahead = lambda: False  # type: ignore[method-assign]
             elif mode == "before":  # (each prefill between two steps)
                 target = fused
             runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, callers))))

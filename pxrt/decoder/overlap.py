@@ -16,7 +16,7 @@ slot back only then (its row of the insert is dropped): the slot is never reused
 its rows are in flight.
 
 With every slot taken, the prompts at the head of the queue are prefilled ahead of a
-free slot (``Scheduler._ahead_rows``, one prompt a unit): no slot is reserved
+free slot (``Scheduler._prefills_ahead``, one prompt a unit): no slot is reserved
 (``reserved`` stays -1), and the insert takes the lowest free row at the start of the
 first turn that has one (``_insertable``), before that turn admits others, so a stream
 that ends is followed by the next at once instead of after a prefill.
@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from .. import _xla, sampling
+from .scheduler import row_order
 
 if TYPE_CHECKING:
     from .core import Core
@@ -121,7 +122,7 @@ class Overlap(Core):
                     table.free.append(slot)
                 continue
             if slot < 0:  # (prefilled ahead of free slots: one now, the lowest row first)
-                slot = min(table.free, key=lambda s: (s % self._rows_per_device, s))
+                slot = min(table.free, key=row_order(self._rows_per_device))
                 table.free.remove(slot)
                 ints[i, sampling.SLOT] = slot
             table.assign(gen, slot)
@@ -150,13 +151,15 @@ class Overlap(Core):
         now: list[Unit] = []
         later: list[Unit] = []
         need, free = 0, len(self._table.free)
-        for unit in units:
-            more = sum(g.reserved < 0 and g.finish_reason is None for g in unit.batch)
-            if unit.error is None and need + more > free:
+        for unit in units:  # (a failed unit's rows are dropped: it takes no slot)
+            more = unit.error is None and sum(
+                g.reserved < 0 and g.finish_reason is None for g in unit.batch
+            )
+            if need + more > free:
                 later.append(unit)
-                continue
-            need += 0 if unit.error is not None else more
-            now.append(unit)
+            else:
+                need += more
+                now.append(unit)
         if later:  # (ahead of what the thread posted since: the first free slots are theirs)
             with self._cond:
                 self._prefilled[:0] = later

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .params import int_in, number_in
@@ -37,6 +37,12 @@ BLOCK_S = 2e-3
 NEED_SAMPLE_TURNS = 4
 #: Samples before ``suggested_length_tiers`` suggests anything.
 NEED_SAMPLES = 64
+
+
+def row_order(rows: int) -> Callable[[int], tuple[int, int]]:
+    """A sort key putting the slots of the lowest rows first (slots are numbered
+    device-major, ``rows`` per device): the steps over fewer rows hold them."""
+    return lambda slot: (slot % rows, slot // rows)
 
 
 @dataclasses.dataclass
@@ -79,16 +85,16 @@ class Scheduler(Core):
         of its own to fill chunk by chunk (``_extend``); cached starts are copied in at
         once. A prompt whose next block a prompt admitted before will cache waits for
         it. With every slot taken and prefills beside the steps, the next prompts are
-        prefilled ahead of free slots (``_ahead_rows``)."""
+        prefilled ahead of free slots (``_prefills_ahead``)."""
         waiting = self._waiting
         free = self._table.free
-        if not waiting or not (free or self._ahead_rows()):
+        if not waiting or not (free or self._prefills_ahead()):
             return []
         if self.priority_levels > 1 and len(waiting) > 1:
             self._by_priority()
         if len(self._steps) > 1:  # the lowest rows first (popped from the end)
             rows = self._rows_per_device
-            free.sort(key=lambda s: (s % rows, s // rows), reverse=True)
+            free.sort(key=row_order(rows), reverse=True)
         # Blocks that prompts admitted before will cache (being chunked, or admitted in
         # this turn: they are saved once prefilled).
         base = self._filling_keys() if self.prefix is not None else set()
@@ -134,32 +140,29 @@ class Scheduler(Core):
         self._chosen = scan.chosen
         return units
 
-    def _ahead_rows(self) -> int:
-        """How many prompts the next unit may prefill before a slot is free for them
-        (their rows computed on the prefill thread while every slot steps, inserted
-        into the first that frees, as JetStream's prefill engine runs ahead of its
-        slots): one while the thread has room (``IN_FLIGHT``; a unit of several waits
-        for as many free slots at once, while later prompts take those freed one by
-        one), when prefills go beside the steps, no length tiers choose the slots and
-        there is one priority level (a prompt prefilled ahead is committed: a later one
-        of a higher level must not wait behind it); else 0."""
-        if not self.overlap_prefill or self._slot_length or self.priority_levels > 1:
-            return 0
-        return 1 if len(self._prefilling) < IN_FLIGHT else 0
+    def _prefills_ahead(self) -> bool:
+        """Whether the next prompt may be prefilled before a slot is free for it (its
+        rows computed on the prefill thread while every slot steps, inserted into the
+        first that frees, as JetStream's prefill engine runs ahead of its slots): while
+        the thread has room (``IN_FLIGHT``), prefills go beside the steps, no length
+        tiers choose the slots and there is one priority level (a prompt prefilled
+        ahead is committed: a later one of a higher level must not wait behind it). One
+        prompt a unit: a unit of several waits for as many free slots at once, while
+        later prompts take those freed one by one."""
+        return (
+            self.overlap_prefill and not self._slot_length and self.priority_levels == 1
+            and len(self._prefilling) < IN_FLIGHT
+        )  # fmt: skip
 
     def _ahead_unit(self, scan: _Scan, taken: int) -> list[tuple[list, int, int, int]]:
-        """A unit prefilled ahead of free slots (``_ahead_rows``), or none: prompts that
-        go in whole, from the queue's head; its slots are taken when it is inserted."""
-        ahead = self._ahead_rows()
-        batch, length = self._gather_unit(scan, taken, ahead) if ahead else ([], 0)
+        """A unit of one prompt prefilled ahead of free slots (``_prefills_ahead``), or
+        none: the queue's head, if it goes in whole; its slot is taken at insert."""
+        batch, length = self._gather_unit(scan, taken, 1) if self._prefills_ahead() else ([], 0)
         if not batch:
             return []
-        size, rows, _ = self._price(len(batch), length, math.inf, first=False)
-        self._waiting.extendleft(reversed(batch[rows:]))
-        for gen in batch[:rows]:
-            self._admitted(gen)
+        self._admitted(batch[0])
         self.counters["prefills_ahead"] += 1
-        return [(batch[:rows], length, size, AHEAD)]
+        return [(batch, length, self._price(1, length, math.inf, first=False)[0], AHEAD)]
 
     def _gather_unit(self, scan: _Scan, taken: int, ahead: int = 0) -> tuple[list, int]:
         """The next unit's prompts (up to the largest prefill batch, from the queue's
@@ -193,7 +196,7 @@ class Scheduler(Core):
                     continue
             if entries or not gen.bucket or not self._cells:  # (no cell yet: in chunks)
                 if ahead or (entries and len(scan.loads) >= copies):
-                    break  # one copy program per turn
+                    break  # (ahead: no slot to chunk into; else one copy program a turn)
                 waiting.popleft()
                 gen.reserved = free.pop()
                 self._write_controls(gen, gen.reserved)
