@@ -235,6 +235,35 @@ def test_blocks_of_steps_give_the_single_steps_tokens(lm, fused_lm, reference):
     assert fused_lm.counters["steps"] == fused_lm.counters["step_programs"]
 
 
+def test_a_blocks_launch_is_the_steps_price_less_what_a_further_step_adds(monkeypatch):
+    """The launch the scheduler sizes blocks by is the step's price less the device
+    time a further step adds (the block's and one step's least times): the price less
+    the launch is that step time, whatever noise the price met. Before, the launch
+    came from the least single step alone, and a price measured on a noisier run
+    made every step look dearer (blocks of 3 on the TPU where 4 fit)."""
+    from pxrt.decoder import load as decoder_load
+
+    clock = [0.0]
+    monkeypatch.setattr(decoder_load.time, "perf_counter", lambda: clock[0])
+
+    class Step:  # a launch of 1 ms and 0.2 ms a step, on a fake clock
+        steps = 4
+
+        def __call__(self, params, state, n=1):
+            clock[0] += 1e-3 + 0.2e-3 * n
+            return state, np.zeros(1), None
+
+    got = object.__new__(decoder_load._Obtained)
+    got.step = Step()
+    # (the price a median of noisier runs: 1.5 ms against the least 1.2)
+    launch = got._launch(None, [None], 1.0, 1.5e-3)
+    assert launch == pytest.approx(1.3e-3) and 1.5e-3 - launch == pytest.approx(0.2e-3)
+    # noise that made the block look cheaper than one step: no step time, all launch
+    got.step = lambda params, state, n=1: Step.__call__(Step(), params, state, 1 - (n > 1))
+    got.step.steps = 4
+    assert got._launch(None, [None], 1.0, 1.5e-3) == pytest.approx(1.5e-3)
+
+
 def test_a_prompt_is_prefilled_ahead_of_a_free_slot(lm, reference):
     """With every slot taken and prefills beside the steps (the CPU's default), the
     next prompts' rows are computed on the prefill thread before a slot frees and go

@@ -852,11 +852,14 @@ class _Obtained:
         state, first, _ = self.step(params, state)
         np.asarray(first.addressable_data(0))  # (the group's: a shard)
 
-    def _launch(self, params: Any, holder: list, budget_s: float) -> float:
-        """Seconds a step program costs besides its steps' device time: the whole step
-        less what each further step of a block of K adds, timed alternately (the
-        least of up to 3 of each: noise on a shared host only adds). The scheduler
-        prices a block as one launch and its steps: on a TPU v5e ~1 ms against 0.17 ms
+    def _launch(self, params: Any, holder: list, budget_s: float, price: float) -> float:
+        """Seconds a step program costs besides its steps' device time: the step's
+        ``price`` (what the scheduler prices it at) less what each further step of a
+        block of K adds (the block and one step timed alternately, the least of up to
+        3 of each: noise on a shared host only adds). So the price less the launch is
+        a step's device time, whatever noise the price met (the least single step
+        less it, against the price's median, made blocks of 3 steps on one TPU load
+        and of 4 on another, the same programs). On a TPU v5e ~0.9 ms against 0.17 ms
         a step of a small model; on a CPU a small share of the step."""
         k = self.step.steps
         ones: list[float] = []
@@ -867,8 +870,8 @@ class _Obtained:
                 holder[0], first, _ = self.step(params, holder[0], n)
                 jax.block_until_ready(first)
                 times.append(time.perf_counter() - t0)
-        one, block = min(ones), min(blocks)
-        return min(max(one - (block - one) / (k - 1), 0.0), one)
+        each = max((min(blocks) - min(ones)) / (k - 1), 0.0)
+        return min(max(price - each, 0.0), price)
 
     def measure(self, params: Any, slots: int, budget_s: float = 0.05) -> dict[str, float]:
         """Seconds per run of the programs the loop's scheduler chooses among (each
@@ -909,7 +912,7 @@ class _Obtained:
 
             timed(f"step[{rows}]", step)
         if getattr(self.step, "steps", 1) > 1:
-            costs["launch"] = self._launch(params, holder, budget_s)
+            costs["launch"] = self._launch(params, holder, budget_s, costs[f"step[{slots}]"])
         for (rows, window), part in sorted(self.windows.items()):
 
             def windowed(part: Any = part) -> Any:
