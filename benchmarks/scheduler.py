@@ -9,13 +9,16 @@ busy slot is inside it (``step_lengths``) against steps over the whole cache alw
 (``overlap_prefill``, the default on CPU) against each prefill between two steps on
 the loop's thread (two decoders of the same artifact). ``--ab ahead``: with every slot
 taken, the next prompts prefilled ahead of a free slot against prefills only into free
-slots (give it more ``--callers`` than slots). Otherwise one decoder serves
+slots (give it more ``--callers`` than slots). ``--ab greedy``: a decoder whose programs
+pick greedily with no sampling branch (no ``lax.cond``: what programs chosen by the host
+for greedy rows would give at most) against today's, two loads of the same artifact (the
+workload is greedy). Otherwise one decoder serves
 both sides (switched between runs), the demo decoder's math at the
 shape given, a closed loop of ``--callers`` (default ``--slots``) over lognormal prompt and output
 lengths, fresh prompt tokens each run (none in the prefix cache). Prints each run, then
 medians and ratios.
 
-    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead] [--dim 128
+    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy] [--dim 128
         --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
         [--requests 300] [--repeats 3]
 """
@@ -50,7 +53,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--callers", type=int, help="closed loop (default: --slots)")
-    p.add_argument("--ab", choices=("pricing", "windows", "overlap", "ahead"), default="pricing")
+    p.add_argument(
+        "--ab", choices=("pricing", "windows", "overlap", "ahead", "greedy"), default="pricing"
+    )
     args = p.parse_args()
     callers = args.callers or args.slots
     lengths = tuple(n for n in (16, 32, 64, 128, 256) if n < args.max_length)
@@ -60,10 +65,12 @@ def main() -> None:
     )  # fmt: skip
     dec = pxrt.load(path)
     dec.wait_programs()  # (none compiling beside the runs)
-    fused = None
+    other = None  # (the second decoder: overlap's "before", greedy's "greedy")
     if args.ab == "overlap":
-        fused = pxrt.load(path, overlap_prefill=False)
-        fused.wait_programs()
+        other = pxrt.load(path, overlap_prefill=False)
+        other.wait_programs()
+    elif args.ab == "greedy":
+        other = greedy_only(path)
     print("measured ms:", {k: round(v * 1e3, 3) for k, v in dec.costs.items()})
     print(f"turn bound: {dec.itl_bound_s * 1e3:.2f} ms")
     rng = np.random.default_rng(0)
@@ -78,9 +85,10 @@ def main() -> None:
         for n, m in zip(prompts, outputs)
     ]
     priced, windows = dec._priced, dec.step_lengths
-    new = {"pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead"}[
-        args.ab
-    ]
+    new = {
+        "pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead",
+        "greedy": "greedy",
+    }[args.ab]  # fmt: skip
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
         fresh = [(rng.integers(0, demo.LM_VOCAB - 2, size=len(p)).astype(np.int32), m)
@@ -95,18 +103,45 @@ def main() -> None:
                 dec.__dict__.pop("_prefills_ahead", None)
                 if mode == "before":
                     dec._prefills_ahead = lambda: False  # type: ignore[method-assign]
-            elif mode == "before":  # (each prefill between two steps)
-                target = fused
+            elif args.ab == "overlap" and mode == "before":  # (each between two steps)
+                target = other
+            elif args.ab == "greedy" and mode == new:
+                target = other
             runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, callers))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
     dec.close()
-    if fused is not None:
-        fused.close()
+    if other is not None:
+        other.close()
     print(f"\n{'':<10} {new:>10} {'before':>10} {'ratio':>7}")
     for key in ("tok/s", "itl p50", "itl p99", "ttft p50", "ttft p99"):
         a = float(np.median([r[key] for r in runs[new]]))
         b = float(np.median([r[key] for r in runs["before"]]))
         print(f"{key:<10} {a:>10.2f} {b:>10.2f} {a / b:>6.2f}x")
+
+
+def greedy_only(path: str) -> pxrt.Decoder:
+    """``path`` loaded with every program's choice a greedy pick alone: no controls, no
+    scores, no sampling ``lax.cond`` (a ``cond`` costs 20-30 us a program on XLA:CPU
+    whatever its branches: ``benchmarks/cond_cost.py``). Its own compiles (pxrt's
+    stored programs are keyed by the code's files, which the patch does not change)."""
+    import jax.numpy as jnp
+
+    from pxrt import sampling
+    from pxrt.decoder import programs
+
+    def choose(self, logits, ints, floats, position, state, index, cols, full=True):  # noqa: ANN001, ANN202
+        n, width = logits.shape[0], 1 + 2 * sampling.top_count(logits.shape[-1])
+        tokens = sampling.greedy(logits.astype(jnp.float32))
+        return tokens, jnp.zeros((n, width), jnp.float32), jnp.zeros(n, bool)
+
+    real = programs.DecoderPrograms._choose
+    programs.DecoderPrograms._choose = choose  # type: ignore[method-assign]
+    try:
+        dec = pxrt.load(path, compilation_cache=False)
+        dec.wait_programs()  # (the later programs are traced with the patch too)
+    finally:
+        programs.DecoderPrograms._choose = real  # type: ignore[method-assign]
+    return dec
 
 
 if __name__ == "__main__":
