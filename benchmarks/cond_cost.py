@@ -31,8 +31,8 @@ from pxrt import sampling  # noqa: E402
 
 
 def programs(vocab: int) -> dict:
-    def branches(logits, most, seed, position) -> dict:  # noqa: ANN001
-        def draw(_):  # noqa: ANN001, ANN202
+    def branches(logits, most, seed, position) -> dict:
+        def draw(_):
             key = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, position)
             u = jax.vmap(lambda k: jax.random.uniform(k, ()))(key)
             return jnp.floor(u * vocab).astype(jnp.int32)
@@ -45,8 +45,8 @@ def programs(vocab: int) -> dict:
             "sort": lambda _: jnp.sort(logits, -1)[:, 3].astype(jnp.int32),
         }
 
-    def build(name: str):  # noqa: ANN202
-        def f(x, w, temperature, seed, position):  # noqa: ANN001, ANN202
+    def build(name: str):
+        def f(x, w, temperature, seed, position):
             logits = x @ w
             most = sampling.greedy(logits)
             if name == "pick alone":
@@ -87,7 +87,7 @@ def main() -> None:
     for name, f in progs.items():  # (compiled, warm, and the same tokens)
         assert (np.asarray(f(*inputs)) == want).all(), name
 
-    def timed(f) -> float:  # noqa: ANN001
+    def timed(f) -> float:
         times = []
         for _ in range(args.calls):
             t0 = time.perf_counter()

@@ -129,7 +129,7 @@ def greedy_only(path: str) -> pxrt.Decoder:
     from pxrt import sampling
     from pxrt.decoder import programs
 
-    def choose(self, logits, ints, floats, position, state, index, cols, full=True):  # noqa: ANN001, ANN202
+    def choose(self, logits, ints, floats, position, state, index, cols, full=True):
         n, width = logits.shape[0], 1 + 2 * sampling.top_count(logits.shape[-1])
         tokens = sampling.greedy(logits.astype(jnp.float32))
         return tokens, jnp.zeros((n, width), jnp.float32), jnp.zeros(n, bool)

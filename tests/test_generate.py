@@ -246,21 +246,23 @@ def test_a_blocks_launch_is_the_steps_price_less_what_a_further_step_adds(monkey
     clock = [0.0]
     monkeypatch.setattr(decoder_load.time, "perf_counter", lambda: clock[0])
 
-    class Step:  # a launch of 1 ms and 0.2 ms a step, on a fake clock
+    class Step:  # ``cost(n)`` seconds for a block of n, on a fake clock
         steps = 4
 
+        def __init__(self, cost):
+            self.cost = cost
+
         def __call__(self, params, state, n=1):
-            clock[0] += 1e-3 + 0.2e-3 * n
+            clock[0] += self.cost(n)
             return state, np.zeros(1), None
 
     got = object.__new__(decoder_load._Obtained)
-    got.step = Step()
+    got.step = Step(lambda n: 1e-3 + 0.2e-3 * n)  # a launch of 1 ms, 0.2 ms a step
     # (the price a median of noisier runs: 1.5 ms against the least 1.2)
     launch = got._launch(None, [None], 1.0, 1.5e-3)
     assert launch == pytest.approx(1.3e-3) and 1.5e-3 - launch == pytest.approx(0.2e-3)
     # noise that made the block look cheaper than one step: no step time, all launch
-    got.step = lambda params, state, n=1: Step.__call__(Step(), params, state, 1 - (n > 1))
-    got.step.steps = 4
+    got.step = Step(lambda n: 1.2e-3 if n == 1 else 1.0e-3)
     assert got._launch(None, [None], 1.0, 1.5e-3) == pytest.approx(1.5e-3)
 
 

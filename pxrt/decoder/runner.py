@@ -336,7 +336,7 @@ class Runner(Core):
         scores.copy_to_host_async()
         return scores
 
-    def _prefill(self, batch: list, length: int, size: int = 0, beside: int = False) -> None:
+    def _prefill(self, batch: list, length: int, size: int = 0, beside: int = 0) -> None:
         """Prefill ``batch`` at cell (``size``, ``length``): dispatched now, between two
         steps, or with ``beside`` handed to the prefill thread (``pxrt.decoder.overlap``),
         its slots reserved until it is inserted (``AHEAD``: taken then)."""

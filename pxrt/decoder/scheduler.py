@@ -132,7 +132,7 @@ class Scheduler(Core):
                 self.counters["priced_prefills"] += self._priced
             if not rows or not self._priced:  # (unpriced: one unit a turn)
                 break
-        if overlap and room > 0 and waiting and len(free) <= taken:
+        if room > 0 and waiting and len(free) <= taken and self._prefills_ahead():
             units += self._ahead_unit(scan, taken)
         waiting.extendleft(reversed(scan.held))
         if scan.loads:
@@ -155,9 +155,9 @@ class Scheduler(Core):
         )  # fmt: skip
 
     def _ahead_unit(self, scan: _Scan, taken: int) -> list[tuple[list, int, int, int]]:
-        """A unit of one prompt prefilled ahead of free slots (``_prefills_ahead``), or
-        none: the queue's head, if it goes in whole; its slot is taken at insert."""
-        batch, length = self._gather_unit(scan, taken, 1) if self._prefills_ahead() else ([], 0)
+        """A unit of one prompt prefilled ahead of free slots (where ``_prefills_ahead``),
+        or none: the queue's head, if it goes in whole; its slot is taken at insert."""
+        batch, length = self._gather_unit(scan, taken, 1)
         if not batch:
             return []
         self._admitted(batch[0])
