@@ -18,9 +18,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pxrt-installed
 # The tests compile with LLVM's lowest optimization level: the same HLO through the same
 # XLA passes (the same numbers: XLA does not let LLVM reorder float math), in about half
-# the compile time, which is most of a decoder test's (17 programs: 17 s against 9.7 s).
-# Benchmarks and `pxrt serve` keep the default.
-TEST_XLA := --xla_backend_optimization_level=0
+# the compile time, which is most of a decoder test's (17 programs: 17 s against 9.7 s);
+# and with XLA:CPU's older loop emitters for fusions instead of its MLIR fusion emitters
+# (the same fused HLO, emitted element by element): the test decoder's 32 programs in 12
+# s of CPU against 30 (docs/development.md). Benchmarks and `pxrt serve` keep the default.
+TEST_XLA := --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false
 FOUR := XLA_FLAGS=--xla_force_host_platform_device_count=4
 TEST_ONE := XLA_FLAGS="$(TEST_XLA)"
 TEST_FOUR := XLA_FLAGS="$(TEST_XLA) --xla_force_host_platform_device_count=4"
