@@ -15,7 +15,7 @@ the defaults, 19.0 s with ``--xla_cpu_use_fusion_emitters=false``, 15.8 s at
 over the step and prefill programs, as the load measured them).
 
     python benchmarks/compile_flags.py [--shape test|demo|js-small|js-wide|keras-llama]
-        [--flags "" "--xla_cpu_use_fusion_emitters=false" ...] [--rounds 2] [--slots 8]
+        [--flags=";--xla_cpu_use_fusion_emitters=false"] [--rounds 2] [--slots 8]
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def child(path: str, options: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="test")
-    p.add_argument("--flags", nargs="+", default=list(FLAGS))
+    p.add_argument("--flags", default=";".join(FLAGS),
+                   help="sets of XLA_FLAGS separated by ';' (write --flags=...)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -98,6 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = export(args.shape, tmp, args.slots)
         options = {"step_lengths": [16, 32]} if args.shape == "test" else {}
+        args.flags = [f.strip() for f in args.flags.split(";")]
         got: dict[str, list[dict]] = {f: [] for f in args.flags}
         for r in range(args.rounds):
             for flags in args.flags:

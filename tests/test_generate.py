@@ -1833,9 +1833,10 @@ def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, 
     """``length_tiers``: the cache as one array per tier, every tier stepped in one
     program at its own length. Prompts go to the shortest tier with a free slot that
     holds prompt plus ``max_tokens`` (a prompt whose prefill cell is longer than its
-    tier has its rows cut to it); greedy streams equal plain JAX, seeded sampled ones
-    and logprobs equal the one-cache decoder's, every cache is updated in place, and a
-    request too long for the short tiers waits for a long one."""
+    tier has its rows cut to it; one longer than any prefill is chunked into its
+    tier's slot); greedy streams equal plain JAX, seeded sampled ones and logprobs
+    equal the one-cache decoder's, every cache is updated in place, and a request too
+    long for the short tiers waits for a long one."""
     dec = pxrt.load(lm_path, length_tiers="4x16+4x32+4x64")
     try:
         assert dec.wait_programs(120)
@@ -1847,8 +1848,12 @@ def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, 
         dec._tier_slot = lambda gen, taken: chosen.append(pick(gen, taken)) or chosen[-1]
         before = [leaf for tier in dec.state["cache"] for leaf in jax.tree.leaves(tier)]
         # (lengths 1..32 and max_tokens 3..36: every tier; a 9-32 token prompt is
-        # prefilled at 32 positions and may go to the 16-position tier)
+        # prefilled at 32 positions and may go to the 16-position tier; 33-56 tokens:
+        # chunked, into the 64-position tier)
         cases = [(p, 3 + (i * 11) % 34) for i, p in enumerate(prompts(16, seed=51))]
+        rng = np.random.default_rng(53)
+        cases += [(rng.integers(0, 256, n).astype(np.int32), 7) for n in (33, 45, 56)]
+        chunks = dec.counters["chunks"]
         results: dict = {}
 
         def client(i, prompt, max_tokens):
@@ -1865,6 +1870,7 @@ def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, 
         lengths = [dec._slot_length[s] for s in chosen if s >= 0]
         assert set(lengths) == {16, 32, 64}
         assert any(8 < len(p) and len(p) + m <= 16 for p, m in cases)  # (a cut prefill)
+        assert dec.counters["chunks"] - chunks >= 3
         assert all(b.is_deleted() for b in before)  # (donated: updated in place)
         cache_bytes = dec.cache_bytes
         assert cache_bytes == 4 * (16 + 32 + 64) * lm.cache_bytes // (SLOTS * MAX_LENGTH)
@@ -1880,6 +1886,30 @@ def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, 
                 [t[0] for t in a.logprobs], [t[0] for t in b.logprobs], rtol=1e-5, atol=1e-5
             )
         assert dec.compiles_after_load == 0 and dec.busy_slots == 0
+    finally:
+        dec.close()
+
+
+def test_prompts_are_chunked_into_a_short_tier(lm_path, reference):
+    """With prefills of 8 tokens only, prompts of 9-40 tokens go in chunks (extend) into
+    the shortest tier that holds them and their ``max_tokens``: each chunk reads its
+    slot's rows out of that tier and writes them back cut to the tier's length, the
+    rest of the cache untouched; the tokens equal plain JAX."""
+    dec = pxrt.load(
+        lm_path, length_tiers="4x16+4x32+4x64", prefill_lengths=(8,), sampling_controls=False
+    )
+    try:
+        chosen: list[int] = []
+        pick = dec._tier_slot
+        dec._tier_slot = lambda gen, taken: chosen.append(pick(gen, taken)) or chosen[-1]
+        rng = np.random.default_rng(54)
+        sizes = [(9, 5), (12, 4), (14, 2), (20, 9), (27, 5), (40, 9), (5, 9)]
+        cases = [(rng.integers(0, 256, n).astype(np.int32), m) for n, m in sizes]
+        gens = [dec.submit(p, max_tokens=m) for p, m in cases]
+        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
+        assert {dec._slot_length[s] for s in chosen if s >= 0} == {16, 32, 64}
+        assert dec.counters["chunks"] >= 6
+        assert dec.busy_slots == 0 and len(dec._table.free) == dec.slots
     finally:
         dec.close()
 

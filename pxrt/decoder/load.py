@@ -131,9 +131,10 @@ def load_decoder(
     slots x positions per tier): the cache as one array per tier, all stepped in one
     program, each at its own length, so a short sequence reads a short cache; a prompt
     goes to the smallest tier with a free slot that holds its prompt and ``max_tokens``.
-    The slots are the tiers' sum and ``max_length`` the longest tier's. Without (for
-    now): the prefix cache, chunked prompts (a prompt is at most the longest prefill),
-    steps over fewer slots or cache windows, speculation, a multi-host group.
+    The slots are the tiers' sum and ``max_length`` the longest tier's; a prompt longer
+    than the longest prefill is chunked into its tier's slot. Without (for now): the
+    prefix cache, steps over fewer slots or cache windows, speculation, a multi-host
+    group.
 
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
@@ -260,8 +261,6 @@ def _plan(
         art.config, art.bounds, n_dev, slots, max_length, prefill_lengths, prefill_batches
     )
     chunks, chunk_rows = _chunk_sizes(art, max_length, chunk_lengths, chunk_batches)
-    if tiers:  # (a prompt goes in whole, at most the longest prefill)
-        chunks, chunk_rows = [], []
     if in_group and chunks:
         # Followers run only prefill cells and the step (pxrt.multihost).
         log.info("pxrt: %s: in a multi-host group prompts are not chunked or cached", art.name)

@@ -873,7 +873,7 @@ class DecoderPrograms:
         start, count, slot = ints[:, c.CHUNK_START], ints[:, c.CHUNK_COUNT], ints[:, c.CHUNK_SLOT]
         final = ints[:, c.CHUNK_FINAL] > 0
         taken = jnp.clip(slot, 0, self.slots - 1)  # a padding row's is dropped below
-        rows = jax.tree.map(lambda leaf: leaf[taken], state["cache"])
+        rows = self._slot_rows(state["cache"], slot)
         rows, logits = self.art.extend_for(*tokens.shape).call(params, rows, tokens, start)
         following_tokens = jnp.concatenate([tokens[:, 1:], ints[:, c.CHUNK_NEXT, None]], axis=1)
         prompted = sampling.prompt_scores(logits, following_tokens, ints[:, c.CHUNK_PROMPT])
@@ -884,9 +884,15 @@ class DecoderPrograms:
         chosen = ints.at[:, c.CHUNK_WANT].mul(final).at[:, c.CHUNK_CTRL].mul(final)
         cols = (c.CHUNK_TOPK, c.CHUNK_SEED, c.CHUNK_WANT, c.CHUNK_CTRL, c.CHUNK_UNTIL)
         first, scores, on = self._choose(last, chosen, floats, following, state, taken, cols)
-        cache = jax.tree.map(
-            lambda leaf, r: leaf.at[slot].set(r, mode="drop"), state["cache"], rows
-        )
+        if self.tiers:  # (each tier's rows cut to its length; a slot elsewhere: dropped)
+            cache: Any = tuple(
+                self._write_rows(tier, rows, at, length)
+                for tier, at, (_, length) in zip(state["cache"], self.tier_rows(slot), self.tiers)
+            )
+        else:
+            cache = jax.tree.map(
+                lambda leaf, r: leaf.at[slot].set(r, mode="drop"), state["cache"], rows
+            )
         parked = jnp.full_like(start, self.max_length - 1)
         rows_ints = jnp.stack(
             [jnp.where(final, first, 0), jnp.where(final, following, parked)]
@@ -895,6 +901,37 @@ class DecoderPrograms:
         )
         state = self._inserted(state, slot, cache, rows_ints, floats, first, on)
         return state, first, scores, prompted
+
+    def _slot_rows(self, cache: Any, slot: jax.Array) -> Any:
+        """The cache rows of each (global) ``slot``, ``max_length`` positions long: with
+        length tiers, each slot's from its tier, the positions past the tier's length
+        zeros (a prompt in a tier is shorter than it: nothing there is read). A padding
+        row's (out of range) are some slot's."""
+        taken = jnp.clip(slot, 0, self.slots - 1)
+        if not self.tiers:
+            return jax.tree.map(lambda leaf: leaf[taken], cache)
+        rows: Any = None
+        for tier, at, (n, length) in zip(cache, self.tier_rows(taken), self.tiers):
+
+            def longest(leaf: jax.Array, axis: int | None, length: int = length) -> jax.Array:
+                if axis is None or length == self.max_length:
+                    return leaf
+                widths = [(0, 0)] * leaf.ndim
+                widths[axis] = (0, self.max_length - length)
+                return jnp.pad(leaf, widths)
+
+            got = [
+                longest(leaf[jnp.clip(at, 0, n - 1)], axis)
+                for leaf, axis in zip(jax.tree.leaves(tier), self._length_axes)
+            ]
+            if rows is not None:
+                inside = at < n
+                got = [
+                    jnp.where(inside.reshape((-1,) + (1,) * (g.ndim - 1)), g, r)
+                    for g, r in zip(got, rows)
+                ]
+            rows = got
+        return jax.tree.unflatten(self._cache_tree, rows)
 
     @staticmethod
     def _inserted(

@@ -171,7 +171,7 @@ class Scheduler(Core):
         past the free slots (a unit prefilled ahead of them: none in chunks)."""
         waiting, free = self._waiting, self._table.free
         block, copies = (self.prefix.index.block, self.prefix.rows) if self.prefix else (0, 0)
-        filling, held = scan.filling, scan.held
+        filling = scan.filling
         batch: list[Generation] = []
         length = 0
         while waiting and len(free) + ahead > taken + len(batch):
@@ -180,8 +180,7 @@ class Scheduler(Core):
                 waiting.popleft()
                 continue
             if self._control is None and (gen.controls is not None or gen.logprobs is not None):
-                held.append(waiting.popleft())  # (until its programs are compiled)
-                if len(held) >= self.slots:
+                if self._hold(scan):  # (until its programs are compiled)
                     break
                 continue
             entries = self._lookup(gen)
@@ -190,15 +189,20 @@ class Scheduler(Core):
                     # A prompt admitted before will cache more of this one's start: this
                     # one waits for it (at the head of the queue; the others go on)
                     # rather than compute the same blocks again.
-                    held.append(waiting.popleft())
-                    if len(held) >= self.slots:  # (a bounded scan per turn)
+                    if self._hold(scan):
                         break
                     continue
             if entries or not gen.bucket or not self._cells:  # (no cell yet: in chunks)
                 if ahead or (entries and len(scan.loads) >= copies):
                     break  # (ahead: no slot to chunk into; else one copy program a turn)
+                slot = self._tier_slot(gen, scan.chosen) if self._slot_length else free[-1]
+                if slot < 0:  # (length tiers: no free slot of a tier that holds it)
+                    if self._hold(scan):
+                        break
+                    continue
+                free.remove(slot)
                 waiting.popleft()
-                gen.reserved = free.pop()
+                gen.reserved = slot
                 self._write_controls(gen, gen.reserved)
                 gen.start = gen.hit = len(entries) * block
                 if entries:
@@ -214,8 +218,7 @@ class Scheduler(Core):
             if self._slot_length:  # (length tiers: a free slot of a tier that holds it)
                 slot = self._tier_slot(gen, scan.chosen)
                 if slot < 0:
-                    held.append(waiting.popleft())
-                    if len(held) >= self.slots:
+                    if self._hold(scan):
                         break
                     continue
                 scan.chosen[gen] = slot
@@ -224,6 +227,12 @@ class Scheduler(Core):
             if gen.use_prefix and gen.keys:
                 filling.update(gen.keys)
         return batch, length
+
+    def _hold(self, scan: _Scan) -> bool:
+        """The queue's head waits past this turn's units (``scan.held``: it keeps its
+        place); whether the scan stops there (a bounded scan per turn)."""
+        scan.held.append(self._waiting.popleft())
+        return len(scan.held) >= self.slots
 
     def _price_programs(self, costs: Mapping[str, float], itl_bound_ms: float | None) -> None:
         """The scheduler's prices from the times measured at load (``costs``: seconds
