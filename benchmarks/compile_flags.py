@@ -12,7 +12,11 @@ On the 2-core CPU (2026-12-07), the test decoder, every program compiled: 27.1 s
 the defaults, 19.0 s with ``--xla_cpu_use_fusion_emitters=false``, 15.8 s at
 ``--xla_backend_optimization_level=0``, 7.3 s with both (what ``make test`` uses; CPU 52,
 37, 29 and 12 s); its programs ran 1.09x, 1.89x and 1.87x the defaults' times (medians
-over the step and prefill programs, as the load measured them).
+over the step and prefill programs, as the load measured them). js-small at 16 slots
+(``--shape js-small --slots 16 --requests 256 --rounds 3
+--flags=";--xla_cpu_use_fusion_emitters=false"``): the older emitters compile in 0.81x
+the time (25.6 against 31.4 s) but serve 0.85x the tokens/s (6,453-7,892 against
+7,544-9,069 in six closed loops each): for tests, not for serving.
 
     python benchmarks/compile_flags.py [--shape test|demo|js-small|js-wide|keras-llama]
         [--flags=";--xla_cpu_use_fusion_emitters=false"] [--rounds 2] [--slots 8]
@@ -52,7 +56,27 @@ def export(shape: str, directory: str, slots: int) -> str:
     return model.export(directory, (16, 32, 64, 128, 256), slots=slots)  # (jetstream_compare's)
 
 
-def child(path: str, options: dict) -> None:
+def serve(dec: object, shape: str, requests: int, callers: int, rounds: int) -> list[float]:
+    """Tokens/s of ``rounds`` closed loops of ``callers`` over ``requests`` of
+    ``jetstream_compare.py``'s workload (fresh prompt tokens each; the first run is a
+    warm-up, not counted)."""
+    import asyncio
+
+    import decoder_shapes as ds
+    from generation import closed
+
+    prompts = ds.Lengths.parse("lognormal:48:8:256")
+    outputs = ds.Lengths.parse("lognormal:24:8:128")
+    spec = ds.SHAPES[shape]
+    work = ds.workload(requests, spec, prompts, outputs)
+    rates = []
+    for r in range(rounds + 1):
+        got = asyncio.run(closed("pxrt", dec, ds.fresh_tokens(work, spec, r), callers))
+        rates.append(got["tokens"] / got["elapsed"])
+    return rates[1:]
+
+
+def child(path: str, options: dict, shape: str, requests: int, callers: int) -> None:
     """One load, its figures as a JSON line on stdout."""
     import jax.monitoring
 
@@ -77,10 +101,12 @@ def child(path: str, options: dict) -> None:
         if "run_ms" in p and (whole_step or p["program"] == "prefill_insert"):
             key = p["program"] + str([p.get(k) for k in ("slots", "batch", "length") if k in p])
             runs[key] = p["run_ms"]
+    cpu = time.process_time() - c0
+    rates = serve(dec, shape, requests, callers, 2) if requests else []
     dec.close()
     print(json.dumps({
-        "ready_s": ready, "all_s": done, "cpu_s": time.process_time() - c0,
-        "compile_s": compiles[0], "compiles": compiles[1], "run_ms": runs,
+        "ready_s": ready, "all_s": done, "cpu_s": cpu, "compile_s": compiles[0],
+        "compiles": compiles[1], "run_ms": runs, "tok_s": rates,
     }))  # fmt: skip
 
 
@@ -91,11 +117,18 @@ def main() -> None:
                    help="sets of XLA_FLAGS separated by ';' (write --flags=...)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--requests", type=int, default=0,
+                   help="then closed loops over this many of jetstream_compare.py's requests "
+                   "(2 after a warm-up), tokens/s")  # fmt: skip
+    p.add_argument("--callers", type=int, help="the loops' callers (default --slots)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.requests and args.shape == "test":
+        p.error("--requests: the workload is for decoder_shapes' shapes, not --shape test")
     if args.child:
-        return child(args.child, json.loads(args.options))
+        return child(args.child, json.loads(args.options), args.shape, args.requests,
+                     args.callers or args.slots)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         path = export(args.shape, tmp, args.slots)
         options = {"step_lengths": [16, 32]} if args.shape == "test" else {}
@@ -105,7 +138,9 @@ def main() -> None:
             for flags in args.flags:
                 env = os.environ | {"XLA_FLAGS": flags}
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", path, "--options", json.dumps(options)],
+                    [sys.executable, __file__, "--child", path, "--options", json.dumps(options),
+                     "--shape", args.shape, "--requests", str(args.requests),
+                     "--slots", str(args.slots), "--callers", str(args.callers or args.slots)],
                     env=env, capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 got[flags].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -124,6 +159,12 @@ def main() -> None:
         spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
         print(f"{flags or '(defaults)':70s} {med(flags, 'ready_s'):8.2f} {med(flags, 'all_s'):8.2f}"
               f" {med(flags, 'cpu_s'):8.1f} {med(flags, 'compile_s'):9.1f}  {spread}")  # fmt: skip
+    if args.requests:
+        print("tokens/s, closed loops (median; ratio to the first):")
+        for flags in args.flags:
+            rate = statistics.median(x for g in got[flags] for x in g["tok_s"])
+            base = statistics.median(x for g in got[first] for x in g["tok_s"])
+            print(f"  {flags or '(defaults)':70s} {rate:9.0f}  {rate / base:.2f}x")
     print("run_ms per program (first round):")
     for k in got[first][0]["run_ms"]:
         print(f"  {k:30s} " + "  ".join(f"{med(f, 'run_ms', k):7.3f}" for f in args.flags))
