@@ -1842,7 +1842,7 @@ def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, 
         assert dec.wait_programs(120)
         assert dec.slots == 12 and dec.max_length == MAX_LENGTH
         assert sorted(set(dec._slot_length)) == [16, 32, 64]
-        assert dec.prefix is None and dec.step_slots == (12,) and not dec.step_lengths
+        assert dec.step_slots == (12,) and not dec.step_lengths
         chosen: list[int] = []
         pick = dec._tier_slot
         dec._tier_slot = lambda gen, taken: chosen.append(pick(gen, taken)) or chosen[-1]
@@ -1894,11 +1894,15 @@ def test_prompts_are_chunked_into_a_short_tier(lm_path, reference):
     """With prefills of 8 tokens only, prompts of 9-40 tokens go in chunks (extend) into
     the shortest tier that holds them and their ``max_tokens``: each chunk reads its
     slot's rows out of that tier and writes them back cut to the tier's length, the
-    rest of the cache untouched; the tokens equal plain JAX."""
+    rest of the cache untouched. The prefix cache saves blocks from any tier and copies
+    them into any other (cut to its length). The tokens equal plain JAX."""
     dec = pxrt.load(
         lm_path, length_tiers="4x16+4x32+4x64", prefill_lengths=(8,), sampling_controls=False
     )
     try:
+        assert dec.wait_programs(120)
+        # (the pool holds half the tiers' positions by default, in blocks of 16)
+        assert dec.prefix.index.blocks == 4 * (16 + 32 + 64) // 2 // 16
         chosen: list[int] = []
         pick = dec._tier_slot
         dec._tier_slot = lambda gen, taken: chosen.append(pick(gen, taken)) or chosen[-1]
@@ -1909,6 +1913,17 @@ def test_prompts_are_chunked_into_a_short_tier(lm_path, reference):
         assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
         assert {dec._slot_length[s] for s in chosen if s >= 0} == {16, 32, 64}
         assert dec.counters["chunks"] >= 6
+        # A 20-token start cached from a 32-position slot (the first block), then copied
+        # into slots of every tier that holds what follows.
+        index = dec.prefix.index
+        start = cases[3][0]
+        hit = index.counters["hit_tokens"]
+        chosen.clear()
+        for extra, m in [(1, 9), (24, 9), (2, 40)]:  # (the 32-, 64- and 64-position tiers)
+            p = np.concatenate([start, rng.integers(0, 256, extra).astype(np.int32)])
+            assert dec.generate(p, max_tokens=m).tokens == reference(p, m)
+        assert index.counters["hit_tokens"] - hit == 16 * 3
+        assert {dec._slot_length[s] for s in chosen if s >= 0} == {32, 64}
         assert dec.busy_slots == 0 and len(dec._table.free) == dec.slots
     finally:
         dec.close()

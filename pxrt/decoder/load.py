@@ -132,9 +132,9 @@ def load_decoder(
     program, each at its own length, so a short sequence reads a short cache; a prompt
     goes to the smallest tier with a free slot that holds its prompt and ``max_tokens``.
     The slots are the tiers' sum and ``max_length`` the longest tier's; a prompt longer
-    than the longest prefill is chunked into its tier's slot. Without (for now): the
-    prefix cache, steps over fewer slots or cache windows, speculation, a multi-host
-    group.
+    than the longest prefill is chunked into its tier's slot, and a cached start is
+    copied there. Without (for now): steps over fewer slots or cache windows,
+    speculation, a multi-host group.
 
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
@@ -256,7 +256,7 @@ def _plan(
         slots, max_length = _tier_sizes(tiers, length_tiers, slots, max_length)
         if speculative_tokens:
             raise ValueError("speculative_tokens: not with length_tiers (yet)")
-        prefix_cache_tokens, step_slots, step_lengths = 0, (), ()
+        step_slots, step_lengths = (), ()
     slots, max_length, lengths, batches = _sizes(
         art.config, art.bounds, n_dev, slots, max_length, prefill_lengths, prefill_batches
     )
@@ -265,7 +265,8 @@ def _plan(
         # Followers run only prefill cells and the step (pxrt.multihost).
         log.info("pxrt: %s: in a multi-host group prompts are not chunked or cached", art.name)
         chunks, chunk_rows, prefix_cache_tokens = [], [], 0
-    prefix = _prefix_pool(art, slots, max_length, chunks, prefix_cache_tokens, prefix_block)
+    positions = sum(n * length for n, length in tiers) if tiers else slots * max_length
+    prefix = _prefix_pool(art, positions, max_length, chunks, prefix_cache_tokens, prefix_block)
     parts = _step_slots(art, slots, n_dev, step_slots, in_group)
     windows = _step_lengths(art, max_length, step_lengths, in_group)
     speculative_tokens = int_in("speculative_tokens", speculative_tokens, 0, max_length - 2)
@@ -666,14 +667,15 @@ def _step_lengths(
 
 def _prefix_pool(
     art: Any,
-    slots: int,
+    positions: int,
     max_length: int,
     chunks: list[int],
     tokens: int | None,
     block: int,
 ) -> tuple[int, int] | None:
     """The prefix cache's (pool entries, block tokens), or None: off. It needs extend
-    (to prefill what follows a cached start) and a sequence axis on every cache leaf."""
+    (to prefill what follows a cached start) and a sequence axis on every cache leaf.
+    By default it holds half as many tokens as the slots' cache (``positions``)."""
     block = int_in("prefix_block", block, 1, max_length - 1)
     if tokens is not None:
         tokens = int_in("prefix_cache_tokens", tokens, 0, None)
@@ -689,7 +691,7 @@ def _prefix_pool(
             raise ValueError(f"prefix_cache_tokens: {art.name!r} cannot cache prefixes: {why}")
         return None
     if tokens is None:
-        tokens = slots * max_length // 2
+        tokens = positions // 2
     blocks = tokens // block
     if blocks < 1:
         raise ValueError(

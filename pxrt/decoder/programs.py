@@ -31,6 +31,11 @@ from .export import LENGTH_DIM, is_spec
 POOL = ("pool", "load", "save")
 
 
+def _where_rows(inside: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    """Row ``r`` of ``new`` where ``inside[r]``, else of ``old``."""
+    return jnp.where(inside.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+
+
 def unpacked(packed: jax.Array, n_ints: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens, ints, floats) of a prefill's or a chunk's host inputs sent as one int32
     array ``[rows, length + n_ints + FLOATS]`` (``runner.Packed``: one transfer to the
@@ -924,13 +929,7 @@ class DecoderPrograms:
                 longest(leaf[jnp.clip(at, 0, n - 1)], axis)
                 for leaf, axis in zip(jax.tree.leaves(tier), self._length_axes)
             ]
-            if rows is not None:
-                inside = at < n
-                got = [
-                    jnp.where(inside.reshape((-1,) + (1,) * (g.ndim - 1)), g, r)
-                    for g, r in zip(got, rows)
-                ]
-            rows = got
+            rows = got if rows is None else [_where_rows(at < n, g, r) for g, r in zip(got, rows)]
         return jax.tree.unflatten(self._cache_tree, rows)
 
     @staticmethod
@@ -977,17 +976,22 @@ class DecoderPrograms:
         ``slots[r]`` and park the slot; entries past a prompt's hit are padding whose
         rows land where the prompt's rest and the steps write before anything reads."""
         width = ids.shape[1]
-        leaves = []
-        for leaf, blocks, axis in zip(
-            jax.tree.leaves(state["cache"]), jax.tree.leaves(pool), self._pool_axes
-        ):
+        starts = []
+        for blocks, axis in zip(jax.tree.leaves(pool), self._pool_axes):
             got = blocks[ids]  # [rows, width, *per-slot shape with the block's length]
             got = jnp.moveaxis(got, 1, axis)  # the width next to the sequence axis
             shape = got.shape[:axis] + (width * got.shape[axis + 1],) + got.shape[axis + 2 :]
-            at = (slots,) + (slice(None),) * (axis - 1) + (slice(0, shape[axis]),)
-            leaves.append(leaf.at[at].set(got.reshape(shape), mode="drop"))
+            starts.append(got.reshape(shape))
+        rows = jax.tree.unflatten(self._cache_tree, starts)
+        if self.tiers:  # (cut to each tier's length: a hit is shorter than its tier)
+            cache: Any = tuple(
+                self._write_rows(tier, rows, at, length)
+                for tier, at, (_, length) in zip(state["cache"], self.tier_rows(slots), self.tiers)
+            )
+        else:
+            cache = self._write_rows(state["cache"], rows, slots, self.max_length)
         ints = state["ints"].at[slots, sampling.POS].set(self.max_length - 1, mode="drop")
-        return state | {"cache": jax.tree.unflatten(self._cache_tree, leaves), "ints": ints}
+        return state | {"cache": cache, "ints": ints}
 
     def _save_blocks(
         self, pool: Any, state: dict, slots: jax.Array, blocks: jax.Array, ids: jax.Array
@@ -997,10 +1001,23 @@ class DecoderPrograms:
         assert self.prefix is not None
         size = self.prefix[1]
         taken = jnp.clip(slots, 0, self.slots - 1)
-        leaves = []
-        for leaf, entries, axis in zip(
-            jax.tree.leaves(state["cache"]), jax.tree.leaves(pool), self._pool_axes
-        ):
+        if not self.tiers:
+            got = self._blocks_of(state["cache"], taken, blocks, size)
+        else:  # (each slot's from its tier: a saved block is inside the tier's length)
+            for i, (tier, at, (n, _)) in enumerate(
+                zip(state["cache"], self.tier_rows(taken), self.tiers)
+            ):
+                part = self._blocks_of(tier, jnp.clip(at, 0, n - 1), blocks, size)
+                got = part if i == 0 else [_where_rows(at < n, p, g) for p, g in zip(part, got)]
+        leaves = [
+            entries.at[ids].set(g, mode="drop") for entries, g in zip(jax.tree.leaves(pool), got)
+        ]
+        return jax.tree.unflatten(self._cache_tree, leaves)
+
+    def _blocks_of(self, cache: Any, rows: jax.Array, blocks: jax.Array, size: int) -> list:
+        """Per cache leaf, block ``blocks[m]`` (``size`` positions) of row ``rows[m]``."""
+        got = []
+        for leaf, axis in zip(jax.tree.leaves(cache), self._pool_axes):
             shape = (1,) + leaf.shape[1:axis] + (size,) + leaf.shape[axis + 1 :]
 
             def one(s: jax.Array, b: jax.Array, leaf: jax.Array = leaf, axis: int = axis,
@@ -1009,6 +1026,5 @@ class DecoderPrograms:
                 start[axis] = b * size
                 return lax.dynamic_slice(leaf, start, shape)[0]
 
-            got = jax.vmap(one)(taken, blocks)
-            leaves.append(entries.at[ids].set(got, mode="drop"))
-        return jax.tree.unflatten(self._cache_tree, leaves)
+            got.append(jax.vmap(one)(rows, blocks))
+        return got
