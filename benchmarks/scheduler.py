@@ -12,13 +12,16 @@ taken, the next prompts prefilled ahead of a free slot against prefills only int
 slots (give it more ``--callers`` than slots). ``--ab greedy``: a decoder whose programs
 pick greedily with no sampling branch (no ``lax.cond``: what programs chosen by the host
 for greedy rows would give at most) against today's, two loads of the same artifact (the
-workload is greedy). Otherwise one decoder serves
+workload is greedy). ``--ab tiers``: a decoder loaded with the length tiers the
+one-cache decoder suggests after serving the workload once (untimed), against it, every
+other option the default (the prefix cache and chunking on in both). Otherwise one
+decoder serves
 both sides (switched between runs), the demo decoder's math at the
 shape given, a closed loop of ``--callers`` (default ``--slots``) over lognormal prompt and output
 lengths, fresh prompt tokens each run (none in the prefix cache). Prints each run, then
 medians and ratios.
 
-    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy] [--dim 128
+    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy|tiers] [--dim 128
         --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
         [--requests 300] [--repeats 3]
 """
@@ -54,7 +57,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--callers", type=int, help="closed loop (default: --slots)")
     p.add_argument(
-        "--ab", choices=("pricing", "windows", "overlap", "ahead", "greedy"), default="pricing"
+        "--ab",
+        choices=("pricing", "windows", "overlap", "ahead", "greedy", "tiers"),
+        default="pricing",
     )
     args = p.parse_args()
     callers = args.callers or args.slots
@@ -84,10 +89,18 @@ def main() -> None:
         (rng.integers(0, demo.LM_VOCAB - 2, size=n).astype(np.int32), int(m))
         for n, m in zip(prompts, outputs)
     ]
+    if args.ab == "tiers":  # (sized by this workload, served once untimed)
+        asyncio.run(closed("pxrt", dec, work, callers))
+        tiers = dec.suggested_length_tiers()
+        if tiers is None:
+            raise SystemExit("no length tiers suggested: more --requests")
+        print("length tiers:", tiers)
+        other = pxrt.load(path, length_tiers=tiers)
+        other.wait_programs()
     priced, windows = dec._priced, dec.step_lengths
     new = {
         "pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead",
-        "greedy": "greedy",
+        "greedy": "greedy", "tiers": "tiers",
     }[args.ab]  # fmt: skip
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
@@ -105,7 +118,7 @@ def main() -> None:
                     dec._prefills_ahead = lambda: False  # type: ignore[method-assign]
             elif args.ab == "overlap" and mode == "before":  # (each between two steps)
                 target = other
-            elif args.ab == "greedy" and mode == new:
+            elif args.ab in ("greedy", "tiers") and mode == new:
                 target = other
             runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, callers))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)

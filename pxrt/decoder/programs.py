@@ -830,15 +830,20 @@ class DecoderPrograms:
         first, scores, on = self._choose(
             logits, ints, floats, lengths, state, taken, (c.TOPK, c.SEED, c.WANT, c.CTRL, c.UNTIL)
         )
-        if self.tiers:
-            cache: Any = tuple(
-                self._write_rows(tier, rows, at, length)
-                for tier, at, (_, length) in zip(state["cache"], self.tier_rows(slot), self.tiers)
-            )
-        else:
-            cache = self._write_rows(state["cache"], rows, slot, self.max_length)
+        cache = self._put_rows(state["cache"], rows, slot)
         rows_ints = ints.at[:, sampling.TOK].set(first).at[:, sampling.POS].set(lengths)
         return self._inserted(state, slot, cache, rows_ints, floats, first, on), first, scores
+
+    def _put_rows(self, cache: Any, rows: Any, slot: jax.Array) -> Any:
+        """``cache`` (the state's: one array, or a tuple of tiers) with ``rows`` written at
+        its start in rows ``slot`` (out of range: dropped): with length tiers, into each
+        slot's tier, cut to its length (what a slot holds is shorter than its tier)."""
+        if not self.tiers:
+            return self._write_rows(cache, rows, slot, self.max_length)
+        return tuple(
+            self._write_rows(tier, rows, at, length)
+            for tier, at, (_, length) in zip(cache, self.tier_rows(slot), self.tiers)
+        )
 
     def _write_rows(self, cache: Any, rows: Any, slot: jax.Array, length: int) -> Any:
         """``cache`` with prefilled ``rows`` written at its start in rows ``slot`` (out of
@@ -889,15 +894,7 @@ class DecoderPrograms:
         chosen = ints.at[:, c.CHUNK_WANT].mul(final).at[:, c.CHUNK_CTRL].mul(final)
         cols = (c.CHUNK_TOPK, c.CHUNK_SEED, c.CHUNK_WANT, c.CHUNK_CTRL, c.CHUNK_UNTIL)
         first, scores, on = self._choose(last, chosen, floats, following, state, taken, cols)
-        if self.tiers:  # (each tier's rows cut to its length; a slot elsewhere: dropped)
-            cache: Any = tuple(
-                self._write_rows(tier, rows, at, length)
-                for tier, at, (_, length) in zip(state["cache"], self.tier_rows(slot), self.tiers)
-            )
-        else:
-            cache = jax.tree.map(
-                lambda leaf, r: leaf.at[slot].set(r, mode="drop"), state["cache"], rows
-            )
+        cache = self._put_rows(state["cache"], rows, slot)
         parked = jnp.full_like(start, self.max_length - 1)
         rows_ints = jnp.stack(
             [jnp.where(final, first, 0), jnp.where(final, following, parked)]
@@ -982,14 +979,7 @@ class DecoderPrograms:
             got = jnp.moveaxis(got, 1, axis)  # the width next to the sequence axis
             shape = got.shape[:axis] + (width * got.shape[axis + 1],) + got.shape[axis + 2 :]
             starts.append(got.reshape(shape))
-        rows = jax.tree.unflatten(self._cache_tree, starts)
-        if self.tiers:  # (cut to each tier's length: a hit is shorter than its tier)
-            cache: Any = tuple(
-                self._write_rows(tier, rows, at, length)
-                for tier, at, (_, length) in zip(state["cache"], self.tier_rows(slots), self.tiers)
-            )
-        else:
-            cache = self._write_rows(state["cache"], rows, slots, self.max_length)
+        cache = self._put_rows(state["cache"], jax.tree.unflatten(self._cache_tree, starts), slots)
         ints = state["ints"].at[slots, sampling.POS].set(self.max_length - 1, mode="drop")
         return state | {"cache": cache, "ints": ints}
 
