@@ -909,25 +909,32 @@ class DecoderPrograms:
         length tiers, each slot's from its tier, the positions past the tier's length
         zeros (a prompt in a tier is shorter than it: nothing there is read). A padding
         row's (out of range) are some slot's."""
+
+        def rows(cache: Any, at: jax.Array, length: int) -> list:
+            out = []
+            for leaf, axis in zip(jax.tree.leaves(cache), self._length_axes):
+                got = leaf[at]
+                if axis is not None and length < self.max_length:
+                    widths = [(0, 0)] * got.ndim
+                    widths[axis] = (0, self.max_length - length)
+                    got = jnp.pad(got, widths)
+                out.append(got)
+            return out
+
+        return jax.tree.unflatten(self._cache_tree, self._from_slots(cache, slot, rows))
+
+    def _from_slots(self, cache: Any, slot: jax.Array, take: Any) -> list:
+        """``take(cache, rows, length)`` (a list of per-leaf arrays, a row each) for each
+        (global) ``slot`` (clipped into range): with length tiers, each slot's from its
+        own tier, ``take`` called per tier on the tier's rows."""
         taken = jnp.clip(slot, 0, self.slots - 1)
         if not self.tiers:
-            return jax.tree.map(lambda leaf: leaf[taken], cache)
-        rows: Any = None
+            return take(cache, taken, self.max_length)
+        got: list = []
         for tier, at, (n, length) in zip(cache, self.tier_rows(taken), self.tiers):
-
-            def longest(leaf: jax.Array, axis: int | None, length: int = length) -> jax.Array:
-                if axis is None or length == self.max_length:
-                    return leaf
-                widths = [(0, 0)] * leaf.ndim
-                widths[axis] = (0, self.max_length - length)
-                return jnp.pad(leaf, widths)
-
-            got = [
-                longest(leaf[jnp.clip(at, 0, n - 1)], axis)
-                for leaf, axis in zip(jax.tree.leaves(tier), self._length_axes)
-            ]
-            rows = got if rows is None else [_where_rows(at < n, g, r) for g, r in zip(got, rows)]
-        return jax.tree.unflatten(self._cache_tree, rows)
+            part = take(tier, jnp.clip(at, 0, n - 1), length)
+            got = part if not got else [_where_rows(at < n, p, g) for p, g in zip(part, got)]
+        return got
 
     @staticmethod
     def _inserted(
@@ -990,15 +997,10 @@ class DecoderPrograms:
         out of range: padding, dropped)."""
         assert self.prefix is not None
         size = self.prefix[1]
-        taken = jnp.clip(slots, 0, self.slots - 1)
-        if not self.tiers:
-            got = self._blocks_of(state["cache"], taken, blocks, size)
-        else:  # (each slot's from its tier: a saved block is inside the tier's length)
-            for i, (tier, at, (n, _)) in enumerate(
-                zip(state["cache"], self.tier_rows(taken), self.tiers)
-            ):
-                part = self._blocks_of(tier, jnp.clip(at, 0, n - 1), blocks, size)
-                got = part if i == 0 else [_where_rows(at < n, p, g) for p, g in zip(part, got)]
+        # (with tiers, each slot's from its tier: a saved block is inside the tier's length)
+        got = self._from_slots(
+            state["cache"], slots, lambda cache, rows, _: self._blocks_of(cache, rows, blocks, size)
+        )
         leaves = [
             entries.at[ids].set(g, mode="drop") for entries, g in zip(jax.tree.leaves(pool), got)
         ]
