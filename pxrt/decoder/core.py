@@ -67,6 +67,14 @@ class Core(Protocol):
     tiers: tuple[tuple[int, int], ...]
     _slot_length: tuple[int, ...]
     _chosen: dict[Generation, int]
+    # A change of layout into tiers (``pxrt.decoder.relayout``).
+    auto_tiers: bool
+    relayout_status: str
+    _tiered: tuple | None
+    deferred: int
+    program_sources: dict[str, int]
+    step_compile_s: float
+    _itl_bound_ms: float | None
     # The queue, the slots and the loop's thread (``_wire_queue``).
     _chunking: collections.deque[Generation]
     _table: Any  # a SlotTable (pxrt._slots, or its twin pxrt._slots_py)
@@ -108,6 +116,27 @@ class Core(Protocol):
     def _unreserve(self, gen: Generation) -> None: ...
 
     def _sample_needs(self) -> None: ...
+
+    def suggested_length_tiers(self, quantile: float = 0.99) -> str | None: ...
+
+    def _maybe_auto(self) -> None: ...
+
+    def _try_relayout(self) -> None: ...
+
+    def _start(self) -> None: ...
+
+    def wait_programs(self, timeout: float | None = None) -> bool: ...
+
+    def _wire_programs(
+        self, params_dev: Any, state: Any, step: Any, make_state: Any, cells: list,
+        parts: dict[int, Any] | None, move: Any, control: Any, full_step: Any,
+    ) -> None: ...  # fmt: skip
+
+    def _wire_windows(self, windows: Any, extends: Any) -> None: ...
+
+    def _wire_tiers(self, tiers: Any) -> None: ...
+
+    def _price_programs(self, costs: Any, itl_bound_ms: float | None) -> None: ...
 
     def _window(self) -> int: ...
 

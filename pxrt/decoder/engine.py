@@ -49,6 +49,7 @@ from .loop import TIMINGS, Loop
 from .overlap import Overlap
 from .params import SamplingParams, int_in
 from .prefix import PrefixPool
+from .relayout import Relayout
 from .request import Completion, DecoderClosed, Generation, QueueFull
 from .runner import Controls, PrefillCell, Runner, SplitPrefill
 from .scheduler import Scheduler
@@ -57,7 +58,7 @@ from .speculative import Speculation
 _slots: Any = _ext.twin("pxrt._slots", "pxrt._slots_py")
 
 
-class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
+class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
     """A loaded decoder: the prefill cells, the insert and the decode step compiled, the
     cache resident on the devices, served by one loop thread (started on first use).
 
@@ -130,6 +131,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
         #: Steps a plain decode program may run (``pxrt.load(multi_step=...)``; 1: one).
         self.multi_step = multi_step
         self._wire_tiers(tiers)
+        self._wire_relayout(None, False)  # (``pxrt.decoder.load`` gives the way to tiers)
         self._itl_bound_ms = itl_bound_ms
         self._price_programs(costs or {}, itl_bound_ms)
         #: Programs still compiling after the load (``pxrt.load(defer=True)``): the loop
@@ -298,6 +300,7 @@ class Decoder(Loop, Overlap, Runner, Speculation, Scheduler):
             "accepted_tokens": 0,
             "masked_steps": 0,
             "grammar_s": 0.0,
+            "relayouts": 0,
         }
         #: Outcome -> generations that ended so (stop, length, cancelled, deadline, error).
         self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, DEADLINE, ERROR), 0)

@@ -188,6 +188,9 @@ def load_decoder(
         decoder._gather = multihost.RowGather(
             group, multihost.Layout.of(built.programs.by_slot, plan.slots, jax.process_index())
         )
+    if not in_group and not plan.tiers and not plan.speculative_tokens:
+        builder = _tier_builder(art, devices, plan, cache_dir, built.params)
+        decoder._wire_relayout(builder, plan.auto_tiers)
     log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
     if built.later:
         _compile_later(
@@ -221,6 +224,8 @@ class _Plan:
     multi_step: int = 1
     #: The cache's length tiers (``length_tiers``): (slots, positions) each, or ().
     tiers: tuple[tuple[int, int], ...] = ()
+    #: Tiers sized by the traffic, applied while serving (``length_tiers="auto"``).
+    auto_tiers: bool = False
     #: Seconds per phase of the load.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -251,6 +256,13 @@ def _plan(
     length_tiers: str | Sequence[tuple[int, int]] | None = None,
 ) -> _Plan:
     """``load_decoder``'s options checked, and the sizes they leave (``_Plan``)."""
+    auto = isinstance(length_tiers, str) and length_tiers.strip() == "auto"
+    if auto:  # (one cache first, tiers once the traffic has sized them: the same limits)
+        if in_group:
+            raise ValueError("length_tiers: not in a multi-host group")
+        if speculative_tokens:
+            raise ValueError("speculative_tokens: not with length_tiers (yet)")
+        length_tiers = None
     tiers = _tiers(art, n_dev, in_group, length_tiers)
     if tiers:  # (the slots and the cache's length are the tiers'; what they leave out)
         slots, max_length = _tier_sizes(tiers, length_tiers, slots, max_length)
@@ -294,7 +306,7 @@ def _plan(
     return _Plan(
         slots, max_length, lengths, batches, chunks, chunk_rows, prefix, parts, windows,
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
-        bool(overlap_prefill), multi_step, tiers=tiers,
+        bool(overlap_prefill), multi_step, tiers=tiers, auto_tiers=auto,
     )  # fmt: skip
 
 
@@ -371,22 +383,7 @@ def _build(
     """Build the programs, obtain those needed now (stored, or compiled), place the
     params, warm the programs up and measure them; the memory checked before each."""
     with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
-        programs = DecoderPrograms(
-            art,
-            devices,
-            plan.slots,
-            plan.max_length,
-            in_group=in_group,
-            prefix=plan.prefix,
-            rows=plan.chunk_rows,
-            step_slots=plan.parts,
-            step_lengths=plan.windows,
-            speculate=plan.speculative_tokens,
-            controls=plan.controls,
-            overlap=plan.overlap,
-            multi_step=plan.multi_step,
-            tiers=plan.tiers,
-        )
+        programs = _programs(art, devices, plan, in_group)
         # Refused before anything is placed or compiled when the cache alone cannot fit
         # (slots = 100000 would otherwise allocate until the kernel kills the process),
         # and again, with the programs' work space, before the params and the cache are
@@ -423,6 +420,26 @@ def _build(
             "measure": time.perf_counter() - tm,
         }
     return _Built(programs, jobs, later, got, params_dev, state, costs)
+
+
+def _programs(art: Any, devices: list, plan: _Plan, in_group: bool) -> DecoderPrograms:
+    """The programs of ``plan``, not compiled yet."""
+    return DecoderPrograms(
+        art,
+        devices,
+        plan.slots,
+        plan.max_length,
+        in_group=in_group,
+        prefix=plan.prefix,
+        rows=plan.chunk_rows,
+        step_slots=plan.parts,
+        step_lengths=plan.windows,
+        speculate=plan.speculative_tokens,
+        controls=plan.controls,
+        overlap=plan.overlap,
+        multi_step=plan.multi_step,
+        tiers=plan.tiers,
+    )
 
 
 def _fingerprint(art: Any, devices: list, plan: _Plan, built: _Built) -> Any:
@@ -772,6 +789,8 @@ class _Obtained:
     windows: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     #: Seconds a run of the steps compiled after the load (``time_steps``).
     step_costs: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: (tiers) The one cache's state of a running decoder into this layout, or None.
+    relayout: Any = None
 
     def time_steps(self, params: Any, state: Any, budget_s: float = 0.05) -> None:
         """Time the steps over fewer slots and over cache windows (``step_costs``, as
@@ -1044,6 +1063,7 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
             for n, w in programs._window_jits
             if ("step", n, w) in got
         },
+        relayout=program("relayout", 0, 0),
     )
 
 
@@ -1099,6 +1119,38 @@ def _room_for_a_state(programs: DecoderPrograms) -> bool:
     return True
 
 
+def _in_background(
+    decoder: Any, art: Any, cache_dir: str | None, what: str, work: Any, deliver: Any
+) -> None:
+    """``work(stop)`` on a thread of its own (in the artifact's x64 scope, with the
+    compilation cache), its result or its error handed to ``deliver(decoder, got,
+    error)``; ``stop()`` turns true once the decoder is closed or dropped (the jobs not
+    begun are left out)."""
+    ref = weakref.ref(decoder)
+
+    def stop() -> bool:
+        dec = ref()
+        return _STOPPING.is_set() or dec is None or dec.closed
+
+    def run() -> None:
+        got, error = None, None
+        try:
+            with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
+                got = work(stop)
+        except Exception as exc:  # noqa: BLE001 - the decoder serves on without them
+            error = exc
+            log.error("pxrt: %s: %s failed: %r", art.name, what, exc)
+        finally:
+            _LATER.discard(threading.current_thread())
+        dec = ref()
+        if dec is not None:
+            deliver(dec, got, error)
+
+    thread = threading.Thread(target=run, name=f"pxrt-compile-{art.name}", daemon=True)
+    _LATER.add(thread)
+    thread.start()
+
+
 def _compile_later(
     decoder: Any,
     programs: DecoderPrograms,
@@ -1110,34 +1162,56 @@ def _compile_later(
     """Compile ``jobs`` on a thread of their own, time the steps among them on a
     state of their own when one fits beside the decoder's (the loop runs the cheapest
     step that holds its busy slots), and hand them to ``decoder``'s loop
-    (``Decoder.install``), which takes them between two turns; the jobs not begun are
-    left out once the decoder is closed or dropped."""
-    ref = weakref.ref(decoder)
-    art = programs.art
+    (``Decoder.install``), which takes them between two turns."""
 
-    def stop() -> bool:
-        dec = ref()
-        return _STOPPING.is_set() or dec is None or dec.closed
+    def work(stop: Any) -> _Obtained:
+        got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop)
+        if (got.parts or got.windows) and not stop() and _room_for_a_state(programs):
+            got.time_steps(params, make_state())
+        return got
 
-    def run() -> None:
-        got, error = None, None
-        try:
-            with _xla.x64_scope(art.x64), _xla.persistent_cache(cache_dir):
-                got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop)
-                if (got.parts or got.windows) and not stop() and _room_for_a_state(programs):
-                    got.time_steps(params, make_state())
-        except Exception as exc:  # noqa: BLE001 - the decoder serves on without them
-            error = exc
-            log.error("pxrt: %s: compiling its later programs failed: %r", art.name, exc)
-        finally:
-            _LATER.discard(threading.current_thread())
-        dec = ref()
-        if dec is not None:
-            dec.install(got, error)
+    _in_background(
+        decoder, programs.art, cache_dir, "compiling its later programs", work,
+        lambda dec, got, error: dec.install(got, error),
+    )  # fmt: skip
 
-    thread = threading.Thread(target=run, name=f"pxrt-compile-{art.name}", daemon=True)
-    _LATER.add(thread)
-    thread.start()
+
+def _tier_builder(art: Any, devices: list, plan: _Plan, cache_dir: str | None, params: Any) -> Any:
+    """A one-cache decoder's way to length tiers (``Decoder.set_length_tiers``):
+    ``build(decoder, length_tiers)`` checks them against the decoder's slots and
+    ``max_length`` (a ValueError), then on a thread of its own compiles the tiered
+    programs (the plan's cells, chunks and prefix pool; no steps over fewer slots or
+    windows) and the relayout, warms them up and times them, and hands them to the
+    decoder's loop (``_tiers_arrived``). Returns the tiers checked."""
+
+    def build(decoder: Any, given: Any) -> tuple[tuple[int, int], ...]:
+        tiers = _tiers(art, len(devices), False, given)
+        if not tiers:
+            raise ValueError(f"length_tiers: none given ({given!r})")
+        _tier_sizes(tiers, given, plan.slots, plan.max_length)
+        tiered = dataclasses.replace(plan, tiers=tiers, parts=[], windows=[], phases={})
+        programs = _programs(art, devices, tiered, False)
+        if not _room_for_a_state(programs):
+            raise ValueError(
+                f"length_tiers {given!r}: no room for their state beside the one in use"
+            )
+        jobs = programs.jobs(plan.lengths, plan.batches, plan.chunks, plan.chunk_rows)
+        jobs.append(("relayout", 0, 0))
+
+        def work(stop: Any) -> tuple[_Obtained, dict[str, float]] | None:
+            got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop)
+            if stop():
+                return None
+            got.warm_up(params, plan.slots)
+            return got, got.measure(params, plan.slots)
+
+        _in_background(
+            decoder, art, cache_dir, f"compiling length tiers {given!r}", work,
+            lambda dec, got, error: dec._tiers_arrived(tiers, got, error),
+        )  # fmt: skip
+        return tiers
+
+    return build
 
 
 class _FollowerState:

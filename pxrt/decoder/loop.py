@@ -68,6 +68,7 @@ class Loop(Core):
             or self._waiting
             or self._chunking
             or self._closed
+            or (self._tiered is not None and not self._prefilling)
         )
 
     def _iterate(self) -> bool:
@@ -107,6 +108,8 @@ class Loop(Core):
                 while prefilled:
                     self._insert(prefilled[0])
                     prefilled.pop(0)
+                if self._tiered is not None:  # (length tiers in: switch when they fit)
+                    self._try_relayout()
                 units = self._admit()
                 while units:
                     batch = units[0]

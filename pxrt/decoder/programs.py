@@ -192,6 +192,9 @@ class DecoderPrograms:
             (n, w): part_step(n, w) for n in [*self.step_slots, slots] for w in self.step_lengths
         }
         self._move_jit = jax.jit(self._move, donate_argnums=(0,), out_shardings=state_sharding)
+        # (tiers: the one-cache state of a running decoder into this layout; not donated,
+        # its buffers are of other shapes, and freed once it has run)
+        self._relayout_jit = jax.jit(self._relayout, out_shardings=state_sharding)
         self._verify_jit = jax.jit(
             jax.shard_map(
                 self._verify,
@@ -358,6 +361,9 @@ class DecoderPrograms:
         if what == "move":
             s = self.slots
             return self._move_jit.lower(self.shapes, ints(s), ints(s))
+        if what == "relayout":
+            one = self.shapes | {"cache": self._cache_specs(self.slots, self.max_length)}
+            return self._relayout_jit.lower(one, ints(self.slots))
         if what == "verify":
             drafts = jax.ShapeDtypeStruct((self.slots, n), jnp.int32, sharding=self.by_slot)
             return self._verify_jit.lower(self.param_specs, self.shapes, drafts)
@@ -423,6 +429,7 @@ class DecoderPrograms:
             + (" with the sampling controls" if b < 0 else f" over {b} slots" if b else "")
             + (f" within {n} positions" if n else ""),
             "move": "the slot move",
+            "relayout": "the one cache's state into the length tiers",
             "control": "the sampling controls' insert",
             "forward": "the decode step's forward (the step with the controls' first half)"
             + (f" within {n} positions" if n else ""),
@@ -787,6 +794,42 @@ class DecoderPrograms:
             | {k: state[k].at[slot].set(v, mode="drop") for k, v in rows.items()}
             | {"ints": ints}
         )
+
+    def tier_slots(self) -> list[np.ndarray]:
+        """Each tier's rows' (global) slots, in row order: a device's slots are its
+        rows of each tier in turn (``tier_rows`` the other way)."""
+        n_dev = len(self.devices)
+        per, start, out = self.slots // n_dev, 0, []
+        for n, _ in self.tiers:
+            share = n // n_dev
+            rows = np.arange(n)
+            out.append((rows // share) * per + start + rows % share)
+            start += share
+        return out
+
+    def _relayout(self, old: dict, src: jax.Array) -> dict:
+        """The state in tiers from a one-cache state ``old`` (``max_length`` positions
+        per slot): slot ``i`` takes old slot ``src[i]``'s cache rows, cut to its tier's
+        length (a slot moved into a tier holds no more than it), and its per-slot rows;
+        a ``src`` out of range leaves slot ``i`` empty (zeros)."""
+        valid = (src >= 0) & (src < self.slots)
+        taken = jnp.clip(src, 0, self.slots - 1)
+        caches = []
+        for at, (_, length) in zip(self.tier_slots(), self.tiers):
+            rows, keep = taken[at], valid[at]
+            leaves = []
+            for leaf, axis in zip(jax.tree.leaves(old["cache"]), self._length_axes):
+                got = leaf[rows]
+                if axis is not None:
+                    got = lax.slice_in_dim(got, 0, length, axis=axis)
+                leaves.append(_where_rows(keep, got, jnp.zeros_like(got)))
+            caches.append(jax.tree.unflatten(self._cache_tree, leaves))
+        state = {
+            key: _where_rows(valid, rows[taken], jnp.zeros_like(rows))
+            for key, rows in old.items()
+            if key != "cache"
+        }
+        return state | {"cache": tuple(caches)}
 
     def _move(self, state: dict, src: jax.Array, dst: jax.Array) -> dict:
         """Slot ``dst[i]`` := slot ``src[i]`` (its cache rows and per-slot state); a

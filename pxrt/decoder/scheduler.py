@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .params import int_in, number_in
+from .relayout import slot_lengths
 
 if TYPE_CHECKING:
     from .core import Core
@@ -88,8 +89,8 @@ class Scheduler(Core):
         prefilled ahead of free slots (``_prefills_ahead``)."""
         waiting = self._waiting
         free = self._table.free
-        if not waiting or not (free or self._prefills_ahead()):
-            return []
+        if not waiting or not (free or self._prefills_ahead()) or self._tiered is not None:
+            return []  # (with length tiers in, until the loop switches to them)
         if self.priority_levels > 1 and len(waiting) > 1:
             self._by_priority()
         if len(self._steps) > 1:  # the lowest rows first (popped from the end)
@@ -361,9 +362,7 @@ class Scheduler(Core):
         self._need_counts: list[collections.Counter] = [collections.Counter() for _ in range(2)]
         self._need_turn = 0
         if self.tiers:
-            n_dev = len(self.devices)
-            local = [length for n, length in self.tiers for _ in range(n // n_dev)]
-            self._slot_length = tuple(local * n_dev)
+            self._slot_length = slot_lengths(self.tiers, len(self.devices))
 
     def _sample_needs(self) -> None:
         """Every ``NEED_SAMPLE_TURNS`` plain steps: how many busy slots need (prompt and
@@ -374,6 +373,8 @@ class Scheduler(Core):
         needs = [len(g.prompt) + g.max_tokens for g in self._table.owners if g is not None]
         for edge, counts in zip(self._need_edges, self._need_counts):
             counts[sum(n > edge for n in needs)] += 1
+        if self.auto_tiers and not self.relayout_status:
+            self._maybe_auto()
 
     def suggested_length_tiers(self, quantile: float = 0.99) -> str | None:
         """``length_tiers`` for a reload, sized by the traffic so far: as many slots of
@@ -508,6 +509,9 @@ class Scheduler(Core):
         suggested = self.suggested_length_tiers()
         if suggested:
             tiers["suggested_length_tiers"] = suggested
+        if self.auto_tiers or self.relayout_status:
+            tiers["auto_tiers"] = self.auto_tiers
+            tiers["relayout"] = self.relayout_status or "not yet"
         return {
             "priced": True,
             "overlap_prefill": self.overlap_prefill,

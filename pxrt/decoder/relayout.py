@@ -1,0 +1,189 @@
+"""Length tiers applied to a running decoder (``Decoder.set_length_tiers``; with
+``pxrt.load(length_tiers="auto")``, the tiers its traffic suggests, once the suggestion
+holds): the tiered programs compile on a thread beside the running ones (nothing on the
+request path). Once they are in, the loop holds admission until nothing is being
+prefilled or chunked and every busy slot fits a row of a tier (its prompt and
+``max_tokens``), then one program (``relayout``) moves each busy slot's cache rows, cut
+to its tier's length, and its per-slot rows into its new slot, and the host renumbers
+the slots: the slot table, each generation's ``slot``, each slot's length. Steps in
+flight still route their tokens by their owners' snapshots; the prefix pool is per
+block and carries over. A part of ``pxrt.decoder.engine.Decoder`` (a mixin, like
+``pxrt.decoder.scheduler``); the programs come from ``pxrt.decoder.load``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .core import Core
+else:
+    Core = object
+
+log = logging.getLogger("pxrt")
+
+#: Samples in a row (``NEED_SAMPLE_TURNS`` plain steps apart) with the same
+#: ``suggested_length_tiers`` before ``length_tiers="auto"`` applies it.
+STABLE_SAMPLES = 32
+
+
+def slot_lengths(tiers: Sequence[tuple[int, int]], n_dev: int) -> tuple[int, ...]:
+    """Each (global) slot's cache length under ``tiers``: a device's slots are its rows
+    of each tier in turn (``DecoderPrograms.tier_rows``)."""
+    local = [length for n, length in tiers for _ in range(n // n_dev)]
+    return tuple(local * n_dev)
+
+
+class Relayout(Core):
+    """Changing a running decoder's one cache into length tiers."""
+
+    # (what this part assigns, as ``pxrt.decoder.core.Core`` declares it)
+    _state: Any
+    _special: bool
+    prefix: Any
+
+    def _wire_relayout(self, builder: Any, auto: bool) -> None:
+        #: ``pxrt.decoder.load``'s way to the tiered programs, or None: this decoder
+        #: cannot change its layout (tiers already, speculation, a multi-host group).
+        self._tier_builder = builder
+        #: Whether the tiers the traffic suggests are applied (``length_tiers="auto"``).
+        self.auto_tiers = bool(auto) and builder is not None
+        #: Where a change of layout stands: "" (none asked), "compiling", "waiting"
+        #: (admission held until every busy slot fits a tier), "switched", "failed".
+        self.relayout_status = ""
+        self._tiered: tuple | None = None  # (tiers, programs, their costs): in, not used
+        self._relaid = threading.Event()
+        self._relayout_error: BaseException | None = None
+        self._suggested: tuple[str | None, int] = (None, 0)  # (the last, how many in a row)
+
+    def set_length_tiers(self, length_tiers: Any, timeout: float | None = None) -> bool:
+        """Change this decoder's one cache into ``length_tiers`` (as ``pxrt.load``
+        takes them; their slots and longest length this decoder's) while it serves: the
+        tiered programs compile on a thread of their own, then the loop switches at the
+        first turn where every busy slot fits a tier (admission waits meanwhile), and
+        no stream's tokens change. Returns True once switched, False if ``timeout``
+        seconds passed first (it goes on). Raises ValueError for tiers that do not fit
+        the decoder, or a decoder that cannot change (tiers already, speculation, a
+        multi-host group); RuntimeError if their programs failed to compile."""
+        if not self.wait_programs(timeout):
+            raise TimeoutError(f"set_length_tiers: {self.name!r}'s later programs not in")
+        self._ask_tiers(length_tiers)
+        done = self._relaid.wait(timeout)
+        if self._relayout_error is not None:
+            raise RuntimeError(
+                f"decoder {self.name!r}: length tiers {length_tiers!r} failed: "
+                f"{self._relayout_error!r}"
+            ) from self._relayout_error
+        return done
+
+    def _ask_tiers(self, given: Any) -> None:
+        """Start compiling the programs of tiers ``given`` (checked first)."""
+        if self._tier_builder is None:
+            raise ValueError(
+                f"set_length_tiers: decoder {self.name!r} cannot change its layout (it "
+                "has length tiers already, speculates, or is in a multi-host group)"
+            )
+        with self._cond:
+            if self.relayout_status:
+                raise ValueError(f"set_length_tiers: a change is {self.relayout_status} already")
+            self.relayout_status = "compiling"
+        try:
+            tiers = self._tier_builder(self, given)
+        except BaseException:
+            self.relayout_status = ""
+            raise
+        log.info("pxrt: %s: compiling length tiers %s", self.name, tiers)
+
+    def _maybe_auto(self) -> None:
+        """(``length_tiers="auto"``, at each sample of the busy slots' needs) Ask for
+        the suggested tiers once the same suggestion held ``STABLE_SAMPLES`` samples."""
+        suggested = self.suggested_length_tiers()
+        last, held = self._suggested
+        held = held + 1 if suggested is not None and suggested == last else 0
+        self._suggested = (suggested, held)
+        if held >= STABLE_SAMPLES:
+            try:
+                self._ask_tiers(suggested)
+            except ValueError as exc:  # (no room for a second state: stays one cache)
+                log.warning("pxrt: %s: keeps one cache: %s", self.name, exc)
+                self.auto_tiers = False
+
+    def _tiers_arrived(self, tiers: tuple, got: Any, error: BaseException | None) -> None:
+        """(the compiling thread) The tiered programs and their costs, or the error."""
+        with self._cond:
+            if error is not None or got is None:
+                self.relayout_status = "failed"
+                self._relayout_error = error or RuntimeError("the decoder closed")
+                self._relaid.set()
+                return
+            self._tiered = (tiers, *got)
+            self.relayout_status = "waiting"
+            if self._closed:
+                return
+            if self._thread is None:
+                self._start()
+            elif self._idle:
+                self._cond.notify()
+
+    def _try_relayout(self) -> None:
+        """(the loop's thread, before admission) Switch to the tiers that came in if
+        nothing is being prefilled or chunked and every busy slot fits a free tier
+        row: the longest need first, each into the shortest row that holds it."""
+        if self._prefilling or self._chunking or self._forwarded is not None:
+            return
+        assert self._tiered is not None
+        tiers, got, costs = self._tiered
+        lengths = slot_lengths(tiers, len(self.devices))
+        order = sorted(range(self.slots), key=lambda s: (lengths[s], s))
+        busy = sorted(
+            ((len(g.prompt) + g.max_tokens, s, g) for s, g in enumerate(self._table.owners)
+             if g is not None),
+            key=lambda t: -t[0],
+        )  # fmt: skip
+        src = np.full(self.slots, self.slots, np.int32)  # (out of range: an empty slot)
+        moved = []
+        for need, old, gen in busy:
+            new = next((s for s in order if lengths[s] >= need), -1)
+            if new < 0:
+                return  # (a long slot frees up as its stream ends)
+            order.remove(new)
+            src[new] = old
+            moved.append((gen, new))
+        self._state, _ = self._launch(-1, got.relayout, self._state, src)
+        table = self._table
+        table.owners[:] = [None] * self.slots
+        for gen, new in moved:
+            table.owners[new] = gen
+            gen.slot = new
+        table.free[:] = sorted(order, reverse=True)
+        self._use_tiers(tiers, got, costs)
+
+    def _use_tiers(self, tiers: tuple, got: Any, costs: dict[str, float]) -> None:
+        """The tiered programs in place of the one cache's, and their prices (the
+        prefills' as measured at load: the same work, timed on a quiet host)."""
+        special = self._special
+        self._wire_programs(
+            self._params, self._state, got.step, got.make_state, got.cells, got.parts,
+            None, got.control, got.full_step,
+        )  # fmt: skip
+        self._special = special
+        self._wire_windows({}, got.extends)
+        self._wire_tiers(tiers)
+        if got.prefix is not None and self.prefix is not None:  # (the pool carries over)
+            got.prefix.index, got.prefix.pool = self.prefix.index, self.prefix.pool
+            self.prefix = got.prefix
+        self.step_compile_s = got.step_s
+        for kind, n in got.sources.items():
+            self.program_sources[kind] = self.program_sources.get(kind, 0) + n
+        kept = {k: v for k, v in self.costs.items() if k.startswith("prefill[") or k == "dispatch"}
+        self._price_programs(costs | kept, self._itl_bound_ms)
+        self._tiered = None
+        self.relayout_status = "switched"
+        self.counters["relayouts"] += 1
+        log.info("pxrt: %s: switched to length tiers %s", self.name, tiers)
+        self._relaid.set()
