@@ -41,7 +41,8 @@ Needs the side venv (``bash benchmarks/jetstream_env.sh``):
 ``--tiers``: pxrt loaded with ``length_tiers`` sized for each slot count (each tier's
 length a fraction of ``max_length``, its share of the slots a weight); ``--tiers
 learned``: sized by the traffic (``Decoder.suggested_length_tiers`` after a one-cache
-decoder served the workload, untimed).
+decoder served the workload, untimed); ``--tiers auto``: ``length_tiers="auto"``, the
+workload served untimed until the decoder has switched into the tiers it suggests.
 
 ``--sweep``: demo, js-small, js-wide and keras-llama at 8, 16, 32 and 64 slots (callers =
 slots; ``--shapes``, ``--slots`` to change them), then one table. ``--quick``: fewer
@@ -427,9 +428,13 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
     per system, the check's report and the peer's numbers."""
     if args.tiers == "learned":  # (sized by a decoder that served the workload once)
         model.options["length_tiers"] = learned_tiers(model, work, slots, callers)
+    elif args.tiers == "auto":  # (one cache until the traffic's tiers are switched to)
+        model.options["length_tiers"] = "auto"
     elif args.tiers:  # (pxrt's cache in length tiers sized for this slot count)
         model.options["length_tiers"] = tiers_for(args.tiers, slots, model.max_length)
     dec = model.load(slots)
+    if args.tiers == "auto":
+        until_switched(dec, model, work, slots, callers)
     t0 = time.perf_counter()
     js = JetStreamTarget(js_modules, model, slots, lengths)
     print(
@@ -623,6 +628,25 @@ def learned_tiers(model: ds.Model, work, slots: int, callers: int) -> str | None
     return got
 
 
+def until_switched(dec, model: ds.Model, work, slots: int, callers: int) -> None:
+    """``--tiers auto``: ``work`` served (on prompts of its own) until ``dec`` has
+    switched into the tiers its traffic suggests (``length_tiers="auto"``); at most 10
+    minutes, or 20 runs while it suggests none."""
+    t0 = time.perf_counter()
+    rep = 0
+    while dec.relayout_status not in ("switched", "failed") and time.perf_counter() - t0 < 600:
+        if not dec.relayout_status and rep >= 20:
+            break
+        asyncio.run(closed("pxrt", dec, ds.fresh_tokens(work, model.shape, 200 + rep), callers))
+        rep += 1
+    tiers = "+".join(f"{n}x{length}" for n, length in dec.tiers) or "none"
+    print(
+        f"[{model.shape.name} x {slots} slots] length_tiers auto: {tiers} "
+        f"({dec.relayout_status or 'none suggested'} after {time.perf_counter() - t0:.1f}s)",
+        flush=True,
+    )
+
+
 def requests_for(args: argparse.Namespace, slots: int) -> int:
     if args.requests:
         return args.requests
@@ -660,7 +684,8 @@ def main() -> None:
         metavar="FRACTION:WEIGHT,...",
         help="pxrt's length_tiers for each slot count: each tier's length as a fraction of "
         "max_length and its share of the slots, e.g. 0.25:10,0.5:5,1:1; 'learned': those "
-        "a one-cache decoder suggests after serving the workload once",
+        "a one-cache decoder suggests after serving the workload once; 'auto': "
+        "length_tiers='auto', served until it has switched",
     )
     g.add_argument("--no-keras-peer", dest="keras_peer", action="store_false",
                    help="skip keras-hub's generate() on keras-llama")  # fmt: skip

@@ -14,14 +14,19 @@ pick greedily with no sampling branch (no ``lax.cond``: what programs chosen by 
 for greedy rows would give at most) against today's, two loads of the same artifact (the
 workload is greedy). ``--ab tiers``: a decoder loaded with the length tiers the
 one-cache decoder suggests after serving the workload once (untimed), against it, every
-other option the default (the prefix cache and chunking on in both). Otherwise one
+other option the default (the prefix cache and chunking on in both). ``--ab auto``:
+a decoder loaded with ``length_tiers="auto"`` serves the workload until it has changed
+into the tiers its traffic suggests (its first run against the one-cache decoder's
+first: what the switch costs while it compiles), then against the one-cache decoder.
+Otherwise one
 decoder serves
 both sides (switched between runs), the demo decoder's math at the
 shape given, a closed loop of ``--callers`` (default ``--slots``) over lognormal prompt and output
 lengths, fresh prompt tokens each run (none in the prefix cache). Prints each run, then
 medians and ratios.
 
-    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy|tiers] [--dim 128
+    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy|tiers|auto]
+        [--dim 128
         --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
         [--requests 300] [--repeats 3]
 """
@@ -33,6 +38,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -58,7 +64,7 @@ def main() -> None:
     p.add_argument("--callers", type=int, help="closed loop (default: --slots)")
     p.add_argument(
         "--ab",
-        choices=("pricing", "windows", "overlap", "ahead", "greedy", "tiers"),
+        choices=("pricing", "windows", "overlap", "ahead", "greedy", "tiers", "auto"),
         default="pricing",
     )
     args = p.parse_args()
@@ -97,10 +103,12 @@ def main() -> None:
         print("length tiers:", tiers)
         other = pxrt.load(path, length_tiers=tiers)
         other.wait_programs()
+    if args.ab == "auto":
+        other = switched(path, dec, work, callers)
     priced, windows = dec._priced, dec.step_lengths
     new = {
         "pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead",
-        "greedy": "greedy", "tiers": "tiers",
+        "greedy": "greedy", "tiers": "tiers", "auto": "auto",
     }[args.ab]  # fmt: skip
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
@@ -118,7 +126,7 @@ def main() -> None:
                     dec._prefills_ahead = lambda: False  # type: ignore[method-assign]
             elif args.ab == "overlap" and mode == "before":  # (each between two steps)
                 target = other
-            elif args.ab in ("greedy", "tiers") and mode == new:
+            elif args.ab in ("greedy", "tiers", "auto") and mode == new:
                 target = other
             runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, callers))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
@@ -130,6 +138,28 @@ def main() -> None:
         a = float(np.median([r[key] for r in runs[new]]))
         b = float(np.median([r[key] for r in runs["before"]]))
         print(f"{key:<10} {a:>10.2f} {b:>10.2f} {a / b:>6.2f}x")
+
+
+def switched(path: str, dec: pxrt.Decoder, work: list, callers: int) -> pxrt.Decoder:
+    """``path`` loaded with ``length_tiers="auto"``, served ``work`` until it has
+    switched into tiers: its first run (the switch's compile beside it) printed against
+    ``dec``'s first run of the same work."""
+    auto = pxrt.load(path, length_tiers="auto")
+    auto.wait_programs()
+    first = [summary(asyncio.run(closed("pxrt", d, work, callers))) for d in (auto, dec)]
+    ratio = first[0]["tok/s"] / first[1]["tok/s"]
+    print(f"first run, auto / one cache: {ratio:.2f}x tok/s ({auto.relayout_status})")
+    t0, run = time.perf_counter(), 2
+    while auto.relayout_status not in ("switched", "failed") and time.perf_counter() - t0 < 600:
+        if not auto.relayout_status and run > 20:
+            break  # (nothing suggested)
+        got = summary(asyncio.run(closed("pxrt", auto, work, callers)))
+        print(f"auto, run {run}: {got['tok/s']:.0f} tok/s ({auto.relayout_status})")
+        run += 1
+    if auto.relayout_status != "switched":
+        raise SystemExit(f"no switch into tiers: {auto.relayout_status or 'none suggested'}")
+    print("length tiers:", "+".join(f"{n}x{length}" for n, length in auto.tiers))
+    return auto
 
 
 def greedy_only(path: str) -> pxrt.Decoder:

@@ -417,6 +417,11 @@ def _print_scheduler(sched: dict) -> None:
             f"  the cache in length tiers (slots x positions): {tiers}; each prompt in the "
             "shortest free tier that holds its prompt and max_tokens"
         )
+    if sched.get("auto_tiers") or sched.get("relayout"):
+        print(
+            "  length tiers from the traffic (length_tiers auto): "
+            f"{sched.get('relayout')}; suggested: {sched.get('suggested_length_tiers', 'none yet')}"
+        )
     print(f"  {'waiting':>7} {'length':>6}   {'no slot busy':<16} every slot busy")
     for c in sched["choices"]:
         idle = f"[{c['idle'][0]}] x {c['idle'][1]}"
@@ -478,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices-per-instance", type=int, help="replicated / auto: their size")
     p.add_argument(
         "--length-tiers", metavar="NxL+...",
-        help="a decoder: its cache in length tiers (experimental), e.g. 20x128+10x256+2x512",
+        help="a decoder: its cache in length tiers (experimental), e.g. 20x128+10x256+2x512; "
+        "auto: one cache until the traffic has sized them, then switched to while serving",
     )  # fmt: skip
     p.set_defaults(func=_cmd_inspect)
 

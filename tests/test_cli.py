@@ -317,3 +317,6 @@ def test_inspect_shows_a_decoder(tmp_path, capsys):
     cli._print_scheduler(info["scheduler"] | {"length_tiers": [[4, 32], [4, 64]]})
     out = capsys.readouterr().out
     assert "length tiers (slots x positions): 4 x 32 + 4 x 64; each prompt in the" in out, out
+    cli._print_scheduler(info["scheduler"] | {"auto_tiers": True, "relayout": "compiling"})
+    out = capsys.readouterr().out
+    assert "length tiers from the traffic (length_tiers auto): compiling; suggested" in out, out

@@ -1929,6 +1929,40 @@ def test_prompts_are_chunked_into_a_short_tier(lm_path, reference):
         dec.close()
 
 
+def _switch_mid_stream(dec, tiers, cases, busy, reference):
+    """``dec`` changed into ``tiers`` while ``cases`` stream: the compiled tiers held
+    until the loop's step sees ``busy`` slots busy, then handed over; every stream's
+    tokens checked against plain JAX. Returns the busy slots at the switch."""
+    arrived: list = []
+    dec._tiers_arrived = lambda *got: arrived.append(got)  # (held: delivered below)
+    dec._ask_tiers(tiers)
+    assert dec.relayout_status == "compiling"
+    with pytest.raises(ValueError, match="compiling already"):
+        dec.set_length_tiers(tiers)
+    deadline = time.monotonic() + 120
+    while not arrived and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert arrived and arrived[0][2] is None, arrived
+    del dec._tiers_arrived
+    at_switch: list[int] = []
+
+    def deliver():  # (from the loop's own step, once every stream is in its slot)
+        sample()
+        if arrived and dec.busy_slots == busy:
+            dec._tiers_arrived(*arrived.pop())
+
+    sample, use = dec._sample_needs, dec._use_tiers
+    dec._sample_needs = deliver
+    dec._use_tiers = lambda *a: at_switch.append(dec.busy_slots) or use(*a)
+    try:
+        gens = [dec.submit(p, max_tokens=m) for p, m in cases]
+        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
+    finally:
+        del dec._sample_needs, dec._use_tiers
+    assert dec.relayout_status == "switched"
+    return at_switch[0]
+
+
 def test_a_running_decoder_changes_into_length_tiers(lm_path, lm, reference):
     """``set_length_tiers`` while streams run: the tiered programs compile on a thread;
     the loop then holds admission until every busy slot fits a tier row (five need
@@ -1936,42 +1970,18 @@ def test_a_running_decoder_changes_into_length_tiers(lm_path, lm, reference):
     busy slot's rows and per-slot state into its new slot (across devices, on 4) and
     renumbers the slots. Every stream across the switch, and every one after it
     (chunked, a cached start saved before the switch), equals plain JAX; a seeded
-    sampled stream with logprobs equals the one-cache decoder's."""
+    sampled stream with logprobs equals the one-cache decoder's. Then tiers change
+    into other tiers the same way."""
     dec = pxrt.load(lm_path, slots=8)
     try:
         assert dec.wait_programs(120) and not dec.tiers
-        arrived: list = []
-        dec._tiers_arrived = lambda *got: arrived.append(got)  # (held: delivered below)
-        dec._ask_tiers("4x16+4x64")
-        assert dec.relayout_status == "compiling"
-        with pytest.raises(ValueError, match="compiling already"):
-            dec.set_length_tiers("2x16+6x64")
         rng = np.random.default_rng(56)
         start = rng.integers(0, 256, 20).astype(np.int32)  # (its first block is cached)
         assert dec.generate(start, max_tokens=4).tokens == reference(start, 4)
-        deadline = time.monotonic() + 120
-        while not arrived and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert arrived and arrived[0][2] is None, arrived
-        # Delivered from the loop's own step once every stream is in its slot.
-        busy_at_switch: list[int] = []
-        sample, use = dec._sample_needs, dec._use_tiers
-
-        def deliver():
-            sample()
-            if arrived and dec.busy_slots == 7:
-                decoder.relayout.Relayout._tiers_arrived(dec, *arrived.pop())
-
-        dec._sample_needs = deliver
-        dec._use_tiers = lambda *a: busy_at_switch.append(dec.busy_slots) or use(*a)
         sizes = [(20, 30), (30, 30), (3, 40), (10, 30), (25, 25), (5, 8), (9, 6)]
         cases = [(rng.integers(0, 256, n).astype(np.int32), m) for n, m in sizes]
-        gens = [dec.submit(p, max_tokens=m) for p, m in cases]
-        sampled = dict(max_tokens=24, temperature=0.9, top_k=20, seed=8, logprobs=2)
-        results = [g.result(timeout=60).tokens for g in gens]
-        assert results == [reference(p, m) for p, m in cases]
-        assert busy_at_switch and busy_at_switch[0] >= 1, busy_at_switch  # (mid-stream)
-        assert dec.relayout_status == "switched" and dec.counters["relayouts"] == 1
+        assert _switch_mid_stream(dec, "4x16+4x64", cases, 7, reference) >= 1  # (mid-stream)
+        assert dec.counters["relayouts"] == 1
         assert dec.tiers == ((4, 16), (4, 64)) and len(dec.state["cache"]) == 2
         assert sorted(dec._slot_length) == [16] * 4 + [64] * 4
         # After: a chunked prompt, a cached start from before the switch, sampling.
@@ -1982,16 +1992,23 @@ def test_a_running_decoder_changes_into_length_tiers(lm_path, lm, reference):
         gens = [dec.submit(p, max_tokens=m) for p, m in after]
         assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in after]
         assert dec.prefix.index.counters["hit_tokens"] - hit == 16
+        sampled = dict(max_tokens=24, temperature=0.9, top_k=20, seed=8, logprobs=2)
         p = prompts(1, seed=58)[0]
         a, b = dec.generate(p, **sampled), lm.generate(p, **sampled)
         assert a.tokens == b.tokens
         np.testing.assert_allclose(
             [t[0] for t in a.logprobs], [t[0] for t in b.logprobs], rtol=1e-5, atol=1e-5
         )
-        assert dec.compiles_after_load == 0 and dec.busy_slots == 0
         assert dec.describe()["scheduler"]["relayout"] == "switched"
-        with pytest.raises(ValueError, match="cannot change its layout|switched already"):
+        with pytest.raises(ValueError, match="has '4x16\\+4x64' already"):
             dec.set_length_tiers("4x16+4x64")
+        # Tiers into tiers: the 16-position rows' streams grow into 64-position ones.
+        cases = [(rng.integers(0, 256, n).astype(np.int32), m) for n, m in sizes[2:]]
+        assert _switch_mid_stream(dec, "8x64", cases, 5, reference) >= 1
+        assert dec.tiers == ((8, 64),) and dec.counters["relayouts"] == 2
+        gens = [dec.submit(p, max_tokens=m) for p, m in after]
+        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in after]
+        assert dec.compiles_after_load == 0 and dec.busy_slots == 0
     finally:
         dec.close()
 
@@ -1999,29 +2016,34 @@ def test_a_running_decoder_changes_into_length_tiers(lm_path, lm, reference):
 @pytest.mark.once
 def test_auto_length_tiers_follow_the_traffic(lm_path, reference, monkeypatch):
     """``length_tiers="auto"``: one cache first; once the same tiers are suggested
-    for ``STABLE_SAMPLES`` samples of the busy slots' needs, they are compiled and
-    switched to, and the tokens stay plain JAX's."""
+    for ``STABLE_SAMPLES`` samples of the slots' needs, they are compiled and switched
+    to; when long prompts then wait while short slots are free, the suggestion moves
+    and the tiers change again. The tokens stay plain JAX's throughout."""
     monkeypatch.setattr(decoder.scheduler, "NEED_SAMPLES", 8)
     monkeypatch.setattr(decoder.relayout, "STABLE_SAMPLES", 4)
     with pytest.raises(ValueError, match="speculative_tokens"):
         pxrt.load(lm_path, length_tiers="auto", speculative_tokens=2)
     dec = pxrt.load(lm_path, length_tiers="auto", slots=8)
+    n_dev = len(dec.devices)
+
+    def serve_until(cases, done):
+        deadline = time.monotonic() + 180
+        while not done() and time.monotonic() < deadline:
+            gens = [dec.submit(p, max_tokens=m) for p, m in cases]
+            for g, (p, m) in zip(gens, cases):
+                assert g.result(timeout=60).tokens == reference(p, m)
+        assert done(), (dec.relayout_status, dec.tiers)
+
     try:
         assert dec.wait_programs(120) and dec.auto_tiers and not dec.tiers
-        cases = [(p, 8) for p in prompts(64, seed=59, high=6)]  # (every need under 16)
-        got = {}
-        deadline = time.monotonic() + 180
-        while dec.relayout_status != "switched" and time.monotonic() < deadline:
-            gens = [dec.submit(p, max_tokens=m) for p, m in cases]
-            for i, g in enumerate(gens):
-                got[i] = g.result(timeout=60).tokens
-        assert dec.relayout_status == "switched", dec.relayout_status
+        short = [(p, 8) for p in prompts(64, seed=59, high=6)]  # (every need under 16)
+        serve_until(short, lambda: dec.relayout_status == "switched")
         # (one 64-position slot per device at least; the rest a quarter of max_length)
-        n_dev = len(dec.devices)
         assert dec.tiers == ((8 - n_dev, 16), (n_dev, 64))
-        gens = [dec.submit(p, max_tokens=m) for p, m in cases]
-        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, m) for p, m in cases]
-        assert got == {i: reference(p, m) for i, (p, m) in enumerate(cases)}
+        rng = np.random.default_rng(60)
+        long = [(rng.integers(0, 256, 30).astype(np.int32), 20) for _ in range(16)]
+        serve_until(long, lambda: dec.counters["relayouts"] == 2)
+        assert dec.tiers == ((8, 64),)
         assert dec.compiles_after_load == 0
     finally:
         dec.close()

@@ -10,14 +10,16 @@ import collections
 import math
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
 
+from pxrt.decoder.relayout import STABLE_SAMPLES, Relayout
 from pxrt.decoder.scheduler import BLOCK_S, Scheduler
 
 
-class Decoder(Scheduler):
+class Decoder(Relayout, Scheduler):
     """The attributes the scheduler reads of a decoder, set by hand: 8 slots on one
     device, prefill cells of 1 and 4 prompts at lengths 16 and 64, steps over 4 and 8
     slots and windows of 64 and 128 positions of a 256-position cache."""
@@ -41,6 +43,7 @@ class Decoder(Scheduler):
         self._table = types.SimpleNamespace(free=list(range(8)), owners=[None] * 8, busy=0)
         self.__dict__.update(over)
         self._wire_tiers(())
+        self._wire_relayout(None, False)  # (no change of layout: see the tests below)
 
 
 COSTS = {
@@ -217,3 +220,73 @@ def test_length_tiers_are_suggested_from_the_busy_slots_lengths():
     turns([500] * 32, 3 * NEED_SAMPLES)  # every slot long: no tiers
     assert dec.suggested_length_tiers() is None
     assert "suggested_length_tiers" not in priced().scheduler_choices()
+
+
+def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
+    """``length_tiers="auto"``: the suggested tiers are compiled once the same
+    suggestion held ``STABLE_SAMPLES`` samples in a row; a change starts the count
+    again; once asked, never again."""
+    from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES
+
+    asked: list = []
+    dec = Decoder(slots=32, max_length=512, name="lm", _cond=threading.Condition())
+    dec._wire_relayout(lambda d, tiers: asked.append(tiers) or tiers, True)
+
+    def samples(needs: list[int], n: int) -> None:
+        dec._table.owners = [types.SimpleNamespace(prompt=[0] * 8, max_tokens=m - 8) for m in needs]
+        for _ in range(n * NEED_SAMPLE_TURNS):
+            dec._sample_needs()
+
+    samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES - 1)
+    assert not asked and dec.suggested_length_tiers() == "31x128+1x512"
+    samples([100] * 30 + [300] * 2, 1)  # (another suggestion: counted again)
+    assert not asked and dec.suggested_length_tiers() == "30x128+2x512"
+    samples([100] * 30 + [300] * 2, STABLE_SAMPLES)
+    assert asked == ["30x128+2x512"] and dec.relayout_status == "compiling"
+    samples([100] * 30 + [300] * 2, 2 * STABLE_SAMPLES)
+    assert len(asked) == 1
+
+
+def test_a_relayout_waits_until_every_busy_slot_fits_a_tier_row():
+    """At the switch each busy slot goes to the shortest free row that holds its prompt
+    and ``max_tokens``, the longest first; while one fits no row (more long streams
+    than long rows) nothing moves and admission waits."""
+    launched: list = []
+    dec = Decoder(devices=[None, None], _forwarded=None)
+    dec._tiered = (((4, 64), (2, 128), (2, 256)), types.SimpleNamespace(relayout="R"), {})
+    dec._launch = lambda index, program, state, src: launched.append(src.tolist()) or ("S", None)
+    dec._use_tiers = lambda *got: setattr(dec, "_tiered", None)
+    dec._state = None
+    gen = lambda need: types.SimpleNamespace(prompt=[0] * 8, max_tokens=need - 8, slot=-1)  # noqa: E731
+    owners = [gen(200), gen(30), None, gen(100), gen(250), None, gen(60), gen(150)]
+    dec._table.owners = list(owners)
+    dec._waiting.append(gen(10))
+    assert dec._admit() == []  # (held while the tiers wait for their turn)
+    dec._try_relayout()  # three need over 128 positions, two rows hold them
+    assert not launched and dec._tiered is not None and dec._table.owners == owners
+    dec._table.owners[4] = owners[4] = None  # (the 250-position stream ended)
+    dec._try_relayout()
+    # two devices: each one's slots are its rows of 64, 128, 256 positions in turn:
+    # slots 0, 1, 4, 5 of 64, slots 2, 6 of 128, slots 3, 7 of 256
+    assert launched == [[6, 1, 3, 0, 8, 8, 8, 7]]  # (new slot i <- old slot src[i])
+    assert [owners.index(g) if g else 8 for g in dec._table.owners] == launched[0]
+    assert all(g.slot == i for i, g in enumerate(dec._table.owners) if g)
+    assert dec._table.free == [6, 5, 4]
+    assert dec._state == "S" and dec._tiered is None
+
+
+def test_the_tiers_timed_while_serving_are_priced_as_on_a_quiet_host():
+    """The tiered programs are timed on the compiling thread while the decoder serves:
+    their times are scaled by how much slower the prefill cells (the same work in both
+    layouts) ran there than at load, and the prefills keep the load's prices."""
+    dec = Decoder()
+    dec.costs = {"prefill[1,16]": 1e-3, "prefill[4,16]": 2e-3, "dispatch": 1e-4, "step[8]": 6e-3}
+    timed = {"prefill[1,16]": 2e-3, "prefill[4,16]": 4e-3, "dispatch": 3e-4, "step[8]": 4e-3}
+    got = dec._tier_costs(timed | {"launch": 1e-3})
+    assert dec.relayout_scale == 0.5
+    assert got == {
+        "prefill[1,16]": 1e-3, "prefill[4,16]": 2e-3, "dispatch": 1e-4,
+        "step[8]": 2e-3, "launch": 0.5e-3,
+    }  # fmt: skip
+    dec._tier_costs({"prefill[1,16]": 0.5e-3, "step[8]": 4e-3})  # (never scaled up)
+    assert dec.relayout_scale == 1.0

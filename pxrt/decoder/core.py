@@ -70,6 +70,8 @@ class Core(Protocol):
     # A change of layout into tiers (``pxrt.decoder.relayout``).
     auto_tiers: bool
     relayout_status: str
+    relayout_wait_s: float
+    relayout_scale: float
     _tiered: tuple | None
     deferred: int
     program_sources: dict[str, int]
@@ -117,7 +119,7 @@ class Core(Protocol):
 
     def _sample_needs(self) -> None: ...
 
-    def suggested_length_tiers(self, quantile: float = 0.99) -> str | None: ...
+    def suggested_length_tiers(self, quantile: float = 0.99, whole: bool = False) -> str | None: ...
 
     def _maybe_auto(self) -> None: ...
 

@@ -134,7 +134,10 @@ def load_decoder(
     The slots are the tiers' sum and ``max_length`` the longest tier's; a prompt longer
     than the longest prefill is chunked into its tier's slot, and a cached start is
     copied there. Without (for now): steps over fewer slots or cache windows,
-    speculation, a multi-host group.
+    speculation, a multi-host group. ``"auto"``: one cache until the traffic has sized
+    the tiers (``Decoder.suggested_length_tiers``, the same for 32 samples in a row),
+    then their programs compile on a thread of their own and the loop switches to them
+    between two turns (``Decoder.set_length_tiers`` does it for tiers given).
 
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
@@ -188,7 +191,7 @@ def load_decoder(
         decoder._gather = multihost.RowGather(
             group, multihost.Layout.of(built.programs.by_slot, plan.slots, jax.process_index())
         )
-    if not in_group and not plan.tiers and not plan.speculative_tokens:
+    if not in_group and not plan.speculative_tokens:
         builder = _tier_builder(art, devices, plan, cache_dir, built.params)
         decoder._wire_relayout(builder, plan.auto_tiers)
     log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
@@ -422,8 +425,11 @@ def _build(
     return _Built(programs, jobs, later, got, params_dev, state, costs)
 
 
-def _programs(art: Any, devices: list, plan: _Plan, in_group: bool) -> DecoderPrograms:
-    """The programs of ``plan``, not compiled yet."""
+def _programs(
+    art: Any, devices: list, plan: _Plan, in_group: bool, relayout_from: Sequence = ()
+) -> DecoderPrograms:
+    """The programs of ``plan``, not compiled yet (``relayout_from``: a running
+    decoder's layout, for tiers it changes into)."""
     return DecoderPrograms(
         art,
         devices,
@@ -439,6 +445,7 @@ def _programs(art: Any, devices: list, plan: _Plan, in_group: bool) -> DecoderPr
         overlap=plan.overlap,
         multi_step=plan.multi_step,
         tiers=plan.tiers,
+        relayout_from=relayout_from,
     )
 
 
@@ -961,11 +968,13 @@ def _obtain_all(
     store: bool,
     fresh: bool = False,
     stop: Any = None,
+    given: dict | None = None,
 ) -> _Obtained:
     """Every program of ``jobs``, on a pool (XLA's compile releases the GIL), each by
     ``pxrt.compiling.obtain``; those of ``jobs`` it holds, for a part of a load (the
     state and the step must be in the first part). ``stop()`` true: the jobs not yet
-    begun are left out."""
+    begun are left out. ``given``: programs compiled before (job -> (compiled,
+    seconds, source)), taken as they are."""
     art = programs.art
     bar = compiling.progress_bar(len(jobs), f"pxrt: compiling {art.name}", "program", progress)
 
@@ -992,7 +1001,7 @@ def _obtain_all(
     with bar, concurrent.futures.ThreadPoolExecutor(workers) as pool:
         got = {job: out for job, out in zip(jobs, pool.map(one, jobs)) if out is not None}
 
-    return _obtained(programs, got)
+    return _obtained(programs, (given or {}) | got)
 
 
 def _cells(programs: DecoderPrograms, got: dict, kind: str) -> list[PrefillCell]:
@@ -1177,8 +1186,8 @@ def _compile_later(
 
 
 def _tier_builder(art: Any, devices: list, plan: _Plan, cache_dir: str | None, params: Any) -> Any:
-    """A one-cache decoder's way to length tiers (``Decoder.set_length_tiers``):
-    ``build(decoder, length_tiers)`` checks them against the decoder's slots and
+    """A decoder's way to other length tiers (``Decoder.set_length_tiers``), from one
+    cache or tiers: ``build(decoder, length_tiers)`` checks them against its slots and
     ``max_length`` (a ValueError), then on a thread of its own compiles the tiered
     programs (the plan's cells, chunks and prefix pool; no steps over fewer slots or
     windows) and the relayout, warms them up and times them, and hands them to the
@@ -1189,17 +1198,25 @@ def _tier_builder(art: Any, devices: list, plan: _Plan, cache_dir: str | None, p
         if not tiers:
             raise ValueError(f"length_tiers: none given ({given!r})")
         _tier_sizes(tiers, given, plan.slots, plan.max_length)
+        if tiers == decoder.tiers:
+            raise ValueError(f"length_tiers: {decoder.name!r} has {given!r} already")
         tiered = dataclasses.replace(plan, tiers=tiers, parts=[], windows=[], phases={})
-        programs = _programs(art, devices, tiered, False)
+        programs = _programs(art, devices, tiered, False, relayout_from=decoder.tiers)
         if not _room_for_a_state(programs):
             raise ValueError(
                 f"length_tiers {given!r}: no room for their state beside the one in use"
             )
+        # A prefill's rows program reads nothing of the state: the one in use serves.
+        rows = {
+            ("rows", b, n): (cell.compiled.rows, 0.0, "in use")
+            for (b, n), cell in decoder._cells.items()
+            if isinstance(cell.compiled, SplitPrefill)
+        }
         jobs = programs.jobs(plan.lengths, plan.batches, plan.chunks, plan.chunk_rows)
-        jobs.append(("relayout", 0, 0))
+        jobs = [job for job in jobs if job not in rows] + [("relayout", 0, 0)]
 
         def work(stop: Any) -> tuple[_Obtained, dict[str, float]] | None:
-            got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop)
+            got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop, given=rows)
             if stop():
                 return None
             got.warm_up(params, plan.slots)

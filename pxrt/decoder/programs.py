@@ -82,12 +82,16 @@ class DecoderPrograms:
         overlap: bool = False,
         multi_step: int = 1,
         tiers: Sequence[tuple[int, int]] = (),
+        relayout_from: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.art, self.devices = art, devices
         #: Length tiers (``(slots, positions)`` each, the slots summing to ``slots``):
         #: the cache as one array per tier, each stepped whole by ``decode`` at its own
         #: length; () for one cache of ``max_length`` positions.
         self.tiers = tuple((int(n), int(length)) for n, length in tiers)
+        #: (tiers) The layout of the running decoder whose state ``relayout`` takes: its
+        #: tiers, or () for one cache.
+        self.relayout_from = tuple((int(n), int(length)) for n, length in relayout_from)
         #: Steps per decode program (``multi_step``): above 1, the plain steps (over
         #: every slot, fewer, or a window) are blocks of up to that many steps in one
         #: program, the number run an argument (1: one step, as before).
@@ -362,8 +366,12 @@ class DecoderPrograms:
             s = self.slots
             return self._move_jit.lower(self.shapes, ints(s), ints(s))
         if what == "relayout":
-            one = self.shapes | {"cache": self._cache_specs(self.slots, self.max_length)}
-            return self._relayout_jit.lower(one, ints(self.slots))
+            old = self.relayout_from
+            cache = (
+                tuple(self._cache_specs(n, length) for n, length in old) if old
+                else self._cache_specs(self.slots, self.max_length)
+            )  # fmt: skip
+            return self._relayout_jit.lower(self.shapes | {"cache": cache}, ints(self.slots))
         if what == "verify":
             drafts = jax.ShapeDtypeStruct((self.slots, n), jnp.int32, sharding=self.by_slot)
             return self._verify_jit.lower(self.param_specs, self.shapes, drafts)
@@ -412,6 +420,7 @@ class DecoderPrograms:
                 "decoder": self.art.manifest.get("files", {}),
                 "program": [what, b, n, self.slots, self.max_length]
                 + ([list(map(list, self.tiers))] if self.tiers else [])
+                + ([list(map(list, self.relayout_from))] if what == "relayout" else [])
                 # (a plain step's block size)
                 + ([self.multi_step] if what == "step" and b >= 0 and self.multi_step > 1 else [])
                 # (the pool's programs: its size, and the rows a copy takes)
@@ -552,14 +561,15 @@ class DecoderPrograms:
             written.append(positions)
         return tuple(out), jnp.concatenate(logits), jnp.concatenate(written)
 
-    def tier_rows(self, slot: jax.Array) -> list[jax.Array]:
+    def tier_rows(self, slot: jax.Array, tiers: Sequence | None = None) -> list[jax.Array]:
         """Each tier's row of each (global) ``slot``, or the tier's size where the slot
-        is not in that tier (out of range: a scatter drops it)."""
+        is not in that tier (out of range: a scatter drops it). ``tiers``: another
+        layout's (a relayout's source), else this one's."""
         n_dev = len(self.devices)
         per = self.slots // n_dev
         device, local = slot // per, slot % per
         rows, start = [], 0
-        for n, _ in self.tiers:
+        for n, _ in self.tiers if tiers is None else tiers:
             share = n // n_dev
             inside = (local >= start) & (local < start + share) & (slot >= 0)
             rows.append(jnp.where(inside, device * share + local - start, n))
@@ -808,21 +818,18 @@ class DecoderPrograms:
         return out
 
     def _relayout(self, old: dict, src: jax.Array) -> dict:
-        """The state in tiers from a one-cache state ``old`` (``max_length`` positions
-        per slot): slot ``i`` takes old slot ``src[i]``'s cache rows, cut to its tier's
-        length (a slot moved into a tier holds no more than it), and its per-slot rows;
-        a ``src`` out of range leaves slot ``i`` empty (zeros)."""
+        """The state in tiers from a running decoder's state ``old`` (one cache, or the
+        tiers ``relayout_from``): slot ``i`` takes old slot ``src[i]``'s cache rows, cut
+        or padded to its tier's length (a slot moved holds no more than its new tier),
+        and its per-slot rows; a ``src`` out of range leaves slot ``i`` empty (zeros)."""
         valid = (src >= 0) & (src < self.slots)
         taken = jnp.clip(src, 0, self.slots - 1)
         caches = []
         for at, (_, length) in zip(self.tier_slots(), self.tiers):
-            rows, keep = taken[at], valid[at]
-            leaves = []
-            for leaf, axis in zip(jax.tree.leaves(old["cache"]), self._length_axes):
-                got = leaf[rows]
-                if axis is not None:
-                    got = lax.slice_in_dim(got, 0, length, axis=axis)
-                leaves.append(_where_rows(keep, got, jnp.zeros_like(got)))
+            take = lambda cache, rows, _, length=length: self._rows_at(cache, rows, length)  # noqa: E731
+            leaves = self._from_slots(old["cache"], taken[at], take, self.relayout_from)
+            keep = valid[at]
+            leaves = [_where_rows(keep, g, jnp.zeros_like(g)) for g in leaves]
             caches.append(jax.tree.unflatten(self._cache_tree, leaves))
         state = {
             key: _where_rows(valid, rows[taken], jnp.zeros_like(rows))
@@ -952,29 +959,38 @@ class DecoderPrograms:
         length tiers, each slot's from its tier, the positions past the tier's length
         zeros (a prompt in a tier is shorter than it: nothing there is read). A padding
         row's (out of range) are some slot's."""
-
-        def rows(cache: Any, at: jax.Array, length: int) -> list:
-            out = []
-            for leaf, axis in zip(jax.tree.leaves(cache), self._length_axes):
-                got = leaf[at]
-                if axis is not None and length < self.max_length:
-                    widths = [(0, 0)] * got.ndim
-                    widths[axis] = (0, self.max_length - length)
-                    got = jnp.pad(got, widths)
-                out.append(got)
-            return out
+        rows = lambda cache, at, _: self._rows_at(cache, at, self.max_length)  # noqa: E731
 
         return jax.tree.unflatten(self._cache_tree, self._from_slots(cache, slot, rows))
 
-    def _from_slots(self, cache: Any, slot: jax.Array, take: Any) -> list:
+    def _rows_at(self, cache: Any, at: jax.Array, length: int) -> list:
+        """Per leaf of ``cache`` (one array or tier), its rows ``at``, cut or padded with
+        zeros to ``length`` positions."""
+        out = []
+        for leaf, axis in zip(jax.tree.leaves(cache), self._length_axes):
+            got = leaf[at]
+            if axis is not None and got.shape[axis] > length:
+                got = lax.slice_in_dim(got, 0, length, axis=axis)
+            elif axis is not None and got.shape[axis] < length:
+                widths = [(0, 0)] * got.ndim
+                widths[axis] = (0, length - got.shape[axis])
+                got = jnp.pad(got, widths)
+            out.append(got)
+        return out
+
+    def _from_slots(
+        self, cache: Any, slot: jax.Array, take: Any, tiers: Sequence | None = None
+    ) -> list:
         """``take(cache, rows, length)`` (a list of per-leaf arrays, a row each) for each
         (global) ``slot`` (clipped into range): with length tiers, each slot's from its
-        own tier, ``take`` called per tier on the tier's rows."""
+        own tier, ``take`` called per tier on the tier's rows. ``tiers``: the layout of
+        ``cache`` (a relayout's source), else this one's."""
         taken = jnp.clip(slot, 0, self.slots - 1)
-        if not self.tiers:
+        tiers = self.tiers if tiers is None else tiers
+        if not tiers:
             return take(cache, taken, self.max_length)
         got: list = []
-        for tier, at, (n, length) in zip(cache, self.tier_rows(taken), self.tiers):
+        for tier, at, (n, length) in zip(cache, self.tier_rows(taken, tiers), tiers):
             part = take(tier, jnp.clip(at, 0, n - 1), length)
             got = part if not got else [_where_rows(at < n, p, g) for p, g in zip(part, got)]
         return got

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,7 @@ class Relayout(Core):
 
     def _wire_relayout(self, builder: Any, auto: bool) -> None:
         #: ``pxrt.decoder.load``'s way to the tiered programs, or None: this decoder
-        #: cannot change its layout (tiers already, speculation, a multi-host group).
+        #: cannot change its layout (speculation, a multi-host group).
         self._tier_builder = builder
         #: Whether the tiers the traffic suggests are applied (``length_tiers="auto"``).
         self.auto_tiers = bool(auto) and builder is not None
@@ -60,6 +61,9 @@ class Relayout(Core):
         self._relaid = threading.Event()
         self._relayout_error: BaseException | None = None
         self._suggested: tuple[str | None, int] = (None, 0)  # (the last, how many in a row)
+        #: Seconds admission waited between the tiers coming in and the switch.
+        self.relayout_wait_s = 0.0
+        self.relayout_scale = 1.0
 
     def set_length_tiers(self, length_tiers: Any, timeout: float | None = None) -> bool:
         """Change this decoder's one cache into ``length_tiers`` (as ``pxrt.load``
@@ -86,25 +90,31 @@ class Relayout(Core):
         if self._tier_builder is None:
             raise ValueError(
                 f"set_length_tiers: decoder {self.name!r} cannot change its layout (it "
-                "has length tiers already, speculates, or is in a multi-host group)"
+                "speculates, or is in a multi-host group)"
             )
         with self._cond:
-            if self.relayout_status:
+            if self.relayout_status in ("compiling", "waiting"):
                 raise ValueError(f"set_length_tiers: a change is {self.relayout_status} already")
-            self.relayout_status = "compiling"
+            status, self.relayout_status = self.relayout_status, "compiling"
+            self._relaid.clear()
+            self._relayout_error = None
         try:
             tiers = self._tier_builder(self, given)
         except BaseException:
-            self.relayout_status = ""
+            self.relayout_status = status
             raise
         log.info("pxrt: %s: compiling length tiers %s", self.name, tiers)
 
     def _maybe_auto(self) -> None:
-        """(``length_tiers="auto"``, at each sample of the busy slots' needs) Ask for
-        the suggested tiers once the same suggestion held ``STABLE_SAMPLES`` samples."""
-        suggested = self.suggested_length_tiers()
+        """(``length_tiers="auto"``, at each sample of the slots' needs) Ask for the
+        suggested tiers once the same suggestion held ``STABLE_SAMPLES`` samples and
+        differs from the tiers in use (after a switch the samples start again: more
+        long prompts than long slots change the suggestion, and a second switch
+        follows; every slot long: one tier of ``max_length``)."""
+        suggested = self.suggested_length_tiers(whole=bool(self.tiers))
+        current = "+".join(f"{n}x{length}" for n, length in self.tiers)
         last, held = self._suggested
-        held = held + 1 if suggested is not None and suggested == last else 0
+        held = held + 1 if suggested not in (None, current) and suggested == last else 0
         self._suggested = (suggested, held)
         if held >= STABLE_SAMPLES:
             try:
@@ -123,6 +133,7 @@ class Relayout(Core):
                 return
             self._tiered = (tiers, *got)
             self.relayout_status = "waiting"
+            self.relayout_wait_s = time.perf_counter()  # (until the switch: then the wait)
             if self._closed:
                 return
             if self._thread is None:
@@ -163,9 +174,23 @@ class Relayout(Core):
         table.free[:] = sorted(order, reverse=True)
         self._use_tiers(tiers, got, costs)
 
+    def _tier_costs(self, costs: dict[str, float]) -> dict[str, float]:
+        """The tiers' prices: their programs were timed while this decoder served, so
+        their times are scaled by how much slower the prefill cells (the same work in
+        both layouts) timed there than at load; the prefills keep the load's."""
+        ratios = [
+            self.costs[key] / v
+            for key, v in costs.items()
+            if key.startswith("prefill[") and self.costs.get(key) and v > 0
+        ]
+        #: What the tiers' times measured while serving were scaled by (1: not at all).
+        self.relayout_scale = min(1.0, float(np.median(ratios))) if ratios else 1.0
+        kept = {k: v for k, v in self.costs.items() if k.startswith("prefill[") or k == "dispatch"}
+        scaled = {k: v * self.relayout_scale for k, v in costs.items()}
+        return scaled | kept
+
     def _use_tiers(self, tiers: tuple, got: Any, costs: dict[str, float]) -> None:
-        """The tiered programs in place of the one cache's, and their prices (the
-        prefills' as measured at load: the same work, timed on a quiet host)."""
+        """The tiered programs in place of the one cache's, and their prices."""
         special = self._special
         self._wire_programs(
             self._params, self._state, got.step, got.make_state, got.cells, got.parts,
@@ -179,11 +204,16 @@ class Relayout(Core):
             self.prefix = got.prefix
         self.step_compile_s = got.step_s
         for kind, n in got.sources.items():
-            self.program_sources[kind] = self.program_sources.get(kind, 0) + n
-        kept = {k: v for k, v in self.costs.items() if k.startswith("prefill[") or k == "dispatch"}
-        self._price_programs(costs | kept, self._itl_bound_ms)
+            if kind != "in use":  # (the prefills' rows programs, shared)
+                self.program_sources[kind] = self.program_sources.get(kind, 0) + n
+        self._price_programs(self._tier_costs(costs), self._itl_bound_ms)
         self._tiered = None
         self.relayout_status = "switched"
+        self._suggested = (None, 0)
         self.counters["relayouts"] += 1
-        log.info("pxrt: %s: switched to length tiers %s", self.name, tiers)
+        self.relayout_wait_s = time.perf_counter() - self.relayout_wait_s
+        log.info(
+            "pxrt: %s: switched to length tiers %s (admission waited %.1f ms)",
+            self.name, tiers, self.relayout_wait_s * 1e3,
+        )  # fmt: skip
         self._relaid.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -366,23 +367,29 @@ class Scheduler(Core):
 
     def _sample_needs(self) -> None:
         """Every ``NEED_SAMPLE_TURNS`` plain steps: how many busy slots need (prompt and
-        ``max_tokens``) more than each of ``_need_edges`` positions."""
+        ``max_tokens``) more than each of ``_need_edges`` positions, with the waiting
+        prompts at the queue's head as many as slots are free (with length tiers, a
+        long prompt waits while short slots are free: what more long slots would
+        take)."""
         self._need_turn += 1
         if self._need_turn % NEED_SAMPLE_TURNS:
             return
         needs = [len(g.prompt) + g.max_tokens for g in self._table.owners if g is not None]
+        head = itertools.islice(self._waiting, self.slots - len(needs))
+        needs += [len(g.prompt) + g.max_tokens for g in head]
         for edge, counts in zip(self._need_edges, self._need_counts):
             counts[sum(n > edge for n in needs)] += 1
-        if self.auto_tiers and not self.relayout_status:
+        if self.auto_tiers and self.relayout_status in ("", "switched"):
             self._maybe_auto()
 
-    def suggested_length_tiers(self, quantile: float = 0.99) -> str | None:
+    def suggested_length_tiers(self, quantile: float = 0.99, whole: bool = False) -> str | None:
         """``length_tiers`` for a reload, sized by the traffic so far: as many slots of
         ``max_length`` as busy slots needed more than half of it (prompt and
         ``max_tokens``) in ``quantile`` of the samples (one at least per device), of
         half as many as needed more than a quarter, less those, and the rest of a
         quarter (each a multiple of the devices). None before ``NEED_SAMPLES``
-        samples, or where every slot would be of ``max_length``."""
+        samples, or where every slot would be of ``max_length`` (``whole``: then that
+        one tier)."""
         counts = self._need_counts
         total = sum(counts[0].values())
         if total < NEED_SAMPLES:
@@ -402,7 +409,7 @@ class Scheduler(Core):
         half = min(up(max(at(counts[0]) - long, 0)), slots - long)
         quarter = slots - long - half
         if long == slots:
-            return None
+            return f"{slots}x{self.max_length}" if whole else None
         edges = (*self._need_edges, self.max_length)
         return "+".join(f"{n}x{length}" for n, length in zip((quarter, half, long), edges) if n)
 
@@ -512,6 +519,9 @@ class Scheduler(Core):
         if self.auto_tiers or self.relayout_status:
             tiers["auto_tiers"] = self.auto_tiers
             tiers["relayout"] = self.relayout_status or "not yet"
+            if self.relayout_status == "switched":
+                tiers["relayout_wait_ms"] = round(self.relayout_wait_s * 1e3, 3)
+                tiers["relayout_price_scale"] = round(self.relayout_scale, 4)
         return {
             "priced": True,
             "overlap_prefill": self.overlap_prefill,
