@@ -94,15 +94,7 @@ class Loop(Core):
         units: list[tuple[list, int, int, int]] = []
         with _xla.compile_counter.request_path(self):
             try:
-                for gen in cancels:
-                    if gen.slot < 0:  # still waiting: it no longer counts
-                        with contextlib.suppress(ValueError):
-                            self._waiting.remove(gen)
-                    self._unreserve(gen)
-                    table.release(gen)
-                    if not gen.counted:
-                        gen.counted = True
-                        self.outcomes[gen.finish_reason or CANCELLED] += 1  # (set: cancelled)
+                self._drop_cancelled(cancels)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 prefilled = self._insertable(prefilled)  # (their slots step from now on)
                 while prefilled:
@@ -155,6 +147,18 @@ class Loop(Core):
                         self._prefilled[:0] = prefilled[1:]
                 self._recover(exc, batch[0] if batch else [])
         return True
+
+    def _drop_cancelled(self, cancels: list[Generation]) -> None:
+        """Cancelled generations out of the queue, their slots freed, counted once."""
+        for gen in cancels:
+            if gen.slot < 0:  # still waiting: it no longer counts
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(gen)
+            self._unreserve(gen)
+            self._table.release(gen)
+            if not gen.counted:
+                gen.counted = True
+                self.outcomes[gen.finish_reason or CANCELLED] += 1  # (set: cancelled)
 
     def _finished(self, gens: list) -> None:
         ttft, tpot = self._timings["ttft"], self._timings["tpot"]
