@@ -132,6 +132,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = export(args.shape, tmp, args.slots)
         options = {"step_lengths": [16, 32]} if args.shape == "test" else {}
+        options["length_tiers"] = "off"  # (one set of programs per flag set)
         args.flags = [f.strip() for f in args.flags.split(";")]
         got: dict[str, list[dict]] = {f: [] for f in args.flags}
         for r in range(args.rounds):

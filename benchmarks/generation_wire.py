@@ -197,8 +197,15 @@ def main() -> None:
             p.error(f"unknown config {name!r}; expected one of {sorted(CONFIGS)}")
     with tempfile.TemporaryDirectory(prefix="pxrt-wire-") as tmp:
         path = demo.export_lm(os.path.join(tmp, "lm"), slots=32)
-        dec = pxrt.load(path)
-        served = {name: ServeProcess([path, *CONFIGS[name]]) for name in configs}
+        # One cache everywhere: tiers learned while serving would switch at other times
+        # in each process, beside the runs that compare them.
+        dec = pxrt.load(path, length_tiers="off")
+        config = os.path.join(tmp, "pxrt.toml")
+        with open(config, "w") as f:
+            f.write('[models.lm]\nlength_tiers = "off"\n')
+        served = {
+            name: ServeProcess([path, "--config", config, *CONFIGS[name]]) for name in configs
+        }
         work = generation.workload(args.requests, 0, 64, 192)
         try:
 

@@ -41,8 +41,10 @@ Needs the side venv (``bash benchmarks/jetstream_env.sh``):
 ``--tiers``: pxrt loaded with ``length_tiers`` sized for each slot count (each tier's
 length a fraction of ``max_length``, its share of the slots a weight); ``--tiers
 learned``: sized by the traffic (``Decoder.suggested_length_tiers`` after a one-cache
-decoder served the workload, untimed); ``--tiers auto``: ``length_tiers="auto"``, the
-workload served untimed until the decoder has switched into the tiers it suggests.
+decoder served the workload, untimed); ``--tiers auto``: ``length_tiers="auto"`` at
+every slot count (the default does so from 16 slots on CPU devices); ``--tiers off``:
+one cache. A decoder that learns its tiers serves the workload untimed until it has
+switched into them (``generation.settle``).
 
 ``--sweep``: demo, js-small, js-wide and keras-llama at 8, 16, 32 and 64 slots (callers =
 slots; ``--shapes``, ``--slots`` to change them), then one table. ``--quick``: fewer
@@ -427,14 +429,13 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
     alternated; for keras-hub's Llama, its ``generate`` after them. Returns the medians
     per system, the check's report and the peer's numbers."""
     if args.tiers == "learned":  # (sized by a decoder that served the workload once)
-        model.options["length_tiers"] = learned_tiers(model, work, slots, callers)
-    elif args.tiers == "auto":  # (one cache until the traffic's tiers are switched to)
-        model.options["length_tiers"] = "auto"
+        model.options["length_tiers"] = learned_tiers(model, work, slots, callers) or "off"
+    elif args.tiers in ("auto", "off"):  # (auto: the default from 16 slots on CPU)
+        model.options["length_tiers"] = args.tiers
     elif args.tiers:  # (pxrt's cache in length tiers sized for this slot count)
         model.options["length_tiers"] = tiers_for(args.tiers, slots, model.max_length)
     dec = model.load(slots)
-    if args.tiers == "auto":
-        until_switched(dec, model, work, slots, callers)
+    generation.settle(dec, work, model.shape, callers, f"[{model.shape.name} x {slots} slots] ")
     t0 = time.perf_counter()
     js = JetStreamTarget(js_modules, model, slots, lengths)
     print(
@@ -504,6 +505,13 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
         js.stop()
         dec.close()
         gc.unfreeze()
+    if dec.auto_tiers:  # (a switch during the runs would have compiled beside them)
+        tiers = "+".join(f"{n}x{length}" for n, length in dec.tiers) or "one cache"
+        print(
+            f"[{model.shape.name} x {slots} slots] after the runs: {tiers}, "
+            f"{dec.counters['relayouts']} switch(es) in all",
+            flush=True,
+        )
     out["report"] = report
     out["runs"] = runs
     out["med"] = {
@@ -613,7 +621,7 @@ def learned_tiers(model: ds.Model, work, slots: int, callers: int) -> str | None
     """``--tiers learned``: the ``length_tiers`` a one-cache decoder suggests after
     serving ``work`` (on prompts of their own) in a closed loop, until it has seen
     enough turns (``Decoder.suggested_length_tiers``); None: one cache."""
-    model.options.pop("length_tiers", None)
+    model.options["length_tiers"] = "off"  # (one cache, never changed while it learns)
     learner = model.load(slots)
     try:
         for rep in range(4):
@@ -626,25 +634,6 @@ def learned_tiers(model: ds.Model, work, slots: int, callers: int) -> str | None
         learner.close()
     print(f"[{model.shape.name} x {slots} slots] length_tiers learned: {got}", flush=True)
     return got
-
-
-def until_switched(dec, model: ds.Model, work, slots: int, callers: int) -> None:
-    """``--tiers auto``: ``work`` served (on prompts of its own) until ``dec`` has
-    switched into the tiers its traffic suggests (``length_tiers="auto"``); at most 10
-    minutes, or 20 runs while it suggests none."""
-    t0 = time.perf_counter()
-    rep = 0
-    while dec.relayout_status not in ("switched", "failed") and time.perf_counter() - t0 < 600:
-        if not dec.relayout_status and rep >= 20:
-            break
-        asyncio.run(closed("pxrt", dec, ds.fresh_tokens(work, model.shape, 200 + rep), callers))
-        rep += 1
-    tiers = "+".join(f"{n}x{length}" for n, length in dec.tiers) or "none"
-    print(
-        f"[{model.shape.name} x {slots} slots] length_tiers auto: {tiers} "
-        f"({dec.relayout_status or 'none suggested'} after {time.perf_counter() - t0:.1f}s)",
-        flush=True,
-    )
 
 
 def requests_for(args: argparse.Namespace, slots: int) -> int:
@@ -684,8 +673,8 @@ def main() -> None:
         metavar="FRACTION:WEIGHT,...",
         help="pxrt's length_tiers for each slot count: each tier's length as a fraction of "
         "max_length and its share of the slots, e.g. 0.25:10,0.5:5,1:1; 'learned': those "
-        "a one-cache decoder suggests after serving the workload once; 'auto': "
-        "length_tiers='auto', served until it has switched",
+        "a one-cache decoder suggests after serving the workload once; 'auto' (the "
+        "default from 16 slots on CPU) or 'off': length_tiers so",
     )
     g.add_argument("--no-keras-peer", dest="keras_peer", action="store_false",
                    help="skip keras-hub's generate() on keras-llama")  # fmt: skip

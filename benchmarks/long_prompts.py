@@ -161,6 +161,7 @@ def main() -> None:
             ),
             progress=False,
             chunk_tokens=args.chunk_tokens,
+            length_tiers="off",  # (one cache on both sides: chunking is what differs)
         )
         print(chunked, chunked.load_summary(), "chunk tokens per turn", chunked.chunk_tokens)
         if args.only != "chat":
@@ -175,6 +176,7 @@ def main() -> None:
                     layers=args.layers,
                 ),
                 progress=False,
+                length_tiers="off",
             )
             runs: dict[str, list[dict]] = {"none": [], "chunked": [], "whole": []}
             for r in range(args.repeats):

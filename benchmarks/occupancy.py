@@ -73,8 +73,9 @@ def main() -> None:
             dim=args.dim,
             layers=args.layers,
         )
-        busy = pxrt.load(path, progress=False)
-        every = pxrt.load(path, progress=False, step_slots=())
+        # (one cache: the steps over fewer slots are its own)
+        busy = pxrt.load(path, progress=False, length_tiers="off")
+        every = pxrt.load(path, progress=False, step_slots=(), length_tiers="off")
         print(busy, "steps compiled for", busy.step_slots, "slots")
         for share in (0.25, 0.5, 1.0):
             callers = max(1, int(args.slots * share))

@@ -74,11 +74,11 @@ def main() -> None:
         os.path.join(tempfile.mkdtemp(), "lm"), slots=args.slots, max_length=args.max_length,
         prefill_lengths=lengths, dim=args.dim, heads=args.heads, layers=args.layers,
     )  # fmt: skip
-    dec = pxrt.load(path)
+    dec = pxrt.load(path, length_tiers="off")  # (one cache: what each A/B is against)
     dec.wait_programs()  # (none compiling beside the runs)
     other = None  # (the second decoder: overlap's "before", greedy's "greedy")
     if args.ab == "overlap":
-        other = pxrt.load(path, overlap_prefill=False)
+        other = pxrt.load(path, overlap_prefill=False, length_tiers="off")
         other.wait_programs()
     elif args.ab == "greedy":
         other = greedy_only(path)
@@ -132,6 +132,9 @@ def main() -> None:
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
     dec.close()
     if other is not None:
+        if args.ab == "auto":  # (a switch during the runs would have compiled beside them)
+            tiers = "+".join(f"{n}x{length}" for n, length in other.tiers)
+            print(f"auto after the runs: {tiers}, {other.counters['relayouts']} switch(es)")
         other.close()
     print(f"\n{'':<10} {new:>10} {'before':>10} {'ratio':>7}")
     for key in ("tok/s", "itl p50", "itl p99", "ttft p50", "ttft p99"):
@@ -180,7 +183,7 @@ def greedy_only(path: str) -> pxrt.Decoder:
     real = programs.DecoderPrograms._choose
     programs.DecoderPrograms._choose = choose  # type: ignore[method-assign]
     try:
-        dec = pxrt.load(path, compilation_cache=False)
+        dec = pxrt.load(path, compilation_cache=False, length_tiers="off")
         dec.wait_programs()  # (the later programs are traced with the patch too)
     finally:
         programs.DecoderPrograms._choose = real  # type: ignore[method-assign]

@@ -80,7 +80,7 @@ def main() -> None:
         dim=args.dim,
         layers=args.layers,
     )
-    common = {"prefix_cache_tokens": 0, "step_slots": ()}
+    common = {"prefix_cache_tokens": 0, "step_slots": (), "length_tiers": "off"}
     decoders = {
         "plain": pxrt.load(path, **common),
         "speculative": pxrt.load(path, speculative_tokens=args.speculative_tokens, **common),

@@ -483,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices-per-instance", type=int, help="replicated / auto: their size")
     p.add_argument(
         "--length-tiers", metavar="NxL+...",
-        help="a decoder: its cache in length tiers (experimental), e.g. 20x128+10x256+2x512; "
-        "auto: one cache until the traffic has sized them, then switched to while serving",
+        help="a decoder: its cache in length tiers, e.g. 20x128+10x256+2x512; auto: one "
+        "cache until the traffic has sized them, then switched to while serving (the "
+        "default on CPU devices at 16 slots or more); off: one cache",
     )  # fmt: skip
     p.set_defaults(func=_cmd_inspect)
 

@@ -128,12 +128,12 @@ def _tiers(value: Any) -> str | None:
     them (checked against the artifact there)."""
     if value is None:
         return None
-    if not isinstance(value, str) or not re.fullmatch(r"auto|\d+x\d+(\+\d+x\d+)*", value):
+    if not isinstance(value, str) or not re.fullmatch(r"auto|off|\d+x\d+(\+\d+x\d+)*", value):
         raise OptionError(_tiers.expects)  # type: ignore[attr-defined]
     return value
 
 
-_tiers.expects = "slots x positions per tier, e.g. '20x128+10x256+2x512', or 'auto'"  # type: ignore[attr-defined]
+_tiers.expects = "slots x positions per tier, e.g. '20x128+10x256+2x512', 'auto' or 'off'"  # type: ignore[attr-defined]
 
 
 def _maybe_flag(value: Any) -> bool | None:

@@ -2049,6 +2049,33 @@ def test_auto_length_tiers_follow_the_traffic(lm_path, reference, monkeypatch):
         dec.close()
 
 
+def test_length_tiers_are_learned_by_default_from_16_slots_on_cpu(lm_path):
+    """Unset, ``length_tiers`` is ``"auto"`` on CPU devices at ``AUTO_TIERS`` slots or
+    more (not with speculation); ``"off"`` keeps one cache; ``"auto"`` says so at any
+    size. Checked on the load's plan: nothing compiles."""
+    from pxrt.decoder import export, load
+
+    art = export.read(lm_path)
+    devices = jax.local_devices()
+    options = dict(
+        slots=None, max_length=None, prefill_lengths=None, prefill_batches=None,
+        chunk_lengths=None, chunk_batches=None, prefix_cache_tokens=None, prefix_block=16,
+        step_slots=None, step_lengths=None, speculative_tokens=0, max_waiting=1024,
+        sampling_controls=True, chunk_tokens=None, itl_bound_ms=None, devices=devices,
+    )  # fmt: skip
+
+    def plan(**over):
+        return load._plan(art, len(devices), False, **(options | over))
+
+    assert load.AUTO_TIERS == 16
+    assert plan(slots=16).auto_tiers and not plan(slots=16).tiers
+    assert not plan(slots=8).auto_tiers and plan(slots=8, length_tiers="auto").auto_tiers
+    assert not plan(slots=16, length_tiers="off").auto_tiers
+    assert not plan(slots=16, length_tiers="").auto_tiers
+    assert not plan(slots=16, speculative_tokens=2).auto_tiers
+    assert plan(slots=16, length_tiers="8x16+8x64").tiers == ((8, 16), (8, 64))
+
+
 def test_length_tiers_are_checked(lm_path):
     with pytest.raises(ValueError, match="slots x positions per tier"):
         pxrt.load(lm_path, length_tiers="4 by 16")

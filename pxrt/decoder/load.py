@@ -38,6 +38,12 @@ from .runner import BlockStep, FullStep, Packed, PrefillCell, SplitPrefill, drop
 PREFIX_BLOCK = 16
 #: The most decode steps one program runs unless ``multi_step`` says otherwise.
 MULTI_STEP = 4
+#: With ``length_tiers`` unset, a decoder on CPU devices with at least this many slots
+#: sizes its length tiers from the traffic (``"auto"``): there the step is bound by
+#: reading the cache, and tiers learned while serving made more tokens/s than the one
+#: cache with a lower ITL p99 at 16-64 slots (``benchmarks/scheduler.py --ab auto``);
+#: at 8 slots one or two long slots held the long prompts' queue (TTFT p99 2.5x).
+AUTO_TIERS = 16
 
 log = logging.getLogger("pxrt")
 
@@ -127,8 +133,8 @@ def load_decoder(
     tokens come in bursts no longer than that. One per program while a slot has sampling
     controls or logprobs, while speculating, and in a multi-host group.
 
-    ``length_tiers`` (experimental; ``"20x128+10x256+2x512"`` or ``[(20, 128), ...]``:
-    slots x positions per tier): the cache as one array per tier, all stepped in one
+    ``length_tiers`` (``"20x128+10x256+2x512"`` or ``[(20, 128), ...]``: slots x
+    positions per tier): the cache as one array per tier, all stepped in one
     program, each at its own length, so a short sequence reads a short cache; a prompt
     goes to the smallest tier with a free slot that holds its prompt and ``max_tokens``.
     The slots are the tiers' sum and ``max_length`` the longest tier's; a prompt longer
@@ -137,7 +143,10 @@ def load_decoder(
     speculation, a multi-host group. ``"auto"``: one cache until the traffic has sized
     the tiers (``Decoder.suggested_length_tiers``, the same for 32 samples in a row),
     then their programs compile on a thread of their own and the loop switches to them
-    between two turns (``Decoder.set_length_tiers`` does it for tiers given).
+    between two turns (``Decoder.set_length_tiers`` does it for tiers given), and again
+    when the traffic needs other tiers. Unset: ``"auto"`` on CPU devices at
+    ``AUTO_TIERS`` (16) slots or more, not with speculation or in a multi-host group;
+    one cache otherwise. ``"off"``: one cache, never changed.
 
     ``sampling_controls`` False: requests may not ask for logprobs, ``logit_bias``,
     penalties or ``min_tokens`` (two programs fewer to compile: the full step and the
@@ -259,14 +268,15 @@ def _plan(
     length_tiers: str | Sequence[tuple[int, int]] | None = None,
 ) -> _Plan:
     """``load_decoder``'s options checked, and the sizes they leave (``_Plan``)."""
-    auto = isinstance(length_tiers, str) and length_tiers.strip() == "auto"
+    word = length_tiers.strip() if isinstance(length_tiers, str) else None
+    auto = word == "auto"
     if auto:  # (one cache first, tiers once the traffic has sized them: the same limits)
         if in_group:
             raise ValueError("length_tiers: not in a multi-host group")
         if speculative_tokens:
             raise ValueError("speculative_tokens: not with length_tiers (yet)")
-        length_tiers = None
-    tiers = _tiers(art, n_dev, in_group, length_tiers)
+    default = length_tiers is None
+    tiers = _tiers(art, n_dev, in_group, None if word in ("auto", "off") else length_tiers)
     if tiers:  # (the slots and the cache's length are the tiers'; what they leave out)
         slots, max_length = _tier_sizes(tiers, length_tiers, slots, max_length)
         if speculative_tokens:
@@ -275,6 +285,9 @@ def _plan(
     slots, max_length, lengths, batches = _sizes(
         art.config, art.bounds, n_dev, slots, max_length, prefill_lengths, prefill_batches
     )
+    if default:  # (where it was measured to pay: ``AUTO_TIERS``)
+        cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
+        auto = cpu and slots >= AUTO_TIERS and not in_group and not speculative_tokens
     chunks, chunk_rows = _chunk_sizes(art, max_length, chunk_lengths, chunk_batches)
     if in_group and chunks:
         # Followers run only prefill cells and the step (pxrt.multihost).
