@@ -299,7 +299,7 @@ class DecoderLoad(_Checked):
     its loop may spend prefilling beside its step (``itl_bound_ms``) and whether
     prefills run on a thread of their own beside the steps (``overlap_prefill``), and
     the most decode steps one program runs (``multi_step``), and the cache's length
-    tiers (``length_tiers``, experimental).
+    tiers (``length_tiers``: given, ``"auto"`` or ``"off"``).
     None: the artifact's or ``pxrt.load``'s default."""
 
     slots: int | None = None

@@ -268,15 +268,7 @@ def _plan(
     length_tiers: str | Sequence[tuple[int, int]] | None = None,
 ) -> _Plan:
     """``load_decoder``'s options checked, and the sizes they leave (``_Plan``)."""
-    word = length_tiers.strip() if isinstance(length_tiers, str) else None
-    auto = word == "auto"
-    if auto:  # (one cache first, tiers once the traffic has sized them: the same limits)
-        if in_group:
-            raise ValueError("length_tiers: not in a multi-host group")
-        if speculative_tokens:
-            raise ValueError("speculative_tokens: not with length_tiers (yet)")
-    default = length_tiers is None
-    tiers = _tiers(art, n_dev, in_group, None if word in ("auto", "off") else length_tiers)
+    tiers, auto = _tier_option(art, n_dev, in_group, length_tiers, speculative_tokens)
     if tiers:  # (the slots and the cache's length are the tiers'; what they leave out)
         slots, max_length = _tier_sizes(tiers, length_tiers, slots, max_length)
         if speculative_tokens:
@@ -285,7 +277,7 @@ def _plan(
     slots, max_length, lengths, batches = _sizes(
         art.config, art.bounds, n_dev, slots, max_length, prefill_lengths, prefill_batches
     )
-    if default:  # (where it was measured to pay: ``AUTO_TIERS``)
+    if auto is None:  # (unset: where it was measured to pay, ``AUTO_TIERS``)
         cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
         auto = cpu and slots >= AUTO_TIERS and not in_group and not speculative_tokens
     chunks, chunk_rows = _chunk_sizes(art, max_length, chunk_lengths, chunk_batches)
@@ -322,8 +314,23 @@ def _plan(
     return _Plan(
         slots, max_length, lengths, batches, chunks, chunk_rows, prefix, parts, windows,
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
-        bool(overlap_prefill), multi_step, tiers=tiers, auto_tiers=auto,
+        bool(overlap_prefill), multi_step, tiers=tiers, auto_tiers=bool(auto),
     )  # fmt: skip
+
+
+def _tier_option(
+    art: Any, n_dev: int, in_group: bool, given: Any, speculative_tokens: int
+) -> tuple[tuple[tuple[int, int], ...], bool | None]:
+    """``length_tiers`` checked: (the tiers given, whether they are learned from the
+    traffic: True for ``"auto"``, None when unset, decided once the slots are known)."""
+    word = given.strip() if isinstance(given, str) else None
+    if word == "auto":  # (one cache first, tiers once the traffic has sized them)
+        if in_group:
+            raise ValueError("length_tiers: not in a multi-host group")
+        if speculative_tokens:
+            raise ValueError("speculative_tokens: not with length_tiers (yet)")
+    tiers = _tiers(art, n_dev, in_group, None if word in ("auto", "off") else given)
+    return tiers, True if word == "auto" else None if given is None else False
 
 
 def _tier_sizes(
