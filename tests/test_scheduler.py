@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from pxrt.decoder.relayout import STABLE_SAMPLES, Relayout
+from pxrt.decoder.relayout import SETTLE_SAMPLES, STABLE_SAMPLES, Relayout
 from pxrt.decoder.scheduler import BLOCK_S, Scheduler
 
 
@@ -245,6 +245,18 @@ def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
     assert asked == ["29x128+3x512"] and dec.relayout_status == "compiling"
     samples([100] * 30 + [300] * 2, 2 * STABLE_SAMPLES)
     assert len(asked) == 1
+    # Switched (the counts start again): fewer long slots wait for SETTLE_SAMPLES
+    # samples of the traffic since; more are asked for as soon as they hold.
+    dec._wire_tiers(((29, 128), (3, 512)))
+    dec.relayout_status = "switched"
+    samples([100] * 32, NEED_SAMPLES + 2 * STABLE_SAMPLES)
+    assert dec.suggested_length_tiers(whole=True) == "31x128+1x512" and len(asked) == 1
+    samples([100] * 32, SETTLE_SAMPLES)
+    assert asked[1:] == ["31x128+1x512"]
+    dec._wire_tiers(((31, 128), (1, 512)))
+    dec.relayout_status = "switched"
+    samples([100] * 28 + [300] * 4, NEED_SAMPLES + STABLE_SAMPLES)
+    assert asked[2:] == ["27x128+5x512"]
 
 
 def test_a_relayout_waits_until_every_busy_slot_fits_a_tier_row():

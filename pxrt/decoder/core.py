@@ -67,6 +67,7 @@ class Core(Protocol):
     tiers: tuple[tuple[int, int], ...]
     _slot_length: tuple[int, ...]
     _chosen: dict[Generation, int]
+    _need_counts: list[collections.Counter]
     # A change of layout into tiers (``pxrt.decoder.relayout``).
     auto_tiers: bool
     relayout_status: str

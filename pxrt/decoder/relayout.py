@@ -31,6 +31,11 @@ log = logging.getLogger("pxrt")
 #: Samples in a row (``NEED_SAMPLE_TURNS`` plain steps apart) with the same
 #: ``suggested_length_tiers`` before ``length_tiers="auto"`` applies it.
 STABLE_SAMPLES = 32
+#: After a switch, samples since it before tiers with no more long slots are asked for
+#: (more long slots: as soon as the suggestion holds). The quantile of the first few
+#: samples is near their largest: under the same traffic it moved again (three
+#: switches in 400 requests at 8 slots, two at 32).
+SETTLE_SAMPLES = 512
 
 
 def slot_lengths(tiers: Sequence[tuple[int, int]], n_dev: int) -> tuple[int, ...]:
@@ -116,6 +121,11 @@ class Relayout(Core):
         last, held = self._suggested
         held = held + 1 if suggested not in (None, current) and suggested == last else 0
         self._suggested = (suggested, held)
+        if held >= STABLE_SAMPLES and self.tiers and suggested is not None:
+            longest = lambda tiers: int(tiers.split("+")[-1].split("x")[0])  # noqa: E731
+            grows = longest(suggested) > longest(current)
+            if not grows and sum(self._need_counts[0].values()) < SETTLE_SAMPLES:
+                return
         if held >= STABLE_SAMPLES:
             try:
                 self._ask_tiers(suggested)
