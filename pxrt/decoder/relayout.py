@@ -129,8 +129,8 @@ class Relayout(Core):
         if held >= STABLE_SAMPLES:
             try:
                 self._ask_tiers(suggested)
-            except ValueError as exc:  # (no room for a second state: stays one cache)
-                log.warning("pxrt: %s: keeps one cache: %s", self.name, exc)
+            except ValueError as exc:  # (no room for a second state: the layout stays)
+                log.warning("pxrt: %s: keeps its cache's layout: %s", self.name, exc)
                 self.auto_tiers = False
 
     def _tiers_arrived(self, tiers: tuple, got: Any, error: BaseException | None) -> None:
