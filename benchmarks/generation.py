@@ -258,10 +258,12 @@ def settle(dec, work, shape, callers: int, label: str = "") -> None:
 def step_overhead(dec, steps: int = 300, repeats: int = 3) -> dict:
     """With every slot generating: the loop's step time, and its thread's CPU time per
     step (the host work: dispatch, read, route, wake); against the step program alone,
-    called back to back on the same state. Alternated ``repeats`` times; medians."""
+    called back to back on the same state. Alternated ``repeats`` times; medians. (With
+    length tiers each generation fits the shortest tier, so that every slot is busy.)"""
     loop_wall, loop_cpu, alone = [], [], []
+    most = min((length for _, length in dec.tiers), default=dec.max_length)
     for _ in range(repeats):
-        gens = [dec.submit([65 + i % 26], max_tokens=dec.max_length) for i in range(dec.slots)]
+        gens = [dec.submit([65 + i % 26], max_tokens=most - 1) for i in range(dec.slots)]
         while dec.busy_slots < dec.slots:
             time.sleep(0.001)
         time.sleep(0.02)
