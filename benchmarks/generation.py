@@ -65,6 +65,7 @@ sys.path.insert(0, HERE)
 import decoder_shapes as ds  # noqa: E402
 
 from pxrt import demo  # noqa: E402
+from pxrt.decoder.relayout import tiers_text  # noqa: E402
 
 
 def workload(n: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[np.ndarray, int]]:
@@ -244,7 +245,7 @@ def settle(dec, work, shape, callers: int, label: str = "") -> None:
             break
         asyncio.run(closed("pxrt", dec, ds.fresh_tokens(work, shape, 200 + rep), callers))
         rep += 1
-    tiers = "+".join(f"{n}x{length}" for n, length in dec.tiers) or "one cache"
+    tiers = tiers_text(dec.tiers) or "one cache"
     print(
         f"{label}length tiers from the traffic: {tiers} ({dec.relayout_status or 'none'} "
         f"after {time.perf_counter() - t0:.1f}s)",

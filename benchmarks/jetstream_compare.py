@@ -97,6 +97,8 @@ sys.path.insert(0, HERE)
 import decoder_shapes as ds  # noqa: E402
 import generation  # noqa: E402
 
+from pxrt.decoder.relayout import tiers_text  # noqa: E402
+
 NO_BOS = "no-bos"  # a non-empty session_cache: JetStream 0.2.2 then prepends no BOS
 SWEEP_SHAPES = ("demo", "js-small", "js-wide", "keras-llama")
 SWEEP_SLOTS = (8, 16, 32, 64)
@@ -506,7 +508,7 @@ def run_config(js_modules, model: ds.Model, lengths, work, slots: int, callers: 
         dec.close()
         gc.unfreeze()
     if dec.auto_tiers:  # (a switch during the runs would have compiled beside them)
-        tiers = "+".join(f"{n}x{length}" for n, length in dec.tiers) or "one cache"
+        tiers = tiers_text(dec.tiers) or "one cache"
         print(
             f"[{model.shape.name} x {slots} slots] after the runs: {tiers}, "
             f"{dec.counters['relayouts']} switch(es) in all",

@@ -50,6 +50,7 @@ from generation import closed, summary  # noqa: E402
 
 import pxrt  # noqa: E402
 from pxrt import demo  # noqa: E402
+from pxrt.decoder.relayout import tiers_text  # noqa: E402
 
 
 def main() -> None:
@@ -133,7 +134,7 @@ def main() -> None:
     dec.close()
     if other is not None:
         if args.ab == "auto":  # (a switch during the runs would have compiled beside them)
-            tiers = "+".join(f"{n}x{length}" for n, length in other.tiers)
+            tiers = tiers_text(other.tiers)
             print(f"auto after the runs: {tiers}, {other.counters['relayouts']} switch(es)")
         other.close()
     print(f"\n{'':<10} {new:>10} {'before':>10} {'ratio':>7}")
@@ -161,7 +162,7 @@ def switched(path: str, dec: pxrt.Decoder, work: list, callers: int) -> pxrt.Dec
         run += 1
     if auto.relayout_status != "switched":
         raise SystemExit(f"no switch into tiers: {auto.relayout_status or 'none suggested'}")
-    print("length tiers:", "+".join(f"{n}x{length}" for n, length in auto.tiers))
+    print("length tiers:", tiers_text(auto.tiers))
     return auto
 
 

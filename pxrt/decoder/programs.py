@@ -26,6 +26,7 @@ from ..sampling import sample
 from . import grammar
 from . import params as _params
 from .export import LENGTH_DIM, is_spec
+from .relayout import slot_lengths
 
 #: The prefix pool's programs.
 POOL = ("pool", "load", "save")
@@ -806,16 +807,11 @@ class DecoderPrograms:
         )
 
     def tier_slots(self) -> list[np.ndarray]:
-        """Each tier's rows' (global) slots, in row order: a device's slots are its
-        rows of each tier in turn (``tier_rows`` the other way)."""
-        n_dev = len(self.devices)
-        per, start, out = self.slots // n_dev, 0, []
-        for n, _ in self.tiers:
-            share = n // n_dev
-            rows = np.arange(n)
-            out.append((rows // share) * per + start + rows % share)
-            start += share
-        return out
+        """Each tier's rows' (global) slots, in row order: the slots of its length
+        (one tier per length), lowest first, as ``relayout.slot_lengths`` numbers them
+        (``tier_rows`` the other way)."""
+        lengths = np.array(slot_lengths(self.tiers, len(self.devices)))
+        return [np.flatnonzero(lengths == length) for _, length in self.tiers]
 
     def _relayout(self, old: dict, src: jax.Array) -> dict:
         """The state in tiers from a running decoder's state ``old`` (one cache, or the

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +43,11 @@ def slot_lengths(tiers: Sequence[tuple[int, int]], n_dev: int) -> tuple[int, ...
     of each tier in turn (``DecoderPrograms.tier_rows``)."""
     local = [length for n, length in tiers for _ in range(n // n_dev)]
     return tuple(local * n_dev)
+
+
+def tiers_text(tiers: Iterable[tuple[int, int]]) -> str:
+    """``tiers`` as ``length_tiers`` takes them: ``"20x128+10x256+2x512"``."""
+    return "+".join(f"{n}x{length}" for n, length in tiers)
 
 
 class Relayout(Core):
@@ -117,7 +122,7 @@ class Relayout(Core):
         long prompts than long slots change the suggestion, and a second switch
         follows; every slot long: one tier of ``max_length``)."""
         suggested = self.suggested_length_tiers(whole=bool(self.tiers))
-        current = "+".join(f"{n}x{length}" for n, length in self.tiers)
+        current = tiers_text(self.tiers)
         last, held = self._suggested
         held = held + 1 if suggested not in (None, current) and suggested == last else 0
         self._suggested = (suggested, held)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .params import int_in, number_in
-from .relayout import slot_lengths
+from .relayout import slot_lengths, tiers_text
 
 if TYPE_CHECKING:
     from .core import Core
@@ -413,7 +413,7 @@ class Scheduler(Core):
         if long == slots:
             return f"{slots}x{self.max_length}" if whole else None
         edges = (*self._need_edges, self.max_length)
-        return "+".join(f"{n}x{length}" for n, length in zip((quarter, half, long), edges) if n)
+        return tiers_text((n, length) for n, length in zip((quarter, half, long), edges) if n)
 
     def _tier_slot(self, gen: Generation, chosen: Mapping[Generation, int]) -> int:
         """The free slot (none chosen this turn) of the shortest tier that holds
