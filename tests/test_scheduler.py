@@ -200,26 +200,67 @@ def test_length_tiers_are_suggested_from_the_busy_slots_lengths():
 
     dec = Decoder(slots=32, max_length=512)
 
-    def turns(needs: list[int], samples: int) -> None:
-        dec._table.owners = [types.SimpleNamespace(prompt=[0] * 8, max_tokens=n - 8) for n in needs]
+    def turns(needs: list[int | None], samples: int) -> None:
+        dec._table.owners = [
+            None if n is None else types.SimpleNamespace(prompt=[0] * 8, max_tokens=n - 8)
+            for n in needs
+        ]
         for _ in range(samples * NEED_SAMPLE_TURNS):
             dec._sample_needs()
+
+    def fresh() -> None:
+        dec._wire_tiers(())
 
     turns([100] * 29 + [150, 200, 300], NEED_SAMPLES - 1)
     assert dec.suggested_length_tiers() is None  # (too few samples yet)
     turns([100] * 29 + [150, 200, 300], 200 - NEED_SAMPLES + 1)
-    # one slot needed more than 256 (and one spare) and three more than 128: 2 + 1 + the rest
-    assert dec.suggested_length_tiers() == "29x128+1x256+2x512"
-    # 4 devices: multiples of 4; 6 slots needing more than 256 in under 1 % of the
-    # samples are not counted, in more they are
+    # A slot in 32 needs more than 256 and three more than 128: as independent
+    # requests at those shares, up to 4 and 7 of 32 slots at once in 99 % of the
+    # turns (a binomial); so 4 + 1 spare of 512, 7 - 5 of 256, the rest of 128.
+    assert dec.suggested_length_tiers() == "25x128+2x256+5x512"
+    # A quarter of the slots busy (a loop whose admission bounds it), at the same
+    # shares as all of them: the same tiers (counted, 1 + 1 slots of 512).
+    fresh()
+    turns([100] * 24 + [150] * 4 + [300] * 4, 100)
+    full = dec.suggested_length_tiers()
+    fresh()
+    turns([None] * 24 + [100] * 6 + [150, 300], 100)
+    assert dec.suggested_length_tiers() == full == "18x128+4x256+10x512"
+    # Bursts count as sampled where the share would not cover them: 6 long slots in
+    # over 1 % of the samples (each alone a share of 6/32 in 1 of 100 samples: 1
+    # slot's worth), with 4 devices (multiples of 4).
+    fresh()
     dec.devices = [None] * 4
-    turns([400] * 6 + [100] * 26, 1)
-    assert dec.suggested_length_tiers() == "28x128+4x512"
+    turns([100] * 32, 98)
     turns([400] * 6 + [100] * 26, 2)
     assert dec.suggested_length_tiers() == "24x128+8x512"
+    dec.devices = [None]
+    fresh()
+    turns([100] * 32, 100)  # (none long: one spare long slot)
+    assert dec.suggested_length_tiers() == "31x128+1x512"
     turns([500] * 32, 3 * NEED_SAMPLES)  # every slot long: no tiers
     assert dec.suggested_length_tiers() is None
     assert "suggested_length_tiers" not in priced().scheduler_choices()
+
+
+def test_the_binomial_quantile_against_its_definition():
+    from math import comb
+
+    from pxrt.decoder.scheduler import binomial_quantile
+
+    def by_definition(n: int, p: float, q: float) -> int:
+        cdf = 0.0
+        for k in range(n + 1):
+            cdf += comb(n, k) * p**k * (1 - p) ** (n - k)
+            if cdf >= q:
+                return k
+        return n
+
+    for n in (1, 8, 16, 32, 64, 256):
+        for p in (0.0, 1e-4, 0.03, 0.25, 0.5, 0.9, 1.0):
+            assert binomial_quantile(n, p, 0.99) == by_definition(n, p, 0.99), (n, p)
+    # many slots: no underflow (0.8 ** 4096 is 0.0 in floats)
+    assert 819 < binomial_quantile(4096, 0.2, 0.99) < 880
 
 
 def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
@@ -238,12 +279,12 @@ def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
             dec._sample_needs()
 
     samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES - 1)
-    assert not asked and dec.suggested_length_tiers() == "30x128+2x512"
-    samples([100] * 30 + [300] * 2, 1)  # (another suggestion: counted again)
-    assert not asked and dec.suggested_length_tiers() == "29x128+3x512"
-    samples([100] * 30 + [300] * 2, STABLE_SAMPLES)
-    assert asked == ["29x128+3x512"] and dec.relayout_status == "compiling"
-    samples([100] * 30 + [300] * 2, 2 * STABLE_SAMPLES)
+    assert not asked and dec.suggested_length_tiers() == "27x128+5x512"
+    samples([100] * 24 + [300] * 8, 1)  # (another suggestion: counted again)
+    assert not asked and dec.suggested_length_tiers() == "23x128+9x512"
+    samples([100] * 24 + [300] * 8, STABLE_SAMPLES)
+    assert asked == ["23x128+9x512"] and dec.relayout_status == "compiling"
+    samples([100] * 24 + [300] * 8, 2 * STABLE_SAMPLES)
     assert len(asked) == 1
     # Switched (the counts start again): fewer long slots wait for SETTLE_SAMPLES
     # samples of the traffic since; more are asked for as soon as they hold.
@@ -256,7 +297,29 @@ def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
     dec._wire_tiers(((31, 128), (1, 512)))
     dec.relayout_status = "switched"
     samples([100] * 28 + [300] * 4, NEED_SAMPLES + STABLE_SAMPLES)
-    assert asked[2:] == ["27x128+5x512"]
+    assert asked[2:] == ["22x128+10x512"]
+    # A slot more or fewer in each tier than the tiers have: kept (the suggestion's
+    # noise), however long it holds.
+    dec._wire_tiers(((28, 128), (4, 512)))
+    dec.relayout_status = "switched"
+    samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES + SETTLE_SAMPLES)
+    assert dec.suggested_length_tiers() == "27x128+5x512" and asked[3:] == []
+
+
+def test_every_slot_long_is_asked_for_at_once_even_a_devices_step_away():
+    """Tiers of a slot per device apart from the suggestion are kept (its noise),
+    but not one tier of ``max_length``: on 4 devices 4x16+4x64 becomes 8x64."""
+    from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES
+
+    asked: list = []
+    dec = Decoder(max_length=64, devices=[None] * 4, name="lm", _cond=threading.Condition())
+    dec._wire_relayout(lambda d, tiers: asked.append(tiers) or tiers, True)
+    dec._wire_tiers(((4, 16), (4, 64)))
+    dec.relayout_status = "switched"
+    dec._table.owners = [types.SimpleNamespace(prompt=[0] * 8, max_tokens=40) for _ in range(8)]
+    for _ in range((NEED_SAMPLES + STABLE_SAMPLES) * NEED_SAMPLE_TURNS):
+        dec._sample_needs()
+    assert asked == ["8x64"]
 
 
 def test_a_relayout_waits_until_every_busy_slot_fits_a_tier_row():

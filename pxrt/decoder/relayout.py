@@ -31,10 +31,10 @@ log = logging.getLogger("pxrt")
 #: Samples in a row (``NEED_SAMPLE_TURNS`` plain steps apart) with the same
 #: ``suggested_length_tiers`` before ``length_tiers="auto"`` applies it.
 STABLE_SAMPLES = 32
-#: After a switch, samples since it before tiers with no more long slots are asked for
-#: (more long slots: as soon as the suggestion holds). The quantile of the first few
-#: samples is near their largest: under the same traffic it moved again (three
-#: switches in 400 requests at 8 slots, two at 32).
+#: After a switch, samples since it before other tiers are asked for, unless they have
+#: more long slots than one more (then as soon as the suggestion holds; and every slot
+#: long). The quantile of the first few samples is near their largest: under the same
+#: traffic it moved again (three switches in 400 requests at 8 slots, two at 32).
 SETTLE_SAMPLES = 512
 
 
@@ -43,6 +43,11 @@ def slot_lengths(tiers: Sequence[tuple[int, int]], n_dev: int) -> tuple[int, ...
     of each tier in turn (``DecoderPrograms.tier_rows``)."""
     local = [length for n, length in tiers for _ in range(n // n_dev)]
     return tuple(local * n_dev)
+
+
+def tier_counts(text: str) -> dict[int, int]:
+    """``"20x128+10x256+2x512"`` as {128: 20, 256: 10, 512: 2}."""
+    return {int(n): int(count) for count, n in (t.split("x") for t in text.split("+"))}
 
 
 def tiers_text(tiers: Iterable[tuple[int, int]]) -> str:
@@ -127,8 +132,15 @@ class Relayout(Core):
         held = held + 1 if suggested not in (None, current) and suggested == last else 0
         self._suggested = (suggested, held)
         if held >= STABLE_SAMPLES and self.tiers and suggested is not None:
-            longest = lambda tiers: int(tiers.split("+")[-1].split("x")[0])  # noqa: E731
-            grows = longest(suggested) > longest(current)
+            # A step of the devices' count in any tier is within the suggestion's
+            # noise: kept (the first samples after a switch count the long prompts
+            # it held back; then fewer: 3 and 4 long slots in turn at 16 slots).
+            step = len(self.devices)
+            new, old = tier_counts(suggested), tier_counts(current)
+            whole = len(new) == 1  # (every slot long: at once)
+            if not whole and all(abs(new.get(n, 0) - old.get(n, 0)) <= step for n in {*new, *old}):
+                return
+            grows = whole or new[self.max_length] > old.get(self.max_length, 0) + step
             if not grows and sum(self._need_counts[0].values()) < SETTLE_SAMPLES:
                 return
         if held >= STABLE_SAMPLES:

@@ -41,6 +41,22 @@ NEED_SAMPLE_TURNS = 4
 NEED_SAMPLES = 64
 
 
+def binomial_quantile(n: int, p: float, q: float) -> int:
+    """The least k with P(X <= k) >= ``q`` for X ~ Binomial(``n``, ``p``): how many of
+    ``n`` slots hold a long need in all but 1 - q of the turns, each at ``p``."""
+    if p <= 0.0:
+        return 0
+    if p >= 1.0:
+        return n
+    lp, lq, cdf = math.log(p), math.log1p(-p), 0.0
+    for k in range(n + 1):  # (each term from logs: (1 - p)^n underflows at many slots)
+        log_pmf = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+        cdf += math.exp(log_pmf + k * lp + (n - k) * lq)
+        if cdf >= q:
+            return k
+    return n
+
+
 def row_order(rows: int) -> Callable[[int], tuple[int, int]]:
     """A sort key putting the slots of the lowest rows first (slots are numbered
     device-major, ``rows`` per device): the steps over fewer rows hold them."""
@@ -361,6 +377,9 @@ class Scheduler(Core):
         # slots need more than a quarter and more than half of max_length.
         self._need_edges = (self.max_length // 4, self.max_length // 2)
         self._need_counts: list[collections.Counter] = [collections.Counter() for _ in range(2)]
+        # (over every sample: the slots counted, and of those how many needed more than
+        # each edge: the traffic's share of long needs, whatever the slots' occupancy)
+        self._need_totals = [0, 0, 0]
         self._need_turn = 0
         if self.tiers:
             self._slot_length = slot_lengths(self.tiers, len(self.devices))
@@ -377,38 +396,49 @@ class Scheduler(Core):
         needs = [len(g.prompt) + g.max_tokens for g in self._table.owners if g is not None]
         head = itertools.islice(self._waiting, self.slots - len(needs))
         needs += [len(g.prompt) + g.max_tokens for g in head]
-        for edge, counts in zip(self._need_edges, self._need_counts):
-            counts[sum(n > edge for n in needs)] += 1
+        totals = self._need_totals
+        totals[0] += len(needs)
+        for i, (edge, counts) in enumerate(zip(self._need_edges, self._need_counts)):
+            over = sum(n > edge for n in needs)
+            counts[over] += 1
+            totals[i + 1] += over
         if self.auto_tiers and self.relayout_status in ("", "switched"):
             self._maybe_auto()
 
     def suggested_length_tiers(self, quantile: float = 0.99, whole: bool = False) -> str | None:
         """``length_tiers`` sized by the traffic so far: as many slots of ``max_length``
-        as busy slots needed more than half of it (prompt and ``max_tokens``) in
-        ``quantile`` of the samples, and one more (a long prompt waits only for a long
-        slot: with exactly the quantile, one at 16 slots held the longest prompts'
-        queue, TTFT p99 6.6x the one cache's), of half as many as needed more than a
-        quarter, less those, and the rest of a quarter (each a multiple of the
-        devices). None before ``NEED_SAMPLES``
+        as busy slots may need more than half of it (prompt and ``max_tokens``), and one
+        more (a long prompt waits only for a long slot: with exactly that many, one at
+        16 slots held the longest prompts' queue, TTFT p99 6.6x the one cache's), of
+        half as many as may need more than a quarter, less those, and the rest of a
+        quarter (each a multiple of the devices). "May need": the larger of the
+        ``quantile`` of the counts sampled and the ``quantile`` of the count among
+        every slot busy, each slot's need long at the share of long needs sampled (a
+        binomial: the samples of a loop whose admission, not its slots, bounds it
+        count fewer busy slots than it will fill once it is faster; under tiers sized
+        by them at 64 slots on a TPU, a third of the prompts needed the 17 slots over
+        a quarter, and TTFT p50 went from 16 to 100 ms). None before ``NEED_SAMPLES``
         samples, or where every slot would be of ``max_length`` (``whole``: then that
         one tier)."""
         counts = self._need_counts
         total = sum(counts[0].values())
         if total < NEED_SAMPLES:
             return None
+        slots = self.slots
+        shares = [over / max(self._need_totals[0], 1) for over in self._need_totals[1:]]
 
-        def at(c: collections.Counter) -> int:  # (the quantile of the busy counts)
+        def at(c: collections.Counter, share: float) -> int:
             seen = 0
             for n in sorted(c):
                 seen += c[n]
                 if seen >= quantile * total:
-                    return n
-            return max(c)
+                    break
+            return max(n, binomial_quantile(slots, share, quantile))
 
-        n_dev, slots = len(self.devices), self.slots
+        n_dev = len(self.devices)
         up = lambda n: -(-n // n_dev) * n_dev  # noqa: E731
-        long = min(up(at(counts[1]) + 1), slots)
-        half = min(up(max(at(counts[0]) - long, 0)), slots - long)
+        long = min(up(at(counts[1], shares[1]) + 1), slots)
+        half = min(up(max(at(counts[0], shares[0]) - long, 0)), slots - long)
         quarter = slots - long - half
         if long == slots:
             return f"{slots}x{self.max_length}" if whole else None
