@@ -18,16 +18,17 @@ other option the default (the prefix cache and chunking on in both). ``--ab auto
 a decoder loaded with ``length_tiers="auto"`` serves the workload until it has changed
 into the tiers its traffic suggests (its first run against the one-cache decoder's
 first: what the switch costs while it compiles), then against the one-cache decoder.
-Otherwise one
-decoder serves
-both sides (switched between runs), the demo decoder's math at the
-shape given, a closed loop of ``--callers`` (default ``--slots``) over lognormal prompt and output
-lengths, fresh prompt tokens each run (none in the prefix cache). Prints each run, then
-medians and ratios.
+``--ab option --option KEY=VALUE``: a decoder loaded with those load options (VALUE as
+JSON) against one without (``--base KEY=VALUE``: options of both; an A/A with none
+shows the harness's own spread). Otherwise one decoder serves both sides (switched
+between runs), the demo decoder's math at the shape given, a closed loop of
+``--callers`` (default ``--slots``) over lognormal prompt and output lengths, fresh
+prompt tokens each run (none in the prefix cache). Prints each run, then medians and
+ratios.
 
     python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy|tiers|auto]
-        [--dim 128
-        --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
+        [--ab option --option multi_step=1 [--base length_tiers='"off"']]
+        [--dim 128 --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
         [--requests 300] [--repeats 3]
 """
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -65,8 +67,22 @@ def main() -> None:
     p.add_argument("--callers", type=int, help="closed loop (default: --slots)")
     p.add_argument(
         "--ab",
-        choices=("pricing", "windows", "overlap", "ahead", "greedy", "tiers", "auto"),
+        choices=("pricing", "windows", "overlap", "ahead", "greedy", "tiers", "auto", "option"),
         default="pricing",
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--ab option: a load option of the other decoder (VALUE as JSON)",
+    )
+    p.add_argument(
+        "--base",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--ab option: a load option of both decoders (VALUE as JSON)",
     )
     args = p.parse_args()
     callers = args.callers or args.slots
@@ -75,7 +91,9 @@ def main() -> None:
         os.path.join(tempfile.mkdtemp(), "lm"), slots=args.slots, max_length=args.max_length,
         prefill_lengths=lengths, dim=args.dim, heads=args.heads, layers=args.layers,
     )  # fmt: skip
-    dec = pxrt.load(path, length_tiers="off")  # (one cache: what each A/B is against)
+    base = options(args.base)
+    # (one cache: what each A/B is against)
+    dec = pxrt.load(path, **{"length_tiers": "off", **base})
     dec.wait_programs()  # (none compiling beside the runs)
     other = None  # (the second decoder: overlap's "before", greedy's "greedy")
     if args.ab == "overlap":
@@ -83,6 +101,9 @@ def main() -> None:
         other.wait_programs()
     elif args.ab == "greedy":
         other = greedy_only(path)
+    elif args.ab == "option":
+        other = pxrt.load(path, **{"length_tiers": "off", **base, **options(args.option)})
+        other.wait_programs()
     print("measured ms:", {k: round(v * 1e3, 3) for k, v in dec.costs.items()})
     print(f"turn bound: {dec.itl_bound_s * 1e3:.2f} ms")
     rng = np.random.default_rng(0)
@@ -109,7 +130,7 @@ def main() -> None:
     priced, windows = dec._priced, dec.step_lengths
     new = {
         "pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead",
-        "greedy": "greedy", "tiers": "tiers", "auto": "auto",
+        "greedy": "greedy", "tiers": "tiers", "auto": "auto", "option": "option",
     }[args.ab]  # fmt: skip
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
@@ -127,7 +148,7 @@ def main() -> None:
                     dec._prefills_ahead = lambda: False  # type: ignore[method-assign]
             elif args.ab == "overlap" and mode == "before":  # (each between two steps)
                 target = other
-            elif args.ab in ("greedy", "tiers", "auto") and mode == new:
+            elif args.ab in ("greedy", "tiers", "auto", "option") and mode == new:
                 target = other
             runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, callers))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
@@ -142,6 +163,11 @@ def main() -> None:
         a = float(np.median([r[key] for r in runs[new]]))
         b = float(np.median([r[key] for r in runs["before"]]))
         print(f"{key:<10} {a:>10.2f} {b:>10.2f} {a / b:>6.2f}x")
+
+
+def options(pairs: list[str]) -> dict:
+    """``KEY=VALUE`` pairs as load options (VALUE as JSON)."""
+    return {k: json.loads(v) for k, _, v in (o.partition("=") for o in pairs)}
 
 
 def switched(path: str, dec: pxrt.Decoder, work: list, callers: int) -> pxrt.Decoder:
