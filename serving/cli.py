@@ -422,6 +422,10 @@ def _print_scheduler(sched: dict) -> None:
             "  length tiers from the traffic (length_tiers auto): "
             f"{sched.get('relayout')}; suggested: {sched.get('suggested_length_tiers', 'none yet')}"
         )
+    shares = sched.get("need_shares")
+    if shares:
+        over = ", ".join(f"{100 * v:.1f}% over {n}" for n, v in shares.items())
+        print(f"  positions the busy slots need (prompt and max_tokens): {over}")
     print(f"  {'waiting':>7} {'length':>6}   {'no slot busy':<16} every slot busy")
     for c in sched["choices"]:
         idle = f"[{c['idle'][0]}] x {c['idle'][1]}"

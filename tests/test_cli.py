@@ -320,3 +320,6 @@ def test_inspect_shows_a_decoder(tmp_path, capsys):
     cli._print_scheduler(info["scheduler"] | {"auto_tiers": True, "relayout": "compiling"})
     out = capsys.readouterr().out
     assert "length tiers from the traffic (length_tiers auto): compiling; suggested" in out, out
+    cli._print_scheduler(info["scheduler"] | {"need_shares": {"32": 0.3, "64": 0.025}})
+    out = capsys.readouterr().out
+    assert "the busy slots need (prompt and max_tokens): 30.0% over 32, 2.5% over 64" in out

@@ -241,6 +241,11 @@ def test_length_tiers_are_suggested_from_the_busy_slots_lengths():
     turns([500] * 32, 3 * NEED_SAMPLES)  # every slot long: no tiers
     assert dec.suggested_length_tiers() is None
     assert "suggested_length_tiers" not in priced().scheduler_choices()
+    # (pxrt inspect: the shares the suggestion is sized by, of the slots counted)
+    shown = priced()
+    assert "need_shares" not in shown.scheduler_choices()
+    shown._need_totals = [40, 10, 1]
+    assert shown.scheduler_choices()["need_shares"] == {"64": 0.25, "128": 0.025}
 
 
 def test_the_binomial_quantile_against_its_definition():

@@ -548,6 +548,11 @@ class Scheduler(Core):
         suggested = self.suggested_length_tiers()
         if suggested:
             tiers["suggested_length_tiers"] = suggested
+        counted, *over = self._need_totals
+        if counted:  # (what the suggestion is sized by: the share of each long need)
+            tiers["need_shares"] = {
+                str(edge): round(n / counted, 4) for edge, n in zip(self._need_edges, over)
+            }
         if self.auto_tiers or self.relayout_status:
             tiers["auto_tiers"] = self.auto_tiers
             tiers["relayout"] = self.relayout_status or "not yet"
