@@ -77,10 +77,9 @@ def floor(model: ds.Model, slots: int, options: dict) -> None:
     dec = ds.Model(model.shape, 0, only)
     dec.path = model.path
     d = dec.load(slots)
-    step = d._steps[d._rows_per_device]
 
     def pxrt_step() -> None:
-        d._state, tokens, _ = step(d._params, d._state)
+        d._state, tokens, _ = d._step(d._params, d._state)
         jax.block_until_ready(tokens)
 
     cache = model.empty_cache(slots)

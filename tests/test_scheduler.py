@@ -244,7 +244,8 @@ def test_length_tiers_are_suggested_from_the_busy_slots_lengths():
     # (pxrt inspect: the shares the suggestion is sized by, of the slots counted)
     shown = priced()
     assert "need_shares" not in shown.scheduler_choices()
-    shown._need_totals = [40, 10, 1]
+    shown._need_slots = 40
+    shown._need_counts = [collections.Counter({5: 2}), collections.Counter({1: 1})]
     assert shown.scheduler_choices()["need_shares"] == {"64": 0.25, "128": 0.025}
 
 

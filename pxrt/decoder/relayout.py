@@ -136,7 +136,7 @@ class Relayout(Core):
             # noise: kept (the first samples after a switch count the long prompts
             # it held back; then fewer: 3 and 4 long slots in turn at 16 slots).
             step = len(self.devices)
-            new, old = tier_counts(suggested), tier_counts(current)
+            new, old = tier_counts(suggested), {length: n for n, length in self.tiers}
             whole = len(new) == 1  # (every slot long: at once)
             if not whole and all(abs(new.get(n, 0) - old.get(n, 0)) <= step for n in {*new, *old}):
                 return

@@ -377,9 +377,9 @@ class Scheduler(Core):
         # slots need more than a quarter and more than half of max_length.
         self._need_edges = (self.max_length // 4, self.max_length // 2)
         self._need_counts: list[collections.Counter] = [collections.Counter() for _ in range(2)]
-        # (over every sample: the slots counted, and of those how many needed more than
-        # each edge: the traffic's share of long needs, whatever the slots' occupancy)
-        self._need_totals = [0, 0, 0]
+        # (the slots counted over every sample: with the counts above, the traffic's
+        # share of long needs, whatever the slots' occupancy)
+        self._need_slots = 0
         self._need_turn = 0
         if self.tiers:
             self._slot_length = slot_lengths(self.tiers, len(self.devices))
@@ -396,12 +396,9 @@ class Scheduler(Core):
         needs = [len(g.prompt) + g.max_tokens for g in self._table.owners if g is not None]
         head = itertools.islice(self._waiting, self.slots - len(needs))
         needs += [len(g.prompt) + g.max_tokens for g in head]
-        totals = self._need_totals
-        totals[0] += len(needs)
-        for i, (edge, counts) in enumerate(zip(self._need_edges, self._need_counts)):
-            over = sum(n > edge for n in needs)
-            counts[over] += 1
-            totals[i + 1] += over
+        self._need_slots += len(needs)
+        for edge, counts in zip(self._need_edges, self._need_counts):
+            counts[sum(n > edge for n in needs)] += 1
         if self.auto_tiers and self.relayout_status in ("", "switched"):
             self._maybe_auto()
 
@@ -425,7 +422,7 @@ class Scheduler(Core):
         if total < NEED_SAMPLES:
             return None
         slots = self.slots
-        shares = [over / max(self._need_totals[0], 1) for over in self._need_totals[1:]]
+        shares = self._need_shares()
 
         def at(c: collections.Counter, share: float) -> int:
             seen = 0
@@ -444,6 +441,12 @@ class Scheduler(Core):
             return f"{slots}x{self.max_length}" if whole else None
         edges = (*self._need_edges, self.max_length)
         return tiers_text((n, length) for n, length in zip((quarter, half, long), edges) if n)
+
+    def _need_shares(self) -> list[float]:
+        """Of the slots counted in every sample, the share that needed more than each
+        of ``_need_edges`` positions."""
+        counted = max(self._need_slots, 1)
+        return [sum(n * k for n, k in c.items()) / counted for c in self._need_counts]
 
     def _tier_slot(self, gen: Generation, chosen: Mapping[Generation, int]) -> int:
         """The free slot (none chosen this turn) of the shortest tier that holds
@@ -548,10 +551,10 @@ class Scheduler(Core):
         suggested = self.suggested_length_tiers()
         if suggested:
             tiers["suggested_length_tiers"] = suggested
-        counted, *over = self._need_totals
-        if counted:  # (what the suggestion is sized by: the share of each long need)
+        if self._need_slots:  # (what the suggestion is sized by)
             tiers["need_shares"] = {
-                str(edge): round(n / counted, 4) for edge, n in zip(self._need_edges, over)
+                str(edge): round(share, 4)
+                for edge, share in zip(self._need_edges, self._need_shares())
             }
         if self.auto_tiers or self.relayout_status:
             tiers["auto_tiers"] = self.auto_tiers
