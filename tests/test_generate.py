@@ -266,6 +266,41 @@ def test_a_blocks_launch_is_the_steps_price_less_what_a_further_step_adds(monkey
     assert got._launch(None, [None], 1.0, 1.5e-3) == pytest.approx(1.5e-3)
 
 
+def test_the_default_prefill_lengths_pad_a_prompt_by_a_quarter_at_most(tmp_path):
+    """Loaded without ``prefill_lengths``, a decoder compiles the artifact's and, between
+    two from 32 up, every multiple of a quarter of the shorter (a multiple of every
+    length given): a prompt of 33-48 tokens is prefilled at 48, not 64. Tokens equal
+    plain JAX's at every new length; lengths given, or traced concrete, are kept."""
+    from pxrt.decoder.load import finer_lengths
+
+    assert finer_lengths([16, 32, 64, 128, 256]) == [
+        16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256
+    ]  # fmt: skip
+    assert finer_lengths([8, 16]) == [8, 16] and finer_lengths([8, 64]) == [8, 64]
+    assert finer_lengths([32, 64, 128]) == [32, 64, 96, 128]  # (a model's multiple of 32)
+    sizes = {"dim": 16, "heads": 2, "layers": 1}
+    path = demo.export_lm(
+        str(tmp_path / "lm"), slots=2, max_length=128, prefill_lengths=(8, 32, 64),
+        prefill_batches=(1,), **sizes,
+    )  # fmt: skip
+    options = dict(prefix_cache_tokens=0, step_slots=(), sampling_controls=False, defer=False)
+    dec = pxrt.load(path, **options)
+    try:
+        assert dec.prefill_lengths == (8, 32, 48, 64)
+        params = demo.make_lm_params(**sizes)
+        for n in (33, 40, 48, 49):
+            prompt = np.arange(n, dtype=np.int32) % 200 + 3
+            want = demo.lm_reference(prompt, 6, params, 128)
+            assert dec.generate(prompt, max_tokens=6).tokens == want, n
+    finally:
+        dec.close()
+    dec = pxrt.load(path, prefill_lengths=(8, 32, 64), **options)
+    try:
+        assert dec.prefill_lengths == (8, 32, 64)
+    finally:
+        dec.close()
+
+
 def test_a_prompt_is_prefilled_ahead_of_a_free_slot(lm, reference):
     """With every slot taken and prefills beside the steps (the CPU's default), the
     next prompts' rows are computed on the prefill thread before a slot frees and go
@@ -1885,6 +1920,24 @@ def test_length_tiers_give_the_same_tokens_and_step_each_tier_in_place(lm_path, 
             np.testing.assert_allclose(
                 [t[0] for t in a.logprobs], [t[0] for t in b.logprobs], rtol=1e-5, atol=1e-5
             )
+        # Every slot taken: the next prompts are prefilled ahead of free slots, and
+        # each goes into the first slot to free of a tier that holds it (the long one
+        # waits for a 64-position slot while shorter ones free: in a 16-position slot
+        # its tokens would not be plain JAX's).
+        dec._tier_slot = pick
+        ahead = dec.counters["prefills_ahead"]
+        wants = (4, 6, 8, 10, 16, 18, 20, 22, 32, 36, 40, 44)  # (4 per tier, prompts <= 4)
+        running = list(zip(prompts(12, seed=54, high=4), wants))
+        extra = [(p, m) for p, m in zip(prompts(2, seed=55, high=8), (40, 4))]
+        with dec._cond:  # (one turn admits the first twelve; the two extra go ahead)
+            gens = [dec.submit(p, max_tokens=m) for p, m in running + extra]
+        for g, (p, m) in zip(gens, running + extra):
+            assert g.result(timeout=60).tokens == reference(p, m)
+        assert dec.counters["prefills_ahead"] > ahead
+        deadline = time.monotonic() + 30
+        while dec.busy_slots and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(dec._table.free) == list(range(dec.slots))
         assert dec.compiles_after_load == 0 and dec.busy_slots == 0
     finally:
         dec.close()
@@ -2025,6 +2078,7 @@ def test_auto_length_tiers_follow_the_traffic(lm_path, reference, monkeypatch):
     to; when long prompts then wait while short slots are free, the suggestion moves
     and the tiers change again. The tokens stay plain JAX's throughout."""
     monkeypatch.setattr(decoder.scheduler, "NEED_SAMPLES", 8)
+    monkeypatch.setattr(decoder.scheduler, "NEED_GENERATIONS", 2)
     monkeypatch.setattr(decoder.relayout, "STABLE_SAMPLES", 4)
     with pytest.raises(ValueError, match="speculative_tokens"):
         pxrt.load(lm_path, length_tiers="auto", speculative_tokens=2)

@@ -39,6 +39,7 @@ class Decoder(Relayout, Scheduler):
         self.overlap_prefill = False
         self.counters = collections.Counter()
         self._chunking, self._prefilling, self._prefilled = [], [], []
+        self._in_prefill: set = set()
         self._waiting = collections.deque()
         self._table = types.SimpleNamespace(free=list(range(8)), owners=[None] * 8, busy=0)
         self.__dict__.update(over)
@@ -195,10 +196,22 @@ def test_length_tiers_take_the_shortest_free_tier_that_holds_a_prompt():
     assert two._slot_length == (64, 64, 128, 256) * 2
 
 
-def test_length_tiers_are_suggested_from_the_busy_slots_lengths():
+def test_length_tiers_are_suggested_from_the_busy_slots_lengths(monkeypatch):
+    from pxrt.decoder import scheduler
     from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES
 
     dec = Decoder(slots=32, max_length=512)
+    # (none before NEED_GENERATIONS prompts per slot were admitted, however many samples)
+    turns_needed = NEED_SAMPLES + 1
+    dec._table.owners = [types.SimpleNamespace(prompt=[0] * 8, max_tokens=92)] * 32
+    for _ in range(turns_needed * NEED_SAMPLE_TURNS):
+        dec._sample_needs()
+    dec._need_gens = scheduler.NEED_GENERATIONS * 32 - 1
+    assert dec.suggested_length_tiers() is None
+    dec._need_gens += 1
+    assert dec.suggested_length_tiers() == "31x128+1x512"
+    monkeypatch.setattr(scheduler, "NEED_GENERATIONS", 0)
+    dec._wire_tiers(())
 
     def turns(needs: list[int | None], samples: int) -> None:
         dec._table.owners = [
@@ -269,11 +282,14 @@ def test_the_binomial_quantile_against_its_definition():
     assert 819 < binomial_quantile(4096, 0.2, 0.99) < 880
 
 
-def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
+def test_auto_tiers_are_asked_for_once_the_suggestion_holds(monkeypatch):
     """``length_tiers="auto"``: the suggested tiers are compiled once the same
     suggestion held ``STABLE_SAMPLES`` samples in a row; a change starts the count
     again; once asked, never again."""
+    from pxrt.decoder import scheduler
     from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES
+
+    monkeypatch.setattr(scheduler, "NEED_GENERATIONS", 0)
 
     asked: list = []
     dec = Decoder(slots=32, max_length=512, name="lm", _cond=threading.Condition())
@@ -294,7 +310,7 @@ def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
     assert len(asked) == 1
     # Switched (the counts start again): fewer long slots wait for SETTLE_SAMPLES
     # samples of the traffic since; more are asked for as soon as they hold.
-    dec._wire_tiers(((29, 128), (3, 512)))
+    dec._wire_tiers(((26, 128), (6, 512)))
     dec.relayout_status = "switched"
     samples([100] * 32, NEED_SAMPLES + 2 * STABLE_SAMPLES)
     assert dec.suggested_length_tiers(whole=True) == "31x128+1x512" and len(asked) == 1
@@ -304,18 +320,26 @@ def test_auto_tiers_are_asked_for_once_the_suggestion_holds():
     dec.relayout_status = "switched"
     samples([100] * 28 + [300] * 4, NEED_SAMPLES + STABLE_SAMPLES)
     assert asked[2:] == ["22x128+10x512"]
-    # A slot more or fewer in each tier than the tiers have: kept (the suggestion's
-    # noise), however long it holds.
-    dec._wire_tiers(((28, 128), (4, 512)))
+    # Up to a sixteenth of the slots more or fewer in each tier than the tiers have
+    # (two of 32): kept (the suggestion's noise), however long it holds; three, not.
+    for tiers in [((28, 128), (4, 512)), ((29, 128), (3, 512)), ((25, 128), (7, 512))]:
+        dec._wire_tiers(tiers)
+        dec.relayout_status = "switched"
+        samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES + SETTLE_SAMPLES)
+        assert dec.suggested_length_tiers() == "27x128+5x512" and asked[3:] == []
+    dec._wire_tiers(((30, 128), (2, 512)))
     dec.relayout_status = "switched"
-    samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES + SETTLE_SAMPLES)
-    assert dec.suggested_length_tiers() == "27x128+5x512" and asked[3:] == []
+    samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES)
+    assert asked[3:] == ["27x128+5x512"]
 
 
-def test_every_slot_long_is_asked_for_at_once_even_a_devices_step_away():
+def test_every_slot_long_is_asked_for_at_once_even_a_devices_step_away(monkeypatch):
     """Tiers of a slot per device apart from the suggestion are kept (its noise),
     but not one tier of ``max_length``: on 4 devices 4x16+4x64 becomes 8x64."""
+    from pxrt.decoder import scheduler
     from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES
+
+    monkeypatch.setattr(scheduler, "NEED_GENERATIONS", 0)
 
     asked: list = []
     dec = Decoder(max_length=64, devices=[None] * 4, name="lm", _cond=threading.Condition())

@@ -18,8 +18,9 @@ its rows are in flight.
 With every slot taken, the prompts at the head of the queue are prefilled ahead of a
 free slot (``Scheduler._prefills_ahead``, one prompt a unit): no slot is reserved
 (``reserved`` stays -1), and the insert takes the lowest free row at the start of the
-first turn that has one (``_insertable``), before that turn admits others, so a stream
-that ends is followed by the next at once instead of after a prefill.
+first turn that has one (``_insertable``; with length tiers, a row of the shortest tier
+with one free that holds it), before that turn admits others, so a stream that ends is
+followed by the next at once instead of after a prefill.
 """
 
 from __future__ import annotations
@@ -121,10 +122,7 @@ class Overlap(Core):
                 if slot >= 0:
                     table.free.append(slot)
                 continue
-            if slot < 0:  # (prefilled ahead of free slots: one now, the lowest row first)
-                slot = min(table.free, key=row_order(self._rows_per_device))
-                table.free.remove(slot)
-                ints[i, sampling.SLOT] = slot
+            ints[i, sampling.SLOT] = slot  # (one prefilled ahead: ``_insertable``'s)
             table.assign(gen, slot)
             done.append((gen, slot))
             if gen.controls is not None or gen.logprobs is not None:
@@ -146,24 +144,42 @@ class Overlap(Core):
         self._save_prefixes(done)
 
     def _insertable(self, units: list[Unit]) -> list[Unit]:
-        """Of the prefilled ``units``, those to insert now, in order; the rest
-        (prefilled ahead of free slots, too few free yet) wait for the next turns."""
+        """Of the prefilled ``units``, those to insert now, in order, each prompt
+        prefilled ahead of free slots given its slot now (the lowest free row; with
+        length tiers, a row of the shortest tier with one free that holds it); the
+        rest (no such slot free yet) wait for the next turns."""
         now: list[Unit] = []
         later: list[Unit] = []
-        need, free = 0, len(self._table.free)
+        free = self._table.free
         for unit in units:  # (a failed unit's rows are dropped: it takes no slot)
-            more = unit.error is None and sum(
-                g.reserved < 0 and g.finish_reason is None for g in unit.batch
-            )
-            if need + more > free:
+            ahead = [] if unit.error is not None else [
+                g for g in unit.batch if g.reserved < 0 and g.finish_reason is None
+            ]  # fmt: skip
+            taken: list[int] = []
+            for gen in ahead:
+                slot = self._ahead_slot(gen)
+                if slot < 0:
+                    break
+                free.remove(slot)
+                taken.append(slot)
+            if len(taken) < len(ahead):
+                free.extend(taken)
                 later.append(unit)
             else:
-                need += more
+                for gen, slot in zip(ahead, taken):
+                    gen.reserved = slot
                 now.append(unit)
         if later:  # (ahead of what the thread posted since: the first free slots are theirs)
             with self._cond:
                 self._prefilled[:0] = later
         return now
+
+    def _ahead_slot(self, gen: Generation) -> int:
+        """The free slot for ``gen``, prefilled ahead of free slots; -1: none yet."""
+        free = self._table.free
+        if self._slot_length:
+            return self._tier_slot(gen, {})
+        return min(free, key=row_order(self._rows_per_device)) if free else -1
 
     def _stop_prefiller(self) -> None:
         """Stop the prefill thread and wait for the program it runs: a process that

@@ -14,6 +14,7 @@ block and carries over. A part of ``pxrt.decoder.engine.Decoder`` (a mixin, like
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -36,6 +37,13 @@ STABLE_SAMPLES = 32
 #: long). The quantile of the first few samples is near their largest: under the same
 #: traffic it moved again (three switches in 400 requests at 8 slots, two at 32).
 SETTLE_SAMPLES = 512
+#: Slots (each side) by which a suggestion may differ from the tiers in use, in every
+#: tier, and be kept: a sixteenth of the slots (a device's count at least). The
+#: suggestion is a 0.99 quantile of a binomial at a sampled share: at 32 slots and a
+#: share near a third, a share 0.014 higher is one slot more, and both sides of a
+#: rounding moved the demo's tiers by two under the same traffic (16 long slots, then
+#: 18 asked for: a compile beside the running programs at half their pace).
+BAND_SHARE = 1 / 16
 
 
 def slot_lengths(tiers: Sequence[tuple[int, int]], n_dev: int) -> tuple[int, ...]:
@@ -132,10 +140,10 @@ class Relayout(Core):
         held = held + 1 if suggested not in (None, current) and suggested == last else 0
         self._suggested = (suggested, held)
         if held >= STABLE_SAMPLES and self.tiers and suggested is not None:
-            # A step of the devices' count in any tier is within the suggestion's
-            # noise: kept (the first samples after a switch count the long prompts
-            # it held back; then fewer: 3 and 4 long slots in turn at 16 slots).
-            step = len(self.devices)
+            # A step of ``BAND_SHARE`` of the slots in any tier is within the
+            # suggestion's noise: kept (the first samples after a switch count the long
+            # prompts it held back; then fewer: 3 and 4 long slots in turn at 16 slots).
+            step = max(len(self.devices), math.ceil(self.slots * BAND_SHARE))
             new, old = tier_counts(suggested), {length: n for n, length in self.tiers}
             whole = len(new) == 1  # (every slot long: at once)
             if not whole and all(abs(new.get(n, 0) - old.get(n, 0)) <= step for n in {*new, *old}):

@@ -39,6 +39,11 @@ BLOCK_S = 2e-3
 NEED_SAMPLE_TURNS = 4
 #: Samples before ``suggested_length_tiers`` suggests anything.
 NEED_SAMPLES = 64
+#: Prompts admitted (per slot) before it does: the samples of one generation's slot
+#: are alike, so 64 samples can hold a handful of requests. On js-small at 16 slots a
+#: warm-up of 64 requests gave one long slot of 512 positions where the traffic needs
+#: three (a second switch, and its compile beside the running programs, followed).
+NEED_GENERATIONS = 8
 
 
 def binomial_quantile(n: int, p: float, q: float) -> int:
@@ -162,13 +167,14 @@ class Scheduler(Core):
         """Whether the next prompt may be prefilled before a slot is free for it (its
         rows computed on the prefill thread while every slot steps, inserted into the
         first that frees, as JetStream's prefill engine runs ahead of its slots): while
-        the thread has room (``IN_FLIGHT``), prefills go beside the steps, no length
-        tiers choose the slots and there is one priority level (a prompt prefilled
-        ahead is committed: a later one of a higher level must not wait behind it). One
-        prompt a unit: a unit of several waits for as many free slots at once, while
-        later prompts take those freed one by one."""
+        the thread has room (``IN_FLIGHT``), prefills go beside the steps and there is
+        one priority level (a prompt prefilled ahead is committed: a later one of a
+        higher level must not wait behind it). One prompt a unit: a unit of several
+        waits for as many free slots at once, while later prompts take those freed one
+        by one. With length tiers, its slot is the first to free of a tier that holds
+        it (``Overlap._insertable``)."""
         return (
-            self.overlap_prefill and not self._slot_length and self.priority_levels == 1
+            self.overlap_prefill and self.priority_levels == 1
             and len(self._prefilling) < IN_FLIGHT
         )  # fmt: skip
 
@@ -233,7 +239,7 @@ class Scheduler(Core):
                 continue
             if len(batch) >= self.prefill_batches[-1] or (length and gen.bucket > length):
                 break
-            if self._slot_length:  # (length tiers: a free slot of a tier that holds it)
+            if self._slot_length and not ahead:  # (tiers: a free slot of one that holds it)
                 slot = self._tier_slot(gen, scan.chosen)
                 if slot < 0:
                     if self._hold(scan):
@@ -351,6 +357,7 @@ class Scheduler(Core):
         }  # fmt: skip
 
     def _admitted(self, gen: Generation) -> None:
+        self._need_gens += 1
         self.counters["prompt_tokens"] += len(gen.prompt)
         self.counters["prefix_hit_tokens"] += gen.hit
         if self.prefix is not None and gen.use_prefix:
@@ -381,20 +388,28 @@ class Scheduler(Core):
         # share of long needs, whatever the slots' occupancy)
         self._need_slots = 0
         self._need_turn = 0
+        self._need_gens = 0  # (prompts admitted since)
         if self.tiers:
             self._slot_length = slot_lengths(self.tiers, len(self.devices))
 
     def _sample_needs(self) -> None:
-        """Every ``NEED_SAMPLE_TURNS`` plain steps: how many busy slots need (prompt and
-        ``max_tokens``) more than each of ``_need_edges`` positions, with the waiting
-        prompts at the queue's head as many as slots are free (with length tiers, a
+        """Every ``NEED_SAMPLE_TURNS`` plain steps: how many busy slots (and slots being
+        filled) need (prompt and ``max_tokens``) more than each of ``_need_edges``
+        positions, with the waiting prompts at the queue's head as many as slots are
+        free (with length tiers, a
         long prompt waits while short slots are free: what more long slots would
         take)."""
         self._need_turn += 1
         if self._need_turn % NEED_SAMPLE_TURNS:
             return
-        needs = [len(g.prompt) + g.max_tokens for g in self._table.owners if g is not None]
-        head = itertools.islice(self._waiting, self.slots - len(needs))
+        # (the slots being filled count too: a long prompt is chunked, or prefilled
+        # beside the steps, for longer than a short one, and while the later prefill
+        # cells compile every prompt goes in chunks: counted as owners only, the first
+        # samples saw one long need in place of three at 16 slots, and a second switch
+        # followed; so do prompts prefilled ahead of free slots)
+        filling = (*self._table.owners, *self._chunking, *self._in_prefill)
+        needs = [len(g.prompt) + g.max_tokens for g in filling if g is not None]
+        head = itertools.islice(self._waiting, max(0, self.slots - len(needs)))
         needs += [len(g.prompt) + g.max_tokens for g in head]
         self._need_slots += len(needs)
         for edge, counts in zip(self._need_edges, self._need_counts):
@@ -415,11 +430,11 @@ class Scheduler(Core):
         count fewer busy slots than it will fill once it is faster; under tiers sized
         by them at 64 slots on a TPU, a third of the prompts needed the 17 slots over
         a quarter, and TTFT p50 went from 16 to 100 ms). None before ``NEED_SAMPLES``
-        samples, or where every slot would be of ``max_length`` (``whole``: then that
-        one tier)."""
+        samples and ``NEED_GENERATIONS`` prompts per slot admitted, or where every
+        slot would be of ``max_length`` (``whole``: then that one tier)."""
         counts = self._need_counts
         total = sum(counts[0].values())
-        if total < NEED_SAMPLES:
+        if total < NEED_SAMPLES or self._need_gens < NEED_GENERATIONS * self.slots:
             return None
         slots = self.slots
         shares = self._need_shares()
