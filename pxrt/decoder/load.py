@@ -756,7 +756,7 @@ def finer_lengths(lengths: Sequence[int]) -> list[int]:
     for at most a quarter of its bucket in padding rather than up to half of it. The
     prefill is up to half of a small decoder's work on a CPU, and padding to powers of
     two costs ~1.4x the prompt tokens: with 16, 32, 48, 64, 80, ... 224, 256 against
-    the powers of two, 1.13-1.21x tokens/s at 8 slots (``docs/generation.md``)."""
+    the powers of two, 1.08-1.11x tokens/s at 8 slots (``docs/generation.md``)."""
     lengths = sorted(set(lengths))
     unit = math.gcd(*lengths)
     out = list(lengths)

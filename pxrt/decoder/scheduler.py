@@ -407,9 +407,11 @@ class Scheduler(Core):
         # cells compile every prompt goes in chunks: counted as owners only, the first
         # samples saw one long need in place of three at 16 slots, and a second switch
         # followed; so do prompts prefilled ahead of free slots)
-        filling = (*self._table.owners, *self._chunking, *self._in_prefill)
-        needs = [len(g.prompt) + g.max_tokens for g in filling if g is not None]
-        head = itertools.islice(self._waiting, max(0, self.slots - len(needs)))
+        ahead = [g for g in self._in_prefill if g.reserved < 0]  # (no slot yet: queued)
+        filling = [*self._chunking, *(g for g in self._in_prefill if g.reserved >= 0)]
+        held = [g for g in self._table.owners if g is not None] + filling
+        needs = [len(g.prompt) + g.max_tokens for g in held]
+        head = itertools.islice((*ahead, *self._waiting), max(0, self.slots - len(needs)))
         needs += [len(g.prompt) + g.max_tokens for g in head]
         self._need_slots += len(needs)
         for edge, counts in zip(self._need_edges, self._need_counts):
