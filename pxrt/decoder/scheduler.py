@@ -402,11 +402,11 @@ class Scheduler(Core):
         self._need_turn += 1
         if self._need_turn % NEED_SAMPLE_TURNS:
             return
-        # (the slots being filled count too: a long prompt is chunked, or prefilled
-        # beside the steps, for longer than a short one, and while the later prefill
-        # cells compile every prompt goes in chunks: counted as owners only, the first
-        # samples saw one long need in place of three at 16 slots, and a second switch
-        # followed; so do prompts prefilled ahead of free slots)
+        # (the slots being filled hold theirs too: a long prompt is chunked, or
+        # prefilled beside the steps, for longer than a short one, and while the later
+        # prefill cells compile every prompt goes in chunks. Prompts prefilled ahead of
+        # free slots hold none: they count with the queue's head; counted as held, 36
+        # needs in a sample of 32 slots gave the demo 13x128+19x256 for 3x64+13x128+16x256)
         ahead = [g for g in self._in_prefill if g.reserved < 0]  # (no slot yet: queued)
         filling = [*self._chunking, *(g for g in self._in_prefill if g.reserved >= 0)]
         held = [g for g in self._table.owners if g is not None] + filling
