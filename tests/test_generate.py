@@ -283,18 +283,21 @@ def test_the_default_prefill_lengths_pad_a_prompt_by_a_quarter_at_most(tmp_path)
         str(tmp_path / "lm"), slots=2, max_length=128, prefill_lengths=(8, 32, 64),
         prefill_batches=(1,), **sizes,
     )  # fmt: skip
-    options = dict(prefix_cache_tokens=0, step_slots=(), sampling_controls=False, defer=False)
-    dec = pxrt.load(path, **options)
+    options = dict(prefix_cache_tokens=0, step_slots=(), sampling_controls=False)
+    dec = pxrt.load(path, **options)  # (deferred: the cells at 48 come last)
     try:
         assert dec.prefill_lengths == (8, 32, 48, 64)
         params = demo.make_lm_params(**sizes)
-        for n in (33, 40, 48, 49):
-            prompt = np.arange(n, dtype=np.int32) % 200 + 3
-            want = demo.lm_reference(prompt, 6, params, 128)
-            assert dec.generate(prompt, max_tokens=6).tokens == want, n
+        cases = [np.arange(n, dtype=np.int32) % 200 + 3 for n in (33, 40, 48, 49)]
+        wants = [demo.lm_reference(p, 6, params, 128) for p in cases]
+        for _ in range(2):  # (as they come: in chunks, at 64, at 48; then all in use)
+            for prompt, want in zip(cases, wants):
+                assert dec.generate(prompt, max_tokens=6).tokens == want, len(prompt)
+            assert dec.wait_programs(120) and dec.deferred == 0
+        assert (1, 48) in dec._cells
     finally:
         dec.close()
-    dec = pxrt.load(path, prefill_lengths=(8, 32, 64), **options)
+    dec = pxrt.load(path, prefill_lengths=(8, 32, 64), defer=False, **options)
     try:
         assert dec.prefill_lengths == (8, 32, 64)
     finally:

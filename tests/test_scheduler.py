@@ -196,6 +196,21 @@ def test_length_tiers_take_the_shortest_free_tier_that_holds_a_prompt():
     assert two._slot_length == (64, 64, 128, 256) * 2
 
 
+def test_a_prompt_runs_at_the_next_length_in_use_until_its_own_cells_come():
+    """The cells at lengths between the artifact's compile after the others: until
+    they are in use, a prompt of such a bucket runs at the next longer length in use;
+    with no cell in use, or no length in use that holds it, in chunks (0)."""
+    dec = Decoder(prefill_lengths=(16, 32, 48, 64))
+    assert dec._cell_length(48) == 64 and dec._cell_length(32) == 64
+    assert dec._cell_length(16) == 16 and dec._cell_length(0) == 0
+    dec._cells[(1, 48)] = dec._cells[(4, 48)] = None
+    assert dec._cell_length(48) == 48 and dec._cell_length(32) == 48
+    dec._cells = {(1, 16): None}
+    assert dec._cell_length(32) == 0 and dec._cell_length(16) == 16
+    dec._cells = {}
+    assert dec._cell_length(16) == 0
+
+
 def test_length_tiers_are_suggested_from_the_busy_slots_lengths(monkeypatch):
     from pxrt.decoder import scheduler
     from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES

@@ -88,7 +88,7 @@ class Core(Protocol):
     _thread: threading.Thread | None
     _closed: bool
     _idle: bool
-    _arrivals: list[tuple[Any, BaseException | None]]
+    _arrivals: list[tuple[Any, BaseException | None, int]]
     multi_step: int
     # Prefill beside the steps (``pxrt.decoder.overlap``).
     overlap_prefill: bool
@@ -200,4 +200,4 @@ class Core(Protocol):
 
     def _fail(self, error: BaseException) -> None: ...
 
-    def _install(self, got: Any, error: BaseException | None) -> None: ...
+    def _install(self, got: Any, error: BaseException | None, left: int = 0) -> None: ...

@@ -139,7 +139,7 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
         self.deferred = deferred
         #: Why the programs compiled after the load are missing, when they failed.
         self.deferred_error: BaseException | None = None
-        self._arrivals: list[tuple[Any, BaseException | None]] = []
+        self._arrivals: list[tuple[Any, BaseException | None, int]] = []
         self._programs = threading.Event()
         if not deferred:
             self._programs.set()
@@ -578,20 +578,21 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
         there were none); False if ``timeout`` seconds passed first."""
         return self._programs.wait(timeout)
 
-    def install(self, got: Any, error: BaseException | None = None) -> None:
+    def install(self, got: Any, error: BaseException | None = None, left: int = 0) -> None:
         """Hand the loop the programs compiled after the load (``pxrt.decoder.load``'s,
-        from its compiling thread): it takes them between two turns."""
+        from its compiling thread): it takes them between two turns. ``left``: programs
+        still compiling, handed over later (0: these are the last)."""
         with self._cond:
             if self._closed:
                 self._programs.set()
                 return
-            self._arrivals.append((got, error))
+            self._arrivals.append((got, error, left))
             if self._thread is None:
                 self._start()
             elif self._idle:
                 self._cond.notify()
 
-    def _install(self, got: Any, error: BaseException | None) -> None:
+    def _install(self, got: Any, error: BaseException | None, left: int = 0) -> None:
         """(the loop's thread) Put the programs compiled after the load to use: the
         steps over fewer slots or positions, the larger cells (timed first, on rows
         dropped: nothing of the state changes), the sampling controls', the prefix
@@ -623,9 +624,10 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
             for kind, n in got.sources.items():
                 self.program_sources[kind] = self.program_sources.get(kind, 0) + n
             self._price_programs(self.costs | timed | got.step_costs, self._itl_bound_ms)
-        self.deferred = 0
-        self.deferred_error = error
-        self._programs.set()
+        self.deferred = left
+        if not left:
+            self.deferred_error = error
+            self._programs.set()
 
     # ------------------------------------------------------------------ introspection
 

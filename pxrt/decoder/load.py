@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -209,8 +209,9 @@ def load_decoder(
     log.info("pxrt: %s version %s %s", art.name, decoder.version, decoder.load_summary())
     if built.later:
         _compile_later(
-            decoder, built.programs, built.later, cache_dir, built.params, built.got.make_state
-        )
+            decoder, built.programs, built.later, cache_dir, built.params,
+            built.got.make_state, _between(art, plan),
+        )  # fmt: skip
     return decoder
 
 
@@ -420,7 +421,7 @@ def _build(
         jobs = programs.jobs(plan.lengths, plan.batches, plan.chunks, plan.chunk_rows)
         if not isinstance(defer, (bool, np.bool_)):
             raise ValueError(f"defer must be true or false, got {defer!r}")
-        jobs, later = _split(jobs, bool(defer) and not in_group)
+        jobs, later = _split(jobs, bool(defer) and not in_group, _between(art, plan))
         tp = time.perf_counter()
         got = _obtain_all(programs, jobs, cache_dir, progress, store=not in_group)
         tw = time.perf_counter()
@@ -1120,14 +1121,21 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
     )
 
 
+def _between(art: Any, plan: _Plan) -> set[int]:
+    """The prefill lengths of ``plan`` the artifact does not list (``finer_lengths``'):
+    their cells compile last, after the others are in use."""
+    return set(plan.lengths) - set(art.config["prefill_lengths"])
+
+
 def _split(
-    jobs: list[tuple[str, int, int]], defer: bool
+    jobs: list[tuple[str, int, int]], defer: bool, between: Collection[int] = frozenset()
 ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
     """(the programs a decoder needs to be ready, those compiled after it is): with
     ``defer``, the state, the step over every slot and the cache, and a way in for
-    every prompt (the 1-row extend cells, or without extend the smallest prefill cells)
-    first; the steps over fewer slots or positions, the other cells, and the sampling
-    controls', the prefix cache's and speculation's programs after."""
+    every prompt (the 1-row extend cells, or without extend the smallest prefill cells
+    of the lengths not ``between`` others) first; the steps over fewer slots or
+    positions, the other cells, and the sampling controls', the prefix cache's and
+    speculation's programs after."""
     if not defer:
         return jobs, []
     # The way in: the smallest extend cell of each chunk length (a prompt of any length
@@ -1139,7 +1147,7 @@ def _split(
     core = [
         job for job in jobs
         if job[:2] in (("state", 0), ("step", 0)) and job[2] == 0
-        or job[0] in way_in and job[1] == least
+        or job[0] in way_in and job[1] == least and job[2] not in between
     ]  # fmt: skip
     return core, [job for job in jobs if job not in core]
 
@@ -1211,17 +1219,29 @@ def _compile_later(
     cache_dir: str | None,
     params: Any,
     make_state: Any,
+    between: Collection[int] = frozenset(),
 ) -> None:
     """Compile ``jobs`` on a thread of their own, time the steps among them on a
     state of their own when one fits beside the decoder's (the loop runs the cheapest
     step that holds its busy slots), and hand them to ``decoder``'s loop
-    (``Decoder.install``), which takes them between two turns."""
+    (``Decoder.install``), which takes them between two turns. The cells at lengths
+    ``between`` the artifact's come after the others are handed over (a prompt runs at
+    the next longer length meanwhile): 16 programs more for the demo decoder, which
+    would otherwise hold back every deferred one (cold, all in use 1.43x)."""
+    ref = weakref.ref(decoder)
+    last = [job for job in jobs if job[0] in ("rows", "insert", "prefill") and job[2] in between]
+    first = [job for job in jobs if job not in last]
 
     def work(stop: Any) -> _Obtained:
-        got = _obtain_all(programs, jobs, cache_dir, False, store=True, stop=stop)
+        got = _obtain_all(programs, first, cache_dir, False, store=True, stop=stop)
         if (got.parts or got.windows) and not stop() and _room_for_a_state(programs):
             got.time_steps(params, make_state())
-        return got
+        dec = ref()
+        if not last or dec is None or stop():
+            return got
+        dec.install(got, None, left=len(last))
+        del dec
+        return _obtain_all(programs, last, cache_dir, False, store=True, stop=stop)
 
     _in_background(
         decoder, programs.art, cache_dir, "compiling its later programs", work,

@@ -34,7 +34,7 @@ class Loop(Core):
     # (what the loop assigns, as ``pxrt.decoder.core.Core`` declares it)
     _thread: threading.Thread | None
     _cancels: list[Generation]
-    _arrivals: list[tuple[Any, BaseException | None]]
+    _arrivals: list[tuple[Any, BaseException | None, int]]
     _prefilled: list[Any]
     _timings: dict[str, list[float]]
 
@@ -88,8 +88,8 @@ class Loop(Core):
             cancels, self._cancels = self._cancels, []
             arrivals, self._arrivals = self._arrivals, []
             prefilled, self._prefilled = self._prefilled, []
-        for got, error in arrivals:
-            self._install(got, error)
+        for got, error, left in arrivals:
+            self._install(got, error, left)
         batch: tuple[list, int, int, int] | None = None
         units: list[tuple[list, int, int, int]] = []
         with _xla.compile_counter.request_path(self):

@@ -208,6 +208,7 @@ class Scheduler(Core):
                     break
                 continue
             entries = self._lookup(gen)
+            bucket = self._cell_length(gen.bucket)
             if filling and gen.keys and len(entries) < len(gen.keys):
                 if gen.keys[len(entries)] in filling:
                     # A prompt admitted before will cache more of this one's start: this
@@ -216,7 +217,7 @@ class Scheduler(Core):
                     if self._hold(scan):
                         break
                     continue
-            if entries or not gen.bucket or not self._cells:  # (no cell yet: in chunks)
+            if entries or not bucket:  # (no cell for it yet: in chunks)
                 if ahead or (entries and len(scan.loads) >= copies):
                     break  # (ahead: no slot to chunk into; else one copy program a turn)
                 slot = self._tier_slot(gen, scan.chosen) if self._slot_length else free[-1]
@@ -237,7 +238,7 @@ class Scheduler(Core):
                 if gen.use_prefix and gen.keys:
                     filling.update(gen.keys)
                 continue
-            if len(batch) >= self.prefill_batches[-1] or (length and gen.bucket > length):
+            if len(batch) >= self.prefill_batches[-1] or (length and bucket > length):
                 break
             if self._slot_length and not ahead:  # (tiers: a free slot of one that holds it)
                 slot = self._tier_slot(gen, scan.chosen)
@@ -246,11 +247,24 @@ class Scheduler(Core):
                         break
                     continue
                 scan.chosen[gen] = slot
-            length = length or gen.bucket
+            length = length or bucket
             batch.append(waiting.popleft())
             if gen.use_prefix and gen.keys:
                 filling.update(gen.keys)
         return batch, length
+
+    def _cell_length(self, bucket: int) -> int:
+        """The prefill length a prompt of ``bucket`` (its ``Generation.bucket``) runs at
+        now: its own once its cells are in use, else the next longer length in use
+        (the lengths between the artifact's compile after the others); 0: in chunks
+        (no cell in use yet, or the prompt is longer than the longest)."""
+        cells = self._cells
+        if not bucket or not cells:
+            return 0
+        least = min(b for b, _ in cells)
+        if (least, bucket) in cells:
+            return bucket
+        return next((n for n in self.prefill_lengths if n > bucket and (least, n) in cells), 0)
 
     def _hold(self, scan: _Scan) -> bool:
         """The queue's head waits past this turn's units (``scan.held``: it keeps its
@@ -294,7 +308,7 @@ class Scheduler(Core):
             self.itl_bound_s = itl_bound_ms * 1e-3
         elif self._priced:
             least = self.prefill_batches[0]
-            longest = max(self._prefill_cost[(least, n)] for n in self.prefill_lengths)
+            longest = max(v for (b, _), v in self._prefill_cost.items() if b == least)
             self.itl_bound_s = self._step_cost[self.slots] + longest
         else:
             self.itl_bound_s = math.inf
