@@ -302,6 +302,25 @@ def test_the_default_prefill_lengths_pad_a_prompt_by_a_quarter_at_most(tmp_path)
         assert dec.prefill_lengths == (8, 32, 64)
     finally:
         dec.close()
+    # Only the lengths the load added come last: lengths given (the artifact's or not)
+    # are a way in at once (a decoder without extend has no other).
+    from pxrt.decoder import export, load
+
+    art, devices = export.read(path), jax.local_devices()
+    plan = lambda **over: load._plan(  # noqa: E731
+        art, len(devices), False, **(dict(
+            slots=None, max_length=None, prefill_batches=None, chunk_lengths=None,
+            chunk_batches=None, prefix_cache_tokens=None, prefix_block=16, step_slots=None,
+            step_lengths=None, speculative_tokens=0, max_waiting=8, sampling_controls=True,
+            chunk_tokens=None, itl_bound_ms=None, devices=devices,
+        ) | over)
+    )  # fmt: skip
+    assert plan(prefill_lengths=None).between == {48}
+    assert plan(prefill_lengths=(16, 48)).between == frozenset()
+    jobs = [("state", 0, 0), ("step", 0, 0), ("rows", 1, 16), ("insert", 1, 16)]
+    jobs += [("rows", 1, 48), ("insert", 1, 48), ("rows", 4, 48)]
+    assert load._split(jobs, True, frozenset())[0] == jobs[:-1]
+    assert load._split(jobs, True, {48}) == (jobs[:4], jobs[4:])
 
 
 def test_a_prompt_is_prefilled_ahead_of_a_free_slot(lm, reference):

@@ -38,6 +38,7 @@ class Decoder(Relayout, Scheduler):
         self.speculative_tokens = 0
         self.overlap_prefill = False
         self.counters = collections.Counter()
+        self.deferred = 0  # (programs still compiling after the load)
         self._chunking, self._prefilling, self._prefilled = [], [], []
         self._in_prefill: set = set()
         self._waiting = collections.deque()
@@ -346,6 +347,28 @@ def test_auto_tiers_are_asked_for_once_the_suggestion_holds(monkeypatch):
     dec.relayout_status = "switched"
     samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES)
     assert asked[3:] == ["27x128+5x512"]
+
+
+def test_auto_tiers_wait_for_the_programs_compiled_after_the_load(monkeypatch):
+    """``length_tiers="auto"`` asks for tiers only once the programs compiled after the
+    load are in (as ``set_length_tiers`` waits for them): arriving after a switch they
+    would be the one cache's."""
+    from pxrt.decoder import scheduler
+    from pxrt.decoder.scheduler import NEED_SAMPLE_TURNS, NEED_SAMPLES
+
+    monkeypatch.setattr(scheduler, "NEED_GENERATIONS", 0)
+    asked: list = []
+    dec = Decoder(slots=32, max_length=512, name="lm", _cond=threading.Condition())
+    dec._wire_relayout(lambda d, tiers: asked.append(tiers) or tiers, True)
+    dec.deferred = 16
+    dec._table.owners = [types.SimpleNamespace(prompt=[0] * 8, max_tokens=92)] * 32
+    for _ in range((NEED_SAMPLES + 2 * STABLE_SAMPLES) * NEED_SAMPLE_TURNS):
+        dec._sample_needs()
+    assert not asked
+    dec.deferred = 0
+    for _ in range(NEED_SAMPLE_TURNS):
+        dec._sample_needs()
+    assert asked == ["31x128+1x512"]
 
 
 def test_every_slot_long_is_asked_for_at_once_even_a_devices_step_away(monkeypatch):

@@ -32,6 +32,7 @@ from .export import read as read_decoder
 from .params import int_in, number_in
 from .prefix import PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
+from .relayout import tier_pairs
 from .runner import BlockStep, FullStep, Packed, PrefillCell, SplitPrefill, dropped_prefill
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
@@ -210,7 +211,7 @@ def load_decoder(
     if built.later:
         _compile_later(
             decoder, built.programs, built.later, cache_dir, built.params,
-            built.got.make_state, _between(art, plan),
+            built.got.make_state, plan.between,
         )  # fmt: skip
     return decoder
 
@@ -242,6 +243,9 @@ class _Plan:
     tiers: tuple[tuple[int, int], ...] = ()
     #: Tiers sized by the traffic, applied while serving (``length_tiers="auto"``).
     auto_tiers: bool = False
+    #: The prefill lengths the load added between the artifact's (``finer_lengths``):
+    #: their cells compile after the others are in use.
+    between: frozenset[int] = frozenset()
     #: Seconds per phase of the load.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -281,8 +285,10 @@ def _plan(
     slots, max_length, lengths, batches = _sizes(
         art.config, art.bounds, n_dev, slots, max_length, prefill_lengths, prefill_batches
     )
+    between: frozenset[int] = frozenset()
     if prefill_lengths is None and "num_devices" not in art.config and not in_group:
-        lengths = finer_lengths(lengths)
+        given, lengths = lengths, finer_lengths(lengths)
+        between = frozenset(lengths) - frozenset(given)
     if auto is None:  # (unset: where it was measured to pay, ``AUTO_TIERS``)
         cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
         auto = cpu and slots >= AUTO_TIERS and not in_group and not speculative_tokens
@@ -320,7 +326,7 @@ def _plan(
     return _Plan(
         slots, max_length, lengths, batches, chunks, chunk_rows, prefix, parts, windows,
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
-        bool(overlap_prefill), multi_step, tiers=tiers, auto_tiers=bool(auto),
+        bool(overlap_prefill), multi_step, tiers=tiers, auto_tiers=bool(auto), between=between,
     )  # fmt: skip
 
 
@@ -364,11 +370,10 @@ def _tiers(
         return ()
     form = "length_tiers takes slots x positions per tier, e.g. '20x128+10x256+2x512'"
     try:
-        pairs = (
-            [tuple(t.split("x")) for t in given.replace(" ", "").split("+")]
-            if isinstance(given, str) else [tuple(t) for t in given]
+        tiers = (
+            tier_pairs(given.replace(" ", "")) if isinstance(given, str)
+            else [(int(n), int(length)) for n, length in given]
         )  # fmt: skip
-        tiers = [(int(n), int(length)) for n, length in pairs]
     except (TypeError, ValueError):
         raise ValueError(f"{form}; got {given!r}") from None
     if in_group:
@@ -421,7 +426,7 @@ def _build(
         jobs = programs.jobs(plan.lengths, plan.batches, plan.chunks, plan.chunk_rows)
         if not isinstance(defer, (bool, np.bool_)):
             raise ValueError(f"defer must be true or false, got {defer!r}")
-        jobs, later = _split(jobs, bool(defer) and not in_group, _between(art, plan))
+        jobs, later = _split(jobs, bool(defer) and not in_group, plan.between)
         tp = time.perf_counter()
         got = _obtain_all(programs, jobs, cache_dir, progress, store=not in_group)
         tw = time.perf_counter()
@@ -1119,12 +1124,6 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
         },
         relayout=program("relayout", 0, 0),
     )
-
-
-def _between(art: Any, plan: _Plan) -> set[int]:
-    """The prefill lengths of ``plan`` the artifact does not list (``finer_lengths``'):
-    their cells compile last, after the others are in use."""
-    return set(plan.lengths) - set(art.config["prefill_lengths"])
 
 
 def _split(

@@ -53,9 +53,11 @@ def slot_lengths(tiers: Sequence[tuple[int, int]], n_dev: int) -> tuple[int, ...
     return tuple(local * n_dev)
 
 
-def tier_counts(text: str) -> dict[int, int]:
-    """``"20x128+10x256+2x512"`` as {128: 20, 256: 10, 512: 2}."""
-    return {int(n): int(count) for count, n in (t.split("x") for t in text.split("+"))}
+def tier_pairs(text: str) -> list[tuple[int, int]]:
+    """``"20x128+10x256+2x512"`` as [(20, 128), (10, 256), (2, 512)] (``tiers_text``'s
+    inverse; a ValueError if it is not of that form)."""
+    pairs = [t.split("x") for t in text.split("+")]
+    return [(int(n), int(length)) for n, length in pairs]
 
 
 def tiers_text(tiers: Iterable[tuple[int, int]]) -> str:
@@ -144,14 +146,18 @@ class Relayout(Core):
             # suggestion's noise: kept (the first samples after a switch count the long
             # prompts it held back; then fewer: 3 and 4 long slots in turn at 16 slots).
             step = max(len(self.devices), math.ceil(self.slots * BAND_SHARE))
-            new, old = tier_counts(suggested), {length: n for n, length in self.tiers}
+            new = {length: n for n, length in tier_pairs(suggested)}
+            old = {length: n for n, length in self.tiers}
             whole = len(new) == 1  # (every slot long: at once)
             if not whole and all(abs(new.get(n, 0) - old.get(n, 0)) <= step for n in {*new, *old}):
                 return
             grows = whole or new[self.max_length] > old.get(self.max_length, 0) + step
             if not grows and sum(self._need_counts[0].values()) < SETTLE_SAMPLES:
                 return
-        if held >= STABLE_SAMPLES:
+        # (not while programs compiled after the load are still coming, as
+        # set_length_tiers waits for them: arriving after a switch, they would be the
+        # one cache's)
+        if held >= STABLE_SAMPLES and not self.deferred:
             try:
                 self._ask_tiers(suggested)
             except ValueError as exc:  # (no room for a second state: the layout stays)

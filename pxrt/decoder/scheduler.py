@@ -261,7 +261,7 @@ class Scheduler(Core):
         cells = self._cells
         if not bucket or not cells:
             return 0
-        least = min(b for b, _ in cells)
+        least = self.prefill_batches[0]  # (the batches of the cells in use)
         if (least, bucket) in cells:
             return bucket
         return next((n for n in self.prefill_lengths if n > bucket and (least, n) in cells), 0)
@@ -410,9 +410,8 @@ class Scheduler(Core):
         """Every ``NEED_SAMPLE_TURNS`` plain steps: how many busy slots (and slots being
         filled) need (prompt and ``max_tokens``) more than each of ``_need_edges``
         positions, with the waiting prompts at the queue's head as many as slots are
-        free (with length tiers, a
-        long prompt waits while short slots are free: what more long slots would
-        take)."""
+        free (with length tiers, a long prompt waits while short slots are free: what
+        more long slots would take)."""
         self._need_turn += 1
         if self._need_turn % NEED_SAMPLE_TURNS:
             return
