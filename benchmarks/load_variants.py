@@ -164,9 +164,11 @@ def main() -> None:
         rate = statistics.median(rates[name])
         tiers = tiers_text(d.tiers) if getattr(d, "tiers", ()) else "one cache"
         switches = d.counters.get("relayouts", 0)
+        placement = d.scheduler_choices().get("prefill_placement")
         print(
             f"[{shape.name} x {slots}] {name}: {rate:.0f} tok/s ({rate / first:.2f}x), "
             f"{tiers}, {switches} switch(es)"
+            + (f", prefill placement {placement}" if placement else "")
         )
         d.close()
 

@@ -12,7 +12,9 @@ taken, the next prompts prefilled ahead of a free slot against prefills only int
 slots (give it more ``--callers`` than slots). ``--ab greedy``: a decoder whose programs
 pick greedily with no sampling branch (no ``lax.cond``: what programs chosen by the host
 for greedy rows would give at most) against today's, two loads of the same artifact (the
-workload is greedy). ``--ab tiers``: a decoder loaded with the length tiers the
+workload is greedy); ``--ab greedy-steps``: the same for the plain steps only (the
+prefills' inserts and the step with the controls as they are: what greedy twins of
+the plain steps would give). ``--ab tiers``: a decoder loaded with the length tiers the
 one-cache decoder suggests after serving the workload once (untimed), against it, every
 other option the default (the prefix cache and chunking on in both). ``--ab auto``:
 a decoder loaded with ``length_tiers="auto"`` serves the workload until it has changed
@@ -26,7 +28,8 @@ between runs), the demo decoder's math at the shape given, a closed loop of
 prompt tokens each run (none in the prefix cache). Prints each run, then medians and
 ratios.
 
-    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy|tiers|auto]
+    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy|greedy-steps|
+        tiers|auto]
         [--ab option --option multi_step=1 [--base length_tiers='"off"']]
         [--dim 128 --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
         [--requests 300] [--repeats 3]
@@ -67,7 +70,10 @@ def main() -> None:
     p.add_argument("--callers", type=int, help="closed loop (default: --slots)")
     p.add_argument(
         "--ab",
-        choices=("pricing", "windows", "overlap", "ahead", "greedy", "tiers", "auto", "option"),
+        choices=(
+            "pricing", "windows", "overlap", "ahead", "greedy", "greedy-steps", "tiers", "auto",
+            "option",
+        ),  # fmt: skip
         default="pricing",
     )
     p.add_argument(
@@ -99,8 +105,8 @@ def main() -> None:
     if args.ab == "overlap":
         other = pxrt.load(path, overlap_prefill=False, length_tiers="off")
         other.wait_programs()
-    elif args.ab == "greedy":
-        other = greedy_only(path)
+    elif args.ab in ("greedy", "greedy-steps"):
+        other = greedy_only(path, steps_only=args.ab == "greedy-steps")
     elif args.ab == "option":
         other = pxrt.load(path, **{"length_tiers": "off", **base, **options(args.option)})
         other.wait_programs()
@@ -130,7 +136,8 @@ def main() -> None:
     priced, windows = dec._priced, dec.step_lengths
     new = {
         "pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead",
-        "greedy": "greedy", "tiers": "tiers", "auto": "auto", "option": "option",
+        "greedy": "greedy", "greedy-steps": "greedy", "tiers": "tiers", "auto": "auto",
+        "option": "option",
     }[args.ab]  # fmt: skip
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
@@ -148,7 +155,7 @@ def main() -> None:
                     dec._prefills_ahead = lambda: False  # type: ignore[method-assign]
             elif args.ab == "overlap" and mode == "before":  # (each between two steps)
                 target = other
-            elif args.ab in ("greedy", "tiers", "auto", "option") and mode == new:
+            elif args.ab in ("greedy", "greedy-steps", "tiers", "auto", "option") and mode == new:
                 target = other
             runs[mode].append(summary(asyncio.run(closed("pxrt", target, fresh, callers))))
             print(rep, mode, {k: round(v, 2) for k, v in runs[mode][-1].items()}, flush=True)
@@ -192,17 +199,21 @@ def switched(path: str, dec: pxrt.Decoder, work: list, callers: int) -> pxrt.Dec
     return auto
 
 
-def greedy_only(path: str) -> pxrt.Decoder:
+def greedy_only(path: str, steps_only: bool = False) -> pxrt.Decoder:
     """``path`` loaded with every program's choice a greedy pick alone: no controls, no
     scores, no sampling ``lax.cond`` (a ``cond`` costs 20-30 us a program on XLA:CPU
-    whatever its branches: ``benchmarks/cond_cost.py``). Its own compiles (pxrt's
-    stored programs are keyed by the code's files, which the patch does not change)."""
+    whatever its branches: ``benchmarks/cond_cost.py``); ``steps_only``: the plain
+    steps' only (their choice is the one made without the controls). Its own compiles
+    (pxrt's stored programs are keyed by the code's files, which the patch does not
+    change)."""
     import jax.numpy as jnp
 
     from pxrt import sampling
     from pxrt.decoder import programs
 
     def choose(self, logits, ints, floats, position, state, index, cols, full=True):
+        if steps_only and full:
+            return real(self, logits, ints, floats, position, state, index, cols, full)
         n, width = logits.shape[0], 1 + 2 * sampling.top_count(logits.shape[-1])
         tokens = sampling.greedy(logits.astype(jnp.float32))
         return tokens, jnp.zeros((n, width), jnp.float32), jnp.zeros(n, bool)

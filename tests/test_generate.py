@@ -369,13 +369,14 @@ def test_controls_apply_to_a_prompt_prefilled_beside_running_streams(lm, fused_l
 def _beside(dec):
     """``dec``'s steps priced at nothing, so that every prefill while a slot is busy
     goes to the prefill thread (a prompt that costs no more than the coming step goes
-    between two steps: the demo's all do)."""
-    costs = dict(dec._step_cost)
+    between two steps: the demo's all do), whatever the measured placement says."""
+    costs, placement = dict(dec._step_cost), dec._placement
     dec._step_cost = dict.fromkeys(costs, 0.0)
+    dec._placement = None
     try:
         yield
     finally:
-        dec._step_cost = costs
+        dec._step_cost, dec._placement = costs, placement
 
 
 def test_a_prompt_goes_beside_the_steps_when_it_costs_more_than_the_coming_step(lm):
@@ -401,7 +402,8 @@ def test_a_prompt_goes_beside_the_steps_when_it_costs_more_than_the_coming_step(
         return [u[3] for u in units]
 
     assert not any(admitted(3, busy=0))
-    cost = dict(lm._step_cost)
+    cost, placement = dict(lm._step_cost), lm._placement
+    lm._placement = None  # (what the traffic measured: the next test)
     try:
         lm._step_cost = dict.fromkeys(cost, 1.0)  # (every prefill cheaper than a step)
         assert not any(admitted(3, busy=1))
@@ -411,7 +413,57 @@ def test_a_prompt_goes_beside_the_steps_when_it_costs_more_than_the_coming_step(
         assert admitted(9, busy=1, in_flight=IN_FLIGHT - 1) == [True]
         assert admitted(3, busy=1, in_flight=IN_FLIGHT) == []
     finally:
-        lm._step_cost = cost
+        lm._step_cost, lm._placement = cost, placement
+
+
+def test_a_prompt_goes_between_two_steps_while_that_made_more_tokens(lm, fused_lm, lm_path):
+    """With prefills beside the steps by default, where a prompt that costs more than
+    the coming step goes is the measured rule's (``pxrt.decoder.placement``): beside,
+    or between two steps while it fits the turn's bound. ``overlap_prefill=True``
+    keeps them beside; without the thread there is nothing to choose."""
+    from pxrt.decoder import export, load
+    from pxrt.decoder.placement import Placement
+
+    assert isinstance(lm._placement, Placement) and fused_lm._placement is None
+    art, devices = export.read(lm_path), jax.local_devices()
+    plan = lambda **over: load._plan(  # noqa: E731
+        art, len(devices), False, **(dict(
+            slots=None, max_length=None, prefill_lengths=None, prefill_batches=None,
+            chunk_lengths=None, chunk_batches=None, prefix_cache_tokens=None,
+            prefix_block=16, step_slots=None, step_lengths=None, speculative_tokens=0,
+            max_waiting=8, sampling_controls=True, chunk_tokens=None, itl_bound_ms=None,
+            devices=devices,
+        ) | over)
+    )  # fmt: skip
+    assert plan().placement and not plan(overlap_prefill=True).placement
+
+    def admitted(rule):
+        with lm._cond:  # (the loop waits: admission as it would run now)
+            gens = [lm.submit(p, max_tokens=2) for p in prompts(3, seed=49, high=8)]
+            lm._table.busy += 1  # (as if a slot were busy)
+            try:
+                lm._placement = Placement(between=rule)
+                units = lm._admit()
+            finally:
+                lm._table.busy -= 1
+                lm._waiting.extendleft(reversed([g for u in units for g in u[0]]))
+        for gen in gens:
+            gen.result(timeout=60)
+        return [u[3] for u in units]
+
+    cost, placement = dict(lm._step_cost), lm._placement
+    try:
+        lm._step_cost = dict.fromkeys(cost, 0.0)  # (every prefill costs more than a step)
+        beside, between = admitted(False), admitted(True)
+        assert beside and all(beside) and between and not any(between)
+        lm.itl_bound_s, bound = 0.0, lm.itl_bound_s  # (none fits the turn's bound)
+        try:
+            beside = admitted(True)
+            assert beside and all(beside)
+        finally:
+            lm.itl_bound_s = bound
+    finally:
+        lm._step_cost, lm._placement = cost, placement
 
 
 def _slow_rows(dec, started, release):

@@ -37,6 +37,7 @@ class Decoder(Relayout, Scheduler):
         self.multi_step = 4
         self.speculative_tokens = 0
         self.overlap_prefill = False
+        self._placement = None
         self.counters = collections.Counter()
         self.deferred = 0  # (programs still compiling after the load)
         self._chunking, self._prefilling, self._prefilled = [], [], []
@@ -75,7 +76,10 @@ def busy(dec: Decoder, n: int, position: int = 10, left: int = 100) -> None:
 
 
 def test_the_scheduler_imports_no_jax():
-    code = "import sys, pxrt.decoder.scheduler\nassert 'jax' not in sys.modules"
+    code = (
+        "import sys, pxrt.decoder.scheduler, pxrt.decoder.placement\n"
+        "assert 'jax' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -433,3 +437,64 @@ def test_the_tiers_timed_while_serving_are_priced_as_on_a_quiet_host():
     }  # fmt: skip
     dec._tier_costs({"prefill[1,16]": 0.5e-3, "step[8]": 4e-3})  # (never scaled up)
     assert dec.relayout_scale == 1.0
+
+
+# ------------------------------------------------------------- the prefill placement
+
+
+def served(place, between_gain: float, epochs: int, drift: float = 0.0) -> None:
+    """``place`` (a ``Placement``) fed the reads of a loop serving ``epochs`` epochs, a
+    step read every 2 ms, the rule between making ``between_gain`` times beside's
+    tokens/s; ``drift``: the load's share of change per second (the traffic's)."""
+    now = start = 100.0
+    while place.epochs < epochs:
+        rate = 10_000.0 * (1.0 + drift * (now - start))
+        now += 2e-3
+        place.read(rate * 2e-3 * (between_gain if place.rule() else 1.0), 1, now)
+
+
+def test_the_prefill_placement_takes_the_rule_that_made_more_tokens():
+    """Epochs under the rule in force with probes of the other between them: the rule
+    that made more tokens/s is taken once it is ``MARGIN`` ahead; an even one stays
+    beside, whatever the load's drift (each probe against its two neighbours)."""
+    from pxrt.decoder.placement import MARGIN, PROBE, WARM, Placement
+
+    for gain, between in [(1.2, True), (0.8, False), (1.0, False), (1.0 + MARGIN / 2, False)]:
+        place = Placement()
+        served(place, gain, 60)
+        assert place.between == between, gain
+        assert place.describe()["rule"] == ("between" if between else "beside")
+        assert place.describe()["between_gain"] == pytest.approx(gain, rel=0.01)
+    # (warm: a probe every other epoch; then one every PROBE-th)
+    place = Placement()
+    served(place, 1.0, 2 * WARM + 1)
+    assert place.samples == WARM
+    served(place, 1.0, 2 * WARM + 1 + 3 * (PROBE + 1))
+    assert place.samples == WARM + 3
+    # A load rising (or falling) by half a second: a probe against the epoch before it
+    # alone would read it as a gain (or a loss); against both neighbours it is even.
+    for drift in (0.5, -0.5):
+        place = Placement()
+        served(place, 1.0, 60, drift=drift)
+        assert not place.between and abs(place.gain) < MARGIN, drift
+    # Between pays once the load changes: the rule follows.
+    place = Placement()
+    served(place, 0.8, 40)
+    assert not place.between
+    served(place, 1.25, 40 + 8 * (PROBE + 1))
+    assert place.between
+
+
+def test_an_idle_loop_drops_the_epoch_and_the_probe_pending():
+    from pxrt.decoder.placement import EPOCH_READS, Placement
+
+    place = Placement()
+    served(place, 1.2, 1)  # (the first epoch of the rule in force: a probe next)
+    assert place.probe and place.rule() and place.before > 0
+    place.read(10.0, 1, 101.0)
+    place.idle()
+    assert not place.probe and not place.before and not place.rule()
+    epochs = place.epochs
+    for i in range(EPOCH_READS - 1):  # (a new epoch from the next read: not yet long)
+        place.read(10.0, 1, 200.0 + i)
+    assert place.epochs == epochs and place.samples == 0

@@ -5,7 +5,8 @@
   and measured (``load_decoder``);
 - ``engine``: ``Decoder``, the façade over the parts below, its public API;
 - ``scheduler``: admission and its prices, the waiting queue and priorities, the choice
-  of step (pure host code); ``speculative``: prompt lookup and whether it pays;
+  of step (pure host code); ``placement``: a prefill beside the steps or between two, by
+  the tokens/s each made; ``speculative``: prompt lookup and whether it pays;
   ``runner``: the programs and the device state (dispatch and read); ``loop``: the
   loop's thread, its turn, waking readers and failing them;
 - ``request``: ``Generation``, the request handle; ``prefix``: the prefix cache's index;

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .export import DecoderArtifact
+    from .placement import Placement
     from .prefix import PrefixPool
     from .request import Generation
     from .runner import PrefillCell
@@ -92,6 +93,7 @@ class Core(Protocol):
     multi_step: int
     # Prefill beside the steps (``pxrt.decoder.overlap``).
     overlap_prefill: bool
+    _placement: Placement | None
     _prefilling: list[Any]
     _prefilled: list[Any]
     _in_prefill: set[Generation]

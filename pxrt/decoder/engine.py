@@ -96,6 +96,7 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
         costs: Mapping[str, float] | None = None,
         itl_bound_ms: float | None = None,
         overlap_prefill: bool = False,
+        measured_placement: bool = False,
         multi_step: int = 1,
         tiers: Sequence[tuple[int, int]] = (),
         deferred: int = 0,
@@ -127,7 +128,7 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
         self._wire_windows(windows, extends)
         self._wire_queue(prefix)
         self._wire_counters()
-        self._wire_overlap(overlap_prefill)
+        self._wire_overlap(overlap_prefill, measured_placement)
         #: Steps a plain decode program may run (``pxrt.load(multi_step=...)``; 1: one).
         self.multi_step = multi_step
         self._wire_tiers(tiers)
@@ -301,6 +302,7 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
             "masked_steps": 0,
             "grammar_s": 0.0,
             "relayouts": 0,
+            "beside_prefills": 0,
         }
         #: Outcome -> generations that ended so (stop, length, cancelled, deadline, error).
         self.outcomes = dict.fromkeys((STOP, LENGTH, CANCELLED, DEADLINE, ERROR), 0)

@@ -124,7 +124,10 @@ def load_decoder(
     prefill cell is then two programs); the streams' steps no longer wait for a
     prompt's prefill. Default: on where every device is a CPU (their programs run
     concurrently from two threads; an accelerator runs one program at a time), off in
-    a multi-host group.
+    a multi-host group; and by default a prompt whose prefill fits the turn's bound
+    goes beside the steps or between two of them as the tokens/s each way makes while
+    serving say (``pxrt.decoder.placement``: on 2 cores a small model's prefill beside
+    the steps takes more from them than it saves). True: beside, always.
 
     ``multi_step``: the most decode steps one program runs (default ``MULTI_STEP``, 4;
     1: one step per program; the program count is the same either way, the number of
@@ -246,6 +249,9 @@ class _Plan:
     #: The prefill lengths the load added between the artifact's (``finer_lengths``):
     #: their cells compile after the others are in use.
     between: frozenset[int] = frozenset()
+    #: (with ``overlap``) Beside the steps or between two by the tokens/s each way
+    #: makes while serving (``overlap_prefill`` left to its default).
+    placement: bool = False
     #: Seconds per phase of the load.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -314,6 +320,7 @@ def _plan(
         chunk_tokens = int_in("chunk_tokens", chunk_tokens, 1, None)
     if itl_bound_ms is not None:
         itl_bound_ms = number_in("itl_bound_ms", itl_bound_ms, 0.0, 1e6, low_open=True)
+    placement = overlap_prefill is None
     if overlap_prefill is None:
         overlap_prefill = not in_group and all(d.platform == "cpu" for d in devices)
     elif not isinstance(overlap_prefill, (bool, np.bool_)):
@@ -327,6 +334,7 @@ def _plan(
         slots, max_length, lengths, batches, chunks, chunk_rows, prefix, parts, windows,
         speculative_tokens, max_waiting, bool(sampling_controls), chunk_tokens, itl_bound_ms,
         bool(overlap_prefill), multi_step, tiers=tiers, auto_tiers=bool(auto), between=between,
+        placement=placement,
     )  # fmt: skip
 
 
@@ -549,6 +557,7 @@ def _decoder(art: Any, devices: list, plan: _Plan, built: _Built, t0: float) -> 
         costs=built.costs,
         itl_bound_ms=plan.itl_bound_ms,
         overlap_prefill=plan.overlap,
+        measured_placement=plan.placement,
         multi_step=plan.multi_step,
         tiers=plan.tiers,
         deferred=len(built.later),

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from .. import _xla, sampling
+from .placement import Placement
 from .scheduler import row_order
 
 if TYPE_CHECKING:
@@ -75,9 +76,12 @@ class Overlap(Core):
     _units: queue.SimpleQueue | None
     _prefiller: threading.Thread | None
 
-    def _wire_overlap(self, on: bool) -> None:
+    def _wire_overlap(self, on: bool, measured: bool = False) -> None:
         #: Whether prefills run on a thread of their own, beside the steps.
         self.overlap_prefill = bool(on)
+        # With ``measured``, whether a unit that fits the turn's bound goes there or
+        # between two steps is chosen by the tokens/s each way makes as the loop runs.
+        self._placement = Placement() if on and measured else None
         self._prefilling = []  # handed to the thread, not inserted (the loop's thread)
         self._prefilled = []  # done by the thread (under ``_cond``)
         self._in_prefill = set()  # their generations

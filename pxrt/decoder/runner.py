@@ -713,8 +713,13 @@ class Runner(Core):
             self._wake(woken)
         if finished:
             self._finished(finished)
+        placement = self._placement
         if not self._table.busy:
             self._last_step = 0.0  # idle: the next step's interval starts afresh
+            if placement is not None:
+                placement.idle()
+        elif placement is not None:
+            placement.read(routed, int(t0) if kind == _BLOCK else int(kind != _PREFILL), now)
 
     @property
     def cache_bytes(self) -> int:

@@ -125,9 +125,11 @@ class Scheduler(Core):
         units: list[tuple[list, int, int, int]] = []
         taken, left = 0, self._prefill_budget()
         # Beside the steps (``overlap_prefill``): a unit that costs more than the turn has
-        # left goes to the prefill thread, which takes ``IN_FLIGHT`` at a time.
+        # left goes to the prefill thread, which takes ``IN_FLIGHT`` at a time; unless
+        # between two steps made more tokens/s (``placement``) and it fits the bound.
         overlap = self.overlap_prefill
         room = IN_FLIGHT - len(self._prefilling) if overlap else 0
+        bound = self._between_budget()
         while waiting and len(free) > taken:  # (the units' slots are taken later)
             batch, length = self._gather_unit(scan, taken)
             if not batch:
@@ -135,7 +137,7 @@ class Scheduler(Core):
             size, rows, cost = self._price(
                 len(batch), length, math.inf if overlap else left, first=not units
             )
-            beside = overlap and cost > left
+            beside = overlap and cost > left and cost > bound
             if beside and room <= 0:
                 rows = 0
             waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
@@ -152,6 +154,8 @@ class Scheduler(Core):
                 units.append((batch[:rows], length, size, beside))
                 taken += rows
                 room, left = (room - 1, left) if beside else (room, left - cost)
+                bound -= 0.0 if beside else cost
+                self.counters["beside_prefills"] += bool(beside)
                 self.counters["priced_prefills"] += self._priced
             if not rows or not self._priced:  # (unpriced: one unit a turn)
                 break
@@ -327,6 +331,16 @@ class Scheduler(Core):
         # Beside the steps: what costs up to a step goes between two (at once: the
         # thread's hop costs its prompts a turn or two), the rest on the prefill thread.
         return step if self.overlap_prefill else self.itl_bound_s - step
+
+    def _between_budget(self) -> float:
+        """Seconds of prefill this turn may put between two steps beyond what costs a
+        step (``_prefill_budget``), while the measured rule says so
+        (``pxrt.decoder.placement``): the bound less the coming step's price; else 0."""
+        placement, busy = self._placement, self._table.busy
+        if placement is None or not self._priced or not busy or not placement.rule():
+            return 0.0
+        step = next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
+        return self.itl_bound_s - step
 
     def _price(self, n: int, length: int, left: float, *, first: bool) -> tuple[int, int, float]:
         """(batch cell, prompts it takes, its price) for a unit of ``n`` prompts at
@@ -595,6 +609,10 @@ class Scheduler(Core):
         return {
             "priced": True,
             "overlap_prefill": self.overlap_prefill,
+            **(
+                {"prefill_placement": self._placement.describe()}
+                if self._placement is not None else {}
+            ),  # fmt: skip
             "in_flight": IN_FLIGHT,
             "itl_bound_ms": round(self.itl_bound_s * 1e3, 4),
             "dispatch_ms": round(self.costs.get("dispatch", 0.0) * 1e3, 4),

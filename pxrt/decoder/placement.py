@@ -1,0 +1,123 @@
+"""Where prompts are prefilled, chosen by the tokens/s each way makes as the loop runs.
+
+With prefills beside the steps (``pxrt.decoder.overlap``, the default on CPU devices),
+a unit of prompts that costs more than a step can go either way:
+
+- **beside** the steps, on the prefill thread: the running streams keep their pace,
+  less what the two programs and the loop's host work take from each other on the
+  host's cores, and the prompts wait longer for their first token (the thread's hop,
+  the rows' program slowed by the steps, the insert a turn later);
+- **between** two steps (within the turn's bound, ``itl_bound_ms``): every running
+  stream waits for it once, and its prompts start at once.
+
+Which pays depends on the model, the slots and the host, and was not found from
+prices measured one by one: on 2 CPU cores, alternated, between made 1.15x the demo
+decoder's tokens/s at 8 slots and 1.09x js-small's, 0.94x a 4x wider model's at 8
+and 0.82x the demo's at 16 (``docs/generation.md``). So the loop measures it: it
+serves in epochs of at least ``EPOCH_S`` seconds and ``EPOCH_READS`` steps read, each
+under one rule, and now and then serves one epoch under the other rule between two
+of the one in force (first every other epoch, ``WARM`` times, then every
+``PROBE``-th); the probe's tokens/s against the mean of its two neighbours' (a drift
+of the load cancels) is a sample of the other rule's gain, and a moving average of
+those samples (``GAIN_WEIGHT``) picks the rule once it is ``MARGIN`` from even. An
+epoch the loop went idle in is dropped; the first ``SETTLE_S`` of each (the units the
+rule before left in flight) is not counted. Beside is the rule until the samples say
+otherwise. Pure host code, no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+#: An epoch lasts at least this long (s) and this many steps read.
+EPOCH_S = 0.05
+EPOCH_READS = 32
+#: What an epoch does not count at its start (s): units the rule before left in flight.
+SETTLE_S = 0.005
+#: Probes every other epoch until this many samples, then one every ``PROBE`` epochs.
+WARM = 6
+PROBE = 8
+#: Weight of a sample in the gain's moving average, and how far from even it must be
+#: (in log tokens/s) to change the rule.
+GAIN_WEIGHT = 0.25
+MARGIN = 0.02
+
+
+@dataclasses.dataclass
+class Placement:
+    """The rule in force (``between``), the epochs' record and the measured gain."""
+
+    #: Whether units that fit the turn's bound go between two steps (else beside).
+    between: bool = False
+    #: log(tokens/s between / tokens/s beside), a moving average of the probes' samples.
+    gain: float = 0.0
+    samples: int = 0
+    epochs: int = 0
+    #: (the epoch being served) when it began, when it counts from, its tokens and
+    #: steps read, and whether it is a probe (of the rule not in force)
+    start: float = 0.0
+    counted_from: float = 0.0
+    tokens: int = 0
+    reads: int = 0
+    probe: bool = False
+    #: The tokens/s of the last epoch of the rule in force, and of the probe after it.
+    before: float = 0.0
+    probed: float = 0.0
+    #: Epochs of the rule in force since the last probe.
+    since: int = 0
+
+    def rule(self) -> bool:
+        """Whether the epoch being served puts units between two steps."""
+        return self.between != self.probe
+
+    def read(self, tokens: int, steps: int, now: float) -> None:
+        """The loop read ``steps`` steps (0: a prefill's first tokens) giving ``tokens``
+        tokens at ``now``; an epoch that is long enough ends here."""
+        if not self.start:
+            self.start, self.counted_from = now, now + SETTLE_S
+        if now >= self.counted_from:
+            self.tokens += tokens
+            self.reads += steps
+        if now - self.start >= EPOCH_S and self.reads >= EPOCH_READS:
+            self._ended(self.tokens / max(now - self.counted_from, 1e-9))
+            self.start, self.counted_from = now, now + SETTLE_S
+            self.tokens = self.reads = 0
+
+    def idle(self) -> None:
+        """The loop has no busy slot: the epoch is dropped, and the probe pending."""
+        self.start = 0.0
+        self.tokens = self.reads = 0
+        self.before = self.probed = 0.0
+        self.probe = False
+
+    def _ended(self, rate: float) -> None:
+        self.epochs += 1
+        if self.probe:
+            self.probed, self.probe = rate, False
+            return
+        if self.probed and self.before:  # (a probe between two epochs of the rule)
+            sample = math.log(self.probed / ((self.before + rate) / 2))
+            self._sampled(sample if not self.between else -sample)
+        self.before, self.probed = rate, 0.0
+        self.since += 1
+        if self.since >= (1 if self.samples < WARM else PROBE):
+            self.since, self.probe = 0, True
+
+    def _sampled(self, sample: float) -> None:
+        """A probe's ``sample`` of log(between / beside)."""
+        self.gain = sample if not self.samples else self.gain + GAIN_WEIGHT * (sample - self.gain)
+        self.samples += 1
+        if self.gain > MARGIN:
+            self.between = True
+        elif self.gain < -MARGIN:
+            self.between = False
+
+    def describe(self) -> dict:
+        """The rule in force and what chose it, for ``pxrt inspect``."""
+        return {
+            "rule": "between" if self.between else "beside",
+            "between_gain": round(math.exp(self.gain), 4),
+            "samples": self.samples,
+            "epochs": self.epochs,
+        }
