@@ -419,10 +419,11 @@ def test_a_prompt_goes_beside_the_steps_when_it_costs_more_than_the_coming_step(
 def test_a_prompt_goes_between_two_steps_while_that_made_more_tokens(lm, fused_lm, lm_path):
     """With prefills beside the steps by default, where a prompt that costs more than
     the coming step goes is the measured rule's (``pxrt.decoder.placement``): beside,
-    or between two steps while it fits the turn's bound. ``overlap_prefill=True``
-    keeps them beside; without the thread there is nothing to choose."""
+    or between two steps while it stretches the gap to ``BETWEEN_STEPS`` steps at most,
+    within the turn's bound. ``overlap_prefill=True`` keeps them beside; without the
+    thread there is nothing to choose."""
     from pxrt.decoder import export, load
-    from pxrt.decoder.placement import Placement
+    from pxrt.decoder.placement import BETWEEN_STEPS, Placement
 
     assert isinstance(lm._placement, Placement) and fused_lm._placement is None
     art, devices = export.read(lm_path), jax.local_devices()
@@ -451,19 +452,28 @@ def test_a_prompt_goes_between_two_steps_while_that_made_more_tokens(lm, fused_l
             gen.result(timeout=60)
         return [u[3] for u in units]
 
-    cost, placement = dict(lm._step_cost), lm._placement
+    cost, prefill, placement, bound = (
+        dict(lm._step_cost), dict(lm._prefill_cost), lm._placement, lm.itl_bound_s
+    )
     try:
-        lm._step_cost = dict.fromkeys(cost, 0.0)  # (every prefill costs more than a step)
+        # Every prefill 1 s, every step just over 1 / (BETWEEN_STEPS - 1) of it (a
+        # prefill between two steps stretches the gap to just under BETWEEN_STEPS
+        # steps), a bound far above.
+        lm._prefill_cost = dict.fromkeys(prefill, 1.0)
+        lm._step_cost = dict.fromkeys(cost, 1.01 / (BETWEEN_STEPS - 1))
+        lm.itl_bound_s = 100.0
         beside, between = admitted(False), admitted(True)
         assert beside and all(beside) and between and not any(between)
-        lm.itl_bound_s, bound = 0.0, lm.itl_bound_s  # (none fits the turn's bound)
-        try:
-            beside = admitted(True)
-            assert beside and all(beside)
-        finally:
-            lm.itl_bound_s = bound
+        lm._step_cost = dict.fromkeys(cost, 0.99 / (BETWEEN_STEPS - 1))  # (over the steps)
+        beside = admitted(True)
+        assert beside and all(beside)
+        lm._step_cost = dict.fromkeys(cost, 1.01 / (BETWEEN_STEPS - 1))
+        lm.itl_bound_s = 1.5  # (over the turn's bound)
+        beside = admitted(True)
+        assert beside and all(beside)
     finally:
-        lm._step_cost, lm._placement = cost, placement
+        lm._step_cost, lm._prefill_cost, lm._placement = cost, prefill, placement
+        lm.itl_bound_s = bound
 
 
 def _slow_rows(dec, started, release):

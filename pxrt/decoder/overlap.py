@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,8 @@ class Unit:
     rows: Any = None
     logits: Any = None
     error: BaseException | None = None
+    #: When the thread had its rows (``time.perf_counter``).
+    done: float = 0.0
 
 
 class Overlap(Core):
@@ -116,6 +119,8 @@ class Overlap(Core):
         gives its slot back now, its row dropped."""
         self._prefilling.remove(unit)
         self._in_prefill.difference_update(unit.batch)
+        if self._placement is not None and unit.done:
+            self._placement.rows_done(unit.done - unit.t0)
         table = self._table
         ints = unit.ints.copy()
         done: list[tuple[Generation, int]] = []
@@ -207,6 +212,7 @@ def _prefiller(units: queue.SimpleQueue, ref: weakref.ref, params: Any, x64: boo
             try:
                 unit.rows, unit.logits = unit.cell.compiled.rows(params, unit.tokens, unit.ints)
                 jax.block_until_ready((unit.rows, unit.logits))
+                unit.done = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - its generations fail, not the loop
                 unit.error = exc
             decoder = ref()

@@ -20,9 +20,11 @@ of the one in force (first every other epoch, ``WARM`` times, then every
 ``PROBE``-th); the probe's tokens/s against the mean of its two neighbours' (a drift
 of the load cancels) is a sample of the other rule's gain, and a moving average of
 those samples (``GAIN_WEIGHT``) picks the rule once it is ``MARGIN`` from even. An
-epoch the loop went idle in is dropped; the first ``SETTLE_S`` of each (the units the
-rule before left in flight) is not counted. Beside is the rule until the samples say
-otherwise. Pure host code, no jax.
+epoch the loop went idle in is dropped; the start of each (``settle_s``: twice a
+unit's rows' time beside the steps, the units the rule before left in flight) is not
+counted. Beside is the rule until the samples say
+otherwise; between, a unit stretches the streams' gap to ``BETWEEN_STEPS`` steps at
+most. Pure host code, no jax.
 """
 
 from __future__ import annotations
@@ -33,8 +35,15 @@ import math
 #: An epoch lasts at least this long (s) and this many steps read.
 EPOCH_S = 0.05
 EPOCH_READS = 32
-#: What an epoch does not count at its start (s): units the rule before left in flight.
+#: What an epoch does not count at its start: at least ``SETTLE_S`` seconds, and
+#: ``SETTLE_ROWS`` times a unit's rows' wall time beside the steps (a moving average):
+#: units the rule before left in flight, or the thread's pipeline filling again. With
+#: 5 ms alone a wider model's rows (10-20 ms) crossed into the next epoch and the
+#: probes read between as 1.11x where, pinned, it made 0.95x.
 SETTLE_S = 0.005
+SETTLE_ROWS = 2.0
+#: Weight of a unit's rows' wall time in their moving average.
+ROWS_WEIGHT = 0.1
 #: Probes every other epoch until this many samples, then one every ``PROBE`` epochs.
 WARM = 6
 PROBE = 8
@@ -42,6 +51,11 @@ PROBE = 8
 #: (in log tokens/s) to change the rule.
 GAIN_WEIGHT = 0.25
 MARGIN = 0.02
+#: A unit between two steps stretches the streams' gap to this many times the step's
+#: price at most (and to the turn's bound): up to the bound alone, the probes put
+#: 20 ms prefills between a wider model's steps (js-wide at 8 slots: ITL p99 18.1
+#: against JetStream's 12.1 ms).
+BETWEEN_STEPS = 3
 
 
 @dataclasses.dataclass
@@ -66,6 +80,8 @@ class Placement:
     probed: float = 0.0
     #: Epochs of the rule in force since the last probe.
     since: int = 0
+    #: A unit's rows' wall time beside the steps (s, a moving average).
+    rows_s: float = 0.0
 
     def rule(self) -> bool:
         """Whether the epoch being served puts units between two steps."""
@@ -75,14 +91,26 @@ class Placement:
         """The loop read ``steps`` steps (0: a prefill's first tokens) giving ``tokens``
         tokens at ``now``; an epoch that is long enough ends here."""
         if not self.start:
-            self.start, self.counted_from = now, now + SETTLE_S
+            self.start, self.counted_from = now, now + self.settle_s()
         if now >= self.counted_from:
             self.tokens += tokens
             self.reads += steps
-        if now - self.start >= EPOCH_S and self.reads >= EPOCH_READS:
-            self._ended(self.tokens / max(now - self.counted_from, 1e-9))
-            self.start, self.counted_from = now, now + SETTLE_S
+        if now - self.counted_from >= EPOCH_S and self.reads >= EPOCH_READS:
+            self._ended(self.tokens / (now - self.counted_from))
+            self.start, self.counted_from = now, now + self.settle_s()
             self.tokens = self.reads = 0
+
+    def rows_done(self, wall_s: float) -> None:
+        """A unit's rows took ``wall_s`` beside the steps (handed to the thread to
+        done)."""
+        if wall_s > 0.0:
+            self.rows_s = wall_s if not self.rows_s else self.rows_s + ROWS_WEIGHT * (
+                wall_s - self.rows_s
+            )
+
+    def settle_s(self) -> float:
+        """How long the start of an epoch is not counted."""
+        return max(SETTLE_S, SETTLE_ROWS * self.rows_s)
 
     def idle(self) -> None:
         """The loop has no busy slot: the epoch is dropped, and the probe pending."""
@@ -120,4 +148,5 @@ class Placement:
             "between_gain": round(math.exp(self.gain), 4),
             "samples": self.samples,
             "epochs": self.epochs,
+            "settle_ms": round(self.settle_s() * 1e3, 3),
         }

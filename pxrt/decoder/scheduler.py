@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .params import int_in, number_in
+from .placement import BETWEEN_STEPS
 from .relayout import slot_lengths, tiers_text
 
 if TYPE_CHECKING:
@@ -335,12 +336,13 @@ class Scheduler(Core):
     def _between_budget(self) -> float:
         """Seconds of prefill this turn may put between two steps beyond what costs a
         step (``_prefill_budget``), while the measured rule says so
-        (``pxrt.decoder.placement``): the bound less the coming step's price; else 0."""
+        (``pxrt.decoder.placement``): the bound, or ``BETWEEN_STEPS`` times the coming
+        step's price if less, less that price; else 0."""
         placement, busy = self._placement, self._table.busy
         if placement is None or not self._priced or not busy or not placement.rule():
             return 0.0
         step = next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
-        return self.itl_bound_s - step
+        return min(self.itl_bound_s, BETWEEN_STEPS * step) - step
 
     def _price(self, n: int, length: int, left: float, *, first: bool) -> tuple[int, int, float]:
         """(batch cell, prompts it takes, its price) for a unit of ``n`` prompts at
