@@ -11,20 +11,20 @@ a unit of prompts that costs more than a step can go either way:
   stream waits for it once, and its prompts start at once.
 
 Which pays depends on the model, the slots and the host, and was not found from
-prices measured one by one: on 2 CPU cores, alternated, between made 1.15x the demo
-decoder's tokens/s at 8 slots and 1.09x js-small's, 0.94x a 4x wider model's at 8
-and 0.82x the demo's at 16 (``docs/generation.md``). So the loop measures it: it
-serves in epochs of at least ``EPOCH_S`` seconds and ``EPOCH_READS`` steps read, each
-under one rule, and now and then serves one epoch under the other rule between two
-of the one in force (first every other epoch, ``WARM`` times, then every
-``PROBE``-th); the probe's tokens/s against the mean of its two neighbours' (a drift
-of the load cancels) is a sample of the other rule's gain, and a moving average of
-those samples (``GAIN_WEIGHT``) picks the rule once it is ``MARGIN`` from even. An
+prices measured one by one: on 2 CPU cores, alternated, every prefill between made
+1.04-1.12x the demo decoder's tokens/s at 8 slots and 1.09x js-small's, 0.94x a 4x
+wider model's at 8 and 0.82x the demo's at 16 (``docs/generation.md``). So the loop
+measures it: it serves in epochs of at least ``EPOCH_S`` seconds and ``EPOCH_READS``
+steps read, each under one rule, and now and then serves one epoch under the other
+rule between two of the one in force (first every other epoch, ``WARM`` times, then
+every ``PROBE``-th); the probe's tokens/s against the mean of its two neighbours' (a
+drift of the load cancels) is a sample of the other rule's gain, and a moving average
+of those samples (``GAIN_WEIGHT``) picks the rule once it is ``MARGIN`` from even. An
 epoch the loop went idle in is dropped; the start of each (``settle_s``: twice a
 unit's rows' time beside the steps, the units the rule before left in flight) is not
-counted. Beside is the rule until the samples say
-otherwise; between, a unit stretches the streams' gap to ``BETWEEN_STEPS`` steps at
-most. Pure host code, no jax.
+counted. Beside is the rule until the samples say otherwise; between, a unit goes
+there only if it stretches the streams' gap to ``BETWEEN_STEPS`` steps at most. Pure
+host code, no jax.
 """
 
 from __future__ import annotations
