@@ -15,6 +15,9 @@ the device's step costs without pxrt.
     python benchmarks/load_variants.py --shape js-wide --slots 64 \\
         --variant 'off={"length_tiers": "off"}' --variant 'auto={"length_tiers": "auto"}' \\
         [--requests 512] [--repeats 3] [--detail] [--floor]
+
+A variant's ``"pin_placement": "beside"`` or ``"between"`` (not a load option) holds
+its decoder's prefill placement at that rule, probing nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ def variant(text: str) -> tuple[str, dict]:
     if not name or not isinstance(got, dict):
         raise argparse.ArgumentTypeError(f"{text!r}: NAME={{JSON options}}")
     return name, got
+
+
+def pin(dec, rule: str) -> None:
+    """The decoder's prefill placement held at ``rule`` ("beside" or "between"): it
+    serves every epoch so, probing nothing (``pxrt.decoder.placement``; what each rule
+    makes alone, against which the measured choice is judged)."""
+    from pxrt.decoder.placement import Placement
+
+    if rule not in ("beside", "between") or dec._placement is None:
+        raise SystemExit(f"pin_placement: {rule!r} needs \"beside\" or \"between\" and "
+                         "a decoder that prefills beside its steps")  # fmt: skip
+    held = Placement(between=rule == "between")
+    held._ended = lambda rate: None  # type: ignore[method-assign]
+    dec._placement = held
 
 
 def ms(costs: dict) -> dict:
@@ -124,9 +141,13 @@ def main() -> None:
         floor(model, slots, next(iter(variants.values())))
     decoders = {}
     for name, options in variants.items():
+        options = dict(options)
+        pinned = options.pop("pin_placement", None)
         m = ds.Model(shape, args.seed, options)
         m.path = model.path
         d = decoders[name] = m.load(slots)
+        if pinned is not None:
+            pin(d, pinned)
         print(f"== {name} {options}: ready in {m.load_s:.1f}s, every program {m.all_s:.1f}s")
         print("   prices (ms):", ms(d.costs))
         warm = ds.fresh_tokens(work[: 4 * slots], shape, 99)

@@ -498,3 +498,30 @@ def test_an_idle_loop_drops_the_epoch_and_the_probe_pending():
     for i in range(EPOCH_READS - 1):  # (a new epoch from the next read: not yet long)
         place.read(10.0, 1, 200.0 + i)
     assert place.epochs == epochs and place.samples == 0
+
+
+def test_the_placement_changes_its_rule_on_a_significant_gain_only(monkeypatch):
+    """Probes' samples as noisy as this host's epochs (a tenth apart): an even pair of
+    rules changes the rule a few times in 300 samples (dozens with the margin alone);
+    a 15% gain either way holds its rule after 30."""
+    import random
+
+    from pxrt.decoder import placement as pl
+
+    def served(mean: float, significance: float, seed: int) -> tuple[int, float]:
+        monkeypatch.setattr(pl, "SIGNIFICANCE", significance)
+        rng, place, changes, held = random.Random(seed), pl.Placement(), 0, 0
+        for i in range(300):
+            before = place.between
+            place._sampled(rng.gauss(mean, 0.12))
+            changes += place.between != before
+            held += place.between and i >= 30
+        return changes, held / 270
+
+    significance = pl.SIGNIFICANCE
+    for seed in range(5):
+        changes, _ = served(0.0, significance, seed)
+        margin_only, _ = served(0.0, 0.0, seed)
+        assert changes <= 10 and 3 * changes <= margin_only, seed
+        assert served(math.log(1.15), significance, seed)[1] >= 0.9, seed
+        assert served(math.log(0.87), significance, seed)[1] <= 0.1, seed

@@ -19,7 +19,8 @@ steps read, each under one rule, and now and then serves one epoch under the oth
 rule between two of the one in force (first every other epoch, ``WARM`` times, then
 every ``PROBE``-th); the probe's tokens/s against the mean of its two neighbours' (a
 drift of the load cancels) is a sample of the other rule's gain, and a moving average
-of those samples (``GAIN_WEIGHT``) picks the rule once it is ``MARGIN`` from even. An
+of those samples (``GAIN_WEIGHT``) picks the rule once it is ``MARGIN`` from even and
+``SIGNIFICANCE`` standard errors (the samples' moving variance). An
 epoch the loop went idle in is dropped; the start of each (``settle_s``: twice a
 unit's rows' time beside the steps, the units the rule before left in flight) is not
 counted. Beside is the rule until the samples say otherwise; between, a unit goes
@@ -48,9 +49,13 @@ ROWS_WEIGHT = 0.1
 WARM = 6
 PROBE = 8
 #: Weight of a sample in the gain's moving average, and how far from even it must be
-#: (in log tokens/s) to change the rule.
+#: (in log tokens/s) to change the rule: ``MARGIN``, and ``SIGNIFICANCE`` times the
+#: average's standard error (from the samples' moving variance). Epochs on 2 cores
+#: spread ~10%: with the margin alone keras-llama at 8 slots took between once on a
+#: 1.12x read where, pinned, it made 0.92x.
 GAIN_WEIGHT = 0.25
 MARGIN = 0.02
+SIGNIFICANCE = 2.0
 #: A unit between two steps stretches the streams' gap to this many times the step's
 #: price at most (and to the turn's bound): up to the bound alone, the probes put
 #: 20 ms prefills between a wider model's steps (js-wide at 8 slots: ITL p99 18.1
@@ -64,8 +69,10 @@ class Placement:
 
     #: Whether units that fit the turn's bound go between two steps (else beside).
     between: bool = False
-    #: log(tokens/s between / tokens/s beside), a moving average of the probes' samples.
+    #: log(tokens/s between / tokens/s beside), a moving average of the probes' samples,
+    #: and their moving variance.
     gain: float = 0.0
+    spread: float = 0.0
     samples: int = 0
     epochs: int = 0
     #: (the epoch being served) when it began, when it counts from, its tokens and
@@ -134,18 +141,31 @@ class Placement:
 
     def _sampled(self, sample: float) -> None:
         """A probe's ``sample`` of log(between / beside)."""
-        self.gain = sample if not self.samples else self.gain + GAIN_WEIGHT * (sample - self.gain)
+        if not self.samples:
+            self.gain = sample
+        else:
+            off = sample - self.gain
+            self.gain += GAIN_WEIGHT * off
+            self.spread = (1.0 - GAIN_WEIGHT) * (self.spread + GAIN_WEIGHT * off * off)
         self.samples += 1
-        if self.gain > MARGIN:
+        if self.samples < 2:  # (no spread yet)
+            return
+        if self.gain > self.threshold():
             self.between = True
-        elif self.gain < -MARGIN:
+        elif self.gain < -self.threshold():
             self.between = False
+
+    def threshold(self) -> float:
+        """How far from even the gain must be to change the rule."""
+        error = math.sqrt(self.spread * GAIN_WEIGHT / (2.0 - GAIN_WEIGHT))
+        return max(MARGIN, SIGNIFICANCE * error)
 
     def describe(self) -> dict:
         """The rule in force and what chose it, for ``pxrt inspect``."""
         return {
             "rule": "between" if self.between else "beside",
             "between_gain": round(math.exp(self.gain), 4),
+            "needs": round(math.exp(self.threshold()), 4),
             "samples": self.samples,
             "epochs": self.epochs,
             "settle_ms": round(self.settle_s() * 1e3, 3),
