@@ -465,7 +465,11 @@ def test_the_prefill_placement_takes_the_rule_that_made_more_tokens():
         assert place.between == between, gain
         assert place.describe()["rule"] == ("between" if between else "beside")
         assert place.describe()["between_gain"] == pytest.approx(gain, rel=0.01)
-    # (warm: a probe every other epoch; then one every PROBE-th)
+    # (warm: a probe every other epoch, the rule kept until WARM samples; then a
+    # probe every PROBE-th epoch)
+    place = Placement()
+    served(place, 1.2, 2 * WARM - 1)
+    assert place.samples == WARM - 1 and not place.between
     place = Placement()
     served(place, 1.0, 2 * WARM + 1)
     assert place.samples == WARM

@@ -45,7 +45,8 @@ SETTLE_S = 0.005
 SETTLE_ROWS = 2.0
 #: Weight of a unit's rows' wall time in their moving average.
 ROWS_WEIGHT = 0.1
-#: Probes every other epoch until this many samples, then one every ``PROBE`` epochs.
+#: Probes every other epoch until this many samples (the rule changes after them),
+#: then one every ``PROBE`` epochs.
 WARM = 6
 PROBE = 8
 #: Weight of a sample in the gain's moving average, and how far from even it must be
@@ -148,7 +149,7 @@ class Placement:
             self.gain += GAIN_WEIGHT * off
             self.spread = (1.0 - GAIN_WEIGHT) * (self.spread + GAIN_WEIGHT * off * off)
         self.samples += 1
-        if self.samples < 2:  # (no spread yet)
+        if self.samples < WARM:  # (a spread of a few samples can read as none)
             return
         if self.gain > self.threshold():
             self.between = True
