@@ -76,9 +76,8 @@ class Placement:
     spread: float = 0.0
     samples: int = 0
     epochs: int = 0
-    #: (the epoch being served) when it began, when it counts from, its tokens and
-    #: steps read, and whether it is a probe (of the rule not in force)
-    start: float = 0.0
+    #: (the epoch being served; none: 0) when it counts from, its tokens and steps
+    #: read, and whether it is a probe (of the rule not in force)
     counted_from: float = 0.0
     tokens: int = 0
     reads: int = 0
@@ -98,14 +97,14 @@ class Placement:
     def read(self, tokens: int, steps: int, now: float) -> None:
         """The loop read ``steps`` steps (0: a prefill's first tokens) giving ``tokens``
         tokens at ``now``; an epoch that is long enough ends here."""
-        if not self.start:
-            self.start, self.counted_from = now, now + self.settle_s()
+        if not self.counted_from:
+            self.counted_from = now + self.settle_s()
         if now >= self.counted_from:
             self.tokens += tokens
             self.reads += steps
         if now - self.counted_from >= EPOCH_S and self.reads >= EPOCH_READS:
             self._ended(self.tokens / (now - self.counted_from))
-            self.start, self.counted_from = now, now + self.settle_s()
+            self.counted_from = now + self.settle_s()
             self.tokens = self.reads = 0
 
     def rows_done(self, wall_s: float) -> None:
@@ -122,7 +121,7 @@ class Placement:
 
     def idle(self) -> None:
         """The loop has no busy slot: the epoch is dropped, and the probe pending."""
-        self.start = 0.0
+        self.counted_from = 0.0
         self.tokens = self.reads = 0
         self.before = self.probed = 0.0
         self.probe = False

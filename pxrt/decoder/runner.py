@@ -677,6 +677,7 @@ class Runner(Core):
         finished: list = []
         now = time.perf_counter()
         timings = self._timings
+        steps = 0  # (steps read: none for a prefill's first tokens)
         if scores is not None and kind != _VERIFY:  # (each before its token: both read)
             rows = np.asarray(scores)
             for i, gen in enumerate(owners):
@@ -719,7 +720,7 @@ class Runner(Core):
             if placement is not None:
                 placement.idle()
         elif placement is not None:
-            placement.read(routed, int(t0) if kind == _BLOCK else int(kind != _PREFILL), now)
+            placement.read(routed, steps, now)
 
     @property
     def cache_bytes(self) -> int:

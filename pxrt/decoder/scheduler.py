@@ -328,7 +328,7 @@ class Scheduler(Core):
         busy = self._table.busy
         if not self._priced or not busy:
             return math.inf if self._priced else self.itl_bound_s
-        step = next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
+        step = self._coming_step_cost(busy)
         # Beside the steps: what costs up to a step goes between two (at once: the
         # thread's hop costs its prompts a turn or two), the rest on the prefill thread.
         return step if self.overlap_prefill else self.itl_bound_s - step
@@ -341,8 +341,12 @@ class Scheduler(Core):
         placement, busy = self._placement, self._table.busy
         if placement is None or not self._priced or not busy or not placement.rule():
             return 0.0
-        step = next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
+        step = self._coming_step_cost(busy)
         return min(self.itl_bound_s, BETWEEN_STEPS * step) - step
+
+    def _coming_step_cost(self, busy: int) -> float:
+        """The price of the coming step: over the fewest slots that hold ``busy``."""
+        return next((self._step_cost[n] for n in self.step_slots if n >= busy), 0.0)
 
     def _price(self, n: int, length: int, left: float, *, first: bool) -> tuple[int, int, float]:
         """(batch cell, prompts it takes, its price) for a unit of ``n`` prompts at
