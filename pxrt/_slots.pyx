@@ -123,15 +123,19 @@ cdef class SlotTable:
         return routed
 
     def first(self, cnp.ndarray tokens, list gens, double now, list woken, list finished):
-        """Route a prefill's first tokens: row i belongs to ``gens[i]``. Returns the
-        number of tokens routed."""
+        """Route a prefill's first tokens: row i belongs to ``gens[i]`` (None: to no
+        one). Returns the number of tokens routed."""
         cdef const int[::1] toks = _int32s(tokens)
         cdef Py_ssize_t i, routed = 0, n = PyList_GET_SIZE(gens)
         cdef Generation gen
+        cdef object item
         if toks.shape[0] < n:
             raise ValueError(f"{toks.shape[0]} tokens for {n} generations")
         for i in range(n):
-            gen = <Generation?><object>PyList_GET_ITEM(gens, i)
+            item = <object>PyList_GET_ITEM(gens, i)
+            if item is None:
+                continue
+            gen = <Generation?>item
             if gen.finish_reason is None:
                 gen.t_first = now
                 self._emit(gen, toks[i], now, woken, finished)

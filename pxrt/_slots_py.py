@@ -117,11 +117,11 @@ class SlotTable:
         return routed
 
     def first(self, tokens: Any, gens: list, now: float, woken: list, finished: list) -> int:
-        """Route a prefill's first tokens: row i belongs to ``gens[i]``. Returns the
-        number of tokens routed."""
+        """Route a prefill's first tokens: row i belongs to ``gens[i]`` (None: to no
+        one). Returns the number of tokens routed."""
         routed = 0
         for i, gen in enumerate(gens):
-            if gen.finish_reason is None:
+            if gen is not None and gen.finish_reason is None:
                 gen.t_first = now
                 self._emit(gen, int(tokens[i]), now, woken, finished)
                 routed += 1

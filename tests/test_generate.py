@@ -348,6 +348,40 @@ def test_a_prompt_is_prefilled_ahead_of_a_free_slot(lm, reference):
     assert sorted(lm._table.free) == list(range(lm.slots))  # (none lost to the cancel)
 
 
+def test_prompts_prefilled_ahead_together_go_in_as_slots_free(lm, reference):
+    """Several prompts prefilled ahead of free slots in one unit (its cell makes more
+    prompts per second) go in as the running streams end, each into the slot that
+    freed, and not once as many slots are free as the unit has rows; one cancelled
+    meanwhile takes none. Every stream's tokens are plain JAX's."""
+    price = lm._price
+    lm._price = lambda n, length, left, *, first: (max(lm.prefill_batches), min(n, 4), 0.0)
+    try:
+        before = dict(lm.counters)
+        running = prompts(lm.slots, seed=65, high=8)
+        lengths = [6 + 4 * i for i in range(lm.slots)]  # (one ends every 4 steps)
+        extra = prompts(4, seed=66, high=8)
+        with lm._cond:  # (one turn admits them all: the extra four ahead of free slots)
+            gens = [lm.submit(p, max_tokens=m) for p, m in zip(running, lengths)]
+            ahead = [lm.submit(p, max_tokens=5) for p in extra]
+        ahead[1].cancel()
+        for g, p, m in zip(gens, running, lengths):
+            assert g.result(timeout=60).tokens == reference(p, m)
+        for i, (g, p) in enumerate(zip(ahead, extra)):
+            if i != 1:
+                assert g.result(timeout=60).tokens == reference(p, 5)
+    finally:
+        lm._price = price
+    assert ahead[1].result(timeout=60).finish_reason == "cancelled"
+    assert lm.counters["prefills_ahead"] - before["prefills_ahead"] >= 3
+    assert lm.counters["prefills"] - before["prefills"] == 3  # (4 + 4 + the four ahead)
+    # The first went in as the first stream ended, before the third had.
+    assert ahead[0].t_first < gens[2].t_last
+    deadline = time.monotonic() + 30
+    while lm.busy_slots and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(lm._table.free) == list(range(lm.slots))  # (none lost to the cancel)
+
+
 def test_controls_apply_to_a_prompt_prefilled_beside_running_streams(lm, fused_lm):
     """A prompt with sampling controls admitted while plain streams run (their steps
     the plain one): once inserted, its steps are the full one, with its controls, as

@@ -144,7 +144,8 @@ class Loop(Core):
                     self._waiting.extendleft(reversed([g for u in units[1:] for g in u[0]]))
                 if prefilled:  # (the insert that failed fails with the state; the rest
                     with self._cond:  # go in next turn, into the fresh one)
-                        self._prefilled[:0] = prefilled[1:]
+                        rest = [u for u in prefilled[1:] if u not in self._prefilled]
+                        self._prefilled[:0] = rest  # (a unit part-inserted is there)
                 self._recover(exc, batch[0] if batch else [])
         return True
 
@@ -244,7 +245,7 @@ class Loop(Core):
         victims = self._in_flight()
         self._drop_pending()
         for unit in [*self._prefilling]:  # (the prefill thread stops with the loop)
-            victims.extend(unit.batch)
+            victims.extend(unit.batch[i] for i in unit.left)
         while self._waiting:
             victims.append(self._waiting.popleft())
         victims.extend(self._cancels)

@@ -16,11 +16,14 @@ slot back only then (its row of the insert is dropped): the slot is never reused
 its rows are in flight.
 
 With every slot taken, the prompts at the head of the queue are prefilled ahead of a
-free slot (``Scheduler._prefills_ahead``, one prompt a unit): no slot is reserved
-(``reserved`` stays -1), and the insert takes the lowest free row at the start of the
-first turn that has one (``_insertable``; with length tiers, a row of the shortest tier
-with one free that holds it), before that turn admits others, so a stream that ends is
-followed by the next at once instead of after a prefill.
+free slot (``Scheduler._prefills_ahead``, up to the largest prefill batch a unit): no
+slot is reserved (``reserved`` stays -1), and each prompt's row is inserted into the
+lowest free slot at the start of the first turn that has one (``_insertable``; with
+length tiers, a row of the shortest tier with one free that holds it), before that
+turn admits others, so a stream that ends is followed by the next at once instead of
+after a prefill. A unit's rows go in as slots free, a few at a time (``Unit.left``:
+the rows not inserted yet; the others' rows of the insert are dropped), so that a unit
+of four never waits for four free slots at once.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ class Unit:
     error: BaseException | None = None
     #: When the thread had its rows (``time.perf_counter``).
     done: float = 0.0
+    #: The rows not inserted yet (indices into ``batch``): a unit prefilled ahead of
+    #: free slots goes in as they free, a few rows at a time.
+    left: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.left = list(range(len(self.batch)))
 
 
 class Overlap(Core):
@@ -114,71 +123,101 @@ class Overlap(Core):
                 self._cond.notify()
 
     def _insert(self, unit: Unit) -> None:
-        """Insert a prefilled unit into its slots: the sampling controls written, the
-        first tokens sampled (read like a prefill's); a generation cancelled meanwhile
-        gives its slot back now, its row dropped."""
-        self._prefilling.remove(unit)
-        self._in_prefill.difference_update(unit.batch)
-        if self._placement is not None and unit.done:
+        """Insert the rows of a prefilled unit that have their slots now: the sampling
+        controls written, the first tokens sampled (read like a prefill's); a
+        generation cancelled meanwhile gives its slot back now, its row dropped. Rows
+        prefilled ahead of free slots with none yet stay for a later turn
+        (``Unit.left``); the unit is done when none is left."""
+        first = len(unit.left) == len(unit.batch)
+        if first and self._placement is not None and unit.done:
             self._placement.rows_done(unit.done - unit.t0)
-        table = self._table
         ints = unit.ints.copy()
-        done: list[tuple[Generation, int]] = []
-        for i, gen in enumerate(unit.batch):
-            slot, gen.reserved = gen.reserved, -1
-            if gen.finish_reason is not None or unit.error is not None:
-                ints[i, sampling.SLOT] = self.slots  # (out of range: dropped)
-                if slot >= 0:
-                    table.free.append(slot)
-                continue
-            ints[i, sampling.SLOT] = slot  # (one prefilled ahead: ``_insertable``'s)
-            table.assign(gen, slot)
-            done.append((gen, slot))
-            if gen.controls is not None or gen.logprobs is not None:
-                self._special = True  # (its steps: the full one, from now on)
+        ints[:, sampling.SLOT] = self.slots  # (out of range: dropped, but the rows below)
+        owners: list[Generation | None] = [None] * len(unit.batch)
+        done, ended = self._take_rows(unit, ints, owners)
+        if not unit.left:
+            self._prefilling.remove(unit)
         if unit.error is not None:
             error = RuntimeError(f"decoder {self.name!r}: prefill failed: {unit.error!r}")
             error.__cause__ = unit.error
-            self._finish_with(list(unit.batch), error)
+            self._finish_with(ended, error)
+            return
+        if not done:
             return
         # (a failure from here fails the state and the generations in its slots: these)
         for gen, slot in done:
             self._write_controls(gen, slot)
-        (self._state, first, scores), _ = self._launch(
+        (self._state, first_tokens, scores), _ = self._launch(
             -1, unit.cell.compiled.insert, self._state, unit.rows, unit.logits, ints, unit.floats
         )
-        first.copy_to_host_async()
-        batch = unit.batch
-        self._pending.append((0, first, batch, unit.t0, self._scores(batch, scores), None))
+        first_tokens.copy_to_host_async()
+        self._pending.append(
+            (0, first_tokens, owners, unit.t0, self._scores(owners, scores), None)
+        )
         self._save_prefixes(done)
 
+    def _take_rows(
+        self, unit: Unit, ints: np.ndarray, owners: list
+    ) -> tuple[list[tuple[Generation, int]], list[Generation]]:
+        """Of ``unit``'s rows left, those with a slot now go in (their slot in ``ints``,
+        their generation in ``owners`` and the slot table); those cancelled, or of a
+        unit that failed, end (their slots back); the rest stay left. Returns the
+        (generation, slot) pairs going in and the generations that ended."""
+        table = self._table
+        done: list[tuple[Generation, int]] = []
+        ended: list[Generation] = []
+        keep: list[int] = []
+        for i in unit.left:
+            gen = unit.batch[i]
+            slot = gen.reserved
+            if gen.finish_reason is None and unit.error is None and slot < 0:
+                keep.append(i)  # (prefilled ahead: no slot free for it yet)
+                continue
+            gen.reserved = -1
+            self._in_prefill.discard(gen)
+            if gen.finish_reason is not None or unit.error is not None:
+                ended.append(gen)
+                if slot >= 0:
+                    table.free.append(slot)
+                continue
+            ints[i, sampling.SLOT] = slot
+            table.assign(gen, slot)
+            owners[i] = gen
+            done.append((gen, slot))
+            if gen.controls is not None or gen.logprobs is not None:
+                self._special = True  # (its steps: the full one, from now on)
+        unit.left = keep
+        return done, ended
+
     def _insertable(self, units: list[Unit]) -> list[Unit]:
-        """Of the prefilled ``units``, those to insert now, in order, each prompt
-        prefilled ahead of free slots given its slot now (the lowest free row; with
-        length tiers, a row of the shortest tier with one free that holds it); the
-        rest (no such slot free yet) wait for the next turns."""
+        """Of the prefilled ``units``, those with rows to insert now, in order: each
+        prompt prefilled ahead of free slots given its slot now (the lowest free row;
+        with length tiers, a row of the shortest tier with one free that holds it) while
+        one is free. A unit with rows still waiting for a slot stays for the next turns
+        too (ahead of what the thread posted since: the first free slots are theirs)."""
         now: list[Unit] = []
         later: list[Unit] = []
         free = self._table.free
         for unit in units:  # (a failed unit's rows are dropped: it takes no slot)
-            ahead = [] if unit.error is not None else [
-                g for g in unit.batch if g.reserved < 0 and g.finish_reason is None
-            ]  # fmt: skip
-            taken: list[int] = []
-            for gen in ahead:
+            waits = False
+            for i in unit.left if unit.error is None else ():
+                gen = unit.batch[i]
+                if gen.reserved >= 0 or gen.finish_reason is not None:
+                    continue
                 slot = self._ahead_slot(gen)
                 if slot < 0:
-                    break
+                    waits = True
+                    continue
                 free.remove(slot)
-                taken.append(slot)
-            if len(taken) < len(ahead):
-                free.extend(taken)
-                later.append(unit)
-            else:
-                for gen, slot in zip(ahead, taken):
-                    gen.reserved = slot
+                gen.reserved = slot
+            if not waits or len(unit.left) > sum(
+                unit.batch[i].reserved < 0 and unit.batch[i].finish_reason is None
+                for i in unit.left
+            ):  # (a row to insert, or one cancelled to drop)
                 now.append(unit)
-        if later:  # (ahead of what the thread posted since: the first free slots are theirs)
+            if waits:
+                later.append(unit)
+        if later:
             with self._cond:
                 self._prefilled[:0] = later
         return now

@@ -684,8 +684,8 @@ class Runner(Core):
                 if gen is not None and gen.logprobs is not None and gen.finish_reason is None:
                     gen.logprobs.append(rows[i])
         if kind == _PREFILL:
-            for gen in owners:
-                if gen.prompt_parts is not None:
+            for gen in owners:  # (None: a row of a unit prefilled ahead, not this insert's)
+                if gen is not None and gen.prompt_parts is not None:
                     self._prompt_logprobs(gen)
             routed = self._table.first(tokens, owners, now, woken, finished)
             timings["prefill"].append(now - t0)

@@ -174,24 +174,31 @@ class Scheduler(Core):
         first that frees, as JetStream's prefill engine runs ahead of its slots): while
         the thread has room (``IN_FLIGHT``), prefills go beside the steps and there is
         one priority level (a prompt prefilled ahead is committed: a later one of a
-        higher level must not wait behind it). One prompt a unit: a unit of several
-        waits for as many free slots at once, while later prompts take those freed one
-        by one. With length tiers, its slot is the first to free of a tier that holds
-        it (``Overlap._insertable``)."""
+        higher level must not wait behind it). Several prompts a unit where their cell
+        makes more prompts per second: each row goes into the first slot to free (with
+        length tiers, of a tier that holds it), the unit's rows a few at a time
+        (``Overlap._insertable``)."""
         return (
             self.overlap_prefill and self.priority_levels == 1
             and len(self._prefilling) < IN_FLIGHT
         )  # fmt: skip
 
     def _ahead_unit(self, scan: _Scan, taken: int) -> list[tuple[list, int, int, int]]:
-        """A unit of one prompt prefilled ahead of free slots (where ``_prefills_ahead``),
-        or none: the queue's head, if it goes in whole; its slot is taken at insert."""
-        batch, length = self._gather_unit(scan, taken, 1)
+        """A unit prefilled ahead of free slots (where ``_prefills_ahead``), or none: the
+        prompts at the queue's head that go in whole, as many as the cell with the most
+        prompts per measured second takes; their slots are taken at insert."""
+        batch, length = self._gather_unit(scan, taken, self.prefill_batches[-1])
         if not batch:
             return []
-        self._admitted(batch[0])
-        self.counters["prefills_ahead"] += 1
-        return [(batch, length, self._price(1, length, math.inf, first=False)[0], AHEAD)]
+        size, rows, _ = self._price(len(batch), length, math.inf, first=True)
+        rows = rows or 1
+        self._waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
+        for gen in batch[rows:]:
+            scan.chosen.pop(gen, None)
+        for gen in batch[:rows]:
+            self._admitted(gen)
+        self.counters["prefills_ahead"] += rows
+        return [(batch[:rows], length, size, AHEAD)]
 
     def _gather_unit(self, scan: _Scan, taken: int, ahead: int = 0) -> tuple[list, int]:
         """The next unit's prompts (up to the largest prefill batch, from the queue's
