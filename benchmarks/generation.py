@@ -29,7 +29,9 @@ its tokens checked against pxrt's greedy ones.
 
 Then the per-step host overhead at ``--slots`` busy slots: the loop's step time (every
 slot generating, steady state) minus the decode step's device time (the compiled step
-called back to back with nothing else on the host).
+called back to back with nothing else on the host). And the floor it gives: ``--slots``
+tokens per step program alone, what the device's steps would make with no prefill, no
+insert and no host work, against which both runtimes' tokens/s are shown.
 
     python benchmarks/generation.py [--shape demo|js-small|js-wide|keras-llama] \\
         [--layers N] [--d-model N] [--heads N] [--mlp N] [--max-length N] [--vocab N] \\
@@ -230,6 +232,11 @@ def summary(r: dict) -> dict:
     }
 
 
+def runs_median(runs: dict, scenario: str, kind: str) -> float:
+    """The median tokens/s of ``kind``'s runs in ``scenario``."""
+    return statistics.median(r["tok/s"] for r in runs[(scenario, kind)])
+
+
 def settle(dec, work, shape, callers: int, label: str = "") -> None:
     """A decoder that sizes its length tiers from the traffic (``dec.auto_tiers``: the
     default on CPU devices at 16 slots or more) serves ``work`` (on prompts of its own)
@@ -368,6 +375,7 @@ def main() -> None:
 
         asyncio.run(bench())
         # (last: its long generations would move a decoder's learned tiers)
+        switches = dec.counters.get("relayouts", 0)
         overhead = step_overhead(dec)
         dec.close()
     keras = None
@@ -412,7 +420,18 @@ def main() -> None:
         f"against {o['device_step_us']:.0f} us for the step program alone "
         f"({o['loop_step_us'] / o['device_step_us']:.2f}x)"
     )
-    print(f"compiles after load: {dec.compiles_after_load}")
+    if "closed" in scenarios:  # (the floor: the device's steps, nothing else)
+        ceiling = args.slots / (o["device_step_us"] * 1e-6)
+        made = {kind: runs_median(runs, "closed", kind) for kind in targets}
+        print(
+            f"the steps alone, every slot busy: {ceiling:.0f} tokens/s (no prefill, no "
+            f"insert, no host work); pxrt made {made['pxrt'] / ceiling:.2f}x of it, static "
+            f"batching {made['static'] / ceiling:.2f}x"
+        )
+    print(
+        f"compiles after load: {dec.compiles_after_load}; length tiers "
+        f"{tiers_text(dec.tiers) or 'none'} ({switches} switch(es))"
+    )
     if keras is not None:
         print(
             f"keras-hub generate(): {same}/{len(checked)} requests token-equal with pxrt's "

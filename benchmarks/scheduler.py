@@ -9,7 +9,9 @@ busy slot is inside it (``step_lengths``) against steps over the whole cache alw
 (``overlap_prefill``, the default on CPU) against each prefill between two steps on
 the loop's thread (two decoders of the same artifact). ``--ab ahead``: with every slot
 taken, the next prompts prefilled ahead of a free slot against prefills only into free
-slots (give it more ``--callers`` than slots). ``--ab greedy``: a decoder whose programs
+slots (give it more ``--callers`` than slots); ``--ab ahead-units``: units prefilled ahead
+of free slots of several prompts (each row inserted as a slot frees) against one prompt a
+unit. ``--ab greedy``: a decoder whose programs
 pick greedily with no sampling branch (no ``lax.cond``: what programs chosen by the host
 for greedy rows would give at most) against today's, two loads of the same artifact (the
 workload is greedy); ``--ab greedy-steps``: the same for the plain steps only (the
@@ -28,8 +30,8 @@ between runs), the demo decoder's math at the shape given, a closed loop of
 prompt tokens each run (none in the prefix cache). Prints each run, then medians and
 ratios.
 
-    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|greedy|greedy-steps|
-        tiers|auto]
+    python benchmarks/scheduler.py [--ab pricing|windows|overlap|ahead|ahead-units|greedy|
+        greedy-steps|tiers|auto]
         [--ab option --option multi_step=1 [--base length_tiers='"off"']]
         [--dim 128 --heads 4 --layers 2 --slots 16] [--callers N] [--max-length 512]
         [--requests 300] [--repeats 3]
@@ -71,7 +73,15 @@ def main() -> None:
     p.add_argument(
         "--ab",
         choices=(
-            "pricing", "windows", "overlap", "ahead", "greedy", "greedy-steps", "tiers", "auto",
+            "pricing",
+            "windows",
+            "overlap",
+            "ahead",
+            "ahead-units",
+            "greedy",
+            "greedy-steps",
+            "tiers",
+            "auto",
             "option",
         ),  # fmt: skip
         default="pricing",
@@ -136,8 +146,8 @@ def main() -> None:
     priced, windows = dec._priced, dec.step_lengths
     new = {
         "pricing": "priced", "windows": "windows", "overlap": "beside", "ahead": "ahead",
-        "greedy": "greedy", "greedy-steps": "greedy", "tiers": "tiers", "auto": "auto",
-        "option": "option",
+        "ahead-units": "units", "greedy": "greedy", "greedy-steps": "greedy", "tiers": "tiers",
+        "auto": "auto", "option": "option",
     }[args.ab]  # fmt: skip
     runs: dict[str, list[dict]] = {new: [], "before": []}
     for rep in range(args.repeats):
@@ -153,6 +163,8 @@ def main() -> None:
                 dec.__dict__.pop("_prefills_ahead", None)
                 if mode == "before":
                     dec._prefills_ahead = lambda: False  # type: ignore[method-assign]
+            elif args.ab == "ahead-units":  # (before: one prompt a unit ahead of slots)
+                dec._ahead_rows = 0 if mode == new else 1
             elif args.ab == "overlap" and mode == "before":  # (each between two steps)
                 target = other
             elif args.ab in ("greedy", "greedy-steps", "tiers", "auto", "option") and mode == new:

@@ -151,9 +151,7 @@ class Overlap(Core):
             -1, unit.cell.compiled.insert, self._state, unit.rows, unit.logits, ints, unit.floats
         )
         first_tokens.copy_to_host_async()
-        self._pending.append(
-            (0, first_tokens, owners, unit.t0, self._scores(owners, scores), None)
-        )
+        self._pending.append((0, first_tokens, owners, unit.t0, self._scores(owners, scores), None))
         self._save_prefixes(done)
 
     def _take_rows(

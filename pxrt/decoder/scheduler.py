@@ -86,6 +86,10 @@ class _Scan:
 class Scheduler(Core):
     """Admission and its prices, the waiting queue's order, and the steps' size."""
 
+    #: The most prompts a unit prefilled ahead of free slots takes (0: as many as the
+    #: largest prefill batch; 1 was the rule before 2026-12-07, kept for comparisons).
+    _ahead_rows: int = 0
+
     def set_priorities(self, levels: int, default_level: int = 0, wait_s: float = 0.1) -> None:
         """Admit waiting prompts by priority: ``levels`` levels (1 the highest), a
         prompt without one at ``default_level`` (0: the lowest), and any prompt that has
@@ -187,7 +191,7 @@ class Scheduler(Core):
         """A unit prefilled ahead of free slots (where ``_prefills_ahead``), or none: the
         prompts at the queue's head that go in whole, as many as the cell with the most
         prompts per measured second takes; their slots are taken at insert."""
-        batch, length = self._gather_unit(scan, taken, self.prefill_batches[-1])
+        batch, length = self._gather_unit(scan, taken, self._ahead_rows or self.prefill_batches[-1])
         if not batch:
             return []
         size, rows, _ = self._price(len(batch), length, math.inf, first=True)
