@@ -240,16 +240,22 @@ def runs_median(runs: dict, scenario: str, kind: str) -> float:
 def settle(dec, work, shape, callers: int, label: str = "") -> None:
     """A decoder that sizes its length tiers from the traffic (``dec.auto_tiers``: the
     default on CPU devices at 16 slots or more) serves ``work`` (on prompts of its own)
-    until it has switched into them, so that the timed runs measure the decoder it
-    settles into and not its compile beside them: at most 10 minutes, or 20 runs while
-    it suggests none."""
+    until it has switched into them and served one run more without switching again
+    (the first samples can undercount the long prompts, and a second switch would
+    compile beside a timed run), so that the timed runs measure the decoder it settles
+    into: at most 10 minutes, or 20 runs while it suggests none."""
     if not getattr(dec, "auto_tiers", False):
         return
     t0 = time.perf_counter()
     rep = 0
-    while dec.relayout_status not in ("switched", "failed") and time.perf_counter() - t0 < 600:
-        if not dec.relayout_status and rep >= 20:
+    switches = -1  # (the switches before the last run, once switched)
+    while time.perf_counter() - t0 < 600:
+        if dec.relayout_status == "failed" or (not dec.relayout_status and rep >= 20):
             break
+        if dec.relayout_status == "switched":
+            if dec.counters["relayouts"] == switches:
+                break
+            switches = dec.counters["relayouts"]
         asyncio.run(closed("pxrt", dec, ds.fresh_tokens(work, shape, 200 + rep), callers))
         rep += 1
     tiers = tiers_text(dec.tiers) or "one cache"

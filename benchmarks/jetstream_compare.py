@@ -44,7 +44,7 @@ learned``: sized by the traffic (``Decoder.suggested_length_tiers`` after a one-
 decoder served the workload, untimed); ``--tiers auto``: ``length_tiers="auto"`` at
 every slot count (the default does so from 16 slots on CPU devices); ``--tiers off``:
 one cache. A decoder that learns its tiers serves the workload untimed until it has
-switched into them (``generation.settle``).
+switched into them and served a run more without switching again (``generation.settle``).
 
 ``--sweep``: demo, js-small, js-wide and keras-llama at 8, 16, 32 and 64 slots (callers =
 slots; ``--shapes``, ``--slots`` to change them), then one table. ``--quick``: fewer
@@ -725,7 +725,7 @@ def main() -> None:
                     print_detail(res, n, args.repeats)
                     print()
                     print("\n".join(res["report"]))
-    if len(results) > 1:
+    if len(results) > 1 or args.sweep:  # (a sweep of one configuration: its table too)
         print(
             f"\n{requests_note(args)}, prompts {args.prompts}, outputs {args.outputs}; "
             f"closed loop, callers {args.callers or '= slots'}; medians of {args.repeats} "

@@ -3,8 +3,9 @@
 Exports one of ``decoder_shapes``' models (``--shape``) once and loads it once per
 variant (``--variant NAME=JSON``, the JSON a dict of ``pxrt.load`` options; a variant
 with ``length_tiers="auto"`` serves the workload untimed until it has switched into its
-tiers, ``generation.settle``), then runs closed loops of ``--slots`` callers over the
-lognormal workload, the variants alternated, fresh prompt tokens each run. Prints each
+tiers and served a run more without switching again, ``generation.settle``), then runs
+closed loops of ``--slots`` callers over the lognormal workload, the variants
+alternated, fresh prompt tokens each run. Prints each
 variant's program prices as its load measured them (and again after a switch), each
 run's tokens/s and latencies, with ``--detail`` the loop's counters and timings
 (steps, prefills, wall time in each), then the medians and their ratios to the first
