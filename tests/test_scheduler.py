@@ -351,6 +351,17 @@ def test_auto_tiers_are_asked_for_once_the_suggestion_holds(monkeypatch):
     dec.relayout_status = "switched"
     samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES)
     assert asked[3:] == ["27x128+5x512"]
+    # After the second switch the band is twice as wide (four slots): three more long
+    # slots, kept however long the suggestion holds; five, asked for.
+    dec.counters["relayouts"] = 2
+    dec._wire_tiers(((30, 128), (2, 512)))
+    dec.relayout_status = "switched"
+    samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES + SETTLE_SAMPLES)
+    assert asked[4:] == []
+    dec._wire_tiers(((32, 128),))
+    dec.relayout_status = "switched"
+    samples([100] * 31 + [300], NEED_SAMPLES + STABLE_SAMPLES)
+    assert asked[4:] == ["27x128+5x512"]
 
 
 def test_auto_tiers_wait_for_the_programs_compiled_after_the_load(monkeypatch):

@@ -44,6 +44,11 @@ SETTLE_SAMPLES = 512
 #: rounding moved the demo's tiers by two under the same traffic (16 long slots, then
 #: 18 asked for: a compile beside the running programs at half their pace).
 BAND_SHARE = 1 / 16
+#: The band widens by itself after each switch past the first, up to this many times
+#: its width: js-wide at 16 slots under steady traffic switched four times, its long
+#: tier 4, 6, 4 slots in turn, each a compile beside the running programs (a run at
+#: 0.77x the pace of the next).
+BAND_WIDENS = 4
 
 
 def slot_lengths(tiers: Sequence[tuple[int, int]], n_dev: int) -> tuple[int, ...]:
@@ -135,7 +140,9 @@ class Relayout(Core):
         suggested tiers once the same suggestion held ``STABLE_SAMPLES`` samples and
         differs from the tiers in use (after a switch the samples start again: more
         long prompts than long slots change the suggestion, and a second switch
-        follows; every slot long: one tier of ``max_length``)."""
+        follows; every slot long: one tier of ``max_length``). A suggestion within the
+        band of the tiers in use is kept: ``BAND_SHARE`` of the slots, times the
+        switches so far (``BAND_WIDENS`` at most)."""
         suggested = self.suggested_length_tiers(whole=bool(self.tiers))
         current = tiers_text(self.tiers)
         last, held = self._suggested
@@ -146,6 +153,7 @@ class Relayout(Core):
             # suggestion's noise: kept (the first samples after a switch count the long
             # prompts it held back; then fewer: 3 and 4 long slots in turn at 16 slots).
             step = max(len(self.devices), math.ceil(self.slots * BAND_SHARE))
+            step *= min(max(int(self.counters["relayouts"]), 1), BAND_WIDENS)
             new = {length: n for n, length in tier_pairs(suggested)}
             old = {length: n for n, length in self.tiers}
             whole = len(new) == 1  # (every slot long: at once)
