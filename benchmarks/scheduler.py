@@ -73,16 +73,8 @@ def main() -> None:
     p.add_argument(
         "--ab",
         choices=(
-            "pricing",
-            "windows",
-            "overlap",
-            "ahead",
-            "ahead-units",
-            "greedy",
-            "greedy-steps",
-            "tiers",
-            "auto",
-            "option",
+            "pricing", "windows", "overlap", "ahead", "ahead-units", "greedy", "greedy-steps",
+            "tiers", "auto", "option",
         ),  # fmt: skip
         default="pricing",
     )

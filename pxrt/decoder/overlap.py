@@ -197,21 +197,18 @@ class Overlap(Core):
         later: list[Unit] = []
         free = self._table.free
         for unit in units:  # (a failed unit's rows are dropped: it takes no slot)
-            waits = False
+            waits = ready = False  # (a row without a slot yet; one to insert or drop)
             for i in unit.left if unit.error is None else ():
                 gen = unit.batch[i]
-                if gen.reserved >= 0 or gen.finish_reason is not None:
-                    continue
-                slot = self._ahead_slot(gen)
-                if slot < 0:
-                    waits = True
-                    continue
-                free.remove(slot)
-                gen.reserved = slot
-            if not waits or len(unit.left) > sum(
-                unit.batch[i].reserved < 0 and unit.batch[i].finish_reason is None
-                for i in unit.left
-            ):  # (a row to insert, or one cancelled to drop)
+                if gen.reserved < 0 and gen.finish_reason is None:
+                    slot = self._ahead_slot(gen)
+                    if slot < 0:
+                        waits = True
+                        continue
+                    free.remove(slot)
+                    gen.reserved = slot
+                ready = True
+            if ready or not waits:
                 now.append(unit)
             if waits:
                 later.append(unit)

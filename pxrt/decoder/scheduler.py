@@ -145,16 +145,12 @@ class Scheduler(Core):
             beside = overlap and cost > left and cost > bound
             if beside and room <= 0:
                 rows = 0
-            waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
-            for gen in batch[rows:]:
-                scan.chosen.pop(gen, None)
+            self._take(scan, batch, rows)
             if self.prefix is not None and rows < len(batch):
                 scan.filling = base | {
                     k for g in [*scan.chunked, *batch[:rows]] if g.use_prefix and g.keys
                     for k in g.keys
                 }  # fmt: skip
-            for gen in batch[:rows]:
-                self._admitted(gen)
             if rows:
                 units.append((batch[:rows], length, size, beside))
                 taken += rows
@@ -195,14 +191,18 @@ class Scheduler(Core):
         if not batch:
             return []
         size, rows, _ = self._price(len(batch), length, math.inf, first=True)
-        rows = rows or 1
-        self._waiting.extendleft(reversed(batch[rows:]))  # (they lead the next unit)
+        self._take(scan, batch, rows)
+        self.counters["prefills_ahead"] += rows
+        return [(batch[:rows], length, size, AHEAD)]
+
+    def _take(self, scan: _Scan, batch: list[Generation], rows: int) -> None:
+        """The first ``rows`` of a gathered ``batch`` admitted; the rest back at the
+        queue's head, where they lead the next unit."""
+        self._waiting.extendleft(reversed(batch[rows:]))
         for gen in batch[rows:]:
             scan.chosen.pop(gen, None)
         for gen in batch[:rows]:
             self._admitted(gen)
-        self.counters["prefills_ahead"] += rows
-        return [(batch[:rows], length, size, AHEAD)]
 
     def _gather_unit(self, scan: _Scan, taken: int, ahead: int = 0) -> tuple[list, int]:
         """The next unit's prompts (up to the largest prefill batch, from the queue's
