@@ -1370,6 +1370,36 @@ def test_a_shared_prefix_is_computed_once_and_the_tokens_do_not_change(lm, refer
     assert lm.compiles_after_load == 0
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["beside", "fused"])
+def test_prompts_prefilled_whole_save_their_blocks_as_they_go_in(lm_path, reference, overlap):
+    """Four prompts of 20-32 tokens prefilled whole in one unit (the 4 x 32 cell, its
+    rows beside the steps or the prefill and insert in one program) save their first
+    block into the prefix pool in their insert, no save program after it: a later
+    prompt that shares each one's first 16 tokens copies that block, and every token
+    equals plain JAX (a block saved from another row or position would not)."""
+    dec = pxrt.load(
+        lm_path, overlap_prefill=overlap, step_slots=(), step_lengths=(), sampling_controls=False
+    )
+    try:
+        assert dec.wait_programs(120)
+        rng = np.random.default_rng(55)
+        firsts = [rng.integers(0, 256, n).astype(np.int32) for n in (20, 32, 25, 30)]
+        saves = dec.prefix.save
+        dec.prefix.save = lambda *a: pytest.fail("a save program ran for a whole prefill")
+        with dec._cond:  # (one turn admits them all: one unit of four)
+            gens = [dec.submit(p, max_tokens=4) for p in firsts]
+        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, 4) for p in firsts]
+        assert dec.counters["prefills"] == 1 and dec.prefix.index.counters["saved_blocks"] == 4
+        dec.prefix.save = saves
+        hit = dec.prefix.index.counters["hit_tokens"]
+        for p in firsts[::-1]:
+            later = np.concatenate([p[:16], rng.integers(0, 256, 9).astype(np.int32)])
+            assert dec.generate(later, max_tokens=6).tokens == reference(later, 6)
+        assert dec.prefix.index.counters["hit_tokens"] - hit == 4 * 16
+    finally:
+        dec.close()
+
+
 def test_prompts_sharing_a_start_wait_for_the_one_being_chunked(lm, reference):
     """Four prompts that share a 48-token start arrive together: the first is chunked
     and the others wait for it to cache the start (not prefill it four times)."""

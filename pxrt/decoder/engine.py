@@ -260,8 +260,6 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
         #: Generations filling their reserved slot chunk by chunk, oldest first.
         self._chunking: collections.deque[Generation] = collections.deque()
         self.prefix = prefix
-        if prefix is not None:
-            prefix.pool = prefix.make()
         self._table = _slots.SlotTable(self.slots)
         self._waiting: collections.deque[Generation] = collections.deque()
         self._cancels: list[Generation] = []
@@ -619,9 +617,9 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
                 self.speculative_tokens = got.verify_width
             if got.prefix is not None:
                 self.prefix = got.prefix
-                got.prefix.pool = got.prefix.make()
-            timed = self._time_cells(got.cells)
-            self._cells.update({(c.batch, c.length): c for c in got.cells})
+            cells = self._bound(got.cells)
+            timed = self._time_cells(cells)
+            self._cells.update({(c.batch, c.length): c for c in cells})
             self.prefill_batches = tuple(sorted({b for b, _ in self._cells}))
             for kind, n in got.sources.items():
                 self.program_sources[kind] = self.program_sources.get(kind, 0) + n

@@ -30,10 +30,18 @@ from .engine import Decoder
 from .export import CHUNK_DIM, LENGTH_DIM, is_spec, sizes
 from .export import read as read_decoder
 from .params import int_in, number_in
-from .prefix import PrefixIndex, PrefixPool
+from .prefix import PoolBox, PrefixIndex, PrefixPool
 from .programs import POOL, DecoderPrograms
 from .relayout import tier_pairs
-from .runner import BlockStep, FullStep, Packed, PrefillCell, SplitPrefill, dropped_prefill
+from .runner import (
+    BlockStep,
+    FullStep,
+    Packed,
+    PrefillCell,
+    Saving,
+    SplitPrefill,
+    dropped_prefill,
+)
 
 #: The prefix cache's block (tokens) unless ``prefix_block`` says otherwise.
 PREFIX_BLOCK = 16
@@ -893,7 +901,7 @@ class _Obtained:
         state = self.make_state()
         c = sampling
         for cell in self.cells:
-            args = dropped_prefill(cell.batch, cell.length, slots)
+            args = dropped_prefill(cell.batch, cell.length, slots, cell.ints)
             state, first, _ = cell.compiled(params, state, *args)
         for cell in self.extends:
             ints = np.zeros((cell.batch, c.CHUNK_INTS), np.int32)
@@ -914,14 +922,13 @@ class _Obtained:
             )
         prefix = self.prefix
         if prefix is not None:
-            pool = prefix.make()
             rows, width = prefix.rows, prefix.width
             dropped = np.full(rows, slots, np.int32)
-            state = prefix.load(state, pool, dropped, np.zeros((rows, width), np.int32))
+            state = prefix.load(state, prefix.pool, dropped, np.zeros((rows, width), np.int32))
             entries = prefix.index.blocks
             none = np.full(width, entries, np.int32)
-            pool = prefix.save(pool, state, none, np.zeros(width, np.int32), none)
-            jax.block_until_ready(pool)
+            prefix.pool = prefix.save(prefix.pool, state, none, np.zeros(width, np.int32), none)
+            jax.block_until_ready(prefix.pool)
         for part in [*self.parts.values(), *self.windows.values()]:
             state, first, _ = part(params, state)
         if self.move is not None:
@@ -982,7 +989,8 @@ class _Obtained:
         for cell in self.cells:
 
             def prefill(
-                cell: Any = cell, args: tuple = dropped_prefill(cell.batch, cell.length, slots)
+                cell: Any = cell,
+                args: tuple = dropped_prefill(cell.batch, cell.length, slots, cell.ints),
             ) -> Any:
                 t0 = time.perf_counter()
                 holder[0], first, _ = cell.compiled(params, holder[0], *args)
@@ -1063,20 +1071,26 @@ def _obtain_all(
     return _obtained(programs, (given or {}) | got)
 
 
-def _cells(programs: DecoderPrograms, got: dict, kind: str) -> list[PrefillCell]:
+def _cells(programs: DecoderPrograms, got: dict, kind: str, box: Any = None) -> list[PrefillCell]:
     """The obtained prefill (a split one's rows and insert together) or extend cells;
-    ``index``: the cell's place among its kind (a multi-host header names it)."""
+    ``index``: the cell's place among its kind (a multi-host header names it). With the
+    prefix cache a prefill cell saves into ``box``'s pool (``Saving``; none: the
+    decoder binds it to its own when it takes the cell, ``Runner._bound``)."""
     mine = [(job, out) for job, out in got.items() if job[0] == kind]
+    saving = kind == "prefill" and programs.prefix is not None
+    # (a prefill's insert, its state argument at ``at``)
+    pooled = lambda compiled, at: Saving(compiled, box, at) if saving else compiled  # noqa: E731
     if kind == "prefill" and programs.overlap:  # each cell's rows and insert
         mine = [
-            (job, (SplitPrefill(out[0], got[("insert", *job[1:])][0]), out[1], out[2]))
+            (job, (SplitPrefill(out[0], pooled(got[("insert", *job[1:])][0], 0)), *out[1:]))
             for job, out in got.items()
             if job[0] == "rows" and ("insert", *job[1:]) in got
         ]
     else:  # (one host input: ``Packed``)
-        mine = [(job, (Packed(out[0]), *out[1:])) for job, out in mine]
+        mine = [(job, (Packed(pooled(out[0], 1)), *out[1:])) for job, out in mine]
+    columns = programs.prefill_ints if saving else sampling.INTS
     return [
-        PrefillCell(b, n, compiled, compile_s, i)
+        PrefillCell(b, n, compiled, compile_s, i, columns)
         for i, ((_, b, n), (compiled, compile_s, _)) in enumerate(mine)
     ]
 
@@ -1101,12 +1115,13 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
         pick = program("pick", 0, 0)
         return FullStep(compiled, programs.slots, words, programs.by_slot, forwards, pick)
 
-    prefix = None
+    prefix = box = None
     if programs.prefix is not None and all((what, 0, 0) in got for what in POOL):
         entries, block = programs.prefix
         make, load, save = (got[(what, 0, 0)][0] for what in POOL)
+        box = PoolBox(make)  # (the decoder's pool, or scratch: ``Decoder._wire_pool``)
         prefix = PrefixPool(
-            PrefixIndex(entries, block), make, load, save, programs.load_rows, programs.width
+            PrefixIndex(entries, block), box, load, save, programs.load_rows, programs.width
         )
     step = got.get(("step", 0, 0), (None, 0.0, ""))
     verify = program("verify", 0, programs.speculate) if programs.speculate else None
@@ -1114,7 +1129,7 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
         program("state", 0, 0),
         stepper(step[0]),
         step[1],
-        _cells(programs, got, "prefill"),
+        _cells(programs, got, "prefill", box),
         collections.Counter(source for _, _, source in got.values()),
         _cells(programs, got, "extend"),
         prefix,

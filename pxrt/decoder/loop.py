@@ -232,9 +232,8 @@ class Loop(Core):
             if sync is not None:
                 self.group.wait(sync)
             if self.prefix is not None:  # it may have been donated to the failed call
-                self.prefix.pool = None
                 self.prefix.index.clear()
-                self.prefix.pool = self.prefix.make()
+                self.prefix.box.renew()
         except Exception as again:  # noqa: BLE001 - nothing more can run
             with self._cond:
                 self._closed = True

@@ -147,12 +147,12 @@ class Overlap(Core):
         # (a failure from here fails the state and the generations in its slots: these)
         for gen, slot in done:
             self._write_controls(gen, slot)
+        self._save_columns([(i, g) for i, g in enumerate(owners) if g is not None], ints)
         (self._state, first_tokens, scores), _ = self._launch(
             -1, unit.cell.compiled.insert, self._state, unit.rows, unit.logits, ints, unit.floats
         )
         first_tokens.copy_to_host_async()
         self._pending.append((0, first_tokens, owners, unit.t0, self._scores(owners, scores), None))
-        self._save_prefixes(done)
 
     def _take_rows(
         self, unit: Unit, ints: np.ndarray, owners: list

@@ -112,19 +112,45 @@ class PrefixIndex:
         self._free = list(range(self.blocks - 1, -1, -1))
 
 
+class PoolBox:
+    """The pool's arrays on the devices (made by ``make() -> pool``), held where every
+    program that writes them finds the latest: each such program is donated the pool
+    and returns it (the saves, and the prefill cells that save their prompts' blocks
+    as they insert them, ``runner.Saving``)."""
+
+    __slots__ = ("make", "pool")
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+        self.pool = make()
+
+    def renew(self) -> None:
+        """An empty pool in place of one a failed program may have been donated."""
+        self.pool = None  # (before allocating another: after an out-of-memory error)
+        self.pool = self.make()
+
+
 @dataclasses.dataclass
 class PrefixPool:
-    """The prefix cache: its host index and its device programs.
+    """The prefix cache: its host index, its device programs and the pool.
 
-    ``make() -> pool``; ``load(state, pool, slots[rows], entries[rows, width]) ->
-    state`` copies entries into the start of slots (and parks them); ``save(pool,
-    state, slots[width], blocks[width], entries[width]) -> pool`` copies a slot's
-    block into an entry (an entry out of range is padding)."""
+    ``load(state, pool, slots[rows], entries[rows, width]) -> state`` copies entries
+    into the start of slots (and parks them); ``save(pool, state, slots[width],
+    blocks[width], entries[width]) -> pool`` copies a slot's block into an entry (an
+    entry out of range is padding): the prompts that go in chunks (a prompt prefilled
+    whole saves in its insert)."""
 
     index: PrefixIndex
-    make: Any
+    box: PoolBox
     load: Any
     save: Any
     rows: int
     width: int
-    pool: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def pool(self) -> Any:
+        return self.box.pool
+
+    @pool.setter
+    def pool(self, pool: Any) -> None:
+        self.box.pool = pool

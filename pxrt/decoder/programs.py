@@ -60,7 +60,9 @@ class DecoderPrograms:
       write the rows, the token and the sampling parameters into the given slots;
       with ``overlap``, as two programs: ``rows[b, L](params, tokens, ints) -> (rows,
       logits)`` and ``insert[b, L](state, rows, logits, ints, floats) -> (state,
-      first)``.
+      first)``. With the prefix cache the insert (fused or not) also takes the pool
+      after the state and returns it after the state: it saves the prompts' blocks
+      that the ints' columns past ``sampling.INTS`` name (``_save_rows``).
 
     ``in_group``: in a multi-host group the step's tokens stay sharded by slot (each
     follower sends the leader its slots'); in one process they are on every device.
@@ -120,6 +122,10 @@ class DecoderPrograms:
         # save writes up to ``width`` blocks (one prompt's worth).
         self.load_rows = max(rows, default=1)
         self.width = (max_length - 1) // prefix[1] if prefix else 0
+        #: The ints columns of a prefill's rows: the sampling's, and with the prefix
+        #: cache one per block a prompt may save (``_save_rows``: the insert writes
+        #: them into the pool, no save program after it).
+        self.prefill_ints = sampling.INTS + self.width
         mesh = Mesh(np.array(devices), (BATCH_AXIS,))
         self.replicated = NamedSharding(mesh, P())
         self.by_slot = NamedSharding(mesh, P(BATCH_AXIS))
@@ -135,9 +141,9 @@ class DecoderPrograms:
         )
         self._state_jit = jax.jit(self._make_state, out_shardings=state_sharding)
         self._step_jits(mesh, state_sharding)
-        self._insert_jits(state_sharding)
         if prefix is not None:
             self._pool_jits(state_sharding)
+        self._insert_jits(state_sharding)
 
     def _step_jits(self, mesh: Mesh, state_sharding: Any) -> None:
         """The steps (whole, with the sampling controls, over fewer slots, over cache
@@ -264,19 +270,23 @@ class DecoderPrograms:
         )
 
     def _insert_jits(self, state_sharding: Any) -> None:
-        """The prefill- and extend-inserts and the sampling controls' insert, jitted."""
+        """The prefill- and extend-inserts and the sampling controls' insert, jitted.
+        With the prefix cache, a prefill's insert takes the pool after the state (both
+        donated) and returns it after the state (``_save_rows``)."""
+        pooled = (self.pool_sharding,) if self.prefix is not None else ()
+        out = (state_sharding, *pooled, self.replicated, self.replicated)
         self._prefill_jit = jax.jit(
-            self._prefill_packed,
-            donate_argnums=(1,),
-            out_shardings=(state_sharding, self.replicated, self.replicated),
+            self._prefill_saving if pooled else self._prefill_packed,
+            donate_argnums=(1, 2) if pooled else (1,),
+            out_shardings=out,
         )
         self._rows_jit = jax.jit(
             self._prefill_rows, out_shardings=(self.replicated, self.replicated)
         )
         self._insert_rows_jit = jax.jit(
-            self._insert_rows,
-            donate_argnums=(0,),
-            out_shardings=(state_sharding, self.replicated, self.replicated),
+            self._insert_saving if pooled else self._insert_rows,
+            donate_argnums=(0, 1) if pooled else (0,),
+            out_shardings=out,
         )
         self._extend_jit = jax.jit(
             self._extend_packed,
@@ -292,13 +302,13 @@ class DecoderPrograms:
         # Every leaf has a sequence axis (``_prefix_pool`` checked): its index.
         self._pool_axes = [a for a in self._length_axes if a is not None]
         self.pool_shapes = self._pool_specs()
-        pool_sharding = jax.tree.map(lambda s: s.sharding, self.pool_shapes)
-        self._pool_jit = jax.jit(self._make_pool, out_shardings=pool_sharding)
+        self.pool_sharding = jax.tree.map(lambda s: s.sharding, self.pool_shapes)
+        self._pool_jit = jax.jit(self._make_pool, out_shardings=self.pool_sharding)
         self._load_jit = jax.jit(
             self._load_prefix, donate_argnums=(0,), out_shardings=state_sharding
         )
         self._save_jit = jax.jit(
-            self._save_blocks, donate_argnums=(0,), out_shardings=pool_sharding
+            self._save_blocks, donate_argnums=(0,), out_shardings=self.pool_sharding
         )
 
     def place(self, params: Any) -> Any:
@@ -398,10 +408,11 @@ class DecoderPrograms:
         if what == "extend":  # (its host inputs packed: ``runner.Packed``)
             packed = ints(b, n + sampling.CHUNK_INTS + sampling.FLOATS)
             return self._extend_jit.lower(self.param_specs, self.shapes, packed)
+        pool = (self.pool_shapes,) if self.prefix is not None else ()
         if what == "prefill":
-            packed = ints(b, n + sampling.INTS + sampling.FLOATS)
-            return self._prefill_jit.lower(self.param_specs, self.shapes, packed)
-        args = (ints(b, n), ints(b, sampling.INTS), floats(b))
+            packed = ints(b, n + self.prefill_ints + sampling.FLOATS)
+            return self._prefill_jit.lower(self.param_specs, self.shapes, *pool, packed)
+        args = (ints(b, n), ints(b, self.prefill_ints), floats(b))
         if what == "rows":
             return self._rows_jit.lower(self.param_specs, *args[:2])
         if what == "insert":
@@ -409,7 +420,7 @@ class DecoderPrograms:
             rows, logits = jax.tree.map(
                 lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.replicated), made
             )
-            return self._insert_rows_jit.lower(self.shapes, rows, logits, *args[1:])
+            return self._insert_rows_jit.lower(self.shapes, *pool, rows, logits, *args[1:])
         raise ValueError(f"no decoder program {what!r}")
 
     def key(self, what: str, b: int, n: int) -> str:
@@ -425,7 +436,9 @@ class DecoderPrograms:
                 # (a plain step's block size)
                 + ([self.multi_step] if what == "step" and b >= 0 and self.multi_step > 1 else [])
                 # (the pool's programs: its size, and the rows a copy takes)
-                + (list(self.prefix or ()) + [self.load_rows] if what in POOL else []),
+                + (list(self.prefix or ()) + [self.load_rows] if what in POOL else [])
+                # (a prefill's: the pool its insert saves into, and its ints' columns)
+                + (list(self.prefix or ()) if what in ("prefill", "rows", "insert") else []),
                 "devices": stored.device_fields(self.devices),
                 "x64": self.art.x64,
             },
@@ -858,6 +871,30 @@ class DecoderPrograms:
         rows, logits = self._prefill_rows(params, tokens, ints)
         return self._insert_rows(state, rows, logits, ints, floats)
 
+    def _prefill_saving(
+        self, params: Any, state: dict, pool: Any, packed: jax.Array
+    ) -> tuple[dict, Any, jax.Array, jax.Array]:
+        """``_prefill_packed`` that also saves its prompts' blocks (``_insert_saving``)."""
+        tokens, ints, floats = unpacked(packed, self.prefill_ints)
+        rows, logits = self._prefill_rows(params, tokens, ints)
+        return self._insert_saving(state, pool, rows, logits, ints, floats)
+
+    def _insert_saving(
+        self,
+        state: dict,
+        pool: Any,
+        rows: Any,
+        logits: jax.Array,
+        ints: jax.Array,
+        floats: jax.Array,
+    ) -> tuple[dict, Any, jax.Array, jax.Array]:
+        """``_insert_rows``, the prompts' blocks also written into the prefix ``pool``
+        where the ints' columns past the sampling's name an entry (``_save_rows``)."""
+        state, first, scores = self._insert_rows(
+            state, rows, logits, ints[:, : sampling.INTS], floats
+        )
+        return state, self._save_rows(pool, rows, ints[:, sampling.INTS :]), first, scores
+
     def _prefill_rows(
         self, params: Any, tokens: jax.Array, ints: jax.Array
     ) -> tuple[Any, jax.Array]:
@@ -1059,6 +1096,26 @@ class DecoderPrograms:
         leaves = [
             entries.at[ids].set(g, mode="drop") for entries, g in zip(jax.tree.leaves(pool), got)
         ]
+        return jax.tree.unflatten(self._cache_tree, leaves)
+
+    def _save_rows(self, pool: Any, rows: Any, saves: jax.Array) -> Any:
+        """Pool entry ``saves[r, i] - 1`` := block ``i`` of prefilled row ``r`` (0: no
+        save): what a save program copies out of the slots after an insert, written
+        from the prefill's own rows by the insert (one program less per prompt)."""
+        assert self.prefix is not None
+        entries, size = self.prefix
+        leaves = []
+        for blocks, r, axis in zip(jax.tree.leaves(pool), jax.tree.leaves(rows), self._pool_axes):
+            n = min(r.shape[axis] // size, saves.shape[1])
+            if n == 0:  # (rows shorter than a block: nothing to save)
+                leaves.append(blocks)
+                continue
+            r = lax.slice_in_dim(r, 0, n * size, axis=axis)
+            r = r.reshape(r.shape[:axis] + (n, size) + r.shape[axis + 1 :])
+            r = jnp.moveaxis(r, axis, 1)  # [rows, n, *per-slot shape with the block's length]
+            r = r.reshape((-1,) + r.shape[2:])
+            ids = jnp.where(saves[:, :n] > 0, saves[:, :n] - 1, entries).reshape(-1)
+            leaves.append(blocks.at[ids].set(r.astype(blocks.dtype), mode="drop"))
         return jax.tree.unflatten(self._cache_tree, leaves)
 
     def _blocks_of(self, cache: Any, rows: jax.Array, blocks: jax.Array, size: int) -> list:

@@ -241,16 +241,16 @@ class Relayout(Core):
     def _use_tiers(self, tiers: tuple, got: Any, costs: dict[str, float]) -> None:
         """The tiered programs in place of the one cache's, and their prices."""
         special = self._special
+        if got.prefix is not None and self.prefix is not None:  # (the pool carries over)
+            got.prefix.index, got.prefix.box = self.prefix.index, self.prefix.box
+            self.prefix = got.prefix
         self._wire_programs(
-            self._params, self._state, got.step, got.make_state, got.cells, got.parts,
-            None, got.control, got.full_step,
+            self._params, self._state, got.step, got.make_state, self._bound(got.cells),
+            got.parts, None, got.control, got.full_step,
         )  # fmt: skip
         self._special = special
         self._wire_windows({}, got.extends)
         self._wire_tiers(tiers)
-        if got.prefix is not None and self.prefix is not None:  # (the pool carries over)
-            got.prefix.index, got.prefix.pool = self.prefix.index, self.prefix.pool
-            self.prefix = got.prefix
         self.step_compile_s = got.step_s
         for kind, n in got.sources.items():
             if kind != "in use":  # (the prefills' rows programs, shared)

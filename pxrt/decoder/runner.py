@@ -33,12 +33,15 @@ else:
 _PREFILL, _STEP, _VERIFY, _BLOCK = 0, 1, 2, 3
 
 
-def dropped_prefill(batch: int, length: int, slots: int) -> tuple[np.ndarray, ...]:
+def dropped_prefill(
+    batch: int, length: int, slots: int, columns: int = sampling.INTS
+) -> tuple[np.ndarray, ...]:
     """A prefill call's host arrays (tokens, ints, floats) for ``batch`` rows of
-    ``length`` tokens, every row dropped (its slot out of range): the shapes and work of
-    a real call that changes nothing of the state, to warm up or time a cell."""
+    ``length`` tokens, every row dropped (its slot out of range, no block saved): the
+    shapes and work of a real call that changes nothing of the state, to warm up or
+    time a cell (``columns``: its ints', ``PrefillCell.ints``)."""
     c = sampling
-    ints = np.zeros((batch, c.INTS), np.int32)
+    ints = np.zeros((batch, columns), np.int32)
     ints[:, c.LEN] = 1
     ints[:, c.SLOT] = slots
     floats = np.ones((batch, c.FLOATS), np.float32)
@@ -55,6 +58,9 @@ class PrefillCell:
     compiled: Any
     compile_s: float
     index: int = 0  # in the decoder's programs: what a multi-host leader's header names
+    #: Columns of its host ints: ``sampling.INTS``, and with the prefix cache the pool
+    #: entry + 1 of each block a prompt saves (``DecoderPrograms.prefill_ints``).
+    ints: int = sampling.INTS
 
 
 class SplitPrefill:
@@ -70,6 +76,24 @@ class SplitPrefill:
     def __call__(self, params: Any, state: Any, tokens: Any, ints: Any, floats: Any) -> Any:
         rows, logits = self.rows(params, tokens, ints)
         return self.insert(state, rows, logits, ints, floats)
+
+
+class Saving:
+    """A prefill cell's program that saves its prompts' blocks into the prefix pool as
+    it inserts them (``DecoderPrograms._insert_saving``), called as one that does not:
+    the pool (``box.pool``) goes in after the state, donated, and comes back after it.
+    The box is the decoder's (``Decoder._wire_pool`` binds the cells it takes)."""
+
+    def __init__(self, compiled: Any, box: Any, at: int) -> None:
+        self.compiled, self.box, self._at = compiled, box, at
+
+    def __call__(self, *args: Any) -> Any:
+        at, box = self._at + 1, self.box
+        state, box.pool, *out = self.compiled(*args[:at], box.pool, *args[at:])
+        return (state, *out)
+
+    def memory_analysis(self) -> Any:
+        return self.compiled.memory_analysis()
 
 
 class Packed:
@@ -171,7 +195,7 @@ class Runner(Core):
         nothing of the state changes."""
         costs = {}
         for cell in cells:
-            args = dropped_prefill(cell.batch, cell.length, self.slots)
+            args = dropped_prefill(cell.batch, cell.length, self.slots, cell.ints)
             times = []
             for _ in range(4):
                 t0 = time.perf_counter()
@@ -180,6 +204,23 @@ class Runner(Core):
                 times.append(time.perf_counter() - t0)
             costs[f"prefill[{cell.batch},{cell.length}]"] = float(np.median(times[1:]))
         return costs
+
+    def _bound(self, cells: list[PrefillCell]) -> list[PrefillCell]:
+        """``cells`` (compiled after the load, or for other length tiers) saving into
+        this decoder's prefix pool; those that save, left out while it has none (a build
+        stopped before the pool's programs)."""
+        box = self.prefix.box if self.prefix is not None else None
+        out = []
+        for cell in cells:
+            saving = cell.compiled
+            if isinstance(saving, (SplitPrefill, Packed)):  # (the insert: the part that saves)
+                saving = saving.insert if isinstance(saving, SplitPrefill) else saving.compiled
+            if isinstance(saving, Saving):
+                if box is None:
+                    continue
+                saving.box = box
+            out.append(cell)
+        return out
 
     def _load_prefixes(self, loads: list[tuple[int, list[int]]]) -> None:
         """Copy cached blocks into the start of slots (one program)."""
@@ -193,10 +234,23 @@ class Runner(Core):
         self._state, _ = self._launch(-1, prefix.load, self._state, prefix.pool, slots, entries)
         self.counters["prefix_loads"] += 1
 
+    def _save_columns(self, rows: list[tuple[int, Generation]], ints: np.ndarray) -> None:
+        """The full blocks that the pool lacks of the prompts a prefill's insert writes
+        (``(row, generation)``), saved by the insert itself: each block's pool entry
+        + 1 in its row's ints past the sampling's (``DecoderPrograms._save_rows``)."""
+        prefix = self.prefix
+        if prefix is None or ints.shape[1] == sampling.INTS:
+            return
+        for i, gen in rows:  # (admission computed the keys of those that use it)
+            if gen.use_prefix and gen.keys:
+                first = gen.hit // prefix.index.block
+                for block, entry in prefix.index.add(gen.keys, first):
+                    ints[i, sampling.INTS + block] = entry + 1
+
     def _save_prefixes(self, done: list[tuple[Generation, int]]) -> None:
-        """Keep the full blocks of freshly prefilled prompts (``(generation, slot)``)
-        that the pool lacks: programs of ``width`` blocks each, dispatched after the
-        prefill that wrote them and before anything may overwrite the slots."""
+        """Keep the full blocks of prompts just filled in chunks (``(generation,
+        slot)``) that the pool lacks: programs of ``width`` blocks each, dispatched
+        after the chunk that wrote them and before anything may overwrite the slots."""
         prefix = self.prefix
         if prefix is None:
             return
@@ -343,11 +397,8 @@ class Runner(Core):
         n = len(batch)
         size = size or next(b for b in self.prefill_batches if b >= n)
         cell = self._cells[(size, length)]
-        tokens, ints, floats = self._host_rows(
-            size, length, sampling.INTS, sampling.LEN, sampling.SLOT
-        )
+        tokens, ints, floats = self._host_rows(size, length, cell.ints, sampling.LEN, sampling.SLOT)
         assign, free = self._table.assign, self._table.free
-        done = []
         for i, gen in enumerate(batch):
             prompt = gen.prompt
             tokens[i, : len(prompt)] = prompt
@@ -366,7 +417,6 @@ class Runner(Core):
             if not beside:
                 gen.reserved = -1
                 self._write_controls(gen, slot)
-            done.append((gen, slot))
         t0 = time.perf_counter()
         for gen in batch:
             gen.t_admit = t0
@@ -375,12 +425,12 @@ class Runner(Core):
         if beside:
             self._prefill_beside(Unit(cell, tokens, ints, floats, batch, t0))
             return
+        self._save_columns(list(enumerate(batch)), ints)
         (self._state, first, scores), sync = self._launch(
             cell.index, cell.compiled, self._params, self._state, tokens, ints, floats
         )
         first.copy_to_host_async()
         self._pending.append((_PREFILL, first, batch, t0, self._scores(batch, scores), sync))
-        self._save_prefixes(done)
 
     def _dispatch_step(self) -> None:
         self._sample_needs()  # (what the traffic needs: ``suggested_length_tiers``)
