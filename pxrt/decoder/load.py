@@ -1119,7 +1119,7 @@ def _obtained(programs: DecoderPrograms, got: dict) -> _Obtained:
     if programs.prefix is not None and all((what, 0, 0) in got for what in POOL):
         entries, block = programs.prefix
         make, load, save = (got[(what, 0, 0)][0] for what in POOL)
-        box = PoolBox(make)  # (the decoder's pool, or scratch: ``Decoder._wire_pool``)
+        box = PoolBox(make)  # (the decoder's pool, or scratch until ``Runner._bound``)
         prefix = PrefixPool(
             PrefixIndex(entries, block), box, load, save, programs.load_rows, programs.width
         )

@@ -82,7 +82,7 @@ class Saving:
     """A prefill cell's program that saves its prompts' blocks into the prefix pool as
     it inserts them (``DecoderPrograms._insert_saving``), called as one that does not:
     the pool (``box.pool``) goes in after the state, donated, and comes back after it.
-    The box is the decoder's (``Decoder._wire_pool`` binds the cells it takes)."""
+    The box is the decoder's (``Runner._bound`` binds the cells it takes)."""
 
     def __init__(self, compiled: Any, box: Any, at: int) -> None:
         self.compiled, self.box, self._at = compiled, box, at
