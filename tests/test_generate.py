@@ -348,6 +348,25 @@ def test_a_prompt_is_prefilled_ahead_of_a_free_slot(lm, reference):
     assert sorted(lm._table.free) == list(range(lm.slots))  # (none lost to the cancel)
 
 
+def test_no_prompt_is_prefilled_ahead_before_a_prefill_cell_is_in(lm, reference):
+    """A deferred load is ready with its extend cells only: with every slot taken then,
+    the prompts that wait are not prefilled ahead (no cell to do it) but go in chunks as
+    slots free, and every stream's tokens are plain JAX's. (`pxrt demo lm`'s callers
+    took every slot before its prefill cells came in, and the loop failed every
+    generation in flight.)"""
+    cells, batches = lm._cells, lm.prefill_batches
+    lm._cells, lm.prefill_batches = {}, ()  # (as before the later programs come in)
+    try:
+        asks = prompts(lm.slots + 4, seed=65, high=8)
+        chunks, ahead = lm.counters["chunks"], lm.counters["prefills_ahead"]
+        with lm._cond:  # (one turn admits them all: four more than the slots)
+            gens = [lm.submit(p, max_tokens=6) for p in asks]
+        assert [g.result(timeout=60).tokens for g in gens] == [reference(p, 6) for p in asks]
+        assert lm.counters["prefills_ahead"] == ahead and lm.counters["chunks"] > chunks
+    finally:
+        lm._cells, lm.prefill_batches = cells, batches
+
+
 def test_prompts_prefilled_ahead_together_go_in_as_slots_free(lm, reference):
     """Several prompts prefilled ahead of free slots in one unit (its cell makes more
     prompts per second) go in as the running streams end, each into the slot that

@@ -177,10 +177,11 @@ class Scheduler(Core):
         higher level must not wait behind it). Several prompts a unit where their cell
         makes more prompts per second: each row goes into the first slot to free (with
         length tiers, of a tier that holds it), the unit's rows a few at a time
-        (``Overlap._insertable``)."""
+        (``Overlap._insertable``). Not before a prefill cell is in use (a deferred load
+        is ready with the extend cells only: its prompts go in chunks, as slots free)."""
         return (
             self.overlap_prefill and self.priority_levels == 1
-            and len(self._prefilling) < IN_FLIGHT
+            and len(self._prefilling) < IN_FLIGHT and bool(self._cells)
         )  # fmt: skip
 
     def _ahead_unit(self, scan: _Scan, taken: int) -> list[tuple[list, int, int, int]]:
