@@ -901,7 +901,7 @@ class _Obtained:
         state = self.make_state()
         c = sampling
         for cell in self.cells:
-            args = dropped_prefill(cell.batch, cell.length, slots, cell.ints)
+            args = dropped_prefill(cell, slots)
             state, first, _ = cell.compiled(params, state, *args)
         for cell in self.extends:
             ints = np.zeros((cell.batch, c.CHUNK_INTS), np.int32)
@@ -989,8 +989,7 @@ class _Obtained:
         for cell in self.cells:
 
             def prefill(
-                cell: Any = cell,
-                args: tuple = dropped_prefill(cell.batch, cell.length, slots, cell.ints),
+                cell: Any = cell, args: tuple = dropped_prefill(cell, slots)
             ) -> Any:
                 t0 = time.perf_counter()
                 holder[0], first, _ = cell.compiled(params, holder[0], *args)

@@ -33,15 +33,13 @@ else:
 _PREFILL, _STEP, _VERIFY, _BLOCK = 0, 1, 2, 3
 
 
-def dropped_prefill(
-    batch: int, length: int, slots: int, columns: int = sampling.INTS
-) -> tuple[np.ndarray, ...]:
-    """A prefill call's host arrays (tokens, ints, floats) for ``batch`` rows of
-    ``length`` tokens, every row dropped (its slot out of range, no block saved): the
-    shapes and work of a real call that changes nothing of the state, to warm up or
-    time a cell (``columns``: its ints', ``PrefillCell.ints``)."""
+def dropped_prefill(cell: PrefillCell, slots: int) -> tuple[np.ndarray, ...]:
+    """A prefill call's host arrays (tokens, ints, floats) for ``cell``'s rows, every
+    row dropped (its slot out of range, no block saved): the shapes and work of a real
+    call that changes nothing of the state, to warm up or time a cell."""
     c = sampling
-    ints = np.zeros((batch, columns), np.int32)
+    batch, length = cell.batch, cell.length
+    ints = np.zeros((batch, cell.ints), np.int32)
     ints[:, c.LEN] = 1
     ints[:, c.SLOT] = slots
     floats = np.ones((batch, c.FLOATS), np.float32)
@@ -61,6 +59,13 @@ class PrefillCell:
     #: Columns of its host ints: ``sampling.INTS``, and with the prefix cache the pool
     #: entry + 1 of each block a prompt saves (``DecoderPrograms.prefill_ints``).
     ints: int = sampling.INTS
+
+    @property
+    def saving(self) -> Saving | None:
+        """Its program that saves into the prefix pool (a prefill's insert), or None."""
+        compiled = self.compiled
+        inner = getattr(compiled, "insert", None) or getattr(compiled, "compiled", None)
+        return inner if isinstance(inner, Saving) else None
 
 
 class SplitPrefill:
@@ -195,7 +200,7 @@ class Runner(Core):
         nothing of the state changes."""
         costs = {}
         for cell in cells:
-            args = dropped_prefill(cell.batch, cell.length, self.slots, cell.ints)
+            args = dropped_prefill(cell, self.slots)
             times = []
             for _ in range(4):
                 t0 = time.perf_counter()
@@ -212,10 +217,8 @@ class Runner(Core):
         box = self.prefix.box if self.prefix is not None else None
         out = []
         for cell in cells:
-            saving = cell.compiled
-            if isinstance(saving, (SplitPrefill, Packed)):  # (the insert: the part that saves)
-                saving = saving.insert if isinstance(saving, SplitPrefill) else saving.compiled
-            if isinstance(saving, Saving):
+            saving = cell.saving
+            if saving is not None:
                 if box is None:
                     continue
                 saving.box = box
