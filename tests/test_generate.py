@@ -1397,7 +1397,12 @@ def test_prompts_prefilled_whole_save_their_blocks_as_they_go_in(lm_path, refere
     prompt that shares each one's first 16 tokens copies that block, and every token
     equals plain JAX (a block saved from another row or position would not)."""
     dec = pxrt.load(
-        lm_path, overlap_prefill=overlap, step_slots=(), step_lengths=(), sampling_controls=False
+        lm_path,
+        overlap_prefill=overlap,
+        prefill_batches=(4,),  # (one unit of four, whatever the cells' measured prices)
+        step_slots=(),
+        step_lengths=(),
+        sampling_controls=False,
     )
     try:
         assert dec.wait_programs(120)
