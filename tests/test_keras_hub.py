@@ -361,6 +361,38 @@ def test_other_causal_lm_families_generate_like_keras_hub(family, tmp_path):
         assert dec.counters["prefix_hit_tokens"] == 12
 
 
+def test_a_prefill_projects_the_last_position_only_where_that_is_the_models_head(tmp_path):
+    """A prompt's first token needs the logits of its last position: the prefill runs
+    keras-hub's token embedding in reverse on that position's hidden state, where it
+    was checked to be what ``call_with_cache`` does (every family above takes that way).
+    A model whose logits are something more (here a bias added after the embedding)
+    keeps every position's logits, and its first tokens are still keras-hub's."""
+    bias = np.random.default_rng(5).normal(0.0, 3.0, VOCAB).astype(np.float32)
+
+    class Biased(keras_hub.models.LlamaCausalLM):
+        def call_with_cache(self, token_ids, cache, cache_update_index):
+            logits, hidden, cache = super().call_with_cache(token_ids, cache, cache_update_index)
+            return logits + keras.ops.convert_to_tensor(bias), hidden, cache
+
+    keras.utils.set_random_seed(3)
+    made = {}
+    for cls in (keras_hub.models.LlamaCausalLM, Biased):
+        lm = cls(backbone=keras_hub.models.LlamaBackbone(**TINY), preprocessor=None)
+        lm.compile(sampler="greedy")
+        made[cls] = unit_scale(lm, 6)
+    assert adapter.last_logits_head(made[keras_hub.models.LlamaCausalLM], adapter.cache_spec(lm))
+    lm = made[Biased]
+    assert adapter.last_logits_head(lm, adapter.cache_spec(lm)) is None
+    path = adapter.export_causal_lm(
+        lm, tmp_path / "biased", max_length=MAX_LENGTH, slots=2, prefill_lengths=(8,),
+        prefill_batches=(1,),
+    )  # fmt: skip
+    prompts = [np.random.default_rng(6).integers(1, VOCAB, n).astype(np.int32) for n in (3, 8)]
+    with pxrt.load(path, step_slots=(), sampling_controls=False, prefix_cache_tokens=0) as dec:
+        for prompt in prompts:
+            assert dec.generate(prompt, max_tokens=4).tokens == keras_greedy(lm, prompt, 4)
+
+
 def test_a_recurrent_model_is_refused_by_name(tmp_path):
     """RWKV7's cache is a recurrent state: no axis follows the length. The adapter says
     so, and why (a padded prefill would change the state), instead of a shape puzzle."""

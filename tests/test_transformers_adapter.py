@@ -85,6 +85,9 @@ def hf_greedy(model):
 @pytest.mark.parametrize("family", MODELS)
 def test_a_flax_causal_lm_generates_like_hf(family, tmp_path):
     model = _scaled(MODELS[family](), seed=1)
+    # (the prefill projects the prompt's last position only: GPT-2's tied embedding,
+    # Llama's lm_head, each checked against the model's logits)
+    assert adapter.last_logits_head(model) is not None
     path = adapter.export_causal_lm(
         model, tmp_path / family, max_length=MAX_LENGTH, slots=2, prefill_lengths=(16,),
         prefill_batches=(1,),

@@ -236,6 +236,58 @@ def cache_spec(causal_lm: Any) -> Any:
     return jax.tree.map(lambda x, y: per_slot_spec(owner, "", x, y, (3, 5)), a, b)
 
 
+def last_logits_head(causal_lm: Any, spec: Any) -> Any:
+    """The function from ``call_with_cache``'s hidden states to its logits, so that a
+    prefill computes the logits of each prompt's last position only (a prompt of n
+    tokens otherwise pays n rows of the vocabulary's projection, of which the first
+    token needs one: half of a small model's prefill, a fifth of a 2B model's with a
+    256k vocabulary); None where it is not that.
+
+    keras-hub's causal LMs end ``call_with_cache`` with ``logits =
+    backbone.token_embedding(hidden_states, reverse=True)`` (Gemma's soft cap inside
+    the embedding, Gemma 4's ``final_logit_cap`` after it). Whether this model does is
+    checked, not assumed: a 3-token prompt run eagerly both ways (the real weights,
+    no compile), the last position's logits equal to float32 rounding; a model whose
+    head is something else (a multimodal wrapper's, a renamed embedding) keeps every
+    position's logits."""
+    import jax
+    import jax.numpy as jnp
+
+    embedding = getattr(getattr(causal_lm, "backbone", None), "token_embedding", None)
+    if embedding is None:
+        return None
+    cap = getattr(causal_lm, "final_logit_cap", None)
+
+    def head(hidden: Any) -> Any:
+        logits = embedding(hidden, reverse=True)
+        if cap:
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
+
+    params = {v.path: v.value for v in causal_lm.variables}
+    tokens = jnp.asarray([[1, 2, 3]], jnp.int32)
+    cache = jax.tree.map(
+        lambda s: jnp.zeros((1, *s.at({"length": 3})), s.dtype), spec, is_leaf=is_spec
+    )
+    try:
+        with _weights(causal_lm, params):
+            logits, hidden, _ = causal_lm.call_with_cache(tokens, cache, 0)
+            got = np.asarray(head(hidden[:, -1:])[:, 0], np.float32)
+        want = np.asarray(logits[:, -1], np.float32)
+    except Exception as exc:  # noqa: BLE001 - any failure: the logits as they are
+        log.info("pxrt: %s: every position's logits (%s)", type(causal_lm).__name__, exc)
+        return None
+    scale = float(np.max(np.abs(want))) or 1.0
+    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
+        log.info(
+            "pxrt: %s's logits are not its token embedding's reverse of its hidden "
+            "states: its prefill computes every position's logits",
+            type(causal_lm).__name__,
+        )
+        return None
+    return head
+
+
 def carried_tokenizer(tokenizer: Any, directory: str) -> str | None:
     """A keras-hub tokenizer as a file pxrt carries, written into ``directory``: a
     SentencePiece ``proto`` as ``tokenizer.model``; the ``tokenizers.Tokenizer`` that
@@ -289,17 +341,23 @@ def export_causal_lm(
     keras's layer name, ``gpt_neo_x_causal_lm``). Returns the artifact path."""
     spec = cache_spec(causal_lm)
 
+    head = last_logits_head(causal_lm, spec)
+
     def prefill(params: Any, tokens: Any, lengths: Any) -> Any:
         import jax
         import jax.numpy as jnp
 
+        at = (lengths - 1)[:, None, None]
         with _weights(causal_lm, params):
             b, n = tokens.shape
             cache = jax.tree.map(
                 lambda s: jnp.zeros((b, *s.at({"length": n})), s.dtype), spec, is_leaf=is_spec
             )
-            logits, _, cache = causal_lm.call_with_cache(tokens, cache, 0)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+            logits, hidden, cache = causal_lm.call_with_cache(tokens, cache, 0)
+            if head is None:
+                last = jnp.take_along_axis(logits, at, axis=1)[:, 0]
+            else:  # (the logits of every position unused: XLA leaves them out)
+                last = head(jnp.take_along_axis(hidden, at, axis=1))[:, 0]
         return {"kv": cache}, last.astype(jnp.float32)
 
     def one_sequence(params: Any, cache: Any, tokens: Any, positions: Any) -> Any:

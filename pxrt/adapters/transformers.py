@@ -66,6 +66,49 @@ def cache_spec(model: Any) -> Any:
     return jax.tree_util.tree_map_with_path(spec, a, b)
 
 
+def last_logits_head(model: Any) -> Any:
+    """``head(params, hidden) -> logits``, the model's language-model head on its final
+    hidden states, so that a prefill projects each prompt's last position only (the
+    first token needs no other; the vocabulary's projection is half of a small model's
+    prefill); None where none is found. The candidates, an ``lm_head`` kernel (and
+    bias) or a tied token embedding (an ``embedding`` of ``[vocab, hidden]``), are
+    checked against the model's own logits on a 3-token prompt (eager, the real
+    weights); the first that gives them to float32 rounding is the head."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    params = model.params
+    config = model.config
+    vocab = getattr(config, "vocab_size", None)
+    candidates = []
+    lm_head = params.get("lm_head") if isinstance(params, dict) else None
+    if isinstance(lm_head, dict) and "kernel" in lm_head:
+        candidates.append(lambda p, h: h @ p["lm_head"]["kernel"] + p["lm_head"].get("bias", 0.0))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [getattr(k, "key", None) for k in path]
+        if keys[-1] == "embedding" and leaf.ndim == 2 and leaf.shape[0] == vocab:
+
+            def tied(p: Any, h: Any, keys: list = keys) -> Any:
+                for key in keys:
+                    p = p[key]
+                return h @ p.T
+
+            candidates.append(tied)
+    try:
+        out = model(jnp.asarray([[1, 2, 3]], jnp.int32), params=params, output_hidden_states=True)
+        want = np.asarray(out.logits[:, -1], np.float32)
+        hidden = out.hidden_states[-1][:, -1]
+    except Exception:  # noqa: BLE001 - no hidden states: every position's logits
+        return None
+    scale = float(np.max(np.abs(want))) or 1.0
+    for head in candidates:
+        got = np.asarray(head(params, hidden), np.float32)
+        if got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
+            return head
+    return None
+
+
 def _tokenizer_file(tokenizer: Any, directory: str) -> tuple[str | os.PathLike | None, list[int]]:
     """A tokenizer as the file export_decoder takes, and its start ids: a path as it
     is; an HF fast tokenizer's ``backend_tokenizer`` as ``tokenizer.json``, its BOS
@@ -114,6 +157,7 @@ def export_causal_lm(
             f"max_position_embeddings ({limit}): its causal mask has no more positions"
         )
     spec = cache_spec(model)
+    head = last_logits_head(model)
 
     def prefill(params: Any, tokens: Any, lengths: Any) -> Any:
         b, n = tokens.shape
@@ -121,9 +165,13 @@ def export_causal_lm(
         positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
         out = model(
             tokens, attention_mask=mask, position_ids=positions, params=params,
-            past_key_values=model.init_cache(b, n),
+            past_key_values=model.init_cache(b, n), output_hidden_states=head is not None,
         )  # fmt: skip
-        last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        at = (lengths - 1)[:, None, None]
+        if head is None:
+            last = jnp.take_along_axis(out.logits, at, axis=1)[:, 0]
+        else:  # (the logits of every position unused: XLA leaves them out)
+            last = head(params, jnp.take_along_axis(out.hidden_states[-1], at, axis=1)[:, 0])
         return _strip(out.past_key_values), last.astype(jnp.float32)
 
     def one_chunk(params: Any, cache: Any, tokens: Any, positions: Any) -> Any:
