@@ -1223,6 +1223,35 @@ def test_a_decoder_serves_before_its_later_programs_and_takes_them_as_they_come(
         assert kinds.count("prefill_insert") == len(BATCHES) * len(LENGTHS)
 
 
+def test_cells_timed_while_others_compiled_are_timed_again_once_all_are_in(tmp_path, monkeypatch):
+    """The later programs come in two parts: the cells at the artifact's lengths, then
+    those at the lengths the load adds between them. The first part is timed while the
+    second compiles on the same cores (1.5-2x its quiet time, keras-hub's Llama at 8
+    slots on 2 cores): once the last part is in, the first is timed again and priced
+    at those times."""
+    from pxrt.decoder.runner import Runner
+
+    path = demo.export_lm(
+        str(tmp_path / "lm"), slots=4, max_length=128, prefill_lengths=(16, 32, 64),
+        prefill_batches=(1,),
+    )  # fmt: skip
+    timed: list[dict] = []
+    real = Runner._time_cells
+
+    def spy(self, cells):
+        out = real(self, cells)
+        timed.append(dict(out))
+        return out
+
+    monkeypatch.setattr(Runner, "_time_cells", spy)
+    with pxrt.load(path) as dec:
+        assert dec.wait_programs(120)
+        first, last, again = timed
+        assert set(first) == set(again) == {f"prefill[1,{n}]" for n in (16, 32, 64)}
+        assert sorted(last) == ["prefill[1,48]"]
+        assert all(dec.costs[key] == again[key] for key in again)
+
+
 def test_the_scheduler_prices_prefill_cells_with_the_measured_costs(lm):
     """Each turn's prefills go at the cell with the most prompts per measured second
     that fits the turn's budget: a padded cell pays for its padding where rows cost

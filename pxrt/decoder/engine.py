@@ -217,6 +217,7 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
         self._step = step
         self._make_state = make_state
         self._cells = {(c.batch, c.length): c for c in cells}
+        self._timed_busy: set[tuple[int, int]] = set()  # (``_install``)
         # The steps by rows per device (the full one: slots / devices): the loop runs the
         # fewest rows that hold the busy slots, kept at the low rows of each device's
         # share (``_compact``, with the ``move`` program).
@@ -595,8 +596,9 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
     def _install(self, got: Any, error: BaseException | None, left: int = 0) -> None:
         """(the loop's thread) Put the programs compiled after the load to use: the
         steps over fewer slots or positions, the larger cells (timed first, on rows
-        dropped: nothing of the state changes), the sampling controls', the prefix
-        cache's and speculation's programs; then price again."""
+        dropped: nothing of the state changes; those timed while more programs were
+        still compiling, timed again once the last are in), the sampling controls',
+        the prefix cache's and speculation's programs; then price again."""
         if got is not None:
             n_dev = len(self.devices)
             self._steps.update({n // n_dev: p for n, p in got.parts.items()})
@@ -619,6 +621,12 @@ class Decoder(Loop, Overlap, Relayout, Runner, Speculation, Scheduler):
                 self.prefix = got.prefix
             cells = self._bound(got.cells)
             timed = self._time_cells(cells)
+            if left:  # timed while the programs still to come compile on the same cores
+                self._timed_busy.update((c.batch, c.length) for c in cells)
+            elif self._timed_busy:  # (1.5-2x high then: timed again, on quiet cores)
+                busy = [c for key, c in self._cells.items() if key in self._timed_busy]
+                timed |= self._time_cells(busy)
+                self._timed_busy.clear()
             self._cells.update({(c.batch, c.length): c for c in cells})
             self.prefill_batches = tuple(sorted({b for b, _ in self._cells}))
             for kind, n in got.sources.items():
