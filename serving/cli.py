@@ -155,7 +155,8 @@ def _demo_lm(args: argparse.Namespace) -> int:
         )
         print(f"greedy tokens equal plain JAX one prompt at a time: {'yes' if same else 'NO'}")
         # A prompt longer than the longest prefill, in chunks; then again, its start
-        # from the prefix cache.
+        # from the prefix cache (whose programs, on a cold compile, come after the load).
+        dec.wait_programs(600)
         long = np.frombuffer((_LM_PROMPTS[0] * 40)[:200].encode(), np.uint8).astype(np.int32)
         want = demo.lm_reference(long, 16)
         chunks = dec.counters["chunks"]
