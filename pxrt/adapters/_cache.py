@@ -1,5 +1,6 @@
 """What the adapters share: a library's cache for one sequence, traced at two lengths,
-as pxrt's per-slot ``TensorSpec``s."""
+as pxrt's per-slot ``TensorSpec``s; the check that a model's head, applied to its last
+hidden state, gives its own logits."""
 
 from __future__ import annotations
 
@@ -22,3 +23,13 @@ def per_slot_spec(owner: str, where: str, x: Any, y: Any, lengths: tuple[int, in
     shape: list[int | str] = list(x.shape[1:])
     shape[axes[0] - 1] = "length"
     return TensorSpec(tuple(shape), str(x.dtype))
+
+
+def same_logits(got: Any, want: Any) -> bool:
+    """Whether ``got`` (a head applied to the last position's hidden state) is the
+    model's own last-position logits ``want``, to float32 rounding."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = float(np.max(np.abs(want))) or 1.0
+    return got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale)

@@ -44,7 +44,7 @@ from ..artifact import export
 from ..decoder import export_decoder, is_spec
 from ..recipes import per_slot
 from ..specs import TensorSpec
-from ._cache import per_slot_spec
+from ._cache import per_slot_spec, same_logits
 
 SEQ = "seq"
 
@@ -236,6 +236,17 @@ def cache_spec(causal_lm: Any) -> Any:
     return jax.tree.map(lambda x, y: per_slot_spec(owner, "", x, y, (3, 5)), a, b)
 
 
+def _empty_cache(spec: Any, batch: int, length: int) -> Any:
+    """Zeros of keras-hub's cache (``spec``, per sequence) for ``batch`` sequences of
+    ``length`` positions."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(
+        lambda s: jnp.zeros((batch, *s.at({"length": length})), s.dtype), spec, is_leaf=is_spec
+    )
+
+
 def last_logits_head(causal_lm: Any, spec: Any) -> Any:
     """The function from ``call_with_cache``'s hidden states to its logits, so that a
     prefill computes the logits of each prompt's last position only (a prompt of n
@@ -250,7 +261,6 @@ def last_logits_head(causal_lm: Any, spec: Any) -> Any:
     no compile), the last position's logits equal to float32 rounding; a model whose
     head is something else (a multimodal wrapper's, a renamed embedding) keeps every
     position's logits."""
-    import jax
     import jax.numpy as jnp
 
     embedding = getattr(getattr(causal_lm, "backbone", None), "token_embedding", None)
@@ -266,19 +276,14 @@ def last_logits_head(causal_lm: Any, spec: Any) -> Any:
 
     params = {v.path: v.value for v in causal_lm.variables}
     tokens = jnp.asarray([[1, 2, 3]], jnp.int32)
-    cache = jax.tree.map(
-        lambda s: jnp.zeros((1, *s.at({"length": 3})), s.dtype), spec, is_leaf=is_spec
-    )
     try:
         with _weights(causal_lm, params):
-            logits, hidden, _ = causal_lm.call_with_cache(tokens, cache, 0)
-            got = np.asarray(head(hidden[:, -1:])[:, 0], np.float32)
-        want = np.asarray(logits[:, -1], np.float32)
+            logits, hidden, _ = causal_lm.call_with_cache(tokens, _empty_cache(spec, 1, 3), 0)
+            got = head(hidden[:, -1:])[:, 0]
     except Exception as exc:  # noqa: BLE001 - any failure: the logits as they are
         log.info("pxrt: %s: every position's logits (%s)", type(causal_lm).__name__, exc)
         return None
-    scale = float(np.max(np.abs(want))) or 1.0
-    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
+    if not same_logits(got, logits[:, -1]):
         log.info(
             "pxrt: %s's logits are not its token embedding's reverse of its hidden "
             "states: its prefill computes every position's logits",
@@ -344,15 +349,11 @@ def export_causal_lm(
     head = last_logits_head(causal_lm, spec)
 
     def prefill(params: Any, tokens: Any, lengths: Any) -> Any:
-        import jax
         import jax.numpy as jnp
 
         at = (lengths - 1)[:, None, None]
         with _weights(causal_lm, params):
-            b, n = tokens.shape
-            cache = jax.tree.map(
-                lambda s: jnp.zeros((b, *s.at({"length": n})), s.dtype), spec, is_leaf=is_spec
-            )
+            cache = _empty_cache(spec, *tokens.shape)
             logits, hidden, cache = causal_lm.call_with_cache(tokens, cache, 0)
             if head is None:
                 last = jnp.take_along_axis(logits, at, axis=1)[:, 0]

@@ -27,7 +27,7 @@ from typing import Any
 from ..decoder import export_decoder
 from ..recipes import per_slot
 from ..specs import TensorSpec
-from ._cache import per_slot_spec
+from ._cache import per_slot_spec, same_logits
 
 INDEX = "cache_index"
 
@@ -76,11 +76,9 @@ def last_logits_head(model: Any) -> Any:
     weights); the first that gives them to float32 rounding is the head."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     params = model.params
-    config = model.config
-    vocab = getattr(config, "vocab_size", None)
+    vocab = getattr(model.config, "vocab_size", None)
     candidates = []
     lm_head = params.get("lm_head") if isinstance(params, dict) else None
     if isinstance(lm_head, dict) and "kernel" in lm_head:
@@ -97,16 +95,10 @@ def last_logits_head(model: Any) -> Any:
             candidates.append(tied)
     try:
         out = model(jnp.asarray([[1, 2, 3]], jnp.int32), params=params, output_hidden_states=True)
-        want = np.asarray(out.logits[:, -1], np.float32)
         hidden = out.hidden_states[-1][:, -1]
     except Exception:  # noqa: BLE001 - no hidden states: every position's logits
         return None
-    scale = float(np.max(np.abs(want))) or 1.0
-    for head in candidates:
-        got = np.asarray(head(params, hidden), np.float32)
-        if got.shape == want.shape and np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
-            return head
-    return None
+    return next((h for h in candidates if same_logits(h(params, hidden), out.logits[:, -1])), None)
 
 
 def _tokenizer_file(tokenizer: Any, directory: str) -> tuple[str | os.PathLike | None, list[int]]:
