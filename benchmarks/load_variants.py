@@ -18,7 +18,10 @@ the device's step costs without pxrt.
         [--requests 512] [--repeats 3] [--detail] [--floor]
 
 A variant's ``"pin_placement": "beside"`` or ``"between"`` (not a load option) holds
-its decoder's prefill placement at that rule, probing nothing.
+its decoder's prefill placement at that rule, probing nothing. ``"copied_cache": true``
+(keras-llama; not a load option either) loads an artifact of its own, exported with
+the adapter's in-place cache updates off (``pxrt.adapters._inplace``): keras-hub's
+step as it traces.
 """
 
 from __future__ import annotations
@@ -88,6 +91,20 @@ def median_ms(fn, n: int = 50) -> float:
     return min(medians) * 1e3
 
 
+def copied_cache(model: ds.Model, m: ds.Model, lengths) -> None:
+    """``m`` exported as ``model`` is but with keras-hub's cache copies kept."""
+    from pxrt.adapters import keras_hub as adapter
+
+    if model.shape.family != "keras-llama":
+        raise SystemExit("copied_cache: a keras-hub model's (--shape keras-llama)")
+    real = adapter.in_place
+    adapter.in_place = lambda step, argnum: step  # type: ignore[assignment]
+    try:
+        m.export(tempfile.mkdtemp(prefix="pxrt-variants-"), lengths)
+    finally:
+        adapter.in_place = real
+
+
 def floor(model: ds.Model, slots: int, options: dict) -> None:
     """pxrt's whole plain step (one program, one step) against the model's decode."""
     only = options | {"step_slots": [], "step_lengths": [], "multi_step": 1}
@@ -144,8 +161,11 @@ def main() -> None:
     for name, options in variants.items():
         options = dict(options)
         pinned = options.pop("pin_placement", None)
+        copied = options.pop("copied_cache", False)
         m = ds.Model(shape, args.seed, options)
         m.path = model.path
+        if copied:
+            copied_cache(model, m, lengths)
         d = decoders[name] = m.load(slots)
         if pinned is not None:
             pin(d, pinned)

@@ -45,6 +45,7 @@ from ..decoder import export_decoder, is_spec
 from ..recipes import per_slot
 from ..specs import TensorSpec
 from ._cache import per_slot_spec, same_logits
+from ._inplace import in_place
 
 SEQ = "seq"
 
@@ -391,8 +392,9 @@ def export_causal_lm(
             if tokenizer is not None:
                 options.setdefault("start_ids", start_ids_of(causal_lm.preprocessor))
         return export_decoder(
-            prefill, per_slot(one_sequence), params_of(causal_lm), path,
-            cache={"kv": spec}, extend=per_slot(one_chunk), max_length=max_length, slots=slots,
+            prefill, per_slot(in_place(one_sequence, 1)), params_of(causal_lm), path,
+            cache={"kv": spec}, extend=per_slot(in_place(one_chunk, 1)), max_length=max_length,
+            slots=slots,
             prefill_lengths=prefill_lengths, prefill_batches=prefill_batches,
             eos_id=eos_id, tokenizer=tokenizer, **options,
         )  # fmt: skip
