@@ -1,5 +1,6 @@
 """A keras-hub causal LM's decode with its cache written in place, against the decode as
-keras-hub's ``call_with_cache`` traces (the cache sliced apart, written, stacked back).
+keras-hub's ``call_with_cache`` traces (the cache sliced apart, written, stacked back;
+each key and value head repeated for its query heads).
 
 Exports ``decoder_shapes``' keras-hub Llama (``--shape keras-llama``, any overrides)
 twice with ``pxrt.adapters.keras_hub.export_causal_lm``: as it is, and with
@@ -13,9 +14,10 @@ written positions).
     python benchmarks/cache_in_place.py [--shape keras-llama] [--slots 8] \\
         [--lengths 128,256,512] [--calls 40] [--rounds 3]
 
-On the 2-core CPU (2026-12-07), keras-llama at 8 slots: 0.83x / 0.70x / 0.79x the time
-at 128 / 256 / 512 positions (``--rounds 6``); logits within 3e-6, the greedy pick the
-same, the cache's other entries equal.
+On the 2-core CPU (2026-12-07), keras-llama at 8 slots: 0.82x / 0.66x / 0.54x the time
+at 128 / 256 / 512 positions (``--rounds 6``; the cache's writes alone, before the
+repeats were read grouped: 0.83x / 0.70x / 0.79x); logits within 3e-6, the greedy pick
+the same, the cache's other entries equal.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """``pxrt.adapters._inplace.in_place``: a step that slices its cache apart, writes into
 the slices and stacks them back (keras-hub's ``call_with_cache``) computes the same
-values with its cache updated in place."""
+values with its cache updated in place, and its repeated key and value heads read
+grouped by the dots."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +134,32 @@ def test_with_a_symbolic_length_the_cache_is_still_written_in_place():
 
     assert float_joins(texts["plain"]) > 0
     assert float_joins(texts["in place"]) == 0
+
+
+def test_a_repeat_into_a_dot_is_read_grouped():
+    """Grouped-query attention as keras-hub writes it: each key and value head
+    repeated for its group of query heads (``jnp.repeat``), then einsums over the
+    heads. The dots read the unrepeated heads, the query's heads split into groups:
+    the same values, no repeated copy. A repeat used otherwise too is made."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((1, 3, 6, 4)), jnp.float32)  # 6 heads
+    cache = jnp.asarray(rng.standard_normal((2, 1, 5, 2, 4)), jnp.float32)  # 2 kv heads
+
+    def attend(q, cache, also):
+        key, value = jnp.repeat(cache[0], 3, axis=2), jnp.repeat(cache[1], 3, axis=2)
+        scores = jax.nn.softmax(jnp.einsum("BTNH,BSNH->BNTS", q, key), axis=-1)
+        out = jnp.einsum("BNTS,BSNH->BTNH", scores, value)
+        return (out, value * 2) if also else out
+
+    for also in (False, True):
+        step = functools.partial(attend, also=also)
+        got, want = jax.jit(in_place(step, 1))(q, cache), step(q, cache)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        eqns = jax.make_jaxpr(in_place(step, 1))(q, cache).jaxpr.eqns
+        repeated = [
+            e
+            for e in eqns
+            if e.primitive.name == "reshape" and e.outvars[0].aval.shape == (1, 5, 6, 4)
+        ]
+        assert len(repeated) == (1 if also else 0)  # (the value's, for its other use)
