@@ -538,13 +538,16 @@ def test_a_deadline_is_kept_in_a_lane_while_another_batch_runs(var_models, run):
     rng = np.random.default_rng(2)
 
     async def main():
-        with inject(model, delay_s=0.4) as gate:  # every batch takes 0.4 s
+        # (seconds apart: on a loaded 2-core machine a turn of the loop can take
+        # hundreds of milliseconds)
+        with inject(model, delay_s=2.0) as gate:  # every batch takes 2 s
             async with Server() as server:
                 server.add_model("r", model, max_inflight=2)
                 long = asyncio.ensure_future(server.infer("r", ragged_request(1, 8, rng)))
                 await gate.wait_started()  # the long one runs; one pipeline slot is free
-                # Not a full batch, and due before the running one ends: it goes then.
-                short = await server.infer("r", ragged_request(1, 2, rng), timeout_s=0.6)
+                # Not a full batch, due a second after the running one ends: it goes
+                # then, and is not dropped as due before it could run.
+                short = await server.infer("r", ragged_request(1, 2, rng), timeout_s=3.0)
                 await long
                 return short
 
