@@ -23,11 +23,11 @@ the same, the cache's other entries equal.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,17 +45,18 @@ from pxrt.adapters import keras_hub as adapter  # noqa: E402
 
 def exported(lm, directory: str, slots: int, in_place: bool) -> object:
     """The artifact as it reads back (jax.export), its decode in place or not."""
-    real = adapter.in_place
-    if not in_place:
-        adapter.in_place = lambda step, argnum: step  # type: ignore[assignment]
-    try:
+    with contextlib.nullcontext() if in_place else ds.keras_adapter_without("in_place"):
         path = adapter.export_causal_lm(
             lm, directory, max_length=512, slots=slots, prefill_lengths=(16,),
             prefill_batches=(1,),
         )  # fmt: skip
-    finally:
-        adapter.in_place = real
     return pxrt.decoder.read(path)
+
+
+def step(decode, state: dict, name: str, params, tokens, positions) -> None:
+    """One decode of ``name``'s cache in ``state`` (donated: the new one kept)."""
+    state[name], logits = decode(params, state[name], tokens, positions)
+    jax.block_until_ready(logits)
 
 
 def main() -> None:
@@ -105,16 +106,11 @@ def main() -> None:
         kept[np.arange(n), ..., np.asarray(positions), :, :] = False
         unchanged = np.array_equal(np.asarray(kv_a["kv"])[kept], np.asarray(kv_b["kv"])[kept])
         state = {name: {"kv": jnp.asarray(cache)} for name in run}
-        best = {name: float("inf") for name in run}
-        for r in range(args.rounds):
-            for name in run if r % 2 == 0 else list(run)[::-1]:
-                times = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    state[name], logits = run[name](params, state[name], tokens, positions)
-                    jax.block_until_ready(logits)
-                    times.append(time.perf_counter() - t0)
-                best[name] = min(best[name], statistics.median(times))
+        calls = {
+            name: functools.partial(step, run[name], state, name, params, tokens, positions)
+            for name in run
+        }
+        best = ds.least_medians(calls, args.rounds, args.calls)
         print(
             f"{n} slots x {length:>4}: copied {best['copied'] * 1e3:6.3f} ms, in place "
             f"{best['in place'] * 1e3:6.3f} ms ({best['in place'] / best['copied']:.2f}x); "

@@ -35,9 +35,11 @@ from 16 up to the longest prompt's (JetStream's buckets), for every system.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -428,6 +430,38 @@ def keras_llama(shape: Shape, seed: int = 0) -> Any:
         fan_in = v.shape[0] if len(v.shape) > 1 else 1
         v.assign(rng.standard_normal(v.shape).astype(np.float32) / np.sqrt(fan_in))
     return lm
+
+
+@contextlib.contextmanager
+def keras_adapter_without(step: str) -> Any:
+    """pxrt's keras-hub adapter with one of its steps off while the block exports:
+    ``"in_place"`` (the step's cache copies kept, ``pxrt.adapters._inplace``) or
+    ``"last_logits_head"`` (every prompt position's logits): what it exported before."""
+    from pxrt.adapters import keras_hub as adapter
+
+    off = {"in_place": lambda fn, argnum: fn, "last_logits_head": lambda *a: None}[step]
+    real = getattr(adapter, step)
+    setattr(adapter, step, off)
+    try:
+        yield
+    finally:
+        setattr(adapter, step, real)
+
+
+def least_medians(runs: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict:
+    """Seconds per call of each of ``runs`` (blocking calls), alternated in ``rounds``
+    (the order reversed every other round): the least of the rounds' medians of
+    ``calls`` calls each (noise on a shared host only adds)."""
+    best = {name: math.inf for name in runs}
+    for r in range(rounds):
+        for name in runs if r % 2 == 0 else list(runs)[::-1]:
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                runs[name]()
+                times.append(time.perf_counter() - t0)
+            best[name] = min(best[name], statistics.median(times))
+    return best
 
 
 # --------------------------------------------------------------------------- the model

@@ -93,16 +93,10 @@ def median_ms(fn, n: int = 50) -> float:
 
 def copied_cache(model: ds.Model, m: ds.Model, lengths) -> None:
     """``m`` exported as ``model`` is but with keras-hub's cache copies kept."""
-    from pxrt.adapters import keras_hub as adapter
-
     if model.shape.family != "keras-llama":
         raise SystemExit("copied_cache: a keras-hub model's (--shape keras-llama)")
-    real = adapter.in_place
-    adapter.in_place = lambda step, argnum: step  # type: ignore[assignment]
-    try:
+    with ds.keras_adapter_without("in_place"):
         m.export(tempfile.mkdtemp(prefix="pxrt-variants-"), lengths)
-    finally:
-        adapter.in_place = real
 
 
 def floor(model: ds.Model, slots: int, options: dict) -> None:

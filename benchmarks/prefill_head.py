@@ -19,11 +19,11 @@ On the 2-core CPU (2026-12-07), d_model 128: 0.68-0.83x the time over the cells 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,17 +48,16 @@ def cells(text: str) -> list[tuple[int, int]]:
 
 def exported(lm, directory: str, lengths: list[int], last_only: bool) -> object:
     """The artifact's prefill as it reads back (jax.export), for ``last_only`` or not."""
-    real = adapter.last_logits_head
-    if not last_only:
-        adapter.last_logits_head = lambda *a: None  # type: ignore[assignment]
-    try:
+    with contextlib.nullcontext() if last_only else ds.keras_adapter_without("last_logits_head"):
         path = adapter.export_causal_lm(
             lm, directory, max_length=max(lengths) * 2, slots=1, prefill_lengths=lengths,
             prefill_batches=(1,),
         )  # fmt: skip
-    finally:
-        adapter.last_logits_head = real
     return pxrt.decoder.read(path)
+
+
+def blocking(fn, *args) -> None:
+    jax.block_until_ready(fn(*args))
 
 
 def main() -> None:
@@ -94,15 +93,10 @@ def main() -> None:
         outs = {name: f(params, tokens, lens)[1] for name, f in run.items()}
         diff = float(jnp.max(jnp.abs(outs["last"] - outs["all"])))
         same = bool((jnp.argmax(outs["last"], -1) == jnp.argmax(outs["all"], -1)).all())
-        best = {name: float("inf") for name in run}
-        for r in range(args.rounds):
-            for name in run if r % 2 == 0 else list(run)[::-1]:
-                times = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(run[name](params, tokens, lens))
-                    times.append(time.perf_counter() - t0)
-                best[name] = min(best[name], statistics.median(times))
+        calls = {
+            name: functools.partial(blocking, f, params, tokens, lens) for name, f in run.items()
+        }
+        best = ds.least_medians(calls, args.rounds, args.calls)
         print(
             f"{b} x {n:>4}: every position {best['all'] * 1e3:7.3f} ms, the last "
             f"{best['last'] * 1e3:7.3f} ms ({best['last'] / best['all']:.2f}x); logits "
