@@ -76,9 +76,9 @@ class _Leaves:
     def view(self, root: int, start: Any, size: Any, axes: Any, version: int | None = None) -> Any:
         """The view (None if a write since ``version`` overlaps it: the caller then
         uses the value)."""
-        v = _View(root, tuple(start), tuple(size), tuple(axes), len(self.writes[root]))
-        if version is not None:
-            v.version = version
+        if version is None:
+            version = len(self.writes[root])
+        v = _View(root, tuple(start), tuple(size), tuple(axes), version)
         if not self.current(v):
             return None
         self.views[root].append(v)
@@ -233,11 +233,11 @@ def _once(make: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _as_repeat(eqn: Any, ins: list[Any]) -> Any:
-    """The broadcast or reshape that begins or ends a repeat, as a ``_Repeat``; else
-    None."""
+    """The broadcast (of a value) or reshape (of a ``_Repeat``) that begins or ends a
+    repeat, as a ``_Repeat``; else None."""
     params = eqn.params
     x = ins[0]
-    if eqn.primitive.name == "broadcast_in_dim" and not isinstance(x, (_View, _Repeat)):
+    if eqn.primitive.name == "broadcast_in_dim":
         shape, dims = tuple(params["shape"]), tuple(params["broadcast_dimensions"])
         new = [a for a in range(len(shape)) if a not in dims]
         if (
@@ -260,14 +260,15 @@ def _as_repeat(eqn: Any, ins: list[Any]) -> Any:
 def _grouped_dot(eqn: Any, ins: list[Any]) -> Any:
     """A ``dot_general`` with a repeat as an operand whose repeated axis is a batch
     dimension, as the dot over the unrepeated operand, the other's paired axis split
-    into (heads, times): the same values, without the repeat's copy. Else None."""
+    into (heads, times): the same values, without the repeat's copy. Else None. (Views
+    come read: ``ins`` are values or repeats.)"""
     from jax import lax
 
     lhs, rhs = ins
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if isinstance(rhs, _Repeat) and rhs.merged and not isinstance(lhs, (_Repeat, _View)):
+    if isinstance(rhs, _Repeat) and rhs.merged and not isinstance(lhs, _Repeat):
         rep, other, rep_b, oth_b, rep_c, oth_c = rhs, lhs, rb, lb, rc, lc
-    elif isinstance(lhs, _Repeat) and lhs.merged and not isinstance(rhs, (_Repeat, _View)):
+    elif isinstance(lhs, _Repeat) and lhs.merged and not isinstance(rhs, _Repeat):
         rep, other, rep_b, oth_b, rep_c, oth_c = lhs, rhs, lb, rb, lc, rc
     else:
         return None
@@ -282,17 +283,17 @@ def _grouped_dot(eqn: Any, ins: list[Any]) -> Any:
         tuple(a + 1 if a > at else a for a in oth_c),
     )
     params = dict(eqn.primitive.get_bind_params(eqn.params))  # (a copy: the jaxpr's own)
+    # Where the group axis lands in the dot's output: after the batch axes and the
+    # free axes of the lhs before it.
+    free = [a for a in range(split.ndim) if a not in moved[0] + moved[1]]
+    times_at = len(rep_b) + free.index(at + 1)
     if rep is rhs:
         params["dimension_numbers"] = ((moved[1], rep_c), (moved[0], rep_b))
         out = eqn.primitive.bind(split, rep.x, **params)
-        free = [a for a in range(split.ndim) if a not in moved[0] + moved[1]]
-        times_at = len(rep_b) + free.index(at + 1)
     else:
         params["dimension_numbers"] = ((rep_c, moved[1]), (rep_b, moved[0]))
         out = eqn.primitive.bind(rep.x, split, **params)
-        free = [a for a in range(split.ndim) if a not in moved[0] + moved[1]]
-        before = rep.x.ndim - len(rep_b) - len(rep_c)
-        times_at = len(rep_b) + before + free.index(at + 1)
+        times_at += rep.x.ndim - len(rep_b) - len(rep_c)
     order = [a for a in range(out.ndim) if a != times_at]
     order.insert(pair + 1, times_at)
     out = lax.transpose(out, order) if order != sorted(order) else out
@@ -342,10 +343,9 @@ def in_place(step: Callable[..., Any], argnum: int) -> Callable[..., Any]:
         import jax.extend.core as jcore
 
         closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
-        values, _ = jax.tree.flatten(args)
-        marked = jax.tree.leaves(
-            tuple(jax.tree.map(lambda _, i=i: i == argnum, a) for i, a in enumerate(args))
-        )
+        values = jax.tree.leaves(args)
+        counts = [len(jax.tree.leaves(a)) for a in args]
+        marked = [i == argnum for i, n in enumerate(counts) for _ in range(n)]
         leaves = _Leaves([x for x, m in zip(values, marked) if m])
         env: dict[Any, Any] = dict(zip(closed.jaxpr.constvars, closed.consts))
         roots = iter(range(len(leaves.arrays)))
